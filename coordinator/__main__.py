@@ -1,0 +1,49 @@
+"""Entry point: `python -m coordinator` (or `weightsync-coordinator`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from coordinator.config import CoordinatorConfig
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.store import SessionStore
+from coordinator.watch import WatchHub
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync.config import load_config
+from weightsync.metrics import build_metrics
+from weightsync.server import Service, setup_logging, start_server, wait_for_signal, write_ready_file
+
+log = logging.getLogger("coordinator")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config(CoordinatorConfig, "coordinator", argv, os.environ, prog="weightsync-coordinator")
+    setup_logging(cfg.log_level)
+    hub = WatchHub()
+    store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub)
+    metrics = build_metrics("coordinator")
+    stop = wait_for_signal()
+    running = start_server(
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        host=cfg.host,
+        port=cfg.port,
+        metrics=metrics,
+        metrics_port=cfg.metrics_port,
+        max_workers=cfg.max_workers,
+    )
+    write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
+    log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
+    while not stop.wait(cfg.lease_ttl_s / 2):
+        store.sweep()
+    hub.close()
+    running.stop()
+    store.close()
+    log.info("coordinator stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""CoordinatorConfig: flags --db-path etc. and WEIGHTSYNC_COORDINATOR_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.config import ServerConfig, option
+
+
+@dataclass
+class CoordinatorConfig(ServerConfig):
+    """Coordinator settings."""
+
+    db_path: str = option(".weightsync/coordinator.db", "SQLite database file (created if missing).")
+    lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat every third of it.")
+    max_workers: int = option(64, "gRPC handler threads; every open watch stream holds one.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.max_workers < 4:
+            raise ValueError(f"max_workers must be >= 4, got {self.max_workers}")

@@ -1,0 +1,279 @@
+"""gRPC Coordinator servicer: the only coordinator module that touches pb2 or grpc."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+
+import grpc
+
+from coordinator.handshake import AppliedReport
+from coordinator.states import VersionState
+from coordinator.store import PublishOutcome, SessionStore, VersionRecord
+from coordinator.watch import WatchHub
+from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
+from weightsync.errors import DigestMismatch, InvalidArgument
+from weightsync.manifest import Aggregates
+from weightsync.metrics import Metrics
+from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
+from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_to_pieces, part_to_proto
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
+WATCH_POLL_S = 1.0
+
+
+def version_info(rec: VersionRecord) -> tpb.VersionInfo:
+    return tpb.VersionInfo(
+        session=rec.session,
+        version=rec.version,
+        state=tpb.VersionState.Value(rec.state.value),
+        generation=rec.generation,
+        manifest_digest=rec.manifest_digest,
+        total_bytes=rec.total_bytes,
+        sealed_ranks=rec.sealed_ranks,
+        trainer_ranks=rec.trainer_ranks,
+        created_at=rec.created_at,
+        ready_at=rec.ready_at,
+        committed_at=rec.committed_at,
+        reason=rec.reason,
+        leases=rec.leases,
+    )
+
+
+def timings_to_proto(t: dict[str, float]) -> pb.Timings:
+    return pb.Timings(
+        pull_seconds=t.get("pull_seconds", 0.0),
+        verify_seconds=t.get("verify_seconds", 0.0),
+        apply_seconds=t.get("apply_seconds", 0.0),
+        total_seconds=t.get("total_seconds", 0.0),
+    )
+
+
+def _role(value: int) -> str:
+    try:
+        return ROLE_NAMES[value]
+    except KeyError:
+        raise InvalidArgument("role", f"must be TRAINER or ROLLOUT, got enum {value}") from None
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Translates RPCs to SessionStore calls; errors map to statuses in the interceptor."""
+
+    def __init__(self, store: SessionStore, hub: WatchHub, metrics: Metrics) -> None:
+        self._store = store
+        self._hub = hub
+        self._metrics = metrics
+        self._last_sweep = 0.0
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep > 1.0:
+            self._last_sweep = now
+            self._store.sweep()
+
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+        role = _role(request.role)
+        if len(request.incarnation) > 128:
+            raise InvalidArgument("incarnation", "longer than 128 characters")
+        s, created = self._store.open_session(
+            request.session,
+            trainer=role == "TRAINER",
+            incarnation=request.incarnation,
+            trainer_ranks=request.trainer_ranks,
+            min_rollouts=request.min_rollouts,
+        )
+        latest = self._store.versions(s.name, 1)
+        return pb.OpenSessionResponse(
+            session=s.name,
+            generation=s.generation,
+            trainer_ranks=s.trainer_ranks,
+            min_rollouts=s.min_rollouts,
+            created=created,
+            latest_version=latest[0].version if latest else 0,
+        )
+
+    def RegisterAgent(self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext) -> pb.RegisterAgentResponse:
+        role = _role(request.role)
+        if request.endpoint.address:
+            check_address(request.endpoint.address, "endpoint.address")
+        s = self._store.register_agent(
+            request.session, request.agent_id, role=role, endpoint=endpoint_from_proto(request.endpoint), rank=request.rank
+        )
+        return pb.RegisterAgentResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        s = self._store.heartbeat(request.session, request.agent_id, request.current_version)
+        self._maybe_sweep()
+        return pb.HeartbeatResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
+
+    def PublishVersion(self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> pb.PublishResponse:
+        started = time.perf_counter()
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("header", "the first message of PublishVersion must be a header")
+        h = first.header
+        check_session_name(h.session, "header.session")
+        check_version(h.version, "header.version")
+        if h.endpoint.address:
+            check_address(h.endpoint.address, "header.endpoint.address")
+        expected = h.tensor_count + h.shard_count + h.chunk_count
+        builder = PartBuilder(h.rank, max_items=expected)
+        seal = None
+        for msg in request_iterator:
+            if msg.HasField("header"):
+                raise InvalidArgument("header", "sent twice in one PublishVersion stream")
+            if seal is not None:
+                raise InvalidArgument("seal", "messages after the seal")
+            if msg.HasField("batch"):
+                builder.add(msg.batch)
+            elif msg.HasField("seal"):
+                seal = msg.seal
+        if seal is None:
+            raise InvalidArgument("seal", "stream ended without a seal; nothing was stored")
+        counts = (len(builder.tensors), len(builder.shards), len(builder.chunks))
+        if counts != (h.tensor_count, h.shard_count, h.chunk_count):
+            raise InvalidArgument(
+                "header.tensor_count",
+                f"header announced tensors/shards/chunks {h.tensor_count}/{h.shard_count}/{h.chunk_count}, "
+                f"stream carried {counts[0]}/{counts[1]}/{counts[2]}",
+            )
+        part = builder.build(
+            total_bytes=h.total_bytes,
+            chunk_bytes=h.chunk_bytes,
+            endpoint=endpoint_from_proto(h.endpoint),
+            stage_seconds=h.stage_seconds,
+        )
+        if seal.part_digest != part.digest():
+            raise InvalidArgument("seal.part_digest", f"{seal.part_digest!r} does not match the received descriptors")
+        outcome: PublishOutcome = self._store.publish_part(
+            h.session, generation=h.generation, version=h.version, idempotency_key=h.idempotency_key, part=part
+        )
+        if not outcome.duplicate:
+            self._metrics.versions_total.labels(state=outcome.version.state.value).inc()
+            self._metrics.current_version.labels(role="coordinator").set(outcome.version.version)
+        self._metrics.observe_phase("publish", time.perf_counter() - started)
+        return pb.PublishResponse(version=version_info(outcome.version), duplicate=outcome.duplicate)
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> Iterator[pb.ManifestPiece]:
+        rec, manifest = self._store.manifest(request.session, request.version, lease_for=request.agent_id)
+        agg = manifest.aggregates()
+        header = pb.ManifestHeader(
+            version=version_info(rec),
+            chunk_bytes=manifest.chunk_bytes,
+            digest_algorithm="xxh3-64",
+            parts=[part_to_proto(p) for p in manifest.parts],
+            aggregates=tpb.Aggregates(
+                grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count
+            ),
+        )
+        yield from manifest_to_pieces(header, manifest)
+
+    def WatchVersions(self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:
+        self._store.session(request.session)  # NOT_FOUND before streaming anything
+        seq = request.since_seq
+        tick = self._hub.tick(request.session)
+        while context.is_active() and not self._hub.closed:
+            for ev in self._store.events_since(request.session, seq):
+                seq = ev.seq
+                yield pb.VersionEvent(seq=ev.seq, version=version_info(ev.version))
+            tick = self._hub.wait(request.session, tick, WATCH_POLL_S)
+            self._maybe_sweep()
+
+    def ReportApplied(self, request: pb.ReportAppliedRequest, context: grpc.ServicerContext) -> pb.ReportAppliedResponse:
+        check_agent_id(request.agent_id)
+        if len(request.consumed_names) > self._store.limits.max_tensors:
+            raise InvalidArgument("consumed_names", f"more than {self._store.limits.max_tensors} names")
+        for i, name in enumerate(request.consumed_names):
+            check_tensor_name(name, f"consumed_names[{i}]")
+        digests: dict[str, tuple[int, float]] = {}
+        for i, t in enumerate(request.tensors):
+            check_tensor_name(t.name, f"tensors[{i}].name")
+            if t.name in digests:
+                raise InvalidArgument(f"tensors[{i}].name", f"duplicate digest for {t.name!r}")
+            digests[t.name] = (t.xxh3, t.sum)
+        report = AppliedReport(
+            manifest_digest=request.manifest_digest,
+            tensor_digests=digests,
+            aggregates=Aggregates(
+                request.aggregates.grand_total, request.aggregates.tensor_count, request.aggregates.element_count
+            ),
+            consumed_names=tuple(request.consumed_names),
+            timings={
+                "pull_seconds": request.timings.pull_seconds,
+                "verify_seconds": request.timings.verify_seconds,
+                "apply_seconds": request.timings.apply_seconds,
+                "total_seconds": request.timings.total_seconds,
+            },
+            bytes_pulled=request.bytes_pulled,
+            local_error=request.local_error[:2000],
+        )
+        outcome = self._store.report_applied(request.session, request.version, request.agent_id, report)
+        if outcome.version.state is VersionState.COMMITTED:
+            self._metrics.current_version.labels(role="coordinator").set(outcome.version.version)
+        if outcome.mismatch is not None:
+            self._metrics.digest_failures.labels(role="coordinator").inc()
+            raise DigestMismatch(f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}")
+        return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        self._maybe_sweep()
+        s = self._store.session(request.session)
+        limit = request.version_limit or 20
+        if limit > 1000:
+            raise InvalidArgument("version_limit", f"{limit} exceeds 1000")
+        versions = self._store.versions(s.name, limit)
+        agents = self._store.agents(s.name)
+        reports = self._store.reports(s.name, [v.version for v in versions])
+        parts = self._store.parts(s.name, versions[0].version) if versions else []
+        return pb.GetStatusResponse(
+            session=s.name,
+            generation=s.generation,
+            trainer_ranks=s.trainer_ranks,
+            min_rollouts=s.min_rollouts,
+            versions=[version_info(v) for v in versions],
+            agents=[
+                pb.AgentInfo(
+                    agent_id=a.agent_id,
+                    role=tpb.Role.Value(a.role),
+                    endpoint=endpoint_to_proto(a.endpoint),
+                    rank=a.rank,
+                    alive=a.alive,
+                    lease_expires_at=a.lease_expires_at,
+                    current_version=a.current_version,
+                )
+                for a in agents
+            ],
+            handshakes=[
+                pb.HandshakeInfo(
+                    version=r.version,
+                    agent_id=r.agent_id,
+                    ok=r.ok,
+                    mismatch=r.mismatch,
+                    timings=timings_to_proto(r.timings),
+                    bytes_pulled=r.bytes_pulled,
+                    reported_at=r.reported_at,
+                )
+                for r in reports
+            ],
+            parts=[part_to_proto(p) for p in parts],
+        )
+
+    def AbortVersion(self, request: pb.AbortVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
+        rec = self._store.abort_version(
+            request.session, generation=request.generation, version=request.version, reason=request.reason
+        )
+        self._metrics.versions_total.labels(state=rec.state.value).inc()
+        return version_info(rec)
+
+    def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
+        rec = self._store.release_version(request.session, request.version, force=request.force)
+        self._metrics.versions_total.labels(state=rec.state.value).inc()
+        return version_info(rec)
+
+

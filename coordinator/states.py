@@ -1,0 +1,39 @@
+"""The version state machine (DESIGN.md "Version"): states and allowed transitions."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from weightsync.errors import WrongState
+
+
+class VersionState(str, Enum):
+    """Names equal the proto enum names of weightsync.v1.VersionState."""
+
+    STAGING = "STAGING"
+    READY = "READY"
+    COMMITTED = "COMMITTED"
+    PARTIAL = "PARTIAL"
+    FAILED = "FAILED"
+    RELEASED = "RELEASED"
+
+
+S = VersionState
+TRANSITIONS: dict[VersionState, frozenset[VersionState]] = {
+    S.STAGING: frozenset({S.READY, S.FAILED}),
+    S.READY: frozenset({S.COMMITTED, S.PARTIAL, S.FAILED, S.RELEASED}),
+    # A rollout that failed may re-sync and report OK: PARTIAL can still commit.
+    S.PARTIAL: frozenset({S.COMMITTED, S.FAILED, S.RELEASED}),
+    S.COMMITTED: frozenset({S.RELEASED}),
+    S.FAILED: frozenset({S.RELEASED}),
+    S.RELEASED: frozenset(),
+}
+# States in which rollouts may pull and report.
+SERVABLE = frozenset({S.READY, S.COMMITTED, S.PARTIAL})
+
+
+def check_transition(version: int, current: VersionState, target: VersionState) -> None:
+    """Raises WrongState (FAILED_PRECONDITION) unless current -> target is allowed."""
+    if target not in TRANSITIONS[current]:
+        allowed = ", ".join(sorted(s.value for s in TRANSITIONS[current])) or "none (terminal)"
+        raise WrongState(f"version {version} is {current.value}; cannot become {target.value} (allowed: {allowed})")

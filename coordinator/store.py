@@ -1,0 +1,639 @@
+"""SQLite-backed session store: sessions, agents, versions, parts, handshakes, events.
+
+Every mutating method validates first and writes in one transaction, so a refused
+request leaves stored state unchanged. Lock order: `_lock` only (one connection).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.handshake import AppliedReport, compare_report
+from coordinator.states import SERVABLE, VersionState, check_transition
+from weightsync.errors import (
+    AgentNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+    SessionNotFound,
+    StaleGeneration,
+    VersionConflict,
+    VersionNotFound,
+    WrongState,
+)
+from weightsync.manifest import Endpoint, Manifest, Part
+from weightsync.validation import (
+    DEFAULT_LIMITS,
+    Limits,
+    check_agent_id,
+    check_session_name,
+    check_version,
+    validate_against_parts,
+    validate_part,
+)
+
+S = VersionState
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+  name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
+  trainer_ranks INTEGER NOT NULL, min_rollouts INTEGER NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS agents (
+  session TEXT NOT NULL, agent_id TEXT NOT NULL, role TEXT NOT NULL, endpoint TEXT NOT NULL,
+  rank INTEGER NOT NULL, lease_expires_at REAL NOT NULL, current_version INTEGER NOT NULL,
+  PRIMARY KEY (session, agent_id));
+CREATE TABLE IF NOT EXISTS versions (
+  session TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, generation INTEGER NOT NULL,
+  chunk_bytes INTEGER NOT NULL, manifest_digest TEXT NOT NULL, created_at REAL NOT NULL,
+  ready_at REAL NOT NULL, committed_at REAL NOT NULL, reason TEXT NOT NULL, required TEXT NOT NULL,
+  PRIMARY KEY (session, version));
+CREATE TABLE IF NOT EXISTS parts (
+  session TEXT NOT NULL, version INTEGER NOT NULL, rank INTEGER NOT NULL,
+  idempotency_key TEXT NOT NULL, part_digest TEXT NOT NULL, body TEXT NOT NULL,
+  PRIMARY KEY (session, version, rank));
+CREATE TABLE IF NOT EXISTS reports (
+  session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL, ok INTEGER NOT NULL,
+  mismatch TEXT NOT NULL, body TEXT NOT NULL, reported_at REAL NOT NULL,
+  PRIMARY KEY (session, version, agent_id));
+CREATE TABLE IF NOT EXISTS leases (
+  session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL,
+  PRIMARY KEY (session, version, agent_id));
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, version INTEGER NOT NULL,
+  state TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
+"""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    name: str
+    generation: int
+    incarnation: str
+    trainer_ranks: int
+    min_rollouts: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    session: str
+    version: int
+    state: VersionState
+    generation: int
+    chunk_bytes: int
+    manifest_digest: str
+    created_at: float
+    ready_at: float
+    committed_at: float
+    reason: str
+    total_bytes: int
+    sealed_ranks: int
+    trainer_ranks: int
+    leases: int
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    agent_id: str
+    role: str
+    endpoint: Endpoint
+    rank: int
+    lease_expires_at: float
+    current_version: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    version: int
+    agent_id: str
+    ok: bool
+    mismatch: str
+    timings: dict[str, float]
+    bytes_pulled: int
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    version: VersionRecord
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    version: VersionRecord
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    version: VersionRecord
+    mismatch: str | None
+
+
+class EventListener:
+    """Protocol-like hook: called (outside the lock) after events were appended."""
+
+    def notify(self, session: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class SessionStore:
+    """The coordinator's persistent state. Thread-safe; raises `weightsync.errors`."""
+
+    def __init__(
+        self,
+        db_path: str | Path,
+        *,
+        lease_ttl_s: float = 10.0,
+        limits: Limits = DEFAULT_LIMITS,
+        clock: Callable[[], float] = time.time,
+        listener: EventListener | None = None,
+    ) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self.limits = limits
+        self._clock = clock
+        self._listener = listener
+        self._lock = threading.Lock()
+        Path(db_path).parent.mkdir(parents=True, exist_ok=True) if str(db_path) != ":memory:" else None
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        # WAL + synchronous=NORMAL: a committed transaction survives a killed process
+        # (the WAL is in the OS page cache); only a host crash may lose the last commits.
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._manifests: dict[tuple[str, int], Manifest] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- transactions -------------------------------------------------------------
+    def _tx(self) -> _Tx:
+        return _Tx(self)
+
+    def _notify(self, session: str) -> None:
+        if self._listener is not None:
+            self._listener.notify(session)
+
+    # -- sessions -----------------------------------------------------------------
+    def open_session(
+        self, name: str, *, trainer: bool, incarnation: str = "", trainer_ranks: int = 0, min_rollouts: int = 0
+    ) -> tuple[SessionRecord, bool]:
+        """Opens or creates a session; a trainer with a new incarnation bumps the generation.
+
+        Returns (session, created). Versions still STAGING under an older generation
+        become FAILED (they can never be completed).
+        """
+        check_session_name(name)
+        if trainer_ranks > self.limits.max_trainer_ranks:
+            raise InvalidArgument("trainer_ranks", f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}")
+        if min_rollouts > 100_000:
+            raise InvalidArgument("min_rollouts", f"{min_rollouts} is implausibly large")
+        now = self._clock()
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM sessions WHERE name=?", (name,)).fetchone()
+            created = row is None
+            if created:
+                gen = 1 if trainer else 0
+                db.execute(
+                    "INSERT INTO sessions VALUES (?,?,?,?,?,?)",
+                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now),
+                )
+            elif trainer:
+                same = bool(incarnation) and incarnation == row["incarnation"]
+                if same and trainer_ranks and trainer_ranks != row["trainer_ranks"]:
+                    raise FailedPrecondition(
+                        f"incarnation {incarnation!r} already attached with trainer_ranks={row['trainer_ranks']}, "
+                        f"not {trainer_ranks}; use a new incarnation to change it"
+                    )
+                if not same:
+                    gen = row["generation"] + 1
+                    db.execute(
+                        "UPDATE sessions SET generation=?, incarnation=?, trainer_ranks=?, min_rollouts=? WHERE name=?",
+                        (gen, incarnation, trainer_ranks or row["trainer_ranks"], min_rollouts or row["min_rollouts"], name),
+                    )
+                    for v in db.execute(
+                        "SELECT version FROM versions WHERE session=? AND state=?", (name, S.STAGING.value)
+                    ).fetchall():
+                        self._set_state(db, name, v["version"], S.FAILED, f"superseded by generation {gen}")
+            session = self._session(db, name)
+        self._notify(name)
+        return session, created
+
+    def session(self, name: str) -> SessionRecord:
+        check_session_name(name)
+        with self._tx() as db:
+            return self._session(db, name)
+
+    def _session(self, db: sqlite3.Connection, name: str) -> SessionRecord:
+        row = db.execute("SELECT * FROM sessions WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise SessionNotFound(f"session {name!r} not found; open it with OpenSession first")
+        return SessionRecord(**dict(row))
+
+    # -- agents -------------------------------------------------------------------
+    def register_agent(self, session: str, agent_id: str, *, role: str, endpoint: Endpoint, rank: int = 0) -> SessionRecord:
+        """Registers (or re-registers) an agent and grants a lease of lease_ttl_s."""
+        check_session_name(session)
+        check_agent_id(agent_id)
+        if role not in ("TRAINER", "ROLLOUT"):
+            raise InvalidArgument("role", f"must be TRAINER or ROLLOUT, got {role!r}")
+        with self._tx() as db:
+            s = self._session(db, session)
+            if role == "TRAINER" and not 0 <= rank < s.trainer_ranks:
+                raise InvalidArgument("rank", f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})")
+            db.execute(
+                "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version FROM agents "
+                "WHERE session=? AND agent_id=?), 0))",
+                (session, agent_id, role, json.dumps(endpoint.to_dict()), rank, self._clock() + self.lease_ttl_s, session, agent_id),
+            )
+            return s
+
+    def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> SessionRecord:
+        """Renews a lease. AgentNotFound when unknown or expired (register again)."""
+        check_session_name(session)
+        check_agent_id(agent_id)
+        now = self._clock()
+        with self._tx() as db:
+            s = self._session(db, session)
+            row = db.execute("SELECT * FROM agents WHERE session=? AND agent_id=?", (session, agent_id)).fetchone()
+            if row is None or row["lease_expires_at"] < now:
+                raise AgentNotFound(f"agent {agent_id!r} is not registered or its lease expired; call RegisterAgent")
+            db.execute(
+                "UPDATE agents SET lease_expires_at=?, current_version=? WHERE session=? AND agent_id=?",
+                (now + self.lease_ttl_s, current_version, session, agent_id),
+            )
+            return s
+
+    def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> set[str]:
+        rows = db.execute(
+            "SELECT agent_id FROM agents WHERE session=? AND role=? AND lease_expires_at>=?", (session, role, self._clock())
+        ).fetchall()
+        return {r["agent_id"] for r in rows}
+
+    # -- versions -----------------------------------------------------------------
+    def publish_part(self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part) -> PublishOutcome:
+        """Stores one rank's sealed part; the version is READY once every rank sealed.
+
+        Raises:
+            StaleGeneration: generation is not the session's current one.
+            VersionConflict: this rank already sealed other content (or another key).
+            WrongState / FailedPrecondition: version not STAGING, or not newer than the latest.
+            InvalidArgument / ResourceExhausted: from part validation.
+        """
+        check_session_name(session)
+        check_version(version, "header.version")
+        if len(idempotency_key) > 256:
+            raise InvalidArgument("header.idempotency_key", "longer than 256 characters")
+        digest = part.digest()
+        with self._tx() as db:
+            s = self._session(db, session)
+            if generation != s.generation:
+                raise StaleGeneration(
+                    f"generation {generation} is not the session's current generation {s.generation}; "
+                    "re-attach with OpenSession"
+                )
+            existing = db.execute(
+                "SELECT idempotency_key, part_digest FROM parts WHERE session=? AND version=? AND rank=?",
+                (session, version, part.rank),
+            ).fetchone()
+            if existing is not None:
+                if existing["idempotency_key"] == idempotency_key and existing["part_digest"] == digest:
+                    return PublishOutcome(self._version(db, session, version), duplicate=True)
+                raise VersionConflict(
+                    f"version {version} rank {part.rank} was already published with other content or another "
+                    "idempotency key; publish a new version"
+                )
+            validate_part(part, trainer_ranks=s.trainer_ranks, limits=self.limits)
+            vrow = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+            now = self._clock()
+            if vrow is None:
+                latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (session,)).fetchone()["v"]
+                if latest is not None and version <= latest:
+                    raise FailedPrecondition(f"version {version} is not newer than the session's latest version {latest}")
+                others: list[Part] = []
+            else:
+                state = VersionState(vrow["state"])
+                if state is not S.STAGING or vrow["generation"] != generation:
+                    raise WrongState(f"version {version} is {state.value}; only STAGING versions accept parts")
+                others = self._parts(db, session, version)
+            final = len(others) + 1 == s.trainer_ranks
+            validate_against_parts(part, others, final=final)
+            if vrow is None:
+                db.execute(
+                    "INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
+                )
+                self._event(db, session, version, S.STAGING)
+            db.execute(
+                "INSERT INTO parts VALUES (?,?,?,?,?,?)",
+                (session, version, part.rank, idempotency_key, digest, json.dumps(part.to_dict())),
+            )
+            if final:
+                manifest = Manifest(session, version, generation, part.chunk_bytes, tuple(sorted([*others, part], key=lambda p: p.rank)))
+                required = sorted(self._live_agents(db, session, "ROLLOUT"))
+                db.execute(
+                    "UPDATE versions SET manifest_digest=?, ready_at=?, required=? WHERE session=? AND version=?",
+                    (manifest.digest(), now, json.dumps(required), session, version),
+                )
+                self._set_state(db, session, version, S.READY, "")
+            outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
+        self._notify(session)
+        return outcome
+
+    def _parts(self, db: sqlite3.Connection, session: str, version: int) -> list[Part]:
+        rows = db.execute("SELECT body FROM parts WHERE session=? AND version=? ORDER BY rank", (session, version)).fetchall()
+        return [Part.from_dict(json.loads(r["body"])) for r in rows]
+
+    def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
+        """A servable version's manifest (0 = newest servable); optionally takes a lease."""
+        check_session_name(session)
+        if lease_for:
+            check_agent_id(lease_for)
+        with self._tx() as db:
+            self._session(db, session)
+            if version == 0:
+                marks = ",".join("?" * len(SERVABLE))
+                row = db.execute(
+                    f"SELECT MAX(version) AS v FROM versions WHERE session=? AND state IN ({marks})",
+                    (session, *[s.value for s in SERVABLE]),
+                ).fetchone()
+                if row["v"] is None:
+                    raise VersionNotFound(f"session {session!r} has no READY version yet")
+                version = row["v"]
+            rec = self._version(db, session, version)
+            if rec.state not in SERVABLE:
+                raise WrongState(f"version {version} is {rec.state.value}; manifests are served once READY")
+            if lease_for:
+                if lease_for not in self._live_agents(db, session, "ROLLOUT"):
+                    raise AgentNotFound(f"agent {lease_for!r} holds no live rollout lease; call RegisterAgent")
+                db.execute("INSERT OR IGNORE INTO leases VALUES (?,?,?)", (session, version, lease_for))
+                rec = self._version(db, session, version)
+            return rec, self._manifest(db, rec)
+
+    def _manifest(self, db: sqlite3.Connection, rec: VersionRecord) -> Manifest:
+        key = (rec.session, rec.version)
+        m = self._manifests.get(key)
+        if m is None:
+            parts = tuple(self._parts(db, rec.session, rec.version))
+            m = Manifest(rec.session, rec.version, rec.generation, rec.chunk_bytes, parts)
+            if len(self._manifests) > 16:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[key] = m
+        return m
+
+    def report_applied(self, session: str, version: int, agent_id: str, report: AppliedReport) -> ReportOutcome:
+        """Records a rollout's handshake, compares it to the source, re-evaluates the state."""
+        check_session_name(session)
+        check_version(version)
+        check_agent_id(agent_id)
+        with self._tx() as db:
+            self._session(db, session)
+            rec = self._version(db, session, version)
+            if rec.state not in SERVABLE:
+                raise WrongState(f"version {version} is {rec.state.value}; handshakes are accepted for READY versions")
+            mismatch = compare_report(self._manifest(db, rec), rec.manifest_digest, report)
+            db.execute(
+                "INSERT OR REPLACE INTO reports VALUES (?,?,?,?,?,?,?)",
+                (session, version, agent_id, int(mismatch is None), mismatch or "", json.dumps(report.to_dict()), self._clock()),
+            )
+            db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))
+            self._evaluate(db, session, version)
+            outcome = ReportOutcome(self._version(db, session, version), mismatch)
+        self._notify(session)
+        return outcome
+
+    def _evaluate(self, db: sqlite3.Connection, session: str, version: int) -> None:
+        """COMMITTED when every live required rollout reported OK and at least min_rollouts did."""
+        rec = self._version(db, session, version)
+        if rec.state not in (S.READY, S.PARTIAL):
+            return
+        s = self._session(db, session)
+        required = set(json.loads(db.execute(
+            "SELECT required FROM versions WHERE session=? AND version=?", (session, version)
+        ).fetchone()["required"]))
+        live_required = required & self._live_agents(db, session, "ROLLOUT")
+        reports = {
+            r["agent_id"]: bool(r["ok"])
+            for r in db.execute("SELECT agent_id, ok FROM reports WHERE session=? AND version=?", (session, version))
+        }
+        ok = {a for a, good in reports.items() if good}
+        if live_required <= ok and len(ok) >= s.min_rollouts:
+            self._set_state(db, session, version, S.COMMITTED, "")
+        elif live_required <= set(reports) and len(reports) >= s.min_rollouts and rec.state is S.READY:
+            failed = sorted(set(reports) - ok)
+            self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {', '.join(failed)}")
+
+    def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> VersionRecord:
+        """STAGING/READY/PARTIAL -> FAILED, by the current generation only."""
+        check_session_name(session)
+        check_version(version)
+        with self._tx() as db:
+            s = self._session(db, session)
+            if generation != s.generation:
+                raise StaleGeneration(f"generation {generation} is not the current generation {s.generation}")
+            rec = self._version(db, session, version)
+            check_transition(version, rec.state, S.FAILED)
+            self._set_state(db, session, version, S.FAILED, reason[:500] or "aborted")
+            rec = self._version(db, session, version)
+        self._notify(session)
+        return rec
+
+    def release_version(self, session: str, version: int, *, force: bool = False) -> VersionRecord:
+        """-> RELEASED; refused while a live rollout holds a lease, unless forced."""
+        check_session_name(session)
+        check_version(version)
+        with self._tx() as db:
+            self._session(db, session)
+            rec = self._version(db, session, version)
+            if rec.state is S.RELEASED:
+                return rec
+            check_transition(version, rec.state, S.RELEASED)
+            holders = self._lease_holders(db, session, version)
+            if holders and not force:
+                raise FailedPrecondition(
+                    f"version {version} is leased by {', '.join(holders)}; wait for their handshake or pass force"
+                )
+            db.execute("DELETE FROM leases WHERE session=? AND version=?", (session, version))
+            self._set_state(db, session, version, S.RELEASED, "")
+            rec = self._version(db, session, version)
+        self._manifests.pop((session, version), None)
+        self._notify(session)
+        return rec
+
+    def _lease_holders(self, db: sqlite3.Connection, session: str, version: int) -> list[str]:
+        live = self._live_agents(db, session, "ROLLOUT")
+        rows = db.execute("SELECT agent_id FROM leases WHERE session=? AND version=?", (session, version)).fetchall()
+        return sorted(r["agent_id"] for r in rows if r["agent_id"] in live)
+
+    def sweep(self) -> None:
+        """Drops leases of expired agents and re-evaluates versions awaiting handshakes."""
+        touched = set()
+        with self._tx() as db:
+            now = self._clock()
+            db.execute(
+                "DELETE FROM leases WHERE EXISTS (SELECT 1 FROM agents a WHERE a.session=leases.session "
+                "AND a.agent_id=leases.agent_id AND a.lease_expires_at<?) OR NOT EXISTS (SELECT 1 FROM agents a "
+                "WHERE a.session=leases.session AND a.agent_id=leases.agent_id)",
+                (now,),
+            )
+            rows = db.execute("SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value))
+            for r in rows.fetchall():
+                before = r["state"]
+                self._evaluate(db, r["session"], r["version"])
+                if self._version(db, r["session"], r["version"]).state.value != before:
+                    touched.add(r["session"])
+        for session in touched:
+            self._notify(session)
+
+    # -- reads --------------------------------------------------------------------
+    def version(self, session: str, version: int) -> VersionRecord:
+        check_session_name(session)
+        with self._tx() as db:
+            return self._version(db, session, version)
+
+    def _version(self, db: sqlite3.Connection, session: str, version: int) -> VersionRecord:
+        row = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+        if row is None:
+            raise VersionNotFound(f"version {version} of session {session!r} not found")
+        agg = db.execute(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) AS b FROM parts "
+            "WHERE session=? AND version=?",
+            (session, version),
+        ).fetchone()
+        s = self._session(db, session)
+        return VersionRecord(
+            session=session,
+            version=version,
+            state=VersionState(row["state"]),
+            generation=row["generation"],
+            chunk_bytes=row["chunk_bytes"],
+            manifest_digest=row["manifest_digest"],
+            created_at=row["created_at"],
+            ready_at=row["ready_at"],
+            committed_at=row["committed_at"],
+            reason=row["reason"],
+            total_bytes=agg["b"],
+            sealed_ranks=agg["n"],
+            trainer_ranks=s.trainer_ranks,
+            leases=len(self._lease_holders(db, session, version)),
+        )
+
+    def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:
+        """Newest first."""
+        check_session_name(session)
+        with self._tx() as db:
+            self._session(db, session)
+            rows = db.execute(
+                "SELECT version FROM versions WHERE session=? ORDER BY version DESC LIMIT ?", (session, limit)
+            ).fetchall()
+            return [self._version(db, session, r["version"]) for r in rows]
+
+    def parts(self, session: str, version: int) -> list[Part]:
+        check_session_name(session)
+        with self._tx() as db:
+            return self._parts(db, session, version)
+
+    def agents(self, session: str) -> list[AgentRecord]:
+        check_session_name(session)
+        now = self._clock()
+        with self._tx() as db:
+            self._session(db, session)
+            rows = db.execute("SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)).fetchall()
+            return [
+                AgentRecord(
+                    agent_id=r["agent_id"],
+                    role=r["role"],
+                    endpoint=Endpoint.from_dict(json.loads(r["endpoint"])),
+                    rank=r["rank"],
+                    lease_expires_at=r["lease_expires_at"],
+                    current_version=r["current_version"],
+                    alive=r["lease_expires_at"] >= now,
+                )
+                for r in rows
+            ]
+
+    def reports(self, session: str, versions: list[int]) -> list[ReportRecord]:
+        check_session_name(session)
+        if not versions:
+            return []
+        with self._tx() as db:
+            marks = ",".join("?" * len(versions))
+            rows = db.execute(
+                f"SELECT * FROM reports WHERE session=? AND version IN ({marks}) ORDER BY version DESC, agent_id",
+                (session, *versions),
+            ).fetchall()
+        out = []
+        for r in rows:
+            body = json.loads(r["body"])
+            out.append(
+                ReportRecord(r["version"], r["agent_id"], bool(r["ok"]), r["mismatch"], body["timings"], body["bytes_pulled"], r["reported_at"])
+            )
+        return out
+
+    def events_since(self, session: str, seq: int, limit: int = 256) -> list[Event]:
+        """Version events after seq, oldest first (for WatchVersions replay)."""
+        with self._tx() as db:
+            self._session(db, session)
+            rows = db.execute(
+                "SELECT seq, version FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?", (session, seq, limit)
+            ).fetchall()
+            return [Event(r["seq"], self._version(db, session, r["version"])) for r in rows]
+
+    def event_states_since(self, session: str, seq: int) -> list[tuple[int, int, str]]:
+        """(seq, version, state at that event) after seq: the raw event log."""
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT seq, version, state FROM events WHERE session=? AND seq>? ORDER BY seq", (session, seq)
+            ).fetchall()
+            return [(r["seq"], r["version"], r["state"]) for r in rows]
+
+    # -- internals ----------------------------------------------------------------
+    def _set_state(self, db: sqlite3.Connection, session: str, version: int, target: VersionState, reason: str) -> None:
+        row = db.execute("SELECT state FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+        check_transition(version, VersionState(row["state"]), target)
+        committed_at = self._clock() if target is S.COMMITTED else None
+        db.execute(
+            "UPDATE versions SET state=?, reason=?, committed_at=COALESCE(?, committed_at) WHERE session=? AND version=?",
+            (target.value, reason, committed_at, session, version),
+        )
+        self._event(db, session, version, target)
+
+    def _event(self, db: sqlite3.Connection, session: str, version: int, state: VersionState) -> None:
+        db.execute("INSERT INTO events (session, version, state, at) VALUES (?,?,?,?)", (session, version, state.value, self._clock()))
+
+
+class _Tx:
+    """`with store._tx() as db`: takes the lock, BEGIN IMMEDIATE, COMMIT or ROLLBACK."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._store._lock.acquire()
+        self._store._db.execute("BEGIN IMMEDIATE")
+        return self._store._db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self._store._lock.release()
+
+
+def record_as_dict(rec: Any) -> dict[str, Any]:
+    """A record as a plain dict (enums as their names)."""
+    out = dict(vars(rec))
+    for k, v in out.items():
+        if isinstance(v, VersionState):
+            out[k] = v.value
+    return out

@@ -1,0 +1,66 @@
+"""Entry point: `python -m rollout_agent`, the rollout sidecar (NumPy dict applier)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
+from rollout_agent.appliers import DictApplier
+from rollout_agent.config import RolloutConfig
+from rollout_agent.puller import WeightPuller
+from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
+from weightsync.client import CoordinatorClient
+from weightsync.config import load_config
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import Endpoint
+from weightsync.metrics import build_metrics
+from weightsync.server import Service, setup_logging, start_server, wait_for_signal, write_ready_file
+
+log = logging.getLogger("rollout_agent")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config(RolloutConfig, "rollout", argv, os.environ, prog="weightsync-rollout")
+    setup_logging(cfg.log_level)
+    stop = wait_for_signal()
+    agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
+    metrics = build_metrics("rollout")
+    client = CoordinatorClient(cfg.coordinator)
+    puller = WeightPuller(
+        client,
+        cfg.session,
+        agent_id,
+        transport=cfg.transport,
+        streams=cfg.streams,
+        window_chunks=cfg.window_chunks,
+        max_attempts=cfg.max_attempts,
+        timeout_s=cfg.timeout_s,
+        metrics=metrics,
+    )
+    applier = DictApplier(cfg.dump_dir or None)
+    agent = RolloutAgent(client, puller, applier, metrics=metrics, failpoints=Failpoints(cfg.failpoints))
+    running = start_server(
+        [Service(pb_grpc.add_RolloutAgentServicer_to_server, RolloutAgentServicer(agent), SERVICE_NAME)],
+        host=cfg.host,
+        port=cfg.port,
+        metrics=metrics,
+        metrics_port=cfg.metrics_port,
+    )
+    agent.endpoint = Endpoint(running.address, ("grpc",), cfg.host_id or socket.gethostname())
+    agent.attach()
+    agent.start(follow=cfg.follow)
+    write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, agent_id=agent_id)
+    log.info("rollout %s ready on %s session=%s", agent_id, running.address, cfg.session)
+    stop.wait()
+    agent.stop()
+    running.stop()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""RolloutAgent: registration, heartbeats, the watch loop and the RolloutAgent servicer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from rollout_agent.appliers import Applier
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import SyncResult, sync_version
+from weightsync._proto import coordinator_pb2 as cpb
+from weightsync._proto import rollout_agent_pb2 as pb
+from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.errors import AgentNotFound, WeightsyncError
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import Endpoint
+from weightsync.metrics import Metrics
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutAgent"].full_name
+SERVABLE_STATES = {tpb.READY, tpb.COMMITTED, tpb.PARTIAL}
+
+
+class RolloutAgent:
+    """Keeps one applier in sync with a session.
+
+    Lock order: `_sync_lock` (one sync at a time) before any puller lock.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        puller: WeightPuller,
+        applier: Applier,
+        *,
+        metrics: Metrics,
+        failpoints: Failpoints,
+    ) -> None:
+        self.client = client
+        self.puller = puller
+        self.applier = applier
+        self.session = puller.session
+        self.agent_id = puller.agent_id
+        self.endpoint = Endpoint()  # set to the agent's own server before attach()
+        self.metrics = metrics
+        self.failpoints = failpoints
+        self.current_version = 0
+        self.syncs_ok = 0
+        self.syncs_failed = 0
+        self.chunk_retries = 0
+        self.last_error = ""
+        self._sync_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def attach(self) -> None:
+        """Opens the session (creating it if needed) and registers this rollout."""
+        self.client.open_session(self.session, trainer=False)
+        self.client.register_agent(self.session, self.agent_id, trainer=False, endpoint=self.endpoint)
+
+    def start(self, follow: bool) -> None:
+        targets = [self._heartbeat_loop] + ([self._watch_loop] if follow else [])
+        for target in targets:
+            t = threading.Thread(target=target, name=target.__name__, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def sync(self, version: int = 0) -> SyncResult:
+        """Syncs a version (0 = newest servable); one at a time."""
+        with self._sync_lock:
+            result = sync_version(self.puller, self.applier, version, failpoints=self.failpoints, metrics=self.metrics)
+            self.chunk_retries += result.chunk_retries
+            if result.ok:
+                self.syncs_ok += 1
+                self.current_version = result.version
+                log.info(
+                    "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
+                    result.version, result.bytes_pulled, result.timings.get("pull_seconds", 0),
+                    result.timings.get("apply_seconds", 0), result.chunk_retries,
+                )
+            else:
+                self.syncs_failed += 1
+                self.last_error = result.mismatch
+                log.error("version %d handshake failed: %s", result.version, result.mismatch)
+            return result
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.client.heartbeat(self.session, self.agent_id, self.current_version)
+            except AgentNotFound:
+                try:
+                    self.attach()
+                except WeightsyncError as e:
+                    log.warning("re-register failed: %s", e)
+            except WeightsyncError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def _watch_loop(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            try:
+                for ev in self.client.watch(self.session, seq):
+                    seq = ev.seq
+                    if self._stop.is_set():
+                        return
+                    v = ev.version
+                    if v.state in SERVABLE_STATES and v.version > self.current_version:
+                        self._sync_newest(v.version)
+            except WeightsyncError as e:
+                if not self._stop.is_set():
+                    log.warning("watch interrupted (%s); reconnecting", e)
+                    time.sleep(0.5)
+
+    def _sync_newest(self, version: int) -> None:
+        try:
+            self.sync(version)
+        except WeightsyncError as e:
+            self.last_error = e.message
+            log.warning("sync of version %d skipped: %s", version, e.message)
+
+
+class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
+    """Sync and GetStatus over gRPC."""
+
+    def __init__(self, agent: RolloutAgent) -> None:
+        self._agent = agent
+
+    def Sync(self, request: pb.SyncRequest, context: grpc.ServicerContext) -> pb.SyncResponse:
+        r = self._agent.sync(request.version)
+        return pb.SyncResponse(
+            version=r.version,
+            ok=r.ok,
+            mismatch=r.mismatch,
+            bytes_pulled=r.bytes_pulled,
+            timings=cpb.Timings(**r.timings),
+            chunk_retries=r.chunk_retries,
+        )
+
+    def GetStatus(self, request: pb.RolloutStatusRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        a = self._agent
+        return pb.RolloutStatus(
+            session=a.session,
+            agent_id=a.agent_id,
+            current_version=a.current_version,
+            syncs_ok=a.syncs_ok,
+            syncs_failed=a.syncs_failed,
+            chunk_retries=a.chunk_retries,
+            last_error=a.last_error,
+        )

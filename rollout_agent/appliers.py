@@ -1,0 +1,113 @@
+"""Appliers hand verified tensors to an engine; `DictApplier` keeps NumPy arrays."""
+
+from __future__ import annotations
+
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from weightsync.manifest import TensorSpec
+
+_LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_groups(names: Iterable[str]) -> list[list[str]]:
+    """Names grouped by transformer layer (`...layers.N.`), in first-seen order.
+
+    Fused projections (q/k/v, gate/up, a layer's experts) share a layer prefix, so they
+    always travel in one group; names outside layers form one group of their own.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = _LAYER_RE.match(name)
+        groups.setdefault(m.group(1) if m else "", []).append(name)
+    return list(groups.values())
+
+
+class Applier(ABC):
+    """Receives one verified version: begin, apply groups, commit (or abort).
+
+    `begin_update` is called only after every chunk of the version verified, so an
+    atomic applier never sees bytes of a bad version.
+    """
+
+    @abstractmethod
+    def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        """Starts an update round."""
+
+    @abstractmethod
+    def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Applies one group of tensors (a layer's worth)."""
+
+    @abstractmethod
+    def commit_update(self, version: int) -> list[str]:
+        """Finishes the round; returns the names the engine consumed."""
+
+    @abstractmethod
+    def abort_update(self) -> None:
+        """Abandons the round."""
+
+
+class DictApplier(Applier):
+    """Keeps the weights as persistent NumPy arrays (overwritten in place every version).
+
+    Readers use `snapshot()`, which waits for an update round to finish, so they never
+    see a torn mix of two versions.
+
+    Args:
+        dump_dir: when set, each committed version is also written to
+            `<dump_dir>/v<version>.safetensors` (for inspection and tests).
+    """
+
+    def __init__(self, dump_dir: str | None = None) -> None:
+        self.weights: dict[str, np.ndarray] = {}
+        self.version = 0
+        self._dump_dir = Path(dump_dir) if dump_dir else None
+        self._round = threading.Lock()
+        self._consumed: list[str] = []
+        self._expected: Mapping[str, TensorSpec] = {}
+
+    def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        self._round.acquire()
+        self._consumed = []
+        self._expected = tensors
+
+    def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
+        for name, arr in group:
+            if name not in self._expected:
+                raise KeyError(f"{name!r} is not part of this update")
+            dst = self.weights.get(name)
+            if dst is not None and dst.shape == arr.shape and dst.dtype == arr.dtype:
+                np.copyto(dst, arr)
+            else:
+                self.weights[name] = np.array(arr, copy=True)
+            self._consumed.append(name)
+
+    def commit_update(self, version: int) -> list[str]:
+        try:
+            for name in [n for n in self.weights if n not in self._expected]:
+                del self.weights[name]
+            self.version = version
+            if self._dump_dir is not None:
+                from safetensors.numpy import save_file
+
+                self._dump_dir.mkdir(parents=True, exist_ok=True)
+                tmp = self._dump_dir / f".v{version}.safetensors.tmp"
+                save_file(self.weights, str(tmp), metadata={"version": str(version)})
+                tmp.replace(self._dump_dir / f"v{version}.safetensors")
+            return list(self._consumed)
+        finally:
+            self._round.release()
+
+    def abort_update(self) -> None:
+        if self._round.locked():
+            self._round.release()
+
+    def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
+        """(version, copies of the weights), consistent with one version."""
+        with self._round:
+            return self.version, {k: v.copy() for k, v in self.weights.items()}

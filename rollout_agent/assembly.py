@@ -1,0 +1,85 @@
+"""Assembly: tensors from shard boxes in per-rank receive buffers, and their digests."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from weightsync.digests import combine_shard_digests, xxh3
+from weightsync.dtypes import dtype_info
+from weightsync.manifest import Manifest, ShardSpec, TensorSpec
+
+
+def _as_bytes(arr: np.ndarray) -> np.ndarray:
+    """A uint8 view (xxhash cannot take every dtype's buffer format, e.g. bfloat16)."""
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _box(s: ShardSpec) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(s.start, s.stop))
+
+
+def _is_whole(spec: TensorSpec, s: ShardSpec) -> bool:
+    return all(a == 0 for a in s.start) and tuple(s.stop) == tuple(spec.shape)
+
+
+def assemble(
+    manifest: Manifest, buffers: Mapping[int, np.ndarray], reuse: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """Every tensor of the manifest as an array of its global shape.
+
+    A tensor held whole by one rank is a zero-copy view into that rank's buffer; one
+    split across ranks is copied box by box into an array kept in `reuse` for the next
+    version (persistent buffers avoid re-faulting fresh pages every step).
+    """
+    out: dict[str, np.ndarray] = {}
+    reuse = reuse if reuse is not None else {}
+    for name, shards in manifest.shards_of().items():
+        spec = manifest.tensors[name]
+        dt = dtype_info(spec.dtype).numpy
+        if len(shards) == 1 and _is_whole(spec, shards[0][1]):
+            rank, s = shards[0]
+            out[name] = buffers[rank][s.offset : s.offset + s.nbytes].view(dt).reshape(spec.shape)
+            continue
+        arr = reuse.get(name)
+        if arr is None or arr.shape != spec.shape or arr.dtype != dt:
+            arr = np.empty(spec.shape, dt)
+            reuse[name] = arr
+        for rank, s in shards:
+            arr[_box(s)] = buffers[rank][s.offset : s.offset + s.nbytes].view(dt).reshape(s.shape)
+        out[name] = arr
+    return out
+
+
+def tensor_digest(arr: np.ndarray, shards: list[ShardSpec]) -> tuple[int, float]:
+    """(xxh3 by the manifest's rule, float64 sum) of an assembled tensor.
+
+    Computed over the assembled array itself, i.e. over what is handed to the engine.
+    """
+    if len(shards) == 1 and all(a == 0 for a in shards[0].start) and tuple(shards[0].stop) == arr.shape:
+        digest = xxh3(_as_bytes(arr))
+    else:
+        digest = combine_shard_digests(xxh3(_as_bytes(arr[_box(s)])) for s in shards)
+    total = float(np.count_nonzero(arr)) if arr.dtype == np.bool_ else float(np.sum(arr, dtype=np.float64))
+    return digest, total
+
+
+def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float]]:
+    """Per-tensor (xxh3, sum) over assembled tensors, in manifest order."""
+    shards = manifest.shards_of()
+    return {name: tensor_digest(tensors[name], [s for _, s in shards[name]]) for name in manifest.tensors}
+
+
+def first_difference(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> str | None:
+    """The first tensor whose assembled digest differs from the manifest's, if any."""
+    expected = manifest.tensor_digests()
+    for name, (got, _) in digests.items():
+        if got != expected[name]:
+            return f"tensor {name!r}: assembled xxh3 {got:016x} != manifest {expected[name]:016x}"
+    return None
+
+
+def grand_total(digests: Mapping[str, tuple[int, float]]) -> float:
+    return math.fsum(s for _, s in digests.values())

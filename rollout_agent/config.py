@@ -1,0 +1,33 @@
+"""RolloutConfig: the rollout sidecar's flags and WEIGHTSYNC_ROLLOUT_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.config import ServerConfig, option
+from weightsync.validation import AGENT_ID_RE
+
+
+@dataclass
+class RolloutConfig(ServerConfig):
+    """A rollout agent: follows the session and syncs every new READY version."""
+
+    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
+    session: str = option("demo", "Session name.")
+    agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid>.")
+    host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
+    transport: str = option("grpc", "Data-plane transport.", choices=["grpc"])
+    streams: int = option(2, "Parallel streams per trainer rank.")
+    window_chunks: int = option(16, "Chunks requested per call (the in-flight window per stream).")
+    max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
+    timeout_s: float = option(120.0, "Deadline of each data-plane call.")
+    follow: bool = option(True, "Watch the coordinator and sync each new READY version.")
+    dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
+    failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.agent_id and not AGENT_ID_RE.match(self.agent_id):
+            raise ValueError(f"agent_id {self.agent_id!r} must match {AGENT_ID_RE.pattern}")
+        if min(self.streams, self.window_chunks, self.max_attempts) < 1:
+            raise ValueError("streams, window_chunks and max_attempts must be >= 1")

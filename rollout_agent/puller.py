@@ -1,0 +1,175 @@
+"""WeightPuller: fetches a version's chunks from every trainer rank and verifies each one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightsync._proto import coordinator_pb2 as pb
+from weightsync.client import CoordinatorClient
+from weightsync.digests import xxh3
+from weightsync.errors import DigestMismatch, TransportUnavailable
+from weightsync.manifest import ChunkSpec, Manifest, Part
+from weightsync.metrics import Metrics
+from weightsync.transports import FetchRequest, create_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PulledVersion:
+    """A version whose every chunk verified, held in per-rank receive buffers."""
+
+    header: pb.ManifestHeader
+    manifest: Manifest
+    buffers: dict[int, np.ndarray]
+    bytes_pulled: int
+    chunk_retries: int
+    pull_seconds: float
+
+
+class _Lane:
+    """One stream's share of one rank's chunks; counts bytes and retries."""
+
+    def __init__(self, part: Part, indices: list[int]) -> None:
+        self.part = part
+        self.indices = indices
+        self.bytes = 0
+        self.retries = 0
+
+
+class WeightPuller:
+    """Pulls versions with parallel streams and a bounded in-flight window.
+
+    Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
+    most `window_chunks` chunks per call, so at most streams x window_chunks x
+    chunk_bytes are in flight per rank. Every chunk's xxh3 is checked on arrival; a bad
+    or missing chunk is fetched again, up to `max_attempts` times in all, then
+    DigestMismatch (DATA_LOSS). Receive buffers persist across versions.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        session: str,
+        agent_id: str,
+        *,
+        transport: str = "grpc",
+        streams: int = 2,
+        window_chunks: int = 16,
+        max_attempts: int = 3,
+        timeout_s: float = 120.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if streams < 1 or window_chunks < 1 or max_attempts < 1:
+            raise ValueError("streams, window_chunks and max_attempts must be >= 1")
+        self.client = client
+        self.session = session
+        self.agent_id = agent_id
+        self.transport = transport
+        self.streams = streams
+        self.window_chunks = window_chunks
+        self.max_attempts = max_attempts
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._buffers: dict[int, np.ndarray] = {}
+        self.assembly_buffers: dict[str, np.ndarray] = {}  # tensors split across ranks
+        self._lock = threading.Lock()
+
+    def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
+        """The manifest of `version` (0 = newest servable); takes a lease on it."""
+        header, manifest = self.client.get_manifest(self.session, version, agent_id=self.agent_id)
+        if manifest.digest() != header.version.manifest_digest:
+            raise DigestMismatch(
+                f"manifest of version {manifest.version} hashes to {manifest.digest()[:16]}…, "
+                f"the coordinator says {header.version.manifest_digest[:16]}…"
+            )
+        return header, manifest
+
+    def _buffer(self, rank: int, nbytes: int) -> np.ndarray:
+        buf = self._buffers.get(rank)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1), np.uint8)
+            self._buffers[rank] = buf
+        return buf[:nbytes]
+
+    def pull(self, header: pb.ManifestHeader, manifest: Manifest) -> PulledVersion:
+        """Fetches and verifies every chunk of every rank into the receive buffers."""
+        started = time.perf_counter()
+        with self._lock:
+            buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
+            lanes = []
+            for part in manifest.parts:
+                n = len(part.chunks)
+                per = max(1, -(-n // self.streams))
+                lanes += [_Lane(part, list(range(i, min(i + per, n)))) for i in range(0, n, per)]
+            with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
+                for future in [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in lanes]:
+                    future.result()
+        seconds = time.perf_counter() - started
+        pulled = sum(lane.bytes for lane in lanes)
+        retries = sum(lane.retries for lane in lanes)
+        if self.metrics is not None:
+            self.metrics.observe_phase("pull", seconds)
+            self.metrics.add_bytes("pulled", pulled)
+        return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
+
+    def _run_lane(self, manifest: Manifest, lane: _Lane, buf: np.ndarray) -> None:
+        pending = lane.indices
+        last_error = ""
+        for attempt in range(1, self.max_attempts + 1):
+            if not pending:
+                return
+            if attempt > 1:
+                lane.retries += len(pending)
+                log.warning(
+                    "version %d rank %d: re-fetching %d chunk(s) (attempt %d/%d): %s",
+                    manifest.version, lane.part.rank, len(pending), attempt, self.max_attempts, last_error,
+                )
+            try:
+                pending, last_error = self._fetch(manifest, lane, pending, buf)
+            except TransportUnavailable as e:
+                last_error = e.message
+                time.sleep(min(1.0, 0.1 * 2**attempt))
+        if pending:
+            raise DigestMismatch(
+                f"version {manifest.version} rank {lane.part.rank}: chunk {pending[0]} (and {len(pending) - 1} more) "
+                f"failed after {self.max_attempts} attempts: {last_error}"
+            )
+
+    def _fetch(self, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray) -> tuple[list[int], str]:
+        """One pass over `indices`; returns (indices still to fetch, last problem)."""
+        chunks: tuple[ChunkSpec, ...] = lane.part.chunks
+        received: set[int] = set()
+        bad: list[int] = []
+        problem = ""
+        with create_transport(self.transport) as transport:
+            transport.open(lane.part.endpoint)
+            for w in range(0, len(indices), self.window_chunks):
+                window = list(indices[w : w + self.window_chunks])
+                request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s)
+                try:
+                    for payload in transport.fetch(request):
+                        c = chunks[payload.index] if payload.index < len(chunks) else None
+                        if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
+                            problem = f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
+                            continue
+                        if xxh3(payload.data) != c.xxh3:
+                            bad.append(payload.index)
+                            problem = f"chunk {payload.index} digest mismatch"
+                            if self.metrics is not None:
+                                self.metrics.digest_failures.labels(role=self.metrics.role).inc()
+                            continue
+                        buf[c.offset : c.offset + c.length] = np.frombuffer(payload.data, np.uint8)
+                        received.add(payload.index)
+                        lane.bytes += c.length
+                except TransportUnavailable as e:
+                    problem = e.message
+        missing = [i for i in indices if i not in received]
+        return missing, problem

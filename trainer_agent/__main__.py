@@ -1,0 +1,76 @@
+"""Entry point: `python -m trainer_agent` runs a JAX trainer that publishes every step."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from trainer_agent import synthetic
+from trainer_agent.config import TrainerConfig
+from trainer_agent.publisher import WeightPublisher
+from trainer_agent.staging import HostShard
+from weightsync.config import load_config
+from weightsync.server import setup_logging, wait_for_signal, write_ready_file
+
+log = logging.getLogger("trainer_agent")
+
+
+def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's rows [r*n/W, (r+1)*n/W) of every tensor (dim 0), as HostShards."""
+    if world_size == 1:
+        return dict(params)
+    out = {}
+    for name, value in params.items():
+        arr = np.asarray(value)
+        n = arr.shape[0]
+        lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+        out[name] = HostShard(name, arr[lo:hi], tuple(arr.shape), (lo,) + (0,) * (arr.ndim - 1))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = load_config(TrainerConfig, "trainer", argv, os.environ, prog="weightsync-trainer")
+    setup_logging(cfg.log_level)
+    stop = wait_for_signal()
+    params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1)
+    with WeightPublisher(
+        cfg.coordinator,
+        cfg.session,
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        incarnation=cfg.incarnation or None,
+        slots=cfg.slots,
+        chunk_bytes=cfg.chunk_bytes,
+        weight_dtype=cfg.weight_dtype,
+        min_rollouts=cfg.min_rollouts,
+        host=cfg.host,
+        port=cfg.port,
+        metrics_port=cfg.metrics_port,
+        failpoints=cfg.failpoints,
+    ) as pub:
+        write_ready_file(cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id)
+        for step in range(cfg.start_version, cfg.start_version + cfg.steps):
+            if stop.is_set():
+                break
+            params = synthetic.train_step(params, step, cfg.seed)
+            result = pub.publish(rank_rows(params, cfg.rank, cfg.world_size), step)
+            if cfg.wait_commit:
+                state = pub.wait_committed(step, cfg.commit_timeout_s)
+                log.info("step=%d version=%d state=%s", step, step, state)
+                if state != "COMMITTED":
+                    log.error("version %d ended %s", step, state)
+                    return 1
+            else:
+                log.info("step=%d version=%d state=%s", step, step, result.state)
+        if cfg.hold:
+            stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

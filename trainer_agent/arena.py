@@ -1,0 +1,109 @@
+"""The persistent shared-memory arena: one file in /dev/shm, split into equal slots.
+
+Pages are populated once (first touch costs ~1.6-3 GB/s here, a warm rewrite ~20 GB/s),
+then reused every step. Growing a slot reallocates the whole arena and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from weightsync.layout import align_up
+
+log = logging.getLogger(__name__)
+SHM_DIR = "/dev/shm"
+ARENA_PREFIX = "weightsync-"
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+_SLOT_ALIGN = 2 << 20  # whole huge pages per slot
+
+
+class Arena:
+    """A shm file of `slots` slots of `slot_bytes` each, mapped read-write.
+
+    Not thread-safe for concurrent writers; the publisher owns all writes. Readers (the
+    chunk server) take views through `slot()`.
+    """
+
+    def __init__(self, tag: str, *, slots: int = 2, directory: str = SHM_DIR) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.tag = tag
+        self.slots = slots
+        self.directory = directory
+        self.slot_bytes = 0
+        self.path: Path | None = None
+        self.allocations = 0
+        self._mm: mmap.mmap | None = None
+        self._buf: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def ensure_slot_bytes(self, needed: int) -> bool:
+        """Makes every slot hold at least `needed` bytes; True when it (re)allocated."""
+        if self._mm is not None and needed <= self.slot_bytes:
+            return False
+        new_slot = align_up(max(needed, 1), _SLOT_ALIGN)
+        if self._mm is not None:
+            log.warning(
+                "arena %s: layout grew from %d to %d bytes per slot; reallocating (pages are populated again)",
+                self.path, self.slot_bytes, new_slot,
+            )
+        self._release()
+        self.slot_bytes = new_slot
+        self.path = Path(self.directory) / f"{ARENA_PREFIX}{self.tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+            self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._populate()
+        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.allocations += 1
+        log.info("arena %s: %d slots x %d bytes allocated and populated", self.path, self.slots, self.slot_bytes)
+        return True
+
+    def _populate(self) -> None:
+        assert self._mm is not None
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+        except OSError:  # older kernels: touch one byte per page instead
+            page = mmap.PAGESIZE
+            view = memoryview(self._mm)
+            for off in range(0, self.nbytes, page):
+                view[off] = 0
+            view.release()
+
+    def slot(self, index: int) -> np.ndarray:
+        """A uint8 view of one slot (valid until the arena is reallocated or closed)."""
+        if self._buf is None:
+            raise RuntimeError("arena is not allocated; call ensure_slot_bytes() first")
+        if not 0 <= index < self.slots:
+            raise IndexError(f"slot {index} not in [0, {self.slots})")
+        return self._buf[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+
+    def _release(self) -> None:
+        self._buf = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                # A reader still holds a view: the mapping dies with the last view.
+                log.warning("arena %s: views still exported at close; unmapping when they are dropped", self.path)
+            self._mm = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+
+    def close(self) -> None:
+        """Unmaps and unlinks the shm file; idempotent."""
+        self._release()
+        self.slot_bytes = 0

@@ -1,0 +1,126 @@
+"""Serves a rank's staged versions: the slot table (a ChunkSource) and the TrainerAgent servicer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from trainer_agent.arena import Arena
+from weightsync._proto import trainer_agent_pb2 as pb
+from weightsync.errors import InvalidArgument, NotFound, VersionNotFound
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import ChunkSpec
+from weightsync.metrics import Metrics
+from weightsync.transports.grpc import serve_chunks, serialize_response
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
+
+
+@dataclass
+class SlotEntry:
+    version: int
+    chunks: tuple[ChunkSpec, ...]
+    total_bytes: int
+
+
+class SlotTable:
+    """Which version each arena slot holds. A ChunkSource for `serve_chunks`.
+
+    Lock order: `_lock` only; views are taken under it, copied outside it (a torn read
+    during slot reuse is caught by the reader's chunk digests).
+    """
+
+    def __init__(self, arena: Arena, session: str, rank: int) -> None:
+        self.arena = arena
+        self.session = session
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._slots: dict[int, SlotEntry] = {}
+
+    def set(self, slot: int, entry: SlotEntry | None) -> None:
+        with self._lock:
+            if entry is None:
+                self._slots.pop(slot, None)
+            else:
+                self._slots[slot] = entry
+
+    def entries(self) -> dict[int, SlotEntry]:
+        with self._lock:
+            return dict(self._slots)
+
+    def _find(self, session: str, version: int, rank: int) -> tuple[int, SlotEntry]:
+        if session != self.session:
+            raise NotFound(f"session {session!r} is not served here (this agent serves {self.session!r})")
+        if rank != self.rank:
+            raise InvalidArgument("rank", f"this agent serves rank {self.rank}, not {rank}")
+        with self._lock:
+            for slot, entry in self._slots.items():
+                if entry.version == version:
+                    return slot, entry
+            held = sorted(e.version for e in self._slots.values())
+        raise VersionNotFound(f"version {version} is not staged here (slots hold {held or 'nothing'})")
+
+    def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None:
+        _, entry = self._find(session, version, rank)
+        for i, index in enumerate(indices):
+            if index >= len(entry.chunks):
+                raise InvalidArgument(f"indices[{i}]", f"{index} >= chunk_count {len(entry.chunks)}")
+
+    def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
+        slot, entry = self._find(session, version, rank)
+        if index >= len(entry.chunks):
+            raise InvalidArgument("indices", f"{index} >= chunk_count {len(entry.chunks)}")
+        c = entry.chunks[index]
+        return c.offset, memoryview(self.arena.slot(slot)[c.offset : c.offset + c.length])
+
+
+class TrainerAgentServicer:
+    """ReadChunks and GetStatus for one rank."""
+
+    def __init__(self, table: SlotTable, metrics: Metrics, failpoints: Failpoints, generation: Callable[[], int]) -> None:
+        self._table = table
+        self._metrics = metrics
+        self._failpoints = failpoints
+        self._generation = generation
+        self.bytes_served = 0
+
+    def ReadChunks(self, request: pb.ReadChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for payload in serve_chunks(self._table, request, self._failpoints):
+            self._metrics.add_bytes("served", len(payload))
+            self.bytes_served += len(payload)
+            yield payload
+
+    def GetStatus(self, request: pb.TrainerStatusRequest, context: grpc.ServicerContext) -> pb.TrainerStatus:
+        entries = self._table.entries()
+        return pb.TrainerStatus(
+            session=self._table.session,
+            rank=self._table.rank,
+            generation=self._generation(),
+            arena_bytes=self._table.arena.nbytes,
+            slots=[
+                pb.SlotInfo(slot=s, version=e.version, total_bytes=e.total_bytes, chunk_count=len(e.chunks))
+                for s, e in sorted(entries.items())
+            ],
+            bytes_served=self.bytes_served,
+            latest_version=max((e.version for e in entries.values()), default=0),
+        )
+
+
+def add_trainer_agent_service(servicer: TrainerAgentServicer, server: grpc.Server) -> None:
+    """Like the generated add_TrainerAgentServicer_to_server, but ReadChunks yields pre-encoded bytes."""
+    handlers = {
+        "ReadChunks": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadChunks,
+            request_deserializer=pb.ReadChunksRequest.FromString,
+            response_serializer=serialize_response,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus,
+            request_deserializer=pb.TrainerStatusRequest.FromString,
+            response_serializer=pb.TrainerStatus.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

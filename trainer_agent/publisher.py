@@ -1,0 +1,294 @@
+"""WeightPublisher: the library a trainer calls after each step (`publish(params, version)`)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from trainer_agent.arena import Arena
+from trainer_agent.chunk_server import SERVICE_NAME, SlotEntry, SlotTable, TrainerAgentServicer, add_trainer_agent_service
+from trainer_agent.staging import HostShard, Layout, plan_layout, stage_shards
+from weightsync._proto import types_pb2 as _tpb
+from weightsync.client import CoordinatorClient
+from weightsync.dtypes import dtype_info
+from weightsync.errors import AgentNotFound, FailedPrecondition, InvalidArgument, WeightsyncError, WrongState
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import Endpoint, Part
+from weightsync.metrics import Metrics, build_metrics
+from weightsync.server import RunningServer, Service, start_server
+from weightsync.validation import check_session_name
+
+log = logging.getLogger(__name__)
+DEFAULT_CHUNK_BYTES = 1 << 20  # below gRPC's 4 MiB default; tuned in the transports work
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish did."""
+
+    version: int
+    state: str
+    duplicate: bool
+    total_bytes: int
+    stage_seconds: float
+    publish_seconds: float
+    slot: int
+
+
+def _to_host_shards(name: str, value: Any, weight_dtype: str | None) -> list[HostShard]:
+    """Host shards of one parameter: NumPy arrays, HostShards, or JAX arrays (replica 0).
+
+    A JAX array contributes its addressable replica-0 shards, so each host of a
+    multi-host trainer publishes only what it owns.
+    """
+    if isinstance(value, HostShard):
+        data = value.data if weight_dtype is None else value.data.astype(dtype_info(weight_dtype).numpy)
+        return [HostShard(name, data, value.global_shape, value.start)]
+    if hasattr(value, "addressable_shards"):  # jax.Array
+        if weight_dtype is not None and str(value.dtype) != weight_dtype:
+            value = value.astype(dtype_info(weight_dtype).numpy)
+        out = []
+        for shard in value.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            start = tuple(0 if sl.start is None else sl.start for sl in shard.index)
+            start = start + (0,) * (value.ndim - len(start))
+            try:
+                host = np.asarray(shard.data)  # zero-copy for CPU-resident arrays
+            except Exception as e:  # noqa: BLE001 - re-raised with the fix
+                raise InvalidArgument(
+                    f"params[{name!r}]",
+                    f"shard on {shard.device} is not host-addressable ({e}); the native FFI path stages device "
+                    "buffers, or pass host copies as HostShard",
+                ) from e
+            out.append(HostShard(name, host, tuple(value.shape), start))
+        return out
+    arr = np.asarray(value)
+    if weight_dtype is not None:
+        arr = arr.astype(dtype_info(weight_dtype).numpy, copy=False)
+    return [HostShard(name, arr, tuple(arr.shape), (0,) * arr.ndim)]
+
+
+class WeightPublisher:
+    """Stages parameters into a persistent arena, publishes descriptors, serves chunks.
+
+    One publisher per trainer rank. All ranks of one trainer run pass the same
+    `incarnation`; a new incarnation bumps the session generation (fencing older
+    writers). The chunk server runs in this process on `host:port`.
+
+    Args:
+        coordinator: coordinator address (host:port).
+        session: session name.
+        rank, world_size: this trainer rank and the number of publishing ranks.
+        incarnation: shared by all ranks of one run; default: a fresh id (single rank).
+        slots: arena slots; a slot is reused only after its version's leases end.
+        chunk_bytes: chunk size (travels in the manifest).
+        weight_dtype: cast every tensor to this dtype while staging (e.g. "bfloat16").
+        min_rollouts: OK handshakes needed to commit (0 keeps the session's setting).
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        session: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        incarnation: str | None = None,
+        slots: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        weight_dtype: str | None = None,
+        min_rollouts: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int = -1,
+        host_id: str | None = None,
+        agent_id: str | None = None,
+        timeout_s: float = 30.0,
+        slot_wait_s: float = 60.0,
+        metrics: Metrics | None = None,
+        failpoints: str = "",
+    ) -> None:
+        check_session_name(session)
+        if weight_dtype is not None:
+            dtype_info(weight_dtype, "weight_dtype")
+        if not 0 <= rank < world_size:
+            raise InvalidArgument("rank", f"{rank} is not in [0, world_size={world_size})")
+        self.session = session
+        self.rank = rank
+        self.chunk_bytes = chunk_bytes
+        self.weight_dtype = weight_dtype
+        self.slot_wait_s = slot_wait_s
+        self.agent_id = agent_id or f"trainer-{rank}-{uuid.uuid4().hex[:8]}"
+        self.metrics = metrics or build_metrics("trainer")
+        self._client = CoordinatorClient(coordinator, timeout_s=timeout_s)
+        opened = self._client.open_session(
+            session, trainer=True, incarnation=incarnation or uuid.uuid4().hex, trainer_ranks=world_size, min_rollouts=min_rollouts
+        )
+        self.generation = opened.generation
+        self.arena = Arena(f"{session}-r{rank}", slots=slots)
+        self.table = SlotTable(self.arena, session, rank)
+        self._layouts: dict[int, Layout] = {}
+        self._servicer = TrainerAgentServicer(self.table, self.metrics, Failpoints(failpoints), lambda: self.generation)
+        self.server: RunningServer = start_server(
+            [Service(add_trainer_agent_service, self._servicer, SERVICE_NAME)],
+            host=host,
+            port=port,
+            metrics=self.metrics,
+            metrics_port=metrics_port,
+        )
+        self.endpoint = Endpoint(self.server.address, ("grpc",), host_id or socket.gethostname())
+        self._client.register_agent(session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=rank)
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="publisher-heartbeat", daemon=True)
+        self._heartbeat.start()
+        self._next_slot = 0
+        log.info("publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops serving, heartbeats and frees the arena; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        self.server.stop(grace_s=1.0)
+        self.arena.close()
+        self._client.close()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _heartbeat_loop(self) -> None:
+        latest = 0
+        while not self._stop.wait(1.0):
+            latest = max((e.version for e in self.table.entries().values()), default=latest)
+            try:
+                self._client.heartbeat(self.session, self.agent_id, latest)
+            except AgentNotFound:
+                self._reregister()
+            except WeightsyncError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def _reregister(self) -> None:
+        try:
+            self._client.register_agent(self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank)
+        except WeightsyncError as e:
+            log.warning("re-register failed: %s", e)
+
+    # -- publishing -----------------------------------------------------------------
+    def publish(self, params: Mapping[str, Any], version: int, *, idempotency_key: str | None = None) -> PublishResult:
+        """Stages `params` (HF name -> array or HostShard) into a free slot and publishes it.
+
+        Re-publishing the same version with the same key returns the first result.
+
+        Raises:
+            InvalidArgument: bad names, dtypes or shapes (nothing is published).
+            StaleGeneration: another incarnation attached since; this publisher is fenced.
+            FailedPrecondition: no slot could be freed within slot_wait_s.
+        """
+        if not params:
+            raise InvalidArgument("params", "must contain at least one tensor")
+        key = idempotency_key or f"{self.agent_id}:{version}"
+        started = time.perf_counter()
+        shards = [s for name, value in params.items() for s in _to_host_shards(name, value, self.weight_dtype)]
+        layout = plan_layout(shards)
+        slot = self._claim_slot(version)
+        if self.arena.ensure_slot_bytes(layout.total_bytes):
+            for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
+                self.table.set(other, None)
+        shard_specs, chunks = stage_shards(self.arena.slot(slot), shards, layout, self.chunk_bytes)
+        stage_s = time.perf_counter() - started
+        self.table.set(slot, SlotEntry(version, tuple(chunks), layout.total_bytes))
+        self._layouts[slot] = layout
+        self.metrics.observe_phase("stage", stage_s)
+        self.metrics.add_bytes("staged", layout.total_bytes)
+        part = Part(
+            rank=self.rank,
+            total_bytes=layout.total_bytes,
+            chunk_bytes=self.chunk_bytes,
+            tensors=layout.tensors,
+            shards=tuple(shard_specs),
+            chunks=tuple(chunks),
+            endpoint=self.endpoint,
+            stage_seconds=stage_s,
+        )
+        t0 = time.perf_counter()
+        try:
+            resp = self._client.publish_part(
+                self.session, generation=self.generation, version=version, idempotency_key=key, part=part
+            )
+        except WeightsyncError:
+            self.table.set(slot, None)
+            raise
+        publish_s = time.perf_counter() - t0
+        self.metrics.observe_phase("publish", publish_s)
+        self.metrics.current_version.labels(role="trainer").set(version)
+        state = _tpb.VersionState.Name(resp.version.state)
+        log.info(
+            "published version=%d rank=%d bytes=%d stage_s=%.3f publish_s=%.3f state=%s slot=%d",
+            version, self.rank, layout.total_bytes, stage_s, publish_s, state, slot,
+        )
+        return PublishResult(version, state, resp.duplicate, layout.total_bytes, stage_s, publish_s, slot)
+
+    def _claim_slot(self, version: int) -> int:
+        """A slot to stage into: an empty one, else the oldest whose version is released.
+
+        A slot holding `version` itself is never chosen, so a retried or conflicting
+        publish cannot overwrite bytes rollouts may be reading. The old version is
+        released at the coordinator first, which is refused while a rollout holds a lease
+        on it; we wait (bounded) rather than tear its bytes.
+        """
+        entries = self.table.entries()
+        for slot in range(self.arena.slots):
+            if slot not in entries:
+                return slot
+        candidates = {s: e for s, e in entries.items() if e.version != version}
+        if not candidates:
+            raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
+        slot, entry = min(candidates.items(), key=lambda kv: kv[1].version)
+        deadline = time.monotonic() + self.slot_wait_s
+        while True:
+            try:
+                self._client.release_version(self.session, entry.version)
+                break
+            except WrongState:
+                # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
+                try:
+                    self._client.abort_version(
+                        self.session, generation=self.generation, version=entry.version, reason="slot reused"
+                    )
+                except WeightsyncError:
+                    break
+            except FailedPrecondition as e:
+                if time.monotonic() > deadline:
+                    raise FailedPrecondition(
+                        f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s"
+                    ) from None
+                time.sleep(0.05)
+            except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
+                log.info("releasing version %d: %s", entry.version, e)
+                break
+        self.table.set(slot, None)
+        return slot
+
+    def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:
+        """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state name."""
+        info = self._client.wait_for_version(self.session, version, timeout_s=timeout_s)
+        return _tpb.VersionState.Name(info.state)
+
+    @property
+    def client(self) -> CoordinatorClient:
+        return self._client

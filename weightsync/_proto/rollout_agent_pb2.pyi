@@ -1,0 +1,51 @@
+from weightsync._proto import coordinator_pb2 as _coordinator_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SyncRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class SyncResponse(_message.Message):
+    __slots__ = ("version", "ok", "mismatch", "bytes_pulled", "timings", "chunk_retries")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ok: bool
+    mismatch: str
+    bytes_pulled: int
+    timings: _coordinator_pb2.Timings
+    chunk_retries: int
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., bytes_pulled: _Optional[int] = ..., timings: _Optional[_Union[_coordinator_pb2.Timings, _Mapping]] = ..., chunk_retries: _Optional[int] = ...) -> None: ...
+
+class RolloutStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYNCS_OK_FIELD_NUMBER: _ClassVar[int]
+    SYNCS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    agent_id: str
+    current_version: int
+    syncs_ok: int
+    syncs_failed: int
+    chunk_retries: int
+    last_error: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...

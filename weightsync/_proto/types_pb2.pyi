@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERSION_STATE_UNSPECIFIED: _ClassVar[VersionState]
+    STAGING: _ClassVar[VersionState]
+    READY: _ClassVar[VersionState]
+    COMMITTED: _ClassVar[VersionState]
+    PARTIAL: _ClassVar[VersionState]
+    FAILED: _ClassVar[VersionState]
+    RELEASED: _ClassVar[VersionState]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    TRAINER: _ClassVar[Role]
+    ROLLOUT: _ClassVar[Role]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT64: DType
+INT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+UINT8: DType
+BOOL: DType
+VERSION_STATE_UNSPECIFIED: VersionState
+STAGING: VersionState
+READY: VersionState
+COMMITTED: VersionState
+PARTIAL: VersionState
+FAILED: VersionState
+RELEASED: VersionState
+ROLE_UNSPECIFIED: Role
+TRAINER: Role
+ROLLOUT: Role
+
+class Endpoint(_message.Message):
+    __slots__ = ("address", "transports", "host_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    def __init__(self, address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class TensorDescriptor(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardDescriptor(_message.Message):
+    __slots__ = ("tensor_name", "start", "stop", "offset", "nbytes", "xxh3", "sum")
+    TENSOR_NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    tensor_name: str
+    start: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    xxh3: int
+    sum: float
+    def __init__(self, tensor_name: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., xxh3: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
+
+class ChunkDescriptor(_message.Message):
+    __slots__ = ("index", "offset", "length", "xxh3")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    length: int
+    xxh3: int
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
+
+class DescriptorBatch(_message.Message):
+    __slots__ = ("rank", "tensors", "shards", "chunks")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDescriptor]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardDescriptor]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkDescriptor]
+    def __init__(self, rank: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkDescriptor, _Mapping]]] = ...) -> None: ...
+
+class Aggregates(_message.Message):
+    __slots__ = ("grand_total", "tensor_count", "element_count")
+    GRAND_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    grand_total: float
+    tensor_count: int
+    element_count: int
+    def __init__(self, grand_total: _Optional[float] = ..., tensor_count: _Optional[int] = ..., element_count: _Optional[int] = ...) -> None: ...
+
+class RankPart(_message.Message):
+    __slots__ = ("rank", "total_bytes", "chunk_count", "endpoint", "stage_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    total_bytes: int
+    chunk_count: int
+    endpoint: Endpoint
+    stage_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "created_at", "ready_at", "committed_at", "reason", "leases")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    READY_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    version: int
+    state: VersionState
+    generation: int
+    manifest_digest: str
+    total_bytes: int
+    sealed_ranks: int
+    trainer_ranks: int
+    created_at: float
+    ready_at: float
+    committed_at: float
+    reason: str
+    leases: int
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., created_at: _Optional[float] = ..., ready_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...

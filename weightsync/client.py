@@ -1,0 +1,160 @@
+"""CoordinatorClient: typed calls to the Coordinator with deadlines and mapped errors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from types import TracebackType
+
+import grpc
+
+from weightsync import rpc
+from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
+from weightsync.errors import DeadlineExceeded, TransportUnavailable
+from weightsync.manifest import Endpoint, Manifest, Part
+from weightsync.wire import endpoint_to_proto, manifest_from_pieces, part_to_batches
+
+log = logging.getLogger(__name__)
+TERMINAL_WAIT_STATES = ("COMMITTED", "PARTIAL", "FAILED", "RELEASED")
+
+
+class CoordinatorClient:
+    """One channel to a coordinator. Every call has a deadline (`timeout_s`).
+
+    Idempotent calls retry UNAVAILABLE `retries` times with backoff, which rides out a
+    coordinator restart of a few seconds.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 8) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._channel = rpc.insecure_channel(address)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Blocks until the channel connects, or TransportUnavailable."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise TransportUnavailable(f"coordinator at {self.address} not reachable after {timeout_s}s") from None
+
+    def open_session(
+        self, session: str, *, trainer: bool, incarnation: str = "", trainer_ranks: int = 0, min_rollouts: int = 0
+    ) -> pb.OpenSessionResponse:
+        req = pb.OpenSessionRequest(
+            session=session,
+            role=tpb.TRAINER if trainer else tpb.ROLLOUT,
+            incarnation=incarnation,
+            trainer_ranks=trainer_ranks,
+            min_rollouts=min_rollouts,
+        )
+        # Retrying a trainer attach without an incarnation would bump twice: only retry
+        # when the call is idempotent.
+        retries = self.retries if (incarnation or not trainer) else 0
+        return rpc.unary(self._stub.OpenSession, req, timeout_s=self.timeout_s, retries=retries)
+
+    def register_agent(self, session: str, agent_id: str, *, trainer: bool, endpoint: Endpoint, rank: int = 0) -> pb.RegisterAgentResponse:
+        req = pb.RegisterAgentRequest(
+            session=session,
+            agent_id=agent_id,
+            role=tpb.TRAINER if trainer else tpb.ROLLOUT,
+            endpoint=endpoint_to_proto(endpoint),
+            rank=rank,
+        )
+        return rpc.unary(self._stub.RegisterAgent, req, timeout_s=self.timeout_s, retries=self.retries)
+
+    def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> pb.HeartbeatResponse:
+        req = pb.HeartbeatRequest(session=session, agent_id=agent_id, current_version=current_version)
+        return rpc.unary(self._stub.Heartbeat, req, timeout_s=self.timeout_s)
+
+    def publish_part(
+        self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
+    ) -> pb.PublishResponse:
+        """Streams one rank's part; safe to retry thanks to the idempotency key."""
+        header = pb.PublishHeader(
+            session=session,
+            generation=generation,
+            version=version,
+            rank=part.rank,
+            idempotency_key=idempotency_key,
+            total_bytes=part.total_bytes,
+            chunk_bytes=part.chunk_bytes,
+            tensor_count=len(part.tensors),
+            shard_count=len(part.shards),
+            chunk_count=len(part.chunks),
+            endpoint=endpoint_to_proto(part.endpoint),
+            stage_seconds=part.stage_seconds,
+        )
+
+        def requests() -> Iterator[pb.PublishRequest]:
+            yield pb.PublishRequest(header=header)
+            for batch in part_to_batches(part):
+                yield pb.PublishRequest(batch=batch)
+            yield pb.PublishRequest(seal=pb.PublishSeal(part_digest=part.digest()))
+
+        attempt = 0
+        while True:
+            try:
+                return rpc.unary(self._stub.PublishVersion, requests(), timeout_s=self.timeout_s)
+            except TransportUnavailable:
+                attempt += 1
+                if attempt > self.retries:
+                    raise
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+
+    def get_manifest(self, session: str, version: int = 0, *, agent_id: str = "") -> tuple[pb.ManifestHeader, Manifest]:
+        req = pb.GetManifestRequest(session=session, version=version, agent_id=agent_id)
+        return manifest_from_pieces(rpc.stream(self._stub.GetManifest, req, timeout_s=self.timeout_s))
+
+    def watch(self, session: str, since_seq: int = 0, *, timeout_s: float | None = None) -> Iterator[pb.VersionEvent]:
+        """Version events after since_seq; runs until cancelled, the deadline, or an error."""
+        req = pb.WatchVersionsRequest(session=session, since_seq=since_seq)
+        return rpc.stream(self._stub.WatchVersions, req, timeout_s=timeout_s)
+
+    def report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
+        return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=self.retries)
+
+    def status(self, session: str, version_limit: int = 0) -> pb.GetStatusResponse:
+        req = pb.GetStatusRequest(session=session, version_limit=version_limit)
+        return rpc.unary(self._stub.GetStatus, req, timeout_s=self.timeout_s, retries=self.retries)
+
+    def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> tpb.VersionInfo:
+        req = pb.AbortVersionRequest(session=session, generation=generation, version=version, reason=reason)
+        return rpc.unary(self._stub.AbortVersion, req, timeout_s=self.timeout_s, retries=self.retries)
+
+    def release_version(self, session: str, version: int, *, force: bool = False) -> tpb.VersionInfo:
+        req = pb.ReleaseVersionRequest(session=session, version=version, force=force)
+        return rpc.unary(self._stub.ReleaseVersion, req, timeout_s=self.timeout_s, retries=self.retries)
+
+    def wait_for_version(
+        self, session: str, version: int, *, states: tuple[str, ...] = TERMINAL_WAIT_STATES, timeout_s: float = 60.0
+    ) -> tpb.VersionInfo:
+        """Watches until `version` reaches one of `states`; survives coordinator restarts."""
+        deadline = time.monotonic() + timeout_s
+        seq = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"version {version} did not reach {'/'.join(states)} within {timeout_s}s")
+            try:
+                for ev in self.watch(session, seq, timeout_s=remaining):
+                    seq = ev.seq
+                    if ev.version.version == version and tpb.VersionState.Name(ev.version.state) in states:
+                        return ev.version
+            except DeadlineExceeded:
+                continue
+            except TransportUnavailable:
+                time.sleep(0.2)

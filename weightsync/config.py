@@ -1,0 +1,112 @@
+"""Config dataclasses become flags and WEIGHTSYNC_<COMPONENT>_<FIELD> variables.
+
+Each field's `metadata["help"]` is its --help text. A flag wins over the environment;
+an unknown WEIGHTSYNC_<COMPONENT>_* variable prints a warning. Only entry points call
+`load_config`, so nothing below the CLI reads os.environ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field with --help text."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerConfig:
+    """Fields every server shares."""
+
+    host: str = option("127.0.0.1", "Address to bind the gRPC server and /metrics to.")
+    port: int = option(0, "gRPC port; 0 picks a free one (see --ready-file).")
+    metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
+    ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
+    log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def _base_type(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
+    """An ArgumentParser with one --flag per dataclass field (defaults None = not given)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or ""))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default not in (None, ""):
+            help_text += f" (default: {default})"
+        if tp is bool:
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=tp, default=None, help=help_text, choices=f.metadata.get("choices"))
+    return parser
+
+
+def load_config(
+    cls: type[C],
+    component: str,
+    argv: Sequence[str] | None,
+    environ: Mapping[str, str],
+    prog: str | None = None,
+) -> C:
+    """Builds `cls` from flags, then WEIGHTSYNC_<COMPONENT>_<FIELD>, then defaults."""
+    parser = build_parser(cls, prog or f"weightsync-{component}")
+    args = parser.parse_args(argv)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    prefix = f"WEIGHTSYNC_{component.upper().replace('-', '_')}_"
+    values: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :].lower()
+        if name not in names:
+            print(f"warning: unknown variable {key} ignored (known: {', '.join(sorted(names))})", file=sys.stderr)
+            continue
+        tp = _base_type(hints[name])
+        try:
+            values[name] = _parse_bool(raw) if tp is bool else tp(raw)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"{key}={raw!r}: {e}")
+    for name in names:
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+    try:
+        return cls(**values)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,46 @@
+"""Digest rules shared by publishers, rollouts and the coordinator (xxh3-64, sha256)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+import xxhash
+
+DIGEST_ALGORITHM = "xxh3-64"
+
+
+def xxh3(data: Any) -> int:
+    """xxh3-64 of a bytes-like object (bytes, memoryview, contiguous ndarray)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def combine_shard_digests(shard_digests: Iterable[int]) -> int:
+    """A tensor's digest from its shards' digests, in canonical shard order.
+
+    One shard: the shard digest itself (the xxh3 of the whole tensor). Several: xxh3-64
+    of the little-endian u64 shard digests, concatenated. Every party (trainer ranks,
+    coordinator, rollout) derives tensor digests with this one rule.
+    """
+    digests = list(shard_digests)
+    if len(digests) == 1:
+        return digests[0]
+    return xxh3(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The canonical encoding: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """sha256 hex of bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def hex64(value: int) -> str:
+    """A u64 digest as 16 hex digits."""
+    return f"{value:016x}"

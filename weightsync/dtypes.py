@@ -1,0 +1,62 @@
+"""The dtype whitelist: names, item sizes, NumPy dtypes and proto enum values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from weightsync.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One allowed element type."""
+
+    name: str
+    itemsize: int
+    numpy: np.dtype
+    proto: int  # weightsync.v1.DType value
+
+
+_INFOS = [
+    DTypeInfo("float32", 4, np.dtype(np.float32), 1),
+    DTypeInfo("float16", 2, np.dtype(np.float16), 2),
+    DTypeInfo("bfloat16", 2, np.dtype(ml_dtypes.bfloat16), 3),
+    DTypeInfo("float64", 8, np.dtype(np.float64), 4),
+    DTypeInfo("int8", 1, np.dtype(np.int8), 5),
+    DTypeInfo("int16", 2, np.dtype(np.int16), 6),
+    DTypeInfo("int32", 4, np.dtype(np.int32), 7),
+    DTypeInfo("int64", 8, np.dtype(np.int64), 8),
+    DTypeInfo("uint8", 1, np.dtype(np.uint8), 9),
+    DTypeInfo("bool", 1, np.dtype(np.bool_), 10),
+]
+BY_NAME = {i.name: i for i in _INFOS}
+BY_PROTO = {i.proto: i for i in _INFOS}
+ALLOWED = tuple(BY_NAME)
+
+
+def dtype_info(name: str, field: str = "dtype") -> DTypeInfo:
+    """Looks up an allowed dtype by name; InvalidArgument lists the allowed ones."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise InvalidArgument(field, f"dtype {name!r} is not allowed; use one of {', '.join(ALLOWED)}") from None
+
+
+def dtype_from_proto(value: int, field: str = "dtype") -> DTypeInfo:
+    """Looks up an allowed dtype by its proto enum value."""
+    try:
+        return BY_PROTO[value]
+    except KeyError:
+        raise InvalidArgument(field, f"dtype enum {value} is not allowed; use one of {', '.join(ALLOWED)}") from None
+
+
+def dtype_name_of(array_dtype: object) -> str:
+    """The whitelist name of a NumPy/JAX dtype, or InvalidArgument."""
+    dt = np.dtype(array_dtype)  # type: ignore[call-overload]
+    for info in _INFOS:
+        if info.numpy == dt:
+            return info.name
+    raise InvalidArgument("dtype", f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}")

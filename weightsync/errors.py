@@ -1,0 +1,139 @@
+"""Typed errors of weightsync and their one mapping to gRPC status codes.
+
+    WeightsyncError
+    ├── InvalidArgument          INVALID_ARGUMENT   (names the field)
+    ├── NotFound                 NOT_FOUND
+    │   ├── SessionNotFound
+    │   ├── VersionNotFound
+    │   └── AgentNotFound
+    ├── AlreadyExists            ALREADY_EXISTS
+    │   └── VersionConflict
+    ├── FailedPrecondition       FAILED_PRECONDITION
+    │   ├── StaleGeneration
+    │   └── WrongState
+    ├── DataLoss                 DATA_LOSS
+    │   └── DigestMismatch
+    ├── ResourceExhausted        RESOURCE_EXHAUSTED
+    ├── Unauthenticated          UNAUTHENTICATED
+    ├── PermissionDenied         PERMISSION_DENIED
+    ├── TransportUnavailable     UNAVAILABLE        (retryable)
+    ├── DeadlineExceeded         DEADLINE_EXCEEDED
+    └── InternalError            INTERNAL
+
+This module imports neither grpc nor protobuf: codes are names from `grpc.StatusCode`,
+resolved by `weightsync.rpc`, the only place that turns errors into statuses and back.
+"""
+
+from __future__ import annotations
+
+
+class WeightsyncError(Exception):
+    """Base of every error weightsync raises on purpose."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidArgument(WeightsyncError):
+    """A request or value is malformed; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}", field=field)
+
+
+class NotFound(WeightsyncError):
+    """A named thing does not exist."""
+
+
+class SessionNotFound(NotFound):
+    """No session by that name; open it with OpenSession first."""
+
+
+class VersionNotFound(NotFound):
+    """No such version in the session (or not served here)."""
+
+
+class AgentNotFound(NotFound):
+    """Unknown agent or expired lease; register again."""
+
+
+class AlreadyExists(WeightsyncError):
+    """Something with that identity already exists with other content."""
+
+
+class VersionConflict(AlreadyExists):
+    """Different content was published under an existing version."""
+
+
+class FailedPrecondition(WeightsyncError):
+    """The system is not in a state that allows the request."""
+
+
+class StaleGeneration(FailedPrecondition):
+    """A writer carried an older (or unknown) session generation."""
+
+
+class WrongState(FailedPrecondition):
+    """The version is in a state that does not allow the request."""
+
+
+class DataLoss(WeightsyncError):
+    """Bytes or checksums differ from the source."""
+
+
+class DigestMismatch(DataLoss):
+    """A digest or aggregate did not match the source."""
+
+
+class ResourceExhausted(WeightsyncError):
+    """A size or count limit was exceeded."""
+
+
+class Unauthenticated(WeightsyncError):
+    """Missing or invalid credentials."""
+
+
+class PermissionDenied(WeightsyncError):
+    """Credentials are valid but not for this role."""
+
+
+class TransportUnavailable(WeightsyncError):
+    """A peer could not be reached; retrying may succeed."""
+
+
+class DeadlineExceeded(WeightsyncError):
+    """The call ran past its deadline."""
+
+
+class InternalError(WeightsyncError):
+    """An unexpected failure; see the server log."""
+
+
+# The one table: error class -> grpc.StatusCode member name. Most specific first is not
+# needed; lookups walk the MRO.
+STATUS_BY_ERROR: dict[type[WeightsyncError], str] = {
+    InvalidArgument: "INVALID_ARGUMENT",
+    NotFound: "NOT_FOUND",
+    AlreadyExists: "ALREADY_EXISTS",
+    FailedPrecondition: "FAILED_PRECONDITION",
+    DataLoss: "DATA_LOSS",
+    ResourceExhausted: "RESOURCE_EXHAUSTED",
+    Unauthenticated: "UNAUTHENTICATED",
+    PermissionDenied: "PERMISSION_DENIED",
+    TransportUnavailable: "UNAVAILABLE",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    InternalError: "INTERNAL",
+}
+
+# Reverse direction for clients: status name -> the class a caller catches.
+ERROR_BY_STATUS: dict[str, type[WeightsyncError]] = {v: k for k, v in STATUS_BY_ERROR.items()}
+
+
+def status_name_for(error: WeightsyncError) -> str:
+    """The grpc.StatusCode name for an error instance (walks the class hierarchy)."""
+    for cls in type(error).__mro__:
+        if cls in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[cls]
+    return "INTERNAL"

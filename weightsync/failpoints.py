@@ -1,0 +1,42 @@
+"""Failpoints for fault tests (etcd gofail style): `name=count` pairs set by a flag.
+
+Production code asks `failpoints.fire("name")`; with nothing configured it is a dict
+lookup. Counts fire that many times, then the failpoint is spent.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from weightsync.errors import InvalidArgument
+
+KNOWN = {
+    "chunk_server.corrupt_chunk": "flip one byte in the next N ReadChunks payloads (trainer side)",
+    "puller.corrupt_assembled": "flip one byte of the first tensor after verification, N times (rollout side)",
+}
+
+
+class Failpoints:
+    """Parsed from 'name=N,name2=M'; thread-safe countdowns."""
+
+    def __init__(self, spec: str = "") -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, _, count = item.partition("=")
+            if name not in KNOWN:
+                raise InvalidArgument("failpoints", f"unknown failpoint {name!r}; known: {', '.join(sorted(KNOWN))}")
+            if not count.isdigit():
+                raise InvalidArgument("failpoints", f"{item!r} must be name=COUNT")
+            self._counts[name] = int(count)
+
+    def fire(self, name: str) -> bool:
+        """True (and one count spent) when the failpoint is armed."""
+        if not self._counts:
+            return False
+        with self._lock:
+            left = self._counts.get(name, 0)
+            if left <= 0:
+                return False
+            self._counts[name] = left - 1
+            return True

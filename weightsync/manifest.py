@@ -1,0 +1,227 @@
+"""The manifest model: tensors made of shards, per-rank parts, chunks, canonical digest."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.digests import DIGEST_ALGORITHM, canonical_json, combine_shard_digests, hex64, sha256_hex
+from weightsync.dtypes import dtype_info
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Global description of one tensor (HF name, dtype, global shape)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def element_count(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.element_count * dtype_info(self.dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        return cls(d["name"], d["dtype"], tuple(d["shape"]))
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A box [start, stop) of a tensor, stored contiguously at `offset` in a rank's part."""
+
+    tensor_name: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    offset: int
+    nbytes: int
+    xxh3: int
+    sum: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop))
+
+    @property
+    def element_count(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor_name": self.tensor_name,
+            "start": list(self.start),
+            "stop": list(self.stop),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "xxh3": hex64(self.xxh3),
+            "sum": self.sum,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardSpec:
+        return cls(
+            d["tensor_name"], tuple(d["start"]), tuple(d["stop"]), d["offset"], d["nbytes"], int(d["xxh3"], 16), d["sum"]
+        )
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One fetchable byte range of a rank's part."""
+
+    index: int
+    offset: int
+    length: int
+    xxh3: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "offset": self.offset, "length": self.length, "xxh3": hex64(self.xxh3)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChunkSpec:
+        return cls(d["index"], d["offset"], d["length"], int(d["xxh3"], 16))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a rank's bytes are served."""
+
+    address: str = ""
+    transports: tuple[str, ...] = ("grpc",)
+    host_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"address": self.address, "transports": list(self.transports), "host_id": self.host_id}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Endpoint:
+        return cls(d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One trainer rank's share of a version."""
+
+    rank: int
+    total_bytes: int
+    chunk_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    shards: tuple[ShardSpec, ...]
+    chunks: tuple[ChunkSpec, ...]
+    endpoint: Endpoint = field(default_factory=Endpoint)
+    stage_seconds: float = 0.0
+
+    def content_dict(self) -> dict[str, Any]:
+        """The digest-relevant content (where it is served and how long it took are not)."""
+        return {
+            "rank": self.rank,
+            "total_bytes": self.total_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "shards": [s.to_dict() for s in self.shards],
+            "chunks": [c.to_dict() for c in self.chunks],
+        }
+
+    def digest(self) -> str:
+        """sha256 hex of the canonical encoding of this part's content."""
+        return sha256_hex(canonical_json(self.content_dict()))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.content_dict()
+        d["endpoint"] = self.endpoint.to_dict()
+        d["stage_seconds"] = self.stage_seconds
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Part:
+        return cls(
+            rank=d["rank"],
+            total_bytes=d["total_bytes"],
+            chunk_bytes=d["chunk_bytes"],
+            tensors=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
+            shards=tuple(ShardSpec.from_dict(s) for s in d["shards"]),
+            chunks=tuple(ChunkSpec.from_dict(c) for c in d["chunks"]),
+            endpoint=Endpoint.from_dict(d.get("endpoint", {})),
+            stage_seconds=d.get("stage_seconds", 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class Aggregates:
+    """Source checksums over a whole version."""
+
+    grand_total: float
+    tensor_count: int
+    element_count: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The full description of a version: every rank's part, merged."""
+
+    session: str
+    version: int
+    generation: int
+    chunk_bytes: int
+    parts: tuple[Part, ...]  # sorted by rank
+
+    @property
+    def tensors(self) -> dict[str, TensorSpec]:
+        """Global tensor specs by name, in first-seen order."""
+        out: dict[str, TensorSpec] = {}
+        for part in self.parts:
+            for t in part.tensors:
+                out.setdefault(t.name, t)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.total_bytes for p in self.parts)
+
+    def shards_of(self) -> dict[str, list[tuple[int, ShardSpec]]]:
+        """(rank, shard) lists per tensor name, in canonical order (by box start)."""
+        out: dict[str, list[tuple[int, ShardSpec]]] = {name: [] for name in self.tensors}
+        for part in self.parts:
+            for s in part.shards:
+                out[s.tensor_name].append((part.rank, s))
+        for shards in out.values():
+            shards.sort(key=lambda rs: rs[1].start)
+        return out
+
+    def tensor_digests(self) -> dict[str, int]:
+        """Per-tensor digests by the rule in `digests.combine_shard_digests`."""
+        return {name: combine_shard_digests(s.xxh3 for _, s in shards) for name, shards in self.shards_of().items()}
+
+    def tensor_sums(self) -> dict[str, float]:
+        """Per-tensor float64 sums (sums of shard sums)."""
+        return {name: math.fsum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
+
+    def aggregates(self) -> Aggregates:
+        """grand_total, tensor_count and element_count over the source tensors."""
+        tensors = self.tensors
+        return Aggregates(
+            grand_total=math.fsum(self.tensor_sums().values()),
+            tensor_count=len(tensors),
+            element_count=sum(t.element_count for t in tensors.values()),
+        )
+
+    def digest(self) -> str:
+        """sha256 hex of the canonical encoding of the whole manifest's content."""
+        return sha256_hex(
+            canonical_json(
+                {
+                    "session": self.session,
+                    "version": self.version,
+                    "chunk_bytes": self.chunk_bytes,
+                    "digest_algorithm": DIGEST_ALGORITHM,
+                    "parts": [p.content_dict() for p in self.parts],
+                }
+            )
+        )

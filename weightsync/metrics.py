@@ -1,0 +1,82 @@
+"""All weightsync Prometheus metrics, built on an injected CollectorRegistry."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from weightsync import __version__
+
+# Phases run from ~1 ms (tiny models on loopback) to minutes (100 GB models over a
+# network): exponential buckets x2.5 from 1 ms to ~10 min keep relative error bounded.
+PHASE_BUCKETS_S = tuple(round(0.001 * 2.5**i, 6) for i in range(15))
+# RPCs are control-plane calls: 0.5 ms .. ~30 s.
+RPC_BUCKETS_S = tuple(round(0.0005 * 3**i, 6) for i in range(11))
+
+
+@dataclass
+class Metrics:
+    """The metrics of one process; `role` is a low-cardinality label value."""
+
+    registry: CollectorRegistry
+    role: str
+    rpc_total: Counter
+    rpc_seconds: Histogram
+    phase_seconds: Histogram
+    transfer_bytes: Counter
+    digest_failures: Counter
+    current_version: Gauge
+    versions_total: Counter
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        """RpcObserver hook for `rpc.StatusInterceptor`."""
+        service, _, name = method.lstrip("/").rpartition("/")
+        self.rpc_total.labels(service=service, method=name, code=code).inc()
+        self.rpc_seconds.labels(service=service, method=name).observe(seconds)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        self.phase_seconds.labels(role=self.role, phase=phase).observe(seconds)
+
+    def add_bytes(self, direction: str, n: int) -> None:
+        self.transfer_bytes.labels(role=self.role, direction=direction).inc(n)
+
+
+def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metrics:
+    """Creates every weightsync metric on `registry` (a fresh one by default)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    info = Info("weightsync_build", "Build information.", registry=registry)
+    info.info({"version": __version__, "python": platform.python_version(), "role": role})
+    return Metrics(
+        registry=registry,
+        role=role,
+        rpc_total=Counter(
+            "weightsync_rpc_requests_total", "Finished RPCs by status code.", ["service", "method", "code"], registry=registry
+        ),
+        rpc_seconds=Histogram(
+            "weightsync_rpc_seconds", "RPC handling time.", ["service", "method"], buckets=RPC_BUCKETS_S, registry=registry
+        ),
+        phase_seconds=Histogram(
+            "weightsync_phase_seconds",
+            "Duration of sync phases (stage, publish, pull, verify, assemble, apply, handshake).",
+            ["role", "phase"],
+            buckets=PHASE_BUCKETS_S,
+            registry=registry,
+        ),
+        transfer_bytes=Counter(
+            "weightsync_transfer_bytes_total",
+            "Weight bytes moved, by direction (staged, served, pulled, applied).",
+            ["role", "direction"],
+            registry=registry,
+        ),
+        digest_failures=Counter(
+            "weightsync_digest_failures_total", "Chunks or tensors whose digest did not match.", ["role"], registry=registry
+        ),
+        current_version=Gauge(
+            "weightsync_current_version", "Newest version this process holds/serves.", ["role"], registry=registry
+        ),
+        versions_total=Counter(
+            "weightsync_version_transitions_total", "Version state transitions.", ["state"], registry=registry
+        ),
+    )

@@ -1,0 +1,199 @@
+"""The one bridge between weightsync errors and gRPC status codes, both directions.
+
+Servers install `StatusInterceptor`, so servicers raise `errors.*` and never call
+`context.abort`. Clients call through `unary()` / `stream()`, so callers catch
+`DigestMismatch`, not `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from weightsync import errors
+
+log = logging.getLogger(__name__)
+
+# 64 MiB: above the largest chunk (64 MiB max chunk_bytes would not fit with its header,
+# so chunk_bytes is additionally capped below by transports).
+MAX_MESSAGE_BYTES = 80 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+T = TypeVar("T")
+
+
+class RpcObserver(Protocol):
+    """Receives one call per finished RPC (metrics hook, so this module needs no prometheus)."""
+
+    def __call__(self, method: str, code: str, seconds: float) -> None: ...
+
+
+def to_status(error: Exception) -> status_pb2.Status:
+    """The google.rpc.Status for an error; INVALID_ARGUMENT carries a BadRequest detail."""
+    if isinstance(error, errors.WeightsyncError):
+        name = errors.status_name_for(error)
+        message = error.message
+    else:
+        name, message = "INTERNAL", f"internal error: {type(error).__name__}: {error}"
+    status = status_pb2.Status(code=getattr(code_pb2, name), message=message)
+    field = getattr(error, "field", None)
+    if field:
+        detail = any_pb2.Any()
+        detail.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=message)]
+            )
+        )
+        status.details.append(detail)
+    return status
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Maps raised exceptions to statuses with the table in `errors`; observes every RPC."""
+
+    def __init__(self, observer: RpcObserver | None = None) -> None:
+        self._observer = observer
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        for kind in ("unary_unary", "stream_unary"):
+            fn = getattr(handler, kind)
+            if fn is not None:
+                return handler._replace(**{kind: self._wrap_unary(fn, method)})
+        for kind in ("unary_stream", "stream_stream"):
+            fn = getattr(handler, kind)
+            if fn is not None:
+                return handler._replace(**{kind: self._wrap_stream(fn, method)})
+        return handler
+
+    def _fail(self, context: grpc.ServicerContext, error: Exception, method: str, started: float) -> None:
+        if not isinstance(error, errors.WeightsyncError):
+            log.exception("unhandled error in %s", method, exc_info=error)
+        status = to_status(error)
+        self._observe(method, grpc.StatusCode(_code_tuple(status.code)).name, started)
+        context.abort_with_status(rpc_status.to_status(status))
+
+    def _observe(self, method: str, code: str, started: float) -> None:
+        if self._observer is not None:
+            self._observer(method, code, time.perf_counter() - started)
+
+    def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                response = fn(request, context)
+            except Exception as e:  # noqa: BLE001 - the single mapping point
+                self._fail(context, e, method, started)
+            self._observe(method, "OK", started)
+            return response
+
+        return wrapped
+
+    def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            started = time.perf_counter()
+            try:
+                yield from fn(request, context)
+            except Exception as e:  # noqa: BLE001 - the single mapping point
+                self._fail(context, e, method, started)
+            self._observe(method, "OK", started)
+
+        return wrapped
+
+
+def _code_tuple(code: int) -> tuple[int, str]:
+    for member in grpc.StatusCode:
+        if member.value[0] == code:
+            return member.value
+    return grpc.StatusCode.UNKNOWN.value
+
+
+def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
+    """The weightsync error for a failed call (the table applied in reverse)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    message = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    cls = errors.ERROR_BY_STATUS.get(code.name, errors.InternalError)
+    field = None
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a status without details is fine
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                br = error_details_pb2.BadRequest()
+                detail.Unpack(br)
+                if br.field_violations:
+                    field = br.field_violations[0].field
+    err = cls.__new__(cls)
+    errors.WeightsyncError.__init__(err, message, field=field)
+    err.grpc_code = code.name  # type: ignore[attr-defined]
+    return err
+
+
+def unary(
+    fn: Callable[..., T],
+    request: Any,
+    *,
+    timeout_s: float,
+    retries: int = 0,
+    metadata: Any = None,
+) -> T:
+    """Calls a unary (or stream-unary) stub method with a deadline; maps errors.
+
+    UNAVAILABLE is retried `retries` times with jittered exponential backoff; pass
+    retries only for idempotent calls.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn(request, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            err = error_from_rpc(e)
+            if isinstance(err, errors.TransportUnavailable) and attempt < retries:
+                attempt += 1
+                time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+                continue
+            raise err from None
+
+
+def stream(fn: Callable[..., Iterator[T]], request: Any, *, timeout_s: float | None, metadata: Any = None) -> Iterator[T]:
+    """Iterates a server-streaming call with a deadline, mapping errors as they arrive."""
+    call = fn(request, timeout=timeout_s, metadata=metadata)
+    try:
+        yield from call
+    except grpc.RpcError as e:
+        raise error_from_rpc(e) from None
+    finally:
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+
+def insecure_channel(address: str) -> grpc.Channel:
+    """A plaintext channel with weightsync's message-size and keepalive options."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

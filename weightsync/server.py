@@ -1,0 +1,133 @@
+"""Builds a weightsync gRPC server: health, reflection, status mapping, /metrics, ready file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from weightsync.metrics import Metrics
+from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer to mount: the generated add_*_to_server, the servicer, its full name."""
+
+    add: Callable[[Any, grpc.Server], None]
+    servicer: Any
+    full_name: str
+
+
+@dataclass
+class RunningServer:
+    """A started server; `stop()` flips health to NOT_SERVING, drains and stops."""
+
+    server: grpc.Server
+    address: str
+    metrics_port: int
+    health: health.HealthServicer
+    service_names: list[str]
+    _httpd: Any = None
+    _stopped: bool = field(default=False)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait(grace_s + 1)
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+
+def start_server(
+    services: Sequence[Service],
+    *,
+    host: str,
+    port: int,
+    metrics: Metrics,
+    metrics_port: int,
+    max_workers: int = 32,
+) -> RunningServer:
+    """Starts a gRPC server with health + reflection and a /metrics endpoint.
+
+    Args:
+        services: the servicers to mount.
+        host, port: gRPC bind address; port 0 picks a free port.
+        metrics: this process's metrics (the registry served on /metrics).
+        metrics_port: 0 picks a free port; -1 disables /metrics.
+        max_workers: handler threads; each open stream (watch, read) holds one.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[StatusInterceptor(metrics.observe_rpc)],
+        options=SERVER_OPTIONS,
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for svc in services:
+        svc.add(svc.servicer, server)
+        names.append(svc.full_name)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    httpd = None
+    mport = -1
+    if metrics_port >= 0:
+        httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+        mport = httpd.server_port
+    address = f"{host}:{bound}"
+    log.info("serving %s on %s (metrics on %s)", ", ".join(names), address, mport)
+    return RunningServer(server, address, mport, health_servicer, names, httpd)
+
+
+def write_ready_file(path: str, **info: Any) -> None:
+    """Atomically writes the ready file (tests and the demo wait for it)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), **info}, f)
+    os.replace(tmp, path)
+
+
+def wait_for_signal(stop: threading.Event | None = None) -> threading.Event:
+    """Installs SIGTERM/SIGINT handlers that set and return an Event."""
+    stop = stop or threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def setup_logging(level: str) -> None:
+    """Structured-ish one-line logs: time, level, logger, message (key=value pairs)."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
+    )

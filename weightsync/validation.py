@@ -1,0 +1,231 @@
+"""Validation of names, parts and merged manifests; every failure names its field."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from weightsync.dtypes import dtype_info
+from weightsync.errors import InvalidArgument, ResourceExhausted
+from weightsync.manifest import Part, ShardSpec, TensorSpec
+
+SESSION_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+AGENT_ID_RE = SESSION_NAME_RE
+TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/\-]{0,511}$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size and count limits a coordinator enforces (RESOURCE_EXHAUSTED past them)."""
+
+    max_tensors: int = 200_000
+    max_shards: int = 400_000
+    max_chunks: int = 1 << 20
+    max_ndim: int = 8
+    max_part_bytes: int = 1 << 40
+    min_chunk_bytes: int = 4096
+    max_chunk_bytes: int = 64 << 20
+    max_trainer_ranks: int = 4096
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def check_session_name(name: str, field: str = "session") -> str:
+    """A DNS-label-like session name (lowercase, digits, '.', '_', '-', max 63)."""
+    if not name:
+        raise InvalidArgument(field, "must not be empty")
+    if not SESSION_NAME_RE.match(name):
+        raise InvalidArgument(field, f"{name!r} must match {SESSION_NAME_RE.pattern}")
+    return name
+
+
+def check_agent_id(agent_id: str, field: str = "agent_id") -> str:
+    """Agent ids follow the session-name rules."""
+    if not agent_id:
+        raise InvalidArgument(field, "must not be empty")
+    if not AGENT_ID_RE.match(agent_id):
+        raise InvalidArgument(field, f"{agent_id!r} must match {AGENT_ID_RE.pattern}")
+    return agent_id
+
+
+def check_tensor_name(name: str, field: str) -> None:
+    """HF-style tensor names: no empty, '..', leading separator or odd characters."""
+    if not TENSOR_NAME_RE.match(name) or ".." in name or "//" in name:
+        raise InvalidArgument(field, f"tensor name {name!r} must match {TENSOR_NAME_RE.pattern} without '..' or '//'")
+
+
+def check_version(version: int, field: str = "version") -> int:
+    """Versions are positive integers (0 is reserved for 'latest' in reads)."""
+    if version <= 0:
+        raise InvalidArgument(field, f"must be > 0, got {version}")
+    return version
+
+
+def check_address(address: str, field: str) -> None:
+    """host:port with a numeric port."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(field, f"{address!r} is not host:port")
+
+
+def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:
+    check_tensor_name(t.name, f"{field}.name")
+    dtype_info(t.dtype, f"{field}.dtype")
+    if len(t.shape) > limits.max_ndim:
+        raise InvalidArgument(f"{field}.shape", f"{len(t.shape)} dims exceed the limit of {limits.max_ndim}")
+    if any(d < 0 for d in t.shape):
+        raise InvalidArgument(f"{field}.shape", f"negative dimension in {list(t.shape)}")
+    if t.nbytes > limits.max_part_bytes:
+        raise ResourceExhausted(f"{field}.shape: {t.nbytes} bytes exceed {limits.max_part_bytes}", field=f"{field}.shape")
+
+
+def _boxes_overlap(a: ShardSpec, b: ShardSpec) -> bool:
+    return all(max(s1, s2) < min(e1, e2) for s1, e1, s2, e2 in zip(a.start, a.stop, b.start, b.stop))
+
+
+def _check_counts(part: Part, limits: Limits) -> None:
+    for what, n, cap in (
+        ("tensors", len(part.tensors), limits.max_tensors),
+        ("shards", len(part.shards), limits.max_shards),
+        ("chunks", len(part.chunks), limits.max_chunks),
+    ):
+        if n > cap:
+            raise ResourceExhausted(f"part.{what}: {n} exceed the limit of {cap}", field=f"part.{what}")
+    if part.total_bytes > limits.max_part_bytes:
+        raise ResourceExhausted(
+            f"part.total_bytes: {part.total_bytes} exceed the limit of {limits.max_part_bytes}", field="part.total_bytes"
+        )
+
+
+def _check_chunks(part: Part) -> None:
+    cursor = 0
+    for i, c in enumerate(part.chunks):
+        f = f"part.chunks[{i}]"
+        if c.index != i:
+            raise InvalidArgument(f"{f}.index", f"expected {i}, got {c.index} (chunks are sent in index order)")
+        if c.offset != cursor:
+            what = "overlaps the previous chunk" if c.offset < cursor else "leaves a gap"
+            raise InvalidArgument(f"{f}.offset", f"{c.offset} {what}; expected {cursor}")
+        if not 0 < c.length <= part.chunk_bytes:
+            raise InvalidArgument(f"{f}.length", f"{c.length} must be in (0, chunk_bytes={part.chunk_bytes}]")
+        cursor += c.length
+    if cursor != part.total_bytes:
+        raise InvalidArgument("part.chunks", f"cover [0, {cursor}) but total_bytes is {part.total_bytes}")
+
+
+def _check_shards(part: Part, specs: dict[str, TensorSpec]) -> None:
+    by_tensor: dict[str, list[ShardSpec]] = {}
+    for i, s in enumerate(part.shards):
+        f = f"part.shards[{i}]"
+        spec = specs.get(s.tensor_name)
+        if spec is None:
+            raise InvalidArgument(f"{f}.tensor_name", f"{s.tensor_name!r} is not among this part's tensors")
+        nd = len(spec.shape)
+        if len(s.start) != nd or len(s.stop) != nd:
+            raise InvalidArgument(f"{f}.start", f"box has {len(s.start)}/{len(s.stop)} dims, tensor has {nd}")
+        for d, (a, b, n) in enumerate(zip(s.start, s.stop, spec.shape)):
+            if not 0 <= a <= b <= n:
+                raise InvalidArgument(f"{f}.stop", f"dim {d}: need 0 <= start {a} <= stop {b} <= {n}")
+        expected = s.element_count * dtype_info(spec.dtype).itemsize
+        if s.nbytes != expected:
+            raise InvalidArgument(f"{f}.nbytes", f"{s.nbytes} != prod(box {list(s.shape)}) * itemsize = {expected}")
+        if s.offset < 0 or s.offset + s.nbytes > part.total_bytes:
+            raise InvalidArgument(
+                f"{f}.offset", f"[{s.offset}, {s.offset + s.nbytes}) is outside the part [0, {part.total_bytes})"
+            )
+        by_tensor.setdefault(s.tensor_name, []).append(s)
+    # Byte ranges must not overlap inside the part.
+    ranges = sorted((s.offset, s.offset + s.nbytes, s.tensor_name) for s in part.shards if s.nbytes)
+    for (a0, a1, an), (b0, _, bn) in zip(ranges, ranges[1:]):
+        if b0 < a1:
+            raise InvalidArgument("part.shards", f"bytes of {an!r} [{a0}, {a1}) overlap those of {bn!r} at {b0}")
+    for name, shards in by_tensor.items():
+        _check_no_box_overlap(name, shards, "part.shards")
+    for name in specs:
+        if name not in by_tensor:
+            raise InvalidArgument("part.tensors", f"{name!r} has no shard in this part")
+
+
+def _check_no_box_overlap(name: str, shards: Sequence[ShardSpec], field: str) -> None:
+    nonempty = [s for s in shards if s.element_count]
+    for i, a in enumerate(nonempty):
+        for b in nonempty[i + 1 :]:
+            if _boxes_overlap(a, b):
+                raise InvalidArgument(field, f"boxes of {name!r} overlap: {list(a.start)}..{list(a.stop)} and {list(b.start)}..{list(b.stop)}")
+
+
+def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Checks one rank's part on its own: counts, tensors, shards, chunk cover.
+
+    Raises:
+        InvalidArgument: naming the first bad field.
+        ResourceExhausted: a count or size limit is exceeded.
+    """
+    if not 0 <= part.rank < trainer_ranks:
+        raise InvalidArgument("header.rank", f"{part.rank} is not in [0, trainer_ranks={trainer_ranks})")
+    if not limits.min_chunk_bytes <= part.chunk_bytes <= limits.max_chunk_bytes:
+        raise InvalidArgument(
+            "header.chunk_bytes", f"{part.chunk_bytes} must be in [{limits.min_chunk_bytes}, {limits.max_chunk_bytes}]"
+        )
+    _check_counts(part, limits)
+    specs: dict[str, TensorSpec] = {}
+    for i, t in enumerate(part.tensors):
+        _check_tensor(t, f"part.tensors[{i}]", limits)
+        if t.name in specs:
+            raise InvalidArgument(f"part.tensors[{i}].name", f"duplicate tensor {t.name!r}")
+        specs[t.name] = t
+    _check_shards(part, specs)
+    _check_chunks(part)
+
+
+def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -> None:
+    """Cross-rank checks of a new part against the parts already sealed.
+
+    Tensor specs must agree and shard boxes must not overlap; when `final` (this part
+    completes the version) every tensor's boxes must tile its global shape exactly.
+    """
+    specs: dict[str, TensorSpec] = {}
+    shards: dict[str, list[ShardSpec]] = {}
+    for other in others:
+        if other.chunk_bytes != part.chunk_bytes:
+            raise InvalidArgument(
+                "header.chunk_bytes", f"{part.chunk_bytes} differs from rank {other.rank}'s {other.chunk_bytes}"
+            )
+        for t in other.tensors:
+            specs[t.name] = t
+        for s in other.shards:
+            shards.setdefault(s.tensor_name, []).append(s)
+    for i, t in enumerate(part.tensors):
+        prior = specs.get(t.name)
+        if prior is not None and prior != t:
+            raise InvalidArgument(
+                f"part.tensors[{i}]",
+                f"{t.name!r} is {t.dtype}{list(t.shape)} here but {prior.dtype}{list(prior.shape)} on another rank",
+            )
+        specs[t.name] = t
+    for s in part.shards:
+        shards.setdefault(s.tensor_name, []).append(s)
+    for name, group in shards.items():
+        _check_no_box_overlap(name, group, "part.shards")
+    if final:
+        for name, spec in specs.items():
+            covered = sum(s.element_count for s in shards.get(name, []))
+            if covered != spec.element_count:
+                raise InvalidArgument(
+                    "part.shards", f"shards of {name!r} cover {covered} of {spec.element_count} elements across all ranks"
+                )
+
+
+def values_close(a: float, b: float, element_count: int) -> bool:
+    """Aggregate comparison used by the handshake.
+
+    Float64 sums of the same values in another order differ by about
+    n * eps * sum|x|; the tolerance is rel 1e-9 or abs 1e-9 * max(1, n). Byte digests
+    carry the exact check; sums are the layout-invariant cross-check.
+    """
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9 * max(1, element_count))

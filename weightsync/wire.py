@@ -1,0 +1,142 @@
+"""Protos become dataclasses here, and only here (the edge)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from weightsync._proto import coordinator_pb2 as _cpb
+from weightsync._proto import types_pb2 as _tpb
+from weightsync.dtypes import dtype_from_proto, dtype_info
+from weightsync.errors import InvalidArgument
+from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, TensorSpec
+
+BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
+
+
+def endpoint_to_proto(e: Endpoint) -> _tpb.Endpoint:
+    return _tpb.Endpoint(address=e.address, transports=list(e.transports), host_id=e.host_id)
+
+
+def endpoint_from_proto(p: _tpb.Endpoint) -> Endpoint:
+    return Endpoint(p.address, tuple(p.transports), p.host_id)
+
+
+def tensor_from_proto(p: _tpb.TensorDescriptor, field: str) -> TensorSpec:
+    return TensorSpec(p.name, dtype_from_proto(p.dtype, f"{field}.dtype").name, tuple(p.shape))
+
+
+def tensor_to_proto(t: TensorSpec) -> _tpb.TensorDescriptor:
+    return _tpb.TensorDescriptor(name=t.name, dtype=dtype_info(t.dtype).proto, shape=list(t.shape))
+
+
+def shard_from_proto(p: _tpb.ShardDescriptor) -> ShardSpec:
+    return ShardSpec(p.tensor_name, tuple(p.start), tuple(p.stop), p.offset, p.nbytes, p.xxh3, p.sum)
+
+
+def shard_to_proto(s: ShardSpec) -> _tpb.ShardDescriptor:
+    return _tpb.ShardDescriptor(
+        tensor_name=s.tensor_name, start=list(s.start), stop=list(s.stop), offset=s.offset, nbytes=s.nbytes, xxh3=s.xxh3, sum=s.sum
+    )
+
+
+def chunk_from_proto(p: _tpb.ChunkDescriptor) -> ChunkSpec:
+    return ChunkSpec(p.index, p.offset, p.length, p.xxh3)
+
+
+def chunk_to_proto(c: ChunkSpec) -> _tpb.ChunkDescriptor:
+    return _tpb.ChunkDescriptor(index=c.index, offset=c.offset, length=c.length, xxh3=c.xxh3)
+
+
+def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb.DescriptorBatch]:
+    """Splits a part's descriptors into batches of at most batch_items each kind."""
+    n = max(len(part.tensors), len(part.shards), len(part.chunks))
+    for i in range(0, max(n, 1), batch_items):
+        yield _tpb.DescriptorBatch(
+            rank=part.rank,
+            tensors=[tensor_to_proto(t) for t in part.tensors[i : i + batch_items]],
+            shards=[shard_to_proto(s) for s in part.shards[i : i + batch_items]],
+            chunks=[chunk_to_proto(c) for c in part.chunks[i : i + batch_items]],
+        )
+
+
+class PartBuilder:
+    """Accumulates DescriptorBatches for one rank into a Part (used by both directions)."""
+
+    def __init__(self, rank: int, *, max_items: int) -> None:
+        self.rank = rank
+        self.max_items = max_items
+        self.tensors: list[TensorSpec] = []
+        self.shards: list[ShardSpec] = []
+        self.chunks: list[ChunkSpec] = []
+
+    def add(self, batch: _tpb.DescriptorBatch) -> None:
+        if batch.rank != self.rank:
+            raise InvalidArgument("batch.rank", f"{batch.rank} does not match the header's rank {self.rank}")
+        total = len(self.tensors) + len(self.shards) + len(self.chunks)
+        total += len(batch.tensors) + len(batch.shards) + len(batch.chunks)
+        if total > self.max_items:
+            raise InvalidArgument("batch", f"more than {self.max_items} descriptors; the header's counts were exceeded")
+        base = len(self.tensors)
+        self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
+        self.shards.extend(shard_from_proto(s) for s in batch.shards)
+        self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)
+
+    def build(self, *, total_bytes: int, chunk_bytes: int, endpoint: Endpoint, stage_seconds: float) -> Part:
+        return Part(
+            rank=self.rank,
+            total_bytes=total_bytes,
+            chunk_bytes=chunk_bytes,
+            tensors=tuple(self.tensors),
+            shards=tuple(self.shards),
+            chunks=tuple(self.chunks),
+            endpoint=endpoint,
+            stage_seconds=stage_seconds,
+        )
+
+
+def part_to_proto(part: Part) -> _tpb.RankPart:
+    return _tpb.RankPart(
+        rank=part.rank,
+        total_bytes=part.total_bytes,
+        chunk_count=len(part.chunks),
+        endpoint=endpoint_to_proto(part.endpoint),
+        stage_seconds=part.stage_seconds,
+    )
+
+
+def manifest_to_pieces(header: _cpb.ManifestHeader, manifest: Manifest) -> Iterator[_cpb.ManifestPiece]:
+    """A manifest as a stream: the header, then each rank's descriptor batches."""
+    yield _cpb.ManifestPiece(header=header)
+    for part in manifest.parts:
+        for batch in part_to_batches(part):
+            yield _cpb.ManifestPiece(batch=batch)
+
+
+def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.ManifestHeader, Manifest]:
+    """Rebuilds a Manifest from GetManifest's stream; checks the digest it claims."""
+    it = iter(pieces)
+    first = next(it, None)
+    if first is None or not first.HasField("header"):
+        raise InvalidArgument("manifest", "stream did not start with a header")
+    header = first.header
+    builders: dict[int, PartBuilder] = {p.rank: PartBuilder(p.rank, max_items=1 << 40) for p in header.parts}
+    for piece in it:
+        if piece.batch.rank not in builders:
+            raise InvalidArgument("manifest.batch.rank", f"unknown rank {piece.batch.rank}")
+        builders[piece.batch.rank].add(piece.batch)
+    parts = tuple(
+        builders[p.rank].build(
+            total_bytes=p.total_bytes,
+            chunk_bytes=header.chunk_bytes,
+            endpoint=endpoint_from_proto(p.endpoint),
+            stage_seconds=p.stage_seconds,
+        )
+        for p in sorted(header.parts, key=lambda p: p.rank)
+    )
+    v = header.version
+    manifest = Manifest(v.session, v.version, v.generation, header.chunk_bytes, parts)
+    return header, manifest
+
+
+def parts_sorted(parts: Sequence[Part]) -> tuple[Part, ...]:
+    return tuple(sorted(parts, key=lambda p: p.rank))
