@@ -43,6 +43,7 @@ def version_info(rec: VersionRecord) -> tpb.VersionInfo:
         committed_at=rec.committed_at,
         reason=rec.reason,
         leases=rec.leases,
+        stage_seconds=rec.stage_seconds,
     )
 
 

@@ -96,6 +96,7 @@ class VersionRecord:
     sealed_ranks: int
     trainer_ranks: int
     leases: int
+    stage_seconds: float
 
 
 @dataclass(frozen=True)
@@ -506,7 +507,8 @@ class SessionStore:
         if row is None:
             raise VersionNotFound(f"version {version} of session {session!r} not found")
         agg = db.execute(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) AS b FROM parts "
+            "SELECT COUNT(*) AS n, COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) AS b, "
+            "COALESCE(MAX(json_extract(body, '$.stage_seconds')), 0.0) AS st FROM parts "
             "WHERE session=? AND version=?",
             (session, version),
         ).fetchone()
@@ -526,6 +528,7 @@ class SessionStore:
             sealed_ranks=agg["n"],
             trainer_ranks=s.trainer_ranks,
             leases=len(self._lease_holders(db, session, version)),
+            stage_seconds=agg["st"],
         )
 
     def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:

@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     agent.stop()
     running.stop()
+    puller.close()
     client.close()
     return 0
 

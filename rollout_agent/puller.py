@@ -17,7 +17,7 @@ from weightsync.digests import xxh3
 from weightsync.errors import DigestMismatch, TransportUnavailable
 from weightsync.manifest import ChunkSpec, Manifest, Part
 from weightsync.metrics import Metrics
-from weightsync.transports import FetchRequest, create_transport
+from weightsync.transports import FetchRequest, Transport, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,9 @@ class PulledVersion:
 class _Lane:
     """One stream's share of one rank's chunks; counts bytes and retries."""
 
-    def __init__(self, part: Part, indices: list[int]) -> None:
+    def __init__(self, part: Part, stream: int, indices: list[int]) -> None:
         self.part = part
+        self.stream = stream
         self.indices = indices
         self.bytes = 0
         self.retries = 0
@@ -81,6 +82,32 @@ class WeightPuller:
         self._buffers: dict[int, np.ndarray] = {}
         self.assembly_buffers: dict[str, np.ndarray] = {}  # tensors split across ranks
         self._lock = threading.Lock()
+        # One open transport (connection) per (endpoint, stream), kept across versions.
+        self._transports: dict[tuple[str, int], Transport] = {}
+        self._transports_lock = threading.Lock()
+
+    def _transport(self, lane: _Lane) -> Transport:
+        key = (lane.part.endpoint.address, lane.stream)
+        with self._transports_lock:
+            transport = self._transports.get(key)
+            if transport is None:
+                transport = create_transport(self.transport)
+                transport.open(lane.part.endpoint)
+                self._transports[key] = transport
+            return transport
+
+    def _drop_transport(self, lane: _Lane) -> None:
+        with self._transports_lock:
+            transport = self._transports.pop((lane.part.endpoint.address, lane.stream), None)
+        if transport is not None:
+            transport.close()
+
+    def close(self) -> None:
+        """Closes every open transport."""
+        with self._transports_lock:
+            transports, self._transports = list(self._transports.values()), {}
+        for t in transports:
+            t.close()
 
     def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
@@ -108,7 +135,7 @@ class WeightPuller:
             for part in manifest.parts:
                 n = len(part.chunks)
                 per = max(1, -(-n // self.streams))
-                lanes += [_Lane(part, list(range(i, min(i + per, n)))) for i in range(0, n, per)]
+                lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
             with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
                 for future in [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in lanes]:
                     future.result()
@@ -147,29 +174,28 @@ class WeightPuller:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
         received: set[int] = set()
-        bad: list[int] = []
         problem = ""
-        with create_transport(self.transport) as transport:
-            transport.open(lane.part.endpoint)
-            for w in range(0, len(indices), self.window_chunks):
-                window = list(indices[w : w + self.window_chunks])
-                request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s)
-                try:
-                    for payload in transport.fetch(request):
-                        c = chunks[payload.index] if payload.index < len(chunks) else None
-                        if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
-                            problem = f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
-                            continue
-                        if xxh3(payload.data) != c.xxh3:
-                            bad.append(payload.index)
-                            problem = f"chunk {payload.index} digest mismatch"
-                            if self.metrics is not None:
-                                self.metrics.digest_failures.labels(role=self.metrics.role).inc()
-                            continue
-                        buf[c.offset : c.offset + c.length] = np.frombuffer(payload.data, np.uint8)
-                        received.add(payload.index)
-                        lane.bytes += c.length
-                except TransportUnavailable as e:
-                    problem = e.message
+        transport = self._transport(lane)
+        for w in range(0, len(indices), self.window_chunks):
+            window = list(indices[w : w + self.window_chunks])
+            request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s)
+            try:
+                for payload in transport.fetch(request):
+                    c = chunks[payload.index] if payload.index < len(chunks) else None
+                    if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
+                        problem = f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
+                        continue
+                    if xxh3(payload.data) != c.xxh3:
+                        problem = f"chunk {payload.index} digest mismatch"
+                        if self.metrics is not None:
+                            self.metrics.digest_failures.labels(role=self.metrics.role).inc()
+                        continue
+                    buf[c.offset : c.offset + c.length] = np.frombuffer(payload.data, np.uint8)
+                    received.add(payload.index)
+                    lane.bytes += c.length
+            except TransportUnavailable as e:
+                problem = e.message
+                self._drop_transport(lane)
+                break
         missing = [i for i in indices if i not in received]
         return missing, problem

@@ -34,9 +34,17 @@ def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        log.info("interrupted; arena released")
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     cfg = load_config(TrainerConfig, "trainer", argv, os.environ, prog="weightsync-trainer")
     setup_logging(cfg.log_level)
-    stop = wait_for_signal()
+    stop = wait_for_signal(interrupt=True)
     params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1)
     with WeightPublisher(
         cfg.coordinator,

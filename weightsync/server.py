@@ -112,13 +112,19 @@ def write_ready_file(path: str, **info: Any) -> None:
     os.replace(tmp, path)
 
 
-def wait_for_signal(stop: threading.Event | None = None) -> threading.Event:
-    """Installs SIGTERM/SIGINT handlers that set and return an Event."""
-    stop = stop or threading.Event()
+def wait_for_signal(*, interrupt: bool = False) -> threading.Event:
+    """Installs SIGTERM/SIGINT handlers that set and return an Event.
+
+    With `interrupt`, the handler also raises KeyboardInterrupt in the main thread, so a
+    blocking call (a trainer waiting for a commit) unwinds through its `with` blocks.
+    """
+    stop = threading.Event()
 
     def handler(signum: int, _frame: Any) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
+        if interrupt:
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -145,7 +145,7 @@ class RankPart(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "created_at", "ready_at", "committed_at", "reason", "leases")
+    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "created_at", "ready_at", "committed_at", "reason", "leases", "stage_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class VersionInfo(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     state: VersionState
@@ -172,4 +173,5 @@ class VersionInfo(_message.Message):
     committed_at: float
     reason: str
     leases: int
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., created_at: _Optional[float] = ..., ready_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ...) -> None: ...
+    stage_seconds: float
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., created_at: _Optional[float] = ..., ready_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ...) -> None: ...

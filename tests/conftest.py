@@ -1,0 +1,47 @@
+"""Shared fixtures: process clusters on loopback, leak checks for arenas."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from weightsync.cluster import Cluster
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _arenas() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("weightsync-*")}
+
+
+@pytest.fixture
+def no_arena_leak() -> Iterator[None]:
+    """Fails the test if it leaves new weightsync arenas in /dev/shm."""
+    before = _arenas()
+    yield
+    leaked = _arenas() - before
+    assert not leaked, f"arenas left behind: {sorted(leaked)}"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest, no_arena_leak: None) -> Iterator[Cluster]:
+    """A Cluster in tmp_path; dumps every process log when the test fails."""
+    c = Cluster(tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.close()
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            for proc in c.procs.values():
+                print(f"===== {proc.name} (exit {proc.popen.returncode}) =====\n{proc.log()[-6000:]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # noqa: ANN201 - pytest hook
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep

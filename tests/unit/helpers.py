@@ -1,0 +1,49 @@
+"""Builders for manifests and parts used across unit tests (no sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from weightsync.manifest import Endpoint, Part
+
+CHUNK = 4096
+
+
+def make_part(
+    arrays: dict[str, np.ndarray] | Sequence[HostShard],
+    *,
+    rank: int = 0,
+    chunk_bytes: int = CHUNK,
+    address: str = "127.0.0.1:1",
+) -> tuple[Part, np.ndarray]:
+    """Stages arrays (whole tensors) or HostShards into a buffer; returns (part, bytes)."""
+    shards = (
+        [HostShard(n, a, a.shape, (0,) * a.ndim) for n, a in arrays.items()] if isinstance(arrays, dict) else list(arrays)
+    )
+    layout = plan_layout(shards)
+    buf = np.zeros(max(layout.total_bytes, 1), np.uint8)
+    specs, chunks = stage_shards(buf, shards, layout, chunk_bytes)
+    part = Part(rank, layout.total_bytes, chunk_bytes, layout.tensors, tuple(specs), tuple(chunks), Endpoint(address))
+    return part, buf[: layout.total_bytes]
+
+
+def row_shards(arrays: dict[str, np.ndarray], rank: int, world: int) -> list[HostShard]:
+    """Rank's rows [r*n/W, (r+1)*n/W) of every array."""
+    out = []
+    for name, a in arrays.items():
+        n = a.shape[0]
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        out.append(HostShard(name, a[lo:hi], a.shape, (lo,) + (0,) * (a.ndim - 1)))
+    return out
+
+
+def sample_arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((64, 16)).astype(np.float32),
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((32, 16)).astype(np.float16),
+        "model.norm.weight": rng.standard_normal((16,)).astype(np.float32),
+    }

@@ -1,0 +1,25 @@
+"""Config dataclasses: flags win over WEIGHTSYNC_* variables; unknown variables warn."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from rollout_agent.config import RolloutConfig
+from weightsync.config import load_config
+
+
+def test_flag_beats_env_beats_default(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"WEIGHTSYNC_COORDINATOR_DB_PATH": "/env.db", "WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "3", "WEIGHTSYNC_COORDINATOR_BOGUS": "1"}
+    cfg = load_config(CoordinatorConfig, "coordinator", ["--db-path", "/flag.db"], env)
+    assert cfg.db_path == "/flag.db" and cfg.lease_ttl_s == 3.0 and cfg.port == 0
+    assert "unknown variable WEIGHTSYNC_COORDINATOR_BOGUS" in capsys.readouterr().err
+
+
+def test_bool_and_validation() -> None:
+    cfg = load_config(RolloutConfig, "rollout", ["--follow", "false"], {"WEIGHTSYNC_ROLLOUT_STREAMS": "4"})
+    assert cfg.follow is False and cfg.streams == 4
+    with pytest.raises(SystemExit):
+        load_config(RolloutConfig, "rollout", ["--agent-id", "Not_Valid!"], {})
+    with pytest.raises(SystemExit):
+        load_config(CoordinatorConfig, "coordinator", ["--lease-ttl-s", "0"], {})

@@ -1,0 +1,55 @@
+"""Every error class is mapped to a status; public surfaces are explicit."""
+
+from __future__ import annotations
+
+import inspect
+
+import grpc
+import pytest
+
+import weightsync
+import weightsync.transports as transports
+from weightsync import errors
+from weightsync.rpc import to_status
+
+
+def all_error_classes() -> list[type[errors.WeightsyncError]]:
+    return [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.WeightsyncError)]
+
+
+@pytest.mark.parametrize("cls", all_error_classes(), ids=lambda c: c.__name__)
+def test_every_error_maps_to_a_real_status(cls: type[errors.WeightsyncError]) -> None:
+    err = cls.__new__(cls)
+    errors.WeightsyncError.__init__(err, "x")
+    name = errors.status_name_for(err)
+    assert name in grpc.StatusCode.__members__
+    if cls is not errors.InternalError and cls is not errors.WeightsyncError:
+        assert name != "INTERNAL", f"{cls.__name__} is not in STATUS_BY_ERROR"
+    status = to_status(err)
+    assert grpc.StatusCode[name].value[0] == status.code
+
+
+def test_invalid_argument_carries_the_field_in_a_bad_request_detail() -> None:
+    status = to_status(errors.InvalidArgument("header.rank", "too big"))
+    assert status.message == "header.rank: too big" and len(status.details) == 1
+
+
+def test_documented_codes() -> None:
+    assert errors.status_name_for(errors.StaleGeneration("x")) == "FAILED_PRECONDITION"
+    assert errors.status_name_for(errors.DigestMismatch("x")) == "DATA_LOSS"
+    assert errors.status_name_for(errors.VersionConflict("x")) == "ALREADY_EXISTS"
+    assert errors.status_name_for(errors.TransportUnavailable("x")) == "UNAVAILABLE"
+
+
+def test_exported_members() -> None:
+    assert weightsync.__all__ == ["__version__"]
+    for name in transports.__all__:
+        assert hasattr(transports, name)
+    assert not any(n.startswith("_") for n in transports.__all__)
+
+
+def test_transport_registry() -> None:
+    with pytest.raises(ValueError, match="available: grpc, memory"):
+        transports.create_transport("carrier-pigeon")
+    with pytest.raises(ValueError, match="already registered"):
+        transports.register_transport("grpc", "x:Y")

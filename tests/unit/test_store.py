@@ -1,0 +1,268 @@
+"""SessionStore: state machine, idempotent publish, fencing, persistence, handshakes, leases."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.handshake import AppliedReport
+from coordinator.states import TRANSITIONS, VersionState, check_transition
+from coordinator.store import SessionStore
+from tests.unit.helpers import make_part, row_shards, sample_arrays
+from weightsync.errors import (
+    AgentNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+    SessionNotFound,
+    StaleGeneration,
+    VersionConflict,
+    VersionNotFound,
+    WrongState,
+)
+from weightsync.manifest import Endpoint, Manifest
+
+S = VersionState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> SessionStore:
+    s = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock)
+    yield s
+    s.close()
+
+
+def attach(store: SessionStore, *, ranks: int = 1, incarnation: str = "run-1", rollouts: tuple[str, ...] = ()) -> int:
+    s, _ = store.open_session("job", trainer=True, incarnation=incarnation, trainer_ranks=ranks)
+    for r in rollouts:
+        store.register_agent("job", r, role="ROLLOUT", endpoint=Endpoint())
+    return s.generation
+
+
+def good_report(store: SessionStore, version: int, arrays: dict[str, np.ndarray] | None = None) -> AppliedReport:
+    _, m = store.manifest("job", version)
+    return report_for(m, store.version("job", version).manifest_digest)
+
+
+def report_for(m: Manifest, digest: str) -> AppliedReport:
+    sums = m.tensor_sums()
+    return AppliedReport(
+        manifest_digest=digest,
+        tensor_digests={n: (d, sums[n]) for n, d in m.tensor_digests().items()},
+        aggregates=m.aggregates(),
+        consumed_names=tuple(m.tensors),
+    )
+
+
+def test_transition_table_is_closed_and_enforced() -> None:
+    for src, targets in TRANSITIONS.items():
+        for t in S:
+            if t in targets:
+                check_transition(1, src, t)
+            else:
+                with pytest.raises(WrongState):
+                    check_transition(1, src, t)
+    assert TRANSITIONS[S.RELEASED] == frozenset()
+
+
+def test_publish_single_rank_goes_ready_then_committed(store: SessionStore) -> None:
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    out = store.publish_part("job", generation=gen, version=1, idempotency_key="k1", part=part)
+    assert out.version.state is S.READY and not out.duplicate
+    assert store.report_applied("job", 1, "r0", good_report(store, 1)).mismatch is None
+    assert store.version("job", 1).state is S.READY  # r1 still required
+    store.report_applied("job", 1, "r1", good_report(store, 1))
+    assert store.version("job", 1).state is S.COMMITTED
+    states = [s for _, _, s in store.event_states_since("job", 0)]
+    assert states == ["STAGING", "READY", "COMMITTED"]
+
+
+def test_idempotent_publish_and_conflicts(store: SessionStore) -> None:
+    gen = attach(store)
+    part, _ = make_part(sample_arrays())
+    first = store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+    again = store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+    assert again.duplicate and again.version == first.version
+    other, _ = make_part(sample_arrays(seed=1))
+    with pytest.raises(VersionConflict):
+        store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=other)
+    with pytest.raises(VersionConflict):
+        store.publish_part("job", generation=gen, version=1, idempotency_key="other-key", part=part)
+
+
+def test_non_monotonic_new_version_is_refused(store: SessionStore) -> None:
+    gen = attach(store)
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=5, idempotency_key="a", part=part)
+    with pytest.raises(FailedPrecondition, match="not newer"):
+        store.publish_part("job", generation=gen, version=3, idempotency_key="b", part=part)
+
+
+def test_generation_fencing(store: SessionStore) -> None:
+    old = attach(store, ranks=2, incarnation="run-1")
+    arrays = sample_arrays()
+    p0, _ = make_part(row_shards(arrays, 0, 2), rank=0)
+    p1, _ = make_part(row_shards(arrays, 1, 2), rank=1)
+    assert store.publish_part("job", generation=old, version=1, idempotency_key="a", part=p0).version.state is S.STAGING
+    # Same incarnation: idempotent attach, no bump.
+    assert attach(store, ranks=2, incarnation="run-1") == old
+    new = attach(store, ranks=2, incarnation="run-2")
+    assert new == old + 1
+    assert store.version("job", 1).state is S.FAILED  # superseded while staging
+    with pytest.raises(StaleGeneration):
+        store.publish_part("job", generation=old, version=2, idempotency_key="b", part=p1)
+    with pytest.raises(StaleGeneration):
+        store.abort_version("job", generation=old, version=1, reason="x")
+    with pytest.raises(FailedPrecondition):
+        store.open_session("job", trainer=True, incarnation="run-2", trainer_ranks=3)
+
+
+def test_multi_rank_staging_until_every_rank_sealed(store: SessionStore) -> None:
+    gen = attach(store, ranks=2)
+    arrays = sample_arrays()
+    p0, _ = make_part(row_shards(arrays, 0, 2), rank=0)
+    p1, _ = make_part(row_shards(arrays, 1, 2), rank=1)
+    assert store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=p0).version.state is S.STAGING
+    with pytest.raises(WrongState):
+        store.manifest("job", 1)
+    out = store.publish_part("job", generation=gen, version=1, idempotency_key="b", part=p1)
+    assert out.version.state is S.READY and out.version.sealed_ranks == 2
+    _, m = store.manifest("job", 1)
+    whole, _ = make_part(arrays)
+    assert m.aggregates().element_count == sum(a.size for a in arrays.values())
+    assert np.isclose(m.aggregates().grand_total, sum(s.sum for s in whole.shards))
+
+
+def test_refused_requests_leave_state_unchanged(store: SessionStore, tmp_path: Path) -> None:
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    before = (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0))
+    bad = dataclasses.replace(part, total_bytes=part.total_bytes + 1)
+    for call in (
+        lambda: store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=bad),
+        lambda: store.publish_part("job", generation=gen + 7, version=2, idempotency_key="b", part=part),
+        lambda: store.publish_part("nope", generation=gen, version=2, idempotency_key="b", part=part),
+        lambda: store.publish_part("job", generation=gen, version=0, idempotency_key="b", part=part),
+        lambda: store.publish_part("Bad Name", generation=gen, version=2, idempotency_key="b", part=part),
+        lambda: store.report_applied("job", 9, "r0", good_report(store, 1)),
+        lambda: store.release_version("job", 9),
+        lambda: store.register_agent("job", "UPPER", role="ROLLOUT", endpoint=Endpoint()),
+    ):
+        with pytest.raises((InvalidArgument, StaleGeneration, SessionNotFound, VersionNotFound)):
+            call()
+    assert (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0)) == before
+
+
+def test_persistence_across_restart(tmp_path: Path, clock: Clock) -> None:
+    db = tmp_path / "c.db"
+    s1 = SessionStore(db, clock=clock)
+    gen = attach(s1, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    s1.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    s1.report_applied("job", 1, "r0", good_report(s1, 1))
+    digest = s1.version("job", 1).manifest_digest
+    s1.close()
+    s2 = SessionStore(db, clock=clock)
+    try:
+        assert s2.session("job").generation == gen
+        rec, m = s2.manifest("job", 0)
+        assert rec.state is S.COMMITTED and rec.manifest_digest == digest == m.digest()
+        assert [r.agent_id for r in s2.reports("job", [1])] == ["r0"]
+        assert s2.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part).duplicate
+        out = s2.publish_part("job", generation=gen, version=2, idempotency_key="b", part=part)
+        assert out.version.state is S.READY
+    finally:
+        s2.close()
+
+
+def test_handshake_comparison_names_first_difference(store: SessionStore) -> None:
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    good = good_report(store, 1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    cases = {
+        "manifest digest": dataclasses.replace(good, manifest_digest="0" * 64),
+        "was not consumed": dataclasses.replace(good, consumed_names=good.consumed_names[:-1]),
+        "not in the manifest": dataclasses.replace(good, consumed_names=good.consumed_names + ("x.y",)),
+        f"tensor {name!r}: xxh3": dataclasses.replace(
+            good, tensor_digests={**good.tensor_digests, name: (good.tensor_digests[name][0] ^ 1, good.tensor_digests[name][1])}
+        ),
+        f"tensor {name!r}: sum": dataclasses.replace(
+            good, tensor_digests={**good.tensor_digests, name: (good.tensor_digests[name][0], good.tensor_digests[name][1] + 1.0)}
+        ),
+        "element_count": dataclasses.replace(
+            good, aggregates=dataclasses.replace(good.aggregates, element_count=good.aggregates.element_count + 1)
+        ),
+        "grand_total": dataclasses.replace(good, aggregates=dataclasses.replace(good.aggregates, grand_total=1e9)),
+        "failed before applying": dataclasses.replace(good, local_error="boom"),
+    }
+    for expected, report in cases.items():
+        out = store.report_applied("job", 1, "r0", report)
+        assert out.mismatch is not None and expected in out.mismatch, (expected, out.mismatch)
+    # tiny float differences from summation order are within tolerance
+    nudged = {n: (d, s * (1 + 1e-12)) for n, (d, s) in good.tensor_digests.items()}
+    assert store.report_applied("job", 1, "r1", dataclasses.replace(good, tensor_digests=nudged)).mismatch is None
+    assert store.version("job", 1).state is S.PARTIAL  # r0 failed, r1 ok
+    assert store.report_applied("job", 1, "r0", good).mismatch is None
+    assert store.version("job", 1).state is S.COMMITTED  # the failed rollout re-synced
+
+
+def test_leases_block_release_until_handshake_or_expiry(store: SessionStore, clock: Clock) -> None:
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    rec, _ = store.manifest("job", 1, lease_for="r0")
+    assert rec.leases == 1
+    with pytest.raises(FailedPrecondition, match="leased by r0"):
+        store.release_version("job", 1)
+    clock.t += 11  # r0's lease expires
+    store.sweep()
+    assert store.release_version("job", 1).state is S.RELEASED
+    with pytest.raises(AgentNotFound):
+        store.heartbeat("job", "r0")
+    store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=part)
+    with pytest.raises(AgentNotFound):
+        store.manifest("job", 2, lease_for="r0")
+
+
+def test_expired_required_rollout_does_not_block_commit(store: SessionStore, clock: Clock) -> None:
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    clock.t += 5
+    store.heartbeat("job", "r0")
+    clock.t += 6  # r1 never heartbeats: expired
+    store.sweep()
+    assert store.version("job", 1).state is S.COMMITTED
+
+
+def test_abort_and_release(store: SessionStore) -> None:
+    gen = attach(store)
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    assert store.abort_version("job", generation=gen, version=1, reason="bad step").state is S.FAILED
+    with pytest.raises(WrongState):
+        store.abort_version("job", generation=gen, version=1, reason="again")
+    with pytest.raises(WrongState):
+        store.manifest("job", 1)
+    assert store.release_version("job", 1).state is S.RELEASED
+    assert store.release_version("job", 1).state is S.RELEASED  # idempotent

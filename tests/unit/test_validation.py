@@ -1,0 +1,144 @@
+"""Manifest validation: every rule names its field; hypothesis explores chunk layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.helpers import make_part, row_shards, sample_arrays
+from weightsync.errors import InvalidArgument, ResourceExhausted
+from weightsync.layout import plan_chunks
+from weightsync.manifest import ChunkSpec, Part, ShardSpec, TensorSpec
+from weightsync.validation import Limits, validate_against_parts, validate_part
+
+
+def good_part() -> Part:
+    return make_part(sample_arrays())[0]
+
+
+def replace_shard(part: Part, i: int, **kw: object) -> Part:
+    shards = list(part.shards)
+    shards[i] = dataclasses.replace(shards[i], **kw)
+    return dataclasses.replace(part, shards=tuple(shards))
+
+
+def replace_chunk(part: Part, i: int, **kw: object) -> Part:
+    chunks = list(part.chunks)
+    chunks[i] = dataclasses.replace(chunks[i], **kw)
+    return dataclasses.replace(part, chunks=tuple(chunks))
+
+
+def test_good_part_passes() -> None:
+    validate_part(good_part(), trainer_ranks=1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda p: dataclasses.replace(p, rank=1), "header.rank"),
+        (lambda p: dataclasses.replace(p, chunk_bytes=100), "header.chunk_bytes"),
+        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name="../etc/passwd"),) + p.tensors[1:]), "part.tensors[0].name"),
+        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name="a..b"),) + p.tensors[1:]), "part.tensors[0].name"),
+        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name=""),) + p.tensors[1:]), "part.tensors[0].name"),
+        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], dtype="complex64"),) + p.tensors[1:]), "part.tensors[0].dtype"),
+        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], shape=(1,) * 9),) + p.tensors[1:]), "part.tensors[0].shape"),
+        (lambda p: dataclasses.replace(p, tensors=p.tensors + (p.tensors[0],)), "part.tensors[3].name"),
+        (lambda p: replace_shard(p, 0, nbytes=p.shards[0].nbytes - 4), "part.shards[0].nbytes"),
+        (lambda p: replace_shard(p, 0, tensor_name="nope"), "part.shards[0].tensor_name"),
+        (lambda p: replace_shard(p, 0, stop=(65, 16)), "part.shards[0].stop"),
+        (lambda p: replace_shard(p, 0, start=(0,)), "part.shards[0].start"),
+        (lambda p: replace_shard(p, 2, offset=p.total_bytes - 8), "part.shards[2].offset"),
+        (lambda p: replace_shard(p, 1, offset=p.shards[0].offset + 16), "part.shards"),
+        (lambda p: replace_chunk(p, 1, offset=p.chunks[1].offset - 1), "part.chunks[1].offset"),
+        (lambda p: replace_chunk(p, 1, offset=p.chunks[1].offset + 1), "part.chunks[1].offset"),
+        (lambda p: replace_chunk(p, 0, index=5), "part.chunks[0].index"),
+        (lambda p: replace_chunk(p, 0, length=p.chunk_bytes + 1), "part.chunks[0].length"),
+        (lambda p: dataclasses.replace(p, chunks=p.chunks[:-1]), "part.chunks"),
+        (lambda p: dataclasses.replace(p, total_bytes=p.total_bytes + 1), "part.chunks"),
+    ],
+)
+def test_each_rule_names_its_field(mutate, field: str) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidArgument) as exc:
+        validate_part(mutate(good_part()), trainer_ranks=1)
+    assert exc.value.field == field, exc.value.message
+
+
+def test_tensor_without_shard_is_refused() -> None:
+    p = good_part()
+    extra = TensorSpec("model.extra.weight", "float32", (2,))
+    with pytest.raises(InvalidArgument, match="has no shard"):
+        validate_part(dataclasses.replace(p, tensors=p.tensors + (extra,)), trainer_ranks=1)
+
+
+def test_limits_give_resource_exhausted() -> None:
+    with pytest.raises(ResourceExhausted) as exc:
+        validate_part(good_part(), trainer_ranks=1, limits=Limits(max_chunks=1))
+    assert exc.value.field == "part.chunks"
+
+
+def test_cross_rank_overlap_mismatch_and_coverage() -> None:
+    arrays = sample_arrays()
+    p0, _ = make_part(row_shards(arrays, 0, 2), rank=0)
+    p1, _ = make_part(row_shards(arrays, 1, 2), rank=1)
+    validate_against_parts(p1, [p0], final=True)
+    with pytest.raises(InvalidArgument, match="cover"):
+        validate_against_parts(p0, [], final=True)
+    with pytest.raises(InvalidArgument, match="overlap"):
+        validate_against_parts(dataclasses.replace(p0, rank=1), [p0], final=False)
+    other = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in arrays.items()}
+    p1_wrong, _ = make_part(row_shards(other, 1, 2), rank=1)
+    with pytest.raises(InvalidArgument, match="on another rank"):
+        validate_against_parts(p1_wrong, [p0], final=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(0, 1 << 22), chunk=st.integers(4096, 1 << 20))
+def test_planned_chunks_always_validate(total: int, chunk: int) -> None:
+    spans = plan_chunks(total, chunk)
+    part = Part(0, total, chunk, (), (), tuple(ChunkSpec(i, o, n, 0) for i, (o, n) in enumerate(spans)))
+    validate_part(part, trainer_ranks=1)
+    assert sum(n for _, n in spans) == total
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(-3, 9000), min_size=1, max_size=12),
+    gap_at=st.integers(0, 11),
+    gap=st.integers(-5, 5),
+)
+def test_arbitrary_chunk_layouts_pass_only_when_exact(lengths: list[int], gap_at: int, gap: int) -> None:
+    chunk_bytes = 8192
+    offsets, cursor = [], 0
+    for i, n in enumerate(lengths):
+        if i == gap_at:
+            cursor += gap
+        offsets.append(cursor)
+        cursor += n
+    total = sum(lengths)
+    chunks = tuple(ChunkSpec(i, o, n, 0) for i, (o, n) in enumerate(zip(offsets, lengths)))
+    exact = all(0 < n <= chunk_bytes for n in lengths) and (gap == 0 or gap_at >= len(lengths))
+    part = Part(0, total, chunk_bytes, (), (), chunks)
+    if exact:
+        validate_part(part, trainer_ranks=1)
+    else:
+        with pytest.raises(InvalidArgument):
+            validate_part(part, trainer_ranks=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=6), st.integers(4096, 20000))
+def test_staged_parts_validate_for_any_shapes(shapes: list[tuple[int, int]], chunk: int) -> None:
+    arrays = {f"t.{i}": np.ones(s, np.float32) for i, s in enumerate(shapes)}
+    part, buf = make_part(arrays, chunk_bytes=chunk)
+    validate_part(part, trainer_ranks=1)
+    assert part.total_bytes == len(buf)
+
+
+def test_shard_sum_and_digest_are_recorded() -> None:
+    part, _ = make_part({"a.b": np.arange(10, dtype=np.float32)})
+    (shard,) = part.shards
+    assert isinstance(shard, ShardSpec) and shard.sum == 45.0 and shard.nbytes == 40

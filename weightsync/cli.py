@@ -1,0 +1,217 @@
+"""wsctl: inspect a weightsync session (status, versions, manifest, watch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.digests import hex64
+from weightsync.errors import DeadlineExceeded, WeightsyncError
+
+STATE_STYLE = {
+    "STAGING": "yellow",
+    "READY": "cyan",
+    "COMMITTED": "green",
+    "PARTIAL": "magenta",
+    "FAILED": "red",
+    "RELEASED": "dim",
+}
+
+
+def _state(v: tpb.VersionInfo) -> str:
+    return tpb.VersionState.Name(v.state)
+
+
+def _ts(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def versions_table(versions: Sequence[tpb.VersionInfo], handshakes: Sequence[Any] = ()) -> Table:
+    table = Table(title="versions")
+    for col in ("version", "state", "ranks", "MiB", "stage s", "handshakes ok/all", "leases", "ready", "committed", "reason"):
+        table.add_column(col)
+    for v in versions:
+        hs = [h for h in handshakes if h.version == v.version]
+        state = _state(v)
+        table.add_row(
+            str(v.version),
+            f"[{STATE_STYLE.get(state, '')}]{state}[/]",
+            f"{v.sealed_ranks}/{v.trainer_ranks}",
+            _mib(v.total_bytes),
+            f"{v.stage_seconds:.3f}",
+            f"{sum(h.ok for h in hs)}/{len(hs)}",
+            str(v.leases),
+            _ts(v.ready_at),
+            _ts(v.committed_at),
+            v.reason,
+        )
+    return table
+
+
+def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    st = client.status(args.session, args.limit)
+    if args.json:
+        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True)))
+        return 0
+    console.print(
+        f"session [bold]{st.session}[/]  generation {st.generation}  trainer ranks {st.trainer_ranks}  "
+        f"min rollouts {st.min_rollouts}"
+    )
+    agents = Table(title="agents")
+    for col in ("agent", "role", "rank", "endpoint", "host", "alive", "version"):
+        agents.add_column(col)
+    for a in st.agents:
+        agents.add_row(
+            a.agent_id, tpb.Role.Name(a.role), str(a.rank), a.endpoint.address, a.endpoint.host_id,
+            "yes" if a.alive else "[red]no[/]", str(a.current_version),
+        )
+    console.print(agents)
+    console.print(versions_table(st.versions, st.handshakes))
+    if st.handshakes:
+        hs = Table(title="handshakes")
+        for col in ("version", "agent", "ok", "pull s", "apply s", "MiB", "mismatch"):
+            hs.add_column(col)
+        for h in st.handshakes[: args.limit * 4]:
+            hs.add_row(
+                str(h.version), h.agent_id, "[green]OK[/]" if h.ok else "[red]DATA_LOSS[/]",
+                f"{h.timings.pull_seconds:.3f}", f"{h.timings.apply_seconds:.3f}", _mib(h.bytes_pulled), h.mismatch,
+            )
+        console.print(hs)
+    return 0
+
+
+def cmd_versions(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    st = client.status(args.session, args.limit)
+    if args.json:
+        print(json.dumps([MessageToDict(v, preserving_proto_field_name=True) for v in st.versions]))
+        return 0
+    console.print(versions_table(st.versions, st.handshakes))
+    return 0
+
+
+def cmd_manifest(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    header, manifest = client.get_manifest(args.session, args.version)
+    digests = manifest.tensor_digests()
+    sums = manifest.tensor_sums()
+    shards = manifest.shards_of()
+    if args.json:
+        out = {
+            "header": MessageToDict(header, preserving_proto_field_name=True),
+            "manifest_digest": manifest.digest(),
+            "parts": [p.to_dict() for p in manifest.parts],
+        }
+        print(json.dumps(out))
+        return 0
+    v = header.version
+    agg = header.aggregates
+    console.print(
+        f"version [bold]{v.version}[/] {_state(v)}  digest {v.manifest_digest[:16]}…  chunk {header.chunk_bytes} B  "
+        f"tensors {agg.tensor_count}  elements {agg.element_count:,}  grand_total {agg.grand_total:.6g}"
+    )
+    parts = Table(title="parts")
+    for col in ("rank", "endpoint", "MiB", "chunks", "stage s"):
+        parts.add_column(col)
+    for p in header.parts:
+        parts.add_row(str(p.rank), p.endpoint.address, _mib(p.total_bytes), str(p.chunk_count), f"{p.stage_seconds:.3f}")
+    console.print(parts)
+    table = Table(title="tensors")
+    for col in ("name", "dtype", "shape", "shards", "xxh3", "sum"):
+        table.add_column(col)
+    for name, spec in manifest.tensors.items():
+        table.add_row(name, spec.dtype, str(list(spec.shape)), str(len(shards[name])), hex64(digests[name]), f"{sums[name]:.6g}")
+    console.print(table)
+    return 0
+
+
+def cmd_watch(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    seen = 0
+    seq = args.since
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    live = None if args.json else Live(console=console, auto_refresh=False)
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return 0
+            try:
+                for ev in client.watch(args.session, seq, timeout_s=remaining):
+                    seq = ev.seq
+                    seen += 1
+                    if args.json:
+                        print(json.dumps(MessageToDict(ev, preserving_proto_field_name=True)), flush=True)
+                    else:
+                        st = client.status(args.session, args.limit)
+                        live.update(versions_table(st.versions, st.handshakes), refresh=True)  # type: ignore[union-attr]
+                    if args.count and seen >= args.count:
+                        return 0
+            except DeadlineExceeded:
+                return 0
+    finally:
+        if live is not None:
+            live.stop()
+
+
+COMMANDS = {"status": cmd_status, "versions": cmd_versions, "manifest": cmd_manifest, "watch": cmd_watch}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wsctl", description=__doc__)
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="host:port (default: $WEIGHTSYNC_WSCTL_COORDINATOR or 127.0.0.1:50051)",
+    )
+    p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="session, agents, versions, handshakes")
+    s.add_argument("--limit", type=int, default=10)
+    s = sub.add_parser("versions", help="versions, newest first")
+    s.add_argument("--limit", type=int, default=20)
+    s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)")
+    s.add_argument("version", type=int)
+    s = sub.add_parser("watch", help="follow version events live")
+    s.add_argument("--since", type=int, default=0, help="replay events after this sequence number")
+    s.add_argument("--count", type=int, default=0, help="exit after N events")
+    s.add_argument("--timeout", type=float, default=0, help="exit after N seconds")
+    s.add_argument("--limit", type=int, default=10)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.coordinator = args.coordinator or os.environ.get("WEIGHTSYNC_WSCTL_COORDINATOR", "127.0.0.1:50051")
+    args.session = args.session or os.environ.get("WEIGHTSYNC_WSCTL_SESSION", "demo")
+    console = Console()
+    with CoordinatorClient(args.coordinator, timeout_s=args.timeout_s, retries=1) as client:
+        try:
+            return COMMANDS[args.command](client, args, console)
+        except WeightsyncError as e:
+            code = getattr(e, "grpc_code", type(e).__name__)
+            print(f"wsctl: {code}: {e.message}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

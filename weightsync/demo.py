@@ -1,0 +1,133 @@
+"""`make demo`: coordinator + JAX trainer + rollout agents on loopback, N real sync steps.
+
+Prints one row per step (version, bytes, stage / pull / apply seconds, GB/s, handshake)
+and, last, a one-line JSON summary. Exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.cluster import Cluster
+
+FINAL = {"COMMITTED", "PARTIAL", "FAILED"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightsync-demo", description=__doc__)
+    p.add_argument("--model-size", default="small", help="tiny | small | medium | 0.6b (Qwen3-0.6B shape, ~1.2 GB)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rollouts", type=int, default=2)
+    p.add_argument("--session", default="demo")
+    p.add_argument("--workdir", default="", help="logs, ready files and the SQLite db (default: a temp dir)")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    return p
+
+
+def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, Any]:
+    """One step's figures from the coordinator's view of it."""
+    hs = [h for h in handshakes if h.version == version.version]
+    pull = max((h.timings.pull_seconds for h in hs), default=0.0)
+    apply = max((h.timings.apply_seconds for h in hs), default=0.0)
+    gbps = [h.bytes_pulled / h.timings.pull_seconds / 1e9 for h in hs if h.timings.pull_seconds > 0]
+    return {
+        "version": version.version,
+        "state": tpb.VersionState.Name(version.state),
+        "bytes": version.total_bytes,
+        "stage_s": round(version.stage_seconds, 4),
+        "pull_s": round(pull, 4),
+        "apply_s": round(apply, 4),
+        "pull_gbps": round(sum(gbps) / len(gbps), 3) if gbps else 0.0,
+        "handshakes_ok": sum(h.ok for h in hs),
+        "handshakes": len(hs),
+        "mismatches": [h.mismatch for h in hs if not h.ok],
+    }
+
+
+def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-demo-"))
+    console.print(f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} rollouts={args.rollouts} workdir={workdir}")
+    rows: list[dict[str, Any]] = []
+    trainer_rc = None
+    with Cluster(workdir) as cluster:
+        coord = cluster.start_coordinator()
+        console.print(f"coordinator  {coord.address}  (metrics :{coord.ready['metrics_port']})")
+        for i in range(args.rollouts):
+            r = cluster.start_rollout(f"rollout-{i}", coord.address, args.session)
+            console.print(f"rollout-{i}    {r.address}  (metrics :{r.ready['metrics_port']})")
+        with CoordinatorClient(coord.address) as client:
+            seq = client.status(args.session).versions and 0
+            trainer = cluster.start_trainer(
+                "trainer", coord.address, args.session,
+                ["--model-size", args.model_size, "--steps", str(args.steps), "--min-rollouts", str(args.rollouts)],
+            )
+            console.print(f"trainer      {trainer.address}  (JAX on CPU, publishes every step)")
+            table = Table(title="sync steps")
+            for col in ("version", "MiB", "stage s", "pull s", "apply s", "pull GB/s", "handshake"):
+                table.add_column(col, justify="right")
+            done: set[int] = set()
+            deadline = time.monotonic() + args.timeout_s
+            while len(done) < args.steps and time.monotonic() < deadline:
+                try:
+                    for ev in client.watch(args.session, seq or 0, timeout_s=1.0):
+                        seq = ev.seq
+                        state = tpb.VersionState.Name(ev.version.state)
+                        if state in FINAL and ev.version.version not in done:
+                            done.add(ev.version.version)
+                            st = client.status(args.session)
+                            row = step_row(ev.version, st.handshakes)
+                            rows.append(row)
+                            ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
+                            console.print(
+                                f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
+                                f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
+                                f"{row['pull_gbps']:.2f} GB/s  handshake "
+                                + (f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]" if ok else f"[red]{state} {row['mismatches']}[/]")
+                            )
+                except Exception as e:  # noqa: BLE001 - a watch deadline just loops
+                    if type(e).__name__ != "DeadlineExceeded":
+                        raise
+                if not trainer.alive() and trainer.popen.returncode != 0:
+                    break
+            trainer_rc = cluster.wait_exit("trainer", 60)
+    committed = sum(r["state"] == "COMMITTED" and r["handshakes_ok"] == r["handshakes"] for r in rows)
+    return {
+        "steps": len(rows),
+        "committed": committed,
+        "ok": committed == args.steps and trainer_rc == 0,
+        "engine": "numpy",
+        "model_size": args.model_size,
+        "rollouts": args.rollouts,
+        "bytes_per_step": rows[0]["bytes"] if rows else 0,
+        "per_step": [{k: r[k] for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps")} for r in rows],
+        "trainer_exit": trainer_rc,
+        "workdir": str(workdir),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        summary = run(args, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every process was stopped and arenas removed[/]")
+        return 130
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
