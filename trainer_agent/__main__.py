@@ -37,8 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
     except KeyboardInterrupt:
-        log.info("interrupted; arena released")
-        return 130
+        log.info("stopped by signal; arena released")
+        return 0
 
 
 def _run(argv: Sequence[str] | None) -> int:

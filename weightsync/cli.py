@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.coordinator = args.coordinator or os.environ.get("WEIGHTSYNC_WSCTL_COORDINATOR", "127.0.0.1:50051")
     args.session = args.session or os.environ.get("WEIGHTSYNC_WSCTL_SESSION", "demo")
-    console = Console()
+    # Piped output is not cut to 80 columns: tensor names stay whole for grep and scripts.
+    console = Console(width=None if sys.stdout.isatty() else 200)
     with CoordinatorClient(args.coordinator, timeout_s=args.timeout_s, retries=1) as client:
         try:
             return COMMANDS[args.command](client, args, console)

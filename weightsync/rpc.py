@@ -91,6 +91,10 @@ class StatusInterceptor(grpc.ServerInterceptor):
         return handler
 
     def _fail(self, context: grpc.ServicerContext, error: Exception, method: str, started: float) -> None:
+        if isinstance(error, grpc.RpcError):
+            # The client went away while we read its request stream: nothing to answer.
+            self._observe(method, "CANCELLED", started)
+            raise error
         if not isinstance(error, errors.WeightsyncError):
             log.exception("unhandled error in %s", method, exc_info=error)
         status = to_status(error)

@@ -1,0 +1,69 @@
+"""Helpers for process tests: polling, metrics scraping, reflection listing."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+from google.protobuf import descriptor_pool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from weightsync._proto import rollout_agent_pb2 as rpb
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
+from weightsync._proto import types_pb2 as tpb
+
+T = TypeVar("T")
+
+
+def eventually(fn: Callable[[], T], *, timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "") -> T:
+    """Polls fn until it returns a truthy value; the last value or exception is reported."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last  # type: ignore[return-value]
+        except Exception as e:  # noqa: BLE001 - reported on timeout
+            last = e
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
+
+
+def scrape(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def reflected_services(address: str) -> list[str]:
+    """What `grpcurl -plaintext ADDRESS list` prints, through server reflection."""
+    with grpc.insecure_channel(address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = sorted(db.get_services())
+        pool = descriptor_pool.DescriptorPool(db)
+        for name in services:
+            pool.FindServiceByName(name)  # `grpcurl describe` works: descriptors resolve
+        return services
+
+
+def rollout_status(address: str) -> rpb.RolloutStatus:
+    with grpc.insecure_channel(address) as channel:
+        return rpb_grpc.RolloutAgentStub(channel).GetStatus(rpb.RolloutStatusRequest(), timeout=10)
+
+
+def state_name(v: tpb.VersionInfo) -> str:
+    return tpb.VersionState.Name(v.state)

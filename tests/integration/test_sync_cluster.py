@@ -1,0 +1,137 @@
+"""Real processes on loopback: coordinator, JAX trainer(s) and rollout agents."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.integration.support import eventually, metric_value, reflected_services, rollout_status, scrape, state_name
+from trainer_agent import synthetic
+from weightsync.client import CoordinatorClient
+from weightsync.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+TINY = ["--model-size", "tiny"]
+
+
+def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator()
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    r1 = cluster.start_rollout("r1", coord.address, "job")
+    trainer = cluster.start_trainer("trainer", coord.address, "job", [*TINY, "--steps", "2", "--min-rollouts", "2", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        v2 = client.wait_for_version("job", 2, timeout_s=120)
+        assert state_name(v2) == "COMMITTED"
+        st = client.status("job")
+        assert [state_name(v) for v in st.versions] == ["COMMITTED", "COMMITTED"]
+        assert sorted((h.version, h.agent_id, h.ok) for h in st.handshakes) == [
+            (1, "r0", True), (1, "r1", True), (2, "r0", True), (2, "r1", True)
+        ]
+    assert rollout_status(r0.address).current_version == 2
+    assert rollout_status(r1.address).current_version == 2
+
+    for proc, service in ((coord, "Coordinator"), (r0, "RolloutAgent"), (trainer, "TrainerAgent")):
+        services = reflected_services(proc.address)
+        assert f"weightsync.v1.{service}" in services and "grpc.health.v1.Health" in services
+        text = scrape(proc.ready["metrics_port"])
+        assert "weightsync_build_info{" in text and "weightsync_rpc_requests_total" in text
+    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="pulled") > 0
+    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_current_version", role="rollout") == 2
+    assert metric_value(scrape(trainer.ready["metrics_port"]), "weightsync_phase_seconds_count", phase="stage") == 2
+    assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_current_version", role="coordinator") == 2
+
+    out = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "--json", "versions"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert [v["state"] for v in json.loads(out.stdout)] == ["COMMITTED", "COMMITTED"]
+    human = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "manifest", "2"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert "model.layers.1.mlp.down_proj.weight" in human.stdout
+    assert cluster.stop("trainer") == 0  # SIGTERM: clean exit, arena unlinked (checked by the fixture)
+
+
+def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal(cluster: Cluster, tmp_path) -> None:  # noqa: ANN001
+    coord = cluster.start_coordinator()
+    dump = tmp_path / "dump"
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--dump-dir", str(dump)])
+    common = [*TINY, "--steps", "1", "--world-size", "2", "--incarnation", "run-a", "--weight-dtype", "float32",
+              "--wait-commit", "false", "--hold"]
+    cluster.start_trainer("rank0", coord.address, "job", [*common, "--rank", "0"])
+    with CoordinatorClient(coord.address) as client:
+        v = eventually(lambda: client.status("job").versions, what="version 1 to appear")[0]
+        assert state_name(v) == "STAGING" and v.sealed_ranks == 1 and v.trainer_ranks == 2
+        assert rollout_status(r0.address).current_version == 0
+        cluster.start_trainer("rank1", coord.address, "job", [*common, "--rank", "1"])
+        assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+        st = client.status("job")
+        assert st.generation == 1 and sorted(p.rank for p in st.parts) == [0, 1]
+    got = load_file(str(dump / "v1.safetensors"))
+    expected = synthetic.params_after("tiny", 0, 1)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        ref = np.asarray(value)
+        assert got[name].dtype == ref.dtype and np.array_equal(got[name], ref), name
+
+
+def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator()
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_trainer(
+        "trainer", coord.address, "job", [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--failpoints", "chunk_server.corrupt_chunk=3"]
+    )
+    assert cluster.wait_exit("trainer", 120) == 0  # waited for COMMITTED
+    status = rollout_status(r0.address)
+    assert status.current_version == 1 and status.chunk_retries == 3 and status.syncs_failed == 0
+    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 3
+
+
+def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: Cluster, tmp_path) -> None:  # noqa: ANN001
+    coord = cluster.start_coordinator()
+    good = cluster.start_rollout("good", coord.address, "job")
+    bad = cluster.start_rollout("bad", coord.address, "job", ["--failpoints", "puller.corrupt_assembled=1", "--dump-dir", str(tmp_path / "bad")])
+    cluster.start_trainer("trainer", coord.address, "job", [*TINY, "--steps", "1", "--min-rollouts", "2", "--wait-commit", "false", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        v1 = client.wait_for_version("job", 1, timeout_s=120)
+        assert state_name(v1) == "PARTIAL" and "bad" in v1.reason
+        hs = {h.agent_id: h for h in client.status("job").handshakes if h.version == 1}
+        assert hs["good"].ok and not hs["bad"].ok and "model.embed_tokens.weight" in hs["bad"].mismatch
+    assert rollout_status(bad.address).current_version == 0  # live weights untouched
+    assert not (tmp_path / "bad" / "v1.safetensors").exists()
+    assert rollout_status(good.address).current_version == 1
+    cluster.stop("trainer")
+    cluster.start_trainer("trainer2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--min-rollouts", "2"])
+    assert cluster.wait_exit("trainer2", 120) == 0
+    assert rollout_status(bad.address).current_version == 2
+
+
+def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: Cluster) -> None:
+    from trainer_agent.publisher import WeightPublisher
+
+    coord = cluster.start_coordinator()
+    port = coord.address.rsplit(":", 1)[1]
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    rng = np.random.default_rng(0)
+    params = {"model.embed_tokens.weight": rng.standard_normal((256, 64)).astype(np.float32),
+              "model.norm.weight": rng.standard_normal(64).astype(np.float32)}
+    with WeightPublisher(coord.address, "job", min_rollouts=1, incarnation="run-1") as pub:
+        pub.publish(params, 1)
+        assert pub.wait_committed(1, 60) == "COMMITTED"
+        generation = pub.generation
+        cluster.kill("coordinator")  # SIGKILL: no graceful shutdown
+        cluster.start_coordinator(name="coordinator-2", port=int(port))
+        params = {k: v + 1 for k, v in params.items()}
+        result = pub.publish(params, 2)
+        assert result.state == "READY"
+        assert pub.wait_committed(2, 60) == "COMMITTED"
+        st = pub.client.status("job")
+        assert st.generation == generation
+        assert [(v.version, state_name(v)) for v in st.versions] == [(2, "COMMITTED"), (1, "COMMITTED")]
+    eventually(lambda: rollout_status(r0.address).current_version == 2, what="rollout at version 2")
