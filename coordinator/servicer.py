@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-
 import grpc
 
 from coordinator.handshake import AppliedReport

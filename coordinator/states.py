@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from weightsync.errors import WrongState
 
 
-class VersionState(str, Enum):
+class VersionState(StrEnum):
     """Names equal the proto enum names of weightsync.v1.VersionState."""
 
     STAGING = "STAGING"

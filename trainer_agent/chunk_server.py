@@ -14,7 +14,7 @@ from weightsync.errors import InvalidArgument, NotFound, VersionNotFound
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import ChunkSpec
 from weightsync.metrics import Metrics
-from weightsync.transports.grpc import serve_chunks, serialize_response
+from weightsync.transports.grpc import serialize_response, serve_chunks
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 

@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from trainer_agent.arena import Arena
-from trainer_agent.chunk_server import SERVICE_NAME, SlotEntry, SlotTable, TrainerAgentServicer, add_trainer_agent_service
+from trainer_agent.chunk_server import (
+    SERVICE_NAME,
+    SlotEntry,
+    SlotTable,
+    TrainerAgentServicer,
+    add_trainer_agent_service,
+)
 from trainer_agent.staging import HostShard, Layout, plan_layout, stage_shards
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.client import CoordinatorClient

@@ -1,0 +1,51 @@
+"""`make demo`'s job end to end: five real steps, JSON summary, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _our_processes(workdir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", str(workdir)], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["steps"] == 5 and summary["committed"] == 5
+    assert summary["bytes_per_step"] > 0 and len(summary["per_step"]) == 5
+    assert [s["version"] for s in summary["per_step"]] == [1, 2, 3, 4, 5]
+    assert all(s["pull_s"] > 0 and s["stage_s"] > 0 for s in summary["per_step"])
+    assert proc.stdout.count("handshake OK 2/2") == 5
+    assert not _our_processes(workdir)
+
+
+def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: None) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "500", "--workdir", str(workdir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (workdir / "trainer.log").exists():
+        time.sleep(0.2)
+    time.sleep(3)  # mid-run: several steps in
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert not _our_processes(workdir)
