@@ -224,6 +224,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         self._maybe_sweep()
         s = self._store.session(request.session)
+        seq = self._store.latest_seq(s.name)  # read first: following from it misses nothing
         limit = request.version_limit or 20
         if limit > 1000:
             raise InvalidArgument("version_limit", f"{limit} exceeds 1000")
@@ -262,6 +263,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 for r in reports
             ],
             parts=[part_to_proto(p) for p in parts],
+            event_seq=seq,
         )
 
     def AbortVersion(self, request: pb.AbortVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:

@@ -592,6 +592,12 @@ class SessionStore:
             ).fetchall()
             return [Event(r["seq"], self._version(db, session, r["version"])) for r in rows]
 
+    def latest_seq(self, session: str) -> int:
+        """The newest event sequence number of a session (0 when none)."""
+        with self._tx() as db:
+            row = db.execute("SELECT MAX(seq) AS s FROM events WHERE session=?", (session,)).fetchone()
+            return row["s"] or 0
+
     def event_states_since(self, session: str, seq: int) -> list[tuple[int, int, str]]:
         """(seq, version, state at that event) after seq: the raw event log."""
         with self._tx() as db:

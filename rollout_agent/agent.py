@@ -107,22 +107,36 @@ class RolloutAgent:
                 log.warning("heartbeat failed: %s", e)
 
     def _watch_loop(self) -> None:
-        seq = 0
+        """Follows the session: catch up to the newest servable version, then each new one.
+
+        Each version is synced automatically at most once: a version whose handshake
+        failed stays failed for this rollout (the `Sync` RPC retries it on request).
+        """
+        seq = -1
+        attempted: set[int] = set()
         while not self._stop.is_set():
             try:
+                if seq < 0:  # (re)connect: no replay of history, just the newest version
+                    st = self.client.status(self.session, 1)
+                    seq = st.event_seq
+                    if st.versions and st.versions[0].state in SERVABLE_STATES:
+                        self._sync_newest(st.versions[0].version, attempted)
                 for ev in self.client.watch(self.session, seq):
                     seq = ev.seq
                     if self._stop.is_set():
                         return
-                    v = ev.version
-                    if v.state in SERVABLE_STATES and v.version > self.current_version:
-                        self._sync_newest(v.version)
+                    if ev.version.state in SERVABLE_STATES:
+                        self._sync_newest(ev.version.version, attempted)
             except WeightsyncError as e:
                 if not self._stop.is_set():
                     log.warning("watch interrupted (%s); reconnecting", e)
+                    seq = -1
                     time.sleep(0.5)
 
-    def _sync_newest(self, version: int) -> None:
+    def _sync_newest(self, version: int, attempted: set[int]) -> None:
+        if version <= self.current_version or version in attempted:
+            return
+        attempted.add(version)
         try:
             self.sync(version)
         except WeightsyncError as e:

@@ -278,7 +278,7 @@ class HandshakeInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., agent_id: _Optional[str] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., reported_at: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "versions", "agents", "handshakes", "parts")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "versions", "agents", "handshakes", "parts", "event_seq")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,7 @@ class GetStatusResponse(_message.Message):
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKES_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -295,7 +296,8 @@ class GetStatusResponse(_message.Message):
     agents: _containers.RepeatedCompositeFieldContainer[AgentInfo]
     handshakes: _containers.RepeatedCompositeFieldContainer[HandshakeInfo]
     parts: _containers.RepeatedCompositeFieldContainer[_types_pb2.RankPart]
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_types_pb2.VersionInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., handshakes: _Optional[_Iterable[_Union[HandshakeInfo, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ...) -> None: ...
+    event_seq: int
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_types_pb2.VersionInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., handshakes: _Optional[_Iterable[_Union[HandshakeInfo, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., event_seq: _Optional[int] = ...) -> None: ...
 
 class AbortVersionRequest(_message.Message):
     __slots__ = ("session", "generation", "version", "reason")
