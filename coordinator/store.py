@@ -6,6 +6,7 @@ request leaves stored state unchanged. Lock order: `_lock` only (one connection)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -588,9 +589,13 @@ class SessionStore:
         with self._tx() as db:
             self._session(db, session)
             rows = db.execute(
-                "SELECT seq, version FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?", (session, seq, limit)
+                "SELECT seq, version, state FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?", (session, seq, limit)
             ).fetchall()
-            return [Event(r["seq"], self._version(db, session, r["version"])) for r in rows]
+            # Each event carries the state it recorded; the other fields are current.
+            return [
+                Event(r["seq"], dataclasses.replace(self._version(db, session, r["version"]), state=VersionState(r["state"])))
+                for r in rows
+            ]
 
     def latest_seq(self, session: str) -> int:
         """The newest event sequence number of a session (0 when none)."""
