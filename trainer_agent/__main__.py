@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from trainer_agent import synthetic
@@ -65,7 +66,8 @@ def _run(argv: Sequence[str] | None) -> int:
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):
             if stop.is_set():
                 break
-            params = synthetic.train_step(params, step, cfg.seed)
+            # JAX dispatches asynchronously: finish the step so staging time is staging alone.
+            params = jax.block_until_ready(synthetic.train_step(params, step, cfg.seed))
             result = pub.publish(rank_rows(params, cfg.rank, cfg.world_size), step)
             if cfg.wait_commit:
                 state = pub.wait_committed(step, cfg.commit_timeout_s)

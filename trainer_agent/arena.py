@@ -90,6 +90,12 @@ class Arena:
             raise IndexError(f"slot {index} not in [0, {self.slots})")
         return self._buf[index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
+    def buffer(self) -> np.ndarray:
+        """The whole arena as one uint8 view (slot i starts at i * slot_bytes)."""
+        if self._buf is None:
+            raise RuntimeError("arena is not allocated; call ensure_slot_bytes() first")
+        return self._buf
+
     def _release(self) -> None:
         self._buf = None
         if self._mm is not None:

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -23,6 +23,7 @@ from trainer_agent.chunk_server import (
     add_trainer_agent_service,
 )
 from trainer_agent.staging import HostShard, Layout, plan_layout, stage_shards
+from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.client import CoordinatorClient
 from weightsync.dtypes import dtype_info
@@ -48,6 +49,31 @@ class PublishResult:
     stage_seconds: float
     publish_seconds: float
     slot: int
+
+
+def choose_staging_path(values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str) -> str:
+    """"ffi" or "host", by the use_ffi contract (DESIGN.md "Native shim and FFI").
+
+    None: FFI when built and every value is a single-device JAX array. True: FFI, and
+    RuntimeError naming what is missing when it is not built. False: host pointers.
+    Arrays that are not host-addressable without FFI fail fast (never a silent slow path).
+    """
+    if use_ffi is True and not ffi_built:
+        raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {ffi_missing}")
+    jax_values = [v for v in values if hasattr(v, "addressable_shards")]
+    ffi_eligible = bool(values) and len(jax_values) == len(values) and all(len(v.addressable_shards) == 1 for v in jax_values)
+    if ffi_built and use_ffi is not False and ffi_eligible:
+        return "ffi"
+    for v in jax_values:
+        for shard in v.addressable_shards:
+            platform = getattr(shard.device, "platform", "cpu")
+            if platform != "cpu":
+                why = "use_ffi=False" if use_ffi is False else (ffi_missing or "the FFI path needs single-device arrays")
+                raise RuntimeError(
+                    f"array on {shard.device} is not host-addressable and the FFI path is not taken ({why}); "
+                    "build the shim with FFI and pass use_ffi=None/True, or copy the arrays to host first"
+                )
+    return "host"
 
 
 def _to_host_shards(name: str, value: Any, weight_dtype: str | None) -> list[HostShard]:
@@ -100,6 +126,9 @@ class WeightPublisher:
         chunk_bytes: chunk size (travels in the manifest).
         weight_dtype: cast every tensor to this dtype while staging (e.g. "bfloat16").
         min_rollouts: OK handshakes needed to commit (0 keeps the session's setting).
+        use_ffi: None uses the JAX FFI handler when built; True requires it (RuntimeError
+            naming what is missing); False stages through host pointers.
+        staging_threads: threads of the native staging pass (0 = every core).
     """
 
     def __init__(
@@ -123,8 +152,12 @@ class WeightPublisher:
         slot_wait_s: float = 60.0,
         metrics: Metrics | None = None,
         failpoints: str = "",
+        use_ffi: bool | None = None,
+        staging_threads: int = 0,
     ) -> None:
         check_session_name(session)
+        if use_ffi is True and not native.ffi_available():
+            raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {native.ffi_missing_reason()}")
         if weight_dtype is not None:
             dtype_info(weight_dtype, "weight_dtype")
         if not 0 <= rank < world_size:
@@ -134,6 +167,10 @@ class WeightPublisher:
         self.chunk_bytes = chunk_bytes
         self.weight_dtype = weight_dtype
         self.slot_wait_s = slot_wait_s
+        self.use_ffi = use_ffi
+        self.staging_threads = staging_threads
+        self.last_path = ""
+        self._ffi: Any = None
         self.agent_id = agent_id or f"trainer-{rank}-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or build_metrics("trainer")
         self._client = CoordinatorClient(coordinator, timeout_s=timeout_s)
@@ -209,13 +246,33 @@ class WeightPublisher:
             raise InvalidArgument("params", "must contain at least one tensor")
         key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
-        shards = [s for name, value in params.items() for s in _to_host_shards(name, value, self.weight_dtype)]
+        path = choose_staging_path(
+            list(params.values()), self.use_ffi, ffi_built=native.ffi_available(), ffi_missing=native.ffi_missing_reason()
+        )
+        if path == "ffi":
+            from trainer_agent.ffi_staging import staged_meta
+
+            shards = [HostShard(n, staged_meta(v, self.weight_dtype), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
+        else:
+            shards = [s for name, value in params.items() for s in _to_host_shards(name, value, self.weight_dtype)]
         layout = plan_layout(shards)
-        slot = self._claim_slot(version)
+        claim_started = time.perf_counter()
+        slot = self._claim_slot(version)  # may wait for leases: not staging time
+        started += time.perf_counter() - claim_started
         if self.arena.ensure_slot_bytes(layout.total_bytes):
             for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
                 self.table.set(other, None)
-        shard_specs, chunks = stage_shards(self.arena.slot(slot), shards, layout, self.chunk_bytes)
+        if path == "ffi":
+            shard_specs, chunks = self._ffi_stager().stage(
+                self.arena.buffer(), slot * self.arena.slot_bytes, list(params.values()), layout, self.chunk_bytes,
+                self.weight_dtype,
+            )
+        else:
+            path = "native" if native.available() else "python"
+            shard_specs, chunks = stage_shards(
+                self.arena.slot(slot), shards, layout, self.chunk_bytes, engine=path, threads=self.staging_threads
+            )
+        self.last_path = path
         stage_s = time.perf_counter() - started
         self.table.set(slot, SlotEntry(version, tuple(chunks), layout.total_bytes))
         self._layouts[slot] = layout
@@ -244,10 +301,17 @@ class WeightPublisher:
         self.metrics.current_version.labels(role="trainer").set(version)
         state = _tpb.VersionState.Name(resp.version.state)
         log.info(
-            "published version=%d rank=%d bytes=%d stage_s=%.3f publish_s=%.3f state=%s slot=%d",
-            version, self.rank, layout.total_bytes, stage_s, publish_s, state, slot,
+            "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d",
+            version, self.rank, layout.total_bytes, path, stage_s, publish_s, state, slot,
         )
         return PublishResult(version, state, resp.duplicate, layout.total_bytes, stage_s, publish_s, slot)
+
+    def _ffi_stager(self) -> Any:
+        if self._ffi is None:
+            from trainer_agent.ffi_staging import FfiStager  # imports jax; host-only users skip it
+
+            self._ffi = FfiStager(self.staging_threads)
+        return self._ffi
 
     def _claim_slot(self, version: int) -> int:
         """A slot to stage into: an empty one, else the oldest whose version is released.

@@ -58,6 +58,8 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
 
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-demo-"))
+    for old in workdir.glob("coordinator.db*"):  # each demo run starts a fresh session
+        old.unlink()
     console.print(f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} rollouts={args.rollouts} workdir={workdir}")
     rows: list[dict[str, Any]] = []
     trainer_rc = None

@@ -1,0 +1,50 @@
+// weightsync native staging shim: fused copy + xxh3-64 + float64 sums, C ABI.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Status codes returned by every entry point (mapped to errors.py classes in Python).
+enum ws_status {
+  WS_OK = 0,
+  WS_INVALID_ARGUMENT = 1,  // spans overlap, leave [0, total), or a pointer is null
+  WS_INTERNAL = 2,          // a worker thread failed
+};
+
+// Element types, equal to weightsync.v1.DType values (used for the float64 sums).
+enum ws_dtype {
+  WS_F32 = 1, WS_F16 = 2, WS_BF16 = 3, WS_F64 = 4, WS_I8 = 5, WS_I16 = 6,
+  WS_I32 = 7, WS_I64 = 8, WS_U8 = 9, WS_BOOL = 10,
+};
+
+typedef struct {
+  const void* src;      // host pointer to the span's bytes (C order)
+  uint64_t nbytes;
+  uint64_t dst_offset;  // where the span goes in the destination region
+  int32_t dtype;        // ws_dtype, for the sum
+  int32_t _pad;
+} ws_span;
+
+// Copies spans (sorted by dst_offset, non-overlapping) into dst[0, total), zeroes every
+// gap, and computes in the same pass: xxh3-64 and float64 sum per span, and xxh3-64 of
+// each chunk [i*chunk_bytes, min(total, (i+1)*chunk_bytes)) of dst.
+// n_threads <= 0 uses every core.
+int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
+             uint64_t n_spans, uint64_t* span_digests, double* span_sums,
+             uint64_t* chunk_digests, int n_threads);
+
+// xxh3-64 of each (offset, length) range of base, in parallel (the verify path).
+int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths,
+                     uint64_t n, uint64_t* out, int n_threads);
+
+// Plain copy with the same non-temporal stores (the benchmark's bound uses memcpy).
+int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads);
+
+int ws_abi_version(void);
+int ws_default_threads(void);
+
+#ifdef __cplusplus
+}
+#endif

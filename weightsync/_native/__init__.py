@@ -1,0 +1,1 @@
+"""Holds libweightsync_native.so, built from native/ by the package build."""

@@ -1,0 +1,173 @@
+"""The only door to the native staging shim (ctypes over libweightsync_native.so).
+
+`available()` says whether the shim was built; callers fall back to the pure-Python
+digests (`weightsync.digests`) when it was not. Status codes from C++ become
+`weightsync.errors` classes here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from weightsync.errors import InternalError, InvalidArgument
+
+_NATIVE_DIR = Path(__file__).resolve().parent / "_native"
+_LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native*.so"))), _NATIVE_DIR / "libweightsync_native.so")
+_ABI_VERSION = 1
+BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
+
+
+class _Span(ctypes.Structure):
+    _fields_ = [
+        ("src", ctypes.c_void_p),
+        ("nbytes", ctypes.c_uint64),
+        ("dst_offset", ctypes.c_uint64),
+        ("dtype", ctypes.c_int32),
+        ("_pad", ctypes.c_int32),
+    ]
+
+
+_U64P = ctypes.POINTER(ctypes.c_uint64)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if not _LIB_PATH.exists():
+        return None, f"{_LIB_PATH.name} was not built ({_LIB_PATH} missing); {BUILD_HINT}"
+    try:
+        lib = ctypes.CDLL(str(_LIB_PATH))
+    except OSError as e:
+        return None, f"cannot load {_LIB_PATH}: {e}; {BUILD_HINT}"
+    if lib.ws_abi_version() != _ABI_VERSION:
+        return None, f"{_LIB_PATH.name} has ABI {lib.ws_abi_version()}, expected {_ABI_VERSION}; {BUILD_HINT}"
+    lib.ws_stage.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(_Span), ctypes.c_uint64,
+        _U64P, ctypes.POINTER(ctypes.c_double), _U64P, ctypes.c_int,
+    ]
+    lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
+    lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    return lib, ""
+
+
+_LIB, _MISSING = _load()
+
+
+def available() -> bool:
+    """True when the shim is built and loadable."""
+    return _LIB is not None
+
+
+def missing_reason() -> str:
+    """Why the shim is unavailable (empty when it is)."""
+    return _MISSING
+
+
+def ffi_available() -> bool:
+    """True when the shim was built with the JAX FFI handler."""
+    return _LIB is not None and hasattr(_LIB, "WsStageFfi")
+
+
+def ffi_missing_reason() -> str:
+    if _LIB is None:
+        return _MISSING
+    if not hasattr(_LIB, "WsStageFfi"):
+        return f"{_LIB_PATH.name} was built without the JAX FFI handler (jax headers absent at build time); {BUILD_HINT}"
+    return ""
+
+
+def ffi_handler() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """The XLA FFI handler symbol (for jax.ffi.pycapsule)."""
+    if not ffi_available():
+        raise RuntimeError(ffi_missing_reason())
+    return _LIB.WsStageFfi  # type: ignore[union-attr]
+
+
+def default_threads() -> int:
+    return int(_LIB.ws_default_threads()) if _LIB is not None else 1
+
+
+def _require() -> ctypes.CDLL:
+    if _LIB is None:
+        raise RuntimeError(_MISSING)
+    return _LIB
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 1:
+        raise InvalidArgument("spans", f"{what}: spans overlap, leave the destination, or a pointer is null")
+    if rc != 0:
+        raise InternalError(f"{what} failed with native status {rc}")
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Digests and sums from one fused staging pass."""
+
+    span_digests: np.ndarray  # uint64[n]
+    span_sums: np.ndarray  # float64[n]
+    chunk_digests: np.ndarray  # uint64[n_chunks]
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def stage(
+    dst: np.ndarray,
+    total: int,
+    chunk_bytes: int,
+    sources: Sequence[tuple[np.ndarray, int, int]],
+    *,
+    threads: int = 0,
+) -> StageResult:
+    """Copies each (C-contiguous array, dst offset, dtype code) into dst and digests it.
+
+    One pass: per-span xxh3-64 and float64 sum, per-chunk xxh3-64 over dst[0, total),
+    gaps zeroed. Spans must be sorted by offset and must not overlap.
+    """
+    lib = _require()
+    if dst.dtype != np.uint8 or dst.nbytes < total or not dst.flags.c_contiguous:
+        raise InvalidArgument("dst", f"needs a contiguous uint8 buffer of at least {total} bytes")
+    spans = (_Span * max(1, len(sources)))()
+    for i, (arr, offset, dtype) in enumerate(sources):
+        if not arr.flags.c_contiguous:
+            raise InvalidArgument(f"sources[{i}]", "array is not C-contiguous")
+        spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
+    n_chunks = -(-total // chunk_bytes) if total else 0
+    digests = np.zeros(len(sources), np.uint64)
+    sums = np.zeros(len(sources), np.float64)
+    chunks = np.zeros(max(n_chunks, 1), np.uint64)
+    rc = lib.ws_stage(
+        _ptr(dst), total, chunk_bytes, spans, len(sources),
+        digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        chunks.ctypes.data_as(_U64P), threads,
+    )
+    _check(rc, "ws_stage")
+    return StageResult(digests, sums, chunks[:n_chunks])
+
+
+def digest_ranges(base: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], *, threads: int = 0) -> np.ndarray:
+    """xxh3-64 of each range of a contiguous buffer, in parallel."""
+    lib = _require()
+    off = np.ascontiguousarray(offsets, np.uint64)
+    ln = np.ascontiguousarray(lengths, np.uint64)
+    if len(off) != len(ln):
+        raise InvalidArgument("lengths", "needs one length per offset")
+    if len(off) and int((off + ln).max()) > base.nbytes:
+        raise InvalidArgument("offsets", "a range leaves the buffer")
+    out = np.zeros(max(len(off), 1), np.uint64)
+    rc = lib.ws_digest_ranges(_ptr(base), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(off), out.ctypes.data_as(_U64P), threads)
+    _check(rc, "ws_digest_ranges")
+    return out[: len(off)]
+
+
+def copy(dst: np.ndarray, src: np.ndarray, *, threads: int = 0) -> None:
+    """dst[:] = src with the shim's non-temporal stores (same-size contiguous buffers)."""
+    lib = _require()
+    if dst.nbytes != src.nbytes:
+        raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {src.nbytes}")
+    _check(lib.ws_copy(_ptr(dst), _ptr(src), src.nbytes, threads), "ws_copy")
