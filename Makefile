@@ -9,11 +9,25 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+XXHASH_SDIST := xxhash==3.6.0
+XXHASH_LOCAL := build/xxhash-include/xxhash.h
+
+# jax goes in first so the native build (no build isolation) finds its FFI headers.
+$(STAMP): pyproject.toml setup.py native/CMakeLists.txt native/*.cc native/*.h
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[trainer,dev]'
+	$(PIP) install --quiet --upgrade pip setuptools wheel cmake
+	$(PIP) install --quiet 'jax[cpu]>=0.4.35'
+	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
+	$(PIP) install --quiet --no-build-isolation -e '.[trainer,dev]'
 	touch $(STAMP)
+
+# xxHash's header, from the xxhash package's source distribution, where Debian's
+# libxxhash-dev is not installed.
+$(XXHASH_LOCAL):
+	rm -rf build/xxhash-src && mkdir -p build/xxhash-src build/xxhash-include
+	$(PIP) download --quiet --no-binary :all: --no-deps '$(XXHASH_SDIST)' -d build/xxhash-src
+	tar -xzf build/xxhash-src/xxhash-*.tar.gz -C build/xxhash-src
+	cp build/xxhash-src/xxhash-*/deps/xxhash/xxhash.h $(XXHASH_LOCAL)
 
 demo: setup
 	$(PY) -m weightsync.demo $(DEMO_ARGS)
@@ -34,11 +48,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-native:
-	@echo "the native staging shim lands with the trainer-staging work (issue 3); the Python path is used meanwhile"
+native: setup
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	$(PY) -c "from weightsync import native; print('native:', native.available(), 'ffi:', native.ffi_available())"
 
-bench:
-	@echo "benchmarks land with the staging and transport work (issues 3 and 5)"
+bench: setup
+	$(PY) bench/stage.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info

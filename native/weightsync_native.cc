@@ -21,8 +21,8 @@ constexpr uint64_t kBlock = 256 << 10;
 constexpr uint64_t kNonTemporalMin = 1 << 20;
 alignas(64) const uint8_t kZeros[kBlock] = {};
 
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) void copy_nt_avx2(uint8_t* dst, const uint8_t* src, uint64_t n) {
+#if defined(__AVX2__)
+void copy_nt_avx2(uint8_t* dst, const uint8_t* src, uint64_t n) {
   uint64_t head = (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31;
   head = std::min(head, n);
   std::memcpy(dst, src, head);
@@ -42,12 +42,11 @@ __attribute__((target("avx2"))) void copy_nt_avx2(uint8_t* dst, const uint8_t* s
   }
   std::memcpy(dst + i, src + i, n - i);
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n, bool non_temporal) {
-#if defined(__x86_64__)
-  if (non_temporal && kHasAvx2) {
+#if defined(__AVX2__)
+  if (non_temporal) {
     copy_nt_avx2(dst, src, n);
     return;
   }
@@ -112,21 +111,21 @@ double sum_as(const uint8_t* p, uint64_t nbytes, Conv conv) {
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-#if defined(__x86_64__)
+#if defined(__AVX2__)
 // Widen 8 floats to doubles and add them into two accumulators.
-__attribute__((target("avx2"))) inline void add_ps_to_pd(__m256 v, __m256d& a, __m256d& b) {
+inline void add_ps_to_pd(__m256 v, __m256d& a, __m256d& b) {
   a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
   b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
 }
 
-__attribute__((target("avx2"))) double hsum(__m256d a, __m256d b, __m256d c, __m256d d) {
+double hsum(__m256d a, __m256d b, __m256d c, __m256d d) {
   __m256d s = _mm256_add_pd(_mm256_add_pd(a, b), _mm256_add_pd(c, d));
   alignas(32) double t[4];
   _mm256_store_pd(t, s);
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-__attribute__((target("avx2"))) double sum_f32_avx2(const uint8_t* p, uint64_t nbytes) {
+double sum_f32_avx2(const uint8_t* p, uint64_t nbytes) {
   const uint64_t n = nbytes / 4;
   __m256d a = _mm256_setzero_pd(), b = a, c = a, d = a;
   uint64_t i = 0;
@@ -143,7 +142,7 @@ __attribute__((target("avx2"))) double sum_f32_avx2(const uint8_t* p, uint64_t n
   return hsum(a, b, c, d) + rest;
 }
 
-__attribute__((target("avx2"))) double sum_bf16_avx2(const uint8_t* p, uint64_t nbytes) {
+double sum_bf16_avx2(const uint8_t* p, uint64_t nbytes) {
   const uint64_t n = nbytes / 2;
   __m256d a = _mm256_setzero_pd(), b = a, c = a, d = a;
   uint64_t i = 0;
@@ -166,9 +165,9 @@ __attribute__((target("avx2"))) double sum_bf16_avx2(const uint8_t* p, uint64_t 
 
 // Float64 sum of whole elements in [p, p + nbytes); callers keep blocks element-aligned.
 double sum_block(const uint8_t* p, uint64_t nbytes, int dtype) {
-#if defined(__x86_64__)
-  if (kHasAvx2 && dtype == WS_F32) return sum_f32_avx2(p, nbytes);
-  if (kHasAvx2 && dtype == WS_BF16) return sum_bf16_avx2(p, nbytes);
+#if defined(__AVX2__)
+  if (dtype == WS_F32) return sum_f32_avx2(p, nbytes);
+  if (dtype == WS_BF16) return sum_bf16_avx2(p, nbytes);
 #endif
   switch (dtype) {
     case WS_F32: return sum_as<float>(p, nbytes, [](float v) { return double(v); });
@@ -223,8 +222,10 @@ struct Range {
   uint64_t c_lo, c_hi, lo, hi;
 };
 
+// Sums are additive, so every thread sums its piece of every span (partial_sums); digests
+// are not, so a span cut by a thread boundary is marked in `crossing` and hashed whole later.
 void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
-                 uint64_t n_spans, uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests,
+                 uint64_t n_spans, uint64_t* span_digests, std::vector<double>& partial_sums, uint64_t* chunk_digests,
                  std::vector<uint8_t>& crossing) {
   XXH3_state_t chunk_state, span_state;
   XXH3_64bits_reset(&chunk_state);
@@ -271,7 +272,6 @@ void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_by
     if (!whole) crossing[s] = 1;
     if (whole && !span_open) {
       XXH3_64bits_reset(&span_state);
-      span_sums[s] = 0.0;
       span_open = true;
     }
     const bool non_temporal = sp.nbytes >= kNonTemporalMin;
@@ -280,11 +280,13 @@ void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_by
     while (pos < std::min(sp_end, r.hi)) {
       uint64_t take = std::min(block, std::min(sp_end, r.hi) - pos);
       const uint8_t* src = static_cast<const uint8_t*>(sp.src) + (pos - sp.dst_offset);
+      // Each element is summed by the block holding its first byte; the source is whole,
+      // so an element split by a block or thread boundary is still read entirely.
+      const uint64_t a = pos - sp.dst_offset, b = a + take;
+      const uint64_t e0 = (a + isz - 1) / isz, e1 = (b + isz - 1) / isz;
+      partial_sums[s] += sum_block(static_cast<const uint8_t*>(sp.src) + e0 * isz, (e1 - e0) * isz, sp.dtype);
       feed(src, take, non_temporal, dst + pos);
-      if (whole) {
-        XXH3_64bits_update(&span_state, src, take);
-        span_sums[s] += sum_block(src, take, sp.dtype);
-      }
+      if (whole) XXH3_64bits_update(&span_state, src, take);
     }
     if (whole) {
       span_digests[s] = XXH3_64bits_digest(&span_state);
@@ -323,12 +325,18 @@ int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* 
     ranges.push_back({c_lo, c_hi, c_lo * chunk_bytes, std::min(total, c_hi * chunk_bytes)});
   }
   std::vector<std::vector<uint8_t>> crossing(n, std::vector<uint8_t>(n_spans, 0));
+  std::vector<std::vector<double>> partial(n, std::vector<double>(n_spans, 0.0));
   int rc = run_parallel(n, [&](int t) {
     if (ranges[t].lo < ranges[t].hi)
-      stage_range(ranges[t], dst, total, chunk_bytes, spans, n_spans, span_digests, span_sums, chunk_digests, crossing[t]);
+      stage_range(ranges[t], dst, total, chunk_bytes, spans, n_spans, span_digests, partial[t], chunk_digests, crossing[t]);
   });
   if (rc != WS_OK) return rc;
-  // Spans cut by a thread boundary were copied in pieces: digest and sum them whole.
+  for (uint64_t i = 0; i < n_spans; ++i) {
+    double sum = 0.0;
+    for (int t = 0; t < n; ++t) sum += partial[t][i];
+    span_sums[i] = sum;
+  }
+  // Spans cut by a thread boundary were copied in pieces: digest them whole (hash only).
   std::vector<uint64_t> cut;
   for (uint64_t i = 0; i < n_spans; ++i) {
     bool any = false;
@@ -340,7 +348,6 @@ int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* 
     for (uint64_t k = t; k < cut.size(); k += m) {
       const ws_span& sp = spans[cut[k]];
       span_digests[cut[k]] = XXH3_64bits(sp.src, sp.nbytes);
-      span_sums[cut[k]] = sum_block(static_cast<const uint8_t*>(sp.src), sp.nbytes, sp.dtype);
     }
   });
 }

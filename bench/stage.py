@@ -1,0 +1,179 @@
+"""Staging benchmark: a Qwen3-shaped JAX model into the persistent arena, against memcpy.
+
+Prints GB/s for a cold arena (allocate + populate + stage) and a warm one (steady state),
+for the JAX FFI path and the host-pointer path, each with its ratio to a plain memcpy of
+the same bytes measured in this run, plus the peak RSS above the pre-staging baseline.
+`--json` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from trainer_agent.arena import Arena  # noqa: E402
+from trainer_agent.ffi_staging import FfiStager, staged_meta  # noqa: E402
+from trainer_agent.publisher import _to_host_shards  # noqa: E402
+from trainer_agent.staging import HostShard, plan_layout, stage_shards  # noqa: E402
+from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
+from weightsync import native  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    """Samples this process's RSS every 2 ms; `peak` is the largest seen."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> RssPeak:
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
+    key = jax.random.PRNGKey(0)
+    out = {}
+    for i, (name, shape) in enumerate(param_shapes(PRESETS[preset]).items()):
+        out[name] = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype))
+    return jax.block_until_ready(out)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model-size", default="0.6b", choices=sorted(PRESETS))
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the JAX params (staged as is)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="staging threads (0 = every core)")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if not native.available():
+        sys.exit(f"the native shim is not built: {native.missing_reason()}")
+    threads = args.threads or native.default_threads()
+
+    params = make_params(args.model_size, args.dtype)
+    values = list(params.values())
+    host = [s for n, v in params.items() for s in _to_host_shards(n, v, None)]
+    layout = plan_layout(host)
+    total = layout.total_bytes
+    largest = max(s.nbytes for s in host)
+    metas = [HostShard(n, staged_meta(v, None), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
+
+    # The bound, same bytes, same run: one memcpy of the whole model into a warm buffer.
+    src = np.empty(total, np.uint8)
+    dst = np.empty(total, np.uint8)
+    src[:] = 1
+    dst[:] = 0
+    memcpy_s = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        memcpy_s.append(time.perf_counter() - t0)
+    memcpy_gbps = gbps(total, statistics.median(memcpy_s))
+    del src, dst
+
+    baseline = RssPeak.now()
+    rows = {}
+    with RssPeak() as rss:
+        for path in ("ffi", "host") if native.ffi_available() else ("host",):
+            arena = Arena(f"bench-{path}", slots=2)
+            stager = FfiStager(threads) if path == "ffi" else None
+
+            def stage_once(slot: int) -> None:
+                if stager is not None:
+                    stager.stage(arena.buffer(), slot * arena.slot_bytes, values, layout, args.chunk_bytes, None)
+                else:
+                    stage_shards(arena.slot(slot), host, layout, args.chunk_bytes, engine="native", threads=threads)
+
+            if stager is not None:  # compile outside the timings (once per layout, cached)
+                scratch = np.empty(total, np.uint8)
+                stager.stage(scratch, 0, values, plan_layout(metas), args.chunk_bytes, None)
+                stager._cache.clear()
+                del scratch
+            t0 = time.perf_counter()
+            arena.ensure_slot_bytes(total)
+            populate_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            stage_once(0)
+            cold_s = populate_s + time.perf_counter() - t0
+            warm = []
+            for i in range(args.repeats):
+                t0 = time.perf_counter()
+                stage_once((i + 1) % 2)
+                warm.append(time.perf_counter() - t0)
+            rows[path] = {
+                "cold_gbps": gbps(total, cold_s),
+                "warm_gbps": gbps(total, statistics.median(warm)),
+                "warm_seconds": statistics.median(warm),
+                "populate_seconds": populate_s,
+            }
+            arena.close()
+    best = max(rows, key=lambda k: rows[k]["warm_gbps"])
+    result = {
+        "model_size": args.model_size,
+        "arena_bytes": 2 * total,
+        "model_bytes": total,
+        "largest_tensor_bytes": largest,
+        "threads": threads,
+        "memcpy_gbps": round(memcpy_gbps, 2),
+        "warm_gbps": round(rows[best]["warm_gbps"], 2),
+        "cold_gbps": round(rows[best]["cold_gbps"], 2),
+        "ratio_to_memcpy": round(rows[best]["warm_gbps"] / memcpy_gbps, 3),
+        "ffi_used": best == "ffi",
+        "peak_rss_over_baseline_bytes": rss.peak - baseline,
+        "rss_bound_bytes": 2 * total + largest + (256 << 20),
+        "paths": {k: {m: round(v, 3) for m, v in r.items()} for k, r in rows.items()},
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model {args.model_size}: {total / 1e9:.3f} GB in {len(host)} tensors, largest {largest / 1e6:.1f} MB, {threads} thread(s)")
+    print(f"memcpy (np.copyto, same bytes, this run): {memcpy_gbps:.2f} GB/s")
+    print(f"{'path':6} {'cold GB/s':>10} {'warm GB/s':>10} {'warm/memcpy':>12} {'populate s':>11}")
+    for k, r in rows.items():
+        print(f"{k:6} {r['cold_gbps']:>10.2f} {r['warm_gbps']:>10.2f} {r['warm_gbps'] / memcpy_gbps:>12.3f} {r['populate_seconds']:>11.3f}")
+    print(
+        f"peak RSS over baseline: {result['peak_rss_over_baseline_bytes'] / 1e9:.3f} GB "
+        f"(bound: arena {2 * total / 1e9:.3f} + largest tensor + 256 MiB = {result['rss_bound_bytes'] / 1e9:.3f} GB)"
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""JAX FFI staging versus the host path, the use_ffi contract, and the persistent arena."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer_agent.arena import Arena
+from trainer_agent.ffi_staging import FfiStager, staged_meta
+from trainer_agent.publisher import WeightPublisher, _to_host_shards, choose_staging_path
+from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from weightsync import native
+
+
+def test_ffi_handler_is_built() -> None:
+    assert native.ffi_available(), native.ffi_missing_reason()
+
+
+@pytest.mark.parametrize("weight_dtype", [None, "bfloat16", "float16"])
+def test_ffi_and_host_paths_give_identical_arenas_and_digests(weight_dtype: str | None) -> None:
+    key = jax.random.PRNGKey(0)
+    params = {
+        "model.embed_tokens.weight": jax.random.normal(key, (513, 64)),
+        "model.layers.0.mlp.up_proj.weight": jax.random.normal(jax.random.fold_in(key, 1), (96, 64)),
+        "model.norm.weight": jnp.linspace(0.5, 1.5, 64),
+        "model.empty": jnp.zeros((0, 3)),
+    }
+    chunk = 8192
+    metas = [HostShard(n, staged_meta(v, weight_dtype), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
+    layout = plan_layout(metas)
+    arena = np.full(2 * (1 << 20), 0xCD, np.uint8)
+    stager = FfiStager(threads=2)
+    specs_f, chunks_f = stager.stage(arena, 1 << 20, list(params.values()), layout, chunk, weight_dtype)
+    host = [s for n, v in params.items() for s in _to_host_shards(n, v, weight_dtype)]
+    slot = np.zeros(1 << 20, np.uint8)
+    specs_h, chunks_h = stage_shards(slot, host, plan_layout(host), chunk, engine="python")
+    assert np.array_equal(arena[1 << 20 : (1 << 20) + layout.total_bytes], slot[: layout.total_bytes])
+    assert chunks_f == chunks_h
+    assert [(s.xxh3, s.offset, s.nbytes) for s in specs_f] == [(s.xxh3, s.offset, s.nbytes) for s in specs_h]
+    assert np.allclose([s.sum for s in specs_f], [s.sum for s in specs_h], rtol=1e-9, atol=1e-6)
+    # another slot, same layout: no recompilation
+    stager.stage(arena, 0, list(params.values()), layout, chunk, weight_dtype)
+    assert stager.compiles == 1
+
+
+def _jax_like(platform: str) -> SimpleNamespace:
+    shard = SimpleNamespace(device=SimpleNamespace(platform=platform, __str__=lambda: f"{platform}:0"), replica_id=0)
+    return SimpleNamespace(addressable_shards=[shard], shape=(2,), ndim=1, dtype=np.float32)
+
+
+def test_use_ffi_contract() -> None:
+    arrays = [jnp.ones(3), jnp.zeros(2)]
+    assert choose_staging_path(arrays, None, ffi_built=True, ffi_missing="") == "ffi"
+    assert choose_staging_path(arrays, None, ffi_built=False, ffi_missing="not built") == "host"
+    assert choose_staging_path(arrays, False, ffi_built=True, ffi_missing="") == "host"
+    assert choose_staging_path(arrays, True, ffi_built=True, ffi_missing="") == "ffi"
+    assert choose_staging_path([np.ones(3)], None, ffi_built=True, ffi_missing="") == "host"
+    with pytest.raises(RuntimeError, match="use_ffi=True but the FFI staging handler is unavailable: lib was built without"):
+        choose_staging_path(arrays, True, ffi_built=False, ffi_missing="lib was built without the JAX FFI handler")
+    # device-resident arrays never silently take a slow host path
+    with pytest.raises(RuntimeError, match="not host-addressable.*use_ffi=False"):
+        choose_staging_path([_jax_like("tpu")], False, ffi_built=True, ffi_missing="")
+    with pytest.raises(RuntimeError, match="not host-addressable.*make native"):
+        choose_staging_path([_jax_like("tpu")], None, ffi_built=False, ffi_missing="missing; build it with `make native`")
+
+
+def test_publisher_use_ffi_true_without_handler_fails_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "ffi_available", lambda: False)
+    monkeypatch.setattr(native, "ffi_missing_reason", lambda: "built without the JAX FFI handler; build it with `make native`")
+    with pytest.raises(RuntimeError, match="use_ffi=True .*`make native`"):
+        WeightPublisher("127.0.0.1:1", "job", use_ffi=True)
+
+
+def test_arena_is_persistent_and_reallocates_only_when_it_must(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    arena = Arena("t", slots=2, directory=str(tmp_path))
+    assert arena.ensure_slot_bytes(1000) is True
+    path, base = arena.path, arena.slot(0).ctypes.data
+    arena.slot(1)[:10] = 7
+    assert arena.ensure_slot_bytes(1 << 20) is False  # fits: same pages, same address
+    assert arena.path == path and arena.slot(0).ctypes.data == base and arena.allocations == 1
+    with caplog.at_level(logging.WARNING):
+        assert arena.ensure_slot_bytes(3 << 20) is True
+    assert "reallocating" in caplog.text and arena.allocations == 2 and not path.exists()
+    new_path = arena.path
+    arena.close()
+    assert not new_path.exists() and list(tmp_path.iterdir()) == []

@@ -1,0 +1,126 @@
+"""The native shim against the Python reference: digests bit for bit, sums within tolerance."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from weightsync import native
+from weightsync.errors import InvalidArgument
+from weightsync.layout import plan_chunks
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
+
+
+def test_shim_is_built() -> None:
+    assert native.available(), native.missing_reason()
+
+
+def _arrays(draw_sizes: list[tuple[int, int]], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n, d in draw_sizes:
+        dt = np.dtype(DTYPES[d % len(DTYPES)])
+        if dt == np.bool_:
+            out.append(rng.integers(0, 2, n).astype(np.bool_))
+        elif dt.kind in "iu":
+            out.append(rng.integers(-100 if dt.kind == "i" else 0, 100, n).astype(dt))
+        else:
+            out.append(rng.standard_normal(n).astype(dt))
+    return out
+
+
+def _both_engines(arrays: list[np.ndarray], chunk: int, threads: int = 0):  # noqa: ANN202
+    shards = [HostShard(f"t.{i}", a, a.shape, (0,)) for i, a in enumerate(arrays)]
+    layout = plan_layout(shards)
+    out = []
+    for engine in ("python", "native"):
+        slot = np.full(layout.total_bytes + 512, 0xAB, np.uint8)  # dirty: gaps must be zeroed
+        specs, chunks = stage_shards(slot, shards, layout, chunk, engine=engine, threads=threads)
+        out.append((slot[: layout.total_bytes], specs, chunks))
+    return out
+
+
+def _assert_same(py, nat) -> None:  # noqa: ANN001
+    (slot_p, specs_p, chunks_p), (slot_n, specs_n, chunks_n) = py, nat
+    assert np.array_equal(slot_p, slot_n)
+    assert chunks_p == chunks_n
+    for a, b in zip(specs_p, specs_n):
+        assert (a.offset, a.nbytes, a.xxh3) == (b.offset, b.nbytes, b.xxh3)
+        assert np.isclose(a.sum, b.sum, rtol=1e-9, atol=1e-6), (a.sum, b.sum)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 8)), min_size=1, max_size=12),
+    chunk=st.integers(4096, 70_000),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_native_equals_python_reference(sizes: list[tuple[int, int]], chunk: int, threads: int, seed: int) -> None:
+    py, nat = _both_engines(_arrays(sizes, seed), chunk, threads)
+    _assert_same(py, nat)
+
+
+def test_large_spans_cut_by_thread_boundaries_and_many_tiny_tensors() -> None:
+    arrays = _arrays([(3_000_001, 2), (7, 1), (1_500_000, 0)] + [(n % 5, n) for n in range(1000)], seed=3)
+    py, nat = _both_engines(arrays, 65_536, threads=2)
+    _assert_same(py, nat)
+    _, nat1 = _both_engines(arrays, 65_536, threads=1)
+    # thread count never changes bytes or digests (sums only by summation order)
+    assert nat1[2] == nat[2] and [s.xxh3 for s in nat1[1]] == [s.xxh3 for s in nat[1]]
+    assert np.allclose([s.sum for s in nat1[1]], [s.sum for s in nat[1]], rtol=1e-9)
+
+
+def test_overlapping_spans_are_refused() -> None:
+    a = np.ones(100, np.float32)
+    with pytest.raises(InvalidArgument):
+        native.stage(np.zeros(1024, np.uint8), 600, 4096, [(a, 0, 1), (a, 200, 1)])
+    with pytest.raises(InvalidArgument):
+        native.stage(np.zeros(1024, np.uint8), 300, 4096, [(a, 0, 1)])  # leaves [0, total)
+
+
+def test_digest_ranges_beyond_4_gib(tmp_path: Path) -> None:
+    path = tmp_path / "sparse"
+    size = (5 << 30) + 4096
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, size)
+        payload = os.urandom(10_000)
+        mm[(4 << 30) + 123 : (4 << 30) + 123 + len(payload)] = payload
+        buf = np.frombuffer(mm, np.uint8)
+        offsets = [(4 << 30) + 123, (5 << 30) - 7, 0]
+        lengths = [len(payload), 4096, 0]
+        got = native.digest_ranges(buf, offsets, lengths)
+        assert list(got) == [xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(bytes(4096)), xxhash.xxh3_64_intdigest(b"")]
+        with pytest.raises(InvalidArgument):
+            native.digest_ranges(buf, [size - 1], [2])
+        del buf
+        mm.close()
+    finally:
+        os.close(fd)
+
+
+def test_chunk_digests_match_xxhash_over_the_slot() -> None:
+    arrays = _arrays([(40_000, 0), (3, 2)], seed=1)
+    _, (slot, _, chunks) = _both_engines(arrays, 4096)
+    for c, (off, n) in zip(chunks, plan_chunks(len(slot), 4096)):
+        assert c.xxh3 == xxhash.xxh3_64_intdigest(slot[off : off + n])
+
+
+def test_native_copy() -> None:
+    src = np.random.default_rng(0).integers(0, 255, 3_000_017, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.copy(dst, src, threads=2)
+    assert np.array_equal(dst, src)
