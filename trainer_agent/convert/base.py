@@ -1,0 +1,248 @@
+"""Target-free, streaming MaxText -> HF conversion: path normalisation, unscanning, rules.
+
+A converter is a declarative `ConverterSpec` (global rules + per-layer rules). The engine
+pops each source leaf as it converts it, so the source tree and the converted tree never
+coexist in full (keeping both roughly doubles host memory: an upstream OOMKill).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from weightsync.dtypes import dtype_info
+
+Array = np.ndarray
+# A transform maps one per-layer slice (or a global leaf) to {hf_name_suffix: array}.
+Emit = Callable[[Array, "ModelDims"], dict[str, Array]]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the transforms need to know about the model (no target model required)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = 0  # HF vocab size; MaxText may pad the embedding beyond it (0 = keep)
+    tied: bool = False
+    experts: int = 0
+    moe_pad_tp: int = 0  # pad each expert's mlp dim per tensor-parallel shard (0 = no padding)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """MaxText key (dotted, relative to the decoder layer or the root) -> HF outputs."""
+
+    key: str
+    emit: Emit
+
+
+@dataclass(frozen=True)
+class ConverterSpec:
+    """A model family's mapping table."""
+
+    family: str
+    global_rules: tuple[Rule, ...]
+    layer_rules: tuple[Rule, ...]
+    layer_prefix: str = "model.layers.{i}."
+
+
+@dataclass
+class ConvertOptions:
+    """How the source tree is laid out and what to produce.
+
+    Args:
+        scanned: layers stacked on `param_scan_axis` (else `layers_{i}` subtrees).
+        param_scan_axis: the stacked layer axis of scanned leaves.
+        cycle_interval: MaxText's inhomogeneous_layer_cycle_interval C.
+        weight_dtype: cast every output to this dtype (fp32 masters -> "bfloat16").
+        ignore_unknown: skip keys no rule claims instead of raising.
+    """
+
+    scanned: bool = True
+    param_scan_axis: int = 1
+    cycle_interval: int = 1
+    weight_dtype: str | None = None
+    ignore_unknown: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+
+_PREFIXES = ("params", "base", "model")
+_LAYER_N = re.compile(r"^layers_(\d+)$")
+_SLOT = re.compile(r"^layer_(\d+)$")
+
+
+def flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Nested dicts or flat dicts with '.'/'-'-joined keys -> {path tuple: leaf}."""
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in tree.items():
+        parts = tuple(p for p in re.split(r"[.\-/]", str(key)) if p)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, prefix + parts))
+        else:
+            out[prefix + parts] = value
+    return out
+
+
+def normalise(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Drops Linen's `params` and NNX's `base` / `model` roots and `.value` wrappers."""
+    while path and path[0] in _PREFIXES:
+        path = path[1:]
+    if path and path[-1] == "value":
+        path = path[:-1]
+    return path
+
+
+def _cast(a: Array, weight_dtype: str | None) -> Array:
+    return a if weight_dtype is None else a.astype(dtype_info(weight_dtype).numpy, copy=False)
+
+
+class UnknownKey(ValueError):
+    """A source key no rule claims."""
+
+
+def convert(
+    tree: MutableMapping[str, Any] | Mapping[str, Any],
+    spec: ConverterSpec,
+    dims: ModelDims,
+    options: ConvertOptions | None = None,
+) -> Iterator[tuple[str, Array]]:
+    """Yields (hf_name, array) pairs, popping source leaves as they are converted.
+
+    Raises:
+        UnknownKey (ValueError): a key no rule claims (unless ignore_unknown), naming it.
+        ValueError: a key without the slot prefix when cycle_interval > 1.
+    """
+    opts = options or ConvertOptions()
+    flat = flatten(tree)
+    if isinstance(tree, MutableMapping):
+        tree.clear()  # the flat view holds the leaves now; drop the caller's references
+    globals_by_key = {r.key: r for r in spec.global_rules}
+    layer_by_key = {r.key: r for r in spec.layer_rules}
+    for path in list(flat):
+        norm = normalise(path)
+        dotted = ".".join(norm)
+        if norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.match(norm[1])):
+            leaf = flat.pop(path)
+            yield from _convert_layer_leaf(norm[1:], np.asarray(leaf), spec, layer_by_key, dims, opts, dotted)
+            del leaf
+            continue
+        key = ".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted
+        rule = globals_by_key.get(key)
+        if rule is None:
+            if opts.ignore_unknown:
+                opts.skipped.append(dotted)
+                flat.pop(path)
+                continue
+            raise UnknownKey(f"no {spec.family} rule for MaxText key {'.'.join(path)!r} (normalised {dotted!r}); "
+                             "pass ignore_unknown=True to skip it")
+        leaf = np.asarray(flat.pop(path))
+        for name, arr in rule.emit(leaf, dims).items():
+            yield name, _cast(arr, opts.weight_dtype)
+        del leaf
+
+
+def _convert_layer_leaf(
+    rel: tuple[str, ...],
+    leaf: Array,
+    spec: ConverterSpec,
+    rules: Mapping[str, Rule],
+    dims: ModelDims,
+    opts: ConvertOptions,
+    dotted: str,
+) -> Iterator[tuple[str, Array]]:
+    """One source leaf under decoder.layers*: every physical layer's outputs from it."""
+    head = rel[0]
+    m = _LAYER_N.match(head)
+    if m:  # unscanned: layers_{i}.<key>
+        yield from _emit_layer(int(m.group(1)), rel[1:], leaf, spec, rules, dims, opts, dotted)
+        return
+    body = rel[1:]  # after "layers"
+    c = opts.cycle_interval
+    axis = opts.param_scan_axis
+    if c > 1:
+        if not body or not (_SLOT.match(body[0]) or body[0] in ("local_layers", "global_layer")):
+            raise ValueError(
+                f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} every layer key "
+                f"needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / 'global_layer.' after 'layers.'"
+            )
+        repeats = leaf.shape[axis]
+        if body[0] == "local_layers":  # slots 0..C-2 stacked on scan_axis + 1
+            for r in range(repeats):
+                per_repeat = np.take(leaf, r, axis=axis)
+                for slot in range(per_repeat.shape[axis]):
+                    yield from _emit_layer(r * c + slot, body[1:], np.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted)
+            return
+        slot = c - 1 if body[0] == "global_layer" else int(_SLOT.match(body[0]).group(1))  # type: ignore[union-attr]
+        for r in range(repeats):
+            yield from _emit_layer(r * c + slot, body[1:], np.take(leaf, r, axis=axis), spec, rules, dims, opts, dotted)
+        return
+    if not opts.scanned:
+        raise ValueError(f"key {dotted!r} looks scanned ('layers.') but scanned=False; expected 'layers_<i>.'")
+    for i in range(leaf.shape[axis]):
+        yield from _emit_layer(i, body, np.take(leaf, i, axis=axis), spec, rules, dims, opts, dotted)
+
+
+def _emit_layer(
+    i: int,
+    key_parts: tuple[str, ...],
+    layer_slice: Array,
+    spec: ConverterSpec,
+    rules: Mapping[str, Rule],
+    dims: ModelDims,
+    opts: ConvertOptions,
+    dotted: str,
+) -> Iterator[tuple[str, Array]]:
+    key = ".".join(key_parts)
+    rule = rules.get(key)
+    if rule is None:
+        if opts.ignore_unknown:
+            if dotted not in opts.skipped:  # once per source leaf, not once per layer
+                opts.skipped.append(dotted)
+            return
+        raise UnknownKey(f"no {spec.family} layer rule for MaxText key {dotted!r} (layer key {key!r}); "
+                         "pass ignore_unknown=True to skip it")
+    prefix = spec.layer_prefix.format(i=i)
+    for suffix, arr in rule.emit(layer_slice, dims).items():
+        yield prefix + suffix, _cast(np.ascontiguousarray(arr), opts.weight_dtype)
+
+
+# -- transforms shared by families ------------------------------------------------------
+def same(name: str) -> Emit:
+    return lambda a, d: {name: a}
+
+
+def transposed(name: str) -> Emit:
+    return lambda a, d: {name: a.T}
+
+
+def heads_in(name: str) -> Emit:
+    """[D, N, H] -> reshape [D, N*H] -> .T (query/key/value kernels)."""
+    return lambda a, d: {name: a.reshape(a.shape[0], -1).T}
+
+
+def heads_out(name: str) -> Emit:
+    """[N, H, D] -> reshape [N*H, D] -> .T (attention out kernel)."""
+    return lambda a, d: {name: a.reshape(-1, a.shape[-1]).T}
+
+
+def embedding(name: str) -> Emit:
+    """[V, D], trimmed to the HF vocab when MaxText padded it."""
+    return lambda a, d: {name: a[: d.vocab] if d.vocab else a}
+
+
+def lm_head(name: str) -> Emit:
+    """logits_dense [D, V] -> [V, D]; nothing when embeddings are tied."""
+    return lambda a, d: {} if d.tied else {name: (a[:, : d.vocab] if d.vocab else a).T}
+
+
+def passthrough(tree: Mapping[str, Any], weight_dtype: str | None = None) -> Iterator[tuple[str, Array]]:
+    """A plain HF-named dict passes through unchanged (optionally cast)."""
+    for name, value in tree.items():
+        yield name, _cast(np.asarray(value), weight_dtype)
