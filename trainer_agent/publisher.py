@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -22,14 +22,20 @@ from trainer_agent.chunk_server import (
     TrainerAgentServicer,
     add_trainer_agent_service,
 )
-from trainer_agent.staging import HostShard, Layout, plan_layout, stage_shards
+from trainer_agent.staging import HostShard, chunk_specs, plan_layout, stage_shards, stage_stream
 from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.client import CoordinatorClient
 from weightsync.dtypes import dtype_info
-from weightsync.errors import AgentNotFound, FailedPrecondition, InvalidArgument, WeightsyncError, WrongState
+from weightsync.errors import (
+    AgentNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+    WeightsyncError,
+    WrongState,
+)
 from weightsync.failpoints import Failpoints
-from weightsync.manifest import Endpoint, Part
+from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import RunningServer, Service, start_server
 from weightsync.validation import check_session_name
@@ -180,7 +186,6 @@ class WeightPublisher:
         self.generation = opened.generation
         self.arena = Arena(f"{session}-r{rank}", slots=slots)
         self.table = SlotTable(self.arena, session, rank)
-        self._layouts: dict[int, Layout] = {}
         self._servicer = TrainerAgentServicer(self.table, self.metrics, Failpoints(failpoints), lambda: self.generation)
         self.server: RunningServer = start_server(
             [Service(add_trainer_agent_service, self._servicer, SERVICE_NAME)],
@@ -272,17 +277,61 @@ class WeightPublisher:
             shard_specs, chunks = stage_shards(
                 self.arena.slot(slot), shards, layout, self.chunk_bytes, engine=path, threads=self.staging_threads
             )
-        self.last_path = path
         stage_s = time.perf_counter() - started
-        self.table.set(slot, SlotEntry(version, tuple(chunks), layout.total_bytes))
-        self._layouts[slot] = layout
+        return self._seal(version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path)
+
+    def publish_stream(
+        self,
+        items: Iterable[tuple[str, Any]],
+        version: int,
+        *,
+        capacity_bytes: int,
+        idempotency_key: str | None = None,
+    ) -> PublishResult:
+        """Stages tensors one by one as `items` yields them (e.g. a MaxText converter).
+
+        Peak host memory is the arena plus one converted tensor: nothing is collected
+        first. Chunk digests are computed in a second read pass over the slot.
+
+        Args:
+            capacity_bytes: slot size to reserve (the converted model's bytes, padded by
+                256 per tensor); ResourceExhausted when the stream outgrows it.
+        """
+        key = idempotency_key or f"{self.agent_id}:{version}"
+        slot = self._claim_slot(version)
+        if self.arena.ensure_slot_bytes(capacity_bytes):
+            for other in range(self.arena.slots):
+                self.table.set(other, None)
+        started = time.perf_counter()
+        buf = self.arena.slot(slot)
+        staged = stage_stream(buf, (hs for name, value in items for hs in _to_host_shards(name, value, self.weight_dtype)))
+        chunks = chunk_specs(buf, staged.total_bytes, self.chunk_bytes)
+        stage_s = time.perf_counter() - started
+        path = "stream-native" if native.available() else "stream-python"
+        return self._seal(version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks, staged.total_bytes, stage_s, path)
+
+    def _seal(
+        self,
+        version: int,
+        key: str,
+        slot: int,
+        tensors: tuple[TensorSpec, ...],
+        shard_specs: list[ShardSpec],
+        chunks: list[ChunkSpec],
+        total_bytes: int,
+        stage_s: float,
+        path: str,
+    ) -> PublishResult:
+        """Serves the staged slot and streams its descriptors to the coordinator."""
+        self.last_path = path
+        self.table.set(slot, SlotEntry(version, tuple(chunks), total_bytes))
         self.metrics.observe_phase("stage", stage_s)
-        self.metrics.add_bytes("staged", layout.total_bytes)
+        self.metrics.add_bytes("staged", total_bytes)
         part = Part(
             rank=self.rank,
-            total_bytes=layout.total_bytes,
+            total_bytes=total_bytes,
             chunk_bytes=self.chunk_bytes,
-            tensors=layout.tensors,
+            tensors=tensors,
             shards=tuple(shard_specs),
             chunks=tuple(chunks),
             endpoint=self.endpoint,
@@ -302,9 +351,9 @@ class WeightPublisher:
         state = _tpb.VersionState.Name(resp.version.state)
         log.info(
             "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d",
-            version, self.rank, layout.total_bytes, path, stage_s, publish_s, state, slot,
+            version, self.rank, total_bytes, path, stage_s, publish_s, state, slot,
         )
-        return PublishResult(version, state, resp.duplicate, layout.total_bytes, stage_s, publish_s, slot)
+        return PublishResult(version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot)
 
     def _ffi_stager(self) -> Any:
         if self._ffi is None:

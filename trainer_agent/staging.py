@@ -7,7 +7,7 @@ shim is not built. The JAX FFI path lives in `trainer_agent.ffi_staging`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +15,8 @@ import numpy as np
 from weightsync import native
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info, dtype_name_of
-from weightsync.layout import place_shards, plan_chunks
+from weightsync.errors import ResourceExhausted
+from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
 from weightsync.manifest import ChunkSpec, ShardSpec, TensorSpec
 
 
@@ -106,6 +107,63 @@ def stage_shards(
         result = native.stage(slot, layout.total_bytes, chunk_bytes, sources, threads=threads)
         return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunk_bytes)
     return _stage_python(slot, shards, layout, chunk_bytes)
+
+
+def stage_one(slot: np.ndarray, offset: int, arr: np.ndarray, *, engine: str = "auto") -> tuple[int, float]:
+    """Copies one contiguous array to slot[offset:]; returns (xxh3, float64 sum)."""
+    n = arr.nbytes
+    if engine == "native" or (engine == "auto" and native.available()):
+        code = dtype_info(dtype_name_of(arr.dtype)).proto
+        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, code)], threads=1)
+        return int(r.span_digests[0]), float(r.span_sums[0])
+    dst = slot[offset : offset + n]
+    np.copyto(dst, arr.reshape(-1).view(np.uint8))
+    return xxh3(dst), _sum64(arr)
+
+
+@dataclass
+class StreamStaged:
+    """What `stage_stream` wrote: specs of every tensor and shard, and the bytes used."""
+
+    tensors: dict[str, TensorSpec]
+    shards: list[ShardSpec]
+    total_bytes: int
+
+
+def stage_stream(slot: np.ndarray, shards: Iterable[HostShard], *, engine: str = "auto") -> StreamStaged:
+    """Stages shards one at a time, in arrival order; each is released before the next.
+
+    Raises:
+        ResourceExhausted: the stream outgrows the slot.
+    """
+    out = StreamStaged({}, [], 0)
+    cursor = 0
+    for hs in shards:
+        arr = np.ascontiguousarray(hs.data)
+        offset = align_up(cursor, SHARD_ALIGN_BYTES)
+        if offset + arr.nbytes > slot.nbytes:
+            raise ResourceExhausted(
+                f"capacity_bytes: the slot holds {slot.nbytes} bytes; {hs.name!r} needs up to {offset + arr.nbytes}",
+                field="capacity_bytes",
+            )
+        slot[cursor:offset] = 0
+        digest, total = stage_one(slot, offset, arr, engine=engine)
+        out.tensors.setdefault(hs.name, TensorSpec(hs.name, dtype_name_of(arr.dtype), tuple(hs.global_shape)))
+        out.shards.append(ShardSpec(hs.name, hs.start, hs.stop, offset, arr.nbytes, digest, total))
+        cursor = offset + arr.nbytes
+        del arr, hs
+    out.total_bytes = cursor
+    return out
+
+
+def chunk_specs(slot: np.ndarray, total: int, chunk_bytes: int, *, engine: str = "auto") -> list[ChunkSpec]:
+    """Chunk descriptors over slot[0, total) (a separate read pass, parallel when native)."""
+    spans = plan_chunks(total, chunk_bytes)
+    if engine == "native" or (engine == "auto" and native.available()):
+        digests = native.digest_ranges(slot, [o for o, _ in spans], [n for _, n in spans]) if spans else []
+    else:
+        digests = [xxh3(slot[o : o + n]) for o, n in spans]
+    return [ChunkSpec(i, o, n, int(d)) for i, ((o, n), d) in enumerate(zip(spans, digests))]
 
 
 def _stage_python(

@@ -50,6 +50,19 @@ def run(tree: dict, family: str, **opts: object) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_jax_trees_convert_on_device_to_the_same_bytes(family: str) -> None:
+    import jax.numpy as jnp
+
+    hf = hf_weights(family)
+    mt = to_maxtext(hf, family, layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8)
+    out = run({k: jnp.asarray(v) for k, v in with_style(mt, "nnx").items()}, family, weight_dtype="bfloat16")
+    for name, ref in hf.items():
+        got = np.asarray(out[name])
+        assert got.dtype.name == "bfloat16"
+        np.testing.assert_array_equal(got.view(np.uint16), ref.astype(got.dtype).view(np.uint16), err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
 @pytest.mark.parametrize("style", ["nnx", "linen", "nested"])
 @pytest.mark.parametrize(("scanned", "axis"), [(True, 1), (True, 0), (False, 1)])
 def test_round_trip_is_exact(family: str, style: str, scanned: bool, axis: int) -> None:

@@ -12,11 +12,18 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from weightsync.dtypes import dtype_info
 
-Array = np.ndarray
+Array = Any  # np.ndarray or jax.Array: transforms keep the input's kind
+
+
+def xp_of(a: Any) -> Any:
+    """jax.numpy for JAX arrays (XLA does the transposes, tiled), numpy otherwise."""
+    return jnp if isinstance(a, jax.Array) else np
 # A transform maps one per-layer slice (or a global leaf) to {hf_name_suffix: array}.
 Emit = Callable[[Array, "ModelDims"], dict[str, Array]]
 
@@ -100,7 +107,13 @@ def normalise(path: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _cast(a: Array, weight_dtype: str | None) -> Array:
-    return a if weight_dtype is None else a.astype(dtype_info(weight_dtype).numpy, copy=False)
+    if weight_dtype is None or a.dtype == dtype_info(weight_dtype).numpy:
+        return a
+    return a.astype(dtype_info(weight_dtype).numpy)
+
+
+def _leaf(value: Any) -> Array:
+    return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
 class UnknownKey(ValueError):
@@ -130,7 +143,7 @@ def convert(
         dotted = ".".join(norm)
         if norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.match(norm[1])):
             leaf = flat.pop(path)
-            yield from _convert_layer_leaf(norm[1:], np.asarray(leaf), spec, layer_by_key, dims, opts, dotted)
+            yield from _convert_layer_leaf(norm[1:], _leaf(leaf), spec, layer_by_key, dims, opts, dotted)
             del leaf
             continue
         key = ".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted
@@ -142,7 +155,7 @@ def convert(
                 continue
             raise UnknownKey(f"no {spec.family} rule for MaxText key {'.'.join(path)!r} (normalised {dotted!r}); "
                              "pass ignore_unknown=True to skip it")
-        leaf = np.asarray(flat.pop(path))
+        leaf = _leaf(flat.pop(path))
         for name, arr in rule.emit(leaf, dims).items():
             yield name, _cast(arr, opts.weight_dtype)
         del leaf
@@ -164,6 +177,7 @@ def _convert_layer_leaf(
         yield from _emit_layer(int(m.group(1)), rel[1:], leaf, spec, rules, dims, opts, dotted)
         return
     body = rel[1:]  # after "layers"
+    xp = xp_of(leaf)
     c = opts.cycle_interval
     axis = opts.param_scan_axis
     if c > 1:
@@ -175,18 +189,18 @@ def _convert_layer_leaf(
         repeats = leaf.shape[axis]
         if body[0] == "local_layers":  # slots 0..C-2 stacked on scan_axis + 1
             for r in range(repeats):
-                per_repeat = np.take(leaf, r, axis=axis)
+                per_repeat = xp.take(leaf, r, axis=axis)
                 for slot in range(per_repeat.shape[axis]):
-                    yield from _emit_layer(r * c + slot, body[1:], np.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted)
+                    yield from _emit_layer(r * c + slot, body[1:], xp.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted)
             return
         slot = c - 1 if body[0] == "global_layer" else int(_SLOT.match(body[0]).group(1))  # type: ignore[union-attr]
         for r in range(repeats):
-            yield from _emit_layer(r * c + slot, body[1:], np.take(leaf, r, axis=axis), spec, rules, dims, opts, dotted)
+            yield from _emit_layer(r * c + slot, body[1:], xp.take(leaf, r, axis=axis), spec, rules, dims, opts, dotted)
         return
     if not opts.scanned:
         raise ValueError(f"key {dotted!r} looks scanned ('layers.') but scanned=False; expected 'layers_<i>.'")
     for i in range(leaf.shape[axis]):
-        yield from _emit_layer(i, body, np.take(leaf, i, axis=axis), spec, rules, dims, opts, dotted)
+        yield from _emit_layer(i, body, xp.take(leaf, i, axis=axis), spec, rules, dims, opts, dotted)
 
 
 def _emit_layer(
@@ -210,7 +224,7 @@ def _emit_layer(
                          "pass ignore_unknown=True to skip it")
     prefix = spec.layer_prefix.format(i=i)
     for suffix, arr in rule.emit(layer_slice, dims).items():
-        yield prefix + suffix, _cast(np.ascontiguousarray(arr), opts.weight_dtype)
+        yield prefix + suffix, _cast(arr, opts.weight_dtype)
 
 
 # -- transforms shared by families ------------------------------------------------------
@@ -245,4 +259,4 @@ def lm_head(name: str) -> Emit:
 def passthrough(tree: Mapping[str, Any], weight_dtype: str | None = None) -> Iterator[tuple[str, Array]]:
     """A plain HF-named dict passes through unchanged (optionally cast)."""
     for name, value in tree.items():
-        yield name, _cast(np.asarray(value), weight_dtype)
+        yield name, _cast(_leaf(value), weight_dtype)

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, Rule
+from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, Rule, xp_of
 from trainer_agent.convert.qwen3 import ATTENTION_AND_MLP, DENSE_MLP, GLOBAL_RULES
 
 
 def deinterleave(x: Array) -> Array:
     """Interleaved rotary pairs (x0, x1), (x2, x3)... -> HF's half-split layout."""
-    return np.concatenate([x[..., ::2], x[..., 1::2]], axis=-1)
+    return xp_of(x).concatenate([x[..., ::2], x[..., 1::2]], axis=-1)
 
 
 def _query(a: Array, d: ModelDims) -> dict[str, Array]:
-    q = deinterleave(a * np.asarray(math.sqrt(d.head_dim), dtype=a.dtype))
+    q = deinterleave(a * xp_of(a).asarray(math.sqrt(d.head_dim), dtype=a.dtype))
     return {"self_attn.q_proj.weight": q.reshape(q.shape[0], -1).T}
 
 

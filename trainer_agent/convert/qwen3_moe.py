@@ -8,9 +8,7 @@ Accepted MaxText layout per layer (after the scan axis is removed):
 
 from __future__ import annotations
 
-import numpy as np
-
-from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, Rule, transposed
+from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, Rule, transposed, xp_of
 from trainer_agent.convert.qwen3 import ATTENTION_AND_MLP, GLOBAL_RULES, QK_NORMS
 
 LANES = 128
@@ -34,11 +32,13 @@ def pad_rows_per_shard(a: Array, tp: int, padded: int) -> Array:
         return a
     if f % tp or padded % tp:
         raise ValueError(f"mlp dim {f} and padded {padded} must both divide by tp={tp}")
-    out = np.zeros((padded, *a.shape[1:]), a.dtype)
+    xp = xp_of(a)
     real, per = f // tp, padded // tp
+    zeros = xp.zeros((per - real, *a.shape[1:]), a.dtype)
+    pieces = []
     for s in range(tp):
-        out[s * per : s * per + real] = a[s * real : (s + 1) * real]
-    return out
+        pieces += [a[s * real : (s + 1) * real], zeros]
+    return xp.concatenate(pieces, axis=0)
 
 
 def _experts(proj: str, transpose_to_out: bool) -> object:

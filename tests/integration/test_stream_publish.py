@@ -1,0 +1,70 @@
+"""Converter -> publish_stream -> puller -> applier, against an in-process coordinator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.store import SessionStore
+from coordinator.watch import WatchHub
+from rollout_agent.appliers import DictApplier
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
+from tests.unit.maxtext_reference import to_maxtext, with_style
+from tests.unit.test_convert import H, K, L, N, hf_weights
+from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
+from trainer_agent.publisher import WeightPublisher
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync.client import CoordinatorClient
+from weightsync.errors import ResourceExhausted
+from weightsync.metrics import build_metrics
+from weightsync.server import RunningServer, Service, start_server
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[RunningServer]:
+    hub = WatchHub()
+    store = SessionStore(tmp_path / "c.db", listener=hub)
+    metrics = build_metrics("coordinator")
+    running = start_server(
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1,
+    )
+    yield running
+    hub.close()
+    running.stop(0.5)
+    store.close()
+
+
+def test_streamed_maxtext_conversion_syncs_bit_exactly(coordinator: RunningServer, no_arena_leak: None) -> None:
+    hf = hf_weights("llama3")
+    dims = ModelDims(layers=L, heads=N, kv_heads=K, head_dim=H, vocab=128)
+    expected = dict(convert_maxtext(with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen"),
+                                    "llama3", dims, ConvertOptions(weight_dtype="bfloat16")))
+    capacity = sum(a.nbytes + 256 for a in expected.values())
+    client = CoordinatorClient(coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(coordinator.address, "job", chunk_bytes=16384) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        tree = with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen")
+        stream = convert_maxtext(tree, "llama3", dims, ConvertOptions(weight_dtype="bfloat16"))
+        result = pub.publish_stream(stream, 1, capacity_bytes=capacity)
+        assert result.state == "READY" and pub.last_path.startswith("stream")
+        applier = DictApplier()
+        puller = WeightPuller(client, "job", "r0", window_chunks=3)
+        outcome = sync_version(puller, applier, 1)
+        puller.close()
+        assert outcome.ok, outcome.mismatch
+        assert set(applier.weights) == set(expected)
+        for name, ref in expected.items():
+            assert applier.weights[name].dtype == ref.dtype
+            assert np.array_equal(applier.weights[name].view(np.uint16), ref.view(np.uint16)), name
+        assert pub.wait_committed(1, 30) == "COMMITTED"
+        with pytest.raises(ResourceExhausted, match="capacity_bytes"):
+            big = [("model.big.weight", np.zeros(pub.arena.slot_bytes + 1, np.uint8))]
+            pub.publish_stream(iter(big), 2, capacity_bytes=1024)  # reserve less than the stream needs
+    client.close()
