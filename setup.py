@@ -19,6 +19,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 LIB_NAME = "libweightsync_native.so"
+CUDA_LIB_NAME = "libweightsync_native_cuda.so"
 XXHASH_CANDIDATES = ["/usr/include", "/usr/local/include", str(ROOT / "build" / "xxhash-include")]
 
 
@@ -57,6 +58,13 @@ class CMakeBuild(build_ext):
             subprocess.run(["cmake", "-S", str(ROOT / "native"), "-B", build, *args], check=True)
             subprocess.run(["cmake", "--build", build, "-j", "2"], check=True)
             shutil.copy2(Path(build) / LIB_NAME, target)
+            cuda_lib = Path(build) / CUDA_LIB_NAME
+            if cuda_lib.exists():  # built only where a CUDA toolkit is installed
+                # Not a declared extension (it may not exist): editable installs need it in
+                # the source tree, wheels in build_lib.
+                editable = getattr(self, "editable_mode", False) or self.inplace
+                dest = ROOT / "weightsync" / "_native" if editable else target.parent
+                shutil.copy2(cuda_lib, dest / CUDA_LIB_NAME)
 
 
 setup(

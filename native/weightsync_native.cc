@@ -241,7 +241,7 @@ void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_by
     // Splits at chunk boundaries; copies (when src is data) and hashes the source bytes.
     while (len > 0) {
       uint64_t take = std::min(len, chunk_end - pos);
-      if (out != nullptr) copy_bytes(out, src, take, non_temporal);
+      if (out != nullptr && out != src) copy_bytes(out, src, take, non_temporal);
       XXH3_64bits_update(&chunk_state, src, take);
       pos += take;
       len -= take;
@@ -350,6 +350,14 @@ int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* 
       span_digests[cut[k]] = XXH3_64bits(sp.src, sp.nbytes);
     }
   });
+}
+
+int ws_digest_staged(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans, uint64_t n_spans,
+                     uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests, int n_threads) {
+  // Same pass as ws_stage with every span's source being its own place in dst: no copy.
+  std::vector<ws_span> inplace(spans, spans + n_spans);
+  for (auto& sp : inplace) sp.src = dst + sp.dst_offset;
+  return ws_stage(dst, total, chunk_bytes, inplace.data(), n_spans, span_digests, span_sums, chunk_digests, n_threads);
 }
 
 int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths, uint64_t n,

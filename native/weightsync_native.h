@@ -35,6 +35,12 @@ int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* 
              uint64_t n_spans, uint64_t* span_digests, double* span_sums,
              uint64_t* chunk_digests, int n_threads);
 
+// ws_stage for bytes already in place (e.g. copied by a DMA engine): spans' src is
+// ignored, each span is read from dst + dst_offset; gaps are zeroed, nothing is copied.
+int ws_digest_staged(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
+                     uint64_t n_spans, uint64_t* span_digests, double* span_sums,
+                     uint64_t* chunk_digests, int n_threads);
+
 // xxh3-64 of each (offset, length) range of base, in parallel (the verify path).
 int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths,
                      uint64_t n, uint64_t* out, int n_threads);

@@ -17,6 +17,18 @@ def _arenas() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("weightsync-*")}
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu run only where the CUDA variant sees a GPU."""
+    from weightsync import native
+
+    if native.cuda_device_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (none visible to the CUDA staging variant)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def no_arena_leak() -> Iterator[None]:
     """Fails the test if it leaves new weightsync arenas in /dev/shm."""

@@ -17,7 +17,7 @@ import numpy as np
 from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
-_LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native*.so"))), _NATIVE_DIR / "libweightsync_native.so")
+_LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
 _ABI_VERSION = 1
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
@@ -54,6 +54,40 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 _LIB, _MISSING = _load()
+_CUDA_LIB_PATH = _NATIVE_DIR / "libweightsync_native_cuda.so"
+
+
+def _load_cuda() -> ctypes.CDLL | None:
+    if not _CUDA_LIB_PATH.exists():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_CUDA_LIB_PATH))
+    except OSError:
+        return None
+    lib.ws_cuda_selftest.argtypes = [ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    return lib
+
+
+_CUDA = _load_cuda()
+
+
+def cuda_built() -> bool:
+    """True when the CUDA staging variant was built (a CUDA toolkit was present)."""
+    return _CUDA is not None
+
+
+def cuda_device_count() -> int:
+    """GPUs the CUDA variant can see (0 without the variant, a driver or a GPU)."""
+    return int(_CUDA.ws_cuda_device_count()) if _CUDA is not None else 0
+
+
+def cuda_selftest(nbytes: int) -> tuple[int, int]:
+    """(digest of a host pattern, digest after device -> pinned arena staging)."""
+    if _CUDA is None:
+        raise RuntimeError(f"{_CUDA_LIB_PATH.name} was not built (no CUDA toolkit at build time)")
+    a, b = ctypes.c_uint64(), ctypes.c_uint64()
+    _check(_CUDA.ws_cuda_selftest(nbytes, ctypes.byref(a), ctypes.byref(b)), "ws_cuda_selftest")
+    return a.value, b.value
 
 
 def available() -> bool:

@@ -124,3 +124,18 @@ def test_native_copy() -> None:
     dst = np.zeros_like(src)
     native.copy(dst, src, threads=2)
     assert np.array_equal(dst, src)
+
+
+def test_cuda_variant_builds_where_a_toolkit_is() -> None:
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no CUDA toolkit here: the CUDA variant is not expected")
+    assert native.cuda_built(), "nvcc is present but libweightsync_native_cuda.so was not built"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", [0, 1, 4097, 3 << 20])
+def test_cuda_variant_stages_device_buffers(nbytes: int) -> None:
+    pattern, staged = native.cuda_selftest(nbytes)
+    assert pattern == staged
