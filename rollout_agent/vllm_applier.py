@@ -1,0 +1,91 @@
+"""VllmApplier: verified tensors -> a live vLLM model via layerwise checkpoint reload.
+
+Facts this relies on (shared/notes/vllm-cpu.md): `model.load_weights` works after startup
+only inside a layerwise reload (initialize ... finalize), which re-lays layers in
+checkpoint layout and repacks them afterwards; fused parts (q/k/v, gate/up) must arrive
+together; a failed round leaves the engine unusable. So every name is checked against
+what the model expects before the first weight changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rollout_agent.appliers import Applier
+from weightsync.errors import InvalidArgument
+from weightsync.manifest import TensorSpec
+
+
+def to_torch(arr: np.ndarray) -> Any:
+    """A torch view of a NumPy array (bfloat16 through an int16 view; no copy)."""
+    import torch
+
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def expected_checkpoint_names(model: Any) -> set[str]:
+    """Checkpoint (HF) names the model consumes: fused params expanded, e.g. qkv_proj ->
+    q_proj, k_proj, v_proj (from the model's packed_modules_mapping)."""
+    packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", {}) or {}
+    names = set()
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in packed:
+                for sub in packed[part]:
+                    names.add(".".join(parts[:i] + [sub] + parts[i + 1 :]))
+                break
+        else:
+            names.add(name)
+    return names
+
+
+class VllmApplier(Applier):
+    """Applies one version to a vLLM model (worker side). Not thread-safe: one round at a time."""
+
+    def __init__(self, model: Any, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self._expected = expected_checkpoint_names(model)
+        self._consumed: list[str] = []
+        self._open = False
+
+    def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        missing = sorted(self._expected - set(tensors))
+        unknown = sorted(set(tensors) - self._expected)
+        if missing:
+            raise InvalidArgument(
+                "manifest.tensors", f"version {version} lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}"
+            )
+        if unknown:
+            raise InvalidArgument(
+                "manifest.tensors", f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}"
+            )
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self._open = True
+        self._consumed = []
+
+    def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
+        # One group = one layer: fused parts (q/k/v, gate/up, experts) arrive together.
+        self.model.load_weights(iter([(name, to_torch(arr)) for name, arr in group]))
+        self._consumed.extend(name for name, _ in group)
+
+    def commit_update(self, version: int) -> list[str]:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._open = False
+        return list(self._consumed)
+
+    def abort_update(self) -> None:
+        # After a partial load the only repair is a complete weight set (vLLM has no
+        # rollback); the caller re-syncs. Finalize so the model is at least consistent.
+        if self._open:
+            self.commit_update(0)

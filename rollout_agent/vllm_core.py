@@ -1,0 +1,125 @@
+"""The rollout agent as it lives inside a vLLM worker: shared by the weight-transfer
+backend and the worker extension. Only plain data crosses vLLM's RPCs: the worker pulls
+the bytes itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import SyncResult, sync_version
+from rollout_agent.vllm_applier import VllmApplier
+from weightsync.client import CoordinatorClient
+from weightsync.errors import AgentNotFound, InvalidArgument, WeightsyncError
+from weightsync.manifest import Endpoint
+from weightsync.validation import check_agent_id, check_session_name
+
+log = logging.getLogger("vllm.plugins.weightsync")
+
+
+@dataclass
+class RolloutInitInfo:
+    """Init info (vLLM `init_weight_transfer_engine({"init_info": ...})`)."""
+
+    coordinator: str
+    session: str
+    agent_id: str = ""
+    transport: str = "grpc"
+    streams: int = 2
+    window_chunks: int = 16
+    max_attempts: int = 3
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        check_session_name(self.session, "init_info.session")
+        if self.agent_id:
+            check_agent_id(self.agent_id, "init_info.agent_id")
+        if self.transport != "grpc":
+            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available yet; use 'grpc'")
+
+
+def parse_version(version: Any) -> int:
+    """`latest` (or 0) -> 0, else a positive integer."""
+    if version in ("latest", 0, "0", None):
+        return 0
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        raise InvalidArgument("update_info.version", f"{version!r} is neither 'latest' nor an integer") from None
+    if v < 0:
+        raise InvalidArgument("update_info.version", f"{v} must be >= 0")
+    return v
+
+
+class VllmRollout:
+    """Coordinator registration, heartbeats, pull + verify + apply, handshake."""
+
+    def __init__(self, info: RolloutInitInfo, model: Any, model_config: Any, rank: int = 0) -> None:
+        self.info = info
+        self.agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
+        check_agent_id(self.agent_id, "init_info.agent_id")
+        self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s)
+        self.puller = WeightPuller(
+            self.client,
+            info.session,
+            self.agent_id,
+            transport=info.transport,
+            streams=info.streams,
+            window_chunks=info.window_chunks,
+            max_attempts=info.max_attempts,
+            timeout_s=info.timeout_s,
+        )
+        self.applier = VllmApplier(model, model_config)
+        self.current_version = 0
+        self.last: SyncResult | None = None
+        self._stop = threading.Event()
+        self._attach()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="weightsync-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _attach(self) -> None:
+        self.client.open_session(self.info.session, trainer=False)
+        self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=Endpoint("", ("grpc",), socket.gethostname()))
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.client.heartbeat(self.info.session, self.agent_id, self.current_version)
+            except AgentNotFound:
+                try:
+                    self._attach()
+                except WeightsyncError as e:
+                    log.warning("weightsync re-register failed: %s", e)
+            except WeightsyncError as e:
+                log.warning("weightsync heartbeat failed: %s", e)
+
+    def sync(self, version: Any = "latest") -> SyncResult:
+        """Pulls, verifies, applies and reports; the live weights change only when every
+        chunk and tensor verified and every name matched the model."""
+        result = sync_version(self.puller, self.applier, parse_version(version))
+        self.last = result
+        if result.ok:
+            self.current_version = result.version
+            log.info("weightsync applied version %d (%d bytes)", result.version, result.bytes_pulled)
+        else:
+            log.error("weightsync version %d not applied: %s", result.version, result.mismatch)
+        return result
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "agent_id": self.agent_id,
+            "session": self.info.session,
+            "current_version": self.current_version,
+            "last": asdict(self.last) if self.last else None,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        self.puller.close()
+        self.client.close()

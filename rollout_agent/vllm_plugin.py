@@ -1,0 +1,17 @@
+"""vLLM general plugin: registers the `weightsync` weight-transfer backend (and nothing else).
+
+Entry point `vllm.general_plugins: weightsync = rollout_agent.vllm_plugin:register`; only
+an entry point reaches vLLM's EngineCore and worker processes.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Registers lazily by module path; safe to call in every process, any number of times."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine("weightsync", "rollout_agent.vllm_backend", "WeightsyncEngine")
+    except ValueError:
+        pass  # already registered in this process

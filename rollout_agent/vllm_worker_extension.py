@@ -1,0 +1,42 @@
+"""Worker extension for callers that use `worker_extension_cls` + `collective_rpc`.
+
+    llm = LLM(model, worker_extension_cls="rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension")
+    llm.collective_rpc("weightsync_attach", args=({"coordinator": ..., "session": ...},))
+    llm.collective_rpc("weightsync_sync", args=(7,))   # plain dicts come back
+    llm.reset_prefix_cache()
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rollout_agent.vllm_core import RolloutInitInfo, VllmRollout
+
+
+class WeightsyncWorkerExtension:
+    """Mixed into the vLLM worker class; `self` is the worker."""
+
+    _weightsync: VllmRollout | None = None
+
+    def weightsync_attach(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        if self._weightsync is not None:
+            self._weightsync.close()
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        self._weightsync = VllmRollout(RolloutInitInfo(**init_info), model, config, rank=getattr(self, "rank", 0))
+        return self._weightsync.status()
+
+    def weightsync_sync(self, version: Any = "latest") -> dict[str, Any]:
+        if self._weightsync is None:
+            raise RuntimeError("weightsync: not attached; call weightsync_attach first")
+        return asdict(self._weightsync.sync(version))
+
+    def weightsync_detach(self) -> None:
+        """Stops heartbeats and closes connections (the weights stay as they are)."""
+        if self._weightsync is not None:
+            self._weightsync.close()
+            self._weightsync = None
+
+    def weightsync_status(self) -> dict[str, Any]:
+        return self._weightsync.status() if self._weightsync is not None else {"attached": False}

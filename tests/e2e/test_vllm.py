@@ -1,0 +1,202 @@
+"""Real vLLM (CPU) engines synced through weightsync, checked against transformers.
+
+Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the coordinator is a real
+subprocess, the trainer is a WeightPublisher in this process. Weights are float32 on both
+sides: greedy tokens must be equal and logprobs agree within 2e-4 (kernel op order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from tests.integration.support import state_name  # noqa: E402
+from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from weightsync.client import CoordinatorClient  # noqa: E402
+from weightsync.cluster import Cluster  # noqa: E402
+from weightsync.tiny_models import write_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PROMPT = [1, 5, 6, 7, 8, 9, 10]
+NEW_TOKENS = 6
+LOGPROB_ATOL = 2e-4
+ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=64 << 20, block_size=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with Cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c.start_coordinator().address
+
+
+@pytest.fixture(scope="module")
+def publisher(coordinator: str) -> Iterator[WeightPublisher]:
+    with WeightPublisher(coordinator, "job", min_rollouts=1, chunk_bytes=64 << 10) as pub:
+        yield pub
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, coordinator: str) -> Iterator[Any]:
+    llm = vllm.LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
+    llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "session": "job", "agent_id": "eng-a"}})
+    yield llm
+    llm.shutdown_weight_transfer_engine()
+
+
+@pytest.fixture(scope="module")
+def versions() -> Iterator[int]:
+    return itertools.count(1)
+
+
+def weights_for(model_dir: Path, seed: int) -> dict[str, np.ndarray]:
+    base = load_file(str(model_dir / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    return {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
+
+
+def vllm_run(llm: Any) -> tuple[list[int], list[float], list[float]]:
+    sp = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    gen_lp = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
+    prompt_lp = [lp[t].logprob for t, lp in zip(PROMPT[1:], out.prompt_logprobs[1:])]
+    return tokens, prompt_lp, gen_lp
+
+
+def transformers_run(model_dir: Path, weights: dict[str, np.ndarray]) -> tuple[list[int], list[float], list[float]]:
+    import transformers
+
+    model = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
+    ids = list(PROMPT)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        prompt_lp = [float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+        gen_lp = []
+        for _ in range(NEW_TOKENS):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            nxt = int(torch.argmax(logp))
+            gen_lp.append(float(logp[nxt]))
+            ids.append(nxt)
+    return ids[len(PROMPT) :], prompt_lp, gen_lp
+
+
+def sync_native(llm: Any, version: int) -> None:
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version}})
+    llm.finish_weight_update(weight_version=str(version))
+    llm.reset_prefix_cache()
+
+
+def assert_matches(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0], f"greedy tokens differ: vLLM {got[0]} vs transformers {want[0]}"
+    np.testing.assert_allclose(got[1], want[1], atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(got[2], want[2], atol=LOGPROB_ATOL)
+
+
+def handshake(coordinator: str, version: int, agent: str) -> Any:
+    with CoordinatorClient(coordinator) as c:
+        st = c.status("job")
+    return next(h for h in st.handshakes if h.version == version and h.agent_id == agent), next(
+        v for v in st.versions if v.version == version
+    )
+
+
+def test_native_api_syncs_each_version_and_matches_transformers(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+) -> None:
+    for seed in (11, 12):
+        v = next(versions)
+        w = weights_for(model_dir, seed)
+        publisher.publish(w, v)
+        sync_native(engine, v)
+        assert engine.get_weight_version() == str(v)
+        assert_matches(vllm_run(engine), transformers_run(model_dir, w))
+        assert publisher.wait_committed(v, 30) == "COMMITTED"
+        hs, _ = handshake(coordinator, v, "eng-a")
+        assert hs.ok
+
+
+def test_corrupted_byte_leaves_engine_untouched_and_next_version_applies(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+) -> None:
+    before = vllm_run(engine)
+    v = next(versions)
+    result = publisher.publish(weights_for(model_dir, 21), v)
+    entry = publisher.table.entries()[result.slot]
+    publisher.arena.slot(result.slot)[entry.chunks[1].offset + 5] ^= 0x10  # one flipped bit in the arena
+    with pytest.raises(Exception, match="not applied"):
+        sync_native(engine, v)
+    engine.reset_prefix_cache()
+    assert vllm_run(engine) == before  # bit-identical: the live weights never changed
+    hs, info = handshake(coordinator, v, "eng-a")
+    assert not hs.ok and "DATA_LOSS" not in hs.mismatch and "chunk" in hs.mismatch
+    assert state_name(info) == "PARTIAL"
+    v = next(versions)
+    w = weights_for(model_dir, 22)
+    publisher.publish(w, v)
+    sync_native(engine, v)
+    assert_matches(vllm_run(engine), transformers_run(model_dir, w))
+
+
+def test_manifest_missing_a_fused_part_is_refused_before_any_change(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+) -> None:
+    before = vllm_run(engine)
+    v = next(versions)
+    w = weights_for(model_dir, 31)
+    del w["model.layers.0.self_attn.v_proj.weight"]
+    publisher.publish(w, v)
+    with pytest.raises(Exception, match="v_proj"):
+        sync_native(engine, v)
+    engine.reset_prefix_cache()
+    assert vllm_run(engine) == before
+    hs, _ = handshake(coordinator, v, "eng-a")
+    assert not hs.ok and "model.layers.0.self_attn.v_proj.weight" in hs.mismatch
+
+
+def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+) -> None:
+    other = vllm.LLM(
+        model=str(model_dir),
+        worker_extension_cls="rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension",
+        **ENGINE_ARGS,
+    )
+    try:
+        (status,) = other.collective_rpc("weightsync_attach", args=({"coordinator": coordinator, "session": "job", "agent_id": "eng-b"},))
+        assert status["agent_id"] == "eng-b"
+        v = next(versions)
+        w = weights_for(model_dir, 41)
+        publisher.publish(w, v)
+        (result,) = other.collective_rpc("weightsync_sync", args=("latest",))
+        other.reset_prefix_cache()
+        assert result["ok"] and result["version"] == v, result
+        sync_native(engine, v)
+        want = transformers_run(model_dir, w)
+        assert_matches(vllm_run(other), want)
+        assert_matches(vllm_run(engine), want)
+        assert publisher.wait_committed(v, 30) == "COMMITTED"
+        for agent in ("eng-a", "eng-b"):
+            assert handshake(coordinator, v, agent)[0].ok
+        assert other.collective_rpc("weightsync_status")[0]["current_version"] == v
+    finally:
+        other.collective_rpc("weightsync_detach")

