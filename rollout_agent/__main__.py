@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -12,6 +13,7 @@ from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
 from rollout_agent.appliers import DictApplier
 from rollout_agent.config import RolloutConfig
 from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.client import CoordinatorClient
 from weightsync.config import load_config
@@ -30,19 +32,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
     metrics = build_metrics("rollout")
     client = CoordinatorClient(cfg.coordinator)
-    puller = WeightPuller(
-        client,
-        cfg.session,
-        agent_id,
-        transport=cfg.transport,
-        streams=cfg.streams,
-        window_chunks=cfg.window_chunks,
-        max_attempts=cfg.max_attempts,
-        timeout_s=cfg.timeout_s,
-        metrics=metrics,
-    )
-    applier = DictApplier(cfg.dump_dir or None)
-    agent = RolloutAgent(client, puller, applier, metrics=metrics, failpoints=Failpoints(cfg.failpoints))
+    if cfg.engine == "vllm":
+        from rollout_agent.vllm_engine import VllmEngineSyncer
+
+        engine = VllmEngineSyncer(
+            cfg.model,
+            coordinator=cfg.coordinator,
+            session=cfg.session,
+            agent_id=agent_id,
+            dtype=cfg.dtype,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            init_extra={"streams": cfg.streams, "window_chunks": cfg.window_chunks, "max_attempts": cfg.max_attempts},
+        )
+        agent = RolloutAgent(client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
+        closers = [engine.close]
+    else:
+        puller = WeightPuller(
+            client,
+            cfg.session,
+            agent_id,
+            transport=cfg.transport,
+            streams=cfg.streams,
+            window_chunks=cfg.window_chunks,
+            max_attempts=cfg.max_attempts,
+            timeout_s=cfg.timeout_s,
+            metrics=metrics,
+        )
+        applier = DictApplier(cfg.dump_dir or None)
+        failpoints = Failpoints(cfg.failpoints)
+        agent = RolloutAgent(
+            client, cfg.session, agent_id,
+            functools.partial(sync_version, puller, applier, failpoints=failpoints, metrics=metrics),
+            metrics=metrics,
+        )
+        closers = [puller.close]
     running = start_server(
         [Service(pb_grpc.add_RolloutAgentServicer_to_server, RolloutAgentServicer(agent), SERVICE_NAME)],
         host=cfg.host,
@@ -58,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     agent.stop()
     running.stop()
-    puller.close()
+    for close in closers:
+        close()
     client.close()
     return 0
 

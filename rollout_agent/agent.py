@@ -5,19 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.appliers import Applier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import SyncResult, sync_version
+from rollout_agent.sync import SyncResult
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, WeightsyncError
-from weightsync.failpoints import Failpoints
+from weightsync.errors import AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
 
@@ -35,20 +33,23 @@ class RolloutAgent:
     def __init__(
         self,
         client: CoordinatorClient,
-        puller: WeightPuller,
-        applier: Applier,
+        session: str,
+        agent_id: str,
+        syncer: Callable[[int], SyncResult],
         *,
         metrics: Metrics,
-        failpoints: Failpoints,
+        completion: Callable[[], str] | None = None,
     ) -> None:
+        """`syncer(version)` runs one round (the NumPy applier's `sync_version`, or a vLLM
+        engine's weight-transfer API); `completion()` shows what the engine now says."""
         self.client = client
-        self.puller = puller
-        self.applier = applier
-        self.session = puller.session
-        self.agent_id = puller.agent_id
+        self.session = session
+        self.agent_id = agent_id
+        self.syncer = syncer
+        self.completion_fn = completion
+        self.last_completion = ""
         self.endpoint = Endpoint()  # set to the agent's own server before attach()
         self.metrics = metrics
-        self.failpoints = failpoints
         self.current_version = 0
         self.syncs_ok = 0
         self.syncs_failed = 0
@@ -78,11 +79,16 @@ class RolloutAgent:
     def sync(self, version: int = 0) -> SyncResult:
         """Syncs a version (0 = newest servable); one at a time."""
         with self._sync_lock:
-            result = sync_version(self.puller, self.applier, version, failpoints=self.failpoints, metrics=self.metrics)
+            if version == 0:
+                version = self._newest_servable()
+            result = self.syncer(version)
             self.chunk_retries += result.chunk_retries
             if result.ok:
                 self.syncs_ok += 1
+                if self.completion_fn is not None:  # before current_version: readers poll on it
+                    self.last_completion = self.completion_fn()
                 self.current_version = result.version
+                self.metrics.current_version.labels(role=self.metrics.role).set(result.version)
                 log.info(
                     "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
                     result.version, result.bytes_pulled, result.timings.get("pull_seconds", 0),
@@ -93,6 +99,12 @@ class RolloutAgent:
                 self.last_error = result.mismatch
                 log.error("version %d handshake failed: %s", result.version, result.mismatch)
             return result
+
+    def _newest_servable(self) -> int:
+        for v in self.client.status(self.session, 20).versions:
+            if v.state in SERVABLE_STATES:
+                return v.version
+        raise VersionNotFound(f"session {self.session!r} has no READY version yet")
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(1.0):
@@ -171,4 +183,5 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             syncs_failed=a.syncs_failed,
             chunk_retries=a.chunk_retries,
             last_error=a.last_error,
+            completion=a.last_completion,
         )

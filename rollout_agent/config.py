@@ -24,10 +24,17 @@ class RolloutConfig(ServerConfig):
     follow: bool = option(True, "Watch the coordinator and sync each new READY version.")
     dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
+    engine: str = option("numpy", "What applies the weights: a NumPy dict, or an in-process vLLM engine.", choices=["numpy", "vllm"])
+    model: str = option("", "vLLM engine: the model directory to start from (config, tokenizer, weights).")
+    dtype: str = option("bfloat16", "vLLM engine: serving dtype.")
+    kv_cache_bytes: int = option(64 << 20, "vLLM engine: KV cache size (bounded; vLLM takes ~90% of RAM otherwise).")
+    prompt: str = option("w1 w2 w3 w4", "vLLM engine: the prompt completed after each applied version.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.agent_id and not AGENT_ID_RE.match(self.agent_id):
             raise ValueError(f"agent_id {self.agent_id!r} must match {AGENT_ID_RE.pattern}")
+        if self.engine == "vllm" and not self.model:
+            raise ValueError("--engine vllm needs --model DIR")
         if min(self.streams, self.window_chunks, self.max_attempts) < 1:
             raise ValueError("streams, window_chunks and max_attempts must be >= 1")

@@ -72,7 +72,7 @@ class Cluster:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
         self.procs: dict[str, Proc] = {}
         self._pids: set[int] = set()
 

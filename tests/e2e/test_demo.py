@@ -23,7 +23,7 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
     workdir = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -32,13 +32,19 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
     assert [s["version"] for s in summary["per_step"]] == [1, 2, 3, 4, 5]
     assert all(s["pull_s"] > 0 and s["stage_s"] > 0 for s in summary["per_step"])
     assert proc.stdout.count("handshake OK 2/2") == 5
+    assert summary["engine"] == "vllm"  # real vLLM rollouts by default
+    for step in summary["per_step"]:
+        completions = step["completions"]
+        assert set(completions) == {"rollout-0", "rollout-1"} and len(set(completions.values())) == 1
+    assert len({s["completions"]["rollout-0"] for s in summary["per_step"]}) > 1  # the policy visibly changes
     assert not _our_processes(workdir)
 
 
 def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: None) -> None:
     workdir = tmp_path / "demo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "500", "--workdir", str(workdir)],
+        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "500", "--engine", "numpy",
+         "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 120

@@ -33,7 +33,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error")
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class RolloutStatus(_message.Message):
     SYNCS_FAILED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_RETRIES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
@@ -48,4 +49,5 @@ class RolloutStatus(_message.Message):
     syncs_failed: int
     chunk_retries: int
     last_error: str
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    completion: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,70 @@
+"""A vLLM engine owned by the rollout sidecar, synced through vLLM's own weight-transfer API.
+
+The sidecar's watch loop calls `sync(version)`; the `weightsync` backend inside the engine
+pulls, verifies, applies and reports the handshake. After each sync the sidecar can show
+one greedy completion, so a person sees the policy change.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from rollout_agent.sync import SyncResult
+
+
+class VllmEngineSyncer:
+    """An in-process `vllm.LLM` with the weightsync backend attached to a session."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        coordinator: str,
+        session: str,
+        agent_id: str,
+        dtype: str = "bfloat16",
+        kv_cache_bytes: int = 64 << 20,
+        max_model_len: int = 256,
+        init_extra: dict[str, Any] | None = None,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process per rollout sidecar
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM, SamplingParams
+
+        self._sampling = SamplingParams
+        self.llm = LLM(
+            model=model,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes,  # bounded: vLLM would take ~90% of RAM otherwise
+            block_size=32,
+            seed=0,
+            weight_transfer_config={"backend": "weightsync"},
+        )
+        info = {"coordinator": coordinator, "session": session, "agent_id": agent_id, **(init_extra or {})}
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
+    def sync(self, version: int) -> SyncResult:
+        """One round through vLLM's API; raises nothing: a refused version is ok=False."""
+        started = time.perf_counter()
+        try:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {"version": version or "latest"}})
+            self.llm.finish_weight_update(weight_version=str(version) if version else None)
+        except Exception as e:  # noqa: BLE001 - the engine reports why; the old weights keep serving
+            return SyncResult(version, ok=False, mismatch=str(e).splitlines()[0][:500])
+        finally:
+            self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
+        applied = int(self.llm.get_weight_version()) if version == 0 else version
+        return SyncResult(applied, ok=True, timings={"total_seconds": time.perf_counter() - started})
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> str:
+        """One greedy completion of `prompt`."""
+        sp = self._sampling(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text.strip()
+
+    def close(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()

@@ -1,0 +1,54 @@
+"""Dense Qwen3 model shapes by preset name, and their HF parameter names and shapes.
+
+Shared by the synthetic trainer and the tiny checkpoints rollouts serve, so both sides
+of the demo agree on every name and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a dense Qwen3 model."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = True
+
+
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(64, 2, 4, 2, 32, 128, 1024),
+    "small": ModelShape(256, 4, 8, 4, 32, 768, 8192),
+    "medium": ModelShape(1024, 8, 16, 8, 64, 3072, 32000),
+    "0.6b": ModelShape(1024, 28, 16, 8, 128, 3072, 151936),  # Qwen3-0.6B: ~1.19 GB in bf16
+}
+
+
+def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of every parameter, in checkpoint order."""
+    d, h = shape.hidden, shape.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, d)}
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (d,)
+        out[p + "self_attn.q_proj.weight"] = (shape.heads * h, d)
+        out[p + "self_attn.k_proj.weight"] = (shape.kv_heads * h, d)
+        out[p + "self_attn.v_proj.weight"] = (shape.kv_heads * h, d)
+        out[p + "self_attn.o_proj.weight"] = (d, shape.heads * h)
+        out[p + "self_attn.q_norm.weight"] = (h,)
+        out[p + "self_attn.k_norm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (d,)
+        out[p + "mlp.gate_proj.weight"] = (shape.intermediate, d)
+        out[p + "mlp.up_proj.weight"] = (shape.intermediate, d)
+        out[p + "mlp.down_proj.weight"] = (d, shape.intermediate)
+    out["model.norm.weight"] = (d,)
+    if not shape.tied:
+        out["lm_head.weight"] = (shape.vocab, d)
+    return out
