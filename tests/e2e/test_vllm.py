@@ -120,13 +120,26 @@ def handshake(coordinator: str, version: int, agent: str) -> Any:
     )
 
 
+def publish_from_maxtext(publisher: WeightPublisher, w: dict[str, np.ndarray], version: int) -> None:
+    """The trainer's path: a scanned MaxText-layout tree converted while it stages."""
+    from tests.unit.maxtext_reference import to_maxtext, with_style
+    from trainer_agent.convert import ModelDims, convert_maxtext
+
+    mt = with_style(to_maxtext(w, "qwen3", layers=2, heads=4, kv_heads=2, head_dim=32, vocab_pad=16), "linen")
+    dims = ModelDims(layers=2, heads=4, kv_heads=2, head_dim=32, vocab=1024)
+    publisher.publish_stream(convert_maxtext(mt, "qwen3", dims), version, capacity_bytes=sum(a.nbytes + 256 for a in w.values()))
+
+
 def test_native_api_syncs_each_version_and_matches_transformers(
     engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
 ) -> None:
-    for seed in (11, 12):
+    for seed, path in ((11, "hf"), (12, "maxtext")):
         v = next(versions)
         w = weights_for(model_dir, seed)
-        publisher.publish(w, v)
+        if path == "maxtext":
+            publish_from_maxtext(publisher, w, v)
+        else:
+            publisher.publish(w, v)
         sync_native(engine, v)
         assert engine.get_weight_version() == str(v)
         assert_matches(vllm_run(engine), transformers_run(model_dir, w))
@@ -171,6 +184,20 @@ def test_manifest_missing_a_fused_part_is_refused_before_any_change(
     assert vllm_run(engine) == before
     hs, _ = handshake(coordinator, v, "eng-a")
     assert not hs.ok and "model.layers.0.self_attn.v_proj.weight" in hs.mismatch
+
+
+def test_default_multiprocess_engine_gets_the_backend_from_the_entry_point(model_dir: Path, coordinator: str) -> None:
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    script = Path(__file__).with_name("vllm_multiprocess_check.py")
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), coordinator], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')))
+    assert result["state"] == "COMMITTED" and result["weight_version"] == "1" and len(result["tokens"]) == 4
 
 
 def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
