@@ -41,7 +41,7 @@ def compare_report(manifest: Manifest, manifest_digest: str, report: AppliedRepo
     digests and sums in manifest order, then aggregates.
     """
     if report.local_error:
-        return f"rollout failed before applying: {report.local_error}"
+        return f"rollout reported a local failure: {report.local_error}"
     if report.manifest_digest != manifest_digest:
         return f"manifest digest {report.manifest_digest[:16]}… differs from the source {manifest_digest[:16]}…"
     tensors = manifest.tensors

@@ -42,7 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_id=agent_id,
             dtype=cfg.dtype,
             kv_cache_bytes=cfg.kv_cache_bytes,
-            init_extra={"streams": cfg.streams, "window_chunks": cfg.window_chunks, "max_attempts": cfg.max_attempts},
+            init_extra={
+                "streams": cfg.streams,
+                "window_chunks": cfg.window_chunks,
+                "max_attempts": cfg.max_attempts,
+                "apply_mode": cfg.apply_mode,
+            },
         )
         agent = RolloutAgent(client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
         closers = [engine.close]
@@ -62,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failpoints = Failpoints(cfg.failpoints)
         agent = RolloutAgent(
             client, cfg.session, agent_id,
-            functools.partial(sync_version, puller, applier, failpoints=failpoints, metrics=metrics),
+            functools.partial(sync_version, puller, applier, apply_mode=cfg.apply_mode, failpoints=failpoints, metrics=metrics),
             metrics=metrics,
         )
         closers = [puller.close]

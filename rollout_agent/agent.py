@@ -48,6 +48,7 @@ class RolloutAgent:
         self.syncer = syncer
         self.completion_fn = completion
         self.last_completion = ""
+        self.recent_completions: dict[int, str] = {}
         self.endpoint = Endpoint()  # set to the agent's own server before attach()
         self.metrics = metrics
         self.current_version = 0
@@ -87,6 +88,9 @@ class RolloutAgent:
                 self.syncs_ok += 1
                 if self.completion_fn is not None:  # before current_version: readers poll on it
                     self.last_completion = self.completion_fn()
+                    self.recent_completions[result.version] = self.last_completion
+                    for old in sorted(self.recent_completions)[:-16]:
+                        del self.recent_completions[old]
                 self.current_version = result.version
                 self.metrics.current_version.labels(role=self.metrics.role).set(result.version)
                 log.info(
@@ -184,4 +188,5 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             chunk_retries=a.chunk_retries,
             last_error=a.last_error,
             completion=a.last_completion,
+            recent_completions=dict(a.recent_completions),
         )

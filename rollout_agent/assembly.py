@@ -25,32 +25,47 @@ def _is_whole(spec: TensorSpec, s: ShardSpec) -> bool:
     return all(a == 0 for a in s.start) and tuple(s.stop) == tuple(spec.shape)
 
 
+def assemble_tensor(
+    spec: TensorSpec,
+    shards: list[tuple[int, ShardSpec]],
+    buffers: Mapping[int, np.ndarray],
+    bases: Mapping[int, int] | None = None,
+    reuse: dict[str, np.ndarray] | None = None,
+) -> np.ndarray:
+    """One tensor from its shards; buffers[rank][0] is byte bases[rank] of that rank's part.
+
+    Held whole by one rank: a zero-copy view. Split across ranks: copied box by box into
+    an array kept in `reuse` for the next version (persistent buffers avoid re-faulting
+    fresh pages every step).
+    """
+    dt = dtype_info(spec.dtype).numpy
+
+    def shard_bytes(rank: int, s: ShardSpec) -> np.ndarray:
+        if s.nbytes == 0:
+            return np.empty(0, np.uint8)
+        start = s.offset - (bases[rank] if bases else 0)
+        return buffers[rank][start : start + s.nbytes]
+
+    if len(shards) == 1 and _is_whole(spec, shards[0][1]):
+        rank, s = shards[0]
+        return shard_bytes(rank, s).view(dt).reshape(spec.shape)
+    arr = reuse.get(spec.name) if reuse is not None else None
+    if arr is None or arr.shape != spec.shape or arr.dtype != dt:
+        arr = np.empty(spec.shape, dt)
+        if reuse is not None:
+            reuse[spec.name] = arr
+    for rank, s in shards:
+        arr[_box(s)] = shard_bytes(rank, s).view(dt).reshape(s.shape)
+    return arr
+
+
 def assemble(
     manifest: Manifest, buffers: Mapping[int, np.ndarray], reuse: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """Every tensor of the manifest as an array of its global shape.
-
-    A tensor held whole by one rank is a zero-copy view into that rank's buffer; one
-    split across ranks is copied box by box into an array kept in `reuse` for the next
-    version (persistent buffers avoid re-faulting fresh pages every step).
-    """
-    out: dict[str, np.ndarray] = {}
+    """Every tensor of the manifest as an array of its global shape (see assemble_tensor)."""
     reuse = reuse if reuse is not None else {}
-    for name, shards in manifest.shards_of().items():
-        spec = manifest.tensors[name]
-        dt = dtype_info(spec.dtype).numpy
-        if len(shards) == 1 and _is_whole(spec, shards[0][1]):
-            rank, s = shards[0]
-            out[name] = buffers[rank][s.offset : s.offset + s.nbytes].view(dt).reshape(spec.shape)
-            continue
-        arr = reuse.get(name)
-        if arr is None or arr.shape != spec.shape or arr.dtype != dt:
-            arr = np.empty(spec.shape, dt)
-            reuse[name] = arr
-        for rank, s in shards:
-            arr[_box(s)] = buffers[rank][s.offset : s.offset + s.nbytes].view(dt).reshape(s.shape)
-        out[name] = arr
-    return out
+    tensors = manifest.tensors
+    return {name: assemble_tensor(tensors[name], shards, buffers, None, reuse) for name, shards in manifest.shards_of().items()}
 
 
 def tensor_digest(arr: np.ndarray, shards: list[ShardSpec]) -> tuple[int, float]:

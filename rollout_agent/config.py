@@ -21,6 +21,12 @@ class RolloutConfig(ServerConfig):
     window_chunks: int = option(16, "Chunks requested per call (the in-flight window per stream).")
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
     timeout_s: float = option(120.0, "Deadline of each data-plane call.")
+    apply_mode: str = option(
+        "atomic",
+        "atomic: verify every byte before the first weight changes; streaming: one layer group at a time "
+        "(bounded memory, not atomic).",
+        choices=["atomic", "streaming"],
+    )
     follow: bool = option(True, "Watch the coordinator and sync each new READY version.")
     dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")

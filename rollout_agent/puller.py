@@ -147,7 +147,17 @@ class WeightPuller:
             self.metrics.add_bytes("pulled", pulled)
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
 
-    def _run_lane(self, manifest: Manifest, lane: _Lane, buf: np.ndarray) -> None:
+    def pull_chunks(self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int) -> tuple[int, int]:
+        """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
+        the part); returns (bytes pulled, chunks re-fetched). For streaming apply."""
+        per = max(1, -(-len(indices) // self.streams))
+        lanes = [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))]
+        with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
+            for future in [pool.submit(self._run_lane, manifest, lane, buf, base) for lane in lanes]:
+                future.result()
+        return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)
+
+    def _run_lane(self, manifest: Manifest, lane: _Lane, buf: np.ndarray, base: int = 0) -> None:
         pending = lane.indices
         last_error = ""
         for attempt in range(1, self.max_attempts + 1):
@@ -160,7 +170,7 @@ class WeightPuller:
                     manifest.version, lane.part.rank, len(pending), attempt, self.max_attempts, last_error,
                 )
             try:
-                pending, last_error = self._fetch(manifest, lane, pending, buf)
+                pending, last_error = self._fetch(manifest, lane, pending, buf, base)
             except TransportUnavailable as e:
                 last_error = e.message
                 time.sleep(min(1.0, 0.1 * 2**attempt))
@@ -170,7 +180,9 @@ class WeightPuller:
                 f"failed after {self.max_attempts} attempts: {last_error}"
             )
 
-    def _fetch(self, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray) -> tuple[list[int], str]:
+    def _fetch(
+        self, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
+    ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
         received: set[int] = set()
@@ -190,7 +202,7 @@ class WeightPuller:
                         if self.metrics is not None:
                             self.metrics.digest_failures.labels(role=self.metrics.role).inc()
                         continue
-                    buf[c.offset : c.offset + c.length] = np.frombuffer(payload.data, np.uint8)
+                    buf[c.offset - base : c.offset - base + c.length] = np.frombuffer(payload.data, np.uint8)
                     received.add(payload.index)
                     lane.bytes += c.length
             except TransportUnavailable as e:

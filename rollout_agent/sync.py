@@ -7,12 +7,14 @@ import time
 from dataclasses import dataclass, field
 
 from rollout_agent.appliers import Applier, layer_groups
-from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total
+from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
 from rollout_agent.puller import WeightPuller
+from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import DataLoss, WeightsyncError
+from weightsync.errors import DataLoss, InvalidArgument, WeightsyncError
 from weightsync.failpoints import Failpoints
+from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -30,23 +32,41 @@ class SyncResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+APPLY_MODES = ("atomic", "streaming")
+
+
+@dataclass
+class _Progress:
+    """What one round verified so far (goes into the handshake even when it fails)."""
+
+    digests: dict[str, tuple[int, float]] = field(default_factory=dict)
+    elements: int = 0
+    consumed: list[str] = field(default_factory=list)
+
+
 def sync_version(
     puller: WeightPuller,
     applier: Applier,
     version: int = 0,
     *,
+    apply_mode: str = "atomic",
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
 ) -> SyncResult:
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
-    Atomic: every chunk and every assembled tensor is verified before the applier's
-    `begin_update`, so a bad version never touches the live weights. The handshake
-    carries digests over the assembled tensors handed to the applier.
+    apply_mode "atomic" (default): every chunk and every assembled tensor is verified
+    before the applier's `begin_update`, so a bad version never touches the live weights.
+    "streaming": one layer group at a time is pulled, verified and applied, so host
+    memory stays near one group, but a bad chunk found late leaves earlier groups applied
+    (not atomic; the handshake fails and the next good version repairs it).
+    The handshake carries digests over the tensors handed to the applier.
 
     Raises:
         WeightsyncError: the manifest could not be fetched (nothing was applied).
     """
+    if apply_mode not in APPLY_MODES:
+        raise InvalidArgument("apply_mode", f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}")
     started = time.perf_counter()
     header, manifest = puller.fetch_manifest(version)
     v = manifest.version
@@ -55,42 +75,22 @@ def sync_version(
     )
     timings: dict[str, float] = {}
     result = SyncResult(v, ok=False)
+    progress = _Progress()
     try:
-        pulled = puller.pull(header, manifest)
-        result.bytes_pulled, result.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
-        timings["pull_seconds"] = pulled.pull_seconds
-        t0 = time.perf_counter()
-        tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
-        if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
-            first = next(iter(tensors.values()))
-            first.reshape(-1).view("uint8")[0] ^= 0xFF
-        digests = digest_all(manifest, tensors)
-        timings["verify_seconds"] = time.perf_counter() - t0
-        report.tensors.extend(tpb_digest(name, d) for name, d in digests.items())
-        report.aggregates.CopyFrom(
-            tpb.Aggregates(
-                grand_total=grand_total(digests),
-                tensor_count=len(tensors),
-                element_count=sum(int(t.size) for t in tensors.values()),
-            )
-        )
-        problem = first_difference(manifest, digests)
-        if problem is not None:
-            raise DataLoss(f"refusing to apply version {v}: {problem}")
-        t1 = time.perf_counter()
-        applier.begin_update(v, manifest.tensors)
-        try:
-            for group in layer_groups(manifest.tensors):
-                applier.apply([(name, tensors[name]) for name in group])
-        except Exception:
-            applier.abort_update()
-            raise
-        consumed = applier.commit_update(v)
-        timings["apply_seconds"] = time.perf_counter() - t1
-        report.consumed_names.extend(consumed)
+        if apply_mode == "streaming":
+            _apply_streaming(puller, applier, manifest, progress, result, timings)
+        else:
+            _apply_atomic(puller, applier, header, manifest, progress, result, timings, failpoints)
+        report.consumed_names.extend(progress.consumed)
     except WeightsyncError as e:
         report.local_error = e.message
         log.error("version %d not applied: %s", v, e.message)
+    report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
+    report.aggregates.CopyFrom(
+        tpb.Aggregates(
+            grand_total=grand_total(progress.digests), tensor_count=len(progress.digests), element_count=progress.elements
+        )
+    )
     timings["total_seconds"] = time.perf_counter() - started
     report.timings.CopyFrom(pb.Timings(**timings))
     report.bytes_pulled = result.bytes_pulled
@@ -108,6 +108,78 @@ def sync_version(
     if result.ok and metrics is not None:
         metrics.current_version.labels(role=metrics.role).set(v)
     return result
+
+
+def _apply_atomic(
+    puller: WeightPuller,
+    applier: Applier,
+    header: pb.ManifestHeader,
+    manifest: Manifest,
+    progress: _Progress,
+    result: SyncResult,
+    timings: dict[str, float],
+    failpoints: Failpoints | None,
+) -> None:
+    v = manifest.version
+    pulled = puller.pull(header, manifest)
+    result.bytes_pulled, result.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
+    timings["pull_seconds"] = pulled.pull_seconds
+    t0 = time.perf_counter()
+    tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
+    if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
+        first = next(iter(tensors.values()))
+        first.reshape(-1).view("uint8")[0] ^= 0xFF
+    progress.digests = digest_all(manifest, tensors)
+    progress.elements = sum(int(t.size) for t in tensors.values())
+    timings["verify_seconds"] = time.perf_counter() - t0
+    problem = first_difference(manifest, progress.digests)
+    if problem is not None:
+        raise DataLoss(f"refusing to apply version {v}: {problem}")
+    t1 = time.perf_counter()
+    applier.begin_update(v, manifest.tensors)
+    try:
+        for group in layer_groups(manifest.tensors):
+            applier.apply([(name, tensors[name]) for name in group])
+    except Exception:
+        applier.abort_update()
+        raise
+    progress.consumed = applier.commit_update(v)
+    timings["apply_seconds"] = time.perf_counter() - t1
+
+
+def _apply_streaming(
+    puller: WeightPuller,
+    applier: Applier,
+    manifest: Manifest,
+    progress: _Progress,
+    result: SyncResult,
+    timings: dict[str, float],
+) -> None:
+    v = manifest.version
+    timings.update(pull_seconds=0.0, verify_seconds=0.0, apply_seconds=0.0)
+    applier.begin_update(v, manifest.tensors)  # name checks happen here, before any byte moves
+    applied = 0
+    try:
+        for group in stream_verified_groups(puller, manifest, result, timings):
+            t0 = time.perf_counter()
+            digests = {name: tensor_digest(arr, [s for _, s in manifest.shards_of_name(name)]) for name, arr in group}
+            problem = first_difference(manifest, digests)
+            progress.digests.update(digests)
+            progress.elements += sum(int(arr.size) for _, arr in group)
+            timings["verify_seconds"] += time.perf_counter() - t0
+            if problem is not None:
+                raise DataLoss(problem)
+            t1 = time.perf_counter()
+            applier.apply(group)
+            applied += 1
+            timings["apply_seconds"] += time.perf_counter() - t1
+    except WeightsyncError as e:
+        applier.abort_update()
+        raise e.with_message(f"version {v} stopped after {applied} applied group(s) (streaming, not atomic): {e.message}") from e
+    except Exception:
+        applier.abort_update()
+        raise
+    progress.consumed = applier.commit_update(v)
 
 
 def tpb_digest(name: str, d: tuple[int, float]) -> pb.TensorDigest:

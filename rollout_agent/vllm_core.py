@@ -34,11 +34,14 @@ class RolloutInitInfo:
     window_chunks: int = 16
     max_attempts: int = 3
     timeout_s: float = 120.0
+    apply_mode: str = "atomic"  # or "streaming": bounded host memory, not atomic
 
     def __post_init__(self) -> None:
         check_session_name(self.session, "init_info.session")
         if self.agent_id:
             check_agent_id(self.agent_id, "init_info.agent_id")
+        if self.apply_mode not in ("atomic", "streaming"):
+            raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
         if self.transport != "grpc":
             raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available yet; use 'grpc'")
 
@@ -101,7 +104,7 @@ class VllmRollout:
     def sync(self, version: Any = "latest") -> SyncResult:
         """Pulls, verifies, applies and reports; the live weights change only when every
         chunk and tensor verified and every name matched the model."""
-        result = sync_version(self.puller, self.applier, parse_version(version))
+        result = sync_version(self.puller, self.applier, parse_version(version), apply_mode=self.info.apply_mode)
         self.last = result
         if result.ok:
             self.current_version = result.version

@@ -55,8 +55,8 @@ def rollout_completion(address: str, version: int, timeout_s: float = 120.0) -> 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             st = stub.GetStatus(rpb.RolloutStatusRequest(), timeout=10)
-            if st.current_version >= version:
-                return st.completion
+            if version in st.recent_completions:
+                return st.recent_completions[version]
             time.sleep(0.05)
     return "<no completion>"
 

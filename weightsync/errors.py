@@ -35,6 +35,12 @@ class WeightsyncError(Exception):
         self.message = message
         self.field = field
 
+    def with_message(self, message: str) -> WeightsyncError:
+        """The same error class and field with a new message (for adding context)."""
+        err = type(self).__new__(type(self))
+        WeightsyncError.__init__(err, message, field=self.field)
+        return err
+
 
 class InvalidArgument(WeightsyncError):
     """A request or value is malformed; `field` names the offending field."""

@@ -195,6 +195,14 @@ class Manifest:
             shards.sort(key=lambda rs: rs[1].start)
         return out
 
+    def shards_of_name(self, name: str) -> list[tuple[int, ShardSpec]]:
+        """(rank, shard) of one tensor in canonical order (cached index over all tensors)."""
+        index = self.__dict__.get("_shard_index")
+        if index is None:
+            index = self.shards_of()
+            object.__setattr__(self, "_shard_index", index)
+        return index[name]
+
     def tensor_digests(self) -> dict[str, int]:
         """Per-tensor digests by the rule in `digests.combine_shard_digests`."""
         return {name: combine_shard_digests(s.xxh3 for _, s in shards) for name, shards in self.shards_of().items()}

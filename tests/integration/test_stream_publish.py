@@ -68,3 +68,31 @@ def test_streamed_maxtext_conversion_syncs_bit_exactly(coordinator: RunningServe
             big = [("model.big.weight", np.zeros(pub.arena.slot_bytes + 1, np.uint8))]
             pub.publish_stream(iter(big), 2, capacity_bytes=1024)  # reserve less than the stream needs
     client.close()
+
+
+def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(coordinator: RunningServer, no_arena_leak: None) -> None:
+    rng = np.random.default_rng(0)
+    params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((64, 256)).astype(np.float32) for i in range(6)}
+    params["model.norm.weight"] = rng.standard_normal(256).astype(np.float32)
+    client = CoordinatorClient(coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(coordinator.address, "job", chunk_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        applier = DictApplier()
+        puller = WeightPuller(client, "job", "r0", window_chunks=2)
+        pub.publish(params, 1)
+        outcome = sync_version(puller, applier, 1, apply_mode="streaming")
+        assert outcome.ok, outcome.mismatch
+        assert puller._buffers == {}  # no whole-version receive buffer was ever allocated
+        assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        # a bad chunk late in the version: earlier groups are already live (documented)
+        later = {k: v + 1 for k, v in params.items()}
+        result = pub.publish(later, 2)
+        entry = pub.table.entries()[result.slot]
+        pub.arena.slot(result.slot)[entry.chunks[-1].offset] ^= 1
+        outcome = sync_version(puller, applier, 2, apply_mode="streaming")
+        assert not outcome.ok and "not atomic" in outcome.mismatch
+        assert np.array_equal(applier.weights["model.layers.0.mlp.up_proj.weight"], later["model.layers.0.mlp.up_proj.weight"])
+        assert applier.version == 1
+        puller.close()
+    client.close()

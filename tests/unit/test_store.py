@@ -212,7 +212,7 @@ def test_handshake_comparison_names_first_difference(store: SessionStore) -> Non
             good, aggregates=dataclasses.replace(good.aggregates, element_count=good.aggregates.element_count + 1)
         ),
         "grand_total": dataclasses.replace(good, aggregates=dataclasses.replace(good.aggregates, grand_total=1e9)),
-        "failed before applying": dataclasses.replace(good, local_error="boom"),
+        "local failure: boom": dataclasses.replace(good, local_error="boom"),
     }
     for expected, report in cases.items():
         out = store.report_applied("job", 1, "r0", report)
