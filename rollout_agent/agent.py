@@ -15,7 +15,8 @@ from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, VersionNotFound, WeightsyncError
+from weightsync.errors import VersionNotFound, WeightsyncError
+from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
 
@@ -58,7 +59,8 @@ class RolloutAgent:
         self.last_error = ""
         self._sync_lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._heartbeat: Heartbeat | None = None
+        self._watcher: threading.Thread | None = None
 
     def attach(self) -> None:
         """Opens the session (creating it if needed) and registers this rollout."""
@@ -66,16 +68,19 @@ class RolloutAgent:
         self.client.register_agent(self.session, self.agent_id, trainer=False, endpoint=self.endpoint)
 
     def start(self, follow: bool) -> None:
-        targets = [self._heartbeat_loop] + ([self._watch_loop] if follow else [])
-        for target in targets:
-            t = threading.Thread(target=target, name=target.__name__, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._heartbeat = Heartbeat(
+            self.client, self.session, self.agent_id, current_version=lambda: self.current_version, reattach=self.attach
+        ).start()
+        if follow:
+            self._watcher = threading.Thread(target=self._watch_loop, name="watch", daemon=True)
+            self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
 
     def sync(self, version: int = 0) -> SyncResult:
         """Syncs a version (0 = newest servable); one at a time."""
@@ -109,18 +114,6 @@ class RolloutAgent:
             if v.state in SERVABLE_STATES:
                 return v.version
         raise VersionNotFound(f"session {self.session!r} has no READY version yet")
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.client.heartbeat(self.session, self.agent_id, self.current_version)
-            except AgentNotFound:
-                try:
-                    self.attach()
-                except WeightsyncError as e:
-                    log.warning("re-register failed: %s", e)
-            except WeightsyncError as e:
-                log.warning("heartbeat failed: %s", e)
 
     def _watch_loop(self) -> None:
         """Follows the session: catch up to the newest servable version, then each new one.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,7 +14,8 @@ from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import SyncResult, sync_version
 from rollout_agent.vllm_applier import VllmApplier
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, InvalidArgument, WeightsyncError
+from weightsync.errors import InvalidArgument
+from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.validation import check_agent_id, check_session_name
 
@@ -80,26 +80,14 @@ class VllmRollout:
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0
         self.last: SyncResult | None = None
-        self._stop = threading.Event()
         self._attach()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="weightsync-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._heartbeat = Heartbeat(
+            self.client, info.session, self.agent_id, current_version=lambda: self.current_version, reattach=self._attach
+        ).start()
 
     def _attach(self) -> None:
         self.client.open_session(self.info.session, trainer=False)
         self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=Endpoint("", ("grpc",), socket.gethostname()))
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self.client.heartbeat(self.info.session, self.agent_id, self.current_version)
-            except AgentNotFound:
-                try:
-                    self._attach()
-                except WeightsyncError as e:
-                    log.warning("weightsync re-register failed: %s", e)
-            except WeightsyncError as e:
-                log.warning("weightsync heartbeat failed: %s", e)
 
     def sync(self, version: Any = "latest") -> SyncResult:
         """Pulls, verifies, applies and reports; the live weights change only when every
@@ -122,7 +110,6 @@ class VllmRollout:
         }
 
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(timeout=5)
+        self._heartbeat.stop()
         self.puller.close()
         self.client.close()

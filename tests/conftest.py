@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.cluster import Cluster
+from weightsync.server import RunningServer
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -66,3 +67,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     rep = yield
     setattr(item, f"rep_{rep.when}", rep)
     return rep
+
+
+@pytest.fixture
+def inprocess_coordinator(tmp_path: Path) -> Iterator[RunningServer]:
+    """A Coordinator server in this process, on 127.0.0.1:<free port>, SQLite in tmp_path."""
+    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+    from coordinator.store import SessionStore
+    from coordinator.watch import WatchHub
+    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+    from weightsync.metrics import build_metrics
+    from weightsync.server import Service, start_server
+
+    hub = WatchHub()
+    store = SessionStore(tmp_path / "c.db", listener=hub)
+    metrics = build_metrics("coordinator")
+    running = start_server(
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=96,
+    )
+    yield running
+    hub.close()
+    running.stop(0.5)
+    store.close()

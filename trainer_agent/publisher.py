@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,13 +27,13 @@ from weightsync._proto import types_pb2 as _tpb
 from weightsync.client import CoordinatorClient
 from weightsync.dtypes import dtype_info
 from weightsync.errors import (
-    AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
     WeightsyncError,
     WrongState,
 )
 from weightsync.failpoints import Failpoints
+from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import RunningServer, Service, start_server
@@ -195,20 +194,20 @@ class WeightPublisher:
             metrics_port=metrics_port,
         )
         self.endpoint = Endpoint(self.server.address, ("grpc",), host_id or socket.gethostname())
-        self._client.register_agent(session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=rank)
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="publisher-heartbeat", daemon=True)
-        self._heartbeat.start()
-        self._next_slot = 0
+        self._register()
+        self._closed = False
+        self._heartbeat = Heartbeat(
+            self._client, session, self.agent_id, current_version=self._latest_version, reattach=self._register
+        ).start()
         log.info("publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address)
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
         """Stops serving, heartbeats and frees the arena; idempotent."""
-        if self._stop.is_set():
+        if self._closed:
             return
-        self._stop.set()
-        self._heartbeat.join(timeout=5)
+        self._closed = True
+        self._heartbeat.stop()
         self.server.stop(grace_s=1.0)
         self.arena.close()
         self._client.close()
@@ -219,22 +218,11 @@ class WeightPublisher:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def _heartbeat_loop(self) -> None:
-        latest = 0
-        while not self._stop.wait(1.0):
-            latest = max((e.version for e in self.table.entries().values()), default=latest)
-            try:
-                self._client.heartbeat(self.session, self.agent_id, latest)
-            except AgentNotFound:
-                self._reregister()
-            except WeightsyncError as e:
-                log.warning("heartbeat failed: %s", e)
+    def _latest_version(self) -> int:
+        return max((e.version for e in self.table.entries().values()), default=0)
 
-    def _reregister(self) -> None:
-        try:
-            self._client.register_agent(self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank)
-        except WeightsyncError as e:
-            log.warning("re-register failed: %s", e)
+    def _register(self) -> None:
+        self._client.register_agent(self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank)
 
     # -- publishing -----------------------------------------------------------------
     def publish(self, params: Mapping[str, Any], version: int, *, idempotency_key: str | None = None) -> PublishResult:

@@ -6,47 +6,25 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from coordinator.store import SessionStore
-from coordinator.watch import WatchHub
 from tests.unit.helpers import make_part, sample_arrays
-from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound
-from weightsync.metrics import build_metrics
-from weightsync.server import RunningServer, Service, start_server
+from weightsync.server import RunningServer
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RunningServer]:
-    hub = WatchHub()
-    store = SessionStore(tmp_path / "c.db", listener=hub)
-    metrics = build_metrics("coordinator")
-    running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=96,
-    )
-    yield running
-    hub.close()
-    running.stop(0.5)
-    store.close()
-
-
-def test_watch_fans_out_to_many_watchers(server: RunningServer) -> None:
+def test_watch_fans_out_to_many_watchers(inprocess_coordinator: RunningServer) -> None:
     n = 64
-    with CoordinatorClient(server.address) as client:
+    with CoordinatorClient(inprocess_coordinator.address) as client:
         gen = client.open_session("job", trainer=True, incarnation="a").generation
         ready = threading.Barrier(n + 1)
         seen: list[list[str]] = [[] for _ in range(n)]
 
         def watch(i: int) -> None:
-            with CoordinatorClient(server.address) as c:
+            with CoordinatorClient(inprocess_coordinator.address) as c:
                 stream = c.watch("job", 0, timeout_s=30)
                 ready.wait()
                 for ev in stream:
@@ -65,8 +43,8 @@ def test_watch_fans_out_to_many_watchers(server: RunningServer) -> None:
         assert all(s == ["STAGING", "READY"] for s in seen), seen
 
 
-def test_client_raises_typed_errors_with_fields(server: RunningServer) -> None:
-    with CoordinatorClient(server.address) as client:
+def test_client_raises_typed_errors_with_fields(inprocess_coordinator: RunningServer) -> None:
+    with CoordinatorClient(inprocess_coordinator.address) as client:
         with pytest.raises(NotFound):
             client.status("missing")
         with pytest.raises(InvalidArgument) as exc:
@@ -79,12 +57,12 @@ def test_client_raises_typed_errors_with_fields(server: RunningServer) -> None:
             client.publish_part("job", generation=old, version=1, idempotency_key="k", part=part)
 
 
-def test_wsctl_watch_json_and_errors(server: RunningServer) -> None:
-    with CoordinatorClient(server.address) as client:
+def test_wsctl_watch_json_and_errors(inprocess_coordinator: RunningServer) -> None:
+    with CoordinatorClient(inprocess_coordinator.address) as client:
         gen = client.open_session("job", trainer=True, incarnation="a").generation
         part, _ = make_part(sample_arrays())
         client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
-    base = [sys.executable, "-m", "weightsync.cli", "--coordinator", server.address, "--session", "job"]
+    base = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--session", "job"]
     out = subprocess.run([*base, "--json", "watch", "--count", "2"], capture_output=True, text=True, timeout=60, check=True)
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert [e["version"]["state"] for e in events] == ["STAGING", "READY"]

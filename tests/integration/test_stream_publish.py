@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from coordinator.store import SessionStore
-from coordinator.watch import WatchHub
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
@@ -18,37 +12,20 @@ from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights
 from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
 from trainer_agent.publisher import WeightPublisher
-from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync.client import CoordinatorClient
 from weightsync.errors import ResourceExhausted
-from weightsync.metrics import build_metrics
-from weightsync.server import RunningServer, Service, start_server
+from weightsync.server import RunningServer
 
 
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[RunningServer]:
-    hub = WatchHub()
-    store = SessionStore(tmp_path / "c.db", listener=hub)
-    metrics = build_metrics("coordinator")
-    running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1,
-    )
-    yield running
-    hub.close()
-    running.stop(0.5)
-    store.close()
-
-
-def test_streamed_maxtext_conversion_syncs_bit_exactly(coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_streamed_maxtext_conversion_syncs_bit_exactly(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
     hf = hf_weights("llama3")
     dims = ModelDims(layers=L, heads=N, kv_heads=K, head_dim=H, vocab=128)
     expected = dict(convert_maxtext(with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen"),
                                     "llama3", dims, ConvertOptions(weight_dtype="bfloat16")))
     capacity = sum(a.nbytes + 256 for a in expected.values())
-    client = CoordinatorClient(coordinator.address)
+    client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(coordinator.address, "job", chunk_bytes=16384) as pub:
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=16384) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         tree = with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen")
         stream = convert_maxtext(tree, "llama3", dims, ConvertOptions(weight_dtype="bfloat16"))
@@ -70,13 +47,13 @@ def test_streamed_maxtext_conversion_syncs_bit_exactly(coordinator: RunningServe
     client.close()
 
 
-def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
     rng = np.random.default_rng(0)
     params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((64, 256)).astype(np.float32) for i in range(6)}
     params["model.norm.weight"] = rng.standard_normal(256).astype(np.float32)
-    client = CoordinatorClient(coordinator.address)
+    client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         applier = DictApplier()
         puller = WeightPuller(client, "job", "r0", window_chunks=2)
