@@ -12,11 +12,20 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator.handshake import AppliedReport, compare_report
+from coordinator.records import (
+    AgentRecord,
+    Event,
+    EventListener,
+    PublishOutcome,
+    ReportOutcome,
+    ReportRecord,
+    SessionRecord,
+    VersionRecord,
+)
 from coordinator.states import SERVABLE, VersionState, check_transition
 from weightsync.errors import (
     AgentNotFound,
@@ -69,82 +78,6 @@ CREATE TABLE IF NOT EXISTS events (
   state TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
 """
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    name: str
-    generation: int
-    incarnation: str
-    trainer_ranks: int
-    min_rollouts: int
-    created_at: float
-
-
-@dataclass(frozen=True)
-class VersionRecord:
-    session: str
-    version: int
-    state: VersionState
-    generation: int
-    chunk_bytes: int
-    manifest_digest: str
-    created_at: float
-    ready_at: float
-    committed_at: float
-    reason: str
-    total_bytes: int
-    sealed_ranks: int
-    trainer_ranks: int
-    leases: int
-    stage_seconds: float
-
-
-@dataclass(frozen=True)
-class AgentRecord:
-    agent_id: str
-    role: str
-    endpoint: Endpoint
-    rank: int
-    lease_expires_at: float
-    current_version: int
-    alive: bool
-
-
-@dataclass(frozen=True)
-class ReportRecord:
-    version: int
-    agent_id: str
-    ok: bool
-    mismatch: str
-    timings: dict[str, float]
-    bytes_pulled: int
-    reported_at: float
-
-
-@dataclass(frozen=True)
-class Event:
-    seq: int
-    version: VersionRecord
-
-
-@dataclass(frozen=True)
-class PublishOutcome:
-    version: VersionRecord
-    duplicate: bool
-
-
-@dataclass(frozen=True)
-class ReportOutcome:
-    version: VersionRecord
-    mismatch: str | None
-
-
-class EventListener:
-    """Protocol-like hook: called (outside the lock) after events were appended."""
-
-    def notify(self, session: str) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
 
 
 class SessionStore:
@@ -643,11 +576,3 @@ class _Tx:
         finally:
             self._store._lock.release()
 
-
-def record_as_dict(rec: Any) -> dict[str, Any]:
-    """A record as a plain dict (enums as their names)."""
-    out = dict(vars(rec))
-    for k, v in out.items():
-        if isinstance(v, VersionState):
-            out[k] = v.value
-    return out

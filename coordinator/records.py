@@ -1,0 +1,84 @@
+"""Plain records the session store returns (no SQL, no grpc)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.states import VersionState
+from weightsync.manifest import Endpoint
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    name: str
+    generation: int
+    incarnation: str
+    trainer_ranks: int
+    min_rollouts: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    session: str
+    version: int
+    state: VersionState
+    generation: int
+    chunk_bytes: int
+    manifest_digest: str
+    created_at: float
+    ready_at: float
+    committed_at: float
+    reason: str
+    total_bytes: int
+    sealed_ranks: int
+    trainer_ranks: int
+    leases: int
+    stage_seconds: float
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    agent_id: str
+    role: str
+    endpoint: Endpoint
+    rank: int
+    lease_expires_at: float
+    current_version: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    version: int
+    agent_id: str
+    ok: bool
+    mismatch: str
+    timings: dict[str, float]
+    bytes_pulled: int
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    version: VersionRecord
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    version: VersionRecord
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    version: VersionRecord
+    mismatch: str | None
+
+
+class EventListener(Protocol):
+    """Called (outside the store's lock) after events were appended: the watch fan-out."""
+
+    def notify(self, session: str) -> None: ...
