@@ -18,6 +18,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import Aggregates
 from weightsync.metrics import Metrics
+from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
 from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_to_pieces, part_to_proto
 
@@ -122,6 +123,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         check_version(h.version, "header.version")
         if h.endpoint.address:
             check_address(h.endpoint.address, "header.endpoint.address")
+        if h.endpoint.shm_path:
+            try:
+                check_arena_path(h.endpoint.shm_path)
+            except InvalidArgument as e:
+                raise InvalidArgument("header.endpoint.shm_path", e.message.split(": ", 1)[-1]) from None
         expected = h.tensor_count + h.shard_count + h.chunk_count
         builder = PartBuilder(h.rank, max_items=expected)
         seal = None

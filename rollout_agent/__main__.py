@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=cfg.dtype,
             kv_cache_bytes=cfg.kv_cache_bytes,
             init_extra={
+                "transport": cfg.transport,
                 "streams": cfg.streams,
                 "window_chunks": cfg.window_chunks,
                 "max_attempts": cfg.max_attempts,
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg.session,
             agent_id,
             transport=cfg.transport,
+            host_id=cfg.host_id,
             streams=cfg.streams,
             window_chunks=cfg.window_chunks,
             max_attempts=cfg.max_attempts,

@@ -16,7 +16,9 @@ class RolloutConfig(ServerConfig):
     session: str = option("demo", "Session name.")
     agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid>.")
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
-    transport: str = option("grpc", "Data-plane transport.", choices=["grpc"])
+    transport: str = option(
+        "grpc", "Data-plane transport; shm maps a same-host trainer's arena, grpc elsewhere.", choices=["grpc", "shm"]
+    )
     streams: int = option(2, "Parallel streams per trainer rank.")
     window_chunks: int = option(16, "Chunks requested per call (the in-flight window per stream).")
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")

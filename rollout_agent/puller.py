@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from weightsync.digests import xxh3
 from weightsync.errors import DigestMismatch, TransportUnavailable
 from weightsync.manifest import ChunkSpec, Manifest, Part
 from weightsync.metrics import Metrics
-from weightsync.transports import FetchRequest, Transport, create_transport
+from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class _Lane:
 class WeightPuller:
     """Pulls versions with parallel streams and a bounded in-flight window.
 
-    Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
+    `transport` "shm" maps a same-host trainer's arena (host ids equal) and falls back
+    to "grpc" for other ranks. Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
     most `window_chunks` chunks per call, so at most streams x window_chunks x
     chunk_bytes are in flight per rank. Every chunk's xxh3 is checked on arrival; a bad
     or missing chunk is fetched again, up to `max_attempts` times in all, then
@@ -62,6 +64,7 @@ class WeightPuller:
         agent_id: str,
         *,
         transport: str = "grpc",
+        host_id: str = "",
         streams: int = 2,
         window_chunks: int = 16,
         max_attempts: int = 3,
@@ -73,7 +76,10 @@ class WeightPuller:
         self.client = client
         self.session = session
         self.agent_id = agent_id
+        if transport not in available_transports():
+            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(available_transports())}")
         self.transport = transport
+        self.host_id = host_id or socket.gethostname()
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
@@ -83,22 +89,41 @@ class WeightPuller:
         self.assembly_buffers: dict[str, np.ndarray] = {}  # tensors split across ranks
         self._lock = threading.Lock()
         # One open transport (connection) per (endpoint, stream), kept across versions.
-        self._transports: dict[tuple[str, int], Transport] = {}
+        self._transports: dict[tuple[str, str, int], Transport] = {}
+        self._fallbacks_logged: set[tuple[int, str]] = set()
         self._transports_lock = threading.Lock()
 
+    def transport_for(self, part: Part) -> str:
+        """The transport for one rank's part: shm only where asked for and possible."""
+        ep = part.endpoint
+        if self.transport == "shm":
+            if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
+                return "shm"
+            if (part.rank, ep.host_id) not in self._fallbacks_logged:
+                self._fallbacks_logged.add((part.rank, ep.host_id))
+                log.info("rank %d is on host %r, we are on %r (or offers no shm): pulling over grpc",
+                         part.rank, ep.host_id, self.host_id)
+            return "grpc"
+        return self.transport
+
+    def _key(self, lane: _Lane) -> tuple[str, str, int]:
+        return (self.transport_for(lane.part), lane.part.endpoint.address, lane.stream)
+
     def _transport(self, lane: _Lane) -> Transport:
-        key = (lane.part.endpoint.address, lane.stream)
+        key = self._key(lane)
         with self._transports_lock:
             transport = self._transports.get(key)
             if transport is None:
-                transport = create_transport(self.transport)
+                transport = create_transport(key[0])
                 transport.open(lane.part.endpoint)
                 self._transports[key] = transport
+            elif key[0] == "shm":
+                transport.open(lane.part.endpoint)  # same mapping; this version's slot offset
             return transport
 
     def _drop_transport(self, lane: _Lane) -> None:
         with self._transports_lock:
-            transport = self._transports.pop((lane.part.endpoint.address, lane.stream), None)
+            transport = self._transports.pop(self._key(lane), None)
         if transport is not None:
             transport.close()
 
@@ -190,7 +215,8 @@ class WeightPuller:
         transport = self._transport(lane)
         for w in range(0, len(indices), self.window_chunks):
             window = list(indices[w : w + self.window_chunks])
-            request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s)
+            spans = [(chunks[i].offset, chunks[i].length) for i in window]
+            request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans)
             try:
                 for payload in transport.fetch(request):
                     c = chunks[payload.index] if payload.index < len(chunks) else None

@@ -42,8 +42,8 @@ class RolloutInitInfo:
             check_agent_id(self.agent_id, "init_info.agent_id")
         if self.apply_mode not in ("atomic", "streaming"):
             raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
-        if self.transport != "grpc":
-            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available yet; use 'grpc'")
+        if self.transport not in ("grpc", "shm"):
+            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available; use 'grpc' or 'shm'")
 
 
 def parse_version(version: Any) -> int:

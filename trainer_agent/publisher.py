@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -193,7 +194,7 @@ class WeightPublisher:
             metrics=self.metrics,
             metrics_port=metrics_port,
         )
-        self.endpoint = Endpoint(self.server.address, ("grpc",), host_id or socket.gethostname())
+        self.endpoint = Endpoint(self.server.address, ("grpc", "shm"), host_id or socket.gethostname())
         self._register()
         self._closed = False
         self._heartbeat = Heartbeat(
@@ -322,7 +323,10 @@ class WeightPublisher:
             tensors=tensors,
             shards=tuple(shard_specs),
             chunks=tuple(chunks),
-            endpoint=self.endpoint,
+            # Same-host rollouts may map this slot of the arena directly ("shm" transport).
+            endpoint=dataclasses.replace(
+                self.endpoint, shm_path=str(self.arena.path), shm_offset=slot * self.arena.slot_bytes
+            ),
             stage_seconds=stage_s,
         )
         t0 = time.perf_counter()

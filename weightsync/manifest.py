@@ -96,13 +96,24 @@ class Endpoint:
     address: str = ""
     transports: tuple[str, ...] = ("grpc",)
     host_id: str = ""
+    shm_path: str = ""  # "shm": the arena file of this part's slot
+    shm_offset: int = 0  # "shm": byte offset of the part in that file
 
     def to_dict(self) -> dict[str, Any]:
-        return {"address": self.address, "transports": list(self.transports), "host_id": self.host_id}
+        return {
+            "address": self.address,
+            "transports": list(self.transports),
+            "host_id": self.host_id,
+            "shm_path": self.shm_path,
+            "shm_offset": self.shm_offset,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoint:
-        return cls(d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""))
+        return cls(
+            d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""),
+            d.get("shm_path", ""), d.get("shm_offset", 0),
+        )
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,10 @@ def publish_stream(part, *, generation: int, version: int, seal: str | None = No
         shard_count=len(part.shards), chunk_count=len(part.chunks),
     )
     for k, v in (header_overrides or {}).items():
-        setattr(header, k, v)
+        if k == "endpoint":
+            header.endpoint.CopyFrom(v)
+        else:
+            setattr(header, k, v)
     if batches is not None and seal is None:
         seal = sealed_digest(header, batches)
     yield cpb.PublishRequest(header=header)
@@ -94,6 +97,7 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
         ("publish stale generation", lambda: stub.PublishVersion(publish_stream(part, generation=gen - 1 if gen > 1 else gen + 5, version=2), timeout=5), C.FAILED_PRECONDITION, None),
         ("publish version 0", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=0), timeout=5), C.INVALID_ARGUMENT, "header.version"),
         ("publish wrong counts", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"chunk_count": 99}), timeout=5), C.INVALID_ARGUMENT, None),
+        ("publish shm path outside /dev/shm", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.shm_path"),
         ("publish wrong seal", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, seal="00"), timeout=5), C.INVALID_ARGUMENT, "seal.part_digest"),
         ("publish bad dtype", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, batches=bad_dtype, header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}), timeout=5), C.INVALID_ARGUMENT, "part.tensors[0].dtype"),
         ("publish overlapping chunks", lambda: stub.PublishVersion(publish_stream(overlapping, generation=gen, version=2), timeout=5), C.INVALID_ARGUMENT, "part.chunks[1].offset"),

@@ -73,3 +73,28 @@ def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(inprocess_coordina
         assert applier.version == 1
         puller.close()
     client.close()
+
+
+@pytest.mark.parametrize(("host_id", "expected"), [("", "shm"), ("another-host", "grpc")])
+def test_shm_transport_on_the_same_host_and_grpc_fallback(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, host_id: str, expected: str
+) -> None:
+    rng = np.random.default_rng(3)
+    params = {f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((96, 64)).astype(np.float32) for i in range(3)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = WeightPuller(client, "job", "r0", transport="shm", host_id=host_id)
+        for version in (1, 2, 3):  # slots alternate: the mapping is reused, the offset follows
+            params = {k: v * 2 for k, v in params.items()}
+            pub.publish(params, version)
+            applier = DictApplier()
+            outcome = sync_version(puller, applier, version)
+            assert outcome.ok, outcome.mismatch
+            assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        _, manifest = client.get_manifest("job", 3)
+        assert puller.transport_for(manifest.parts[0]) == expected
+        assert manifest.parts[0].endpoint.shm_path == str(pub.arena.path)
+        puller.close()
+    client.close()

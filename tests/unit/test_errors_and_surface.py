@@ -48,8 +48,18 @@ def test_exported_members() -> None:
     assert not any(n.startswith("_") for n in transports.__all__)
 
 
+def test_shm_transport_opens_only_weightsync_arenas() -> None:
+    from weightsync.errors import InvalidArgument
+    from weightsync.transports.shm import check_arena_path
+
+    assert str(check_arena_path("/dev/shm/weightsync-job-r0-12-ab12cd34")) == "/dev/shm/weightsync-job-r0-12-ab12cd34"
+    for bad in ("/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other-file", "weightsync-x", "/dev/shm/sub/weightsync-x"):
+        with pytest.raises(InvalidArgument):
+            check_arena_path(bad)
+
+
 def test_transport_registry() -> None:
-    with pytest.raises(ValueError, match="available: grpc, memory"):
+    with pytest.raises(ValueError, match="available: grpc, memory, shm"):
         transports.create_transport("carrier-pigeon")
     with pytest.raises(ValueError, match="already registered"):
         transports.register_transport("grpc", "x:Y")

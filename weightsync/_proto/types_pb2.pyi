@@ -59,14 +59,18 @@ TRAINER: Role
 ROLLOUT: Role
 
 class Endpoint(_message.Message):
-    __slots__ = ("address", "transports", "host_id")
+    __slots__ = ("address", "transports", "host_id", "shm_path", "shm_offset")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     address: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
-    def __init__(self, address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    shm_path: str
+    shm_offset: int
+    def __init__(self, address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class TensorDescriptor(_message.Message):
     __slots__ = ("name", "dtype", "shape")

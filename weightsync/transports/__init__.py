@@ -19,6 +19,7 @@ __all__ = [
 _REGISTRY: dict[str, str] = {
     "grpc": "weightsync.transports.grpc:GrpcTransport",
     "memory": "weightsync.transports.memory:InMemoryTransport",
+    "shm": "weightsync.transports.shm:ShmTransport",
 }
 
 

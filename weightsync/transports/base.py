@@ -22,6 +22,7 @@ class FetchRequest:
     rank: int
     indices: Sequence[int]
     timeout_s: float
+    spans: Sequence[tuple[int, int]] = ()  # (offset, length) per index: for transports that read in place
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,80 @@
+"""ShmTransport: a rollout on the trainer's host maps the arena read-only; no network.
+
+Chunks come back as views into the mapping (zero copy); the puller verifies and copies
+them like any other payload. Only arena files under /dev/shm with weightsync's prefix
+are ever opened: a manifest cannot point this at arbitrary files.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from weightsync.errors import InvalidArgument, TransportUnavailable
+from weightsync.manifest import Endpoint
+from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
+
+SHM_ROOT = Path("/dev/shm")
+ARENA_NAME = re.compile(r"^weightsync-[A-Za-z0-9._-]+$")
+
+
+def check_arena_path(path: str) -> Path:
+    """The arena file, if `path` names one (no '..', symlinks or other directories)."""
+    p = Path(path)
+    if not p.is_absolute() or p.parent != SHM_ROOT or not ARENA_NAME.match(p.name) or ".." in p.parts:
+        raise InvalidArgument("endpoint.shm_path", f"{path!r} is not a weightsync arena under {SHM_ROOT}")
+    return p
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    cross_host = False
+
+    def __init__(self) -> None:
+        self._mm: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._base = 0
+        self._path = ""
+
+    def open(self, endpoint: Endpoint) -> None:
+        path = check_arena_path(endpoint.shm_path)
+        if self._mm is not None and str(path) == self._path:
+            self._base = endpoint.shm_offset  # same arena, maybe another slot: keep the mapping
+            return
+        self.close()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise TransportUnavailable(f"cannot open arena {path}: {e}") from None
+        try:
+            self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._mm)
+        self._path = str(path)
+        self._base = endpoint.shm_offset
+
+    def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
+        if self._view is None:
+            raise TransportUnavailable("not open; call open() first")
+        if len(request.spans) != len(request.indices):
+            raise InvalidArgument("spans", "the shm transport needs (offset, length) for every index")
+        for index, (offset, length) in zip(request.indices, request.spans):
+            start = self._base + offset
+            if start + length > len(self._view):
+                raise TransportUnavailable(f"arena {self._path} is smaller than the manifest says (reallocated?)")
+            yield ChunkPayload(index, offset, self._view[start : start + length])
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a payload view is still alive; the mapping goes with it
+                pass
+        self._mm = self._view = None
+        self._path = ""
