@@ -22,8 +22,8 @@ from weightsync import errors
 
 log = logging.getLogger(__name__)
 
-# 64 MiB: above the largest chunk (64 MiB max chunk_bytes would not fit with its header,
-# so chunk_bytes is additionally capped below by transports).
+# Room for the largest allowed chunk (validation caps chunk_bytes at 64 MiB) plus its header;
+# gRPC's 4 MiB default would refuse a 4 MiB chunk (the limit includes the header).
 MAX_MESSAGE_BYTES = 80 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
