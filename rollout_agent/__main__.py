@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_cache_bytes=cfg.kv_cache_bytes,
             init_extra={
                 "transport": cfg.transport,
+                "fs_root": cfg.fs_root,
                 "streams": cfg.streams,
                 "window_chunks": cfg.window_chunks,
                 "max_attempts": cfg.max_attempts,
@@ -59,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent_id,
             transport=cfg.transport,
             host_id=cfg.host_id,
+            fs_root=cfg.fs_root,
             streams=cfg.streams,
             window_chunks=cfg.window_chunks,
             max_attempts=cfg.max_attempts,

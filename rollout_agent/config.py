@@ -17,8 +17,12 @@ class RolloutConfig(ServerConfig):
     agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid>.")
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
     transport: str = option(
-        "grpc", "Data-plane transport; shm maps a same-host trainer's arena, grpc elsewhere.", choices=["grpc", "shm"]
+        "grpc",
+        "Data-plane transport: grpc; shm maps a same-host trainer's arena; fs reads parts from --fs-root "
+        "(both fall back to grpc for ranks that do not offer them).",
+        choices=["grpc", "shm", "fs"],
     )
+    fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
     window_chunks: int = option(16, "Chunks requested per call (the in-flight window per stream).")
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
@@ -42,6 +46,8 @@ class RolloutConfig(ServerConfig):
         super().__post_init__()
         if self.agent_id and not AGENT_ID_RE.match(self.agent_id):
             raise ValueError(f"agent_id {self.agent_id!r} must match {AGENT_ID_RE.pattern}")
+        if self.transport == "fs" and not self.fs_root:
+            raise ValueError("--transport fs needs --fs-root")
         if self.engine == "vllm" and not self.model:
             raise ValueError("--engine vllm needs --model DIR")
         if min(self.streams, self.window_chunks, self.max_attempts) < 1:

@@ -65,6 +65,7 @@ class WeightPuller:
         *,
         transport: str = "grpc",
         host_id: str = "",
+        fs_root: str = "",
         streams: int = 2,
         window_chunks: int = 16,
         max_attempts: int = 3,
@@ -80,6 +81,9 @@ class WeightPuller:
             raise ValueError(f"unknown transport {transport!r}; available: {', '.join(available_transports())}")
         self.transport = transport
         self.host_id = host_id or socket.gethostname()
+        self.fs_root = fs_root
+        if transport == "fs" and not fs_root:
+            raise ValueError("transport 'fs' needs fs_root (the store it may read)")
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
@@ -90,21 +94,27 @@ class WeightPuller:
         self._lock = threading.Lock()
         # One open transport (connection) per (endpoint, stream), kept across versions.
         self._transports: dict[tuple[str, str, int], Transport] = {}
-        self._fallbacks_logged: set[tuple[int, str]] = set()
+        self._fallbacks_logged: set[tuple[int, str]] = set()  # (rank, reason), logged once
         self._transports_lock = threading.Lock()
 
     def transport_for(self, part: Part) -> str:
         """The transport for one rank's part: shm only where asked for and possible."""
         ep = part.endpoint
+        if self.transport == "fs":
+            if "fs" in ep.transports and ep.fs_uri:
+                return "fs"
+            return self._fallback(part, "offers no fs copy")
         if self.transport == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
-            if (part.rank, ep.host_id) not in self._fallbacks_logged:
-                self._fallbacks_logged.add((part.rank, ep.host_id))
-                log.info("rank %d is on host %r, we are on %r (or offers no shm): pulling over grpc",
-                         part.rank, ep.host_id, self.host_id)
-            return "grpc"
+            return self._fallback(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
         return self.transport
+
+    def _fallback(self, part: Part, why: str) -> str:
+        if (part.rank, why) not in self._fallbacks_logged:
+            self._fallbacks_logged.add((part.rank, why))
+            log.info("rank %d %s: pulling over grpc", part.rank, why)
+        return "grpc"
 
     def _key(self, lane: _Lane) -> tuple[str, str, int]:
         return (self.transport_for(lane.part), lane.part.endpoint.address, lane.stream)
@@ -114,11 +124,11 @@ class WeightPuller:
         with self._transports_lock:
             transport = self._transports.get(key)
             if transport is None:
-                transport = create_transport(key[0])
+                transport = create_transport(key[0], **({"root": self.fs_root} if key[0] == "fs" else {}))
                 transport.open(lane.part.endpoint)
                 self._transports[key] = transport
-            elif key[0] == "shm":
-                transport.open(lane.part.endpoint)  # same mapping; this version's slot offset
+            elif key[0] in ("shm", "fs"):
+                transport.open(lane.part.endpoint)  # this version's slot offset / directory
             return transport
 
     def _drop_transport(self, lane: _Lane) -> None:

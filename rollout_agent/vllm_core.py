@@ -35,6 +35,7 @@ class RolloutInitInfo:
     max_attempts: int = 3
     timeout_s: float = 120.0
     apply_mode: str = "atomic"  # or "streaming": bounded host memory, not atomic
+    fs_root: str = ""  # transport "fs": the store parts may be read from
 
     def __post_init__(self) -> None:
         check_session_name(self.session, "init_info.session")
@@ -42,8 +43,10 @@ class RolloutInitInfo:
             check_agent_id(self.agent_id, "init_info.agent_id")
         if self.apply_mode not in ("atomic", "streaming"):
             raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
-        if self.transport not in ("grpc", "shm"):
-            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available; use 'grpc' or 'shm'")
+        if self.transport not in ("grpc", "shm", "fs"):
+            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available; use grpc, shm or fs")
+        if self.transport == "fs" and not self.fs_root:
+            raise InvalidArgument("init_info.fs_root", "transport 'fs' needs the store root")
 
 
 def parse_version(version: Any) -> int:
@@ -72,6 +75,7 @@ class VllmRollout:
             info.session,
             self.agent_id,
             transport=info.transport,
+            fs_root=info.fs_root,
             streams=info.streams,
             window_chunks=info.window_chunks,
             max_attempts=info.max_attempts,

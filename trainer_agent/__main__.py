@@ -61,6 +61,7 @@ def _run(argv: Sequence[str] | None) -> int:
         port=cfg.port,
         metrics_port=cfg.metrics_port,
         failpoints=cfg.failpoints,
+        fs_root=cfg.fs_root,
     ) as pub:
         write_ready_file(cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id)
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):

@@ -29,6 +29,7 @@ class TrainerConfig(ServerConfig):
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
     commit_timeout_s: float = option(120.0, "How long to wait for a commit.")
     hold: bool = option(False, "Keep serving after the last step until SIGTERM.")
+    fs_root: str = option("", "Also write every part under this fsspec root for the fs transport (e.g. /mnt/ckpt).")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
 
     def __post_init__(self) -> None:

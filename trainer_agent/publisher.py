@@ -38,6 +38,7 @@ from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import RunningServer, Service, start_server
+from weightsync.transports.fs import FsStore
 from weightsync.validation import check_session_name
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ class WeightPublisher:
         use_ffi: None uses the JAX FFI handler when built; True requires it (RuntimeError
             naming what is missing); False stages through host pointers.
         staging_threads: threads of the native staging pass (0 = every core).
+        fs_root: also write every part under this fsspec root (`fs` transport: rollouts
+            need only the store, not a route to this process); old versions are removed
+            when their slot is reused.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class WeightPublisher:
         failpoints: str = "",
         use_ffi: bool | None = None,
         staging_threads: int = 0,
+        fs_root: str = "",
     ) -> None:
         check_session_name(session)
         if use_ffi is True and not native.ffi_available():
@@ -176,6 +181,7 @@ class WeightPublisher:
         self.use_ffi = use_ffi
         self.staging_threads = staging_threads
         self.last_path = ""
+        self.fs_store = FsStore(fs_root) if fs_root else None
         self._ffi: Any = None
         self.agent_id = agent_id or f"trainer-{rank}-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or build_metrics("trainer")
@@ -311,8 +317,17 @@ class WeightPublisher:
         stage_s: float,
         path: str,
     ) -> PublishResult:
-        """Serves the staged slot and streams its descriptors to the coordinator."""
+        """Serves the staged slot (and writes it to the fs store) and streams its descriptors."""
         self.last_path = path
+        endpoint = dataclasses.replace(
+            # Same-host rollouts may map this slot of the arena directly ("shm" transport).
+            self.endpoint, shm_path=str(self.arena.path), shm_offset=slot * self.arena.slot_bytes
+        )
+        if self.fs_store is not None:
+            t_fs = time.perf_counter()
+            uri = self.fs_store.write_part(self.session, version, self.rank, memoryview(self.arena.slot(slot)[:total_bytes]))
+            endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=uri)
+            self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
         self.table.set(slot, SlotEntry(version, tuple(chunks), total_bytes))
         self.metrics.observe_phase("stage", stage_s)
         self.metrics.add_bytes("staged", total_bytes)
@@ -323,10 +338,7 @@ class WeightPublisher:
             tensors=tensors,
             shards=tuple(shard_specs),
             chunks=tuple(chunks),
-            # Same-host rollouts may map this slot of the arena directly ("shm" transport).
-            endpoint=dataclasses.replace(
-                self.endpoint, shm_path=str(self.arena.path), shm_offset=slot * self.arena.slot_bytes
-            ),
+            endpoint=endpoint,
             stage_seconds=stage_s,
         )
         t0 = time.perf_counter()
@@ -393,6 +405,8 @@ class WeightPublisher:
                 log.info("releasing version %d: %s", entry.version, e)
                 break
         self.table.set(slot, None)
+        if self.fs_store is not None:
+            self.fs_store.remove_part(self.session, entry.version, self.rank)
         return slot
 
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:

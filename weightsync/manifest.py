@@ -98,6 +98,7 @@ class Endpoint:
     host_id: str = ""
     shm_path: str = ""  # "shm": the arena file of this part's slot
     shm_offset: int = 0  # "shm": byte offset of the part in that file
+    fs_uri: str = ""  # "fs": fsspec URI of the directory holding part.bin and _SUCCESS
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,13 +107,14 @@ class Endpoint:
             "host_id": self.host_id,
             "shm_path": self.shm_path,
             "shm_offset": self.shm_offset,
+            "fs_uri": self.fs_uri,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoint:
         return cls(
             d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""),
-            d.get("shm_path", ""), d.get("shm_offset", 0),
+            d.get("shm_path", ""), d.get("shm_offset", 0), d.get("fs_uri", ""),
         )
 
 

@@ -15,12 +15,17 @@ BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
 
 def endpoint_to_proto(e: Endpoint) -> _tpb.Endpoint:
     return _tpb.Endpoint(
-        address=e.address, transports=list(e.transports), host_id=e.host_id, shm_path=e.shm_path, shm_offset=e.shm_offset
+        address=e.address,
+        transports=list(e.transports),
+        host_id=e.host_id,
+        shm_path=e.shm_path,
+        shm_offset=e.shm_offset,
+        fs_uri=e.fs_uri,
     )
 
 
 def endpoint_from_proto(p: _tpb.Endpoint) -> Endpoint:
-    return Endpoint(p.address, tuple(p.transports), p.host_id, p.shm_path, p.shm_offset)
+    return Endpoint(p.address, tuple(p.transports), p.host_id, p.shm_path, p.shm_offset, p.fs_uri)
 
 
 def tensor_from_proto(p: _tpb.TensorDescriptor, field: str) -> TensorSpec:

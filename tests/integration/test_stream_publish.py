@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,4 +99,37 @@ def test_shm_transport_on_the_same_host_and_grpc_fallback(
         assert puller.transport_for(manifest.parts[0]) == expected
         assert manifest.parts[0].endpoint.shm_path == str(pub.arena.path)
         puller.close()
+    client.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path, kind: str
+) -> None:
+    import uuid
+
+    from weightsync.transports.fs import FsStore
+
+    root = str(tmp_path / "store") if kind == "local" else f"memory://ws-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(4)
+    params = {f"model.layers.{i}.mlp.down_proj.weight": rng.standard_normal((64, 80)).astype(np.float32) for i in range(3)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, fs_root=root) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = WeightPuller(client, "job", "r0", transport="fs", fs_root=root)
+        pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
+        for version in (1, 2, 3):
+            params = {k: v + 1 for k, v in params.items()}
+            pub.publish(params, version)
+            applier = DictApplier()
+            outcome = sync_version(puller, applier, version)
+            assert outcome.ok, outcome.mismatch
+            assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        assert FsStore(root).versions("job") == [2, 3]  # v1's slot was reused: its files are gone
+        other = WeightPuller(client, "job", "r0", transport="fs", fs_root=root + "-elsewhere")
+        bad = sync_version(other, DictApplier(), 3)
+        assert not bad.ok and "not under the configured root" in bad.mismatch
+        puller.close()
+        other.close()
     client.close()

@@ -59,7 +59,29 @@ def test_shm_transport_opens_only_weightsync_arenas() -> None:
 
 
 def test_transport_registry() -> None:
-    with pytest.raises(ValueError, match="available: grpc, memory, shm"):
+    with pytest.raises(ValueError, match="available: fs, grpc, memory, shm"):
         transports.create_transport("carrier-pigeon")
     with pytest.raises(ValueError, match="already registered"):
         transports.register_transport("grpc", "x:Y")
+
+
+def test_fs_store_confines_every_uri_to_its_root(tmp_path) -> None:  # noqa: ANN001
+    from weightsync.errors import InvalidArgument
+    from weightsync.transports.fs import FsStore
+
+    local = FsStore(str(tmp_path / "root"))
+    assert local.confine(str(tmp_path / "root" / "job" / "v1" / "r0")).endswith("/root/job/v1/r0")
+    assert local.confine(f"file://{tmp_path}/root/job").endswith("/root/job")
+    mem = FsStore("memory://ws")
+    assert mem.confine("memory://ws/job/v1/r0") == "/ws/job/v1/r0"
+    for store, bad in (
+        (local, str(tmp_path / "root" / ".." / "etc")),
+        (local, "/etc/passwd"),
+        (local, "memory://root/job"),
+        (mem, "memory://other/job"),
+        (mem, "memory://ws/../x"),
+        (mem, "gs://ws/job"),
+        (mem, str(tmp_path)),
+    ):
+        with pytest.raises(InvalidArgument):
+            store.confine(bad)

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, str] = {
     "grpc": "weightsync.transports.grpc:GrpcTransport",
     "memory": "weightsync.transports.memory:InMemoryTransport",
     "shm": "weightsync.transports.shm:ShmTransport",
+    "fs": "weightsync.transports.fs:FsTransport",
 }
 
 

@@ -1,0 +1,126 @@
+"""FsTransport and the checkpoint-style store: parts written through fsspec, read by range.
+
+Layout under a configured root (local path, `file://`, `memory://`, `gs://` via gcsfs):
+`<root>/<session>/v<version>/r<rank>/part.bin`, then `_SUCCESS` last. Readers need no
+route to the trainer, only to the store. Every URI is confined to the configured root:
+no `..`, no other scheme or bucket.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+
+from weightsync.errors import InvalidArgument, TransportUnavailable
+from weightsync.manifest import Endpoint
+from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
+
+PART_FILE = "part.bin"
+MARKER = "_SUCCESS"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def _scheme(uri: str) -> str:
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    return "file" if scheme == "local" else scheme
+
+
+def _store_path(uri: str) -> str:
+    """fsspec's path for uri, normalised (local paths made absolute)."""
+    _, path = fsspec.core.url_to_fs(uri)
+    if _scheme(uri) == "file":
+        path = posixpath.abspath(path)
+    return posixpath.normpath(path)
+
+
+class FsStore:
+    """One configured root; every path it touches is checked to stay inside it."""
+
+    def __init__(self, root: str) -> None:
+        if not root:
+            raise InvalidArgument("fs_root", "must not be empty")
+        self.fs, _ = fsspec.core.url_to_fs(root)
+        self.protocol = _scheme(root)
+        self.root = _store_path(root)
+        self.root_uri = root
+
+    def confine(self, uri: str, field: str = "endpoint.fs_uri") -> str:
+        """The store path of `uri`, if it lies under the root (same scheme, no '..')."""
+        if _scheme(uri) != self.protocol:
+            raise InvalidArgument(field, f"{uri!r} is not under the configured root {self.root_uri!r} (scheme)")
+        if ".." in uri.split("/"):
+            raise InvalidArgument(field, f"{uri!r} contains '..'")
+        norm = _store_path(uri)
+        if norm != self.root and not norm.startswith(self.root.rstrip("/") + "/"):
+            raise InvalidArgument(field, f"{uri!r} is not under the configured root {self.root_uri!r}")
+        return norm
+
+    def part_dir(self, session: str, version: int, rank: int) -> str:
+        return posixpath.join(self.root, session, f"v{version}", f"r{rank}")
+
+    def uri_of(self, path: str) -> str:
+        return path if self.protocol == "file" else f"{self.protocol}://{path.lstrip('/')}"
+
+    def write_part(self, session: str, version: int, rank: int, data: Any) -> str:
+        """Writes part.bin, then the marker last; returns the part directory's URI."""
+        d = self.part_dir(session, version, rank)
+        self.fs.makedirs(d, exist_ok=True)
+        with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
+            f.write(data)
+        self.fs.pipe_file(posixpath.join(d, MARKER), b"")
+        return self.uri_of(d)
+
+    def remove_part(self, session: str, version: int, rank: int) -> None:
+        """Garbage-collects one rank's part (and the version directory once it is empty)."""
+        d = self.part_dir(session, version, rank)
+        if self.fs.exists(d):
+            self.fs.rm(d, recursive=True)
+        parent = posixpath.dirname(d)
+        if self.fs.exists(parent) and not self.fs.ls(parent, detail=False):
+            self.fs.rm(parent, recursive=True)
+
+    def versions(self, session: str) -> list[int]:
+        d = posixpath.join(self.root, session)
+        if not self.fs.exists(d):
+            return []
+        out = []
+        for entry in self.fs.ls(d, detail=False):
+            m = _VERSION_DIR.match(posixpath.basename(entry.rstrip("/")))
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+
+class FsTransport(Transport):
+    """Reads chunk ranges of part.bin; refuses parts whose marker is not there yet."""
+
+    name = "fs"
+    cross_host = True
+
+    def __init__(self, root: str = "") -> None:
+        self._store = FsStore(root) if root else None
+        self._dir = ""
+
+    def open(self, endpoint: Endpoint) -> None:
+        if self._store is None:
+            raise InvalidArgument("fs_root", "the fs transport needs the store root it may read (fs_root)")
+        self._dir = self._store.confine(endpoint.fs_uri)
+        if not self._store.fs.exists(posixpath.join(self._dir, MARKER)):
+            raise TransportUnavailable(f"{endpoint.fs_uri} has no {MARKER} marker yet")
+
+    def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
+        if self._store is None or not self._dir:
+            raise TransportUnavailable("not open; call open() first")
+        if len(request.spans) != len(request.indices):
+            raise InvalidArgument("spans", "the fs transport needs (offset, length) for every index")
+        path = posixpath.join(self._dir, PART_FILE)
+        for index, (offset, length) in zip(request.indices, request.spans):
+            data = self._store.fs.cat_file(path, start=offset, end=offset + length)
+            yield ChunkPayload(index, offset, memoryview(data))
+
+    def close(self) -> None:
+        self._dir = ""
