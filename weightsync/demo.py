@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine",
         choices=["vllm", "numpy"],
-        default="vllm" if importlib.util.find_spec("vllm") else "numpy",
-        help="rollout engine: real vLLM (CPU) engines, or NumPy dict appliers",
+        default=None,
+        help="rollout engine: real vLLM (CPU) engines, or NumPy dict appliers (default: vLLM for the tiny and "
+        "small models when vLLM is installed; larger ones use NumPy: two fp32 vLLM engines of the 0.6b shape "
+        "plus the trainer exceed 24 GiB)",
     )
     p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
     return p
@@ -167,6 +169,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.engine is None:
+        small = args.model_size in ("tiny", "small")
+        args.engine = "vllm" if small and importlib.util.find_spec("vllm") else "numpy"
     console = Console(stderr=False)
     try:
         summary = run(args, console)
