@@ -17,6 +17,7 @@ class SessionRecord:
     trainer_ranks: int
     min_rollouts: int
     created_at: float
+    weight_sync_mode: str = "grpc"
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             incarnation=request.incarnation,
             trainer_ranks=request.trainer_ranks,
             min_rollouts=request.min_rollouts,
+            weight_sync_mode=request.weight_sync_mode,
         )
         latest = self._store.versions(s.name, 1)
         return pb.OpenSessionResponse(
@@ -97,6 +98,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             min_rollouts=s.min_rollouts,
             created=created,
             latest_version=latest[0].version if latest else 0,
+            weight_sync_mode=s.weight_sync_mode,
         )
 
     def RegisterAgent(self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext) -> pb.RegisterAgentResponse:
@@ -177,6 +179,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             aggregates=tpb.Aggregates(
                 grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count
             ),
+            weight_sync_mode=self._store.session(request.session).weight_sync_mode,
         )
         yield from manifest_to_pieces(header, manifest)
 

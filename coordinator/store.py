@@ -38,6 +38,7 @@ from weightsync.errors import (
     WrongState,
 )
 from weightsync.manifest import Endpoint, Manifest, Part
+from weightsync.modes import normalize_mode
 from weightsync.validation import (
     DEFAULT_LIMITS,
     Limits,
@@ -52,7 +53,8 @@ S = VersionState
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
   name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
-  trainer_ranks INTEGER NOT NULL, min_rollouts INTEGER NOT NULL, created_at REAL NOT NULL);
+  trainer_ranks INTEGER NOT NULL, min_rollouts INTEGER NOT NULL, created_at REAL NOT NULL,
+  weight_sync_mode TEXT NOT NULL DEFAULT 'grpc');
 CREATE TABLE IF NOT EXISTS agents (
   session TEXT NOT NULL, agent_id TEXT NOT NULL, role TEXT NOT NULL, endpoint TEXT NOT NULL,
   rank INTEGER NOT NULL, lease_expires_at REAL NOT NULL, current_version INTEGER NOT NULL,
@@ -105,6 +107,9 @@ class SessionStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(sessions)")}
+        if "weight_sync_mode" not in columns:  # databases from before the column existed
+            self._db.execute("ALTER TABLE sessions ADD COLUMN weight_sync_mode TEXT NOT NULL DEFAULT 'grpc'")
         self._manifests: dict[tuple[str, int], Manifest] = {}
 
     def close(self) -> None:
@@ -121,7 +126,14 @@ class SessionStore:
 
     # -- sessions -----------------------------------------------------------------
     def open_session(
-        self, name: str, *, trainer: bool, incarnation: str = "", trainer_ranks: int = 0, min_rollouts: int = 0
+        self,
+        name: str,
+        *,
+        trainer: bool,
+        incarnation: str = "",
+        trainer_ranks: int = 0,
+        min_rollouts: int = 0,
+        weight_sync_mode: str = "",
     ) -> tuple[SessionRecord, bool]:
         """Opens or creates a session; a trainer with a new incarnation bumps the generation.
 
@@ -129,6 +141,7 @@ class SessionStore:
         become FAILED (they can never be completed).
         """
         check_session_name(name)
+        mode = normalize_mode(weight_sync_mode, allow_empty=True) if trainer else ""
         if trainer_ranks > self.limits.max_trainer_ranks:
             raise InvalidArgument("trainer_ranks", f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}")
         if min_rollouts > 100_000:
@@ -140,8 +153,8 @@ class SessionStore:
             if created:
                 gen = 1 if trainer else 0
                 db.execute(
-                    "INSERT INTO sessions VALUES (?,?,?,?,?,?)",
-                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now),
+                    "INSERT INTO sessions VALUES (?,?,?,?,?,?,?)",
+                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now, mode or "grpc"),
                 )
             elif trainer:
                 same = bool(incarnation) and incarnation == row["incarnation"]
@@ -150,6 +163,8 @@ class SessionStore:
                         f"incarnation {incarnation!r} already attached with trainer_ranks={row['trainer_ranks']}, "
                         f"not {trainer_ranks}; use a new incarnation to change it"
                     )
+                if mode:
+                    db.execute("UPDATE sessions SET weight_sync_mode=? WHERE name=?", (mode, name))
                 if not same:
                     gen = row["generation"] + 1
                     db.execute(

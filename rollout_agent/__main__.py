@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=cfg.dtype,
             kv_cache_bytes=cfg.kv_cache_bytes,
             init_extra={
-                "transport": cfg.transport,
+                "weight_sync_mode": cfg.weight_sync_mode,
                 "fs_root": cfg.fs_root,
                 "streams": cfg.streams,
                 "window_chunks": cfg.window_chunks,
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client,
             cfg.session,
             agent_id,
-            transport=cfg.transport,
+            transport=cfg.weight_sync_mode,
             host_id=cfg.host_id,
             fs_root=cfg.fs_root,
             streams=cfg.streams,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightsync.config import ServerConfig, option
+from weightsync.modes import normalize_mode
 from weightsync.validation import AGENT_ID_RE
 
 
@@ -16,11 +17,10 @@ class RolloutConfig(ServerConfig):
     session: str = option("demo", "Session name.")
     agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid>.")
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
-    transport: str = option(
-        "grpc",
-        "Data-plane transport: grpc; shm maps a same-host trainer's arena; fs reads parts from --fs-root "
-        "(both fall back to grpc for ranks that do not offer them).",
-        choices=["grpc", "shm", "fs"],
+    weight_sync_mode: str = option(
+        "",
+        "grpc | shm (map a same-host trainer's arena) | fs, alias filesystem or gcs (read parts under --fs-root); "
+        "empty: the session's mode, set by the trainer. Ranks not offering it are pulled over grpc.",
     )
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
@@ -46,8 +46,9 @@ class RolloutConfig(ServerConfig):
         super().__post_init__()
         if self.agent_id and not AGENT_ID_RE.match(self.agent_id):
             raise ValueError(f"agent_id {self.agent_id!r} must match {AGENT_ID_RE.pattern}")
-        if self.transport == "fs" and not self.fs_root:
-            raise ValueError("--transport fs needs --fs-root")
+        self.weight_sync_mode = normalize_mode(self.weight_sync_mode, allow_empty=True)
+        if self.weight_sync_mode == "fs" and not self.fs_root:
+            raise ValueError("--weight-sync-mode fs needs --fs-root")
         if self.engine == "vllm" and not self.model:
             raise ValueError("--engine vllm needs --model DIR")
         if min(self.streams, self.window_chunks, self.max_attempts) < 1:

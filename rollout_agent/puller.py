@@ -49,8 +49,9 @@ class _Lane:
 class WeightPuller:
     """Pulls versions with parallel streams and a bounded in-flight window.
 
-    `transport` "shm" maps a same-host trainer's arena (host ids equal) and falls back
-    to "grpc" for other ranks. Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
+    `transport` is a weight-sync mode ("" = the session's default, read from each
+    manifest): "shm" maps a same-host trainer's arena (host ids equal), "fs" reads parts
+    from the store under `fs_root`; ranks that do not offer the mode are pulled over "grpc". Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
     most `window_chunks` chunks per call, so at most streams x window_chunks x
     chunk_bytes are in flight per rank. Every chunk's xxh3 is checked on arrival; a bad
     or missing chunk is fetched again, up to `max_attempts` times in all, then
@@ -63,7 +64,7 @@ class WeightPuller:
         session: str,
         agent_id: str,
         *,
-        transport: str = "grpc",
+        transport: str = "",
         host_id: str = "",
         fs_root: str = "",
         streams: int = 2,
@@ -77,12 +78,13 @@ class WeightPuller:
         self.client = client
         self.session = session
         self.agent_id = agent_id
-        if transport not in available_transports():
+        if transport and transport not in available_transports():
             raise ValueError(f"unknown transport {transport!r}; available: {', '.join(available_transports())}")
         self.transport = transport
+        self._mode = transport or "grpc"  # resolved per version when transport is ""
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
-        if transport == "fs" and not fs_root:
+        if self.transport == "fs" and not fs_root:
             raise ValueError("transport 'fs' needs fs_root (the store it may read)")
         self.streams = streams
         self.window_chunks = window_chunks
@@ -100,15 +102,15 @@ class WeightPuller:
     def transport_for(self, part: Part) -> str:
         """The transport for one rank's part: shm only where asked for and possible."""
         ep = part.endpoint
-        if self.transport == "fs":
-            if "fs" in ep.transports and ep.fs_uri:
+        if self._mode == "fs":
+            if "fs" in ep.transports and ep.fs_uri and self.fs_root:
                 return "fs"
-            return self._fallback(part, "offers no fs copy")
-        if self.transport == "shm":
+            return self._fallback(part, "offers no fs copy (or no fs_root here)")
+        if self._mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
             return self._fallback(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
-        return self.transport
+        return self._mode
 
     def _fallback(self, part: Part, why: str) -> str:
         if (part.rank, why) not in self._fallbacks_logged:
@@ -147,6 +149,7 @@ class WeightPuller:
     def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
         header, manifest = self.client.get_manifest(self.session, version, agent_id=self.agent_id)
+        self._mode = self.transport or header.weight_sync_mode or "grpc"
         if manifest.digest() != header.version.manifest_digest:
             raise DigestMismatch(
                 f"manifest of version {manifest.version} hashes to {manifest.digest()[:16]}…, "

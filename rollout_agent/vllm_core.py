@@ -17,6 +17,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
+from weightsync.modes import normalize_mode
 from weightsync.validation import check_agent_id, check_session_name
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -29,7 +30,7 @@ class RolloutInitInfo:
     coordinator: str
     session: str
     agent_id: str = ""
-    transport: str = "grpc"
+    weight_sync_mode: str = ""  # grpc | shm | fs (aliases filesystem, gcs); "" = the session's mode
     streams: int = 2
     window_chunks: int = 16
     max_attempts: int = 3
@@ -43,10 +44,9 @@ class RolloutInitInfo:
             check_agent_id(self.agent_id, "init_info.agent_id")
         if self.apply_mode not in ("atomic", "streaming"):
             raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
-        if self.transport not in ("grpc", "shm", "fs"):
-            raise InvalidArgument("init_info.transport", f"{self.transport!r} is not available; use grpc, shm or fs")
-        if self.transport == "fs" and not self.fs_root:
-            raise InvalidArgument("init_info.fs_root", "transport 'fs' needs the store root")
+        self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "init_info.weight_sync_mode", allow_empty=True)
+        if self.weight_sync_mode == "fs" and not self.fs_root:
+            raise InvalidArgument("init_info.fs_root", "weight_sync_mode 'fs' needs the store root")
 
 
 def parse_version(version: Any) -> int:
@@ -74,7 +74,7 @@ class VllmRollout:
             self.client,
             info.session,
             self.agent_id,
-            transport=info.transport,
+            transport=info.weight_sync_mode,
             fs_root=info.fs_root,
             streams=info.streams,
             window_chunks=info.window_chunks,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from trainer_agent.synthetic import PRESETS
 from weightsync.config import ServerConfig, option
 from weightsync.dtypes import ALLOWED
+from weightsync.modes import normalize_mode
 
 
 @dataclass
@@ -29,12 +30,18 @@ class TrainerConfig(ServerConfig):
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
     commit_timeout_s: float = option(120.0, "How long to wait for a commit.")
     hold: bool = option(False, "Keep serving after the last step until SIGTERM.")
-    fs_root: str = option("", "Also write every part under this fsspec root for the fs transport (e.g. /mnt/ckpt).")
+    weight_sync_mode: str = option(
+        "grpc", "The session's default mode for rollouts: grpc | shm | fs (aliases filesystem, gcs; needs --fs-root)."
+    )
+    fs_root: str = option("", "Also write every part under this fsspec root for the fs mode (e.g. /mnt/ckpt, gs://b/ws).")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} must be in [0, world_size={self.world_size})")
+        self.weight_sync_mode = normalize_mode(self.weight_sync_mode)
+        if self.weight_sync_mode == "fs" and not self.fs_root:
+            raise ValueError("--weight-sync-mode fs needs --fs-root")
         if self.steps < 0 or self.start_version < 1:
             raise ValueError("steps must be >= 0 and start_version >= 1")

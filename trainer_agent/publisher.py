@@ -37,6 +37,7 @@ from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
+from weightsync.modes import normalize_mode
 from weightsync.server import RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore
 from weightsync.validation import check_session_name
@@ -139,6 +140,8 @@ class WeightPublisher:
         fs_root: also write every part under this fsspec root (`fs` transport: rollouts
             need only the store, not a route to this process); old versions are removed
             when their slot is reused.
+        weight_sync_mode: the session's default mode for rollouts without their own
+            (grpc | shm | fs; "" keeps the session's). fs needs fs_root.
     """
 
     def __init__(
@@ -165,12 +168,16 @@ class WeightPublisher:
         use_ffi: bool | None = None,
         staging_threads: int = 0,
         fs_root: str = "",
+        weight_sync_mode: str = "",
     ) -> None:
         check_session_name(session)
         if use_ffi is True and not native.ffi_available():
             raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {native.ffi_missing_reason()}")
         if weight_dtype is not None:
             dtype_info(weight_dtype, "weight_dtype")
+        mode = normalize_mode(weight_sync_mode, allow_empty=True)
+        if mode == "fs" and not fs_root:
+            raise InvalidArgument("fs_root", "weight_sync_mode 'fs' needs fs_root: where parts are written")
         if not 0 <= rank < world_size:
             raise InvalidArgument("rank", f"{rank} is not in [0, world_size={world_size})")
         self.session = session
@@ -187,7 +194,12 @@ class WeightPublisher:
         self.metrics = metrics or build_metrics("trainer")
         self._client = CoordinatorClient(coordinator, timeout_s=timeout_s)
         opened = self._client.open_session(
-            session, trainer=True, incarnation=incarnation or uuid.uuid4().hex, trainer_ranks=world_size, min_rollouts=min_rollouts
+            session,
+            trainer=True,
+            incarnation=incarnation or uuid.uuid4().hex,
+            trainer_ranks=world_size,
+            min_rollouts=min_rollouts,
+            weight_sync_mode=mode,
         )
         self.generation = opened.generation
         self.arena = Arena(f"{session}-r{rank}", slots=slots)

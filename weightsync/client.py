@@ -52,7 +52,14 @@ class CoordinatorClient:
             raise TransportUnavailable(f"coordinator at {self.address} not reachable after {timeout_s}s") from None
 
     def open_session(
-        self, session: str, *, trainer: bool, incarnation: str = "", trainer_ranks: int = 0, min_rollouts: int = 0
+        self,
+        session: str,
+        *,
+        trainer: bool,
+        incarnation: str = "",
+        trainer_ranks: int = 0,
+        min_rollouts: int = 0,
+        weight_sync_mode: str = "",
     ) -> pb.OpenSessionResponse:
         req = pb.OpenSessionRequest(
             session=session,
@@ -60,6 +67,7 @@ class CoordinatorClient:
             incarnation=incarnation,
             trainer_ranks=trainer_ranks,
             min_rollouts=min_rollouts,
+            weight_sync_mode=weight_sync_mode,
         )
         # Retrying a trainer attach without an incarnation would bump twice: only retry
         # when the call is idempotent.

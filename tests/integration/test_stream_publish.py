@@ -133,3 +133,19 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
         puller.close()
         other.close()
     client.close()
+
+
+def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+    params = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(inprocess_coordinator.address, "job", weight_sync_mode="shm") as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = WeightPuller(client, "job", "r0")  # no mode of its own
+        pub.publish(params, 1)
+        outcome = sync_version(puller, DictApplier(), 1)
+        assert outcome.ok, outcome.mismatch
+        header, manifest = client.get_manifest("job", 1)
+        assert header.weight_sync_mode == "shm"
+        assert puller.transport_for(manifest.parts[0]) == "shm"
+        puller.close()
+    client.close()

@@ -23,3 +23,17 @@ def test_bool_and_validation() -> None:
         load_config(RolloutConfig, "rollout", ["--agent-id", "Not_Valid!"], {})
     with pytest.raises(SystemExit):
         load_config(CoordinatorConfig, "coordinator", ["--lease-ttl-s", "0"], {})
+
+
+def test_weight_sync_mode_flags_and_aliases() -> None:
+    from trainer_agent.config import TrainerConfig
+
+    cfg = load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "filesystem", "--fs-root", "/tmp/x"], {})
+    assert cfg.weight_sync_mode == "fs"
+    assert load_config(RolloutConfig, "rollout", [], {"WEIGHTSYNC_ROLLOUT_WEIGHT_SYNC_MODE": "shm"}).weight_sync_mode == "shm"
+    assert load_config(RolloutConfig, "rollout", [], {}).weight_sync_mode == ""  # the session's
+    for argv in (["--weight-sync-mode", "fs"], ["--weight-sync-mode", "relay"]):
+        with pytest.raises((SystemExit, Exception)):
+            load_config(RolloutConfig, "rollout", argv, {})
+    with pytest.raises(SystemExit):
+        load_config(TrainerConfig, "trainer", ["--weight-sync-mode", "gcs"], {})  # needs --fs-root

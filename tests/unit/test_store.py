@@ -266,3 +266,24 @@ def test_abort_and_release(store: SessionStore) -> None:
         store.manifest("job", 1)
     assert store.release_version("job", 1).state is S.RELEASED
     assert store.release_version("job", 1).state is S.RELEASED  # idempotent
+
+
+def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tmp_path: Path, clock: Clock) -> None:
+    s, _ = store.open_session("job", trainer=False)
+    assert s.weight_sync_mode == "grpc"  # created by a rollout: the default
+    s, _ = store.open_session("job", trainer=True, incarnation="a", weight_sync_mode="filesystem")
+    assert s.weight_sync_mode == "fs"
+    assert store.open_session("job", trainer=False)[0].weight_sync_mode == "fs"
+    assert store.open_session("job", trainer=True, incarnation="a")[0].weight_sync_mode == "fs"  # empty keeps
+    with pytest.raises(InvalidArgument, match="not implemented yet") as exc:
+        store.open_session("job", trainer=True, incarnation="b", weight_sync_mode="tcp")
+    assert exc.value.field == "weight_sync_mode"
+    with pytest.raises(InvalidArgument, match="not a weight-sync mode"):
+        store.open_session("job", trainer=True, incarnation="b", weight_sync_mode="pigeon")
+    assert store.session("job").generation == 1  # refused attaches changed nothing
+    store.close()
+    reopened = SessionStore(tmp_path / "c.db", clock=clock)
+    try:
+        assert reopened.session("job").weight_sync_mode == "fs"
+    finally:
+        reopened.close()

@@ -8,34 +8,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts")
+    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     MIN_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     session: str
     role: _types_pb2.Role
     incarnation: str
     trainer_ranks: int
     min_rollouts: int
-    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ...) -> None: ...
+    weight_sync_mode: str
+    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     MIN_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
     min_rollouts: int
     created: bool
     latest_version: int
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    weight_sync_mode: str
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank")
@@ -140,18 +144,20 @@ class GetManifestRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class ManifestHeader(_message.Message):
-    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates")
+    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     version: _types_pb2.VersionInfo
     chunk_bytes: int
     digest_algorithm: str
     parts: _containers.RepeatedCompositeFieldContainer[_types_pb2.RankPart]
     aggregates: _types_pb2.Aggregates
-    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ...) -> None: ...
+    weight_sync_mode: str
+    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
 
 class ManifestPiece(_message.Message):
     __slots__ = ("header", "batch")
