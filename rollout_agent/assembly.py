@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from weightsync.digests import combine_shard_digests, xxh3
+from weightsync.digests import combine_shard_digests, float64_sum, xxh3
 from weightsync.dtypes import dtype_info
 from weightsync.manifest import Manifest, ShardSpec, TensorSpec
 
@@ -77,8 +77,7 @@ def tensor_digest(arr: np.ndarray, shards: list[ShardSpec]) -> tuple[int, float]
         digest = xxh3(_as_bytes(arr))
     else:
         digest = combine_shard_digests(xxh3(_as_bytes(arr[_box(s)])) for s in shards)
-    total = float(np.count_nonzero(arr)) if arr.dtype == np.bool_ else float(np.sum(arr, dtype=np.float64))
-    return digest, total
+    return digest, float64_sum(arr)
 
 
 def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float]]:

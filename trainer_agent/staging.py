@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightsync import native
-from weightsync.digests import xxh3
+from weightsync.digests import float64_sum, xxh3
 from weightsync.dtypes import dtype_info, dtype_name_of
 from weightsync.errors import ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
@@ -64,10 +64,9 @@ def plan_layout(shards: Sequence[HostShard]) -> Layout:
     )
 
 
-def _sum64(a: np.ndarray) -> float:
-    if a.dtype == np.bool_:
-        return float(np.count_nonzero(a))
-    return float(np.sum(a, dtype=np.float64))
+def _dtype_code(arr: np.ndarray) -> int:
+    """The shim's element-type code (the proto DType value) of an array."""
+    return dtype_info(dtype_name_of(arr.dtype)).proto
 
 
 def specs_from_digests(
@@ -103,7 +102,7 @@ def stage_shards(
         sources = []
         for s, off in zip(shards, layout.offsets):
             arr = np.ascontiguousarray(s.data)
-            sources.append((arr, off, dtype_info(dtype_name_of(arr.dtype)).proto))
+            sources.append((arr, off, _dtype_code(arr)))
         result = native.stage(slot, layout.total_bytes, chunk_bytes, sources, threads=threads)
         return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunk_bytes)
     return _stage_python(slot, shards, layout, chunk_bytes)
@@ -113,12 +112,11 @@ def stage_one(slot: np.ndarray, offset: int, arr: np.ndarray, *, engine: str = "
     """Copies one contiguous array to slot[offset:]; returns (xxh3, float64 sum)."""
     n = arr.nbytes
     if engine == "native" or (engine == "auto" and native.available()):
-        code = dtype_info(dtype_name_of(arr.dtype)).proto
-        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, code)], threads=1)
+        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, _dtype_code(arr))], threads=1)
         return int(r.span_digests[0]), float(r.span_sums[0])
     dst = slot[offset : offset + n]
     np.copyto(dst, arr.reshape(-1).view(np.uint8))
-    return xxh3(dst), _sum64(arr)
+    return xxh3(dst), float64_sum(arr)
 
 
 @dataclass
@@ -177,7 +175,7 @@ def _stage_python(
         src = np.ascontiguousarray(s.data)
         dst = slot[off : off + s.nbytes]
         np.copyto(dst, src.reshape(-1).view(np.uint8))
-        specs.append(ShardSpec(s.name, s.start, s.stop, off, s.nbytes, xxh3(dst), _sum64(src)))
+        specs.append(ShardSpec(s.name, s.start, s.stop, off, s.nbytes, xxh3(dst), float64_sum(src)))
         cursor = off + s.nbytes
     chunks = [
         ChunkSpec(i, off, length, xxh3(slot[off : off + length]))

@@ -8,6 +8,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import xxhash
 
 DIGEST_ALGORITHM = "xxh3-64"
@@ -16,6 +17,16 @@ DIGEST_ALGORITHM = "xxh3-64"
 def xxh3(data: Any) -> int:
     """xxh3-64 of a bytes-like object (bytes, memoryview, contiguous ndarray)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def float64_sum(arr: np.ndarray) -> float:
+    """The layout-invariant cross-check: float64 sum of the elements (bool: count of True).
+
+    Trainers sum what they stage and rollouts what they assembled, with this one rule.
+    """
+    if arr.dtype == np.bool_:
+        return float(np.count_nonzero(arr))
+    return float(np.sum(arr, dtype=np.float64))
 
 
 def combine_shard_digests(shard_digests: Iterable[int]) -> int:

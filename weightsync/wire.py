@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
@@ -144,6 +144,3 @@ def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.Man
     manifest = Manifest(v.session, v.version, v.generation, header.chunk_bytes, parts)
     return header, manifest
 
-
-def parts_sorted(parts: Sequence[Part]) -> tuple[Part, ...]:
-    return tuple(sorted(parts, key=lambda p: p.rank))
