@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration protos check-protos lint native bench clean
+.PHONY: setup demo test test-unit test-integration protos check-protos lint native bench bench-stage clean
 
 setup: $(STAMP)
 
@@ -56,7 +56,13 @@ native: setup
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 	$(PY) -c "from weightsync import native; print('native:', native.available(), 'ffi:', native.ffi_available())"
 
+# The transfer comparison (bench/transfer.py): weightsync's modes, the bounds and the peer
+# methods in one run; the peers' libraries (Orbax) and matplotlib come from the bench extra.
 bench: setup
+	$(PIP) install --quiet -e '.[bench]'
+	$(PY) bench/transfer.py $(BENCH_ARGS)
+
+bench-stage: setup
 	$(PY) bench/stage.py $(BENCH_ARGS)
 
 clean:

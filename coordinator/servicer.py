@@ -99,12 +99,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             created=created,
             latest_version=latest[0].version if latest else 0,
             weight_sync_mode=s.weight_sync_mode,
+            token_key=self._store.token_key(s.name) if role == "TRAINER" else "",
         )
 
     def RegisterAgent(self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext) -> pb.RegisterAgentResponse:
         role = _role(request.role)
         if request.endpoint.address:
             check_address(request.endpoint.address, "endpoint.address")
+        if request.endpoint.tcp_address:
+            check_address(request.endpoint.tcp_address, "endpoint.tcp_address")
         s = self._store.register_agent(
             request.session, request.agent_id, role=role, endpoint=endpoint_from_proto(request.endpoint), rank=request.rank
         )
@@ -125,6 +128,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         check_version(h.version, "header.version")
         if h.endpoint.address:
             check_address(h.endpoint.address, "header.endpoint.address")
+        if h.endpoint.tcp_address:
+            check_address(h.endpoint.tcp_address, "header.endpoint.tcp_address")
         if h.endpoint.shm_path:
             try:
                 check_arena_path(h.endpoint.shm_path)
@@ -181,6 +186,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             ),
             weight_sync_mode=self._store.session(request.session).weight_sync_mode,
         )
+        if request.agent_id:  # leased readers only: they may read chunks over tcp / relays
+            header.access_token = self._store.access_token(request.session, rec.version)
+            header.relay_chain.extend(
+                pb.RelayPeer(agent_id=a.agent_id, endpoint=endpoint_to_proto(a.endpoint))
+                for a in self._store.relay_chain(request.session)
+            )
         yield from manifest_to_pieces(header, manifest)
 
     def WatchVersions(self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:

@@ -7,7 +7,10 @@ request leaves stored state unchanged. Lock order: `_lock` only (one connection)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import secrets
 import sqlite3
 import threading
 import time
@@ -27,6 +30,7 @@ from coordinator.records import (
     VersionRecord,
 )
 from coordinator.states import SERVABLE, VersionState, check_transition
+from weightsync.digests import access_token
 from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
@@ -79,6 +83,7 @@ CREATE TABLE IF NOT EXISTS events (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, version INTEGER NOT NULL,
   state TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
@@ -111,6 +116,9 @@ class SessionStore:
         if "weight_sync_mode" not in columns:  # databases from before the column existed
             self._db.execute("ALTER TABLE sessions ADD COLUMN weight_sync_mode TEXT NOT NULL DEFAULT 'grpc'")
         self._manifests: dict[tuple[str, int], Manifest] = {}
+        # The key of per-version access tokens; persistent, so tokens survive restarts.
+        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('token_key', ?)", (secrets.token_hex(32),))
+        self._token_key = bytes.fromhex(self._db.execute("SELECT value FROM meta WHERE key='token_key'").fetchone()[0])
 
     def close(self) -> None:
         with self._lock:
@@ -223,6 +231,21 @@ class SessionStore:
                 (now + self.lease_ttl_s, current_version, session, agent_id),
             )
             return s
+
+    def token_key(self, session: str) -> str:
+        """The session's token key (given to trainers): HMAC of the name under the store's key."""
+        return hmac.new(self._token_key, session.encode(), hashlib.sha256).hexdigest()
+
+    def access_token(self, session: str, version: int) -> str:
+        """The per-version token tcp and relay servers require of readers."""
+        return access_token(self.token_key(session), version)
+
+    def relay_chain(self, session: str) -> list[AgentRecord]:
+        """Live rollouts that re-serve versions (endpoint offers "relay"), in chain order."""
+        return [
+            a for a in self.agents(session)
+            if a.role == "ROLLOUT" and a.alive and "relay" in a.endpoint.transports and a.endpoint.tcp_address
+        ]
 
     def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> set[str]:
         rows = db.execute(

@@ -2,6 +2,7 @@
 #include "weightsync_native.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -301,7 +302,7 @@ void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_by
 
 extern "C" {
 
-int ws_abi_version(void) { return 1; }
+int ws_abi_version(void) { return 3; }
 
 int ws_default_threads(void) {
   unsigned n = std::thread::hardware_concurrency();
@@ -366,6 +367,36 @@ int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_
   const int m = resolve_threads(n_threads, n);
   return run_parallel(m, [&](int t) {
     for (uint64_t i = t; i < n; i += m) out[i] = XXH3_64bits(base + offsets[i], lengths[i]);
+  });
+}
+
+int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums,
+                    int n_threads) {
+  if (n_spans > 0 && (spans == nullptr || span_digests == nullptr || span_sums == nullptr)) return WS_INVALID_ARGUMENT;
+  for (uint64_t i = 0; i < n_spans; ++i)
+    if (spans[i].src == nullptr && spans[i].nbytes > 0) return WS_INVALID_ARGUMENT;
+  // Largest spans first, handed out one at a time: the embedding does not serialize the rest.
+  std::vector<uint64_t> order(n_spans);
+  for (uint64_t i = 0; i < n_spans; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) { return spans[a].nbytes > spans[b].nbytes; });
+  std::atomic<uint64_t> next{0};
+  return run_parallel(resolve_threads(n_threads, n_spans), [&](int) {
+    XXH3_state_t state;
+    for (uint64_t k = next++; k < n_spans; k = next++) {
+      const ws_span& sp = spans[order[k]];
+      const uint8_t* p = static_cast<const uint8_t*>(sp.src);
+      const uint64_t isz = item_size(sp.dtype);
+      const uint64_t block = kBlock - kBlock % isz;
+      XXH3_64bits_reset(&state);
+      double sum = 0.0;
+      for (uint64_t pos = 0; pos < sp.nbytes; pos += block) {  // hash and sum each block while it is in cache
+        const uint64_t take = std::min(block, sp.nbytes - pos);
+        XXH3_64bits_update(&state, p + pos, take);
+        sum += sum_block(p + pos, take - take % isz, sp.dtype);
+      }
+      span_digests[order[k]] = XXH3_64bits_digest(&state);
+      span_sums[order[k]] = sum;
+    }
   });
 }
 

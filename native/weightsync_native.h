@@ -45,8 +45,24 @@ int ws_digest_staged(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const w
 int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths,
                      uint64_t n, uint64_t* out, int n_threads);
 
+// xxh3-64 and float64 sum of each span's bytes in place (src, nbytes, dtype; dst_offset
+// ignored), spans spread over threads: the rollout's digest of what it hands the engine.
+int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums,
+                    int n_threads);
+
 // Plain copy with the same non-temporal stores (the benchmark's bound uses memcpy).
 int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads);
+
+// tcp transport (net.cc). Return bytes moved, or -errno. Sockets must be blocking
+// (timeouts via SO_RCVTIMEO / SO_SNDTIMEO surface as -EAGAIN).
+// Sends file ranges with sendfile (zero-copy from a shm arena).
+int64_t ws_send_file_ranges(int sock, int file_fd, const uint64_t* offsets, const uint64_t* lengths, uint64_t n);
+// Sends memory ranges (a relay's receive buffers).
+int64_t ws_send_mem_ranges(int sock, const uint8_t* const* ptrs, const uint64_t* lengths, uint64_t n);
+// Receives n payloads back to back into base + dst_offsets[i], hashing each piece as it
+// lands; ok[i] = 1 when payload i's xxh3-64 equals digests[i].
+int64_t ws_recv_verify(int sock, uint8_t* base, const uint64_t* dst_offsets, const uint64_t* lengths,
+                       const uint64_t* digests, uint64_t n, uint8_t* ok);
 
 int ws_abi_version(void);
 int ws_default_threads(void);

@@ -13,6 +13,7 @@ from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
 from rollout_agent.appliers import DictApplier
 from rollout_agent.config import RolloutConfig
 from rollout_agent.puller import WeightPuller
+from rollout_agent.relay import Relay
 from rollout_agent.sync import sync_version
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.client import CoordinatorClient
@@ -32,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
     metrics = build_metrics("rollout")
     client = CoordinatorClient(cfg.coordinator)
+    relay: Relay | None = None
     if cfg.engine == "vllm":
         from rollout_agent.vllm_engine import VllmEngineSyncer
 
@@ -54,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         agent = RolloutAgent(client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
         closers = [engine.close]
     else:
+        if cfg.weight_sync_mode in ("relay", "") and cfg.apply_mode == "atomic":
+            # Re-serve what we pull (used when this rollout's or the session's mode is relay).
+            relay = Relay(cfg.session, host=cfg.host, wait_s=cfg.relay_wait_s, failpoints=Failpoints(cfg.failpoints))
         puller = WeightPuller(
             client,
             cfg.session,
@@ -66,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_attempts=cfg.max_attempts,
             timeout_s=cfg.timeout_s,
             metrics=metrics,
+            relay=relay.source if relay else None,
         )
         applier = DictApplier(cfg.dump_dir or None)
         failpoints = Failpoints(cfg.failpoints)
@@ -74,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             functools.partial(sync_version, puller, applier, apply_mode=cfg.apply_mode, failpoints=failpoints, metrics=metrics),
             metrics=metrics,
         )
-        closers = [puller.close]
+        closers = [puller.close, *([relay.close] if relay else [])]
     running = start_server(
         [Service(pb_grpc.add_RolloutAgentServicer_to_server, RolloutAgentServicer(agent), SERVICE_NAME)],
         host=cfg.host,
@@ -82,7 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=metrics,
         metrics_port=cfg.metrics_port,
     )
-    agent.endpoint = Endpoint(running.address, ("grpc",), cfg.host_id or socket.gethostname())
+    relay_address = relay.address if relay else ""
+    agent.endpoint = Endpoint(
+        running.address, ("grpc", "relay") if relay_address else ("grpc",), cfg.host_id or socket.gethostname(),
+        tcp_address=relay_address,
+    )
     agent.attach()
     agent.start(follow=cfg.follow)
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, agent_id=agent_id)

@@ -19,12 +19,14 @@ class RolloutConfig(ServerConfig):
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
     weight_sync_mode: str = option(
         "",
-        "grpc | shm (map a same-host trainer's arena) | fs, alias filesystem or gcs (read parts under --fs-root); "
-        "empty: the session's mode, set by the trainer. Ranks not offering it are pulled over grpc.",
+        "grpc | tcp (native bulk path) | shm (map a same-host trainer's arena) | fs, alias filesystem or gcs "
+        "(read parts under --fs-root) | relay (pull from the rollout before us in the coordinator's chain, re-serve "
+        "to the next); empty: the session's mode, set by the trainer. Ranks not offering it are pulled over grpc.",
     )
+    relay_wait_s: float = option(10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer.")
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
-    window_chunks: int = option(16, "Chunks requested per call (the in-flight window per stream).")
+    window_chunks: int = option(32, "Chunks requested per call (the in-flight window per stream; tuned in bench/, see README).")
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
     timeout_s: float = option(120.0, "Deadline of each data-plane call.")
     apply_mode: str = option(

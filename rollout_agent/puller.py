@@ -9,16 +9,23 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
-from weightsync.errors import DigestMismatch, TransportUnavailable
-from weightsync.manifest import ChunkSpec, Manifest, Part
+from weightsync.errors import DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
+from weightsync.modes import normalize_mode
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
+from weightsync.wire import endpoint_from_proto
+
+if TYPE_CHECKING:
+    from rollout_agent.relay import RelaySource
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +43,8 @@ class PulledVersion:
 
 
 class _Lane:
-    """One stream's share of one rank's chunks; counts bytes and retries."""
+    """One stream's share of one rank's chunks, the source it reads them from (the
+    trainer rank's endpoint, or an upstream relay's), bytes and retries."""
 
     def __init__(self, part: Part, stream: int, indices: list[int]) -> None:
         self.part = part
@@ -44,6 +52,9 @@ class _Lane:
         self.indices = indices
         self.bytes = 0
         self.retries = 0
+        self.mode = ""  # transport name; set by WeightPuller._plan
+        self.endpoint = part.endpoint
+        self.relayed = False
 
 
 class WeightPuller:
@@ -68,22 +79,28 @@ class WeightPuller:
         host_id: str = "",
         fs_root: str = "",
         streams: int = 2,
-        window_chunks: int = 16,
+        window_chunks: int = 32,
         max_attempts: int = 3,
         timeout_s: float = 120.0,
         metrics: Metrics | None = None,
+        relay: RelaySource | None = None,
     ) -> None:
         if streams < 1 or window_chunks < 1 or max_attempts < 1:
             raise ValueError("streams, window_chunks and max_attempts must be >= 1")
         self.client = client
         self.session = session
         self.agent_id = agent_id
-        if transport and transport not in available_transports():
-            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(available_transports())}")
-        self.transport = transport
+        # A mode, or any registered transport (tests register an in-memory one).
+        self.transport = transport if transport in available_transports() else normalize_mode(transport, "transport", allow_empty=True)
         self._mode = transport or "grpc"  # resolved per version when transport is ""
+        self._token = ""  # the current version's access token (tcp reads)
+        self.relay = relay  # "relay" mode: re-serves what this puller receives
+        self._upstream: Endpoint | None = None  # "relay" mode: the relay before us in the chain
+        self.relay_fallbacks = 0
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
+        if relay is not None and self.transport not in ("relay", ""):
+            raise ValueError(f"a relay source needs transport 'relay' (or the session's mode), not {self.transport!r}")
         if self.transport == "fs" and not fs_root:
             raise ValueError("transport 'fs' needs fs_root (the store it may read)")
         self.streams = streams
@@ -106,6 +123,10 @@ class WeightPuller:
             if "fs" in ep.transports and ep.fs_uri and self.fs_root:
                 return "fs"
             return self._fallback(part, "offers no fs copy (or no fs_root here)")
+        if self._mode in ("tcp", "relay"):  # relay: the trainer is read over tcp too
+            if "tcp" in ep.transports and ep.tcp_address and native.available():
+                return "tcp"
+            return self._fallback(part, "offers no tcp address (or the native shim is not built here)")
         if self._mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
@@ -118,8 +139,23 @@ class WeightPuller:
             log.info("rank %d %s: pulling over grpc", part.rank, why)
         return "grpc"
 
+    def _plan(self, lanes: list[_Lane]) -> list[_Lane]:
+        """Chooses each lane's source: the upstream relay in relay mode, else the rank."""
+        for lane in lanes:
+            if self._mode == "relay" and self._upstream is not None:
+                lane.mode, lane.endpoint, lane.relayed = "tcp", self._upstream, True
+            else:
+                lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
+        return lanes
+
+    def _from_trainer(self, lane: _Lane, why: str) -> None:
+        """A relay failed or lagged: this lane reads the rest from the trainer rank."""
+        log.warning("version relay for rank %d failed (%s): pulling the rest from the trainer", lane.part.rank, why)
+        self.relay_fallbacks += 1
+        lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
+
     def _key(self, lane: _Lane) -> tuple[str, str, int]:
-        return (self.transport_for(lane.part), lane.part.endpoint.address, lane.stream)
+        return (lane.mode, lane.endpoint.tcp_address if lane.mode == "tcp" else lane.endpoint.address, lane.stream)
 
     def _transport(self, lane: _Lane) -> Transport:
         key = self._key(lane)
@@ -127,10 +163,10 @@ class WeightPuller:
             transport = self._transports.get(key)
             if transport is None:
                 transport = create_transport(key[0], **({"root": self.fs_root} if key[0] == "fs" else {}))
-                transport.open(lane.part.endpoint)
+                transport.open(lane.endpoint)
                 self._transports[key] = transport
             elif key[0] in ("shm", "fs"):
-                transport.open(lane.part.endpoint)  # this version's slot offset / directory
+                transport.open(lane.endpoint)  # this version's slot offset / directory
             return transport
 
     def _drop_transport(self, lane: _Lane) -> None:
@@ -150,6 +186,11 @@ class WeightPuller:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
         header, manifest = self.client.get_manifest(self.session, version, agent_id=self.agent_id)
         self._mode = self.transport or header.weight_sync_mode or "grpc"
+        self._token = header.access_token
+        self._upstream = None
+        chain = [peer.agent_id for peer in header.relay_chain]
+        if self._mode == "relay" and self.agent_id in chain and chain.index(self.agent_id) > 0:
+            self._upstream = endpoint_from_proto(header.relay_chain[chain.index(self.agent_id) - 1].endpoint)
         if manifest.digest() != header.version.manifest_digest:
             raise DigestMismatch(
                 f"manifest of version {manifest.version} hashes to {manifest.digest()[:16]}…, "
@@ -174,9 +215,17 @@ class WeightPuller:
                 n = len(part.chunks)
                 per = max(1, -(-n // self.streams))
                 lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
-            with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-                for future in [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in lanes]:
-                    future.result()
+            if self.relay is not None:
+                self.relay.begin(manifest, self._token, buffers)
+            try:
+                with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
+                    futures = [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in self._plan(lanes)]
+                    for future in futures:
+                        future.result()
+            except BaseException:
+                if self.relay is not None:
+                    self.relay.fail(manifest.version)
+                raise
         seconds = time.perf_counter() - started
         pulled = sum(lane.bytes for lane in lanes)
         retries = sum(lane.retries for lane in lanes)
@@ -189,7 +238,7 @@ class WeightPuller:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
         the part); returns (bytes pulled, chunks re-fetched). For streaming apply."""
         per = max(1, -(-len(indices) // self.streams))
-        lanes = [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))]
+        lanes = self._plan([_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))])
         with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
             for future in [pool.submit(self._run_lane, manifest, lane, buf, base) for lane in lanes]:
                 future.result()
@@ -209,6 +258,10 @@ class WeightPuller:
                 )
             try:
                 pending, last_error = self._fetch(manifest, lane, pending, buf, base)
+                while pending and lane.relayed:  # a relay's failure costs no attempt
+                    self._from_trainer(lane, last_error)
+                    lane.retries += len(pending)
+                    pending, last_error = self._fetch(manifest, lane, pending, buf, base)
             except TransportUnavailable as e:
                 last_error = e.message
                 time.sleep(min(1.0, 0.1 * 2**attempt))
@@ -217,6 +270,10 @@ class WeightPuller:
                 f"version {manifest.version} rank {lane.part.rank}: chunk {pending[0]} (and {len(pending) - 1} more) "
                 f"failed after {self.max_attempts} attempts: {last_error}"
             )
+
+    def _count_digest_failure(self) -> None:
+        if self.metrics is not None:
+            self.metrics.digest_failures.labels(role=self.metrics.role).inc()
 
     def _fetch(
         self, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
@@ -229,8 +286,22 @@ class WeightPuller:
         for w in range(0, len(indices), self.window_chunks):
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
-            request = FetchRequest(self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans)
+            request = FetchRequest(
+                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, self._token
+            )
             try:
+                if transport.receives_in_place:
+                    ok = transport.fetch_into(request, buf, base, [chunks[i].xxh3 for i in window])
+                    for i, good in zip(window, ok):
+                        if good:
+                            received.add(i)
+                            lane.bytes += chunks[i].length
+                        else:
+                            problem = f"chunk {i} digest mismatch"
+                            self._count_digest_failure()
+                    if self.relay is not None:
+                        self.relay.mark(manifest.version, lane.part.rank, [i for i, good in zip(window, ok) if good])
+                    continue
                 for payload in transport.fetch(request):
                     c = chunks[payload.index] if payload.index < len(chunks) else None
                     if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
@@ -238,15 +309,21 @@ class WeightPuller:
                         continue
                     if xxh3(payload.data) != c.xxh3:
                         problem = f"chunk {payload.index} digest mismatch"
-                        if self.metrics is not None:
-                            self.metrics.digest_failures.labels(role=self.metrics.role).inc()
+                        self._count_digest_failure()
                         continue
                     buf[c.offset - base : c.offset - base + c.length] = np.frombuffer(payload.data, np.uint8)
                     received.add(payload.index)
+                    if self.relay is not None:
+                        self.relay.mark(manifest.version, lane.part.rank, [payload.index])
                     lane.bytes += c.length
             except TransportUnavailable as e:
                 problem = e.message
                 self._drop_transport(lane)
+                break
+            except WeightsyncError as e:  # a relay that does not hold the version (yet)
+                if not lane.relayed:
+                    raise
+                problem = e.message
                 break
         missing = [i for i in indices if i not in received]
         return missing, problem

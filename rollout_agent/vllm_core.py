@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rollout_agent.puller import WeightPuller
+from rollout_agent.relay import Relay
 from rollout_agent.sync import SyncResult, sync_version
 from rollout_agent.vllm_applier import VllmApplier
 from weightsync.client import CoordinatorClient
@@ -30,9 +31,9 @@ class RolloutInitInfo:
     coordinator: str
     session: str
     agent_id: str = ""
-    weight_sync_mode: str = ""  # grpc | shm | fs (aliases filesystem, gcs); "" = the session's mode
+    weight_sync_mode: str = ""  # grpc | tcp | shm | fs (aliases filesystem, gcs) | relay; "" = the session's
     streams: int = 2
-    window_chunks: int = 16
+    window_chunks: int = 32
     max_attempts: int = 3
     timeout_s: float = 120.0
     apply_mode: str = "atomic"  # or "streaming": bounded host memory, not atomic
@@ -70,6 +71,8 @@ class VllmRollout:
         self.agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
         check_agent_id(self.agent_id, "init_info.agent_id")
         self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s)
+        # relay mode: this worker re-serves what it pulls to the next rollout in the chain.
+        self.relay = Relay(info.session) if info.weight_sync_mode == "relay" and info.apply_mode == "atomic" else None
         self.puller = WeightPuller(
             self.client,
             info.session,
@@ -80,6 +83,7 @@ class VllmRollout:
             window_chunks=info.window_chunks,
             max_attempts=info.max_attempts,
             timeout_s=info.timeout_s,
+            relay=self.relay.source if self.relay else None,
         )
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0
@@ -91,7 +95,11 @@ class VllmRollout:
 
     def _attach(self) -> None:
         self.client.open_session(self.info.session, trainer=False)
-        self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=Endpoint("", ("grpc",), socket.gethostname()))
+        endpoint = Endpoint(
+            "", ("grpc", "relay") if self.relay else ("grpc",), socket.gethostname(),
+            tcp_address=self.relay.address if self.relay else "",
+        )
+        self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=endpoint)
 
     def sync(self, version: Any = "latest") -> SyncResult:
         """Pulls, verifies, applies and reports; the live weights change only when every
@@ -116,4 +124,6 @@ class VllmRollout:
     def close(self) -> None:
         self._heartbeat.stop()
         self.puller.close()
+        if self.relay is not None:
+            self.relay.close()
         self.client.close()

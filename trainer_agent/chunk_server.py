@@ -7,14 +7,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from trainer_agent.arena import Arena
+from weightsync import native
 from weightsync._proto import trainer_agent_pb2 as pb
 from weightsync.errors import InvalidArgument, NotFound, VersionNotFound
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import ChunkSpec
 from weightsync.metrics import Metrics
 from weightsync.transports.grpc import serialize_response, serve_chunks
+from weightsync.transports.tcp import FileRanges, check_token
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 
@@ -24,6 +27,7 @@ class SlotEntry:
     version: int
     chunks: tuple[ChunkSpec, ...]
     total_bytes: int
+    token: str = ""  # the version's access token (tcp reads)
 
 
 class SlotTable:
@@ -33,12 +37,14 @@ class SlotTable:
     during slot reuse is caught by the reader's chunk digests).
     """
 
-    def __init__(self, arena: Arena, session: str, rank: int) -> None:
+    def __init__(self, arena: Arena, session: str, rank: int, failpoints: Failpoints | None = None) -> None:
         self.arena = arena
         self.session = session
         self.rank = rank
+        self.failpoints = failpoints or Failpoints()
         self._lock = threading.Lock()
         self._slots: dict[int, SlotEntry] = {}
+        self._files = FileRanges()
 
     def set(self, slot: int, entry: SlotEntry | None) -> None:
         with self._lock:
@@ -46,6 +52,9 @@ class SlotTable:
                 self._slots.pop(slot, None)
             else:
                 self._slots[slot] = entry
+
+    def close(self) -> None:
+        self._files.close()
 
     def entries(self) -> dict[int, SlotEntry]:
         with self._lock:
@@ -69,6 +78,26 @@ class SlotTable:
             if index >= len(entry.chunks):
                 raise InvalidArgument(f"indices[{i}]", f"{index} >= chunk_count {len(entry.chunks)}")
 
+    def check_token(self, session: str, version: int, token: str) -> None:
+        _, entry = self._find(session, version, self.rank)
+        check_token(entry.token, token, version)
+
+    def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        _, entry = self._find(session, version, rank)
+        return sum(entry.chunks[i].length for i in indices)
+
+    def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """sendfile()s the chunks from the arena file (zero copy)."""
+        slot, entry = self._find(session, version, rank)
+        base = slot * self.arena.slot_bytes
+        ranges = [(base + entry.chunks[i].offset, entry.chunks[i].length) for i in indices]
+        sent = 0
+        if self.failpoints.fire("chunk_server.corrupt_chunk"):  # the first chunk leaves with one byte flipped
+            first = np.array(self.arena.slot(slot)[entry.chunks[indices[0]].offset :][: ranges[0][1]])
+            first[-1:] ^= 0xFF
+            sent, ranges = native.send_views(sock_fd, [first]), ranges[1:]
+        return sent + self._files.send(sock_fd, str(self.arena.path), ranges)
+
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
         slot, entry = self._find(session, version, rank)
         if index >= len(entry.chunks):
@@ -86,11 +115,17 @@ class TrainerAgentServicer:
         self._failpoints = failpoints
         self._generation = generation
         self.bytes_served = 0
+        self._served_lock = threading.Lock()
+
+    def count_served(self, nbytes: int) -> None:
+        """Bytes served by any transport (gRPC here, tcp through its callback)."""
+        self._metrics.add_bytes("served", nbytes)
+        with self._served_lock:
+            self.bytes_served += nbytes
 
     def ReadChunks(self, request: pb.ReadChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         for payload in serve_chunks(self._table, request, self._failpoints):
-            self._metrics.add_bytes("served", len(payload))
-            self.bytes_served += len(payload)
+            self.count_served(len(payload))
             yield payload
 
     def GetStatus(self, request: pb.TrainerStatusRequest, context: grpc.ServicerContext) -> pb.TrainerStatus:

@@ -14,7 +14,7 @@ import numpy as np
 
 from weightsync import native
 from weightsync.digests import float64_sum, xxh3
-from weightsync.dtypes import dtype_info, dtype_name_of
+from weightsync.dtypes import dtype_name_of, native_code
 from weightsync.errors import ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
 from weightsync.manifest import ChunkSpec, ShardSpec, TensorSpec
@@ -64,11 +64,6 @@ def plan_layout(shards: Sequence[HostShard]) -> Layout:
     )
 
 
-def _dtype_code(arr: np.ndarray) -> int:
-    """The shim's element-type code (the proto DType value) of an array."""
-    return dtype_info(dtype_name_of(arr.dtype)).proto
-
-
 def specs_from_digests(
     layout: Layout, digests: Sequence[int], sums: Sequence[float], chunk_digests: Sequence[int], chunk_bytes: int
 ) -> tuple[list[ShardSpec], list[ChunkSpec]]:
@@ -102,7 +97,7 @@ def stage_shards(
         sources = []
         for s, off in zip(shards, layout.offsets):
             arr = np.ascontiguousarray(s.data)
-            sources.append((arr, off, _dtype_code(arr)))
+            sources.append((arr, off, native_code(arr.dtype)))
         result = native.stage(slot, layout.total_bytes, chunk_bytes, sources, threads=threads)
         return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunk_bytes)
     return _stage_python(slot, shards, layout, chunk_bytes)
@@ -112,7 +107,7 @@ def stage_one(slot: np.ndarray, offset: int, arr: np.ndarray, *, engine: str = "
     """Copies one contiguous array to slot[offset:]; returns (xxh3, float64 sum)."""
     n = arr.nbytes
     if engine == "native" or (engine == "auto" and native.available()):
-        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, _dtype_code(arr))], threads=1)
+        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, native_code(arr.dtype))], threads=1)
         return int(r.span_digests[0]), float(r.span_sums[0])
     dst = slot[offset : offset + n]
     np.copyto(dst, arr.reshape(-1).view(np.uint8))

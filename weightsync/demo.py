@@ -26,6 +26,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.cluster import Cluster
 from weightsync.errors import DeadlineExceeded
+from weightsync.modes import MODES
 from weightsync.tiny_models import write_tiny_model
 
 FINAL = {"COMMITTED", "PARTIAL", "FAILED"}
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plus the trainer exceed 24 GiB)",
     )
     p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
+    p.add_argument(
+        "--weight-sync-mode", default="tcp", choices=list(MODES),
+        help="the session's data plane (rollouts follow it): tcp (default), grpc, shm, relay "
+        "(NumPy rollouts re-serve each other in a chain), fs (writes parts under <workdir>/store)",
+    )
     return p
 
 
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             # this machine's CPU with the tiny shapes (see the closing note of issue 4).
             rollout_args = ["--engine", "vllm", "--model", str(model_dir), "--prompt", args.prompt, "--dtype", "float32"]
             console.print(f"starting {args.rollouts} vLLM engines on {model_dir} (about a minute on 2 cores)")
+        fs_args = ["--fs-root", str(workdir / "store")] if args.weight_sync_mode == "fs" else []
+        rollout_args += fs_args
         rollouts = [
             cluster.start(f"rollout-{i}", "rollout_agent",
                           ["--coordinator", coord.address, "--session", args.session, "--agent-id", f"rollout-{i}", *rollout_args],
@@ -115,7 +123,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             trainer = cluster.start_trainer(
                 "trainer", coord.address, args.session,
                 ["--model-size", args.model_size, "--steps", str(args.steps), "--min-rollouts", str(args.rollouts),
-                 "--weight-dtype", "float32" if args.engine == "vllm" else "bfloat16"],
+                 "--weight-dtype", "float32" if args.engine == "vllm" else "bfloat16",
+                 "--weight-sync-mode", args.weight_sync_mode, *fs_args],
             )
             console.print(f"trainer      {trainer.address}  (JAX on CPU, publishes every step)")
             table = Table(title="sync steps")

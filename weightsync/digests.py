@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Iterable
@@ -40,6 +41,13 @@ def combine_shard_digests(shard_digests: Iterable[int]) -> int:
     if len(digests) == 1:
         return digests[0]
     return xxh3(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def access_token(token_key: str, version: int) -> str:
+    """The per-version token tcp and relay servers require of readers: HMAC-SHA256 of the
+    version under the session's token key (the coordinator's; trainers receive it on
+    attach, rollouts receive per-version tokens with their leases)."""
+    return hmac.new(token_key.encode(), str(version).encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -60,3 +60,8 @@ def dtype_name_of(array_dtype: object) -> str:
         if info.numpy == dt:
             return info.name
     raise InvalidArgument("dtype", f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}")
+
+
+def native_code(dtype: np.dtype) -> int:
+    """The native shim's element-type code (the proto DType value) of a NumPy dtype."""
+    return dtype_info(dtype_name_of(dtype)).proto

@@ -11,8 +11,9 @@ import threading
 from weightsync.errors import InvalidArgument
 
 KNOWN = {
-    "chunk_server.corrupt_chunk": "flip one byte in the next N ReadChunks payloads (trainer side)",
+    "chunk_server.corrupt_chunk": "flip one byte in the next N chunks sent over grpc or tcp (trainer side)",
     "puller.corrupt_assembled": "flip one byte of the first tensor after verification, N times (rollout side)",
+    "relay.stall_after_chunks": "a relaying rollout sends N chunks, then stalls every reply (a hung relay)",
 }
 
 
@@ -29,6 +30,10 @@ class Failpoints:
             if not count.isdigit():
                 raise InvalidArgument("failpoints", f"{item!r} must be name=COUNT")
             self._counts[name] = int(count)
+
+    def armed(self, name: str) -> bool:
+        """True when the failpoint was configured (spent or not)."""
+        return name in self._counts
 
     def fire(self, name: str) -> bool:
         """True (and one count spent) when the failpoint is armed."""

@@ -99,6 +99,7 @@ class Endpoint:
     shm_path: str = ""  # "shm": the arena file of this part's slot
     shm_offset: int = 0  # "shm": byte offset of the part in that file
     fs_uri: str = ""  # "fs": fsspec URI of the directory holding part.bin and _SUCCESS
+    tcp_address: str = ""  # "tcp": host:port of the native bulk server
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +109,7 @@ class Endpoint:
             "shm_path": self.shm_path,
             "shm_offset": self.shm_offset,
             "fs_uri": self.fs_uri,
+            "tcp_address": self.tcp_address,
         }
 
     @classmethod
@@ -115,6 +117,7 @@ class Endpoint:
         return cls(
             d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""),
             d.get("shm_path", ""), d.get("shm_offset", 0), d.get("fs_uri", ""),
+            d.get("tcp_address", ""),
         )
 
 

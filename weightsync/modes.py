@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from weightsync.errors import InvalidArgument
 
-MODES = ("grpc", "shm", "fs")
+MODES = ("grpc", "tcp", "shm", "fs", "relay")
 ALIASES = {"filesystem": "fs", "gcs": "fs"}  # gcs: the fs mode with a gs:// root (gcsfs)
-NOT_YET = ("tcp", "relay")
 
 
 def normalize_mode(value: str, field: str = "weight_sync_mode", *, allow_empty: bool = False) -> str:
@@ -16,6 +15,4 @@ def normalize_mode(value: str, field: str = "weight_sync_mode", *, allow_empty: 
     mode = ALIASES.get(value, value)
     if mode in MODES:
         return mode
-    if mode in NOT_YET:
-        raise InvalidArgument(field, f"{value!r} is not implemented yet; use one of {', '.join(MODES)}")
     raise InvalidArgument(field, f"{value!r} is not a weight-sync mode; use one of {', '.join(MODES)} (aliases: {', '.join(ALIASES)})")

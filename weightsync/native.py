@@ -8,6 +8,7 @@ digests (`weightsync.digests`) when it was not. Status codes from C++ become
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 1
+_ABI_VERSION = 3
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -48,8 +49,17 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(_Span), ctypes.c_uint64,
         _U64P, ctypes.POINTER(ctypes.c_double), _U64P, ctypes.c_int,
     ]
+    lib.ws_digest_spans.argtypes = [
+        ctypes.POINTER(_Span), ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
+    ]
     lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    lib.ws_send_file_ranges.argtypes = [ctypes.c_int, ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
+    lib.ws_send_file_ranges.restype = ctypes.c_int64
+    lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
+    lib.ws_send_mem_ranges.restype = ctypes.c_int64
+    lib.ws_recv_verify.argtypes = [ctypes.c_int, ctypes.c_void_p, _U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_void_p]
+    lib.ws_recv_verify.restype = ctypes.c_int64
     return lib, ""
 
 
@@ -184,6 +194,24 @@ def stage(
     return StageResult(digests, sums, chunks[:n_chunks])
 
 
+def digest_arrays(arrays: Sequence[tuple[np.ndarray, int]], *, threads: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(xxh3-64 per array, float64 sum per array) of C-contiguous (array, dtype code) pairs,
+    in place and in parallel."""
+    lib = _require()
+    spans = (_Span * max(1, len(arrays)))()
+    for i, (arr, dtype) in enumerate(arrays):
+        if not arr.flags.c_contiguous:
+            raise InvalidArgument(f"arrays[{i}]", "array is not C-contiguous")
+        spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, 0, dtype, 0)
+    digests = np.zeros(max(len(arrays), 1), np.uint64)
+    sums = np.zeros(max(len(arrays), 1), np.float64)
+    rc = lib.ws_digest_spans(
+        spans, len(arrays), digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), threads
+    )
+    _check(rc, "ws_digest_spans")
+    return digests[: len(arrays)], sums[: len(arrays)]
+
+
 def digest_ranges(base: np.ndarray, offsets: Sequence[int], lengths: Sequence[int], *, threads: int = 0) -> np.ndarray:
     """xxh3-64 of each range of a contiguous buffer, in parallel."""
     lib = _require()
@@ -205,3 +233,48 @@ def copy(dst: np.ndarray, src: np.ndarray, *, threads: int = 0) -> None:
     if dst.nbytes != src.nbytes:
         raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {src.nbytes}")
     _check(lib.ws_copy(_ptr(dst), _ptr(src), src.nbytes, threads), "ws_copy")
+
+
+def _moved(rc: int, what: str) -> int:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+    return rc
+
+
+def send_file_ranges(sock_fd: int, file_fd: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """sendfile()s each (file offset, length) to a blocking socket; bytes sent, or OSError."""
+    lib = _require()
+    off = np.ascontiguousarray([r[0] for r in ranges], np.uint64)
+    ln = np.ascontiguousarray([r[1] for r in ranges], np.uint64)
+    rc = lib.ws_send_file_ranges(sock_fd, file_fd, off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(ranges))
+    return _moved(rc, "sendfile")
+
+
+def send_views(sock_fd: int, views: Sequence[np.ndarray]) -> int:
+    """Sends contiguous uint8 arrays back to back to a blocking socket; bytes sent, or OSError."""
+    lib = _require()
+    ptrs = np.ascontiguousarray([_ptr(v) for v in views], np.uint64)
+    ln = np.ascontiguousarray([v.nbytes for v in views], np.uint64)
+    rc = lib.ws_send_mem_ranges(sock_fd, ptrs.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(views))
+    return _moved(rc, "send")
+
+
+def recv_verify(sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]], digests: Sequence[int]) -> np.ndarray:
+    """Receives len(spans) payloads back to back into buf[offset:offset+length], hashing
+    each as it lands; returns a bool array: payload i's xxh3-64 == digests[i]. OSError on
+    a socket error (timeouts: EAGAIN) or a short stream."""
+    lib = _require()
+    off = np.ascontiguousarray([s[0] for s in spans], np.uint64)
+    ln = np.ascontiguousarray([s[1] for s in spans], np.uint64)
+    if buf.dtype != np.uint8 or not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise InvalidArgument("buf", "needs a writable contiguous uint8 buffer")
+    if len(off) and int((off + ln).max()) > buf.nbytes:
+        raise InvalidArgument("spans", "a span leaves the receive buffer")
+    want = np.ascontiguousarray(digests, np.uint64)
+    ok = np.zeros(max(len(off), 1), np.uint8)
+    rc = lib.ws_recv_verify(
+        sock_fd, _ptr(buf), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), want.ctypes.data_as(_U64P), len(off),
+        _ptr(ok),
+    )
+    _moved(rc, "recv")
+    return ok[: len(off)].astype(bool)

@@ -21,11 +21,12 @@ def endpoint_to_proto(e: Endpoint) -> _tpb.Endpoint:
         shm_path=e.shm_path,
         shm_offset=e.shm_offset,
         fs_uri=e.fs_uri,
+        tcp_address=e.tcp_address,
     )
 
 
 def endpoint_from_proto(p: _tpb.Endpoint) -> Endpoint:
-    return Endpoint(p.address, tuple(p.transports), p.host_id, p.shm_path, p.shm_offset, p.fs_uri)
+    return Endpoint(p.address, tuple(p.transports), p.host_id, p.shm_path, p.shm_offset, p.fs_uri, p.tcp_address)
 
 
 def tensor_from_proto(p: _tpb.TensorDescriptor, field: str) -> TensorSpec:

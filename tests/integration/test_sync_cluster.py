@@ -81,11 +81,13 @@ def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal
         assert got[name].dtype == ref.dtype and np.array_equal(got[name], ref), name
 
 
-def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster) -> None:
+@pytest.mark.parametrize("mode", ["grpc", "tcp"])
+def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster, mode: str) -> None:
     coord = cluster.start_coordinator()
     r0 = cluster.start_rollout("r0", coord.address, "job")
     cluster.start_trainer(
-        "trainer", coord.address, "job", [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--failpoints", "chunk_server.corrupt_chunk=3"]
+        "trainer", coord.address, "job",
+        [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", mode, "--failpoints", "chunk_server.corrupt_chunk=3"]
     )
     assert cluster.wait_exit("trainer", 120) == 0  # waited for COMMITTED
     status = rollout_status(r0.address)
@@ -135,3 +137,37 @@ def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: C
         assert st.generation == generation
         assert [(v.version, state_name(v)) for v in st.versions] == [(2, "COMMITTED"), (1, "COMMITTED")]
     eventually(lambda: rollout_status(r0.address).current_version == 2, what="rollout at version 2")
+
+
+def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", "2"])
+    relay = ["--weight-sync-mode", "relay", "--window-chunks", "4"]
+    rollouts = {name: cluster.start_rollout(name, coord.address, "job", relay) for name in ("r0", "r2", "r3")}
+    cluster.start_rollout("r1", coord.address, "job", [*relay, "--failpoints", "relay.stall_after_chunks=5"])
+    trainer = cluster.start_trainer(
+        "trainer", coord.address, "job",
+        ["--model-size", "small", "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", "relay",
+         "--min-rollouts", "3", "--hold"],
+    )
+    eventually(lambda: "stalling this reply" in cluster.procs["r1"].log(), what="r1 to stall mid-transfer", timeout_s=120)
+    cluster.kill("r1")  # SIGKILL while r2 is reading from it
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+        hs = {h.agent_id: h.ok for h in client.status("job").handshakes if h.version == 1}
+        assert all(hs[name] for name in rollouts), hs
+        served_v1 = metric_value(scrape(trainer.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served")
+        model_bytes = client.get_manifest("job", 1)[1].parts[0].total_bytes
+        assert model_bytes < served_v1 <= 2 * model_bytes  # r2 re-read what r1 never sent, from the trainer
+        assert "pulling the rest from the trainer" in cluster.procs["r2"].log()
+        # once r1's lease is gone the chain is r0 -> r2 -> r3: the trainer sends version 2 once
+        eventually(lambda: not any(a.alive for a in client.status("job").agents if a.agent_id == "r1"), what="r1's lease to end")
+        cluster.stop("trainer")
+        trainer2 = cluster.start_trainer(
+            "trainer2", coord.address, "job",
+            ["--model-size", "small", "--steps", "1", "--start-version", "2", "--chunk-bytes", "65536", "--weight-sync-mode", "relay", "--hold"],
+        )
+        assert state_name(client.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
+        served = metric_value(scrape(trainer2.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served")
+        assert served == model_bytes
+    for proc in rollouts.values():
+        assert rollout_status(proc.address).current_version == 2

@@ -7,6 +7,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from rollout_agent.config import RolloutConfig
 from weightsync.config import load_config
+from weightsync.errors import InvalidArgument
 
 
 def test_flag_beats_env_beats_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,8 +33,11 @@ def test_weight_sync_mode_flags_and_aliases() -> None:
     assert cfg.weight_sync_mode == "fs"
     assert load_config(RolloutConfig, "rollout", [], {"WEIGHTSYNC_ROLLOUT_WEIGHT_SYNC_MODE": "shm"}).weight_sync_mode == "shm"
     assert load_config(RolloutConfig, "rollout", [], {}).weight_sync_mode == ""  # the session's
-    for argv in (["--weight-sync-mode", "fs"], ["--weight-sync-mode", "relay"]):
-        with pytest.raises((SystemExit, Exception)):
-            load_config(RolloutConfig, "rollout", argv, {})
+    for mode in ("tcp", "relay"):
+        assert load_config(RolloutConfig, "rollout", ["--weight-sync-mode", mode], {}).weight_sync_mode == mode
+    with pytest.raises(SystemExit):
+        load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "fs"], {})  # needs --fs-root
+    with pytest.raises(InvalidArgument, match="'udp' is not a weight-sync mode"):
+        load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "udp"], {})
     with pytest.raises(SystemExit):
         load_config(TrainerConfig, "trainer", ["--weight-sync-mode", "gcs"], {})  # needs --fs-root

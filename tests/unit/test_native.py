@@ -119,6 +119,23 @@ def test_chunk_digests_match_xxhash_over_the_slot() -> None:
         assert c.xxh3 == xxhash.xxh3_64_intdigest(slot[off : off + n])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 300_000), st.integers(0, 8)), min_size=1, max_size=10),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_digest_arrays_equals_python(sizes: list[tuple[int, int]], threads: int, seed: int) -> None:
+    from weightsync.digests import float64_sum
+    from weightsync.dtypes import native_code
+
+    arrays = _arrays(sizes, seed)
+    digests, sums = native.digest_arrays([(a, native_code(a.dtype)) for a in arrays], threads=threads)
+    for a, d, s in zip(arrays, digests, sums):
+        assert int(d) == xxhash.xxh3_64_intdigest(a.view(np.uint8).tobytes())
+        assert np.isclose(s, float64_sum(a), rtol=1e-9, atol=1e-6), (a.dtype, s, float64_sum(a))
+
+
 def test_native_copy() -> None:
     src = np.random.default_rng(0).integers(0, 255, 3_000_017, dtype=np.uint8)
     dst = np.zeros_like(src)

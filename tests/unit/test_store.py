@@ -275,11 +275,9 @@ def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tm
     assert s.weight_sync_mode == "fs"
     assert store.open_session("job", trainer=False)[0].weight_sync_mode == "fs"
     assert store.open_session("job", trainer=True, incarnation="a")[0].weight_sync_mode == "fs"  # empty keeps
-    with pytest.raises(InvalidArgument, match="not implemented yet") as exc:
-        store.open_session("job", trainer=True, incarnation="b", weight_sync_mode="tcp")
-    assert exc.value.field == "weight_sync_mode"
-    with pytest.raises(InvalidArgument, match="not a weight-sync mode"):
+    with pytest.raises(InvalidArgument, match="not a weight-sync mode") as exc:
         store.open_session("job", trainer=True, incarnation="b", weight_sync_mode="pigeon")
+    assert exc.value.field == "weight_sync_mode"
     assert store.session("job").generation == 1  # refused attaches changed nothing
     store.close()
     reopened = SessionStore(tmp_path / "c.db", clock=clock)
@@ -287,3 +285,18 @@ def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tm
         assert reopened.session("job").weight_sync_mode == "fs"
     finally:
         reopened.close()
+
+
+def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_restarts(tmp_path: Path, clock: Clock) -> None:
+    from weightsync.digests import access_token
+
+    store = SessionStore(tmp_path / "t.db", clock=clock)
+    key = store.token_key("job")
+    assert store.access_token("job", 3) == access_token(key, 3)  # what the trainer computes from OpenSession
+    assert len({store.access_token("job", 3), store.access_token("job", 4), store.access_token("other", 3)}) == 3
+    assert key != store.token_key("other")
+    store.close()
+    reopened = SessionStore(tmp_path / "t.db", clock=clock)
+    assert reopened.access_token("job", 3) == access_token(key, 3)
+    assert SessionStore(tmp_path / "u.db", clock=clock).token_key("job") != key  # another coordinator, another key
+    reopened.close()

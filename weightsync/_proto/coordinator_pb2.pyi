@@ -24,7 +24,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class OpenSessionResponse(_message.Message):
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -39,7 +40,8 @@ class OpenSessionResponse(_message.Message):
     created: bool
     latest_version: int
     weight_sync_mode: str
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
+    token_key: str
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank")
@@ -144,20 +146,32 @@ class GetManifestRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class ManifestHeader(_message.Message):
-    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode")
+    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode", "access_token", "relay_chain")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     AGGREGATES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RELAY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     version: _types_pb2.VersionInfo
     chunk_bytes: int
     digest_algorithm: str
     parts: _containers.RepeatedCompositeFieldContainer[_types_pb2.RankPart]
     aggregates: _types_pb2.Aggregates
     weight_sync_mode: str
-    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
+    access_token: str
+    relay_chain: _containers.RepeatedCompositeFieldContainer[RelayPeer]
+    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., weight_sync_mode: _Optional[str] = ..., access_token: _Optional[str] = ..., relay_chain: _Optional[_Iterable[_Union[RelayPeer, _Mapping]]] = ...) -> None: ...
+
+class RelayPeer(_message.Message):
+    __slots__ = ("agent_id", "endpoint")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    endpoint: _types_pb2.Endpoint
+    def __init__(self, agent_id: _Optional[str] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ...) -> None: ...
 
 class ManifestPiece(_message.Message):
     __slots__ = ("header", "batch")

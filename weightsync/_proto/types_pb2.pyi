@@ -59,20 +59,22 @@ TRAINER: Role
 ROLLOUT: Role
 
 class Endpoint(_message.Message):
-    __slots__ = ("address", "transports", "host_id", "shm_path", "shm_offset", "fs_uri")
+    __slots__ = ("address", "transports", "host_id", "shm_path", "shm_offset", "fs_uri", "tcp_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     FS_URI_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     shm_path: str
     shm_offset: int
     fs_uri: str
-    def __init__(self, address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_offset: _Optional[int] = ..., fs_uri: _Optional[str] = ...) -> None: ...
+    tcp_address: str
+    def __init__(self, address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., shm_offset: _Optional[int] = ..., fs_uri: _Optional[str] = ..., tcp_address: _Optional[str] = ...) -> None: ...
 
 class TensorDescriptor(_message.Message):
     __slots__ = ("name", "dtype", "shape")

@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "memory": "weightsync.transports.memory:InMemoryTransport",
     "shm": "weightsync.transports.shm:ShmTransport",
     "fs": "weightsync.transports.fs:FsTransport",
+    "tcp": "weightsync.transports.tcp:TcpTransport",
 }
 
 

@@ -23,6 +23,7 @@ class FetchRequest:
     indices: Sequence[int]
     timeout_s: float
     spans: Sequence[tuple[int, int]] = ()  # (offset, length) per index: for transports that read in place
+    token: str = ""  # the version's access token (tcp and relay servers check it)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class Transport(ABC):
 
     name: ClassVar[str]
     cross_host: ClassVar[bool] = True
+    # True: the transport offers fetch_into(request, buf, base, digests) -> ok flags,
+    # receiving and verifying straight into the receive buffer (no payload objects).
+    receives_in_place: ClassVar[bool] = False
 
     @abstractmethod
     def open(self, endpoint: Endpoint) -> None:

@@ -1,0 +1,58 @@
+"""Shared by the transfer benchmark's driver and its worker processes: the model, RSS."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def shapes(size: str) -> dict[str, tuple[int, ...]]:
+    return param_shapes(PRESETS[size])
+
+
+def model(size: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """A Qwen3-shaped model of finite bf16 values (HF names), deterministic in seed."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(PRESETS[size]).items():
+        n = int(np.prod(shape))
+        bits = rng.integers(0x3800, 0x4000, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)
+        out[name] = bits.view(ml_dtypes.bfloat16).reshape(shape)
+    return out
+
+
+def model_bytes(size: str) -> int:
+    return sum(int(np.prod(s)) * 2 for s in param_shapes(PRESETS[size]).values())
+
+
+def _status_kib(pid: int | str, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """VmHWM: the largest RSS since start or since reset_peak_rss()."""
+    return _status_kib(pid, "VmHWM") * 1024
+
+
+def reset_peak_rss(pid: int | str = "self") -> None:
+    """Sets VmHWM back to the current RSS (Linux: write 5 to clear_refs)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")

@@ -1,0 +1,160 @@
+"""Relay: a rollout re-serves the version it is pulling, chunk by chunk, over tcp.
+
+The puller announces each version (`begin`) and each chunk it has verified (`mark`);
+the tcp server answers downstream rollouts from the same receive buffers, waiting for
+chunks not yet here, so a chain of rollouts pipelines one version and the trainer sends
+each chunk about once. Nothing here is trusted downstream: every chunk is verified by
+its reader against the manifest, and a reader whose relay fails or lags falls back to
+the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from weightsync import native
+from weightsync.errors import InvalidArgument, NotFound, TransportUnavailable, VersionNotFound
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import ChunkSpec, Manifest
+from weightsync.transports.tcp import TcpChunkServer, check_token
+
+log = logging.getLogger(__name__)
+STALL = "relay.stall_after_chunks"
+
+
+@dataclass
+class _Held:
+    """One version being pulled (or pulled) into the puller's receive buffers."""
+
+    version: int
+    token: str
+    chunks: dict[int, tuple[ChunkSpec, ...]]
+    buffers: dict[int, np.ndarray]
+    ready: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> bool per chunk
+    failed: bool = False
+
+
+class RelaySource:
+    """The TcpSource of a relaying rollout: the current version's verified chunks.
+
+    `wait_s` bounds how long a request waits for this rollout to start the version or
+    to receive a chunk; past it the reader is refused (before the reply) or cut off
+    (mid-reply) and goes to the trainer instead.
+    """
+
+    def __init__(self, session: str, *, wait_s: float = 10.0, failpoints: Failpoints | None = None) -> None:
+        self.session = session
+        self.wait_s = wait_s
+        self._failpoints = failpoints or Failpoints()
+        self.closed = threading.Event()
+        self._cond = threading.Condition()
+        self._held: _Held | None = None
+        self.bytes_served = 0
+
+    # -- the puller's side ----------------------------------------------------------
+    def begin(self, manifest: Manifest, token: str, buffers: dict[int, np.ndarray]) -> None:
+        """A new version starts arriving in `buffers` (the old one is no longer served)."""
+        held = _Held(manifest.version, token, {p.rank: p.chunks for p in manifest.parts}, buffers)
+        held.ready = {p.rank: np.zeros(len(p.chunks), bool) for p in manifest.parts}
+        with self._cond:
+            self._held = held
+            self._cond.notify_all()
+
+    def mark(self, version: int, rank: int, indices: Sequence[int]) -> None:
+        """These chunks are verified and in place."""
+        with self._cond:
+            if self._held is not None and self._held.version == version:
+                self._held.ready[rank][list(indices)] = True
+                self._cond.notify_all()
+
+    def fail(self, version: int) -> None:
+        """The pull failed: waiting readers go elsewhere now."""
+        with self._cond:
+            if self._held is not None and self._held.version == version:
+                self._held.failed = True
+                self._cond.notify_all()
+
+    # -- the server's side (TcpSource) ----------------------------------------------
+    def _version(self, session: str, version: int) -> _Held:
+        if session != self.session:
+            raise NotFound(f"session {session!r} is not relayed here (this rollout relays {self.session!r})")
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            while self._held is None or self._held.version < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = self._held.version if self._held else "nothing"
+                    raise VersionNotFound(f"version {version} has not reached this relay (it holds {have})")
+                self._cond.wait(left)
+            if self._held.version != version:
+                raise VersionNotFound(f"this relay holds version {self._held.version}, not {version}")
+            if self._held.failed:
+                raise VersionNotFound(f"this relay's pull of version {version} failed")
+            return self._held
+
+    def check_token(self, session: str, version: int, token: str) -> None:
+        check_token(self._version(session, version).token, token, version)
+
+    def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None:
+        held = self._version(session, version)
+        if rank not in held.chunks:
+            raise InvalidArgument("rank", f"version {version} has no rank {rank}")
+        n = len(held.chunks[rank])
+        for i, index in enumerate(indices):
+            if index >= n:
+                raise InvalidArgument(f"indices[{i}]", f"{index} >= chunk_count {n}")
+
+    def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        chunks = self._version(session, version).chunks[rank]
+        return sum(chunks[i].length for i in indices)
+
+    def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """Sends each chunk as soon as it is verified here (pipelined), in request order."""
+        held = self._version(session, version)
+        chunks, buf, ready = held.chunks[rank], held.buffers[rank], held.ready[rank]
+        sent, pos = 0, 0
+        while pos < len(indices):
+            with self._cond:
+                deadline = time.monotonic() + self.wait_s
+                while not ready[indices[pos]]:
+                    if self._held is not held or held.failed or time.monotonic() > deadline:
+                        # Mid-reply: the reader sees the connection drop and re-fetches elsewhere.
+                        raise TransportUnavailable(f"relay gave up on version {version} chunk {indices[pos]}")
+                    self._cond.wait(0.5)
+                end = pos
+                while end < len(indices) and ready[indices[end]]:
+                    end += 1
+            if self._failpoints.armed(STALL):
+                end = pos + 1
+                if not self._failpoints.fire(STALL):
+                    log.warning("failpoint %s: stalling this reply", STALL)
+                    self.closed.wait()
+            views = [buf[chunks[i].offset : chunks[i].offset + chunks[i].length] for i in indices[pos:end]]
+            sent += native.send_views(sock_fd, views)
+            pos = end
+        return sent
+
+    def count_served(self, nbytes: int) -> None:
+        with self._cond:
+            self.bytes_served += nbytes
+
+
+class Relay:
+    """A RelaySource behind a TcpChunkServer on host:port (what a relaying rollout runs)."""
+
+    def __init__(
+        self, session: str, *, host: str = "127.0.0.1", port: int = 0, wait_s: float = 10.0, failpoints: Failpoints | None = None
+    ) -> None:
+        self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints)
+        self.server = TcpChunkServer(self.source, host=host, port=port, on_sent=self.source.count_served)
+        self.address = self.server.address
+
+    def close(self) -> None:
+        self.source.closed.set()
+        self.server.close()

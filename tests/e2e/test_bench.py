@@ -1,0 +1,40 @@
+"""`bench/transfer.py` runs end to end on a tiny model and writes the table's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = {"method", "mode", "rollouts", "seconds", "gbps", "ratio_to_bound", "egress_ratio", "peak_rss_bytes"}
+
+
+def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena_leak: None) -> None:
+    out = tmp_path / "latest.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--size", "tiny", "--runs", "1", "--rollouts", "1,2",
+         "--modes", "tcp,relay", "--peers", "safetensors,gloo", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {(r["method"], r["mode"], r["rollouts"]) for r in rows} == {
+        ("weightsync", "tcp", 1), ("weightsync", "tcp", 2), ("weightsync", "relay", 1), ("weightsync", "relay", 2),
+        ("weightsync", "tcp/streaming", 1),
+        ("safetensors", "tmpfs", 1), ("safetensors", "tmpfs", 2), ("gloo", "tcp", 1), ("gloo", "tcp", 2),
+    }
+    for r in rows:
+        assert FIELDS <= set(r) and r["seconds"] > 0 and r["gbps"] > 0 and r["peak_rss_bytes"] >= 0
+    by = {(r["method"], r["mode"], r["rollouts"]): r for r in rows}
+    # (ratios to the tensors' bytes: the arena's alignment padding travels too)
+    assert 2.0 <= by[("weightsync", "tcp", 2)]["egress_ratio"] < 2.05  # direct pulls: one copy per rollout
+    assert 1.0 <= by[("weightsync", "relay", 2)]["egress_ratio"] < 1.03  # the chain: the trainer sends once
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["bounds_gbps"]["socket"] > 0
+    assert any(v.startswith("MET  streaming rollout RSS") for v in meta["verdicts"]), meta["verdicts"]
+    assert "x bound" in run.stdout

@@ -1,0 +1,103 @@
+"""The native `tcp` transport against a real publisher: bytes, tokens, refusals."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from rollout_agent.appliers import DictApplier
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
+from trainer_agent.publisher import WeightPublisher
+from weightsync.client import CoordinatorClient
+from weightsync.errors import InvalidArgument, NotFound, PermissionDenied
+from weightsync.manifest import Endpoint
+from weightsync.server import RunningServer
+from weightsync.transports import FetchRequest
+from weightsync.transports.tcp import REPLY, REQUEST, TcpTransport
+
+
+def _params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"model.layers.{i}.mlp.gate_proj.weight": rng.standard_normal((80, 96)).astype(np.float32) for i in range(4)}
+
+
+def test_tcp_syncs_versions_bit_exactly_and_counts_egress(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, weight_sync_mode="tcp") as pub:
+        assert "tcp" in pub.endpoint.transports and pub.endpoint.tcp_address
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0", window_chunks=3)
+        total = 0
+        for version in (1, 2, 3):  # slots alternate; one connection per lane is reused
+            params = {k: v * version for k, v in _params(1).items()}
+            total += pub.publish(params, version).total_bytes
+            applier = DictApplier()
+            outcome = sync_version(puller, applier, version)
+            assert outcome.ok, outcome.mismatch
+            assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        _, manifest = client.get_manifest("job", 3)
+        assert puller.transport_for(manifest.parts[0]) == "tcp"
+        assert pub._servicer.bytes_served == total  # every byte went over tcp, once
+        puller.close()
+    client.close()
+
+
+def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        result = pub.publish(_params(2), 1)
+        entry = pub.table.entries()[result.slot]
+        pub.arena.slot(result.slot)[entry.chunks[1].offset + 5] ^= 0x40  # the source itself is bad
+        puller = WeightPuller(client, "job", "r0", transport="tcp", max_attempts=2)
+        outcome = sync_version(puller, DictApplier(), 1)
+        assert not outcome.ok and "chunk 1" in outcome.mismatch and "2 attempts" in outcome.mismatch
+        puller.close()
+    client.close()
+
+
+def test_tcp_server_refuses_bad_requests_and_keeps_serving(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish(_params(3), 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        assert len(header.access_token) == 32
+        chunks = manifest.parts[0].chunks
+        good = FetchRequest("job", 1, 0, [0, 1], 10.0, [(c.offset, c.length) for c in chunks[:2]], header.access_token)
+        t = TcpTransport()
+        t.open(pub.endpoint)
+        refusals = [
+            (dict(token="0" * 32), PermissionDenied, "token"),
+            (dict(token=""), PermissionDenied, "token"),
+            (dict(version=9), NotFound, "version 9"),
+            (dict(indices=[0, 10_000]), InvalidArgument, r"indices\[1\]"),
+            (dict(indices=[], spans=[]), InvalidArgument, "indices"),
+            (dict(session="other"), NotFound, "session"),
+        ]
+        for change, error, text in refusals:
+            bad = FetchRequest(**{**good.__dict__, **change})
+            with pytest.raises(error, match=text):
+                t.fetch_into(bad, np.zeros(manifest.parts[0].total_bytes, np.uint8), 0, [0, 0])
+        # the same connection still serves a good request, bytes verified in C++
+        buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
+        ok = t.fetch_into(good, buf, 0, [c.xxh3 for c in chunks[:2]])
+        assert ok.tolist() == [True, True]
+        t.close()
+        # a peer speaking another protocol gets one refusal and is disconnected
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[: REQUEST.size])
+            magic, code, mlen, payload = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert (magic, code, payload) == (b"WSR1", 3, 0)  # INVALID_ARGUMENT
+            assert b"request" in raw.recv(mlen, socket.MSG_WAITALL)
+            assert raw.recv(1) == b""
+        # an absurd index count is refused from the header alone (no 16 GiB body is awaited)
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(REQUEST.pack(b"WST1", 0, 3, 1, 0, 2**32 - 1) + b"job")
+            _, code, mlen, _ = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
+            assert code == 3 and b"indices" in raw.recv(mlen, socket.MSG_WAITALL)
+    client.close()

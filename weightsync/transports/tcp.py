@@ -1,0 +1,343 @@
+"""The `tcp` transport, both halves: a native bulk data plane beside gRPC.
+
+gRPC carries every control message and the descriptors; this moves only chunk bytes.
+One request names a version's chunks by index and carries the version's access token
+(issued by the coordinator); the reply is a small header, then the chunks' bytes back
+to back in request order. The server `sendfile`s straight from the arena file (or
+sends a relay's buffers) and the client receives into its receive buffer and hashes
+each chunk as it lands, both in the native shim with the GIL released.
+
+    request:  "WST1" u16 token_len u16 session_len u64 version u32 rank u32 count
+              token session u32[count] indices
+    reply:    "WSR1" u32 status (gRPC code) u32 message_len u64 payload_bytes
+              message payload
+
+A refused request gets a status and a message naming the field; the connection stays
+usable. Connections are persistent: one per (endpoint, lane), reused across versions.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from weightsync import native
+from weightsync.errors import (
+    ERROR_BY_STATUS,
+    InternalError,
+    InvalidArgument,
+    PermissionDenied,
+    TransportUnavailable,
+    WeightsyncError,
+    status_name_for,
+)
+from weightsync.manifest import Endpoint
+from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, FetchRequest, Transport
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<4sHHQII")
+REPLY = struct.Struct("<4sIIQ")
+REQUEST_MAGIC = b"WST1"
+REPLY_MAGIC = b"WSR1"
+MAX_TOKEN = 256
+MAX_SESSION = 128
+SOCKET_BUFFER = 4 << 20
+
+
+class TcpSource(Protocol):
+    """What a tcp server serves from: the trainer's slot table or a relay's buffers."""
+
+    def check_token(self, session: str, version: int, token: str) -> None:
+        """PermissionDenied unless `token` is this version's access token."""
+        ...
+
+    def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None: ...
+
+    def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """Writes the chunks' bytes back to back to the socket; returns bytes sent."""
+        ...
+
+    def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """Total bytes of the chunks (sent in the reply header before the bytes)."""
+        ...
+
+
+def _code(name: str) -> int:
+    return grpc.StatusCode[name].value[0]
+
+
+_NAME_BY_CODE = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        b = sock.recv(left)
+        if not b:
+            raise ConnectionResetError("peer closed the connection")
+        parts.append(b)
+        left -= len(b)
+    return b"".join(parts)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with kernel timeouts (native calls see EAGAIN on expiry)."""
+    sock.settimeout(None)
+    sec = int(seconds)
+    tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class TcpChunkServer:
+    """Serves chunk bytes from a TcpSource on host:port; a thread per connection."""
+
+    def __init__(
+        self,
+        source: TcpSource,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_sent: Callable[[int], None] | None = None,  # bytes of each reply's payload
+    ) -> None:
+        if not native.available():
+            raise RuntimeError(f"the tcp transport needs the native shim: {native.missing_reason()}")
+        self._source = source
+        self._on_sent = on_sent
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self.address}", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            _tune(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    head = _recv_exact(conn, REQUEST.size)
+                except OSError:
+                    return  # the client went away between requests
+                self._answer(conn, head)
+        except (OSError, WeightsyncError) as e:
+            log.debug("tcp connection ended mid-reply: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket, head: bytes) -> None:
+        magic, token_len, session_len, version, rank, count = REQUEST.unpack(head)
+        if magic != REQUEST_MAGIC or token_len > MAX_TOKEN or session_len > MAX_SESSION:
+            # Not our protocol (or a corrupt stream): answer once and drop the connection.
+            self._reply(conn, InvalidArgument("request", "not a weightsync tcp request (bad magic or sizes)"))
+            raise ConnectionAbortedError("bad request header")
+        if count > MAX_INDICES_PER_READ:  # refused before its body is read: the stream cannot continue
+            self._reply(conn, InvalidArgument("indices", f"{count} exceed {MAX_INDICES_PER_READ} per call"))
+            raise ConnectionAbortedError("too many indices")
+        body = _recv_exact(conn, token_len + session_len + 4 * count)
+        token = body[:token_len].decode("utf-8", "replace")
+        session = body[token_len : token_len + session_len].decode("utf-8", "replace")
+        indices = np.frombuffer(body, "<u4", count, token_len + session_len).tolist()
+        try:
+            if count == 0:
+                raise InvalidArgument("indices", "must name at least one chunk")
+            self._source.check_token(session, version, token)
+            self._source.check_read(session, version, rank, indices)
+            total = self._source.chunk_lengths(session, version, rank, indices)
+        except WeightsyncError as e:
+            self._reply(conn, e)
+            return
+        conn.sendall(REPLY.pack(REPLY_MAGIC, 0, 0, total))
+        if self._on_sent is not None:  # counted before the bytes go: a reader may be done before we return
+            self._on_sent(total)
+        sent = self._source.send_chunks(conn.fileno(), session, version, rank, indices)
+        if sent != total:
+            raise ConnectionAbortedError(f"sent {sent} of {total} bytes")
+
+    @staticmethod
+    def _reply(conn: socket.socket, error: WeightsyncError) -> None:
+        message = error.message.encode()[:4096]
+        conn.sendall(REPLY.pack(REPLY_MAGIC, _code(status_name_for(error)), len(message), 0) + message)
+
+    def close(self) -> None:
+        """Stops accepting and drops every connection; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+
+class TcpTransport(Transport):
+    """Pulls chunks from a TcpChunkServer; receives and verifies in place (`fetch_into`)."""
+
+    name = "tcp"
+    cross_host = True
+    receives_in_place = True
+
+    def __init__(self) -> None:
+        if not native.available():
+            raise TransportUnavailable(f"the tcp transport needs the native shim: {native.missing_reason()}")
+        self._sock: socket.socket | None = None
+        self._address = ""
+
+    def open(self, endpoint: Endpoint) -> None:
+        if not endpoint.tcp_address:
+            raise TransportUnavailable(f"endpoint {endpoint.address!r} offers no tcp address")
+        if self._sock is not None and endpoint.tcp_address == self._address:
+            return
+        self.close()
+        self._address = endpoint.tcp_address
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        if self._sock is None:
+            host, _, port = self._address.rpartition(":")
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0))
+            except OSError as e:
+                raise TransportUnavailable(f"cannot connect to tcp {self._address}: {e}") from None
+            _tune(sock)
+            self._sock = sock
+        _set_io_timeout(self._sock, timeout_s)
+        return self._sock
+
+    def _request(self, request: FetchRequest) -> tuple[socket.socket, int]:
+        """Sends one request and reads the reply header; returns (socket, payload bytes)."""
+        token = request.token.encode()
+        session = request.session.encode()
+        head = REQUEST.pack(REQUEST_MAGIC, len(token), len(session), request.version, request.rank, len(request.indices))
+        sock = self._connect(request.timeout_s)
+        try:
+            sock.sendall(head + token + session + np.asarray(request.indices, "<u4").tobytes())
+            magic, code, message_len, payload = REPLY.unpack(_recv_exact(sock, REPLY.size))
+            message = _recv_exact(sock, message_len).decode("utf-8", "replace") if message_len else ""
+        except OSError as e:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
+        if magic != REPLY_MAGIC:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
+        if code != 0:
+            name = _NAME_BY_CODE.get(code, "INTERNAL")
+            cls = ERROR_BY_STATUS.get(name, InternalError)
+            err = cls.__new__(cls)
+            WeightsyncError.__init__(err, message)
+            raise err
+        return sock, payload
+
+    def fetch_into(self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int]) -> np.ndarray:
+        """Receives the requested chunks into buf[offset - base : ...] and verifies them;
+        returns one bool per index (digest matched)."""
+        sock, payload = self._request(request)
+        expected = sum(length for _, length in request.spans)
+        if payload != expected:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address} offered {payload} bytes, the manifest says {expected}")
+        spans = [(offset - base, length) for offset, length in request.spans]
+        try:
+            return native.recv_verify(sock.fileno(), buf, spans, digests)
+        except OSError as e:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
+
+    def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
+        """Copies through a scratch buffer (for callers that want payloads, e.g. tests)."""
+        total = sum(length for _, length in request.spans)
+        scratch = np.empty(max(total, 1), np.uint8)
+        spans, pos = [], 0
+        for _, length in request.spans:
+            spans.append((pos, length))
+            pos += length
+        sock, payload = self._request(request)
+        if payload != total:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address} offered {payload} bytes, expected {total}")
+        try:
+            native.recv_verify(sock.fileno(), scratch, spans, [0] * len(spans))
+        except OSError as e:
+            self.close()
+            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
+        for index, (offset, _), (pos, length) in zip(request.indices, request.spans, spans):
+            yield ChunkPayload(index, offset, memoryview(scratch[pos : pos + length]))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+
+
+class FileRanges:
+    """sendfile() helper: keeps one read-only fd per file path (arena files are stable
+    per allocation; a reallocated arena has a new path)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+
+    def send(self, sock_fd: int, path: str, ranges: Sequence[tuple[int, int]]) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:  # a reallocated arena's old fd stays open until close(): a
+                # concurrent sendfile may still be using it
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return native.send_file_ranges(sock_fd, fd, ranges)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+
+def check_token(expected: str | None, token: str, version: int) -> None:
+    """PermissionDenied unless a token is known for the version and `token` equals it."""
+    if not expected:
+        raise PermissionDenied(f"version {version} has no access token here yet (not published)")
+    if not hmac.compare_digest(expected.encode(), token.encode()):
+        raise PermissionDenied(f"token: wrong access token for version {version}")
