@@ -41,6 +41,9 @@ HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay")
 PEERS = ("safetensors", "orbax", "gloo", "jax_transfer")
 CROSS_HOST = ("grpc", "tcp", "fs", "relay")
+# Between rows: this VM hands freed memory back to its host within 1-2 s, and pages touched
+# while that runs cost several times more (shared/notes/machine.md); let it finish.
+SETTLE_S = 3.0
 
 
 @dataclass
@@ -147,6 +150,7 @@ def run_weightsync(
             cluster.stop(name)
         if fs_root:
             shutil.rmtree(fs_root, ignore_errors=True)
+        time.sleep(SETTLE_S)
     egress = {"shm": 0.0, "fs": 1.0}.get(mode, served / (total * runs))  # fs: written once to the store
     row = _row("weightsync", mode, n, rounds, total, egress, peak, trainer_peak=trainer_peak, stage=statistics.median(stages))
     row.rollout_overhead_bytes = overhead
@@ -258,6 +262,7 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
             if w.popen.poll() is None:
                 w.popen.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+        time.sleep(SETTLE_S)
     bound_mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
     return _row(method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo")
 
@@ -328,6 +333,20 @@ def print_table(rows: list[Row], total: int) -> None:
                       f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
                       f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}", f"{r.trainer_peak_rss_bytes / 1e9:.2f}")
     Console(width=140).print(table)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The table as Markdown (written beside the JSON, for the README)."""
+    head = "| method | mode | N | seconds | GB/s | x bound | stage s | pull s | pull x bound | egress/model | peak RSS GB |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ours = r.method == "weightsync"
+        lines.append(
+            f"| {r.method} | {r.mode} | {r.rollouts} | {r.seconds:.3f} | {r.gbps:.2f} | {r.ratio_to_bound:.2f} {r.bound} | "
+            f"{f'{r.stage_seconds:.3f}' if ours else ''} | {f'{r.pull_seconds:.3f}' if ours else ''} | "
+            f"{f'{r.pull_ratio_to_bound:.2f}' if ours else ''} | {r.egress_ratio:.2f} | {r.peak_rss_bytes / 1e9:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def verdicts(rows: list[Row]) -> list[str]:
@@ -438,6 +457,7 @@ def main() -> int:
     meta = {"size": args.size, "model_bytes": total, "runs": args.runs, "bounds_gbps": BOUNDS, "chunk_bytes": args.chunk_bytes}
     out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     out.with_suffix(".meta.json").write_text(json.dumps({**meta, "verdicts": verdicts(rows)}, indent=1))
+    out.with_suffix(".md").write_text(markdown_table(rows) + "\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")
     png = out.with_suffix(".png")
     print(f"wrote {out}" + (f" and {png}" if plot(rows, png) else " (no matplotlib: no PNG)"))
     return 0

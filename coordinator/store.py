@@ -54,6 +54,9 @@ from weightsync.validation import (
 )
 
 S = VersionState
+# A new session's mode unless its trainer says otherwise: tcp (measured fastest across hosts;
+# a rank without it, or a rollout without the native shim, is read over grpc).
+DEFAULT_MODE = "tcp"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
   name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
@@ -162,7 +165,7 @@ class SessionStore:
                 gen = 1 if trainer else 0
                 db.execute(
                     "INSERT INTO sessions VALUES (?,?,?,?,?,?,?)",
-                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now, mode or "grpc"),
+                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now, mode or DEFAULT_MODE),
                 )
             elif trainer:
                 same = bool(incarnation) and incarnation == row["incarnation"]

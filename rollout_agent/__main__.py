@@ -17,7 +17,7 @@ from rollout_agent.relay import Relay
 from rollout_agent.sync import sync_version
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.client import CoordinatorClient
-from weightsync.config import load_config
+from weightsync.config import advertised, load_config
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Endpoint
 from weightsync.metrics import build_metrics
@@ -58,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if cfg.weight_sync_mode in ("relay", "") and cfg.apply_mode == "atomic":
             # Re-serve what we pull (used when this rollout's or the session's mode is relay).
-            relay = Relay(cfg.session, host=cfg.host, wait_s=cfg.relay_wait_s, failpoints=Failpoints(cfg.failpoints))
+            relay = Relay(
+                cfg.session, host=cfg.host, port=cfg.relay_port, wait_s=cfg.relay_wait_s, failpoints=Failpoints(cfg.failpoints)
+            )
         puller = WeightPuller(
             client,
             cfg.session,
@@ -88,10 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=metrics,
         metrics_port=cfg.metrics_port,
     )
-    relay_address = relay.address if relay else ""
+    relay_address = advertised(relay.address, cfg.advertise_host) if relay else ""
     agent.endpoint = Endpoint(
-        running.address, ("grpc", "relay") if relay_address else ("grpc",), cfg.host_id or socket.gethostname(),
-        tcp_address=relay_address,
+        advertised(running.address, cfg.advertise_host), ("grpc", "relay") if relay_address else ("grpc",),
+        cfg.host_id or socket.gethostname(), tcp_address=relay_address,
     )
     agent.attach()
     agent.start(follow=cfg.follow)

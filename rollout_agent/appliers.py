@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from weightsync import native
 from weightsync.manifest import TensorSpec
 
 _LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
+_NATIVE_COPY_MIN = 1 << 20  # below this a thread start costs more than it saves
 
 
 def layer_groups(names: Iterable[str]) -> list[list[str]]:
@@ -82,7 +84,10 @@ class DictApplier(Applier):
                 raise KeyError(f"{name!r} is not part of this update")
             dst = self.weights.get(name)
             if dst is not None and dst.shape == arr.shape and dst.dtype == arr.dtype:
-                np.copyto(dst, arr)
+                if native.available() and arr.nbytes >= _NATIVE_COPY_MIN and arr.flags.c_contiguous:
+                    native.copy(dst, arr)  # every core, streaming stores
+                else:
+                    np.copyto(dst, arr)
             else:
                 self.weights[name] = np.array(arr, copy=True)
             self._consumed.append(name)

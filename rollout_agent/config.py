@@ -23,6 +23,7 @@ class RolloutConfig(ServerConfig):
         "(read parts under --fs-root) | relay (pull from the rollout before us in the coordinator's chain, re-serve "
         "to the next); empty: the session's mode, set by the trainer. Ranks not offering it are pulled over grpc.",
     )
+    relay_port: int = option(0, "relay: port of the tcp server re-serving chunks to the next rollout; 0 picks a free one.")
     relay_wait_s: float = option(10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer.")
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")

@@ -61,8 +61,12 @@ class WeightPuller:
     """Pulls versions with parallel streams and a bounded in-flight window.
 
     `transport` is a weight-sync mode ("" = the session's default, read from each
-    manifest): "shm" maps a same-host trainer's arena (host ids equal), "fs" reads parts
-    from the store under `fs_root`; ranks that do not offer the mode are pulled over "grpc". Each rank's chunks are split into `streams` contiguous lanes; a lane requests at
+    manifest): "tcp" reads the native bulk server, "shm" maps a same-host trainer's arena
+    (host ids equal), "fs" reads parts from the store under `fs_root`, "relay" reads from
+    the rollout before this one in the coordinator's chain (the trainer over tcp when
+    first, or when that relay fails) and re-serves through `relay`; ranks that do not
+    offer the mode are pulled over "grpc". Each rank's chunks are split into `streams`
+    contiguous lanes; a lane requests at
     most `window_chunks` chunks per call, so at most streams x window_chunks x
     chunk_bytes are in flight per rank. Every chunk's xxh3 is checked on arrival; a bad
     or missing chunk is fetched again, up to `max_attempts` times in all, then
@@ -92,7 +96,7 @@ class WeightPuller:
         self.agent_id = agent_id
         # A mode, or any registered transport (tests register an in-memory one).
         self.transport = transport if transport in available_transports() else normalize_mode(transport, "transport", allow_empty=True)
-        self._mode = transport or "grpc"  # resolved per version when transport is ""
+        self._mode = self.transport or "grpc"  # resolved per version when transport is ""
         self._token = ""  # the current version's access token (tcp reads)
         self.relay = relay  # "relay" mode: re-serves what this puller receives
         self._upstream: Endpoint | None = None  # "relay" mode: the relay before us in the chain
@@ -150,7 +154,7 @@ class WeightPuller:
 
     def _from_trainer(self, lane: _Lane, why: str) -> None:
         """A relay failed or lagged: this lane reads the rest from the trainer rank."""
-        log.warning("version relay for rank %d failed (%s): pulling the rest from the trainer", lane.part.rank, why)
+        log.warning("relay for rank %d failed (%s): pulling the rest from the trainer", lane.part.rank, why)
         self.relay_fallbacks += 1
         lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
 

@@ -60,6 +60,8 @@ def _run(argv: Sequence[str] | None) -> int:
         host=cfg.host,
         port=cfg.port,
         metrics_port=cfg.metrics_port,
+        advertise_host=cfg.advertise_host,
+        tcp_port=cfg.tcp_port,
         failpoints=cfg.failpoints,
         fs_root=cfg.fs_root,
         weight_sync_mode=cfg.weight_sync_mode,

@@ -25,6 +25,7 @@ class TrainerConfig(ServerConfig):
     start_version: int = option(1, "Version number of the first published step.")
     weight_dtype: str = option("bfloat16", "Dtype served to rollouts (fp32 masters are cast).", choices=list(ALLOWED))
     slots: int = option(2, "Arena slots.")
+    tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
     chunk_bytes: int = option(3 << 20, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit).")
     min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")

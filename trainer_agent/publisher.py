@@ -26,6 +26,7 @@ from trainer_agent.staging import HostShard, chunk_specs, plan_layout, stage_sha
 from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.client import CoordinatorClient
+from weightsync.config import advertised
 from weightsync.digests import access_token
 from weightsync.dtypes import dtype_info
 from weightsync.errors import (
@@ -139,6 +140,8 @@ class WeightPublisher:
         use_ffi: None uses the JAX FFI handler when built; True requires it (RuntimeError
             naming what is missing); False stages through host pointers.
         staging_threads: threads of the native staging pass (0 = every core).
+        advertise_host: the host rollouts dial (e.g. the pod IP) when `host` is 0.0.0.0.
+        tcp_port: the native tcp data-plane server's port (0: a free one).
         fs_root: also write every part under this fsspec root (`fs` transport: rollouts
             need only the store, not a route to this process); old versions are removed
             when their slot is reused.
@@ -161,6 +164,8 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         port: int = 0,
         metrics_port: int = -1,
+        advertise_host: str = "",
+        tcp_port: int = 0,
         host_id: str | None = None,
         agent_id: str | None = None,
         timeout_s: float = 30.0,
@@ -219,13 +224,13 @@ class WeightPublisher:
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None
         if native.available():  # the native bulk path ("tcp"): sendfile from the arena
-            self.tcp_server = TcpChunkServer(self.table, host=host, on_sent=self._servicer.count_served)
+            self.tcp_server = TcpChunkServer(self.table, host=host, port=tcp_port, on_sent=self._servicer.count_served)
             transports += ("tcp",)
         else:
             log.warning("native shim missing (%s): the tcp transport is not offered", native.missing_reason())
         self.endpoint = Endpoint(
-            self.server.address, transports, host_id or socket.gethostname(),
-            tcp_address=self.tcp_server.address if self.tcp_server else "",
+            advertised(self.server.address, advertise_host), transports, host_id or socket.gethostname(),
+            tcp_address=advertised(self.tcp_server.address, advertise_host) if self.tcp_server else "",
         )
         self._register()
         self._closed = False

@@ -19,6 +19,13 @@ from typing import Any, TypeVar
 C = TypeVar("C")
 
 
+def advertised(address: str, advertise_host: str) -> str:
+    """host:port as other agents should dial it: the port bound, the advertised host."""
+    if not advertise_host:
+        return address
+    return f"{advertise_host}:{address.rpartition(':')[2]}"
+
+
 def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field with --help text."""
     return field(default=default, metadata={"help": help, **kw})
@@ -33,6 +40,7 @@ class ServerConfig:
     metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
     ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
     log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
+    advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
 
     def __post_init__(self) -> None:
         if not -1 <= self.metrics_port < 65536:

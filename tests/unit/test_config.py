@@ -41,3 +41,14 @@ def test_weight_sync_mode_flags_and_aliases() -> None:
         load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "udp"], {})
     with pytest.raises(SystemExit):
         load_config(TrainerConfig, "trainer", ["--weight-sync-mode", "gcs"], {})  # needs --fs-root
+
+
+def test_advertised_addresses_keep_the_bound_port() -> None:
+    from trainer_agent.config import TrainerConfig
+    from weightsync.config import advertised
+
+    assert advertised("0.0.0.0:5123", "10.1.2.3") == "10.1.2.3:5123"
+    assert advertised("127.0.0.1:5123", "") == "127.0.0.1:5123"
+    cfg = load_config(TrainerConfig, "trainer", ["--tcp-port", "50060"], {"WEIGHTSYNC_TRAINER_ADVERTISE_HOST": "10.1.2.3"})
+    assert (cfg.tcp_port, cfg.advertise_host) == (50060, "10.1.2.3")
+    assert load_config(RolloutConfig, "rollout", ["--relay-port", "50053"], {}).relay_port == 50053

@@ -270,7 +270,7 @@ def test_abort_and_release(store: SessionStore) -> None:
 
 def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tmp_path: Path, clock: Clock) -> None:
     s, _ = store.open_session("job", trainer=False)
-    assert s.weight_sync_mode == "grpc"  # created by a rollout: the default
+    assert s.weight_sync_mode == "tcp"  # created by a rollout: the default
     s, _ = store.open_session("job", trainer=True, incarnation="a", weight_sync_mode="filesystem")
     assert s.weight_sync_mode == "fs"
     assert store.open_session("job", trainer=False)[0].weight_sync_mode == "fs"
