@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -421,6 +422,7 @@ def main() -> int:
     ap.add_argument("--streaming", default="tcp", help="modes also run with --apply-mode streaming at N=1 (RSS target)")
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop rollouts, free the arena
     ns = [int(x) for x in args.rollouts.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     peers = [p for p in args.peers.split(",") if p]

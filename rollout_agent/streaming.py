@@ -1,7 +1,9 @@
-"""Streaming pulls: one layer group's chunks at a time, into a scratch buffer per rank.
+"""Streaming pulls: one layer group's chunks at a time, into scratch buffers.
 
-Host memory stays near one group (plus a chunk of slack at each end); a chunk shared by
-two groups is fetched once per group.
+Host memory stays near one group (plus a chunk of slack at each end of each run); a chunk
+shared by two groups is fetched once per group. A group whose tensors lie apart in a
+rank's part (the embedding at the front, the final norm at the back) is pulled as
+separate runs, never as the span between them.
 """
 
 from __future__ import annotations
@@ -32,24 +34,57 @@ def stream_verified_groups(
     starts = {p.rank: [c.offset for c in p.chunks] for p in manifest.parts}
     tensors = manifest.tensors
     for group in layer_groups(tensors):
-        spans: dict[int, tuple[int, int]] = {}
+        # Each tensor's chunk interval per rank; overlapping or adjacent intervals form runs.
+        spans: dict[str, dict[int, tuple[int, int]]] = {}
         for name in group:
             for rank, s in manifest.shards_of_name(name):
                 if s.nbytes == 0:
                     continue
                 first = bisect_right(starts[rank], s.offset) - 1
                 last = bisect_right(starts[rank], s.offset + s.nbytes - 1) - 1
-                lo, hi = spans.get(rank, (first, last))
-                spans[rank] = (min(lo, first), max(hi, last))
+                lo, hi = spans.setdefault(name, {}).get(rank, (first, last))
+                spans[name][rank] = (min(lo, first), max(hi, last))
+        runs = _runs(spans)
         t0 = time.perf_counter()
-        buffers: dict[int, np.ndarray] = {}
-        bases: dict[int, int] = {}
-        for rank, (lo, hi) in spans.items():
+        pulled_runs: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        for rank, lo, hi in runs:
             chunks = parts[rank].chunks
-            bases[rank] = chunks[lo].offset
-            buffers[rank] = np.empty(chunks[hi].offset + chunks[hi].length - bases[rank], np.uint8)
-            pulled, retries = puller.pull_chunks(manifest, parts[rank], list(range(lo, hi + 1)), buffers[rank], bases[rank])
+            base = chunks[lo].offset
+            buf = np.empty(chunks[hi].offset + chunks[hi].length - base, np.uint8)
+            pulled, retries = puller.pull_chunks(manifest, parts[rank], list(range(lo, hi + 1)), buf, base)
             result.bytes_pulled += pulled
             result.chunk_retries += retries
+            pulled_runs[(rank, lo)] = (buf, base)
         timings["pull_seconds"] += time.perf_counter() - t0
-        yield [(name, assemble_tensor(tensors[name], manifest.shards_of_name(name), buffers, bases)) for name in group]
+        out = []
+        for name in group:
+            where = {rank: pulled_runs[_run_of(runs, rank, lo)] for rank, (lo, _) in spans.get(name, {}).items()}
+            buffers = {rank: b for rank, (b, _) in where.items()}
+            bases = {rank: base for rank, (_, base) in where.items()}
+            out.append((name, assemble_tensor(tensors[name], manifest.shards_of_name(name), buffers, bases)))
+        yield out
+
+
+def _runs(spans: dict[str, dict[int, tuple[int, int]]]) -> list[tuple[int, int, int]]:
+    """(rank, first chunk, last chunk) runs covering every tensor's interval."""
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for per_rank in spans.values():
+        for rank, interval in per_rank.items():
+            by_rank.setdefault(rank, []).append(interval)
+    runs = []
+    for rank, intervals in sorted(by_rank.items()):
+        intervals.sort()
+        lo, hi = intervals[0]
+        for a, b in intervals[1:]:
+            if a <= hi + 1:
+                hi = max(hi, b)
+            else:
+                runs.append((rank, lo, hi))
+                lo, hi = a, b
+        runs.append((rank, lo, hi))
+    return runs
+
+
+def _run_of(runs: list[tuple[int, int, int]], rank: int, first: int) -> tuple[int, int]:
+    """The key (rank, run start) of the run holding chunk `first` of `rank`."""
+    return next((r, lo) for r, lo, hi in runs if r == rank and lo <= first <= hi)

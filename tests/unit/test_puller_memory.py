@@ -110,3 +110,16 @@ def test_dict_applier_reuses_buffers_and_drops_stale_names() -> None:
     assert layer_groups(["m.layers.1.a", "m.norm", "m.layers.1.b", "m.layers.10.a"]) == [
         ["m.layers.1.a", "m.layers.1.b"], ["m.norm"], ["m.layers.10.a"]
     ]
+
+
+def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None:
+    from rollout_agent.streaming import _run_of, _runs
+
+    spans = {
+        "model.embed_tokens.weight": {0: (0, 3), 1: (0, 1)},
+        "model.norm.weight": {0: (100, 100), 1: (50, 50)},
+        "lm_head.weight": {0: (4, 9)},  # adjacent to the embedding: one run
+    }
+    runs = _runs(spans)
+    assert runs == [(0, 0, 9), (0, 100, 100), (1, 0, 1), (1, 50, 50)]
+    assert _run_of(runs, 0, 100) == (0, 100) and _run_of(runs, 0, 5) == (0, 0)
