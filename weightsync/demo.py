@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +32,16 @@ from weightsync.modes import MODES
 from weightsync.tiny_models import write_tiny_model
 
 FINAL = {"COMMITTED", "PARTIAL", "FAILED"}
+# Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
+# KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
+_STOP = threading.Event()
+_IN_WATCH_LOOP = threading.Event()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _STOP.set()
+    if not _IN_WATCH_LOOP.is_set():  # starting up (e.g. waiting for vLLM): interrupt at once
+        raise KeyboardInterrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,9 +144,14 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 table.add_column(col, justify="right")
             done: set[int] = set()
             deadline = time.monotonic() + args.timeout_s
+            _IN_WATCH_LOOP.set()
             while len(done) < args.steps and time.monotonic() < deadline:
+                if _STOP.is_set():  # Ctrl-C / SIGTERM seen by the handler: unwind from here
+                    raise KeyboardInterrupt
                 try:
                     for ev in client.watch(args.session, seq, timeout_s=1.0):
+                        if _STOP.is_set():
+                            raise KeyboardInterrupt
                         seq = ev.seq
                         state = tpb.VersionState.Name(ev.version.state)
                         if state in FINAL and ev.version.version not in done:
@@ -157,6 +174,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     pass
                 if not trainer.alive() and trainer.popen.returncode != 0:
                     break
+            _IN_WATCH_LOOP.clear()
+            if _STOP.is_set():
+                raise KeyboardInterrupt
             trainer_rc = cluster.wait_exit("trainer", 60)
     committed = sum(r["state"] == "COMMITTED" and r["handshakes_ok"] == r["handshakes"] for r in rows)
     return {
@@ -182,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         small = args.model_size in ("tiny", "small")
         args.engine = "vllm" if small and importlib.util.find_spec("vllm") else "numpy"
     console = Console(stderr=False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
         summary = run(args, console)
     except KeyboardInterrupt:

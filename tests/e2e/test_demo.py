@@ -40,18 +40,25 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
     assert not _our_processes(workdir)
 
 
-def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: None) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: None, sig: int) -> None:
     workdir = tmp_path / "demo"
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "500", "--engine", "numpy",
          "--workdir", str(workdir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (workdir / "trainer.log").exists():
-        time.sleep(0.2)
-    time.sleep(3)  # mid-run: several steps in
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (workdir / "trainer.log").exists():
+            time.sleep(0.2)
+        time.sleep(3)  # mid-run: several steps in
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # never leak the demo (and its children) into later tests
+            proc.kill()
+            proc.communicate(timeout=30)
+            subprocess.run(["pkill", "-KILL", "-f", str(workdir)], check=False)
     assert proc.returncode == 130, out[-3000:]
     assert not _our_processes(workdir)
