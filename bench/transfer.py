@@ -319,34 +319,36 @@ def _row(method: str, mode: str, n: int, rounds: list[float], total: int, egress
                round(egress, 3), int(peak), [round(r, 4) for r in rounds], int(trainer_peak), round(stage, 4), reuses)
 
 
+COLUMNS = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull s", "pull x bound", "egress/model",
+           "peak RSS GB", "trainer RSS GB")
+
+
+def _cells(r: Row) -> list[str]:
+    """One row's cells, in COLUMNS order (staging and pull only weightsync measures)."""
+    ours = r.method == "weightsync"
+    return [r.method, r.mode, str(r.rollouts), f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.ratio_to_bound:.2f} {r.bound}",
+            f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
+            f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
+            f"{r.trainer_peak_rss_bytes / 1e9:.2f}"]
+
+
 def print_table(rows: list[Row], total: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"model {total / 1e9:.2f} GB bf16 · memcpy {BOUNDS['memcpy']:.1f} GB/s · socket {BOUNDS['socket']:.2f} GB/s")
-    cols = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull s", "pull x bound", "egress/model",
-            "peak RSS GB", "trainer RSS GB")
-    for col in cols:
+    for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
-        ours = r.method == "weightsync"
-        table.add_row(r.method, r.mode, str(r.rollouts), f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.ratio_to_bound:.2f} {r.bound}",
-                      f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
-                      f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}", f"{r.trainer_peak_rss_bytes / 1e9:.2f}")
+        table.add_row(*_cells(r))
     Console(width=140).print(table)
 
 
 def markdown_table(rows: list[Row]) -> str:
-    """The table as Markdown (written beside the JSON, for the README)."""
-    head = "| method | mode | N | seconds | GB/s | x bound | stage s | pull s | pull x bound | egress/model | peak RSS GB |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        ours = r.method == "weightsync"
-        lines.append(
-            f"| {r.method} | {r.mode} | {r.rollouts} | {r.seconds:.3f} | {r.gbps:.2f} | {r.ratio_to_bound:.2f} {r.bound} | "
-            f"{f'{r.stage_seconds:.3f}' if ours else ''} | {f'{r.pull_seconds:.3f}' if ours else ''} | "
-            f"{f'{r.pull_ratio_to_bound:.2f}' if ours else ''} | {r.egress_ratio:.2f} | {r.peak_rss_bytes / 1e9:.2f} |"
-        )
+    """The table as Markdown (written beside the JSON, for the README; without trainer RSS)."""
+    cols = COLUMNS[:-1]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cells(r)[: len(cols)]) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

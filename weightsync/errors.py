@@ -137,6 +137,14 @@ STATUS_BY_ERROR: dict[type[WeightsyncError], str] = {
 ERROR_BY_STATUS: dict[str, type[WeightsyncError]] = {v: k for k, v in STATUS_BY_ERROR.items()}
 
 
+def error_for_status(status_name: str, message: str, field: str | None = None) -> WeightsyncError:
+    """The error a client raises for a failed call's status name (INTERNAL when unknown)."""
+    cls = ERROR_BY_STATUS.get(status_name, InternalError)
+    err = cls.__new__(cls)
+    WeightsyncError.__init__(err, message, field=field)
+    return err
+
+
 def status_name_for(error: WeightsyncError) -> str:
     """The grpc.StatusCode name for an error instance (walks the class hierarchy)."""
     for cls in type(error).__mro__:

@@ -140,7 +140,6 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
     """The weightsync error for a failed call (the table applied in reverse)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    cls = errors.ERROR_BY_STATUS.get(code.name, errors.InternalError)
     field = None
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]
@@ -153,8 +152,7 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
                 detail.Unpack(br)
                 if br.field_violations:
                     field = br.field_violations[0].field
-    err = cls.__new__(cls)
-    errors.WeightsyncError.__init__(err, message, field=field)
+    err = errors.error_for_status(code.name, message, field)
     err.grpc_code = code.name  # type: ignore[attr-defined]
     return err
 

@@ -18,6 +18,7 @@ usable. Connections are persistent: one per (endpoint, lane), reused across vers
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import os
@@ -32,12 +33,11 @@ import numpy as np
 
 from weightsync import native
 from weightsync.errors import (
-    ERROR_BY_STATUS,
-    InternalError,
     InvalidArgument,
     PermissionDenied,
     TransportUnavailable,
     WeightsyncError,
+    error_for_status,
     status_name_for,
 )
 from weightsync.manifest import Endpoint
@@ -261,11 +261,7 @@ class TcpTransport(Transport):
             self.close()
             raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
         if code != 0:
-            name = _NAME_BY_CODE.get(code, "INTERNAL")
-            cls = ERROR_BY_STATUS.get(name, InternalError)
-            err = cls.__new__(cls)
-            WeightsyncError.__init__(err, message)
-            raise err
+            raise error_for_status(_NAME_BY_CODE.get(code, "INTERNAL"), message)
         return sock, payload
 
     def fetch_into(self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int]) -> np.ndarray:
@@ -284,23 +280,15 @@ class TcpTransport(Transport):
             raise TransportUnavailable(f"tcp {self._address}: {e}") from None
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
-        """Copies through a scratch buffer (for callers that want payloads, e.g. tests)."""
-        total = sum(length for _, length in request.spans)
-        scratch = np.empty(max(total, 1), np.uint8)
-        spans, pos = [], 0
+        """Receives into a scratch buffer (for callers that want payloads, e.g. tests);
+        the payloads are not verified here."""
+        packed, pos = [], 0  # the chunks back to back in the scratch buffer
         for _, length in request.spans:
-            spans.append((pos, length))
+            packed.append((pos, length))
             pos += length
-        sock, payload = self._request(request)
-        if payload != total:
-            self.close()
-            raise TransportUnavailable(f"tcp {self._address} offered {payload} bytes, expected {total}")
-        try:
-            native.recv_verify(sock.fileno(), scratch, spans, [0] * len(spans))
-        except OSError as e:
-            self.close()
-            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
-        for index, (offset, _), (pos, length) in zip(request.indices, request.spans, spans):
+        scratch = np.empty(max(pos, 1), np.uint8)
+        self.fetch_into(dataclasses.replace(request, spans=packed), scratch, 0, [0] * len(packed))
+        for index, (offset, _), (pos, length) in zip(request.indices, request.spans, packed):
             yield ChunkPayload(index, offset, memoryview(scratch[pos : pos + length]))
 
     def close(self) -> None:
