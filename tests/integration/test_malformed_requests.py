@@ -16,6 +16,7 @@ from weightsync._proto import coordinator_pb2_grpc as cpb_grpc
 from weightsync._proto import trainer_agent_pb2 as tpb_agent
 from weightsync._proto import trainer_agent_pb2_grpc as tpb_agent_grpc
 from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
 from weightsync.cluster import Cluster
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Endpoint
@@ -79,9 +80,14 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
                                 shards=[tpb.ShardDescriptor(tensor_name=part.tensors[0].name, start=[0], stop=[1 << 41], nbytes=1 << 43)])]
     trainer_channel = grpc.insecure_channel(trainer.address)
     agent = tpb_agent_grpc.TrainerAgentStub(trainer_channel)
+    reader = CoordinatorClient(coord.address)  # a leased reader holds the version's access token
+    reader.register_agent("job", "probe", trainer=False, endpoint=Endpoint())
+    token = reader.get_manifest("job", 1, agent_id="probe")[0].access_token
+    assert list(agent.ReadChunks(tpb_agent.ReadChunksRequest(session="job", version=1, rank=0, indices=[0], access_token=token), timeout=10))
 
     def read(**kw: object) -> Callable[[], object]:
-        req = tpb_agent.ReadChunksRequest(**{"session": "job", "version": 1, "rank": 0, "indices": [0], **kw})
+        fields = {"session": "job", "version": 1, "rank": 0, "indices": [0], "access_token": token, **kw}
+        req = tpb_agent.ReadChunksRequest(**fields)
         return lambda: list(agent.ReadChunks(req, timeout=10))
 
     cases: list[tuple[str, Callable[[], object], grpc.StatusCode, str | None]] = [
@@ -134,3 +140,4 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
     assert snapshot(stub) == before
     channel.close()
     trainer_channel.close()
+    reader.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/v1/trainer_agent.proto\x12\rweightsync.v1\"T\n\x11ReadChunksRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07indices\x18\x04 \x03(\r\"8\n\tChunkData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x16\n\x14TrainerStatusRequest\"S\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\"\xad\x01\n\rTrainerStatus\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12&\n\x05slots\x18\x05 \x03(\x0b\x32\x17.weightsync.v1.SlotInfo\x12\x14\n\x0c\x62ytes_served\x18\x06 \x01(\x04\x12\x16\n\x0elatest_version\x18\x07 \x01(\x04\x32\xaa\x01\n\x0cTrainerAgent\x12J\n\nReadChunks\x12 .weightsync.v1.ReadChunksRequest\x1a\x18.weightsync.v1.ChunkData0\x01\x12N\n\tGetStatus\x12#.weightsync.v1.TrainerStatusRequest\x1a\x1c.weightsync.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/v1/trainer_agent.proto\x12\rweightsync.v1\"j\n\x11ReadChunksRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07indices\x18\x04 \x03(\r\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x05 \x01(\t\"8\n\tChunkData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x16\n\x14TrainerStatusRequest\"S\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\"\xad\x01\n\rTrainerStatus\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12&\n\x05slots\x18\x05 \x03(\x0b\x32\x17.weightsync.v1.SlotInfo\x12\x14\n\x0c\x62ytes_served\x18\x06 \x01(\x04\x12\x16\n\x0elatest_version\x18\x07 \x01(\x04\x32\xaa\x01\n\x0cTrainerAgent\x12J\n\nReadChunks\x12 .weightsync.v1.ReadChunksRequest\x1a\x18.weightsync.v1.ChunkData0\x01\x12N\n\tGetStatus\x12#.weightsync.v1.TrainerStatusRequest\x1a\x1c.weightsync.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.trainer_agent
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_READCHUNKSREQUEST']._serialized_start=52
-  _globals['_READCHUNKSREQUEST']._serialized_end=136
-  _globals['_CHUNKDATA']._serialized_start=138
-  _globals['_CHUNKDATA']._serialized_end=194
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=196
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=218
-  _globals['_SLOTINFO']._serialized_start=220
-  _globals['_SLOTINFO']._serialized_end=303
-  _globals['_TRAINERSTATUS']._serialized_start=306
-  _globals['_TRAINERSTATUS']._serialized_end=479
-  _globals['_TRAINERAGENT']._serialized_start=482
-  _globals['_TRAINERAGENT']._serialized_end=652
+  _globals['_READCHUNKSREQUEST']._serialized_end=158
+  _globals['_CHUNKDATA']._serialized_start=160
+  _globals['_CHUNKDATA']._serialized_end=216
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=218
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=240
+  _globals['_SLOTINFO']._serialized_start=242
+  _globals['_SLOTINFO']._serialized_end=325
+  _globals['_TRAINERSTATUS']._serialized_start=328
+  _globals['_TRAINERSTATUS']._serialized_end=501
+  _globals['_TRAINERAGENT']._serialized_start=504
+  _globals['_TRAINERAGENT']._serialized_end=674
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReadChunksRequest(_message.Message):
-    __slots__ = ("session", "version", "rank", "indices")
+    __slots__ = ("session", "version", "rank", "indices", "access_token")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     rank: int
     indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    access_token: str
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., access_token: _Optional[str] = ...) -> None: ...
 
 class ChunkData(_message.Message):
     __slots__ = ("index", "offset", "data")

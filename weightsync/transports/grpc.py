@@ -100,6 +100,7 @@ def serve_chunks(
         raise InvalidArgument("indices", f"{len(request.indices)} exceed {MAX_INDICES_PER_READ} per call")
     if not request.indices:
         raise InvalidArgument("indices", "must name at least one chunk")
+    source.check_token(request.session, request.version, request.access_token)
     source.check_read(request.session, request.version, request.rank, request.indices)
     for index in request.indices:
         offset, view = source.chunk_view(request.session, request.version, request.rank, index)
@@ -134,7 +135,11 @@ class GrpcTransport(Transport):
         if self._read is None:
             raise TransportUnavailable("not open; call open() first")
         req = _pb.ReadChunksRequest(
-            session=request.session, version=request.version, rank=request.rank, indices=list(request.indices)
+            session=request.session,
+            version=request.version,
+            rank=request.rank,
+            indices=list(request.indices),
+            access_token=request.token,
         )
         for raw in rpc.stream(self._read, req, timeout_s=request.timeout_s):
             yield decode_chunk(raw)

@@ -326,6 +326,6 @@ class FileRanges:
 def check_token(expected: str | None, token: str, version: int) -> None:
     """PermissionDenied unless a token is known for the version and `token` equals it."""
     if not expected:
-        raise PermissionDenied(f"version {version} has no access token here yet (not published)")
+        raise PermissionDenied(f"token: version {version} has no access token here yet (not published)", field="token")
     if not hmac.compare_digest(expected.encode(), token.encode()):
-        raise PermissionDenied(f"token: wrong access token for version {version}")
+        raise PermissionDenied(f"token: wrong access token for version {version}", field="token")
