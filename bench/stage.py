@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,42 +21,29 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
-from trainer_agent.publisher import _to_host_shards  # noqa: E402
+from trainer_agent.publisher import DEFAULT_CHUNK_BYTES, _to_host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
 class RssPeak:
-    """Samples this process's RSS every 2 ms; `peak` is the largest seen."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
+    """The kernel's RSS high-water mark over a block (VmHWM, reset on entry): no sampling
+    thread competes with the staging threads for the two cores."""
 
     def __enter__(self) -> RssPeak:
-        self.peak = self.now()
-        self._thread.start()
+        reset_peak_rss()
+        self.peak = 0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
+        self.peak = peak_rss_bytes()
+
+    @staticmethod
+    def now() -> int:
+        return rss_bytes()
 
 
 def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
@@ -154,8 +139,8 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     with RssPeak() as rss:
         t0 = time.perf_counter()
         items = convert_maxtext(tree, "qwen3", dims, ConvertOptions(weight_dtype="bfloat16"))
-        staged = stage_stream(arena.slot(0), (hs for n, v in items for hs in _to_host_shards(n, v, None)))
-        chunk_specs(arena.slot(0), staged.total_bytes, chunk_bytes)
+        staged = stage_stream(arena.slot(0), (hs for n, v in items for hs in _to_host_shards(n, v, None)), chunk_bytes)
+        chunk_specs(arena.slot(0), staged.total_bytes, chunk_bytes, staged.spans, staged.known)
         seconds = time.perf_counter() - t0
     arena_bytes = arena.nbytes
     arena.close()
@@ -176,7 +161,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the JAX params (staged as is)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="staging threads (0 = every core)")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the publisher's default")
     p.add_argument("--json", action="store_true")
     p.add_argument("--maxtext", action="store_true", help="also convert + stage a MaxText fp32 tree (streaming)")
     args = p.parse_args()

@@ -17,8 +17,9 @@ int ws_cuda_device_count(void) {
 
 // Spans' src are device pointers. The arena range [dst, dst + total) is pinned with
 // cudaHostRegister for the copy (idempotent: an already registered range is fine).
-int ws_cuda_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans, uint64_t n_spans,
-                  uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests, int n_threads) {
+int ws_cuda_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,
+                  const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums,
+                  uint64_t* chunk_digests, int n_threads) {
   if (dst == nullptr && total > 0) return WS_INVALID_ARGUMENT;
   cudaError_t reg = cudaHostRegister(dst, total, cudaHostRegisterDefault);
   const bool registered_here = reg == cudaSuccess;
@@ -37,7 +38,8 @@ int ws_cuda_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_s
   cudaStreamDestroy(stream);
   if (registered_here) cudaHostUnregister(dst);
   if (rc != WS_OK) return rc;
-  return ws_digest_staged(dst, total, chunk_bytes, spans, n_spans, span_digests, span_sums, chunk_digests, n_threads);
+  return ws_digest_staged(dst, total, chunk_lengths, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums,
+                          chunk_digests, n_threads);
 }
 
 // Self-test for machines with a GPU: host pattern -> device -> staged back; returns the
@@ -50,8 +52,10 @@ int ws_cuda_selftest(uint64_t nbytes, uint64_t* pattern_digest, uint64_t* staged
   int rc = cudaMemcpy(dev, pattern.data(), nbytes, cudaMemcpyHostToDevice) == cudaSuccess ? WS_OK : WS_INTERNAL;
   ws_span span{dev, nbytes, 0, WS_U8, 0};
   double sum = 0;
-  uint64_t chunk = 0;
-  if (rc == WS_OK) rc = ws_cuda_stage(arena.data(), nbytes, nbytes ? nbytes : 1, &span, 1, staged_digest, &sum, &chunk, 0);
+  uint64_t chunk = 0, length = nbytes;
+  if (rc == WS_OK)
+    rc = ws_cuda_stage(arena.data(), nbytes, &length, nbytes ? 1 : 0, nbytes ? nbytes : 1, &span, 1, staged_digest, &sum,
+                       &chunk, 0);
   cudaFree(dev);
   if (rc != WS_OK) return rc;
   uint64_t off = 0, len = nbytes;

@@ -28,10 +28,10 @@ int32_t ws_dtype_of(ffi::DataType t) {
   }
 }
 
-// results: u64 span digests [n], f64 span sums [n], u64 chunk digests [n_chunks].
+// results: u64 span digests [n], f64 span sums [n], u64 chunk digests [len(chunk_lengths)].
 ffi::Error StageImpl(ffi::RemainingArgs args, ffi::Result<ffi::BufferR1<ffi::U32>> status, uint64_t arena,
-                     uint64_t results, ffi::Span<const int64_t> offsets, int64_t total, int64_t chunk_bytes,
-                     int64_t threads) {
+                     uint64_t results, ffi::Span<const int64_t> offsets, int64_t total,
+                     ffi::Span<const int64_t> chunk_lengths, int64_t piece_bytes, int64_t threads) {
   if (args.size() < 1) return ffi::Error::InvalidArgument("the first operand must be the slot offset (u32[2])");
   auto slot = args.get<ffi::AnyBuffer>(0);
   if (!slot.has_value()) return slot.error();
@@ -50,14 +50,13 @@ ffi::Error StageImpl(ffi::RemainingArgs args, ffi::Result<ffi::BufferR1<ffi::U32
     spans[i] = ws_span{buf->untyped_data(), static_cast<uint64_t>(buf->size_bytes()),
                        static_cast<uint64_t>(offsets[i]), dt, 0};
   }
-  const uint64_t n_chunks = (static_cast<uint64_t>(total) + chunk_bytes - 1) / chunk_bytes;
+  const std::vector<uint64_t> lengths(chunk_lengths.begin(), chunk_lengths.end());
   auto* out = reinterpret_cast<uint8_t*>(results);
   auto* span_digests = reinterpret_cast<uint64_t*>(out);
   auto* span_sums = reinterpret_cast<double*>(out + 8 * n);
   auto* chunk_digests = reinterpret_cast<uint64_t*>(out + 16 * n);
-  (void)n_chunks;
-  int rc = ws_stage(reinterpret_cast<uint8_t*>(arena) + slot_offset, total, chunk_bytes, spans.data(), n, span_digests, span_sums,
-                    chunk_digests, static_cast<int>(threads));
+  int rc = ws_stage(reinterpret_cast<uint8_t*>(arena) + slot_offset, total, lengths.data(), lengths.size(), piece_bytes,
+                    spans.data(), n, span_digests, span_sums, chunk_digests, static_cast<int>(threads));
   status->typed_data()[0] = static_cast<uint32_t>(rc);
   if (rc != WS_OK) return ffi::Error::InvalidArgument("ws_stage refused the spans (overlap or out of range)");
   return ffi::Error::Success();
@@ -73,5 +72,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(WsStageFfi, StageImpl,
                                   .Attr<uint64_t>("results")
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<int64_t>("total")
-                                  .Attr<int64_t>("chunk_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("chunk_lengths")
+                                  .Attr<int64_t>("piece_bytes")
                                   .Attr<int64_t>("threads"));

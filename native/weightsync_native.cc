@@ -113,11 +113,11 @@ double sum_as(const uint8_t* p, uint64_t nbytes, Conv conv) {
 }
 
 #if defined(__AVX2__)
-// Widen 8 floats to doubles and add them into two accumulators.
-inline void add_ps_to_pd(__m256 v, __m256d& a, __m256d& b) {
-  a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-  b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-}
+// Float64 sums widen floats with vcvtps2pd straight from 128-bit halves: extracting the
+// upper half of a 256-bit register would cost a shuffle-port uop per 4 elements. Four
+// accumulators hide the add latency. The order of additions is fixed, so every party
+// running this code gets the same bits for the same bytes.
+inline void add4(__m128 v, __m256d& acc) { acc = _mm256_add_pd(acc, _mm256_cvtps_pd(v)); }
 
 double hsum(__m256d a, __m256d b, __m256d c, __m256d d) {
   __m256d s = _mm256_add_pd(_mm256_add_pd(a, b), _mm256_add_pd(c, d));
@@ -128,11 +128,14 @@ double hsum(__m256d a, __m256d b, __m256d c, __m256d d) {
 
 double sum_f32_avx2(const uint8_t* p, uint64_t nbytes) {
   const uint64_t n = nbytes / 4;
+  const float* f = reinterpret_cast<const float*>(p);
   __m256d a = _mm256_setzero_pd(), b = a, c = a, d = a;
   uint64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    add_ps_to_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p) + i), a, b);
-    add_ps_to_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(p) + i + 8), c, d);
+    add4(_mm_loadu_ps(f + i), a);
+    add4(_mm_loadu_ps(f + i + 4), b);
+    add4(_mm_loadu_ps(f + i + 8), c);
+    add4(_mm_loadu_ps(f + i + 12), d);
   }
   double rest = 0;
   for (; i < n; ++i) {
@@ -143,16 +146,20 @@ double sum_f32_avx2(const uint8_t* p, uint64_t nbytes) {
   return hsum(a, b, c, d) + rest;
 }
 
+// bf16 -> f32 without shuffles: within each 32-bit lane the even element becomes a float
+// by shifting it up, the odd one by masking off its neighbour (a sum needs no order).
 double sum_bf16_avx2(const uint8_t* p, uint64_t nbytes) {
   const uint64_t n = nbytes / 2;
+  const __m128i high = _mm_set1_epi32(static_cast<int>(0xffff0000u));
   __m256d a = _mm256_setzero_pd(), b = a, c = a, d = a;
   uint64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
-    __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16);
-    __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16);
-    add_ps_to_pd(_mm256_castsi256_ps(lo), a, b);
-    add_ps_to_pd(_mm256_castsi256_ps(hi), c, d);
+    __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i + 16));
+    add4(_mm_castsi128_ps(_mm_slli_epi32(x, 16)), a);
+    add4(_mm_castsi128_ps(_mm_and_si128(x, high)), b);
+    add4(_mm_castsi128_ps(_mm_slli_epi32(y, 16)), c);
+    add4(_mm_castsi128_ps(_mm_and_si128(y, high)), d);
   }
   double rest = 0;
   for (; i < n; ++i) {
@@ -163,6 +170,52 @@ double sum_bf16_avx2(const uint8_t* p, uint64_t nbytes) {
   return hsum(a, b, c, d) + rest;
 }
 #endif
+
+#if defined(__AVX2__)
+// Copy with non-temporal stores and float64 sum in one loop, for bf16 and f32 spans: the
+// widening adds run while the loads wait on memory, so the sum costs (almost) nothing.
+// Needs dst 16-byte aligned and whole elements; the caller falls back otherwise.
+template <bool kBf16>
+double copy_sum_nt(uint8_t* dst, const uint8_t* src, uint64_t n) {
+  const __m128i high = _mm_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  uint64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    for (int k = 0; k < 4; ++k) {
+      __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16 * k));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16 * k), x);
+      if (kBf16) {
+        add4(_mm_castsi128_ps(_mm_slli_epi32(x, 16)), acc[k]);
+        add4(_mm_castsi128_ps(_mm_and_si128(x, high)), acc[k ^ 2]);
+      } else {
+        add4(_mm_castsi128_ps(x), acc[k]);
+      }
+    }
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  const double rest = kBf16 ? sum_bf16_avx2(src + i, n - i) : sum_f32_avx2(src + i, n - i);
+  return hsum(acc[0], acc[1], acc[2], acc[3]) + rest;
+}
+#endif
+
+// Copies n bytes (whole elements of dtype) and adds their float64 sum to *sum; false when
+// there is no fused loop for this case (the caller copies and sums separately).
+bool copy_and_sum(uint8_t* dst, const uint8_t* src, uint64_t n, int dtype, double* sum) {
+#if defined(__AVX2__)
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) != 0) return false;
+  if (dtype == WS_BF16 && n % 2 == 0) {
+    *sum += copy_sum_nt<true>(dst, src, n);
+    return true;
+  }
+  if (dtype == WS_F32 && n % 4 == 0) {
+    *sum += copy_sum_nt<false>(dst, src, n);
+    return true;
+  }
+#else
+  (void)dst, (void)src, (void)n, (void)dtype, (void)sum;
+#endif
+  return false;
+}
 
 // Float64 sum of whole elements in [p, p + nbytes); callers keep blocks element-aligned.
 double sum_block(const uint8_t* p, uint64_t nbytes, int dtype) {
@@ -218,118 +271,166 @@ int run_parallel(int n, Fn fn) {
   return WS_OK;
 }
 
-// One thread's share: whole chunks [c_lo, c_hi), i.e. bytes [lo, hi) of dst.
-struct Range {
-  uint64_t c_lo, c_hi, lo, hi;
-};
+// Float64 sum of the elements of a span whose first byte lies in [a, b) of it: a range
+// cut anywhere still sums each element exactly once, reading it whole from the span.
+double sum_elements(const uint8_t* span, uint64_t a, uint64_t b, int dtype) {
+  const uint64_t isz = item_size(dtype);
+  const uint64_t e0 = (a + isz - 1) / isz, e1 = (b + isz - 1) / isz;
+  return sum_block(span + e0 * isz, (e1 - e0) * isz, dtype);
+}
 
-// Sums are additive, so every thread sums its piece of every span (partial_sums); digests
-// are not, so a span cut by a thread boundary is marked in `crossing` and hashed whole later.
-void stage_range(const Range& r, uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
-                 uint64_t n_spans, uint64_t* span_digests, std::vector<double>& partial_sums, uint64_t* chunk_digests,
-                 std::vector<uint8_t>& crossing) {
-  XXH3_state_t chunk_state, span_state;
-  XXH3_64bits_reset(&chunk_state);
-  uint64_t chunk = r.c_lo;
-  uint64_t chunk_end = std::min(total, (chunk + 1) * chunk_bytes);
-  // First span that ends after lo.
-  uint64_t s = std::lower_bound(spans, spans + n_spans, r.lo,
+// The chunk plan as offsets: chunk i is [offsets[i], offsets[i + 1]).
+std::vector<uint64_t> chunk_offsets(const uint64_t* lengths, uint64_t n_chunks) {
+  std::vector<uint64_t> off(n_chunks + 1, 0);
+  for (uint64_t i = 0; i < n_chunks; ++i) off[i + 1] = off[i] + lengths[i];
+  return off;
+}
+
+// Copies, zero-fills and hashes chunks [c_lo, c_hi) in blocks that stay in L2 between the
+// sum, the copy and the hash. Sums are additive, so each thread adds its part of every span
+// into partial_sums; span digests are derived from chunk digests afterwards.
+void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chunk_off, uint8_t* dst,
+                  const ws_span* spans, uint64_t n_spans, std::vector<double>& partial_sums, uint64_t* chunk_digests) {
+  XXH3_state_t state;
+  uint64_t s = std::lower_bound(spans, spans + n_spans, chunk_off[c_lo],
                                 [](const ws_span& sp, uint64_t v) { return sp.dst_offset + sp.nbytes <= v; }) -
                spans;
-  uint64_t pos = r.lo;
-  bool span_open = false;
-  auto feed = [&](const uint8_t* src, uint64_t len, bool non_temporal, uint8_t* out) {
-    // Splits at chunk boundaries; copies (when src is data) and hashes the source bytes.
-    while (len > 0) {
-      uint64_t take = std::min(len, chunk_end - pos);
-      if (out != nullptr && out != src) copy_bytes(out, src, take, non_temporal);
-      XXH3_64bits_update(&chunk_state, src, take);
-      pos += take;
-      len -= take;
-      src += (src == kZeros) ? 0 : take;
-      if (out != nullptr) out += take;
-      if (pos == chunk_end) {
-        chunk_digests[chunk] = XXH3_64bits_digest(&chunk_state);
-        XXH3_64bits_reset(&chunk_state);
-        ++chunk;
-        chunk_end = std::min(total, (chunk + 1) * chunk_bytes);
+  for (uint64_t c = c_lo; c < c_hi; ++c) {
+    XXH3_64bits_reset(&state);
+    uint64_t pos = chunk_off[c];
+    const uint64_t end = chunk_off[c + 1];
+    while (pos < end) {
+      while (s < n_spans && spans[s].dst_offset + spans[s].nbytes <= pos) ++s;
+      if (s == n_spans || spans[s].dst_offset > pos) {  // a gap: zero it, hash the zeros
+        const uint64_t gap_end = std::min(end, s < n_spans ? spans[s].dst_offset : end);
+        for (; pos < gap_end;) {
+          const uint64_t take = std::min<uint64_t>(gap_end - pos, kBlock);
+          std::memset(dst + pos, 0, take);
+          XXH3_64bits_update(&state, kZeros, take);
+          pos += take;
+        }
+        continue;
+      }
+      const ws_span& sp = spans[s];
+      const uint8_t* src = static_cast<const uint8_t*>(sp.src);
+      const uint64_t stop = std::min(end, sp.dst_offset + sp.nbytes);
+      const bool non_temporal = sp.nbytes >= kNonTemporalMin;
+      while (pos < stop) {
+        const uint64_t take = std::min(kBlock, stop - pos);
+        const uint64_t a = pos - sp.dst_offset;
+        const bool whole_elements = a % item_size(sp.dtype) == 0;
+        if (dst + pos == src + a || !non_temporal || !whole_elements ||
+            !copy_and_sum(dst + pos, src + a, take, sp.dtype, &partial_sums[s])) {
+          if (dst + pos != src + a) copy_bytes(dst + pos, src + a, take, non_temporal);
+          partial_sums[s] += sum_elements(src, a, a + take, sp.dtype);
+        }
+        XXH3_64bits_update(&state, src + a, take);
+        pos += take;
       }
     }
-  };
-  while (pos < r.hi) {
-    const bool in_span = s < n_spans && spans[s].dst_offset <= pos;
-    if (!in_span) {  // a gap: zero it, hash zeros
-      uint64_t gap_end = std::min(r.hi, s < n_spans ? spans[s].dst_offset : r.hi);
-      while (pos < gap_end) {
-        uint64_t take = std::min<uint64_t>(gap_end - pos, kBlock);
-        std::memset(dst + pos, 0, take);
-        feed(kZeros, take, false, nullptr);
-      }
-      continue;
-    }
-    const ws_span& sp = spans[s];
-    const uint64_t sp_end = sp.dst_offset + sp.nbytes;
-    const bool whole = sp.dst_offset >= r.lo && sp_end <= r.hi;
-    if (!whole) crossing[s] = 1;
-    if (whole && !span_open) {
-      XXH3_64bits_reset(&span_state);
-      span_open = true;
-    }
-    const bool non_temporal = sp.nbytes >= kNonTemporalMin;
-    const uint64_t isz = item_size(sp.dtype);
-    const uint64_t block = kBlock - kBlock % isz;
-    while (pos < std::min(sp_end, r.hi)) {
-      uint64_t take = std::min(block, std::min(sp_end, r.hi) - pos);
-      const uint8_t* src = static_cast<const uint8_t*>(sp.src) + (pos - sp.dst_offset);
-      // Each element is summed by the block holding its first byte; the source is whole,
-      // so an element split by a block or thread boundary is still read entirely.
-      const uint64_t a = pos - sp.dst_offset, b = a + take;
-      const uint64_t e0 = (a + isz - 1) / isz, e1 = (b + isz - 1) / isz;
-      partial_sums[s] += sum_block(static_cast<const uint8_t*>(sp.src) + e0 * isz, (e1 - e0) * isz, sp.dtype);
-      feed(src, take, non_temporal, dst + pos);
-      if (whole) XXH3_64bits_update(&span_state, src, take);
-    }
-    if (whole) {
-      span_digests[s] = XXH3_64bits_digest(&span_state);
-      span_open = false;
-    }
-    if (pos >= sp_end) ++s;
+    chunk_digests[c] = XXH3_64bits_digest(&state);
   }
   store_fence();
 }
 
-}  // namespace
-
-extern "C" {
-
-int ws_abi_version(void) { return 3; }
-
-int ws_default_threads(void) {
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+uint64_t n_pieces(uint64_t nbytes, uint64_t piece_bytes) {
+  return nbytes <= piece_bytes ? 1 : (nbytes + piece_bytes - 1) / piece_bytes;
 }
 
-int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans, uint64_t n_spans,
-             uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests, int n_threads) {
-  if ((dst == nullptr && total > 0) || chunk_bytes == 0) return WS_INVALID_ARGUMENT;
+// The piecewise rule (weightsync.digests.piecewise_xxh3): one piece -> its digest; several
+// -> xxh3-64 of their little-endian u64 digests.
+uint64_t combine_pieces(const uint64_t* digests, uint64_t n) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the piecewise rule hashes little-endian u64s");
+  return n == 1 ? digests[0] : XXH3_64bits(digests, n * sizeof(uint64_t));
+}
+
+// Hashes (and, when sums is not null, sums) work items (span, piece) on every thread,
+// largest spans first; results land in piece_digests / piece_sums at the item's slot.
+struct Piece {
+  uint64_t span, index, slot;
+};
+
+int hash_pieces(const ws_span* spans, const std::vector<Piece>& work, uint64_t piece_bytes, uint64_t* piece_digests,
+                double* piece_sums, int n_threads) {
+  std::atomic<uint64_t> next{0};
+  return run_parallel(resolve_threads(n_threads, work.size()), [&](int) {
+    for (uint64_t k = next++; k < work.size(); k = next++) {
+      const Piece& w = work[k];
+      const ws_span& sp = spans[w.span];
+      const uint8_t* src = static_cast<const uint8_t*>(sp.src);
+      const uint64_t lo = w.index * piece_bytes, hi = std::min(sp.nbytes, lo + piece_bytes);
+      if (piece_sums == nullptr) {
+        piece_digests[w.slot] = XXH3_64bits(src + lo, hi - lo);
+        continue;
+      }
+      XXH3_state_t state;
+      XXH3_64bits_reset(&state);
+      double sum = 0.0;
+      for (uint64_t pos = lo; pos < hi; pos += kBlock) {  // hash and sum each block while it is in cache
+        const uint64_t take = std::min(kBlock, hi - pos);
+        XXH3_64bits_update(&state, src + pos, take);
+        sum += sum_elements(src, pos, pos + take, sp.dtype);
+      }
+      piece_digests[w.slot] = XXH3_64bits_digest(&state);
+      piece_sums[w.slot] = sum;
+    }
+  });
+}
+
+// Every span's pieces as work items, spans largest first; first_piece[i] is span i's slot.
+std::vector<Piece> all_pieces(const ws_span* spans, uint64_t n_spans, uint64_t piece_bytes,
+                              std::vector<uint64_t>& first_piece) {
+  first_piece.assign(n_spans + 1, 0);
+  for (uint64_t i = 0; i < n_spans; ++i) first_piece[i + 1] = first_piece[i] + n_pieces(spans[i].nbytes, piece_bytes);
+  std::vector<uint64_t> order(n_spans);
+  for (uint64_t i = 0; i < n_spans; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) { return spans[a].nbytes > spans[b].nbytes; });
+  std::vector<Piece> work;
+  work.reserve(first_piece[n_spans]);
+  for (uint64_t i : order)
+    for (uint64_t j = 0; j < first_piece[i + 1] - first_piece[i]; ++j) work.push_back({i, j, first_piece[i] + j});
+  return work;
+}
+
+int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
   uint64_t cursor = 0;
   for (uint64_t i = 0; i < n_spans; ++i) {
     if (spans[i].dst_offset < cursor || spans[i].dst_offset + spans[i].nbytes > total) return WS_INVALID_ARGUMENT;
     if (spans[i].src == nullptr && spans[i].nbytes > 0) return WS_INVALID_ARGUMENT;
     cursor = spans[i].dst_offset + spans[i].nbytes;
   }
-  const uint64_t n_chunks = (total + chunk_bytes - 1) / chunk_bytes;
-  const int n = resolve_threads(n_threads, n_chunks);
-  std::vector<Range> ranges;
-  for (int t = 0; t < n; ++t) {
-    uint64_t c_lo = n_chunks * t / n, c_hi = n_chunks * (t + 1) / n;
-    ranges.push_back({c_lo, c_hi, c_lo * chunk_bytes, std::min(total, c_hi * chunk_bytes)});
-  }
-  std::vector<std::vector<uint8_t>> crossing(n, std::vector<uint8_t>(n_spans, 0));
+  return WS_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ws_abi_version(void) { return 4; }
+
+int ws_default_threads(void) {
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,
+             const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests,
+             int n_threads) {
+  if ((dst == nullptr && total > 0) || piece_bytes == 0 || (n_chunks > 0 && chunk_lengths == nullptr))
+    return WS_INVALID_ARGUMENT;
+  if (check_spans(spans, n_spans, total) != WS_OK) return WS_INVALID_ARGUMENT;
+  for (uint64_t i = 0; i < n_chunks; ++i)
+    if (chunk_lengths[i] == 0) return WS_INVALID_ARGUMENT;
+  const std::vector<uint64_t> off = chunk_offsets(chunk_lengths, n_chunks);
+  if (off[n_chunks] != total) return WS_INVALID_ARGUMENT;
+
+  // Threads take runs of whole chunks holding about equal bytes.
+  const int n = resolve_threads(n_threads, std::max<uint64_t>(1, n_chunks));
+  std::vector<uint64_t> first(n + 1, n_chunks);
+  for (int t = 0; t < n; ++t) first[t] = std::lower_bound(off.begin(), off.end() - 1, total * t / n) - off.begin();
   std::vector<std::vector<double>> partial(n, std::vector<double>(n_spans, 0.0));
   int rc = run_parallel(n, [&](int t) {
-    if (ranges[t].lo < ranges[t].hi)
-      stage_range(ranges[t], dst, total, chunk_bytes, spans, n_spans, span_digests, partial[t], chunk_digests, crossing[t]);
+    if (first[t] < first[t + 1]) stage_chunks(first[t], first[t + 1], off, dst, spans, n_spans, partial[t], chunk_digests);
   });
   if (rc != WS_OK) return rc;
   for (uint64_t i = 0; i < n_spans; ++i) {
@@ -337,28 +438,38 @@ int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* 
     for (int t = 0; t < n; ++t) sum += partial[t][i];
     span_sums[i] = sum;
   }
-  // Spans cut by a thread boundary were copied in pieces: digest them whole (hash only).
-  std::vector<uint64_t> cut;
-  for (uint64_t i = 0; i < n_spans; ++i) {
-    bool any = false;
-    for (int t = 0; t < n; ++t) any = any || crossing[t][i];
-    if (any || spans[i].nbytes == 0) cut.push_back(i);
+
+  // A piece that is exactly a chunk has the chunk's digest (hashed once, above); the rest
+  // (small spans packed together in one chunk, chunk plans that cut spans elsewhere) are
+  // hashed from the staged bytes.
+  std::vector<uint64_t> first_piece;
+  std::vector<Piece> work = all_pieces(spans, n_spans, piece_bytes, first_piece);
+  std::vector<uint64_t> pieces(first_piece[n_spans]);
+  std::vector<Piece> rest;
+  std::vector<ws_span> staged(spans, spans + n_spans);
+  for (auto& sp : staged) sp.src = dst + sp.dst_offset;
+  for (const Piece& w : work) {
+    const uint64_t lo = staged[w.span].dst_offset + w.index * piece_bytes;
+    const uint64_t len = std::min(piece_bytes, staged[w.span].nbytes - w.index * piece_bytes);
+    const uint64_t c = std::lower_bound(off.begin(), off.end() - 1, lo) - off.begin();
+    if (len > 0 && c < n_chunks && off[c] == lo && off[c + 1] - lo == len) pieces[w.slot] = chunk_digests[c];
+    else rest.push_back(w);
   }
-  return run_parallel(resolve_threads(n_threads, cut.size()), [&](int t) {
-    const int m = resolve_threads(n_threads, cut.size());
-    for (uint64_t k = t; k < cut.size(); k += m) {
-      const ws_span& sp = spans[cut[k]];
-      span_digests[cut[k]] = XXH3_64bits(sp.src, sp.nbytes);
-    }
-  });
+  rc = hash_pieces(staged.data(), rest, piece_bytes, pieces.data(), nullptr, n_threads);
+  if (rc != WS_OK) return rc;
+  for (uint64_t i = 0; i < n_spans; ++i)
+    span_digests[i] = combine_pieces(pieces.data() + first_piece[i], first_piece[i + 1] - first_piece[i]);
+  return WS_OK;
 }
 
-int ws_digest_staged(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans, uint64_t n_spans,
-                     uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests, int n_threads) {
+int ws_digest_staged(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                     uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                     double* span_sums, uint64_t* chunk_digests, int n_threads) {
   // Same pass as ws_stage with every span's source being its own place in dst: no copy.
   std::vector<ws_span> inplace(spans, spans + n_spans);
   for (auto& sp : inplace) sp.src = dst + sp.dst_offset;
-  return ws_stage(dst, total, chunk_bytes, inplace.data(), n_spans, span_digests, span_sums, chunk_digests, n_threads);
+  return ws_stage(dst, total, chunk_lengths, n_chunks, piece_bytes, inplace.data(), n_spans, span_digests, span_sums,
+                  chunk_digests, n_threads);
 }
 
 int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths, uint64_t n,
@@ -370,34 +481,26 @@ int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_
   });
 }
 
-int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums,
-                    int n_threads) {
+int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t piece_bytes, uint64_t* span_digests,
+                    double* span_sums, int n_threads) {
   if (n_spans > 0 && (spans == nullptr || span_digests == nullptr || span_sums == nullptr)) return WS_INVALID_ARGUMENT;
+  if (piece_bytes == 0) return WS_INVALID_ARGUMENT;
   for (uint64_t i = 0; i < n_spans; ++i)
     if (spans[i].src == nullptr && spans[i].nbytes > 0) return WS_INVALID_ARGUMENT;
-  // Largest spans first, handed out one at a time: the embedding does not serialize the rest.
-  std::vector<uint64_t> order(n_spans);
-  for (uint64_t i = 0; i < n_spans; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](uint64_t a, uint64_t b) { return spans[a].nbytes > spans[b].nbytes; });
-  std::atomic<uint64_t> next{0};
-  return run_parallel(resolve_threads(n_threads, n_spans), [&](int) {
-    XXH3_state_t state;
-    for (uint64_t k = next++; k < n_spans; k = next++) {
-      const ws_span& sp = spans[order[k]];
-      const uint8_t* p = static_cast<const uint8_t*>(sp.src);
-      const uint64_t isz = item_size(sp.dtype);
-      const uint64_t block = kBlock - kBlock % isz;
-      XXH3_64bits_reset(&state);
-      double sum = 0.0;
-      for (uint64_t pos = 0; pos < sp.nbytes; pos += block) {  // hash and sum each block while it is in cache
-        const uint64_t take = std::min(block, sp.nbytes - pos);
-        XXH3_64bits_update(&state, p + pos, take);
-        sum += sum_block(p + pos, take - take % isz, sp.dtype);
-      }
-      span_digests[order[k]] = XXH3_64bits_digest(&state);
-      span_sums[order[k]] = sum;
-    }
-  });
+  // Pieces, not spans, are the unit of work: the embedding does not serialize the rest.
+  std::vector<uint64_t> first_piece;
+  std::vector<Piece> work = all_pieces(spans, n_spans, piece_bytes, first_piece);
+  std::vector<uint64_t> digests(first_piece[n_spans]);
+  std::vector<double> sums(first_piece[n_spans]);
+  int rc = hash_pieces(spans, work, piece_bytes, digests.data(), sums.data(), n_threads);
+  if (rc != WS_OK) return rc;
+  for (uint64_t i = 0; i < n_spans; ++i) {
+    span_digests[i] = combine_pieces(digests.data() + first_piece[i], first_piece[i + 1] - first_piece[i]);
+    double sum = 0.0;
+    for (uint64_t k = first_piece[i]; k < first_piece[i + 1]; ++k) sum += sums[k];
+    span_sums[i] = sum;
+  }
+  return WS_OK;
 }
 
 int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads) {

@@ -27,28 +27,34 @@ typedef struct {
   int32_t _pad;
 } ws_span;
 
+// Span digests follow the piecewise rule: a span of at most piece_bytes bytes digests to
+// its xxh3-64; a longer one to the xxh3-64 of the little-endian u64 xxh3-64s of its
+// consecutive piece_bytes pieces (the last one shorter). A chunk plan that makes each
+// piece of a large span its own chunk lets every such byte be hashed exactly once.
+//
 // Copies spans (sorted by dst_offset, non-overlapping) into dst[0, total), zeroes every
-// gap, and computes in the same pass: xxh3-64 and float64 sum per span, and xxh3-64 of
-// each chunk [i*chunk_bytes, min(total, (i+1)*chunk_bytes)) of dst.
+// gap, and computes in the same pass: xxh3-64 of each chunk (chunks tile [0, total) in
+// order with the given lengths), float64 sum per span, and each span's piecewise digest.
 // n_threads <= 0 uses every core.
-int ws_stage(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
-             uint64_t n_spans, uint64_t* span_digests, double* span_sums,
-             uint64_t* chunk_digests, int n_threads);
+int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+             uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+             double* span_sums, uint64_t* chunk_digests, int n_threads);
 
 // ws_stage for bytes already in place (e.g. copied by a DMA engine): spans' src is
 // ignored, each span is read from dst + dst_offset; gaps are zeroed, nothing is copied.
-int ws_digest_staged(uint8_t* dst, uint64_t total, uint64_t chunk_bytes, const ws_span* spans,
-                     uint64_t n_spans, uint64_t* span_digests, double* span_sums,
-                     uint64_t* chunk_digests, int n_threads);
+int ws_digest_staged(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                     uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                     double* span_sums, uint64_t* chunk_digests, int n_threads);
 
 // xxh3-64 of each (offset, length) range of base, in parallel (the verify path).
 int ws_digest_ranges(const uint8_t* base, const uint64_t* offsets, const uint64_t* lengths,
                      uint64_t n, uint64_t* out, int n_threads);
 
-// xxh3-64 and float64 sum of each span's bytes in place (src, nbytes, dtype; dst_offset
-// ignored), spans spread over threads: the rollout's digest of what it hands the engine.
-int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums,
-                    int n_threads);
+// Piecewise xxh3-64 and float64 sum of each span's bytes in place (src, nbytes, dtype;
+// dst_offset ignored), pieces spread over threads: the rollout's digest of what it hands
+// the engine.
+int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t piece_bytes, uint64_t* span_digests,
+                    double* span_sums, int n_threads);
 
 // Plain copy with the same non-temporal stores (the benchmark's bound uses memcpy).
 int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads);

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from weightsync import native
-from weightsync.digests import combine_shard_digests, float64_sum, xxh3
+from weightsync.digests import combine_shard_digests, float64_sum, piecewise_xxh3
 from weightsync.dtypes import dtype_info, native_code
 from weightsync.manifest import Manifest, ShardSpec, TensorSpec
 
@@ -69,15 +69,16 @@ def assemble(
     return {name: assemble_tensor(tensors[name], shards, buffers, None, reuse) for name, shards in manifest.shards_of().items()}
 
 
-def tensor_digest(arr: np.ndarray, shards: list[ShardSpec]) -> tuple[int, float]:
-    """(xxh3 by the manifest's rule, float64 sum) of an assembled tensor.
+def tensor_digest(arr: np.ndarray, shards: list[ShardSpec], piece_bytes: int) -> tuple[int, float]:
+    """(xxh3 by the manifest's rule, float64 sum) of an assembled tensor: each shard box's
+    piecewise xxh3 (pieces of the manifest's chunk_bytes), combined across shards.
 
     Computed over the assembled array itself, i.e. over what is handed to the engine.
     """
     if len(shards) == 1 and all(a == 0 for a in shards[0].start) and tuple(shards[0].stop) == arr.shape:
-        digest = xxh3(_as_bytes(arr))
+        digest = piecewise_xxh3(_as_bytes(arr), piece_bytes)
     else:
-        digest = combine_shard_digests(xxh3(_as_bytes(arr[_box(s)])) for s in shards)
+        digest = combine_shard_digests(piecewise_xxh3(_as_bytes(arr[_box(s)]), piece_bytes) for s in shards)
     return digest, float64_sum(arr)
 
 
@@ -95,11 +96,12 @@ def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[st
     ]
     out: dict[str, tuple[int, float]] = {}
     if whole:
-        digests, sums = native.digest_arrays([(tensors[n], native_code(tensors[n].dtype)) for n in whole])
+        arrays = [(tensors[n], native_code(tensors[n].dtype)) for n in whole]
+        digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes)
         out = {n: (int(d), float(s)) for n, d, s in zip(whole, digests, sums)}
     for name in manifest.tensors:
         if name not in out:
-            out[name] = tensor_digest(tensors[name], [s for _, s in shards[name]])
+            out[name] = tensor_digest(tensors[name], [s for _, s in shards[name]], manifest.chunk_bytes)
     return {name: out[name] for name in manifest.tensors}
 
 

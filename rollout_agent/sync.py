@@ -162,7 +162,10 @@ def _apply_streaming(
     try:
         for group in stream_verified_groups(puller, manifest, result, timings):
             t0 = time.perf_counter()
-            digests = {name: tensor_digest(arr, [s for _, s in manifest.shards_of_name(name)]) for name, arr in group}
+            digests = {
+                name: tensor_digest(arr, [s for _, s in manifest.shards_of_name(name)], manifest.chunk_bytes)
+                for name, arr in group
+            }
             problem = first_difference(manifest, digests)
             progress.digests.update(digests)
             progress.elements += sum(int(arr.size) for _, arr in group)

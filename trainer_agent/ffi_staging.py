@@ -78,7 +78,8 @@ class FfiStager:
         if slot_offset + layout.total_bytes > arena.nbytes:
             raise InternalError(f"slot at {slot_offset} + {layout.total_bytes} bytes leaves the arena")
         n = len(arrays)
-        n_chunks = -(-layout.total_bytes // chunk_bytes)
+        chunks = layout.chunk_plan(chunk_bytes)
+        n_chunks = len(chunks)
         key = (
             tuple((a.shape, str(a.dtype)) for a in arrays),
             int(arena.ctypes.data),
@@ -90,7 +91,7 @@ class FfiStager:
         cached = self._cache.get(key)
         if cached is None:
             results = np.zeros(8 * (2 * n + n_chunks) + 8, np.uint8)
-            fn = self._build(int(arena.ctypes.data), int(results.ctypes.data), layout, chunk_bytes, weight_dtype)
+            fn = self._build(int(arena.ctypes.data), int(results.ctypes.data), layout, chunks, chunk_bytes, weight_dtype)
             if len(self._cache) >= 4:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = cached = (fn, results)
@@ -102,10 +103,18 @@ class FfiStager:
             raise InternalError(f"FFI staging failed with native status {int(status[0])}")
         digests = results[: 8 * n].view(np.uint64)
         sums = results[8 * n : 16 * n].view(np.float64)
-        chunks = results[16 * n : 16 * n + 8 * n_chunks].view(np.uint64)
-        return specs_from_digests(layout, digests, sums, chunks, chunk_bytes)
+        chunk_digests = results[16 * n : 16 * n + 8 * n_chunks].view(np.uint64)
+        return specs_from_digests(layout, digests, sums, chunk_digests, chunks)
 
-    def _build(self, arena: int, results: int, layout: Layout, chunk_bytes: int, weight_dtype: str | None) -> Any:
+    def _build(
+        self,
+        arena: int,
+        results: int,
+        layout: Layout,
+        chunks: Sequence[tuple[int, int]],
+        chunk_bytes: int,
+        weight_dtype: str | None,
+    ) -> Any:
         cast = jnp.dtype(dtype_info(weight_dtype).numpy) if weight_dtype else None
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((1,), jnp.uint32), has_side_effect=True)
         attrs = {
@@ -113,7 +122,8 @@ class FfiStager:
             "results": np.uint64(results),
             "offsets": np.asarray(layout.offsets, np.int64),
             "total": np.int64(layout.total_bytes),
-            "chunk_bytes": np.int64(chunk_bytes),
+            "chunk_lengths": np.asarray([length for _, length in chunks], np.int64),
+            "piece_bytes": np.int64(chunk_bytes),
             "threads": np.int64(self.threads),
         }
 

@@ -333,8 +333,9 @@ class WeightPublisher:
                 self.table.set(other, None)
         started = time.perf_counter()
         buf = self.arena.slot(slot)
-        staged = stage_stream(buf, (hs for name, value in items for hs in _to_host_shards(name, value, self.weight_dtype)))
-        chunks = chunk_specs(buf, staged.total_bytes, self.chunk_bytes)
+        shards = (hs for name, value in items for hs in _to_host_shards(name, value, self.weight_dtype))
+        staged = stage_stream(buf, shards, self.chunk_bytes)
+        chunks = chunk_specs(buf, staged.total_bytes, self.chunk_bytes, staged.spans, staged.known)
         stage_s = time.perf_counter() - started
         path = "stream-native" if native.available() else "stream-python"
         return self._seal(version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks, staged.total_bytes, stage_s, path)

@@ -1,4 +1,5 @@
-"""Staging: host shards -> arena slot, with per-shard and per-chunk xxh3-64 and float64 sums.
+"""Staging: host shards -> arena slot, with per-chunk xxh3-64, per-shard piecewise xxh3-64
+(`digests.piecewise_xxh3`, pieces of the part's chunk size) and float64 sums.
 
 Two engines with identical results: `native` (the C++ shim's fused, multithreaded copy +
 digest pass) and `python` (numpy copy, then xxhash over the slot), the fallback when the
@@ -7,13 +8,13 @@ shim is not built. The JAX FFI path lives in `trainer_agent.ffi_staging`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from weightsync import native
-from weightsync.digests import float64_sum, xxh3
+from weightsync.digests import float64_sum, piecewise_xxh3, xxh3
 from weightsync.dtypes import dtype_name_of, native_code
 from weightsync.errors import ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
@@ -48,6 +49,10 @@ class Layout:
     offsets: tuple[int, ...]
     total_bytes: int
 
+    def chunk_plan(self, chunk_bytes: int) -> list[tuple[int, int]]:
+        """The chunks of this layout: large shards' pieces each a chunk of their own."""
+        return plan_chunks(self.total_bytes, chunk_bytes, list(zip(self.offsets, self.nbytes)))
+
 
 def plan_layout(shards: Sequence[HostShard]) -> Layout:
     """Tensor specs (first shard of each name) and aligned shard offsets."""
@@ -65,18 +70,19 @@ def plan_layout(shards: Sequence[HostShard]) -> Layout:
 
 
 def specs_from_digests(
-    layout: Layout, digests: Sequence[int], sums: Sequence[float], chunk_digests: Sequence[int], chunk_bytes: int
+    layout: Layout,
+    digests: Sequence[int],
+    sums: Sequence[float],
+    chunk_digests: Sequence[int],
+    chunks: Sequence[tuple[int, int]],
 ) -> tuple[list[ShardSpec], list[ChunkSpec]]:
-    """Shard and chunk specs from a native pass's outputs (shards in layout order)."""
+    """Shard and chunk specs from a native pass's outputs (shards in layout order, chunks
+    as planned by `Layout.chunk_plan`)."""
     specs = [
         ShardSpec(name, start, stop, off, n, int(d), float(total))
         for (name, start, stop), off, n, d, total in zip(layout.boxes, layout.offsets, layout.nbytes, digests, sums)
     ]
-    chunks = [
-        ChunkSpec(i, off, length, int(chunk_digests[i]))
-        for i, (off, length) in enumerate(plan_chunks(layout.total_bytes, chunk_bytes))
-    ]
-    return specs, chunks
+    return specs, [ChunkSpec(i, off, length, int(chunk_digests[i])) for i, (off, length) in enumerate(chunks)]
 
 
 def stage_shards(
@@ -93,25 +99,33 @@ def stage_shards(
     Alignment gaps are zeroed so chunk digests depend only on the data. `engine` is
     "native", "python" or "auto" (native when built).
     """
+    chunks = layout.chunk_plan(chunk_bytes)
     if engine == "native" or (engine == "auto" and native.available()):
         sources = []
         for s, off in zip(shards, layout.offsets):
             arr = np.ascontiguousarray(s.data)
             sources.append((arr, off, native_code(arr.dtype)))
-        result = native.stage(slot, layout.total_bytes, chunk_bytes, sources, threads=threads)
-        return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunk_bytes)
-    return _stage_python(slot, shards, layout, chunk_bytes)
+        lengths = [n for _, n in chunks]
+        result = native.stage(slot, layout.total_bytes, lengths, chunk_bytes, sources, threads=threads)
+        return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunks)
+    return _stage_python(slot, shards, layout, chunks, chunk_bytes)
 
 
-def stage_one(slot: np.ndarray, offset: int, arr: np.ndarray, *, engine: str = "auto") -> tuple[int, float]:
-    """Copies one contiguous array to slot[offset:]; returns (xxh3, float64 sum)."""
+def stage_one(
+    slot: np.ndarray, offset: int, arr: np.ndarray, piece_bytes: int, *, engine: str = "auto"
+) -> tuple[int, float, dict[int, tuple[int, int]]]:
+    """Copies one contiguous array to slot[offset:]; returns (piecewise xxh3, float64 sum,
+    {slot offset: (length, xxh3)} of the pieces hashed on the way, for `chunk_specs`)."""
     n = arr.nbytes
     if engine == "native" or (engine == "auto" and native.available()):
-        r = native.stage(slot[offset : offset + n], n, max(n, 1), [(arr, 0, native_code(arr.dtype))], threads=1)
-        return int(r.span_digests[0]), float(r.span_sums[0])
+        pieces = [min(piece_bytes, n - o) for o in range(0, n, piece_bytes)]
+        r = native.stage(slot[offset : offset + n], n, pieces, piece_bytes, [(arr, 0, native_code(arr.dtype))])
+        starts = range(offset, offset + n, piece_bytes)
+        known = {o: (length, int(d)) for o, length, d in zip(starts, pieces, r.chunk_digests)}
+        return int(r.span_digests[0]), float(r.span_sums[0]), known
     dst = slot[offset : offset + n]
     np.copyto(dst, arr.reshape(-1).view(np.uint8))
-    return xxh3(dst), float64_sum(arr)
+    return piecewise_xxh3(dst, piece_bytes), float64_sum(arr), {}
 
 
 @dataclass
@@ -121,10 +135,16 @@ class StreamStaged:
     tensors: dict[str, TensorSpec]
     shards: list[ShardSpec]
     total_bytes: int
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes) of each shard
+    known: dict[int, tuple[int, int]] = field(default_factory=dict)  # piece digests: offset -> (length, xxh3)
 
 
-def stage_stream(slot: np.ndarray, shards: Iterable[HostShard], *, engine: str = "auto") -> StreamStaged:
+def stage_stream(
+    slot: np.ndarray, shards: Iterable[HostShard], piece_bytes: int, *, engine: str = "auto"
+) -> StreamStaged:
     """Stages shards one at a time, in arrival order; each is released before the next.
+
+    Shard digests are piecewise with `piece_bytes` (the part's chunk size).
 
     Raises:
         ResourceExhausted: the stream outgrows the slot.
@@ -140,27 +160,42 @@ def stage_stream(slot: np.ndarray, shards: Iterable[HostShard], *, engine: str =
                 field="capacity_bytes",
             )
         slot[cursor:offset] = 0
-        digest, total = stage_one(slot, offset, arr, engine=engine)
+        digest, total, known = stage_one(slot, offset, arr, piece_bytes, engine=engine)
+        out.known.update(known)
         out.tensors.setdefault(hs.name, TensorSpec(hs.name, dtype_name_of(arr.dtype), tuple(hs.global_shape)))
         out.shards.append(ShardSpec(hs.name, hs.start, hs.stop, offset, arr.nbytes, digest, total))
+        out.spans.append((offset, arr.nbytes))
         cursor = offset + arr.nbytes
         del arr, hs
     out.total_bytes = cursor
     return out
 
 
-def chunk_specs(slot: np.ndarray, total: int, chunk_bytes: int, *, engine: str = "auto") -> list[ChunkSpec]:
-    """Chunk descriptors over slot[0, total) (a separate read pass, parallel when native)."""
-    spans = plan_chunks(total, chunk_bytes)
+def chunk_specs(
+    slot: np.ndarray,
+    total: int,
+    chunk_bytes: int,
+    spans: Sequence[tuple[int, int]] = (),
+    known: Mapping[int, tuple[int, int]] | None = None,
+    *,
+    engine: str = "auto",
+) -> list[ChunkSpec]:
+    """Chunk descriptors over slot[0, total), planned around the shards' (offset, nbytes)
+    spans. A chunk that is a piece `stage_one` already hashed (`known`) keeps that digest;
+    the rest are hashed in a separate read pass (parallel when native)."""
+    planned = plan_chunks(total, chunk_bytes, spans)
+    known = known or {}
+    todo = [i for i, (o, n) in enumerate(planned) if known.get(o, (-1, 0))[0] != n]
     if engine == "native" or (engine == "auto" and native.available()):
-        digests = native.digest_ranges(slot, [o for o, _ in spans], [n for _, n in spans]) if spans else []
+        fresh = native.digest_ranges(slot, [planned[i][0] for i in todo], [planned[i][1] for i in todo]) if todo else []
     else:
-        digests = [xxh3(slot[o : o + n]) for o, n in spans]
-    return [ChunkSpec(i, o, n, int(d)) for i, ((o, n), d) in enumerate(zip(spans, digests))]
+        fresh = [xxh3(slot[planned[i][0] : planned[i][0] + planned[i][1]]) for i in todo]
+    digests = {o: d for o, (_, d) in known.items()} | {planned[i][0]: int(d) for i, d in zip(todo, fresh)}
+    return [ChunkSpec(i, o, n, digests[o]) for i, (o, n) in enumerate(planned)]
 
 
 def _stage_python(
-    slot: np.ndarray, shards: Sequence[HostShard], layout: Layout, chunk_bytes: int
+    slot: np.ndarray, shards: Sequence[HostShard], layout: Layout, chunks: Sequence[tuple[int, int]], piece_bytes: int
 ) -> tuple[list[ShardSpec], list[ChunkSpec]]:
     specs = []
     cursor = 0
@@ -170,10 +205,6 @@ def _stage_python(
         src = np.ascontiguousarray(s.data)
         dst = slot[off : off + s.nbytes]
         np.copyto(dst, src.reshape(-1).view(np.uint8))
-        specs.append(ShardSpec(s.name, s.start, s.stop, off, s.nbytes, xxh3(dst), float64_sum(src)))
+        specs.append(ShardSpec(s.name, s.start, s.stop, off, s.nbytes, piecewise_xxh3(dst, piece_bytes), float64_sum(src)))
         cursor = off + s.nbytes
-    chunks = [
-        ChunkSpec(i, off, length, xxh3(slot[off : off + length]))
-        for i, (off, length) in enumerate(plan_chunks(layout.total_bytes, chunk_bytes))
-    ]
-    return specs, chunks
+    return specs, [ChunkSpec(i, off, length, xxh3(slot[off : off + length])) for i, (off, length) in enumerate(chunks)]

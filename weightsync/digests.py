@@ -30,6 +30,21 @@ def float64_sum(arr: np.ndarray) -> float:
     return float(np.sum(arr, dtype=np.float64))
 
 
+def piecewise_xxh3(data: Any, piece_bytes: int) -> int:
+    """A shard's digest: xxh3-64 of its bytes when they fit in one piece, else xxh3-64 of
+    the little-endian u64 xxh3-64s of its consecutive `piece_bytes` pieces.
+
+    The piece size is the part's `chunk_bytes`, and the chunk plan gives every piece of a
+    large shard a chunk of its own, so staging hashes each byte once: a shard's digest is
+    derived from its chunks' digests (the native shim and this function agree bit for bit).
+    """
+    view = memoryview(data).cast("B")
+    if len(view) <= piece_bytes:
+        return xxh3(view)
+    pieces = [xxh3(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes)]
+    return xxh3(struct.pack(f"<{len(pieces)}Q", *pieces))
+
+
 def combine_shard_digests(shard_digests: Iterable[int]) -> int:
     """A tensor's digest from its shards' digests, in canonical shard order.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 SHARD_ALIGN_BYTES = 256  # cache-line and AVX-512 friendly; padding bytes are zero
 
 
@@ -25,8 +27,47 @@ def place_shards(nbytes: list[int], align: int = SHARD_ALIGN_BYTES) -> tuple[lis
     return offsets, cursor
 
 
-def plan_chunks(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, length) of each chunk covering [0, total_bytes) exactly, in order."""
+def plan_chunks(
+    total_bytes: int, chunk_bytes: int, shards: Sequence[tuple[int, int]] = ()
+) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk covering [0, total_bytes) exactly, in order.
+
+    Without `shards` ((offset, nbytes), in order) the chunks are a fixed grid. With them,
+    chunks follow the shards so that staging hashes each byte once: a shard larger than
+    `pack_limit(chunk_bytes)` gets chunks of its own, one per `chunk_bytes` piece counted
+    from its first byte (its piecewise digest is then made of chunk digests), while smaller
+    shards and the alignment gaps are packed together into chunks of up to `chunk_bytes`.
+    """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    return [(off, min(chunk_bytes, total_bytes - off)) for off in range(0, total_bytes, chunk_bytes)]
+    if not shards:
+        return [(off, min(chunk_bytes, total_bytes - off)) for off in range(0, total_bytes, chunk_bytes)]
+    chunks: list[tuple[int, int]] = []
+    open_at = 0  # start of the packed chunk being filled; it ends at `cursor`
+    cursor = 0
+    limit = pack_limit(chunk_bytes)
+
+    def close_packed(end: int) -> None:
+        nonlocal open_at
+        for off in range(open_at, end, chunk_bytes):
+            chunks.append((off, min(chunk_bytes, end - off)))
+        open_at = end
+
+    for offset, nbytes in shards:
+        if nbytes > limit:
+            close_packed(offset)  # what is packed so far, and the gap before this shard
+            for off in range(offset, offset + nbytes, chunk_bytes):
+                chunks.append((off, min(chunk_bytes, offset + nbytes - off)))
+            open_at = cursor = offset + nbytes
+        else:
+            if offset + nbytes - open_at > chunk_bytes:
+                close_packed(cursor)
+            cursor = offset + nbytes
+    close_packed(total_bytes)
+    return chunks
+
+
+def pack_limit(chunk_bytes: int) -> int:
+    """Shards up to this size share chunks (and are hashed twice when staged: their own
+    digest and their chunk's); larger ones get chunks of their own."""
+    return chunk_bytes // 16

@@ -19,7 +19,7 @@ from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -46,11 +46,11 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if lib.ws_abi_version() != _ABI_VERSION:
         return None, f"{_LIB_PATH.name} has ABI {lib.ws_abi_version()}, expected {_ABI_VERSION}; {BUILD_HINT}"
     lib.ws_stage.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(_Span), ctypes.c_uint64,
-        _U64P, ctypes.POINTER(ctypes.c_double), _U64P, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_uint64, _U64P, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(_Span),
+        ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), _U64P, ctypes.c_int,
     ]
     lib.ws_digest_spans.argtypes = [
-        ctypes.POINTER(_Span), ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
+        ctypes.POINTER(_Span), ctypes.c_uint64, ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
     ]
     lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
@@ -163,15 +163,17 @@ def _ptr(a: np.ndarray) -> int:
 def stage(
     dst: np.ndarray,
     total: int,
-    chunk_bytes: int,
+    chunk_lengths: Sequence[int],
+    piece_bytes: int,
     sources: Sequence[tuple[np.ndarray, int, int]],
     *,
     threads: int = 0,
 ) -> StageResult:
     """Copies each (C-contiguous array, dst offset, dtype code) into dst and digests it.
 
-    One pass: per-span xxh3-64 and float64 sum, per-chunk xxh3-64 over dst[0, total),
-    gaps zeroed. Spans must be sorted by offset and must not overlap.
+    One pass: xxh3-64 of each chunk (the chunks tile dst[0, total) with these lengths),
+    float64 sum and piecewise digest (`digests.piecewise_xxh3` with `piece_bytes`) per
+    span, gaps zeroed. Spans must be sorted by offset and must not overlap.
     """
     lib = _require()
     if dst.dtype != np.uint8 or dst.nbytes < total or not dst.flags.c_contiguous:
@@ -181,22 +183,26 @@ def stage(
         if not arr.flags.c_contiguous:
             raise InvalidArgument(f"sources[{i}]", "array is not C-contiguous")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
-    n_chunks = -(-total // chunk_bytes) if total else 0
+    lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
-    chunks = np.zeros(max(n_chunks, 1), np.uint64)
+    chunks = np.zeros(max(len(lengths), 1), np.uint64)
     rc = lib.ws_stage(
-        _ptr(dst), total, chunk_bytes, spans, len(sources),
+        _ptr(dst), total, lengths.ctypes.data_as(_U64P), len(lengths), piece_bytes, spans, len(sources),
         digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
         chunks.ctypes.data_as(_U64P), threads,
     )
+    if rc == 1:
+        raise InvalidArgument("chunk_lengths", "ws_stage: chunks must tile [0, total), spans stay inside it in order")
     _check(rc, "ws_stage")
-    return StageResult(digests, sums, chunks[:n_chunks])
+    return StageResult(digests, sums, chunks[: len(lengths)])
 
 
-def digest_arrays(arrays: Sequence[tuple[np.ndarray, int]], *, threads: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(xxh3-64 per array, float64 sum per array) of C-contiguous (array, dtype code) pairs,
-    in place and in parallel."""
+def digest_arrays(
+    arrays: Sequence[tuple[np.ndarray, int]], piece_bytes: int, *, threads: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(piecewise xxh3-64 per array, float64 sum per array) of C-contiguous (array, dtype
+    code) pairs, in place and in parallel."""
     lib = _require()
     spans = (_Span * max(1, len(arrays)))()
     for i, (arr, dtype) in enumerate(arrays):
@@ -206,7 +212,8 @@ def digest_arrays(arrays: Sequence[tuple[np.ndarray, int]], *, threads: int = 0)
     digests = np.zeros(max(len(arrays), 1), np.uint64)
     sums = np.zeros(max(len(arrays), 1), np.float64)
     rc = lib.ws_digest_spans(
-        spans, len(arrays), digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), threads
+        spans, len(arrays), piece_bytes, digests.ctypes.data_as(_U64P),
+        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), threads,
     )
     _check(rc, "ws_digest_spans")
     return digests[: len(arrays)], sums[: len(arrays)]

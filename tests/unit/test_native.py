@@ -81,12 +81,16 @@ def test_large_spans_cut_by_thread_boundaries_and_many_tiny_tensors() -> None:
     assert np.allclose([s.sum for s in nat1[1]], [s.sum for s in nat[1]], rtol=1e-9)
 
 
-def test_overlapping_spans_are_refused() -> None:
+def test_overlapping_spans_and_bad_chunk_plans_are_refused() -> None:
     a = np.ones(100, np.float32)
     with pytest.raises(InvalidArgument):
-        native.stage(np.zeros(1024, np.uint8), 600, 4096, [(a, 0, 1), (a, 200, 1)])
+        native.stage(np.zeros(1024, np.uint8), 600, [600], 4096, [(a, 0, 1), (a, 200, 1)])
     with pytest.raises(InvalidArgument):
-        native.stage(np.zeros(1024, np.uint8), 300, 4096, [(a, 0, 1)])  # leaves [0, total)
+        native.stage(np.zeros(1024, np.uint8), 300, [300], 4096, [(a, 0, 1)])  # leaves [0, total)
+    with pytest.raises(InvalidArgument, match="chunk_lengths"):
+        native.stage(np.zeros(1024, np.uint8), 400, [300], 4096, [(a, 0, 1)])  # chunks stop short of total
+    with pytest.raises(InvalidArgument, match="chunk_lengths"):
+        native.stage(np.zeros(1024, np.uint8), 400, [400, 0], 4096, [(a, 0, 1)])  # an empty chunk
 
 
 def test_digest_ranges_beyond_4_gib(tmp_path: Path) -> None:
@@ -113,26 +117,53 @@ def test_digest_ranges_beyond_4_gib(tmp_path: Path) -> None:
 
 
 def test_chunk_digests_match_xxhash_over_the_slot() -> None:
-    arrays = _arrays([(40_000, 0), (3, 2)], seed=1)
-    _, (slot, _, chunks) = _both_engines(arrays, 4096)
-    for c, (off, n) in zip(chunks, plan_chunks(len(slot), 4096)):
-        assert c.xxh3 == xxhash.xxh3_64_intdigest(slot[off : off + n])
+    arrays = _arrays([(40_000, 0), (3, 2), (100, 1), (9_000, 0)], seed=1)
+    _, (slot, specs, chunks) = _both_engines(arrays, 4096)
+    spans = [(s.offset, s.nbytes) for s in specs]
+    assert [(c.offset, c.length) for c in chunks] == plan_chunks(len(slot), 4096, spans)
+    for c in chunks:
+        assert c.xxh3 == xxhash.xxh3_64_intdigest(slot[c.offset : c.offset + c.length])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(0, 40_000), st.integers(0, 8)), min_size=1, max_size=10),
+    chunk=st.integers(4096, 20_000),
+    seed=st.integers(0, 2**16),
+)
+def test_large_shards_digest_from_their_chunks(sizes: list[tuple[int, int]], chunk: int, seed: int) -> None:
+    """The hash-once contract: a shard above the pack limit is tiled by chunks of its own,
+    one per piece, so its piecewise digest is made of exactly those chunk digests."""
+    from weightsync.digests import piecewise_xxh3
+    from weightsync.layout import pack_limit
+
+    _, (slot, specs, chunks) = _both_engines(_arrays(sizes, seed), chunk)
+    by_offset = {c.offset: c for c in chunks}
+    for s in specs:
+        assert s.xxh3 == piecewise_xxh3(slot[s.offset : s.offset + s.nbytes], chunk)
+        if s.nbytes <= pack_limit(chunk):
+            continue
+        pieces = [by_offset[o] for o in range(s.offset, s.offset + s.nbytes, chunk)]
+        assert [c.length for c in pieces] == [min(chunk, s.offset + s.nbytes - o) for o in range(s.offset, s.offset + s.nbytes, chunk)]
+        expected = pieces[0].xxh3 if len(pieces) == 1 else xxhash.xxh3_64_intdigest(np.array([c.xxh3 for c in pieces], "<u8").tobytes())
+        assert s.xxh3 == expected
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     sizes=st.lists(st.tuples(st.integers(0, 300_000), st.integers(0, 8)), min_size=1, max_size=10),
+    piece=st.integers(1, 400_000),
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
-def test_digest_arrays_equals_python(sizes: list[tuple[int, int]], threads: int, seed: int) -> None:
-    from weightsync.digests import float64_sum
+def test_digest_arrays_equals_python(sizes: list[tuple[int, int]], piece: int, threads: int, seed: int) -> None:
+    from weightsync.digests import float64_sum, piecewise_xxh3
     from weightsync.dtypes import native_code
 
     arrays = _arrays(sizes, seed)
-    digests, sums = native.digest_arrays([(a, native_code(a.dtype)) for a in arrays], threads=threads)
+    digests, sums = native.digest_arrays([(a, native_code(a.dtype)) for a in arrays], piece, threads=threads)
     for a, d, s in zip(arrays, digests, sums):
-        assert int(d) == xxhash.xxh3_64_intdigest(a.view(np.uint8).tobytes())
+        assert int(d) == piecewise_xxh3(a.view(np.uint8), piece)
         assert np.isclose(s, float64_sum(a), rtol=1e-9, atol=1e-6), (a.dtype, s, float64_sum(a))
 
 
