@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,15 @@ torch = pytest.importorskip("torch")
 
 from safetensors.numpy import load_file  # noqa: E402
 
+from rollout_agent.appliers import DictApplier  # noqa: E402
+from rollout_agent.puller import WeightPuller  # noqa: E402
+from rollout_agent.relay import Relay  # noqa: E402
+from rollout_agent.sync import sync_version  # noqa: E402
 from tests.integration.support import state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.cluster import Cluster  # noqa: E402
+from weightsync.manifest import Endpoint  # noqa: E402
 from weightsync.tiny_models import write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -203,27 +209,45 @@ def test_default_multiprocess_engine_gets_the_backend_from_the_entry_point(model
 def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
     engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
 ) -> None:
+    """eng-b (worker extension) runs in relay mode behind a relaying rollout (eng-0, in this
+    process, pulling from the trainer): every byte eng-b applies comes from eng-0's relay,
+    so the trainer sends the version twice (eng-0 and eng-a), not three times."""
     other = vllm.LLM(
         model=str(model_dir),
         worker_extension_cls="rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension",
         **ENGINE_ARGS,
     )
+    relay = Relay("job", wait_s=30.0)
+    client = CoordinatorClient(coordinator)
     try:
-        (status,) = other.collective_rpc("weightsync_attach", args=({"coordinator": coordinator, "session": "job", "agent_id": "eng-b"},))
+        init = {"coordinator": coordinator, "session": "job", "agent_id": "eng-b", "weight_sync_mode": "relay"}
+        (status,) = other.collective_rpc("weightsync_attach", args=(init,))
         assert status["agent_id"] == "eng-b"
+        endpoint = Endpoint(transports=("grpc", "relay"), tcp_address=relay.address)
+        client.register_agent("job", "eng-0", trainer=False, endpoint=endpoint)
+        upstream = WeightPuller(client, "job", "eng-0", transport="relay", relay=relay.source)
         v = next(versions)
         w = weights_for(model_dir, 41)
-        publisher.publish(w, v)
-        (result,) = other.collective_rpc("weightsync_sync", args=("latest",))
+        served = publisher._servicer.bytes_served
+        total = publisher.publish(w, v).total_bytes
+        with ThreadPoolExecutor(1) as pool:  # eng-0 pulls and relays while eng-b reads from it
+            first = pool.submit(sync_version, upstream, DictApplier(), v)
+            (result,) = other.collective_rpc("weightsync_sync", args=(v,))
+            assert first.result().ok
         other.reset_prefix_cache()
         assert result["ok"] and result["version"] == v, result
+        assert relay.source.bytes_served == total
         sync_native(engine, v)
         want = transformers_run(model_dir, w)
         assert_matches(vllm_run(other), want)
         assert_matches(vllm_run(engine), want)
         assert publisher.wait_committed(v, 30) == "COMMITTED"
-        for agent in ("eng-a", "eng-b"):
+        for agent in ("eng-0", "eng-a", "eng-b"):
             assert handshake(coordinator, v, agent)[0].ok
+        assert publisher._servicer.bytes_served - served == 2 * total
         assert other.collective_rpc("weightsync_status")[0]["current_version"] == v
+        upstream.close()
     finally:
         other.collective_rpc("weightsync_detach")
+        relay.close()
+        client.close()
