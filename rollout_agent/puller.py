@@ -22,6 +22,7 @@ from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
+from weightsync.transports.shm import ShmTransport
 from weightsync.wire import endpoint_from_proto
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class _Lane:
         self.mode = ""  # transport name; set by WeightPuller._plan
         self.endpoint = part.endpoint
         self.relayed = False
+        self.in_place = False  # shm: verified where the bytes lie in the mapped arena
 
 
 class WeightPuller:
@@ -213,17 +215,19 @@ class WeightPuller:
         """Fetches and verifies every chunk of every rank into the receive buffers."""
         started = time.perf_counter()
         with self._lock:
-            buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             lanes = []
             for part in manifest.parts:
                 n = len(part.chunks)
                 per = max(1, -(-n // self.streams))
                 lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
+            lanes = self._plan(lanes)
+            views = self._in_place_views(lanes)
+            buffers = {p.rank: views[p.rank] if p.rank in views else self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             if self.relay is not None:
                 self.relay.begin(manifest, self._token, buffers)
             try:
                 with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-                    futures = [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in self._plan(lanes)]
+                    futures = [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in lanes]
                     for future in futures:
                         future.result()
             except BaseException:
@@ -237,6 +241,28 @@ class WeightPuller:
             self.metrics.observe_phase("pull", seconds)
             self.metrics.add_bytes("pulled", pulled)
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
+
+    def _in_place_views(self, lanes: list[_Lane]) -> dict[int, np.ndarray]:
+        """Read-only views of the parts every lane of which reads over shm: their chunks are
+        verified where they lie in the mapped arena and tensors are assembled from there,
+        with no receive buffer and no copy (the lease keeps the trainer off the slot until
+        this version is reported). Not when relaying: a relay serves from its own buffers."""
+        if self.relay is not None:
+            return {}
+        views = {}
+        for part in {lane.part.rank: lane.part for lane in lanes}.values():
+            mine = [lane for lane in lanes if lane.part.rank == part.rank]
+            if not all(lane.mode == "shm" for lane in mine):
+                continue
+            try:
+                transport = self._transport(mine[0])
+                assert isinstance(transport, ShmTransport)
+                views[part.rank] = transport.part_view(part.total_bytes)
+            except TransportUnavailable:  # the lanes copy instead, with their retries
+                continue
+            for lane in mine:
+                lane.in_place = True
+        return views
 
     def pull_chunks(self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int) -> tuple[int, int]:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
@@ -275,6 +301,21 @@ class WeightPuller:
                 f"failed after {self.max_attempts} attempts: {last_error}"
             )
 
+    def _verify_in_place(
+        self, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int
+    ) -> tuple[list[int], str]:
+        chunks: tuple[ChunkSpec, ...] = lane.part.chunks
+        spans = [(chunks[i].offset - base, chunks[i].length) for i in indices]
+        if native.available():
+            digests = native.digest_ranges(buf, [o for o, _ in spans], [n for _, n in spans])
+        else:
+            digests = [xxh3(buf[o : o + n]) for o, n in spans]
+        bad = [i for i, d in zip(indices, digests) if int(d) != chunks[i].xxh3]
+        lane.bytes += sum(chunks[i].length for i, d in zip(indices, digests) if int(d) == chunks[i].xxh3)
+        for _ in bad:
+            self._count_digest_failure()
+        return bad, f"chunk {bad[0]} digest mismatch" if bad else ""
+
     def _count_digest_failure(self) -> None:
         if self.metrics is not None:
             self.metrics.digest_failures.labels(role=self.metrics.role).inc()
@@ -284,6 +325,8 @@ class WeightPuller:
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
+        if lane.in_place:
+            return self._verify_in_place(lane, indices, buf, base)
         received: set[int] = set()
         problem = ""
         transport = self._transport(lane)

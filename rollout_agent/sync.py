@@ -127,7 +127,9 @@ def _apply_atomic(
     t0 = time.perf_counter()
     tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
     if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
-        first = next(iter(tensors.values()))
+        name, first = next(iter(tensors.items()))
+        if not first.flags.writeable:  # a view of the trainer's arena (shm): corrupt a copy
+            tensors[name] = first = first.copy()
         first.reshape(-1).view("uint8")[0] ^= 0xFF
     progress.digests = digest_all(manifest, tensors)
     progress.elements = sum(int(t.size) for t in tensors.values())

@@ -98,6 +98,14 @@ def test_shm_transport_on_the_same_host_and_grpc_fallback(
         _, manifest = client.get_manifest("job", 3)
         assert puller.transport_for(manifest.parts[0]) == expected
         assert manifest.parts[0].endpoint.shm_path == str(pub.arena.path)
+        assert (not puller._buffers) == (expected == "shm")  # shm: verified in the mapping, no receive buffer
+        if expected == "shm":  # a bad byte in the arena itself: refused, the engine keeps version 3
+            result = pub.publish({k: v + 1 for k, v in params.items()}, 4)
+            entry = pub.table.entries()[result.slot]
+            pub.arena.slot(result.slot)[entry.chunks[1].offset + 3] ^= 0x10
+            outcome = sync_version(puller, applier, 4)
+            assert not outcome.ok and "chunk 1 digest mismatch" in outcome.mismatch
+            assert applier.version == 3 and all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         puller.close()
     client.close()
 

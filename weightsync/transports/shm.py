@@ -1,7 +1,8 @@
 """ShmTransport: a rollout on the trainer's host maps the arena read-only; no network.
 
-Chunks come back as views into the mapping (zero copy); the puller verifies and copies
-them like any other payload. Only arena files under /dev/shm with weightsync's prefix
+Chunks come back as views into the mapping (zero copy); the puller verifies them where
+they lie (`part_view`) and assembles tensors from the mapping, or, when it relays or
+streams, copies them like any other payload. Only arena files under /dev/shm with weightsync's prefix
 are ever opened: a manifest cannot point this at arbitrary files.
 """
 
@@ -12,6 +13,8 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from weightsync.errors import InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint
@@ -67,6 +70,14 @@ class ShmTransport(Transport):
             if start + length > len(self._view):
                 raise TransportUnavailable(f"arena {self._path} is smaller than the manifest says (reallocated?)")
             yield ChunkPayload(index, offset, self._view[start : start + length])
+
+    def part_view(self, nbytes: int) -> np.ndarray:
+        """The open slot's first `nbytes` as a read-only uint8 array (no copy)."""
+        if self._view is None:
+            raise TransportUnavailable("not open; call open() first")
+        if self._base + nbytes > len(self._view):
+            raise TransportUnavailable(f"arena {self._path} is smaller than the manifest says (reallocated?)")
+        return np.frombuffer(self._view[self._base : self._base + nbytes], np.uint8)
 
     def close(self) -> None:
         if self._view is not None:
