@@ -363,8 +363,11 @@ def verdicts(rows: list[Row]) -> list[str]:
     for mode, target in (("shm", 0.4), ("tcp", 0.8), ("grpc", 0.4)):
         r = by.get(("weightsync", mode, 1))
         if r:
+            rest = r.seconds - r.stage_seconds - r.pull_seconds
+            alone = "read in place" if mode == "shm" else f"{r.pull_ratio_to_bound:.2f}x alone"
             check(f"{mode} N=1 end to end >= {target}x {r.bound}", r.ratio_to_bound >= target,
-                  f"{r.ratio_to_bound:.2f}x (pull + chunk verification alone: {r.pull_ratio_to_bound:.2f}x)")
+                  f"{r.ratio_to_bound:.2f}x = stage {r.stage_seconds:.3f}s + pull {r.pull_seconds:.3f}s "
+                  f"({alone}) + tensor verify, apply, control {rest:.3f}s")
     for n in (1, 4):
         ours = [r for r in rows if r.method == "weightsync" and r.rollouts == n]
         peers = [r for r in rows if r.method != "weightsync" and r.rollouts == n]

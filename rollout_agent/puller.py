@@ -68,11 +68,12 @@ class WeightPuller:
     the rollout before this one in the coordinator's chain (the trainer over tcp when
     first, or when that relay fails) and re-serves through `relay`; ranks that do not
     offer the mode are pulled over "grpc". Each rank's chunks are split into `streams`
-    contiguous lanes; a lane requests at
-    most `window_chunks` chunks per call, so at most streams x window_chunks x
-    chunk_bytes are in flight per rank. Every chunk's xxh3 is checked on arrival; a bad
-    or missing chunk is fetched again, up to `max_attempts` times in all, then
-    DigestMismatch (DATA_LOSS). Receive buffers persist across versions.
+    contiguous lanes; a lane requests at most `window_chunks` chunks per call, so at most
+    streams x window_chunks x chunk_bytes are in flight per rank. Every chunk's xxh3 is
+    checked on arrival; a bad or missing chunk is fetched again, up to `max_attempts`
+    times in all, then DigestMismatch (DATA_LOSS). Receive buffers persist across
+    versions. A part read over shm (not relaying) is used in place in the mapped arena:
+    no receive buffer, and its tensors' digests are the check.
     """
 
     def __init__(
@@ -243,10 +244,12 @@ class WeightPuller:
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
 
     def _in_place_views(self, lanes: list[_Lane]) -> dict[int, np.ndarray]:
-        """Read-only views of the parts every lane of which reads over shm: their chunks are
-        verified where they lie in the mapped arena and tensors are assembled from there,
-        with no receive buffer and no copy (the lease keeps the trainer off the slot until
-        this version is reported). Not when relaying: a relay serves from its own buffers."""
+        """Read-only views of the parts every lane of which reads over shm: tensors are
+        assembled where they lie in the mapped arena, with no receive buffer and no copy
+        (the lease keeps the trainer off the slot until this version is reported). Chunk
+        digests are not checked there: re-reading the one source could not repair a bad
+        chunk, and the tensor digests (piecewise xxh3 of every shard byte, checked before
+        anything is applied) catch it. Not when relaying: a relay serves its buffers."""
         if self.relay is not None:
             return {}
         views = {}
@@ -301,21 +304,6 @@ class WeightPuller:
                 f"failed after {self.max_attempts} attempts: {last_error}"
             )
 
-    def _verify_in_place(
-        self, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int
-    ) -> tuple[list[int], str]:
-        chunks: tuple[ChunkSpec, ...] = lane.part.chunks
-        spans = [(chunks[i].offset - base, chunks[i].length) for i in indices]
-        if native.available():
-            digests = native.digest_ranges(buf, [o for o, _ in spans], [n for _, n in spans])
-        else:
-            digests = [xxh3(buf[o : o + n]) for o, n in spans]
-        bad = [i for i, d in zip(indices, digests) if int(d) != chunks[i].xxh3]
-        lane.bytes += sum(chunks[i].length for i, d in zip(indices, digests) if int(d) == chunks[i].xxh3)
-        for _ in bad:
-            self._count_digest_failure()
-        return bad, f"chunk {bad[0]} digest mismatch" if bad else ""
-
     def _count_digest_failure(self) -> None:
         if self.metrics is not None:
             self.metrics.digest_failures.labels(role=self.metrics.role).inc()
@@ -325,8 +313,9 @@ class WeightPuller:
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
-        if lane.in_place:
-            return self._verify_in_place(lane, indices, buf, base)
+        if lane.in_place:  # nothing moves; the tensor digests check every byte before apply
+            lane.bytes += sum(chunks[i].length for i in indices)
+            return [], ""
         received: set[int] = set()
         problem = ""
         transport = self._transport(lane)
