@@ -20,14 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from common import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
 from trainer_agent.publisher import DEFAULT_CHUNK_BYTES, _to_host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
+
 
 class RssPeak:
     """The kernel's RSS high-water mark over a block (VmHWM, reset on entry): no sampling

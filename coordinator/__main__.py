@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=metrics,
         metrics_port=cfg.metrics_port,
         max_workers=cfg.max_workers,
+        security=cfg.security(),
     )
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)

@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = wait_for_signal()
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
     metrics = build_metrics("rollout")
-    client = CoordinatorClient(cfg.coordinator)
+    client = CoordinatorClient(cfg.coordinator, security=cfg.security())
     relay: Relay | None = None
     if cfg.engine == "vllm":
         from rollout_agent.vllm_engine import VllmEngineSyncer
@@ -51,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "window_chunks": cfg.window_chunks,
                 "max_attempts": cfg.max_attempts,
                 "apply_mode": cfg.apply_mode,
+                "tls_ca_file": cfg.tls_ca_file,
+                "tls_cert_file": cfg.tls_cert_file,
+                "tls_key_file": cfg.tls_key_file,
+                "auth_token": cfg.auth_token,
             },
         )
         agent = RolloutAgent(client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
@@ -74,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=cfg.timeout_s,
             metrics=metrics,
             relay=relay.source if relay else None,
+            security=cfg.security(),
         )
         applier = DictApplier(cfg.dump_dir or None)
         failpoints = Failpoints(cfg.failpoints)
@@ -89,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=cfg.port,
         metrics=metrics,
         metrics_port=cfg.metrics_port,
+        security=cfg.security(),
     )
     relay_address = advertised(relay.address, cfg.advertise_host) if relay else ""
     agent.endpoint = Endpoint(

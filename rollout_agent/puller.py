@@ -21,6 +21,7 @@ from weightsync.errors import DigestMismatch, TransportUnavailable, WeightsyncEr
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
+from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
 from weightsync.transports.shm import ShmTransport
 from weightsync.wire import endpoint_from_proto
@@ -91,6 +92,7 @@ class WeightPuller:
         timeout_s: float = 120.0,
         metrics: Metrics | None = None,
         relay: RelaySource | None = None,
+        security: Security | None = None,
     ) -> None:
         if streams < 1 or window_chunks < 1 or max_attempts < 1:
             raise ValueError("streams, window_chunks and max_attempts must be >= 1")
@@ -115,6 +117,7 @@ class WeightPuller:
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self.security = security  # for gRPC reads from trainer agents
         self._buffers: dict[int, np.ndarray] = {}
         self.assembly_buffers: dict[str, np.ndarray] = {}  # tensors split across ranks
         self._lock = threading.Lock()
@@ -169,7 +172,8 @@ class WeightPuller:
         with self._transports_lock:
             transport = self._transports.get(key)
             if transport is None:
-                transport = create_transport(key[0], **({"root": self.fs_root} if key[0] == "fs" else {}))
+                options = {"fs": {"root": self.fs_root}, "grpc": {"security": self.security}}.get(key[0], {})
+                transport = create_transport(key[0], **options)
                 transport.open(lane.endpoint)
                 self._transports[key] = transport
             elif key[0] in ("shm", "fs"):

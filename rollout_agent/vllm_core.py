@@ -19,6 +19,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.modes import normalize_mode
+from weightsync.security import Security
 from weightsync.validation import check_agent_id, check_session_name
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -38,6 +39,10 @@ class RolloutInitInfo:
     timeout_s: float = 120.0
     apply_mode: str = "atomic"  # or "streaming": bounded host memory, not atomic
     fs_root: str = ""  # transport "fs": the store parts may be read from
+    tls_ca_file: str = ""  # TLS: the CA of the coordinator's and trainers' certificates
+    tls_cert_file: str = ""  # mTLS: this worker's client certificate and key
+    tls_key_file: str = ""
+    auth_token: str = ""  # the rollout role's bearer token, when servers require tokens
 
     def __post_init__(self) -> None:
         check_session_name(self.session, "init_info.session")
@@ -46,8 +51,16 @@ class RolloutInitInfo:
         if self.apply_mode not in ("atomic", "streaming"):
             raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "init_info.weight_sync_mode", allow_empty=True)
+        self.security()  # both halves of a key pair or neither
         if self.weight_sync_mode == "fs" and not self.fs_root:
             raise InvalidArgument("init_info.fs_root", "weight_sync_mode 'fs' needs the store root")
+
+    def security(self) -> Security:
+        """TLS / mTLS and the bearer token for this worker's channels."""
+        try:
+            return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"init_info.{e.field}", e.message.partition(": ")[2]) from None
 
 
 def parse_version(version: Any) -> int:
@@ -70,7 +83,7 @@ class VllmRollout:
         self.info = info
         self.agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
         check_agent_id(self.agent_id, "init_info.agent_id")
-        self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s)
+        self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s, security=info.security())
         # relay mode: this worker re-serves what it pulls to the next rollout in the chain.
         self.relay = Relay(info.session) if info.weight_sync_mode == "relay" and info.apply_mode == "atomic" else None
         self.puller = WeightPuller(
@@ -84,6 +97,7 @@ class VllmRollout:
             max_attempts=info.max_attempts,
             timeout_s=info.timeout_s,
             relay=self.relay.source if self.relay else None,
+            security=info.security(),
         )
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0

@@ -65,6 +65,7 @@ def _run(argv: Sequence[str] | None) -> int:
         failpoints=cfg.failpoints,
         fs_root=cfg.fs_root,
         weight_sync_mode=cfg.weight_sync_mode,
+        security=cfg.security(),
     ) as pub:
         write_ready_file(cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id)
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):

@@ -40,6 +40,7 @@ from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.modes import normalize_mode
+from weightsync.security import Security
 from weightsync.server import RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore
 from weightsync.transports.tcp import TcpChunkServer
@@ -146,7 +147,9 @@ class WeightPublisher:
             need only the store, not a route to this process); old versions are removed
             when their slot is reused.
         weight_sync_mode: the session's default mode for rollouts without their own
-            (grpc | shm | fs; "" keeps the session's). fs needs fs_root.
+            (grpc | tcp | shm | fs | relay; "" keeps the session's). fs needs fs_root.
+        security: TLS / mTLS and bearer tokens for the coordinator channel and this
+            rank's gRPC server (`weightsync.security`; plaintext without).
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class WeightPublisher:
         staging_threads: int = 0,
         fs_root: str = "",
         weight_sync_mode: str = "",
+        security: Security | None = None,
     ) -> None:
         check_session_name(session)
         if use_ffi is True and not native.ffi_available():
@@ -199,7 +203,7 @@ class WeightPublisher:
         self._ffi: Any = None
         self.agent_id = agent_id or f"trainer-{rank}-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or build_metrics("trainer")
-        self._client = CoordinatorClient(coordinator, timeout_s=timeout_s)
+        self._client = CoordinatorClient(coordinator, timeout_s=timeout_s, security=security)
         opened = self._client.open_session(
             session,
             trainer=True,
@@ -220,6 +224,7 @@ class WeightPublisher:
             port=port,
             metrics=self.metrics,
             metrics_port=metrics_port,
+            security=security,
         )
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None

@@ -19,6 +19,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, WeightsyncError
+from weightsync.security import Security
 
 STATE_STYLE = {
     "STAGING": "yellow",
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call")
+    for name, what in (("tls-ca-file", "PEM CA of the coordinator's certificate (TLS)"),
+                       ("tls-cert-file", "PEM client certificate (mTLS)"), ("tls-key-file", "its PEM key"),
+                       ("auth-token", "bearer token (any role may read)")):
+        var = "WEIGHTSYNC_WSCTL_" + name.upper().replace("-", "_")
+        p.add_argument(f"--{name}", default=os.environ.get(var, ""), help=f"{what} (default: ${var})")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="session, agents, versions, handshakes")
     s.add_argument("--limit", type=int, default=10)
@@ -203,7 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.session = args.session or os.environ.get("WEIGHTSYNC_WSCTL_SESSION", "demo")
     # Piped output is not cut to 80 columns: tensor names stay whole for grep and scripts.
     console = Console(width=None if sys.stdout.isatty() else 200)
-    with CoordinatorClient(args.coordinator, timeout_s=args.timeout_s, retries=1) as client:
+    try:
+        security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
+    except WeightsyncError as e:
+        print(f"wsctl: {e.message}", file=sys.stderr)
+        return 2
+    with CoordinatorClient(args.coordinator, timeout_s=args.timeout_s, retries=1, security=security) as client:
         try:
             return COMMANDS[args.command](client, args, console)
         except WeightsyncError as e:

@@ -15,6 +15,7 @@ from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import DeadlineExceeded, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
+from weightsync.security import Security
 from weightsync.wire import endpoint_to_proto, manifest_from_pieces, part_to_batches
 
 log = logging.getLogger(__name__)
@@ -28,11 +29,13 @@ class CoordinatorClient:
     coordinator restart of a few seconds.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 8) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = 30.0, retries: int = 8, security: Security | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
-        self._channel = rpc.insecure_channel(address)
+        self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from weightsync.errors import InvalidArgument
+from weightsync.security import Security
+
 C = TypeVar("C")
 
 
@@ -41,12 +44,33 @@ class ServerConfig:
     ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
     log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
     advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
+    tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
+    tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
+    tls_ca_file: str = option("", "PEM CA that signs the servers this process dials (TLS on its channels); with --tls-require-client-cert it also checks clients.")
+    tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
+    auth_tokens_file: str = option("", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).')
+    auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
 
     def __post_init__(self) -> None:
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        try:
+            self.security()
+        except InvalidArgument as e:
+            raise ValueError(e.message) from None
+
+    def security(self) -> Security:
+        """TLS / mTLS and bearer tokens for this process's server and its channels."""
+        return Security(
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            ca_file=self.tls_ca_file,
+            require_client_cert=self.tls_require_client_cert,
+            token=self.auth_token,
+            tokens_file=self.auth_tokens_file,
+        )
 
 
 def _base_type(tp: Any) -> Any:

@@ -19,6 +19,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from weightsync import errors
+from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ def stream(fn: Callable[..., Iterator[T]], request: Any, *, timeout_s: float | N
             cancel()
 
 
-def insecure_channel(address: str) -> grpc.Channel:
-    """A plaintext channel with weightsync's message-size and keepalive options."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, security: Security | None = None) -> grpc.Channel:
+    """A channel with weightsync's message-size and keepalive options; TLS and a bearer
+    token as `security` says (plaintext without)."""
+    return (security or PLAINTEXT).channel(address, CHANNEL_OPTIONS)

@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 
 from weightsync.metrics import Metrics
 from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
+from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def start_server(
     metrics: Metrics,
     metrics_port: int,
     max_workers: int = 32,
+    security: Security | None = None,
 ) -> RunningServer:
     """Starts a gRPC server with health + reflection and a /metrics endpoint.
 
@@ -72,10 +74,14 @@ def start_server(
         metrics: this process's metrics (the registry served on /metrics).
         metrics_port: 0 picks a free port; -1 disables /metrics.
         max_workers: handler threads; each open stream (watch, read) holds one.
+        security: TLS / mTLS and bearer-token checks (`weightsync.security`); plaintext
+            and open without.
     """
+    security = security or PLAINTEXT
+    credentials = security.server_credentials()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[StatusInterceptor(metrics.observe_rpc)],
+        interceptors=[StatusInterceptor(metrics.observe_rpc), *security.server_interceptors()],
         options=SERVER_OPTIONS,
         maximum_concurrent_rpcs=max_workers * 4,
     )
@@ -86,7 +92,10 @@ def start_server(
         svc.add(svc.servicer, server)
         names.append(svc.full_name)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
@@ -98,7 +107,11 @@ def start_server(
         httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
         mport = httpd.server_port
     address = f"{host}:{bound}"
-    log.info("serving %s on %s (metrics on %s)", ", ".join(names), address, mport)
+    log.info(
+        "serving %s on %s (metrics on %s; %s%s)", ", ".join(names), address, mport,
+        "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
+        ", bearer tokens" if security.tokens_file else "",
+    )
     return RunningServer(server, address, mport, health_servicer, names, httpd)
 
 

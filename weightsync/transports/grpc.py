@@ -18,6 +18,7 @@ from weightsync._proto import trainer_agent_pb2 as _pb
 from weightsync.errors import DataLoss, InvalidArgument, TransportUnavailable
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Endpoint
+from weightsync.security import PLAINTEXT, Security
 from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, ChunkSource, FetchRequest, Transport
 
 READ_CHUNKS_METHOD = "/weightsync.v1.TrainerAgent/ReadChunks"
@@ -118,13 +119,14 @@ class GrpcTransport(Transport):
     name = "grpc"
     cross_host = True
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security | None = None) -> None:
+        self._security = security
         self._channel: grpc.Channel | None = None
         self._read: Any = None
 
     def open(self, endpoint: Endpoint) -> None:
         self.close()
-        self._channel = grpc.insecure_channel(endpoint.address, options=_TRANSPORT_CHANNEL_OPTIONS)
+        self._channel = (self._security or PLAINTEXT).channel(endpoint.address, _TRANSPORT_CHANNEL_OPTIONS)
         self._read = self._channel.unary_stream(
             READ_CHUNKS_METHOD,
             request_serializer=_pb.ReadChunksRequest.SerializeToString,

@@ -1,0 +1,172 @@
+"""TLS, mTLS and per-role bearer tokens on real servers; certificates are made per run."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollout_agent.appliers import DictApplier
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
+from trainer_agent.publisher import WeightPublisher
+from weightsync.client import CoordinatorClient
+from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
+from weightsync.manifest import Endpoint
+from weightsync.rpc import CHANNEL_OPTIONS
+from weightsync.security import Security, load_tokens
+from weightsync.server import RunningServer
+
+TOKENS = {"trainer": "t" * 24, "rollout": "r" * 24, "admin": "a" * 24}
+
+
+def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> tuple[str, str]:
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(path.with_suffix(".crt")), str(path.with_suffix(".key"))
+
+
+def _cert(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
+def _pki(root: Path, name: str) -> tuple[str, str, str]:
+    """(ca.crt, node.crt, node.key): a CA and one node identity (server and client) it signed."""
+    ca_key, node_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    ca_crt, _ = _write(root / f"{name}-ca", ca_key, _cert(f"{name} CA", ca_key, ca_name, ca_key, True))
+    node_crt, node_key_path = _write(root / f"{name}-node", node_key, _cert("node", node_key, ca_name, ca_key, False))
+    return ca_crt, node_crt, node_key_path
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, str]:
+    ca, crt, key = _pki(tmp_path, "good")
+    rogue_ca, rogue_crt, rogue_key = _pki(tmp_path, "rogue")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    return {"ca": ca, "crt": crt, "key": key, "rogue_crt": rogue_crt, "rogue_key": rogue_key, "tokens": str(tokens)}
+
+
+def _client_side(pki: dict[str, str], role: str | None) -> Security:
+    return Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS[role] if role else "")
+
+
+def _agent_side(pki: dict[str, str], role: str) -> Security:
+    """A sidecar: serves mTLS with tokens and dials with its identity and role token."""
+    return Security(pki["crt"], pki["key"], pki["ca"], require_client_cert=True, token=TOKENS[role], tokens_file=pki["tokens"])
+
+
+@pytest.fixture
+def secure_coordinator(tmp_path: Path, pki: dict[str, str]) -> Iterator[RunningServer]:
+    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+    from coordinator.store import SessionStore
+    from coordinator.watch import WatchHub
+    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+    from weightsync.metrics import build_metrics
+    from weightsync.server import Service, start_server
+
+    hub = WatchHub()
+    store = SessionStore(tmp_path / "c.db", listener=hub)
+    metrics = build_metrics("coordinator")
+    running = start_server(
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1,
+        security=Security(pki["crt"], pki["key"], pki["ca"], require_client_cert=True, tokens_file=pki["tokens"]),
+    )
+    yield running
+    hub.close()
+    running.stop(0.5)
+    store.close()
+
+
+def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
+    addr = secure_coordinator.address
+    with CoordinatorClient(addr, security=_client_side(pki, "trainer")) as trainer:
+        assert trainer.open_session("job", trainer=True).generation == 1
+
+    def refused(security: Security, error: type[Exception], call=lambda c: c.status("job")) -> str:  # noqa: ANN001
+        with CoordinatorClient(addr, timeout_s=3, retries=0, security=security) as c, pytest.raises(error) as exc:
+            call(c)
+        return str(exc.value)
+
+    refused(Security(), TransportUnavailable)  # plaintext to a TLS port
+    refused(Security(ca_file=pki["ca"], token=TOKENS["trainer"]), TransportUnavailable)  # TLS without a client cert
+    refused(Security(pki["rogue_crt"], pki["rogue_key"], pki["ca"], token=TOKENS["trainer"]), TransportUnavailable)
+    assert "bearer token" in refused(_client_side(pki, None), Unauthenticated)
+    assert "bearer token" in refused(Security(pki["crt"], pki["key"], pki["ca"], token="x" * 24), Unauthenticated)
+    # a rollout token neither attaches as the trainer nor touches versions; it may read and register
+    assert refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.open_session("job", trainer=True)).startswith("role")
+    assert "ReleaseVersion" in refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1))
+    with CoordinatorClient(addr, security=_client_side(pki, "rollout")) as rollout:
+        rollout.open_session("job", trainer=False)
+        rollout.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        assert rollout.status("job").generation == 1  # the trainer was not fenced
+    # health answers without a token (probes), over TLS
+    channel = _client_side(pki, None).channel(addr, CHANNEL_OPTIONS)
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+
+
+@pytest.mark.parametrize("mode", ["grpc", "tcp"])
+def test_a_version_syncs_over_mtls_with_role_tokens(
+    secure_coordinator: RunningServer, pki: dict[str, str], no_arena_leak: None, mode: str
+) -> None:
+    params = {f"model.layers.{i}.mlp.up_proj.weight": np.random.default_rng(i).standard_normal((64, 96)).astype(np.float32) for i in range(3)}
+    with WeightPublisher(secure_coordinator.address, "job", chunk_bytes=8192, security=_agent_side(pki, "trainer")) as pub:
+        client = CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "rollout"))
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0", transport=mode, security=_client_side(pki, "rollout"))
+        pub.publish(params, 1)
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, 1)
+        assert outcome.ok, outcome.mismatch
+        assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        assert pub.wait_committed(1, 10) == "COMMITTED"
+        if mode == "grpc":  # the trainer agent's ReadChunks wants the rollout role
+            intruder = WeightPuller(client, "job", "r0", transport="grpc", security=_client_side(pki, "trainer"), max_attempts=1)
+            assert "ReadChunks" in sync_version(intruder, DictApplier(), 1).mismatch
+            intruder.close()
+        puller.close()
+        client.close()
+
+
+def test_security_settings_are_checked(tmp_path: Path, pki: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgument, match="tls_key_file"):
+        Security(cert_file=pki["crt"])
+    with pytest.raises(InvalidArgument, match="tls_require_client_cert"):
+        Security(require_client_cert=True)
+    bad = tmp_path / "bad.json"
+    for content, why in (('{"root": "' + "x" * 20 + '"}', "unknown role"), ('{"trainer": "short"}', "16 characters"),
+                         ('{"trainer": "' + "x" * 20 + '", "rollout": "' + "x" * 20 + '"}', "share"), ("[1", "not JSON")):
+        bad.write_text(content)
+        with pytest.raises(InvalidArgument, match=why):
+            load_tokens(str(bad))
+    assert load_tokens(pki["tokens"]) == TOKENS
