@@ -326,9 +326,10 @@ COLUMNS = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull
 def _cells(r: Row) -> list[str]:
     """One row's cells, in COLUMNS order (staging and pull only weightsync measures)."""
     ours = r.method == "weightsync"
+    in_place = ours and r.mode == "shm"  # tensors are read where they lie in the arena: nothing moves
     return [r.method, r.mode, str(r.rollouts), f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.ratio_to_bound:.2f} {r.bound}",
             f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
-            f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
+            "in place" if in_place else f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
             f"{r.trainer_peak_rss_bytes / 1e9:.2f}"]
 
 
