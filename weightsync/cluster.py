@@ -22,6 +22,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from weightsync import rpc
+from weightsync.security import Security
+
 ARENA_GLOB = "weightsync-*"
 
 
@@ -49,10 +52,11 @@ class Proc:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def wait_serving(address: str, timeout_s: float = 30.0) -> None:
-    """Polls grpc.health.v1 until the server answers SERVING."""
+def wait_serving(address: str, timeout_s: float = 30.0, security: Security | None = None) -> None:
+    """Polls grpc.health.v1 until the server answers SERVING (over TLS when `security`
+    has a CA; health needs no token)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with rpc.channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -68,8 +72,17 @@ def wait_serving(address: str, timeout_s: float = 30.0) -> None:
 class Cluster:
     """A set of weightsync subprocesses sharing one work directory."""
 
-    def __init__(self, workdir: str | Path, *, python: str = sys.executable, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        security: Security | None = None,
+    ) -> None:
+        """`security`: how to reach the processes' health services when they serve TLS."""
         self.workdir = Path(workdir)
+        self.security = security
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
@@ -114,7 +127,7 @@ class Cluster:
                 raise TimeoutError(f"{proc.name} not ready after {timeout_s}s:\n{proc.log()[-4000:]}")
             time.sleep(0.05)
         proc.ready = json.loads(ready.read_text())
-        wait_serving(proc.address, max(1.0, deadline - time.monotonic()))
+        wait_serving(proc.address, max(1.0, deadline - time.monotonic()), self.security)
         return proc
 
     def start_coordinator(self, *, name: str = "coordinator", db_path: str | None = None, port: int = 0, args: Sequence[str] = ()) -> Proc:

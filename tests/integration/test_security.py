@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.integration.support import state_name
 from trainer_agent.publisher import WeightPublisher
 from weightsync.client import CoordinatorClient
+from weightsync.cluster import Cluster
 from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
 from weightsync.rpc import CHANNEL_OPTIONS
@@ -170,3 +174,31 @@ def test_security_settings_are_checked(tmp_path: Path, pki: dict[str, str]) -> N
         with pytest.raises(InvalidArgument, match=why):
             load_tokens(str(bad))
     assert load_tokens(pki["tokens"]) == TOKENS
+
+
+def test_processes_started_with_tls_flags_sync_over_mtls_with_tokens(tmp_path: Path, pki: dict[str, str], no_arena_leak: None) -> None:
+    """The entry points' flags: coordinator, trainer and rollout agents as real processes,
+    every gRPC server on mTLS with role tokens; wsctl reads with flags, not without."""
+    tls = ["--tls-cert-file", pki["crt"], "--tls-key-file", pki["key"], "--tls-ca-file", pki["ca"],
+           "--tls-require-client-cert", "--auth-tokens-file", pki["tokens"]]
+    with Cluster(tmp_path / "procs", security=Security(pki["crt"], pki["key"], pki["ca"])) as cluster:
+        try:
+            coord = cluster.start_coordinator(args=tls)
+            cluster.start_rollout("r0", coord.address, "job", [*tls, "--auth-token", TOKENS["rollout"], "--weight-sync-mode", "grpc"])
+            cluster.start_trainer("trainer", coord.address, "job",
+                                  ["--model-size", "tiny", "--steps", "2", "--min-rollouts", "1", "--hold", *tls,
+                                   "--auth-token", TOKENS["trainer"]])
+            with CoordinatorClient(coord.address, security=_client_side(pki, "admin")) as admin:
+                assert state_name(admin.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
+                assert sorted((h.version, h.agent_id, h.ok) for h in admin.status("job").handshakes) == [(1, "r0", True), (2, "r0", True)]
+            wsctl = [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "--json"]
+            ok = subprocess.run([*wsctl, "--tls-ca-file", pki["ca"], "--tls-cert-file", pki["crt"], "--tls-key-file", pki["key"],
+                                 "--auth-token", TOKENS["rollout"], "versions"], capture_output=True, text=True, timeout=60)
+            assert ok.returncode == 0, ok.stderr
+            assert [v["state"] for v in json.loads(ok.stdout)] == ["COMMITTED", "COMMITTED"]
+            plain = subprocess.run([*wsctl, "--timeout-s", "3", "versions"], capture_output=True, text=True, timeout=60)
+            assert plain.returncode == 2 and "UNAVAILABLE" in plain.stderr.upper()
+        finally:
+            failed = [p for p in cluster.procs.values() if not p.alive()]
+            for proc in failed:
+                print(f"===== {proc.name} =====\n{proc.log()[-4000:]}")
