@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from weightsync.digests import xxh3
 from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
@@ -240,6 +241,17 @@ def copy(dst: np.ndarray, src: np.ndarray, *, threads: int = 0) -> None:
     if dst.nbytes != src.nbytes:
         raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {src.nbytes}")
     _check(lib.ws_copy(_ptr(dst), _ptr(src), src.nbytes, threads), "ws_copy")
+
+
+def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:
+    """dst[:] = src and the xxh3-64 of those bytes, in one pass on the calling thread with
+    the GIL released (a received chunk into its receive buffer)."""
+    n = src.nbytes
+    if dst.nbytes != n:
+        raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {n}")
+    if n == 0:
+        return xxh3(b"")
+    return int(stage(dst, n, [n], n, [(src, 0, 0)], threads=1).chunk_digests[0])
 
 
 def _moved(rc: int, what: str) -> int:

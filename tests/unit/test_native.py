@@ -187,3 +187,12 @@ def test_cuda_variant_builds_where_a_toolkit_is() -> None:
 def test_cuda_variant_stages_device_buffers(nbytes: int) -> None:
     pattern, staged = native.cuda_selftest(nbytes)
     assert pattern == staged
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=3 << 16))
+def test_copy_digest_copies_and_hashes_in_one_pass(data: bytes) -> None:
+    src = np.frombuffer(data, np.uint8)
+    dst = np.full(len(data), 0xAB, np.uint8)
+    assert native.copy_digest(dst, src) == xxhash.xxh3_64_intdigest(data)
+    assert dst.tobytes() == data
