@@ -57,7 +57,7 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         try:
-            self.security()
+            self.security().check_files()
         except InvalidArgument as e:
             raise ValueError(e.message) from None
 

@@ -89,6 +89,14 @@ class Security:
         if self.require_client_cert and not (self.ca_file and self.cert_file):
             raise InvalidArgument("tls_require_client_cert", "needs tls_ca_file and this server's own certificate")
 
+    def check_files(self) -> None:
+        """Reads every configured file now (entry points fail at start, naming the flag)."""
+        for path, what in ((self.cert_file, "tls_cert_file"), (self.key_file, "tls_key_file"), (self.ca_file, "tls_ca_file")):
+            if path:
+                _read(path, what)
+        if self.tokens_file:
+            load_tokens(self.tokens_file)
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS (mTLS with require_client_cert) for a server; None serves plaintext."""
         if not self.cert_file:

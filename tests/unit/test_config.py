@@ -52,3 +52,18 @@ def test_advertised_addresses_keep_the_bound_port() -> None:
     cfg = load_config(TrainerConfig, "trainer", ["--tcp-port", "50060"], {"WEIGHTSYNC_TRAINER_ADVERTISE_HOST": "10.1.2.3"})
     assert (cfg.tcp_port, cfg.advertise_host) == (50060, "10.1.2.3")
     assert load_config(RolloutConfig, "rollout", ["--relay-port", "50053"], {}).relay_port == 50053
+
+
+def test_security_flags_are_checked_at_start(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text('{"rollout": "' + "r" * 20 + '"}')
+    cfg = load_config(CoordinatorConfig, "coordinator", ["--auth-tokens-file", str(tokens)], {})
+    assert cfg.security().tokens_file == str(tokens)
+    env = {"WEIGHTSYNC_ROLLOUT_AUTH_TOKEN": "r" * 20}
+    assert load_config(RolloutConfig, "rollout", ["--coordinator", "c:1", "--session", "s"], env).security().token == "r" * 20
+    for argv, why in ((["--auth-tokens-file", str(tmp_path / "missing.json")], "cannot read"),
+                      (["--tls-cert-file", str(tokens)], "set both or neither"),
+                      (["--tls-require-client-cert"], "tls_require_client_cert")):
+        with pytest.raises(SystemExit):
+            load_config(CoordinatorConfig, "coordinator", argv, {})
+        assert why in capsys.readouterr().err
