@@ -15,6 +15,7 @@ from coordinator.watch import WatchHub
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
+from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import Aggregates
 from weightsync.metrics import Metrics
@@ -179,7 +180,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         header = pb.ManifestHeader(
             version=version_info(rec),
             chunk_bytes=manifest.chunk_bytes,
-            digest_algorithm="xxh3-64",
+            digest_algorithm=DIGEST_ALGORITHM,
             parts=[part_to_proto(p) for p in manifest.parts],
             aggregates=tpb.Aggregates(
                 grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count

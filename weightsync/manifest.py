@@ -138,6 +138,7 @@ class Part:
         """The digest-relevant content (where it is served and how long it took are not)."""
         return {
             "rank": self.rank,
+            "digest_algorithm": DIGEST_ALGORITHM,
             "total_bytes": self.total_bytes,
             "chunk_bytes": self.chunk_bytes,
             "tensors": [t.to_dict() for t in self.tensors],
