@@ -57,6 +57,7 @@ S = VersionState
 # A new session's mode unless its trainer says otherwise: tcp (measured fastest across hosts;
 # a rank without it, or a rollout without the native shim, is read over grpc).
 DEFAULT_MODE = "tcp"
+RELAY_FRESH_S = 3.0  # a relay missing this long (three heartbeats) leaves new relay chains
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
   name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
@@ -244,10 +245,18 @@ class SessionStore:
         return access_token(self.token_key(session), version)
 
     def relay_chain(self, session: str) -> list[AgentRecord]:
-        """Live rollouts that re-serve versions (endpoint offers "relay"), in chain order."""
+        """Rollouts that re-serve versions (endpoint offers "relay"), in chain order.
+
+        A relay must have renewed its lease within RELAY_FRESH_S (agents heartbeat every
+        second), not merely hold one: a killed relay leaves new chains after a few missed
+        heartbeats instead of a whole lease, so its children stop paying a fallback to the
+        trainer for every version meanwhile.
+        """
+        fresh_after = self._clock() - min(RELAY_FRESH_S, self.lease_ttl_s)
         return [
             a for a in self.agents(session)
-            if a.role == "ROLLOUT" and a.alive and "relay" in a.endpoint.transports and a.endpoint.tcp_address
+            if a.role == "ROLLOUT" and a.alive and a.lease_expires_at - self.lease_ttl_s >= fresh_after
+            and "relay" in a.endpoint.transports and a.endpoint.tcp_address
         ]
 
     def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> set[str]:

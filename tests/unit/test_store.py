@@ -300,3 +300,18 @@ def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_rest
     assert reopened.access_token("job", 3) == access_token(key, 3)
     assert SessionStore(tmp_path / "u.db", clock=clock).token_key("job") != key  # another coordinator, another key
     reopened.close()
+
+
+def test_a_relay_that_stops_heartbeating_leaves_new_chains_before_its_lease_ends(store: SessionStore, clock: Clock) -> None:
+    attach(store)
+    for agent in ("r0", "r1", "r2"):
+        store.register_agent("job", agent, role="ROLLOUT", endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=f"127.0.0.1:{7000 + int(agent[1])}"))
+    assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r1", "r2"]
+    for _ in range(4):  # r1 is gone (SIGKILL): r0 and r2 keep heartbeating
+        clock.t += 1
+        store.heartbeat("job", "r0")
+        store.heartbeat("job", "r2")
+    assert any(a.agent_id == "r1" and a.alive for a in store.agents("job"))  # its lease (10 s) still holds
+    assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r2"]
+    store.heartbeat("job", "r1")  # back: in the chain again
+    assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r1", "r2"]
