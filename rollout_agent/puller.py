@@ -57,7 +57,7 @@ class _Lane:
         self.mode = ""  # transport name; set by WeightPuller._plan
         self.endpoint = part.endpoint
         self.relayed = False
-        self.in_place = False  # shm: verified where the bytes lie in the mapped arena
+        self.in_place = False  # shm: used where the bytes lie in the mapped arena (see _in_place_views)
 
 
 class WeightPuller:
@@ -263,7 +263,8 @@ class WeightPuller:
                 continue
             try:
                 transport = self._transport(mine[0])
-                assert isinstance(transport, ShmTransport)
+                if not isinstance(transport, ShmTransport):  # a test registered its own "shm"
+                    continue
                 views[part.rank] = transport.part_view(part.total_bytes)
             except TransportUnavailable:  # the lanes copy instead, with their retries
                 continue
