@@ -185,6 +185,8 @@ def stage(
             raise InvalidArgument(f"sources[{i}]", "array is not C-contiguous")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
     lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
+    if int(lengths.sum()) != total or (lengths == 0).any():
+        raise InvalidArgument("chunk_lengths", f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}")
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
     chunks = np.zeros(max(len(lengths), 1), np.uint64)
@@ -193,8 +195,6 @@ def stage(
         digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
         chunks.ctypes.data_as(_U64P), threads,
     )
-    if rc == 1:
-        raise InvalidArgument("chunk_lengths", "ws_stage: chunks must tile [0, total), spans stay inside it in order")
     _check(rc, "ws_stage")
     return StageResult(digests, sums, chunks[: len(lengths)])
 
