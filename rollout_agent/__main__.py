@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = wait_for_signal()
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
     metrics = build_metrics("rollout")
-    client = CoordinatorClient(cfg.coordinator, security=cfg.security())
+    security = cfg.security()
+    client = CoordinatorClient(cfg.coordinator, security=security)
     relay: Relay | None = None
     if cfg.engine == "vllm":
         from rollout_agent.vllm_engine import VllmEngineSyncer
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout_s=cfg.timeout_s,
             metrics=metrics,
             relay=relay.source if relay else None,
-            security=cfg.security(),
+            security=security,
         )
         applier = DictApplier(cfg.dump_dir or None)
         failpoints = Failpoints(cfg.failpoints)
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=cfg.port,
         metrics=metrics,
         metrics_port=cfg.metrics_port,
-        security=cfg.security(),
+        security=security,
     )
     relay_address = advertised(relay.address, cfg.advertise_host) if relay else ""
     agent.endpoint = Endpoint(

@@ -83,7 +83,8 @@ class VllmRollout:
         self.info = info
         self.agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
         check_agent_id(self.agent_id, "init_info.agent_id")
-        self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s, security=info.security())
+        security = info.security()
+        self.client = CoordinatorClient(info.coordinator, timeout_s=info.timeout_s, security=security)
         # relay mode: this worker re-serves what it pulls to the next rollout in the chain.
         self.relay = Relay(info.session) if info.weight_sync_mode == "relay" and info.apply_mode == "atomic" else None
         self.puller = WeightPuller(
@@ -97,7 +98,7 @@ class VllmRollout:
             max_attempts=info.max_attempts,
             timeout_s=info.timeout_s,
             relay=self.relay.source if self.relay else None,
-            security=info.security(),
+            security=security,
         )
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0
