@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.cluster import Cluster
+from weightsync.security import Security
 from weightsync.server import RunningServer
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -69,9 +71,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     return rep
 
 
-@pytest.fixture
-def inprocess_coordinator(tmp_path: Path) -> Iterator[RunningServer]:
-    """A Coordinator server in this process, on 127.0.0.1:<free port>, SQLite in tmp_path."""
+@contextlib.contextmanager
+def coordinator_in_process(db_path: Path, security: Security | None = None) -> Iterator[RunningServer]:
+    """A Coordinator server in this process on 127.0.0.1:<free port> (TLS/tokens per `security`)."""
     from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
     from coordinator.store import SessionStore
     from coordinator.watch import WatchHub
@@ -80,13 +82,22 @@ def inprocess_coordinator(tmp_path: Path) -> Iterator[RunningServer]:
     from weightsync.server import Service, start_server
 
     hub = WatchHub()
-    store = SessionStore(tmp_path / "c.db", listener=hub)
+    store = SessionStore(db_path, listener=hub)
     metrics = build_metrics("coordinator")
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=96,
+        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=96, security=security,
     )
-    yield running
-    hub.close()
-    running.stop(0.5)
-    store.close()
+    try:
+        yield running
+    finally:
+        hub.close()
+        running.stop(0.5)
+        store.close()
+
+
+@pytest.fixture
+def inprocess_coordinator(tmp_path: Path) -> Iterator[RunningServer]:
+    """A Coordinator server in this process, on 127.0.0.1:<free port>, SQLite in tmp_path."""
+    with coordinator_in_process(tmp_path / "c.db") as running:
+        yield running

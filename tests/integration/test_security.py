@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.conftest import coordinator_in_process
 from tests.integration.support import state_name
 from trainer_agent.publisher import WeightPublisher
 from weightsync.client import CoordinatorClient
@@ -89,25 +90,9 @@ def _agent_side(pki: dict[str, str], role: str) -> Security:
 
 @pytest.fixture
 def secure_coordinator(tmp_path: Path, pki: dict[str, str]) -> Iterator[RunningServer]:
-    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-    from coordinator.store import SessionStore
-    from coordinator.watch import WatchHub
-    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
-    from weightsync.metrics import build_metrics
-    from weightsync.server import Service, start_server
-
-    hub = WatchHub()
-    store = SessionStore(tmp_path / "c.db", listener=hub)
-    metrics = build_metrics("coordinator")
-    running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1,
-        security=Security(pki["crt"], pki["key"], pki["ca"], require_client_cert=True, tokens_file=pki["tokens"]),
-    )
-    yield running
-    hub.close()
-    running.stop(0.5)
-    store.close()
+    security = Security(pki["crt"], pki["key"], pki["ca"], require_client_cert=True, tokens_file=pki["tokens"])
+    with coordinator_in_process(tmp_path / "c.db", security) as running:
+        yield running
 
 
 def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
