@@ -85,14 +85,16 @@ def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal
 def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster, mode: str) -> None:
     coord = cluster.start_coordinator()
     r0 = cluster.start_rollout("r0", coord.address, "job")
+    # Two corruptions, one fewer than the puller's 3 attempts: lanes race, so both may hit the
+    # same chunk (its first fetch and its re-fetch), and the third attempt must still succeed.
     cluster.start_trainer(
         "trainer", coord.address, "job",
-        [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", mode, "--failpoints", "chunk_server.corrupt_chunk=3"]
+        [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", mode, "--failpoints", "chunk_server.corrupt_chunk=2"]
     )
     assert cluster.wait_exit("trainer", 120) == 0  # waited for COMMITTED
     status = rollout_status(r0.address)
-    assert status.current_version == 1 and status.chunk_retries == 3 and status.syncs_failed == 0
-    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 3
+    assert status.current_version == 1 and status.chunk_retries == 2 and status.syncs_failed == 0
+    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 2
 
 
 def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: Cluster, tmp_path) -> None:  # noqa: ANN001
