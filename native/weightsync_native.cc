@@ -406,7 +406,7 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
 
 extern "C" {
 
-int ws_abi_version(void) { return 4; }
+int ws_abi_version(void) { return 5; }
 
 int ws_default_threads(void) {
   unsigned n = std::thread::hardware_concurrency();
@@ -512,6 +512,30 @@ int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads) {
     store_fence();
   });
   return rc;
+}
+
+int ws_copy_many(uint8_t* const* dsts, const uint8_t* const* srcs, const uint64_t* lengths, uint64_t n,
+                 int n_threads) {
+  if (n > 0 && (dsts == nullptr || srcs == nullptr || lengths == nullptr)) return WS_INVALID_ARGUMENT;
+  std::vector<uint64_t> starts(n + 1, 0);  // each pair's first byte in the concatenated stream
+  for (uint64_t i = 0; i < n; ++i) {
+    if ((dsts[i] == nullptr || srcs[i] == nullptr) && lengths[i] > 0) return WS_INVALID_ARGUMENT;
+    starts[i + 1] = starts[i] + lengths[i];
+  }
+  const uint64_t total = starts[n];
+  // Threads split the bytes, not the pairs: one call over a layer's tensors costs one
+  // thread start, and a large tensor does not leave the other threads idle.
+  const int m = resolve_threads(n_threads, std::max<uint64_t>(1, total / kBlock));
+  return run_parallel(m, [&](int t) {
+    const uint64_t lo = total * t / m, hi = total * (t + 1) / m;
+    uint64_t i = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+    for (uint64_t pos = lo; pos < hi && i < n; ++i) {
+      const uint64_t a = pos - starts[i], b = std::min(hi, starts[i + 1]) - starts[i];
+      if (b > a) copy_bytes(dsts[i] + a, srcs[i] + a, b - a, true);
+      pos = starts[i + 1];
+    }
+    store_fence();
+  });
 }
 
 }  // extern "C"

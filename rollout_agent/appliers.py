@@ -14,7 +14,6 @@ from weightsync import native
 from weightsync.manifest import TensorSpec
 
 _LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
-_NATIVE_COPY_MIN = 1 << 20  # below this a thread start costs more than it saves
 
 
 def layer_groups(names: Iterable[str]) -> list[list[str]]:
@@ -79,18 +78,20 @@ class DictApplier(Applier):
         self._expected = tensors
 
     def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
+        in_place: list[tuple[np.ndarray, np.ndarray]] = []
         for name, arr in group:
             if name not in self._expected:
                 raise KeyError(f"{name!r} is not part of this update")
             dst = self.weights.get(name)
-            if dst is not None and dst.shape == arr.shape and dst.dtype == arr.dtype:
-                if native.available() and arr.nbytes >= _NATIVE_COPY_MIN and arr.flags.c_contiguous:
-                    native.copy(dst, arr)  # every core, streaming stores
-                else:
-                    np.copyto(dst, arr)
-            else:
+            if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
                 self.weights[name] = np.array(arr, copy=True)
+            elif native.available() and arr.flags.c_contiguous:
+                in_place.append((dst, arr))
+            else:
+                np.copyto(dst, arr)
             self._consumed.append(name)
+        if in_place:
+            native.copy_many(in_place)  # the group's bytes split over every core, streaming stores
 
     def commit_update(self, version: int) -> list[str]:
         try:

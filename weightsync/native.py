@@ -20,7 +20,7 @@ from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -55,6 +55,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     ]
     lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    lib.ws_copy_many.argtypes = [_U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_int]
     lib.ws_send_file_ranges.argtypes = [ctypes.c_int, ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
     lib.ws_send_file_ranges.restype = ctypes.c_int64
     lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
@@ -241,6 +242,22 @@ def copy(dst: np.ndarray, src: np.ndarray, *, threads: int = 0) -> None:
     if dst.nbytes != src.nbytes:
         raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {src.nbytes}")
     _check(lib.ws_copy(_ptr(dst), _ptr(src), src.nbytes, threads), "ws_copy")
+
+
+def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, threads: int = 0) -> None:
+    """dst[:] = src for every (dst, src) pair of same-size C-contiguous arrays, in one call
+    whose threads split the bytes of all pairs (a layer's tensors into an engine's weights)."""
+    lib = _require()
+    for i, (dst, src) in enumerate(pairs):
+        if dst.nbytes != src.nbytes:
+            raise InvalidArgument(f"pairs[{i}]", f"destination {dst.nbytes} bytes != source {src.nbytes}")
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+            raise InvalidArgument(f"pairs[{i}]", "needs C-contiguous arrays and a writeable destination")
+    dsts = np.array([_ptr(d) for d, _ in pairs] or [0], np.uint64)
+    srcs = np.array([_ptr(s) for _, s in pairs] or [0], np.uint64)
+    lengths = np.array([s.nbytes for _, s in pairs] or [0], np.uint64)
+    rc = lib.ws_copy_many(dsts.ctypes.data_as(_U64P), srcs.ctypes.data_as(_U64P), lengths.ctypes.data_as(_U64P), len(pairs), threads)
+    _check(rc, "ws_copy_many")
 
 
 def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:

@@ -174,6 +174,33 @@ def test_native_copy() -> None:
     assert np.array_equal(dst, src)
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 7, 4096, 300_001, 1 << 20]), max_size=12), threads=st.integers(1, 5))
+def test_copy_many_copies_every_pair_whatever_the_split(sizes: list[int], threads: int) -> None:
+    rng = np.random.default_rng(len(sizes))
+    srcs = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+    # destinations are slices of one buffer with 3-byte gaps that nobody asked to write
+    whole = np.full(sum(sizes) + 3 * (len(sizes) + 1), 0xAB, np.uint8)
+    starts = np.cumsum([3] + [n + 3 for n in sizes])[:-1]
+    dsts = [whole[a : a + n] for a, n in zip(starts, sizes)]
+    native.copy_many(list(zip(dsts, srcs)), threads=threads)
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    gaps = np.ones(whole.size, bool)
+    for a, n in zip(starts, sizes):
+        gaps[a : a + n] = False
+    assert (whole[gaps] == 0xAB).all()
+
+
+def test_copy_many_refuses_mismatched_or_read_only_pairs() -> None:
+    a, b = np.zeros(8, np.uint8), np.zeros(9, np.uint8)
+    with pytest.raises(InvalidArgument, match=r"pairs\[1\].*8 bytes != source 9"):
+        native.copy_many([(a, a.copy()), (a, b)])
+    ro = np.zeros(8, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidArgument, match=r"pairs\[0\].*writeable"):
+        native.copy_many([(ro, a)])
+
+
 def test_cuda_variant_builds_where_a_toolkit_is() -> None:
     import shutil
 
