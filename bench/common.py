@@ -1,9 +1,11 @@
-"""Shared by the transfer benchmark's driver and its worker processes: the model, RSS."""
+"""Shared by the transfer benchmark's driver and its worker processes: the model, RSS, CPU time."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import ml_dtypes
@@ -50,6 +52,20 @@ def rss_bytes(pid: int | str = "self") -> int:
 def peak_rss_bytes(pid: int | str = "self") -> int:
     """VmHWM: the largest RSS since start or since reset_peak_rss()."""
     return _status_kib(pid, "VmHWM") * 1024
+
+
+def cpu_seconds(pids: Iterable[int | str] = ("self",)) -> float:
+    """User + system CPU seconds consumed so far by these processes (all their threads);
+    "self" to the nanosecond, other processes in clock ticks (/proc/PID/stat)."""
+    ticks, own = 0, 0.0
+    for pid in pids:
+        if pid == "self":
+            own += time.process_time()
+            continue
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return own + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def reset_peak_rss(pid: int | str = "self") -> None:

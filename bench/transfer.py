@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import socket
@@ -33,10 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import model, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from common import cpu_seconds, model, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
-from weightsync.cluster import Cluster  # noqa: E402
+from weightsync.cluster import Cluster, Proc  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay")
@@ -66,6 +67,9 @@ class Row:
     rollout_overhead_bytes: int = 0  # weightsync: a rollout's peak RSS beyond its applied weights
     apply_mode: str = ""
     reuses_memory: bool = True
+    # CPU seconds per round over every process of the method (trainer or sender, coordinator,
+    # rollouts or readers): on CORES cores no schedule of that work ends before cpu / CORES.
+    cpu_seconds: float = 0.0
 
 
 # -- bounds ------------------------------------------------------------------------
@@ -81,7 +85,8 @@ def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
 
 
 def socket_gbps(nbytes: int, reps: int = 5) -> float:
-    """A plain loopback TCP socket: sendall from one buffer, recv_into another (both warm)."""
+    """A plain loopback TCP socket: sendall from one buffer, recv_into another (both warm).
+    Also records the CPU seconds one transfer takes (BOUND_CPU["socket"])."""
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -92,6 +97,7 @@ def socket_gbps(nbytes: int, reps: int = 5) -> float:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     view = memoryview(dst)
     times = []
+    cpu0 = cpu_seconds()
     for _ in range(reps):
         sender = threading.Thread(target=out.sendall, args=(memoryview(src),))
         t = time.perf_counter()
@@ -101,6 +107,7 @@ def socket_gbps(nbytes: int, reps: int = 5) -> float:
             got += inc.recv_into(view[got:], min(nbytes - got, 4 << 20))
         sender.join()
         times.append(time.perf_counter() - t)
+    BOUND_CPU["socket"] = (cpu_seconds() - cpu0) / reps
     for s in (out, inc, listener):
         s.close()
     return nbytes / statistics.median(times) / 1e9
@@ -108,7 +115,7 @@ def socket_gbps(nbytes: int, reps: int = 5) -> float:
 
 # -- weightsync ---------------------------------------------------------------------
 def run_weightsync(
-    cluster: Cluster, coord: str, mode: str, n: int, params: dict, runs: int, chunk_bytes: int,
+    cluster: Cluster, coord: Proc, mode: str, n: int, params: dict, runs: int, chunk_bytes: int,
     apply_mode: str = "atomic", rollout_args: tuple[str, ...] = (),
 ) -> Row:
     session = f"{mode}-n{n}-{uuid.uuid4().hex[:6]}"
@@ -116,22 +123,25 @@ def run_weightsync(
     args = ["--weight-sync-mode", mode, "--apply-mode", apply_mode, *(["--fs-root", fs_root] if fs_root else []),
             *rollout_args]
     names = [f"{session}-r{i}" for i in range(n)]
-    procs = [cluster.start_rollout(name, coord, session, args) for name in names]
+    procs = [cluster.start_rollout(name, coord.address, session, args) for name in names]
+    pids = ["self", coord.pid, *(p.pid for p in procs)]
     baselines = {p.pid: rss_bytes(p.pid) for p in procs}
     reset_peak_rss()
     trainer_base = rss_bytes()
     total = model_bytes_of(params)
-    rounds, stages, served = [], [], 0
+    rounds, stages, cpus, served = [], [], [], 0
     try:
         with WeightPublisher(
-            coord, session, weight_sync_mode=mode, fs_root=fs_root, min_rollouts=n, chunk_bytes=chunk_bytes, slot_wait_s=300
+            coord.address, session, weight_sync_mode=mode, fs_root=fs_root, min_rollouts=n, chunk_bytes=chunk_bytes, slot_wait_s=300
         ) as pub:
             for version in range(1, runs + 2):
                 before = pub._servicer.bytes_served
+                cpu0 = cpu_seconds(pids)
                 t = time.perf_counter()
                 result = pub.publish(params, version)
                 state = pub.wait_committed(version, 600)
                 seconds = time.perf_counter() - t
+                cpu = cpu_seconds(pids) - cpu0
                 if state != "COMMITTED":
                     why = [f"{h.agent_id}: {h.mismatch}" for h in pub.client.status(session).handshakes if h.version == version]
                     logs = "\n".join(p.log()[-1500:] for p in procs)
@@ -139,6 +149,7 @@ def run_weightsync(
                 if version > 1:  # the first round is the warm-up (receive buffers, mappings)
                     rounds.append(seconds)
                     stages.append(result.stage_seconds)
+                    cpus.append(cpu)
                     served += pub._servicer.bytes_served - before
             handshakes = pub.client.status(session, runs + 2).handshakes
             pulls = [max(h.timings.pull_seconds for h in handshakes if h.version == v) for v in range(2, runs + 2)]
@@ -153,7 +164,7 @@ def run_weightsync(
             shutil.rmtree(fs_root, ignore_errors=True)
         time.sleep(SETTLE_S)
     egress = {"shm": 0.0, "fs": 1.0}.get(mode, served / (total * runs))  # fs: written once to the store
-    row = _row("weightsync", mode, n, rounds, total, egress, peak, trainer_peak=trainer_peak, stage=statistics.median(stages))
+    row = _row("weightsync", mode, n, rounds, total, egress, peak, trainer_peak=trainer_peak, stage=statistics.median(stages), cpus=cpus)
     row.rollout_overhead_bytes = overhead
     row.apply_mode = apply_mode
     if apply_mode != "atomic":
@@ -223,6 +234,7 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
     sender: Worker | None = None
     readers: list[Worker] = []
     rounds: list[float] = []
+    cpus: list[float] = []
     total = model_bytes_of(params)
     egress_bytes = 0
     reset_peak_rss()
@@ -237,8 +249,10 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
         else:
             readers = _start_all(lambda r: Worker(method, "recv", r + 1, n, size, port, workdir), n)
         writer = _checkpoint_writer(method, params) if method in ("safetensors", "orbax") else None
+        pids = ["self", *(w.popen.pid for w in ([sender] if sender else []) + readers)]
         for it in range(runs + 1):
             w0 = _sent_bytes(method, sender)
+            cpu0 = cpu_seconds(pids)
             t0 = time.time()
             if writer is not None:
                 writer(workdir, it)
@@ -251,6 +265,7 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
             t_end = max(w.read()["t_end"] for w in everyone)
             if it > 0:
                 rounds.append(t_end - t0)
+                cpus.append(cpu_seconds(pids) - cpu0)
                 egress_bytes += (_sent_bytes(method, sender) - w0) if sender else total  # checkpoints: written once
             for old in workdir.glob(f"v{it}*"):
                 shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
@@ -265,7 +280,7 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
         shutil.rmtree(workdir, ignore_errors=True)
         time.sleep(SETTLE_S)
     bound_mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
-    return _row(method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo")
+    return _row(method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo", cpus=cpus)
 
 
 def _start_all(make, n: int) -> list[Worker]:  # noqa: ANN001
@@ -306,21 +321,24 @@ def _checkpoint_writer(method: str, params: dict):  # noqa: ANN202
 
 # -- report ---------------------------------------------------------------------------
 BOUNDS: dict[str, float] = {}
+BOUND_CPU: dict[str, float] = {}  # CPU seconds of one bound transfer
+CORES = os.cpu_count() or 1
 LARGEST = [0]  # the model's largest tensor, bytes
 WINDOW = [0]  # a streaming rollout's in-flight bytes: streams x window_chunks x chunk_bytes (its defaults)
 
 
 def _row(method: str, mode: str, n: int, rounds: list[float], total: int, egress: float, peak: int, *,
-         trainer_peak: int = 0, stage: float = 0.0, reuses: bool = True) -> Row:
+         trainer_peak: int = 0, stage: float = 0.0, reuses: bool = True, cpus: list[float] | None = None) -> Row:
     seconds = statistics.median(rounds)
     gbps = total / seconds / 1e9
     bound = "memcpy" if mode.startswith("shm") else "socket"
     return Row(method, mode, n, round(seconds, 4), round(gbps, 3), round(gbps / BOUNDS[bound], 3), bound,
-               round(egress, 3), int(peak), [round(r, 4) for r in rounds], int(trainer_peak), round(stage, 4), reuses)
+               round(egress, 3), int(peak), [round(r, 4) for r in rounds], int(trainer_peak), round(stage, 4), reuses,
+               cpu_seconds=round(statistics.median(cpus), 3) if cpus else 0.0)
 
 
-COLUMNS = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull s", "pull x bound", "egress/model",
-           "peak RSS GB", "trainer RSS GB")
+COLUMNS = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull s", "pull x bound", "CPU s",
+           "egress/model", "peak RSS GB", "trainer RSS GB")
 
 
 def _cells(r: Row) -> list[str]:
@@ -329,7 +347,7 @@ def _cells(r: Row) -> list[str]:
     in_place = ours and r.mode == "shm"  # tensors are read where they lie in the arena: nothing moves
     return [r.method, r.mode, str(r.rollouts), f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.ratio_to_bound:.2f} {r.bound}",
             f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
-            "in place" if in_place else f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
+            "in place" if in_place else f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.cpu_seconds:.2f}", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
             f"{r.trainer_peak_rss_bytes / 1e9:.2f}"]
 
 
@@ -361,6 +379,12 @@ def verdicts(rows: list[Row]) -> list[str]:
     def check(name: str, ok: bool, detail: str) -> None:
         out.append(f"{'MET ' if ok else 'MISS'} {name}: {detail}")
 
+    def floor(r: Row) -> str:
+        """What the row's CPU work allows on this machine's cores, whatever the overlap."""
+        least = r.cpu_seconds / CORES
+        return f"; CPU {r.cpu_seconds:.2f} s on {CORES} cores: no schedule under {least:.3f} s" + (
+            f" (<= {r.ratio_to_bound * r.seconds / least:.2f}x)" if least else "")
+
     for mode, target in (("shm", 0.4), ("tcp", 0.8), ("grpc", 0.4)):
         r = by.get(("weightsync", mode, 1))
         if r:
@@ -368,7 +392,7 @@ def verdicts(rows: list[Row]) -> list[str]:
             alone = "read in place" if mode == "shm" else f"{r.pull_ratio_to_bound:.2f}x alone"
             check(f"{mode} N=1 end to end >= {target}x {r.bound}", r.ratio_to_bound >= target,
                   f"{r.ratio_to_bound:.2f}x = stage {r.stage_seconds:.3f}s + pull {r.pull_seconds:.3f}s "
-                  f"({alone}) + tensor verify, apply, control {rest:.3f}s")
+                  f"({alone}) + tensor verify, apply, control {rest:.3f}s{floor(r)}")
     for n in (1, 4):
         ours = [r for r in rows if r.method == "weightsync" and r.rollouts == n]
         peers = [r for r in rows if r.method != "weightsync" and r.rollouts == n]
@@ -377,7 +401,7 @@ def verdicts(rows: list[Row]) -> list[str]:
         if cross and gloo:
             best = min(cross, key=lambda r: r.seconds)
             check(f"best cross-host mode faster than gloo, N={n}", best.seconds < gloo.seconds,
-                  f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s")
+                  f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s (gloo CPU {gloo.cpu_seconds:.2f} s){floor(best)}")
         if ours and peers:
             best, peer = min(ours, key=lambda r: r.seconds), min(peers, key=lambda r: r.seconds)
             check(f"faster than every peer, N={n}", best.seconds < peer.seconds,
@@ -438,10 +462,11 @@ def main() -> int:
     WINDOW[0] = 2 * 32 * args.chunk_bytes
     BOUNDS["memcpy"] = memcpy_gbps(total)
     BOUNDS["socket"] = socket_gbps(total)
-    print(f"bounds: memcpy {BOUNDS['memcpy']:.2f} GB/s, loopback socket {BOUNDS['socket']:.2f} GB/s ({total / 1e9:.2f} GB)", flush=True)
+    print(f"bounds: memcpy {BOUNDS['memcpy']:.2f} GB/s, loopback socket {BOUNDS['socket']:.2f} GB/s "
+          f"({BOUND_CPU['socket']:.2f} CPU s per transfer; {total / 1e9:.2f} GB, {CORES} cores)", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsbench-") as tmp, Cluster(tmp) as cluster:
-        coord = cluster.start_coordinator().address
+        coord = cluster.start_coordinator()
         for mode in modes:
             for n in ns:
                 rows.append(run_weightsync(cluster, coord, mode, n, params, args.runs, args.chunk_bytes))
@@ -462,7 +487,8 @@ def main() -> int:
         print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"size": args.size, "model_bytes": total, "runs": args.runs, "bounds_gbps": BOUNDS, "chunk_bytes": args.chunk_bytes}
+    meta = {"size": args.size, "model_bytes": total, "runs": args.runs, "bounds_gbps": BOUNDS, "chunk_bytes": args.chunk_bytes,
+            "bounds_cpu_seconds": BOUND_CPU, "cores": CORES}
     out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     out.with_suffix(".meta.json").write_text(json.dumps({**meta, "verdicts": verdicts(rows)}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(rows) + "\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")

@@ -34,7 +34,10 @@ def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena
     # (ratios to the tensors' bytes: the arena's alignment padding travels too)
     assert 2.0 <= by[("weightsync", "tcp", 2)]["egress_ratio"] < 2.05  # direct pulls: one copy per rollout
     assert 1.0 <= by[("weightsync", "relay", 2)]["egress_ratio"] < 1.03  # the chain: the trainer sends once
+    # CPU seconds per round (clock ticks: a tiny round may read 0); every weightsync round
+    # runs a coordinator, a trainer and rollouts, so their CPU shows
+    assert all(r["cpu_seconds"] >= 0 for r in rows) and by[("weightsync", "tcp", 2)]["cpu_seconds"] > 0
     meta = json.loads(out.with_suffix(".meta.json").read_text())
-    assert meta["bounds_gbps"]["socket"] > 0
+    assert meta["bounds_gbps"]["socket"] > 0 and meta["bounds_cpu_seconds"]["socket"] > 0 and meta["cores"] >= 1
     assert any(v.startswith("MET  streaming rollout RSS") for v in meta["verdicts"]), meta["verdicts"]
     assert "x bound" in run.stdout
