@@ -360,7 +360,7 @@ def print_table(rows: list[Row], total: int) -> None:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
         table.add_row(*_cells(r))
-    Console(width=140).print(table)
+    Console(width=170).print(table)
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -379,11 +379,11 @@ def verdicts(rows: list[Row]) -> list[str]:
     def check(name: str, ok: bool, detail: str) -> None:
         out.append(f"{'MET ' if ok else 'MISS'} {name}: {detail}")
 
-    def floor(r: Row) -> str:
+    def floor(r: Row, ratio: bool = True) -> str:
         """What the row's CPU work allows on this machine's cores, whatever the overlap."""
         least = r.cpu_seconds / CORES
-        return f"; CPU {r.cpu_seconds:.2f} s on {CORES} cores: no schedule under {least:.3f} s" + (
-            f" (<= {r.ratio_to_bound * r.seconds / least:.2f}x)" if least else "")
+        best = f" (<= {r.ratio_to_bound * r.seconds / least:.2f}x {r.bound})" if least and ratio else ""
+        return f"; {r.mode} CPU {r.cpu_seconds:.2f} s on {CORES} cores: no schedule under {least:.3f} s{best}"
 
     for mode, target in (("shm", 0.4), ("tcp", 0.8), ("grpc", 0.4)):
         r = by.get(("weightsync", mode, 1))
@@ -401,7 +401,7 @@ def verdicts(rows: list[Row]) -> list[str]:
         if cross and gloo:
             best = min(cross, key=lambda r: r.seconds)
             check(f"best cross-host mode faster than gloo, N={n}", best.seconds < gloo.seconds,
-                  f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s (gloo CPU {gloo.cpu_seconds:.2f} s){floor(best)}")
+                  f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s (gloo CPU {gloo.cpu_seconds:.2f} s){floor(best, ratio=False)}")
         if ours and peers:
             best, peer = min(ours, key=lambda r: r.seconds), min(peers, key=lambda r: r.seconds)
             check(f"faster than every peer, N={n}", best.seconds < peer.seconds,
