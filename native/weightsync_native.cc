@@ -279,10 +279,11 @@ double sum_elements(const uint8_t* span, uint64_t a, uint64_t b, int dtype) {
   return sum_block(span + e0 * isz, (e1 - e0) * isz, dtype);
 }
 
-// The chunk plan as offsets: chunk i is [offsets[i], offsets[i + 1]).
-std::vector<uint64_t> chunk_offsets(const uint64_t* lengths, uint64_t n_chunks) {
-  std::vector<uint64_t> off(n_chunks + 1, 0);
-  for (uint64_t i = 0; i < n_chunks; ++i) off[i + 1] = off[i] + lengths[i];
+// Lengths laid end to end: item i is [offsets[i], offsets[i + 1]) (a chunk plan, or the
+// pairs of a copy as one stream).
+std::vector<uint64_t> prefix_offsets(const uint64_t* lengths, uint64_t n) {
+  std::vector<uint64_t> off(n + 1, 0);
+  for (uint64_t i = 0; i < n; ++i) off[i + 1] = off[i] + lengths[i];
   return off;
 }
 
@@ -421,7 +422,7 @@ int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64
   if (check_spans(spans, n_spans, total) != WS_OK) return WS_INVALID_ARGUMENT;
   for (uint64_t i = 0; i < n_chunks; ++i)
     if (chunk_lengths[i] == 0) return WS_INVALID_ARGUMENT;
-  const std::vector<uint64_t> off = chunk_offsets(chunk_lengths, n_chunks);
+  const std::vector<uint64_t> off = prefix_offsets(chunk_lengths, n_chunks);
   if (off[n_chunks] != total) return WS_INVALID_ARGUMENT;
 
   // Threads take runs of whole chunks holding about equal bytes.
@@ -517,11 +518,9 @@ int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads) {
 int ws_copy_many(uint8_t* const* dsts, const uint8_t* const* srcs, const uint64_t* lengths, uint64_t n,
                  int n_threads) {
   if (n > 0 && (dsts == nullptr || srcs == nullptr || lengths == nullptr)) return WS_INVALID_ARGUMENT;
-  std::vector<uint64_t> starts(n + 1, 0);  // each pair's first byte in the concatenated stream
-  for (uint64_t i = 0; i < n; ++i) {
+  for (uint64_t i = 0; i < n; ++i)
     if ((dsts[i] == nullptr || srcs[i] == nullptr) && lengths[i] > 0) return WS_INVALID_ARGUMENT;
-    starts[i + 1] = starts[i] + lengths[i];
-  }
+  const std::vector<uint64_t> starts = prefix_offsets(lengths, n);  // each pair's first byte in the stream
   const uint64_t total = starts[n];
   // Threads split the bytes, not the pairs: one call over a layer's tensors costs one
   // thread start, and a large tensor does not leave the other threads idle.
