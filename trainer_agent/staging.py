@@ -118,10 +118,9 @@ def stage_one(
     {slot offset: (length, xxh3)} of the pieces hashed on the way, for `chunk_specs`)."""
     n = arr.nbytes
     if engine == "native" or (engine == "auto" and native.available()):
-        pieces = [min(piece_bytes, n - o) for o in range(0, n, piece_bytes)]
-        r = native.stage(slot[offset : offset + n], n, pieces, piece_bytes, [(arr, 0, native_code(arr.dtype))])
-        starts = range(offset, offset + n, piece_bytes)
-        known = {o: (length, int(d)) for o, length, d in zip(starts, pieces, r.chunk_digests)}
+        pieces = plan_chunks(n, piece_bytes)
+        r = native.stage(slot[offset : offset + n], n, [length for _, length in pieces], piece_bytes, [(arr, 0, native_code(arr.dtype))])
+        known = {offset + o: (length, int(d)) for (o, length), d in zip(pieces, r.chunk_digests)}
         return int(r.span_digests[0]), float(r.span_sums[0]), known
     dst = slot[offset : offset + n]
     np.copyto(dst, arr.reshape(-1).view(np.uint8))
@@ -135,8 +134,12 @@ class StreamStaged:
     tensors: dict[str, TensorSpec]
     shards: list[ShardSpec]
     total_bytes: int
-    spans: list[tuple[int, int]] = field(default_factory=list)  # (offset, nbytes) of each shard
     known: dict[int, tuple[int, int]] = field(default_factory=dict)  # piece digests: offset -> (length, xxh3)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of each shard, for `chunk_specs`."""
+        return [(s.offset, s.nbytes) for s in self.shards]
 
 
 def stage_stream(
@@ -164,7 +167,6 @@ def stage_stream(
         out.known.update(known)
         out.tensors.setdefault(hs.name, TensorSpec(hs.name, dtype_name_of(arr.dtype), tuple(hs.global_shape)))
         out.shards.append(ShardSpec(hs.name, hs.start, hs.stop, offset, arr.nbytes, digest, total))
-        out.spans.append((offset, arr.nbytes))
         cursor = offset + arr.nbytes
         del arr, hs
     out.total_bytes = cursor

@@ -40,30 +40,25 @@ def plan_chunks(
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if not shards:
-        return [(off, min(chunk_bytes, total_bytes - off)) for off in range(0, total_bytes, chunk_bytes)]
     chunks: list[tuple[int, int]] = []
+
+    def grid(start: int, end: int) -> None:  # [start, end) in chunk_bytes pieces from start
+        chunks.extend((off, min(chunk_bytes, end - off)) for off in range(start, end, chunk_bytes))
+
     open_at = 0  # start of the packed chunk being filled; it ends at `cursor`
     cursor = 0
     limit = pack_limit(chunk_bytes)
-
-    def close_packed(end: int) -> None:
-        nonlocal open_at
-        for off in range(open_at, end, chunk_bytes):
-            chunks.append((off, min(chunk_bytes, end - off)))
-        open_at = end
-
     for offset, nbytes in shards:
         if nbytes > limit:
-            close_packed(offset)  # what is packed so far, and the gap before this shard
-            for off in range(offset, offset + nbytes, chunk_bytes):
-                chunks.append((off, min(chunk_bytes, offset + nbytes - off)))
+            grid(open_at, offset)  # what is packed so far, and the gap before this shard
+            grid(offset, offset + nbytes)
             open_at = cursor = offset + nbytes
         else:
             if offset + nbytes - open_at > chunk_bytes:
-                close_packed(cursor)
+                grid(open_at, cursor)
+                open_at = cursor
             cursor = offset + nbytes
-    close_packed(total_bytes)
+    grid(open_at, total_bytes)
     return chunks
 
 
