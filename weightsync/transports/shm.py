@@ -61,23 +61,27 @@ class ShmTransport(Transport):
         self._base = endpoint.shm_offset
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
-        if self._view is None:
-            raise TransportUnavailable("not open; call open() first")
+        self._mapped()
         if len(request.spans) != len(request.indices):
             raise InvalidArgument("spans", "the shm transport needs (offset, length) for every index")
         for index, (offset, length) in zip(request.indices, request.spans):
-            start = self._base + offset
-            if start + length > len(self._view):
-                raise TransportUnavailable(f"arena {self._path} is smaller than the manifest says (reallocated?)")
-            yield ChunkPayload(index, offset, self._view[start : start + length])
+            yield ChunkPayload(index, offset, self._slice(offset, length))
 
     def part_view(self, nbytes: int) -> np.ndarray:
         """The open slot's first `nbytes` as a read-only uint8 array (no copy)."""
+        return np.frombuffer(self._slice(0, nbytes), np.uint8)
+
+    def _mapped(self) -> memoryview:
         if self._view is None:
             raise TransportUnavailable("not open; call open() first")
-        if self._base + nbytes > len(self._view):
+        return self._view
+
+    def _slice(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of the open slot, as a view of the mapping."""
+        view, start = self._mapped(), self._base + offset
+        if start + length > len(view):
             raise TransportUnavailable(f"arena {self._path} is smaller than the manifest says (reallocated?)")
-        return np.frombuffer(self._view[self._base : self._base + nbytes], np.uint8)
+        return view[start : start + length]
 
     def close(self) -> None:
         if self._view is not None:
