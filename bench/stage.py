@@ -42,10 +42,6 @@ class RssPeak:
     def __exit__(self, *exc: object) -> None:
         self.peak = peak_rss_bytes()
 
-    @staticmethod
-    def now() -> int:
-        return rss_bytes()
-
 
 def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
     key = jax.random.PRNGKey(0)
@@ -136,7 +132,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     dims = ModelDims(layers=L, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=h, vocab=shape.vocab, tied=shape.tied)
     arena = Arena("bench-stream", slots=2)
     arena.ensure_slot_bytes(model_bytes + 256 * 4096)
-    baseline = RssPeak.now()
+    baseline = rss_bytes()
     with RssPeak() as rss:
         t0 = time.perf_counter()
         items = convert_maxtext(tree, "qwen3", dims, ConvertOptions(weight_dtype="bfloat16"))
@@ -190,7 +186,7 @@ def main() -> int:
     memcpy_gbps = gbps(total, statistics.median(memcpy_s))
     del src, dst
 
-    baseline = RssPeak.now()
+    baseline = rss_bytes()
     rows = {}
     with RssPeak() as rss:
         for path in ("ffi", "host") if native.ffi_available() else ("host",):
