@@ -13,6 +13,7 @@ from coordinator.store import SessionStore
 from coordinator.watch import WatchHub
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync.config import load_config
+from weightsync.errors import WeightsyncError
 from weightsync.metrics import build_metrics
 from weightsync.server import Service, setup_logging, start_server, wait_for_signal, write_ready_file
 
@@ -23,7 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(CoordinatorConfig, "coordinator", argv, os.environ, prog="weightsync-coordinator")
     setup_logging(cfg.log_level)
     hub = WatchHub()
-    store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub)
+    try:
+        store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub)
+    except WeightsyncError as e:
+        log.error("cannot start: %s", e.message)
+        return 2
     metrics = build_metrics("coordinator")
     stop = wait_for_signal()
     running = start_server(

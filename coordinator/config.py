@@ -12,7 +12,7 @@ class CoordinatorConfig(ServerConfig):
     """Coordinator settings."""
 
     db_path: str = option(".weightsync/coordinator.db", "SQLite database file (created if missing).")
-    lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat every third of it.")
+    lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat ten times per lease (weightsync.lease).")
     max_workers: int = option(64, "gRPC handler threads; every open watch stream holds one.")
 
     def __post_init__(self) -> None:

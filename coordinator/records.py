@@ -48,6 +48,7 @@ class AgentRecord:
     lease_expires_at: float
     current_version: int
     alive: bool
+    generation: int = 0  # trainers: the generation they registered with
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             trainer_ranks=request.trainer_ranks,
             min_rollouts=request.min_rollouts,
             weight_sync_mode=request.weight_sync_mode,
+            next_version=request.next_version,
         )
         latest = self._store.versions(s.name, 1)
         return pb.OpenSessionResponse(
@@ -110,9 +111,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.endpoint.tcp_address:
             check_address(request.endpoint.tcp_address, "endpoint.tcp_address")
         s = self._store.register_agent(
-            request.session, request.agent_id, role=role, endpoint=endpoint_from_proto(request.endpoint), rank=request.rank
+            request.session, request.agent_id, role=role, endpoint=endpoint_from_proto(request.endpoint), rank=request.rank,
+            generation=request.generation,
         )
         return pb.RegisterAgentResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
+
+    def DeregisterAgent(self, request: pb.DeregisterAgentRequest, context: grpc.ServicerContext) -> pb.DeregisterAgentResponse:
+        return pb.DeregisterAgentResponse(removed=self._store.deregister_agent(request.session, request.agent_id))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         s = self._store.heartbeat(request.session, request.agent_id, request.current_version)
@@ -268,6 +273,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     alive=a.alive,
                     lease_expires_at=a.lease_expires_at,
                     current_version=a.current_version,
+                    generation=a.generation,
                 )
                 for a in agents
             ],
@@ -295,7 +301,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return version_info(rec)
 
     def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
-        rec = self._store.release_version(request.session, request.version, force=request.force)
+        if not request.generation:
+            raise InvalidArgument("generation", "required: the caller's session generation (fenced writers release nothing)")
+        rec = self._store.release_version(request.session, request.version, generation=request.generation, force=request.force)
         self._metrics.versions_total.labels(state=rec.state.value).inc()
         return version_info(rec)
 

@@ -7,9 +7,11 @@ request leaves stored state unchanged. Lock order: `_lock` only (one connection)
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -41,6 +43,7 @@ from weightsync.errors import (
     VersionNotFound,
     WrongState,
 )
+from weightsync.lease import relay_fresh_s
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.modes import normalize_mode
 from weightsync.validation import (
@@ -57,7 +60,6 @@ S = VersionState
 # A new session's mode unless its trainer says otherwise: tcp (measured fastest across hosts;
 # a rank without it, or a rollout without the native shim, is read over grpc).
 DEFAULT_MODE = "tcp"
-RELAY_FRESH_S = 3.0  # a relay missing this long (three heartbeats) leaves new relay chains
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
   name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
@@ -66,6 +68,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS agents (
   session TEXT NOT NULL, agent_id TEXT NOT NULL, role TEXT NOT NULL, endpoint TEXT NOT NULL,
   rank INTEGER NOT NULL, lease_expires_at REAL NOT NULL, current_version INTEGER NOT NULL,
+  generation INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (session, agent_id));
 CREATE TABLE IF NOT EXISTS versions (
   session TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, generation INTEGER NOT NULL,
@@ -85,10 +88,15 @@ CREATE TABLE IF NOT EXISTS leases (
   PRIMARY KEY (session, version, agent_id));
 CREATE TABLE IF NOT EXISTS events (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, version INTEGER NOT NULL,
-  state TEXT NOT NULL, at REAL NOT NULL);
+  state TEXT NOT NULL, at REAL NOT NULL, record TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+MIGRATIONS = (
+    ("sessions", "weight_sync_mode", "TEXT NOT NULL DEFAULT 'grpc'"),
+    ("agents", "generation", "INTEGER NOT NULL DEFAULT 0"),
+    ("events", "record", "TEXT NOT NULL DEFAULT ''"),
+)
 
 
 class SessionStore:
@@ -108,7 +116,10 @@ class SessionStore:
         self._clock = clock
         self._listener = listener
         self._lock = threading.Lock()
-        Path(db_path).parent.mkdir(parents=True, exist_ok=True) if str(db_path) != ":memory:" else None
+        self._lock_fd = -1
+        if str(db_path) != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock_database(Path(db_path))
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         # WAL + synchronous=NORMAL: a committed transaction survives a killed process
@@ -116,9 +127,9 @@ class SessionStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(sessions)")}
-        if "weight_sync_mode" not in columns:  # databases from before the column existed
-            self._db.execute("ALTER TABLE sessions ADD COLUMN weight_sync_mode TEXT NOT NULL DEFAULT 'grpc'")
+        for table, column, decl in MIGRATIONS:  # databases from before the column existed
+            if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
         self._manifests: dict[tuple[str, int], Manifest] = {}
         # The key of per-version access tokens; persistent, so tokens survive restarts.
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('token_key', ?)", (secrets.token_hex(32),))
@@ -127,6 +138,9 @@ class SessionStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # another coordinator may open the database now
+                self._lock_fd = -1
 
     # -- transactions -------------------------------------------------------------
     def _tx(self) -> _Tx:
@@ -146,11 +160,14 @@ class SessionStore:
         trainer_ranks: int = 0,
         min_rollouts: int = 0,
         weight_sync_mode: str = "",
+        next_version: int = 0,
     ) -> tuple[SessionRecord, bool]:
         """Opens or creates a session; a trainer with a new incarnation bumps the generation.
 
         Returns (session, created). Versions still STAGING under an older generation
-        become FAILED (they can never be completed).
+        become FAILED (they can never be completed). A trainer that says which version it
+        will publish first (`next_version`) is refused, generation untouched, when that
+        version is not newer than the session's latest.
         """
         check_session_name(name)
         mode = normalize_mode(weight_sync_mode, allow_empty=True) if trainer else ""
@@ -170,6 +187,12 @@ class SessionStore:
                 )
             elif trainer:
                 same = bool(incarnation) and incarnation == row["incarnation"]
+                latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (name,)).fetchone()["v"]
+                if not same and next_version and latest is not None and next_version <= latest:
+                    raise FailedPrecondition(
+                        f"next_version {next_version} is not newer than the session's latest version {latest}; "
+                        f"start at {latest + 1} (the generation was not bumped)"
+                    )
                 if same and trainer_ranks and trainer_ranks != row["trainer_ranks"]:
                     raise FailedPrecondition(
                         f"incarnation {incarnation!r} already attached with trainer_ranks={row['trainer_ranks']}, "
@@ -203,8 +226,14 @@ class SessionStore:
         return SessionRecord(**dict(row))
 
     # -- agents -------------------------------------------------------------------
-    def register_agent(self, session: str, agent_id: str, *, role: str, endpoint: Endpoint, rank: int = 0) -> SessionRecord:
-        """Registers (or re-registers) an agent and grants a lease of lease_ttl_s."""
+    def register_agent(
+        self, session: str, agent_id: str, *, role: str, endpoint: Endpoint, rank: int = 0, generation: int = 0
+    ) -> SessionRecord:
+        """Registers (or re-registers) an agent and grants a lease of lease_ttl_s.
+
+        A trainer's `generation` (0: the current one) is stored with it; an older one is
+        StaleGeneration, so a fenced trainer cannot come back.
+        """
         check_session_name(session)
         check_agent_id(agent_id)
         if role not in ("TRAINER", "ROLLOUT"):
@@ -213,12 +242,34 @@ class SessionStore:
             s = self._session(db, session)
             if role == "TRAINER" and not 0 <= rank < s.trainer_ranks:
                 raise InvalidArgument("rank", f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})")
+            if role == "TRAINER":
+                _check_generation(generation or s.generation, s)
             db.execute(
                 "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version FROM agents "
-                "WHERE session=? AND agent_id=?), 0))",
-                (session, agent_id, role, json.dumps(endpoint.to_dict()), rank, self._clock() + self.lease_ttl_s, session, agent_id),
+                "WHERE session=? AND agent_id=?), 0),?)",
+                (session, agent_id, role, json.dumps(endpoint.to_dict()), rank, self._clock() + self.lease_ttl_s, session, agent_id,
+                 s.generation if role == "TRAINER" else 0),
             )
             return s
+
+    def deregister_agent(self, session: str, agent_id: str) -> bool:
+        """Ends an agent's lease now (graceful exit); False when it was not registered.
+
+        Its version leases go with it, and versions awaiting handshakes are re-evaluated
+        (a departed rollout is no longer required).
+        """
+        check_session_name(session)
+        check_agent_id(agent_id)
+        with self._tx() as db:
+            self._session(db, session)
+            removed = db.execute("DELETE FROM agents WHERE session=? AND agent_id=?", (session, agent_id)).rowcount > 0
+            db.execute("DELETE FROM leases WHERE session=? AND agent_id=?", (session, agent_id))
+            for r in db.execute(
+                "SELECT version FROM versions WHERE session=? AND state IN (?,?)", (session, S.READY.value, S.PARTIAL.value)
+            ).fetchall():
+                self._evaluate(db, session, r["version"])
+        self._notify(session)
+        return removed
 
     def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> SessionRecord:
         """Renews a lease. AgentNotFound when unknown or expired (register again)."""
@@ -247,12 +298,12 @@ class SessionStore:
     def relay_chain(self, session: str) -> list[AgentRecord]:
         """Rollouts that re-serve versions (endpoint offers "relay"), in chain order.
 
-        A relay must have renewed its lease within RELAY_FRESH_S (agents heartbeat every
-        second), not merely hold one: a killed relay leaves new chains after a few missed
+        A relay must have renewed its lease within `lease.relay_fresh_s` (three heartbeats
+        at the interval agents derive from the TTL), not merely hold one: a killed relay leaves new chains after a few missed
         heartbeats instead of a whole lease, so its children stop paying a fallback to the
         trainer for every version meanwhile.
         """
-        fresh_after = self._clock() - min(RELAY_FRESH_S, self.lease_ttl_s)
+        fresh_after = self._clock() - relay_fresh_s(self.lease_ttl_s)
         return [
             a for a in self.agents(session)
             if a.role == "ROLLOUT" and a.alive and a.lease_expires_at - self.lease_ttl_s >= fresh_after
@@ -282,11 +333,7 @@ class SessionStore:
         digest = part.digest()
         with self._tx() as db:
             s = self._session(db, session)
-            if generation != s.generation:
-                raise StaleGeneration(
-                    f"generation {generation} is not the session's current generation {s.generation}; "
-                    "re-attach with OpenSession"
-                )
+            _check_generation(generation, s)
             existing = db.execute(
                 "SELECT idempotency_key, part_digest FROM parts WHERE session=? AND version=? AND rank=?",
                 (session, version, part.rank),
@@ -318,11 +365,12 @@ class SessionStore:
                     "INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
                 )
-                self._event(db, session, version, S.STAGING)
             db.execute(
                 "INSERT INTO parts VALUES (?,?,?,?,?,?)",
                 (session, version, part.rank, idempotency_key, digest, json.dumps(part.to_dict())),
             )
+            if vrow is None:
+                self._event(db, session, version, S.STAGING)
             if final:
                 manifest = Manifest(session, version, generation, part.chunk_bytes, tuple(sorted([*others, part], key=lambda p: p.rank)))
                 required = sorted(self._live_agents(db, session, "ROLLOUT"))
@@ -423,9 +471,7 @@ class SessionStore:
         check_session_name(session)
         check_version(version)
         with self._tx() as db:
-            s = self._session(db, session)
-            if generation != s.generation:
-                raise StaleGeneration(f"generation {generation} is not the current generation {s.generation}")
+            _check_generation(generation, self._session(db, session))
             rec = self._version(db, session, version)
             check_transition(version, rec.state, S.FAILED)
             self._set_state(db, session, version, S.FAILED, reason[:500] or "aborted")
@@ -433,12 +479,13 @@ class SessionStore:
         self._notify(session)
         return rec
 
-    def release_version(self, session: str, version: int, *, force: bool = False) -> VersionRecord:
-        """-> RELEASED; refused while a live rollout holds a lease, unless forced."""
+    def release_version(self, session: str, version: int, *, generation: int, force: bool = False) -> VersionRecord:
+        """-> RELEASED; refused while a live rollout holds a lease, unless forced, and from
+        any generation but the session's current one (a fenced trainer releases nothing)."""
         check_session_name(session)
         check_version(version)
         with self._tx() as db:
-            self._session(db, session)
+            _check_generation(generation, self._session(db, session))
             rec = self._version(db, session, version)
             if rec.state is S.RELEASED:
                 return rec
@@ -545,6 +592,7 @@ class SessionStore:
                     lease_expires_at=r["lease_expires_at"],
                     current_version=r["current_version"],
                     alive=r["lease_expires_at"] >= now,
+                    generation=r["generation"],
                 )
                 for r in rows
             ]
@@ -572,11 +620,15 @@ class SessionStore:
         with self._tx() as db:
             self._session(db, session)
             rows = db.execute(
-                "SELECT seq, version, state FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?", (session, seq, limit)
+                "SELECT seq, version, state, record FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?",
+                (session, seq, limit),
             ).fetchall()
-            # Each event carries the state it recorded; the other fields are current.
+            # Each event carries the version as it was when recorded (events from before
+            # snapshots existed: the state it recorded, the other fields current).
             return [
-                Event(r["seq"], dataclasses.replace(self._version(db, session, r["version"]), state=VersionState(r["state"])))
+                Event(r["seq"], _record_from_json(r["record"]) if r["record"] else dataclasses.replace(
+                    self._version(db, session, r["version"]), state=VersionState(r["state"])
+                ))
                 for r in rows
             ]
 
@@ -606,7 +658,41 @@ class SessionStore:
         self._event(db, session, version, target)
 
     def _event(self, db: sqlite3.Connection, session: str, version: int, state: VersionState) -> None:
-        db.execute("INSERT INTO events (session, version, state, at) VALUES (?,?,?,?)", (session, version, state.value, self._clock()))
+        record = json.dumps(dataclasses.asdict(self._version(db, session, version)) | {"state": state.value})
+        db.execute(
+            "INSERT INTO events (session, version, state, at, record) VALUES (?,?,?,?,?)",
+            (session, version, state.value, self._clock(), record),
+        )
+
+
+def _lock_database(db_path: Path) -> int:
+    """Takes `<db>.lock` exclusively for this store's lifetime: two coordinators writing
+    one database would each believe their own leases and generations."""
+    lock_path = db_path.with_name(db_path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FailedPrecondition(
+            f"database {db_path} is in use by another coordinator ({lock_path} is locked); "
+            "stop it first, or give this one its own --db-path"
+        ) from None
+    return fd
+
+
+def _record_from_json(text: str) -> VersionRecord:
+    fields = json.loads(text)
+    return VersionRecord(**fields | {"state": VersionState(fields["state"])})
+
+
+def _check_generation(generation: int, s: SessionRecord) -> None:
+    """Writers must carry the session's current generation (fencing, DESIGN "Concepts")."""
+    if generation != s.generation:
+        raise StaleGeneration(
+            f"generation {generation} is not the session's current generation {s.generation}; "
+            "this writer was fenced by a newer incarnation (re-attach with OpenSession)"
+        )
 
 
 class _Tx:

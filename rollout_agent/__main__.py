@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
 from rollout_agent.appliers import DictApplier
 from rollout_agent.config import RolloutConfig
+from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay
 from rollout_agent.sync import sync_version
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             relay = Relay(
                 cfg.session, host=cfg.host, port=cfg.relay_port, wait_s=cfg.relay_wait_s, failpoints=Failpoints(cfg.failpoints)
             )
+        outbox = ReportOutbox(client, lambda v, ok, mismatch: agent.on_verdict(v, ok, mismatch))
         puller = WeightPuller(
             client,
             cfg.session,
@@ -85,8 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failpoints = Failpoints(cfg.failpoints)
         agent = RolloutAgent(
             client, cfg.session, agent_id,
-            functools.partial(sync_version, puller, applier, apply_mode=cfg.apply_mode, failpoints=failpoints, metrics=metrics),
+            functools.partial(
+                sync_version, puller, applier, apply_mode=cfg.apply_mode, failpoints=failpoints, metrics=metrics, outbox=outbox
+            ),
             metrics=metrics,
+            outbox=outbox,
         )
         closers = [puller.close, *([relay.close] if relay else [])]
     running = start_server(
@@ -102,13 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         advertised(running.address, cfg.advertise_host), ("grpc", "relay") if relay_address else ("grpc",),
         cfg.host_id or socket.gethostname(), tcp_address=relay_address,
     )
-    agent.attach()
     agent.start(follow=cfg.follow)
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, agent_id=agent_id)
     log.info("rollout %s ready on %s session=%s", agent_id, running.address, cfg.session)
     stop.wait()
+    # Graceful exit: health says NOT_SERVING first, then the lease ends (deregister), then
+    # the servers stop.
+    running.health.enter_graceful_shutdown()
     agent.stop()
-    running.stop()
+    running.stop(grace_s=1.0)
     for close in closers:
         close()
     client.close()

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import logging
+import random
 import threading
-import time
 from collections.abc import Callable
 
 import grpc
 
+from rollout_agent.outbox import TRANSIENT_ERRORS, ReportOutbox
 from rollout_agent.sync import SyncResult
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import VersionNotFound, WeightsyncError
+from weightsync.errors import AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
@@ -26,31 +27,45 @@ SERVABLE_STATES = {tpb.READY, tpb.COMMITTED, tpb.PARTIAL}
 
 
 class RolloutAgent:
-    """Keeps one applier in sync with a session.
+    """Keeps one applier in sync with a session, and heals by itself.
 
-    Lock order: `_sync_lock` (one sync at a time) before any puller lock.
+    Following (`start(follow=True)`): a watch thread learns of new servable versions and
+    a sync thread pulls the newest one. A round that failed for a transient reason (a
+    source or the coordinator unreachable) is retried with backoff while its version is
+    still the newest; one whose bytes did not verify gets `AUTO_RETRIES` more tries. A
+    handshake the coordinator did not receive waits in the outbox, which sends it again
+    until the coordinator answers. The heartbeat registers again when the lease was lost.
+
+    Lock order: `_sync_lock` (one sync at a time) before `_state_lock` and any puller lock.
     """
+
+    AUTO_RETRIES = 2  # more automatic tries of a version whose bytes did not verify
+    MAX_BACKOFF_S = 8.0
 
     def __init__(
         self,
         client: CoordinatorClient,
         session: str,
         agent_id: str,
-        syncer: Callable[[int], SyncResult],
+        syncer: Callable[..., SyncResult],
         *,
         metrics: Metrics,
         completion: Callable[[], str] | None = None,
+        outbox: ReportOutbox | None = None,
     ) -> None:
         """`syncer(version)` runs one round (the NumPy applier's `sync_version`, or a vLLM
-        engine's weight-transfer API); `completion()` shows what the engine now says."""
+        engine's weight-transfer API); `completion()` shows what the engine now says;
+        `outbox` re-sends handshakes `syncer` could not deliver (its verdicts must reach
+        `on_verdict`)."""
         self.client = client
         self.session = session
         self.agent_id = agent_id
         self.syncer = syncer
         self.completion_fn = completion
+        self.outbox = outbox
         self.last_completion = ""
         self.recent_completions: dict[int, str] = {}
-        self.endpoint = Endpoint()  # set to the agent's own server before attach()
+        self.endpoint = Endpoint()  # set to the agent's own server before start()
         self.metrics = metrics
         self.current_version = 0
         self.syncs_ok = 0
@@ -58,29 +73,46 @@ class RolloutAgent:
         self.chunk_retries = 0
         self.last_error = ""
         self._sync_lock = threading.Lock()
+        self._state_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wanted = 0  # newest servable version the watch has seen
+        self._wake = threading.Event()
         self._heartbeat: Heartbeat | None = None
-        self._watcher: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
-    def attach(self) -> None:
-        """Opens the session (creating it if needed) and registers this rollout."""
+    def attach(self) -> float:
+        """Opens the session (creating it if needed) and registers; returns the lease TTL."""
         self.client.open_session(self.session, trainer=False)
-        self.client.register_agent(self.session, self.agent_id, trainer=False, endpoint=self.endpoint)
+        return self.client.register_agent(self.session, self.agent_id, trainer=False, endpoint=self.endpoint).lease_ttl_seconds
 
     def start(self, follow: bool) -> None:
+        """Registers, starts heartbeats and, when following, the watch and sync threads."""
         self._heartbeat = Heartbeat(
-            self.client, self.session, self.agent_id, current_version=lambda: self.current_version, reattach=self.attach
+            self.client, self.session, self.agent_id, current_version=lambda: self.current_version, register=self.attach
         ).start()
         if follow:
-            self._watcher = threading.Thread(target=self._watch_loop, name="watch", daemon=True)
-            self._watcher.start()
+            self._threads = [
+                threading.Thread(target=self._watch_loop, name="watch", daemon=True),
+                threading.Thread(target=self._follow_loop, name="follow", daemon=True),
+            ]
+            for t in self._threads:
+                t.start()
 
     def stop(self) -> None:
+        """Stops following and heartbeats, then ends the lease at the coordinator (so the
+        rollout stops counting as required at once, not when its lease runs out)."""
         self._stop.set()
+        self._wake.set()
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
+        for t in self._threads:  # daemons: a watch stream or a pull in flight does not hold up the exit
+            t.join(timeout=1)
+        if self.outbox is not None:
+            self.outbox.close()
+        try:
+            self.client.deregister_agent(self.session, self.agent_id)
+        except WeightsyncError as e:
+            log.info("deregistering %s: %s (its lease ends by itself)", self.agent_id, e)
 
     def sync(self, version: int = 0) -> SyncResult:
         """Syncs a version (0 = newest servable); one at a time."""
@@ -88,26 +120,43 @@ class RolloutAgent:
             if version == 0:
                 version = self._newest_servable()
             result = self.syncer(version)
-            self.chunk_retries += result.chunk_retries
+            with self._state_lock:
+                self.chunk_retries += result.chunk_retries
             if result.ok:
-                self.syncs_ok += 1
-                if self.completion_fn is not None:  # before current_version: readers poll on it
-                    self.last_completion = self.completion_fn()
-                    self.recent_completions[result.version] = self.last_completion
-                    for old in sorted(self.recent_completions)[:-16]:
-                        del self.recent_completions[old]
-                self.current_version = result.version
-                self.metrics.current_version.labels(role=self.metrics.role).set(result.version)
+                self.on_verdict(result.version, True, "")
                 log.info(
                     "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
                     result.version, result.bytes_pulled, result.timings.get("pull_seconds", 0),
                     result.timings.get("apply_seconds", 0), result.chunk_retries,
                 )
+            elif result.handshake_pending:
+                log.warning("version %d applied; its handshake waits for the coordinator", result.version)
             else:
-                self.syncs_failed += 1
-                self.last_error = result.mismatch
-                log.error("version %d handshake failed: %s", result.version, result.mismatch)
+                self.on_verdict(result.version, False, result.mismatch)
             return result
+
+    def on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
+        """The coordinator's answer to a handshake (now, or later through the outbox)."""
+        if ok:
+            with self._state_lock:
+                self.syncs_ok += 1
+                if version <= self.current_version:
+                    return
+            if self.completion_fn is not None:  # before current_version: readers poll on it
+                completion = self.completion_fn()
+                with self._state_lock:
+                    self.last_completion = completion
+                    self.recent_completions[version] = completion
+                    for old in sorted(self.recent_completions)[:-16]:
+                        del self.recent_completions[old]
+            with self._state_lock:
+                self.current_version = max(self.current_version, version)
+            self.metrics.current_version.labels(role=self.metrics.role).set(self.current_version)
+        else:
+            with self._state_lock:
+                self.syncs_failed += 1
+                self.last_error = mismatch
+            log.error("version %d handshake failed: %s", version, mismatch)
 
     def _newest_servable(self) -> int:
         for v in self.client.status(self.session, 20).versions:
@@ -115,42 +164,77 @@ class RolloutAgent:
                 return v.version
         raise VersionNotFound(f"session {self.session!r} has no READY version yet")
 
-    def _watch_loop(self) -> None:
-        """Follows the session: catch up to the newest servable version, then each new one.
+    def _want(self, version: int) -> None:
+        if version > self._wanted:
+            self._wanted = version
+            self._wake.set()
 
-        Each version is synced automatically at most once: a version whose handshake
-        failed stays failed for this rollout (the `Sync` RPC retries it on request).
-        """
+    def _watch_loop(self) -> None:
+        """Learns of servable versions: the newest on (re)connect, then each new one."""
         seq = -1
-        attempted: set[int] = set()
         while not self._stop.is_set():
             try:
                 if seq < 0:  # (re)connect: no replay of history, just the newest version
                     st = self.client.status(self.session, 1)
                     seq = st.event_seq
                     if st.versions and st.versions[0].state in SERVABLE_STATES:
-                        self._sync_newest(st.versions[0].version, attempted)
+                        self._want(st.versions[0].version)
                 for ev in self.client.watch(self.session, seq):
                     seq = ev.seq
                     if self._stop.is_set():
                         return
                     if ev.version.state in SERVABLE_STATES:
-                        self._sync_newest(ev.version.version, attempted)
+                        self._want(ev.version.version)
             except WeightsyncError as e:
                 if not self._stop.is_set():
                     log.warning("watch interrupted (%s); reconnecting", e)
                     seq = -1
-                    time.sleep(0.5)
+                    self._stop.wait(0.5)
 
-    def _sync_newest(self, version: int, attempted: set[int]) -> None:
-        if version <= self.current_version or version in attempted:
-            return
-        attempted.add(version)
-        try:
-            self.sync(version)
-        except WeightsyncError as e:
-            self.last_error = e.message
-            log.warning("sync of version %d skipped: %s", version, e.message)
+    def _follow_loop(self) -> None:
+        """Syncs the newest wanted version until it is applied or given up on."""
+        tries: dict[int, int] = {}  # version -> failed tries whose bytes did not verify
+        backoff, last_target = 0.5, 0
+        while not self._stop.is_set():
+            target = self._wanted
+            if target != last_target:
+                backoff, last_target = 0.5, target
+            done = target <= self.current_version or target == self._handshake_waiting() or tries.get(target, 0) > self.AUTO_RETRIES
+            if done:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            transient = False
+            try:
+                result = self.sync(target)
+                transient = result.transient
+                if not result.ok and not result.handshake_pending and not transient:
+                    tries[target] = tries.get(target, 0) + 1
+            except TRANSIENT_ERRORS as e:
+                transient = True
+                self.last_error = e.message
+                log.warning("sync of version %d failed (%s); retrying", target, e.message)
+            except AgentNotFound:  # the lease lapsed (paused, partitioned): take one and go on
+                transient = True
+                log.warning("sync of version %d found no lease; registering again", target)
+                try:
+                    self.attach()
+                except WeightsyncError as e:
+                    self.last_error = e.message
+            except WeightsyncError as e:  # released, gone, or refused: nothing to retry
+                self.last_error = e.message
+                log.warning("sync of version %d skipped: %s", target, e.message)
+                tries[target] = self.AUTO_RETRIES + 1
+            if transient or tries.get(target, 0):
+                # the wait ends early when a newer version arrives
+                self._wake.wait(backoff * (0.5 + random.random()))
+                self._wake.clear()
+                backoff = min(self.MAX_BACKOFF_S, backoff * 2)
+            else:
+                backoff = 0.5
+
+    def _handshake_waiting(self) -> int:
+        return self.outbox.pending_version if self.outbox is not None else 0
 
 
 class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 import time
@@ -17,13 +18,12 @@ from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
-from weightsync.errors import DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.errors import DeadlineExceeded, DigestMismatch, TransportUnavailable, WeightsyncError
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
-from weightsync.transports.shm import ShmTransport
 from weightsync.wire import endpoint_from_proto
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class _Lane:
         self.mode = ""  # transport name; set by WeightPuller._plan
         self.endpoint = part.endpoint
         self.relayed = False
-        self.in_place = False  # shm: used where the bytes lie in the mapped arena (see _in_place_views)
+        self.digest_failures = 0  # chunks whose bytes arrived but did not verify
 
 
 class WeightPuller:
@@ -71,10 +71,13 @@ class WeightPuller:
     offer the mode are pulled over "grpc". Each rank's chunks are split into `streams`
     contiguous lanes; a lane requests at most `window_chunks` chunks per call, so at most
     streams x window_chunks x chunk_bytes are in flight per rank. Every chunk's xxh3 is
-    checked on arrival; a bad or missing chunk is fetched again, up to `max_attempts`
-    times in all, then DigestMismatch (DATA_LOSS). Receive buffers persist across
-    versions. A part read over shm (not relaying) is used in place in the mapped arena:
-    no receive buffer, and its tensors' digests are the check.
+    checked on arrival; a bad or missing chunk is fetched again (with backoff after a
+    transport failure), up to `max_attempts` times in all, then DigestMismatch (DATA_LOSS)
+    when a chunk's bytes did not verify, or TransportUnavailable when the source could
+    not be read (retryable: nothing was wrong with any byte). Receive buffers persist
+    across versions. Every byte is copied into them, shm included, and checked there:
+    what is verified and applied is this process's own copy, which no other process can
+    change after the check (a view of the trainer's arena could).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class WeightPuller:
         self._transports: dict[tuple[str, str, int], Transport] = {}
         self._fallbacks_logged: set[tuple[int, str]] = set()  # (rank, reason), logged once
         self._transports_lock = threading.Lock()
+        self.last_retries = 0  # chunks re-fetched by the last pull, also when it failed
 
     def transport_for(self, part: Part) -> str:
         """The transport for one rank's part: shm only where asked for and possible."""
@@ -140,8 +144,18 @@ class WeightPuller:
         if self._mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
-            return self._fallback(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
+            return self._off_shm(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
         return self._mode
+
+    def _off_shm(self, part: Part, why: str) -> str:
+        """Where a rank's shm cannot be used: tcp when offered and built here, else grpc."""
+        ep = part.endpoint
+        if "tcp" in ep.transports and ep.tcp_address and native.available():
+            if (part.rank, why) not in self._fallbacks_logged:
+                self._fallbacks_logged.add((part.rank, why))
+                log.info("rank %d %s: pulling over tcp", part.rank, why)
+            return "tcp"
+        return self._fallback(part, why)
 
     def _fallback(self, part: Part, why: str) -> str:
         if (part.rank, why) not in self._fallbacks_logged:
@@ -157,6 +171,18 @@ class WeightPuller:
             else:
                 lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
         return lanes
+
+    def _open_lane(self, lane: _Lane) -> Transport:
+        """The lane's open transport. A local shm mapping that cannot be opened (no shared
+        /dev/shm although host ids are equal) is not a fault of the source: the lane moves
+        to the next mode the rank offers, costing no attempt."""
+        try:
+            return self._transport(lane)
+        except TransportUnavailable as e:
+            if lane.mode != "shm":
+                raise
+            lane.mode = self._off_shm(lane.part, f"arena not mappable here ({e.message})")
+            return self._transport(lane)
 
     def _from_trainer(self, lane: _Lane, why: str) -> None:
         """A relay failed or lagged: this lane reads the rest from the trainer rank."""
@@ -226,8 +252,7 @@ class WeightPuller:
                 per = max(1, -(-n // self.streams))
                 lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
             lanes = self._plan(lanes)
-            views = self._in_place_views(lanes)
-            buffers = {p.rank: views[p.rank] if p.rank in views else self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
+            buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             if self.relay is not None:
                 self.relay.begin(manifest, self._token, buffers)
             try:
@@ -239,38 +264,15 @@ class WeightPuller:
                 if self.relay is not None:
                     self.relay.fail(manifest.version)
                 raise
+            finally:
+                self.last_retries = sum(lane.retries for lane in lanes)
         seconds = time.perf_counter() - started
         pulled = sum(lane.bytes for lane in lanes)
-        retries = sum(lane.retries for lane in lanes)
+        retries = self.last_retries
         if self.metrics is not None:
             self.metrics.observe_phase("pull", seconds)
             self.metrics.add_bytes("pulled", pulled)
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
-
-    def _in_place_views(self, lanes: list[_Lane]) -> dict[int, np.ndarray]:
-        """Read-only views of the parts every lane of which reads over shm: tensors are
-        assembled where they lie in the mapped arena, with no receive buffer and no copy
-        (the lease keeps the trainer off the slot until this version is reported). Chunk
-        digests are not checked there: re-reading the one source could not repair a bad
-        chunk, and the tensor digests (piecewise xxh3 of every shard byte, checked before
-        anything is applied) catch it. Not when relaying: a relay serves its buffers."""
-        if self.relay is not None:
-            return {}
-        views = {}
-        for part in {lane.part.rank: lane.part for lane in lanes}.values():
-            mine = [lane for lane in lanes if lane.part.rank == part.rank]
-            if not all(lane.mode == "shm" for lane in mine):
-                continue
-            try:
-                transport = self._transport(mine[0])
-                if not isinstance(transport, ShmTransport):  # a test registered its own "shm"
-                    continue
-                views[part.rank] = transport.part_view(part.total_bytes)
-            except TransportUnavailable:  # the lanes copy instead, with their retries
-                continue
-            for lane in mine:
-                lane.in_place = True
-        return views
 
     def pull_chunks(self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int) -> tuple[int, int]:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
@@ -285,6 +287,7 @@ class WeightPuller:
     def _run_lane(self, manifest: Manifest, lane: _Lane, buf: np.ndarray, base: int = 0) -> None:
         pending = lane.indices
         last_error = ""
+        unreachable = False  # the last attempt failed to reach the source (not a bad byte)
         for attempt in range(1, self.max_attempts + 1):
             if not pending:
                 return
@@ -294,22 +297,27 @@ class WeightPuller:
                     "version %d rank %d: re-fetching %d chunk(s) (attempt %d/%d): %s",
                     manifest.version, lane.part.rank, len(pending), attempt, self.max_attempts, last_error,
                 )
+                if unreachable:  # give a restarting source time; jitter spreads the lanes
+                    time.sleep(min(2.0, 0.1 * 2**attempt) * (0.5 + random.random()))
+            failures_before = lane.digest_failures
             try:
                 pending, last_error = self._fetch(manifest, lane, pending, buf, base)
                 while pending and lane.relayed:  # a relay's failure costs no attempt
                     self._from_trainer(lane, last_error)
                     lane.retries += len(pending)
                     pending, last_error = self._fetch(manifest, lane, pending, buf, base)
-            except TransportUnavailable as e:
-                last_error = e.message
-                time.sleep(min(1.0, 0.1 * 2**attempt))
+                unreachable = bool(pending) and lane.digest_failures == failures_before
+            except (TransportUnavailable, DeadlineExceeded) as e:
+                last_error, unreachable = e.message, True
         if pending:
-            raise DigestMismatch(
+            what = (
                 f"version {manifest.version} rank {lane.part.rank}: chunk {pending[0]} (and {len(pending) - 1} more) "
                 f"failed after {self.max_attempts} attempts: {last_error}"
             )
+            raise TransportUnavailable(what) if unreachable else DigestMismatch(what)
 
-    def _count_digest_failure(self) -> None:
+    def _count_digest_failure(self, lane: _Lane) -> None:
+        lane.digest_failures += 1
         if self.metrics is not None:
             self.metrics.digest_failures.labels(role=self.metrics.role).inc()
 
@@ -318,12 +326,9 @@ class WeightPuller:
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
-        if lane.in_place:  # nothing moves; the tensor digests check every byte before apply
-            lane.bytes += sum(chunks[i].length for i in indices)
-            return [], ""
         received: set[int] = set()
         problem = ""
-        transport = self._transport(lane)
+        transport = self._open_lane(lane)
         for w in range(0, len(indices), self.window_chunks):
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
@@ -339,7 +344,7 @@ class WeightPuller:
                             lane.bytes += chunks[i].length
                         else:
                             problem = f"chunk {i} digest mismatch"
-                            self._count_digest_failure()
+                            self._count_digest_failure(lane)
                     if self.relay is not None:
                         self.relay.mark(manifest.version, lane.part.rank, [i for i, good in zip(window, ok) if good])
                     continue
@@ -355,7 +360,7 @@ class WeightPuller:
                         dst[:] = np.frombuffer(payload.data, np.uint8)
                     if not good:  # whatever landed in dst is overwritten by the re-fetch
                         problem = f"chunk {payload.index} digest mismatch"
-                        self._count_digest_failure()
+                        self._count_digest_failure(lane)
                         continue
                     received.add(payload.index)
                     if self.relay is not None:

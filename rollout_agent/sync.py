@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rollout_agent.appliers import Applier, layer_groups
 from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
+from rollout_agent.outbox import TRANSIENT_ERRORS, ReportOutbox, send_report
 from rollout_agent.puller import WeightPuller
 from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
@@ -30,7 +31,12 @@ class SyncResult:
     bytes_pulled: int = 0
     chunk_retries: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-
+    # The round failed for a reason that may pass (a source or the coordinator could not
+    # be reached), not because a byte was wrong: the version is worth another try.
+    transient: bool = False
+    # The coordinator could not be reached with the handshake: it waits in the outbox and
+    # the verdict comes later (ok stays False here).
+    handshake_pending: bool = False
 
 APPLY_MODES = ("atomic", "streaming")
 
@@ -52,6 +58,7 @@ def sync_version(
     apply_mode: str = "atomic",
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
+    outbox: ReportOutbox | None = None,
 ) -> SyncResult:
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
@@ -60,7 +67,9 @@ def sync_version(
     "streaming": one layer group at a time is pulled, verified and applied, so host
     memory stays near one group, but a bad chunk found late leaves earlier groups applied
     (not atomic; the handshake fails and the next good version repairs it).
-    The handshake carries digests over the tensors handed to the applier.
+    The handshake carries digests over the tensors handed to the applier. A handshake
+    the coordinator could not be reached with goes to `outbox`, which sends it again
+    until the coordinator answers (`handshake_pending`; without an outbox it is lost).
 
     Raises:
         WeightsyncError: the manifest could not be fetched (nothing was applied).
@@ -84,6 +93,8 @@ def sync_version(
         report.consumed_names.extend(progress.consumed)
     except WeightsyncError as e:
         report.local_error = e.message
+        result.transient = isinstance(e, TRANSIENT_ERRORS)
+        result.chunk_retries = puller.last_retries
         log.error("version %d not applied: %s", v, e.message)
     report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
     report.aggregates.CopyFrom(
@@ -99,12 +110,18 @@ def sync_version(
         for phase in ("verify", "apply"):
             if f"{phase}_seconds" in timings:
                 metrics.observe_phase(phase, timings[f"{phase}_seconds"])
+    if failpoints is not None and failpoints.fire("sync.pause_before_report"):
+        log.warning("failpoint sync.pause_before_report: pausing 3 s before the handshake of version %d", v)
+        time.sleep(3.0)
+    if outbox is not None:
+        outbox.discard_older_than(v)
     try:
-        puller.client.report_applied(report)
-        result.ok = not report.local_error
-        result.mismatch = report.local_error
-    except DataLoss as e:
-        result.ok, result.mismatch = False, e.message
+        result.ok, result.mismatch = send_report(puller.client, report)
+    except TRANSIENT_ERRORS as e:
+        result.mismatch = f"handshake not delivered yet ({e.message}); the outbox sends it again"
+        if outbox is not None:
+            outbox.put(report)
+            result.handshake_pending = True
     if result.ok and metrics is not None:
         metrics.current_version.labels(role=metrics.role).set(v)
     return result
@@ -127,9 +144,7 @@ def _apply_atomic(
     t0 = time.perf_counter()
     tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
     if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
-        name, first = next(iter(tensors.items()))
-        if not first.flags.writeable:  # a view of the trainer's arena (shm): corrupt a copy
-            tensors[name] = first = first.copy()
+        first = next(iter(tensors.values()))
         first.reshape(-1).view("uint8")[0] ^= 0xFF
     progress.digests = digest_all(manifest, tensors)
     progress.elements = sum(int(t.size) for t in tensors.values())

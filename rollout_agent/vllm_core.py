@@ -10,12 +10,13 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay
 from rollout_agent.sync import SyncResult, sync_version
 from rollout_agent.vllm_applier import VllmApplier
 from weightsync.client import CoordinatorClient
-from weightsync.errors import InvalidArgument
+from weightsync.errors import InvalidArgument, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.modes import normalize_mode
@@ -103,23 +104,32 @@ class VllmRollout:
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0
         self.last: SyncResult | None = None
-        self._attach()
+        self.outbox = ReportOutbox(self.client, self._on_verdict)
         self._heartbeat = Heartbeat(
-            self.client, info.session, self.agent_id, current_version=lambda: self.current_version, reattach=self._attach
+            self.client, info.session, self.agent_id, current_version=lambda: self.current_version, register=self._attach
         ).start()
 
-    def _attach(self) -> None:
+    def _attach(self) -> float:
         self.client.open_session(self.info.session, trainer=False)
         endpoint = Endpoint(
             "", ("grpc", "relay") if self.relay else ("grpc",), socket.gethostname(),
             tcp_address=self.relay.address if self.relay else "",
         )
-        self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=endpoint)
+        return self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=endpoint).lease_ttl_seconds
+
+    def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
+        if ok:
+            self.current_version = max(self.current_version, version)
+            log.info("weightsync version %d: handshake delivered late, ok", version)
+        else:
+            log.error("weightsync version %d: handshake delivered late, refused: %s", version, mismatch)
 
     def sync(self, version: Any = "latest") -> SyncResult:
         """Pulls, verifies, applies and reports; the live weights change only when every
         chunk and tensor verified and every name matched the model."""
-        result = sync_version(self.puller, self.applier, parse_version(version), apply_mode=self.info.apply_mode)
+        result = sync_version(
+            self.puller, self.applier, parse_version(version), apply_mode=self.info.apply_mode, outbox=self.outbox
+        )
         self.last = result
         if result.ok:
             self.current_version = result.version
@@ -138,6 +148,11 @@ class VllmRollout:
 
     def close(self) -> None:
         self._heartbeat.stop()
+        self.outbox.close()
+        try:
+            self.client.deregister_agent(self.info.session, self.agent_id)
+        except WeightsyncError as e:
+            log.info("weightsync: deregistering %s: %s", self.agent_id, e)
         self.puller.close()
         if self.relay is not None:
             self.relay.close()

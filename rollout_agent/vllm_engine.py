@@ -55,7 +55,10 @@ class VllmEngineSyncer:
             self.llm.update_weights({"update_info": {"version": version or "latest"}})
             self.llm.finish_weight_update(weight_version=str(version) if version else None)
         except Exception as e:  # noqa: BLE001 - the engine reports why; the old weights keep serving
-            return SyncResult(version, ok=False, mismatch=str(e).splitlines()[0][:500])
+            why = str(e).splitlines()[0][:500]
+            # The coordinator was unreachable (for the manifest or the handshake): try again.
+            transient = any(m in why for m in ("not delivered yet", "UNAVAILABLE", "failed to connect", "unreachable"))
+            return SyncResult(version, ok=False, mismatch=why, transient=transient)
         finally:
             self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
         applied = int(self.llm.get_weight_version()) if version == 0 else version

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from weightsync.arena_files import owner_alive, owner_pid
 from weightsync.cluster import Cluster
 from weightsync.security import Security
 from weightsync.server import RunningServer
@@ -33,12 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _owner_gone_or_us(name: str) -> bool:
-    """Arena names end in -<pid>-<id>: a leak is one whose owner died, or this process's own."""
-    parts = name.split("-")
-    if len(parts) < 3 or not parts[-2].isdigit():
-        return True
-    pid = int(parts[-2])
-    return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
+    """A leak is an arena whose owner died (nobody holds its lock), or this process's own."""
+    return owner_pid(name) == os.getpid() or not owner_alive(Path("/dev/shm") / name)
 
 
 @pytest.fixture

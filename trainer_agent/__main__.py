@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,12 +14,14 @@ import numpy as np
 
 from trainer_agent import synthetic
 from trainer_agent.config import TrainerConfig
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
+from weightsync.errors import DeadlineExceeded, FailedPrecondition, StaleGeneration, TransportUnavailable
 from weightsync.server import setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger("trainer_agent")
+EXIT_FENCED = 3  # a newer incarnation owns the session
 
 
 def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -32,6 +35,25 @@ def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str
         lo, hi = rank * n // world_size, (rank + 1) * n // world_size
         out[name] = HostShard(name, arr[lo:hi], tuple(arr.shape), (lo,) + (0,) * (arr.ndim - 1))
     return out
+
+
+def publish_retrying(
+    pub: WeightPublisher, params: Mapping[str, Any], version: int, stop: threading.Event, attempts: int = 20
+) -> PublishResult | None:
+    """Publishes, riding out a coordinator that is down or slow to free a slot: the same
+    version is published again (same idempotency key) with backoff. None when stopped."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return pub.publish(params, version)
+        except StaleGeneration:
+            raise
+        except (TransportUnavailable, DeadlineExceeded, FailedPrecondition) as e:
+            if attempt == attempts:
+                raise
+            log.warning("publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts)
+            if stop.wait(min(5.0, 0.25 * 2**attempt)):
+                return None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,6 +88,7 @@ def _run(argv: Sequence[str] | None) -> int:
         fs_root=cfg.fs_root,
         weight_sync_mode=cfg.weight_sync_mode,
         security=cfg.security(),
+        next_version=cfg.start_version,
     ) as pub:
         write_ready_file(cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id)
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):
@@ -73,7 +96,15 @@ def _run(argv: Sequence[str] | None) -> int:
                 break
             # JAX dispatches asynchronously: finish the step so staging time is staging alone.
             params = jax.block_until_ready(synthetic.train_step(params, step, cfg.seed))
-            result = pub.publish(rank_rows(params, cfg.rank, cfg.world_size), step)
+            try:
+                result = publish_retrying(pub, rank_rows(params, cfg.rank, cfg.world_size), step, stop)
+            except StaleGeneration as e:
+                log.error("version %d not published: %s", step, e.message)
+                if not cfg.stay_fenced:
+                    return EXIT_FENCED
+                break
+            if result is None:  # stopped while retrying
+                break
             if cfg.wait_commit:
                 state = pub.wait_committed(step, cfg.commit_timeout_s)
                 log.info("step=%d version=%d state=%s", step, step, state)
@@ -82,8 +113,13 @@ def _run(argv: Sequence[str] | None) -> int:
                     return 1
             else:
                 log.info("step=%d version=%d state=%s", step, step, result.state)
+            if cfg.step_interval_s > 0:
+                stop.wait(cfg.step_interval_s)
         if cfg.hold:
-            stop.wait()
+            while not stop.wait(0.2):
+                if pub.fenced and not cfg.stay_fenced:
+                    log.error("exiting: fenced by generation %d (pass --stay-fenced to keep serving)", pub.fenced_by)
+                    return EXIT_FENCED
     return 0
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 
+from weightsync.arena_files import SHM_DIR, create_locked, new_arena_name
 from weightsync.layout import align_up
 
 log = logging.getLogger(__name__)
-SHM_DIR = "/dev/shm"
-ARENA_PREFIX = "weightsync-"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _SLOT_ALIGN = 2 << 20  # whole huge pages per slot
 
@@ -27,10 +25,12 @@ class Arena:
     """A shm file of `slots` slots of `slot_bytes` each, mapped read-write.
 
     Not thread-safe for concurrent writers; the publisher owns all writes. Readers (the
-    chunk server) take views through `slot()`.
+    chunk server) take views through `slot()`. The file's fd stays open holding the
+    owner lock (`weightsync.arena_files`), so a trainer starting on this host after a
+    `kill -9` reclaims it.
     """
 
-    def __init__(self, tag: str, *, slots: int = 2, directory: str = SHM_DIR) -> None:
+    def __init__(self, tag: str, *, slots: int = 2, directory: str | Path = SHM_DIR) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.tag = tag
@@ -41,6 +41,7 @@ class Arena:
         self.allocations = 0
         self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
+        self._fd = -1  # holds the owner lock while the arena exists
 
     @property
     def nbytes(self) -> int:
@@ -58,13 +59,9 @@ class Arena:
             )
         self._release()
         self.slot_bytes = new_slot
-        self.path = Path(self.directory) / f"{ARENA_PREFIX}{self.tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.nbytes)
-            self._mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self.path = Path(self.directory) / new_arena_name(self.tag)
+        self._fd = create_locked(self.path, self.nbytes)
+        self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._populate()
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.allocations += 1
@@ -108,6 +105,9 @@ class Arena:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the owner lock
+            self._fd = -1
 
     def close(self) -> None:
         """Unmaps and unlinks the shm file; idempotent."""

@@ -23,6 +23,7 @@ class TrainerConfig(ServerConfig):
     seed: int = option(0, "Seed of the initial weights and of every step's update.")
     steps: int = option(5, "Training steps; each publishes version start_version + step - 1.")
     start_version: int = option(1, "Version number of the first published step.")
+    step_interval_s: float = option(0.0, "Pause between steps (paces a trainer that does not wait for commits).")
     weight_dtype: str = option("bfloat16", "Dtype served to rollouts (fp32 masters are cast).", choices=list(ALLOWED))
     slots: int = option(2, "Arena slots.")
     tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
@@ -31,6 +32,7 @@ class TrainerConfig(ServerConfig):
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
     commit_timeout_s: float = option(120.0, "How long to wait for a commit.")
     hold: bool = option(False, "Keep serving after the last step until SIGTERM.")
+    stay_fenced: bool = option(False, "Keep running when a newer trainer incarnation fenced this one (default: exit 3).")
     weight_sync_mode: str = option(
         "tcp",
         "The session's default mode for rollouts: grpc | tcp | shm | fs (aliases filesystem, gcs; needs --fs-root) | relay.",

@@ -25,6 +25,7 @@ from trainer_agent.chunk_server import (
 from trainer_agent.staging import HostShard, chunk_specs, plan_layout, stage_shards, stage_stream
 from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
+from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
 from weightsync.digests import access_token
@@ -32,6 +33,7 @@ from weightsync.dtypes import dtype_info
 from weightsync.errors import (
     FailedPrecondition,
     InvalidArgument,
+    StaleGeneration,
     WeightsyncError,
     WrongState,
 )
@@ -150,6 +152,13 @@ class WeightPublisher:
             (grpc | tcp | shm | fs | relay; "" keeps the session's). fs needs fs_root.
         security: TLS / mTLS and bearer tokens for the coordinator channel and this
             rank's gRPC server (`weightsync.security`; plaintext without).
+        next_version: the first version this publisher will publish (0: not said); a new
+            incarnation whose next_version is not newer than the session's latest is
+            refused (FailedPrecondition) before it fences anyone.
+
+    A newer incarnation fences this one: its writes are refused (StaleGeneration), and
+    the heartbeat notices within one beat: `fenced` turns True, it is logged once and
+    the `weightsync_fenced` gauge reads 1.
     """
 
     def __init__(
@@ -180,6 +189,7 @@ class WeightPublisher:
         fs_root: str = "",
         weight_sync_mode: str = "",
         security: Security | None = None,
+        next_version: int = 0,
     ) -> None:
         check_session_name(session)
         if use_ffi is True and not native.ffi_available():
@@ -211,9 +221,12 @@ class WeightPublisher:
             trainer_ranks=world_size,
             min_rollouts=min_rollouts,
             weight_sync_mode=mode,
+            next_version=next_version,
         )
         self.generation = opened.generation
+        self.fenced_by = 0  # the newer generation that fenced this publisher
         self._token_key = opened.token_key
+        reclaim_orphans()  # arenas of trainers killed on this host before they could clean up
         self.arena = Arena(f"{session}-r{rank}", slots=slots)
         fps = Failpoints(failpoints)
         self.table = SlotTable(self.arena, session, rank, fps)
@@ -229,7 +242,9 @@ class WeightPublisher:
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None
         if native.available():  # the native bulk path ("tcp"): sendfile from the arena
-            self.tcp_server = TcpChunkServer(self.table, host=host, port=tcp_port, on_sent=self._servicer.count_served)
+            self.tcp_server = TcpChunkServer(
+                self.table, host=host, port=tcp_port, on_sent=self._servicer.count_served, failpoints=fps
+            )
             transports += ("tcp",)
         else:
             log.warning("native shim missing (%s): the tcp transport is not offered", native.missing_reason())
@@ -237,10 +252,10 @@ class WeightPublisher:
             advertised(self.server.address, advertise_host), transports, host_id or socket.gethostname(),
             tcp_address=advertised(self.tcp_server.address, advertise_host) if self.tcp_server else "",
         )
-        self._register()
         self._closed = False
         self._heartbeat = Heartbeat(
-            self._client, session, self.agent_id, current_version=self._latest_version, reattach=self._register
+            self._client, session, self.agent_id, current_version=self._latest_version, register=self._register,
+            on_generation=self._notice_generation,
         ).start()
         log.info("publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address)
 
@@ -251,6 +266,12 @@ class WeightPublisher:
             return
         self._closed = True
         self._heartbeat.stop()
+        self.server.health.enter_graceful_shutdown()  # health first: nobody new is sent here
+        if not self.fenced:
+            try:
+                self._client.deregister_agent(self.session, self.agent_id)
+            except WeightsyncError as e:
+                log.info("deregistering %s: %s (its lease ends by itself)", self.agent_id, e)
         self.server.stop(grace_s=1.0)
         if self.tcp_server is not None:
             self.tcp_server.close()
@@ -267,8 +288,29 @@ class WeightPublisher:
     def _latest_version(self) -> int:
         return max((e.version for e in self.table.entries().values()), default=0)
 
-    def _register(self) -> None:
-        self._client.register_agent(self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank)
+    @property
+    def fenced(self) -> bool:
+        """True once a newer incarnation attached: every write of this publisher is refused."""
+        return self.fenced_by > 0
+
+    def _register(self) -> float:
+        try:
+            resp = self._client.register_agent(
+                self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank, generation=self.generation
+            )
+        except StaleGeneration:
+            self._notice_generation(self.generation + 1)
+            raise
+        return resp.lease_ttl_seconds
+
+    def _notice_generation(self, generation: int) -> None:
+        if generation > self.generation and not self.fenced:
+            self.fenced_by = generation
+            self.metrics.fenced.set(1)
+            log.error(
+                "fenced: session %s moved to generation %d, this publisher holds %d; its writes are refused "
+                "(another incarnation of the trainer attached)", self.session, generation, self.generation,
+            )
 
     # -- publishing -----------------------------------------------------------------
     def publish(self, params: Mapping[str, Any], version: int, *, idempotency_key: str | None = None) -> PublishResult:
@@ -414,6 +456,11 @@ class WeightPublisher:
         released at the coordinator first, which is refused while a rollout holds a lease
         on it; we wait (bounded) rather than tear its bytes.
         """
+        if self.fenced:  # refused before any byte of the arena is touched
+            raise StaleGeneration(
+                f"this publisher (generation {self.generation}) was fenced by generation {self.fenced_by}; "
+                "a newer incarnation of the trainer owns the session"
+            )
         entries = self.table.entries()
         for slot in range(self.arena.slots):
             if slot not in entries:
@@ -425,14 +472,20 @@ class WeightPublisher:
         deadline = time.monotonic() + self.slot_wait_s
         while True:
             try:
-                self._client.release_version(self.session, entry.version)
+                self._client.release_version(self.session, entry.version, generation=self.generation)
                 break
+            except StaleGeneration:
+                self._notice_generation(self.generation + 1)
+                raise
             except WrongState:
                 # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
                 try:
                     self._client.abort_version(
                         self.session, generation=self.generation, version=entry.version, reason="slot reused"
                     )
+                except StaleGeneration:
+                    self._notice_generation(self.generation + 1)
+                    raise
                 except WeightsyncError:
                     break
             except FailedPrecondition as e:

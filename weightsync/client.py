@@ -63,6 +63,7 @@ class CoordinatorClient:
         trainer_ranks: int = 0,
         min_rollouts: int = 0,
         weight_sync_mode: str = "",
+        next_version: int = 0,
     ) -> pb.OpenSessionResponse:
         req = pb.OpenSessionRequest(
             session=session,
@@ -71,25 +72,36 @@ class CoordinatorClient:
             trainer_ranks=trainer_ranks,
             min_rollouts=min_rollouts,
             weight_sync_mode=weight_sync_mode,
+            next_version=next_version,
         )
         # Retrying a trainer attach without an incarnation would bump twice: only retry
         # when the call is idempotent.
         retries = self.retries if (incarnation or not trainer) else 0
         return rpc.unary(self._stub.OpenSession, req, timeout_s=self.timeout_s, retries=retries)
 
-    def register_agent(self, session: str, agent_id: str, *, trainer: bool, endpoint: Endpoint, rank: int = 0) -> pb.RegisterAgentResponse:
+    def register_agent(
+        self, session: str, agent_id: str, *, trainer: bool, endpoint: Endpoint, rank: int = 0, generation: int = 0
+    ) -> pb.RegisterAgentResponse:
         req = pb.RegisterAgentRequest(
             session=session,
             agent_id=agent_id,
             role=tpb.TRAINER if trainer else tpb.ROLLOUT,
             endpoint=endpoint_to_proto(endpoint),
             rank=rank,
+            generation=generation,
         )
         return rpc.unary(self._stub.RegisterAgent, req, timeout_s=self.timeout_s, retries=self.retries)
 
-    def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> pb.HeartbeatResponse:
+    def heartbeat(
+        self, session: str, agent_id: str, current_version: int = 0, *, timeout_s: float | None = None
+    ) -> pb.HeartbeatResponse:
         req = pb.HeartbeatRequest(session=session, agent_id=agent_id, current_version=current_version)
-        return rpc.unary(self._stub.Heartbeat, req, timeout_s=self.timeout_s)
+        return rpc.unary(self._stub.Heartbeat, req, timeout_s=timeout_s or self.timeout_s)
+
+    def deregister_agent(self, session: str, agent_id: str, *, timeout_s: float = 2.0) -> bool:
+        """Ends the agent's lease now (graceful exit); short deadline, no retries."""
+        req = pb.DeregisterAgentRequest(session=session, agent_id=agent_id)
+        return rpc.unary(self._stub.DeregisterAgent, req, timeout_s=timeout_s).removed
 
     def publish_part(
         self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
@@ -135,8 +147,9 @@ class CoordinatorClient:
         req = pb.WatchVersionsRequest(session=session, since_seq=since_seq)
         return rpc.stream(self._stub.WatchVersions, req, timeout_s=timeout_s)
 
-    def report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
-        return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=self.retries)
+    def report_applied(self, request: pb.ReportAppliedRequest, *, retries: int | None = None) -> pb.ReportAppliedResponse:
+        retries = self.retries if retries is None else retries
+        return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=retries)
 
     def status(self, session: str, version_limit: int = 0) -> pb.GetStatusResponse:
         req = pb.GetStatusRequest(session=session, version_limit=version_limit)
@@ -146,8 +159,8 @@ class CoordinatorClient:
         req = pb.AbortVersionRequest(session=session, generation=generation, version=version, reason=reason)
         return rpc.unary(self._stub.AbortVersion, req, timeout_s=self.timeout_s, retries=self.retries)
 
-    def release_version(self, session: str, version: int, *, force: bool = False) -> tpb.VersionInfo:
-        req = pb.ReleaseVersionRequest(session=session, version=version, force=force)
+    def release_version(self, session: str, version: int, *, generation: int, force: bool = False) -> tpb.VersionInfo:
+        req = pb.ReleaseVersionRequest(session=session, version=version, force=force, generation=generation)
         return rpc.unary(self._stub.ReleaseVersion, req, timeout_s=self.timeout_s, retries=self.retries)
 
     def wait_for_version(

@@ -23,9 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightsync import rpc
+from weightsync.arena_files import ARENA_GLOB, owner_pid
 from weightsync.security import Security
-
-ARENA_GLOB = "weightsync-*"
 
 
 @dataclass
@@ -95,14 +94,20 @@ class Cluster:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def start(self, name: str, module: str, args: Sequence[str], *, wait: bool = True, timeout_s: float = 90.0) -> Proc:
-        """Starts `python -m module args --ready-file ...`; waits until it serves."""
+    def start(
+        self, name: str, module: str, args: Sequence[str], *, wait: bool = True, timeout_s: float = 90.0,
+        wrapper: Sequence[str] = (),
+    ) -> Proc:
+        """Starts `python -m module args --ready-file ...`; waits until it serves.
+
+        `wrapper` is a command the process runs under (e.g. a private mount namespace).
+        """
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                [self.python, "-m", module, *args, "--ready-file", str(ready)],
+                [*wrapper, self.python, "-m", module, *args, "--ready-file", str(ready)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -134,8 +139,13 @@ class Cluster:
         db = db_path or str(self.workdir / "coordinator.db")
         return self.start(name, "coordinator", ["--db-path", db, "--port", str(port), *args])
 
-    def start_rollout(self, name: str, coordinator: str, session: str, args: Sequence[str] = ()) -> Proc:
-        return self.start(name, "rollout_agent", ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args])
+    def start_rollout(
+        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wrapper: Sequence[str] = ()
+    ) -> Proc:
+        return self.start(
+            name, "rollout_agent", ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
+            wrapper=wrapper,
+        )
 
     def start_trainer(self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wait: bool = True) -> Proc:
         return self.start(name, "trainer_agent", ["--coordinator", coordinator, "--session", session, *args], wait=wait)
@@ -177,8 +187,7 @@ def remove_arenas(pids: set[int], directory: str = "/dev/shm") -> list[Path]:
     """Deletes arena files created by the given (dead) pids; returns what was removed."""
     removed = []
     for path in Path(directory).glob(ARENA_GLOB):
-        parts = path.name.split("-")
-        if len(parts) >= 3 and parts[-2].isdigit() and int(parts[-2]) in pids:
+        if owner_pid(path.name) in pids:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -137,9 +137,21 @@ STATUS_BY_ERROR: dict[type[WeightsyncError], str] = {
 ERROR_BY_STATUS: dict[str, type[WeightsyncError]] = {v: k for k, v in STATUS_BY_ERROR.items()}
 
 
-def error_for_status(status_name: str, message: str, field: str | None = None) -> WeightsyncError:
-    """The error a client raises for a failed call's status name (INTERNAL when unknown)."""
+def _subclasses(cls: type[WeightsyncError]) -> list[type[WeightsyncError]]:
+    return [cls, *(sub for direct in cls.__subclasses__() for sub in _subclasses(direct))]
+
+
+def error_for_status(status_name: str, message: str, field: str | None = None, reason: str = "") -> WeightsyncError:
+    """The error a client raises for a failed call's status name (INTERNAL when unknown).
+
+    `reason` is the server's class name (sent as a google.rpc.ErrorInfo detail): where it
+    names a class of the same status, the client raises that class, so callers can
+    catch `AgentNotFound` or `StaleGeneration`, not just `NotFound` or
+    `FailedPrecondition`.
+    """
     cls = ERROR_BY_STATUS.get(status_name, InternalError)
+    if reason and reason != cls.__name__:
+        cls = next((sub for sub in _subclasses(cls) if sub.__name__ == reason), cls)
     err = cls.__new__(cls)
     WeightsyncError.__init__(err, message, field=field)
     return err

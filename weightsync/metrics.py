@@ -29,6 +29,7 @@ class Metrics:
     digest_failures: Counter
     current_version: Gauge
     versions_total: Counter
+    fenced: Gauge
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor`."""
@@ -78,5 +79,10 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         ),
         versions_total=Counter(
             "weightsync_version_transitions_total", "Version state transitions.", ["state"], registry=registry
+        ),
+        fenced=Gauge(
+            "weightsync_fenced",
+            "1 when a newer trainer incarnation fenced this trainer (its writes are refused), else 0.",
+            registry=registry,
         ),
     )

@@ -34,14 +34,19 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# The server must accept what CHANNEL_OPTIONS send: pings every 20 s, also without calls.
+# Otherwise it counts them as abuse and answers GOAWAY too_many_pings.
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
 ]
 
 T = TypeVar("T")
+ERROR_DOMAIN = "weightsync"  # google.rpc.ErrorInfo.domain of our errors; reason is the class name
 
 
 class RpcObserver(Protocol):
@@ -58,6 +63,10 @@ def to_status(error: Exception) -> status_pb2.Status:
     else:
         name, message = "INTERNAL", f"internal error: {type(error).__name__}: {error}"
     status = status_pb2.Status(code=getattr(code_pb2, name), message=message)
+    if isinstance(error, errors.WeightsyncError):  # the class travels, so clients raise the same one
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason=type(error).__name__, domain=ERROR_DOMAIN))
+        status.details.append(info)
     field = getattr(error, "field", None)
     if field:
         detail = any_pb2.Any()
@@ -142,6 +151,7 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     field = None
+    reason = ""
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a status without details is fine
@@ -153,7 +163,12 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
                 detail.Unpack(br)
                 if br.field_violations:
                     field = br.field_violations[0].field
-    err = errors.error_for_status(code.name, message, field)
+            elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.domain == ERROR_DOMAIN:
+                    reason = info.reason
+    err = errors.error_for_status(code.name, message, field, reason)
     err.grpc_code = code.name  # type: ignore[attr-defined]
     return err
 

@@ -112,7 +112,7 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
     assert "bearer token" in refused(Security(pki["crt"], pki["key"], pki["ca"], token="x" * 24), Unauthenticated)
     # a rollout token neither attaches as the trainer nor touches versions; it may read and register
     assert refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.open_session("job", trainer=True)).startswith("role")
-    assert "ReleaseVersion" in refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1))
+    assert "ReleaseVersion" in refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1, generation=1))
     with CoordinatorClient(addr, security=_client_side(pki, "rollout")) as rollout:
         rollout.open_session("job", trainer=False)
         rollout.register_agent("job", "r0", trainer=False, endpoint=Endpoint())

@@ -77,8 +77,8 @@ def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(inprocess_coordina
     client.close()
 
 
-@pytest.mark.parametrize(("host_id", "expected"), [("", "shm"), ("another-host", "grpc")])
-def test_shm_transport_on_the_same_host_and_grpc_fallback(
+@pytest.mark.parametrize(("host_id", "expected"), [("", "shm"), ("another-host", "tcp")])
+def test_shm_transport_on_the_same_host_and_tcp_fallback(
     inprocess_coordinator: RunningServer, no_arena_leak: None, host_id: str, expected: str
 ) -> None:
     rng = np.random.default_rng(3)
@@ -98,13 +98,15 @@ def test_shm_transport_on_the_same_host_and_grpc_fallback(
         _, manifest = client.get_manifest("job", 3)
         assert puller.transport_for(manifest.parts[0]) == expected
         assert manifest.parts[0].endpoint.shm_path == str(pub.arena.path)
-        assert (not puller._buffers) == (expected == "shm")  # shm: verified in the mapping, no receive buffer
+        # shm too copies every byte into this process's receive buffer and verifies it there:
+        # what is checked is what is applied, whatever writes to the trainer's arena later
+        assert puller._buffers[0].nbytes >= manifest.parts[0].total_bytes
         if expected == "shm":  # a bad byte in the arena itself: refused, the engine keeps version 3
             result = pub.publish({k: v + 1 for k, v in params.items()}, 4)
             entry = pub.table.entries()[result.slot]
             pub.arena.slot(result.slot)[entry.chunks[1].offset + 3] ^= 0x10
             outcome = sync_version(puller, applier, 4)
-            assert not outcome.ok and "refusing to apply version 4" in outcome.mismatch
+            assert not outcome.ok and "chunk 1 digest mismatch" in outcome.mismatch and not outcome.transient
             assert applier.version == 3 and all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         puller.close()
     client.close()
@@ -157,3 +159,4 @@ def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: Runn
         assert puller.transport_for(manifest.parts[0]) == "shm"
         puller.close()
     client.close()
+

@@ -6,6 +6,7 @@ import inspect
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 import weightsync
 import weightsync.transports as transports
@@ -31,7 +32,29 @@ def test_every_error_maps_to_a_real_status(cls: type[errors.WeightsyncError]) ->
 
 def test_invalid_argument_carries_the_field_in_a_bad_request_detail() -> None:
     status = to_status(errors.InvalidArgument("header.rank", "too big"))
-    assert status.message == "header.rank: too big" and len(status.details) == 1
+    assert status.message == "header.rank: too big" and len(status.details) == 2
+    assert any(d.Is(error_details_pb2.BadRequest.DESCRIPTOR) for d in status.details)
+
+
+def _instance(cls: type[errors.WeightsyncError]) -> errors.WeightsyncError:
+    err = cls.__new__(cls)
+    errors.WeightsyncError.__init__(err, "x")
+    return err
+
+
+@pytest.mark.parametrize("cls", [c for c in all_error_classes() if c is not errors.WeightsyncError], ids=lambda c: c.__name__)
+def test_every_error_class_survives_the_wire(cls: type[errors.WeightsyncError]) -> None:
+    """The server sends the class name (ErrorInfo.reason) and the client raises that class:
+    a heartbeat's NOT_FOUND must arrive as AgentNotFound, or nobody registers again."""
+    status = to_status(_instance(cls))
+    (info,) = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    unpacked = error_details_pb2.ErrorInfo()
+    info.Unpack(unpacked)
+    assert unpacked.reason == cls.__name__
+    back = errors.error_for_status(errors.status_name_for(_instance(cls)), "m", None, unpacked.reason)
+    assert type(back) is cls
+    # a reason naming a class of another status (or nothing) falls back to the status's class
+    assert type(errors.error_for_status("NOT_FOUND", "m", None, "StaleGeneration")) is errors.NotFound
 
 
 def test_documented_codes() -> None:

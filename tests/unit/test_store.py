@@ -162,7 +162,8 @@ def test_refused_requests_leave_state_unchanged(store: SessionStore, tmp_path: P
         lambda: store.publish_part("job", generation=gen, version=0, idempotency_key="b", part=part),
         lambda: store.publish_part("Bad Name", generation=gen, version=2, idempotency_key="b", part=part),
         lambda: store.report_applied("job", 9, "r0", good_report(store, 1)),
-        lambda: store.release_version("job", 9),
+        lambda: store.release_version("job", 9, generation=gen),
+        lambda: store.release_version("job", 1, generation=gen + 1),  # another generation: fenced
         lambda: store.register_agent("job", "UPPER", role="ROLLOUT", endpoint=Endpoint()),
     ):
         with pytest.raises((InvalidArgument, StaleGeneration, SessionNotFound, VersionNotFound)):
@@ -232,10 +233,10 @@ def test_leases_block_release_until_handshake_or_expiry(store: SessionStore, clo
     rec, _ = store.manifest("job", 1, lease_for="r0")
     assert rec.leases == 1
     with pytest.raises(FailedPrecondition, match="leased by r0"):
-        store.release_version("job", 1)
+        store.release_version("job", 1, generation=gen)
     clock.t += 11  # r0's lease expires
     store.sweep()
-    assert store.release_version("job", 1).state is S.RELEASED
+    assert store.release_version("job", 1, generation=gen).state is S.RELEASED
     with pytest.raises(AgentNotFound):
         store.heartbeat("job", "r0")
     store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=part)
@@ -264,8 +265,8 @@ def test_abort_and_release(store: SessionStore) -> None:
         store.abort_version("job", generation=gen, version=1, reason="again")
     with pytest.raises(WrongState):
         store.manifest("job", 1)
-    assert store.release_version("job", 1).state is S.RELEASED
-    assert store.release_version("job", 1).state is S.RELEASED  # idempotent
+    assert store.release_version("job", 1, generation=gen).state is S.RELEASED
+    assert store.release_version("job", 1, generation=gen).state is S.RELEASED  # idempotent
 
 
 def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tmp_path: Path, clock: Clock) -> None:
@@ -315,3 +316,72 @@ def test_a_relay_that_stops_heartbeating_leaves_new_chains_before_its_lease_ends
     assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r2"]
     store.heartbeat("job", "r1")  # back: in the chain again
     assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r1", "r2"]
+
+
+def test_a_fenced_trainer_changes_nothing(store: SessionStore) -> None:
+    old = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=old, version=1, idempotency_key="a", part=part)
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    store.register_agent("job", "t-old", role="TRAINER", endpoint=Endpoint(), generation=old)
+    new, _ = store.open_session("job", trainer=True, incarnation="run-2")
+    assert new.generation == old + 1
+    before = (store.versions("job"), store.event_states_since("job", 0))
+    for call in (
+        lambda: store.release_version("job", 1, generation=old, force=True),
+        lambda: store.abort_version("job", generation=old, version=1, reason="x"),
+        lambda: store.publish_part("job", generation=old, version=2, idempotency_key="b", part=part),
+        lambda: store.register_agent("job", "t-old", role="TRAINER", endpoint=Endpoint(), generation=old),
+    ):
+        with pytest.raises(StaleGeneration, match="fenced"):
+            call()
+    assert (store.versions("job"), store.event_states_since("job", 0)) == before
+    agents = {a.agent_id: a for a in store.agents("job")}
+    assert agents["t-old"].generation == old  # status shows who is behind
+
+
+def test_a_restart_that_cannot_publish_does_not_bump_the_generation(store: SessionStore) -> None:
+    gen = attach(store)
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=3, idempotency_key="a", part=part)
+    with pytest.raises(FailedPrecondition, match="next_version 3 .* start at 4"):
+        store.open_session("job", trainer=True, incarnation="run-2", next_version=3)
+    assert store.session("job").generation == gen
+    assert store.open_session("job", trainer=True, incarnation="run-2", next_version=4)[0].generation == gen + 1
+
+
+def test_deregistered_rollout_stops_being_required_at_once(store: SessionStore) -> None:
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    store.manifest("job", 1, lease_for="r1")
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    assert store.version("job", 1).state is S.READY  # r1 is required and leased
+    assert store.deregister_agent("job", "r1") is True
+    assert store.version("job", 1).state is S.COMMITTED
+    assert store.version("job", 1).leases == 0
+    assert store.deregister_agent("job", "r1") is False  # idempotent
+    assert [a.agent_id for a in store.agents("job")] == ["r0"]
+
+
+def test_replayed_events_carry_the_version_as_it_was(store: SessionStore, clock: Clock) -> None:
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    clock.t += 5
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    events = store.events_since("job", 0)
+    assert [e.version.state for e in events] == [S.STAGING, S.READY, S.COMMITTED]
+    assert events[0].version.committed_at == 0 and events[0].version.ready_at == 0
+    assert events[1].version.committed_at == 0 and events[1].version.ready_at > 0
+    assert events[2].version.committed_at == events[1].version.ready_at + 5
+
+
+def test_a_second_store_on_the_same_database_is_refused(tmp_path: Path) -> None:
+    first = SessionStore(tmp_path / "c.db")
+    try:
+        with pytest.raises(FailedPrecondition, match="in use by another coordinator"):
+            SessionStore(tmp_path / "c.db")
+    finally:
+        first.close()
+    SessionStore(tmp_path / "c.db").close()  # free again once the first closed

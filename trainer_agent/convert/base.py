@@ -130,10 +130,14 @@ def convert(
 
     Raises:
         UnknownKey (ValueError): a key no rule claims (unless ignore_unknown), naming it.
-        ValueError: a key without the slot prefix when cycle_interval > 1.
+        ValueError: a key without the slot prefix when cycle_interval > 1; or, before
+            anything is converted, options or dims that do not fit the tree (the
+            stacked layer axis, `ModelDims.layers`, head counts, `tied`, a layer key the
+            family needs and the tree lacks), naming the option.
     """
     opts = options or ConvertOptions()
     flat = flatten(tree)
+    check_tree(flat, spec, dims, opts)
     if isinstance(tree, MutableMapping):
         tree.clear()  # the flat view holds the leaves now; drop the caller's references
     globals_by_key = {r.key: r for r in spec.global_rules}
@@ -161,6 +165,82 @@ def convert(
         del leaf
 
 
+_LOGITS_KEY = "logits_dense.kernel"
+# Per-layer kernels whose head axes must match ModelDims: key -> (dims field of axis -2, of axis -1)
+_HEAD_AXES = {
+    "self_attention.query.kernel": ("heads", "head_dim"),
+    "self_attention.key.kernel": ("kv_heads", "head_dim"),
+    "self_attention.value.kernel": ("kv_heads", "head_dim"),
+}
+
+
+def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: ModelDims, opts: ConvertOptions) -> None:
+    """Refuses options and dims that do not fit the tree before anything converts (shapes
+    only, no data is read): a wrong scan axis would otherwise emit bogus layers, a
+    wrong `tied` drop the LM head, a wrong family miss weights, all silently."""
+    layer_keys: dict[str, set[int]] = {}  # layer rule key -> layer indices that carry it
+    global_keys = set()
+    for path, leaf in flat.items():
+        norm = normalise(path)
+        dotted = ".".join(norm)
+        if not (norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.match(norm[1]))):
+            global_keys.add(".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted)
+            continue
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        m = _LAYER_N.match(norm[1])
+        if m:  # unscanned: layers_<i>.<key>
+            i, key, layer_shape = int(m.group(1)), ".".join(norm[2:]), shape
+            if i >= dims.layers:
+                raise ValueError(f"key {dotted!r} is layer {i}, but ModelDims.layers={dims.layers}")
+            layer_keys.setdefault(key, set()).add(i)
+        else:
+            body = norm[2:]
+            c, axis = opts.cycle_interval, opts.param_scan_axis
+            if not -len(shape) <= axis < len(shape):
+                raise ValueError(f"param_scan_axis={axis} is not an axis of {dotted!r} (shape {shape})")
+            if c > 1:
+                if not body or not (_SLOT.match(body[0]) or body[0] in ("local_layers", "global_layer")):
+                    raise ValueError(
+                        f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} every layer key "
+                        f"needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / 'global_layer.' after 'layers.'"
+                    )
+                body = body[1:]
+            stacked = shape[axis] * (c if c > 1 else 1)
+            if stacked != dims.layers:
+                hint = [a for a, n in enumerate(shape) if n * (c if c > 1 else 1) == dims.layers]
+                raise ValueError(
+                    f"key {dotted!r} (shape {shape}) has {shape[axis]} entries on param_scan_axis={axis}, "
+                    f"which makes {stacked} layers, but ModelDims.layers={dims.layers}"
+                    + (f"; is param_scan_axis {hint[0]}?" if hint else "; check ModelDims.layers")
+                )
+            key = ".".join(body)
+            layer_keys.setdefault(key, set()).update(range(dims.layers))
+            layer_shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1 :]
+            if c > 1 and norm[2] == "local_layers":
+                layer_shape = layer_shape[:axis % len(shape)] + layer_shape[axis % len(shape) + 1 :]
+        if key in _HEAD_AXES and len(layer_shape) >= 2:
+            for field_name, got in zip(_HEAD_AXES[key], layer_shape[-2:]):
+                if got != getattr(dims, field_name):
+                    raise ValueError(
+                        f"key {dotted!r}: per-layer shape {layer_shape} has {got} on the {field_name} axis, "
+                        f"but ModelDims.{field_name}={getattr(dims, field_name)}"
+                    )
+    if any(r.key == _LOGITS_KEY for r in spec.global_rules):
+        if dims.tied and _LOGITS_KEY in global_keys:
+            raise ValueError(f"ModelDims.tied=True, but the tree has {_LOGITS_KEY!r} (an untied LM head); set tied=False")
+        if not dims.tied and _LOGITS_KEY not in global_keys:
+            raise ValueError(f"ModelDims.tied=False, but the tree has no {_LOGITS_KEY!r}; set tied=True for tied embeddings")
+    if layer_keys:
+        for rule in spec.layer_rules:
+            have = layer_keys.get(rule.key, set())
+            if len(have) < dims.layers:
+                missing = sorted(set(range(dims.layers)) - have)
+                raise ValueError(
+                    f"family {spec.family!r} needs {rule.key!r} in every layer; the tree lacks it in layer(s) "
+                    f"{missing[:8]}{'…' if len(missing) > 8 else ''}: is the tree of another family?"
+                )
+
+
 def _convert_layer_leaf(
     rel: tuple[str, ...],
     leaf: Array,
@@ -180,12 +260,7 @@ def _convert_layer_leaf(
     xp = xp_of(leaf)
     c = opts.cycle_interval
     axis = opts.param_scan_axis
-    if c > 1:
-        if not body or not (_SLOT.match(body[0]) or body[0] in ("local_layers", "global_layer")):
-            raise ValueError(
-                f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} every layer key "
-                f"needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / 'global_layer.' after 'layers.'"
-            )
+    if c > 1:  # check_tree refused keys without a slot prefix
         repeats = leaf.shape[axis]
         if body[0] == "local_layers":  # slots 0..C-2 stacked on scan_axis + 1
             for r in range(repeats):

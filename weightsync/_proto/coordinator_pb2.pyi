@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode")
+    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
     MIN_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_VERSION_FIELD_NUMBER: _ClassVar[int]
     session: str
     role: _types_pb2.Role
     incarnation: str
     trainer_ranks: int
     min_rollouts: int
     weight_sync_mode: str
-    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ...) -> None: ...
+    next_version: int
+    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key")
@@ -44,18 +46,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "role", "endpoint", "rank")
+    __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     role: _types_pb2.Role
     endpoint: _types_pb2.Endpoint
     rank: int
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("generation", "lease_ttl_seconds")
@@ -82,6 +86,20 @@ class HeartbeatResponse(_message.Message):
     generation: int
     lease_ttl_seconds: float
     def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class DeregisterAgentRequest(_message.Message):
+    __slots__ = ("session", "agent_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    agent_id: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterAgentResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
     __slots__ = ("session", "generation", "version", "rank", "idempotency_key", "total_bytes", "chunk_bytes", "tensor_count", "shard_count", "chunk_count", "endpoint", "stage_seconds")
@@ -262,7 +280,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., version_limit: _Optional[int] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "role", "endpoint", "rank", "alive", "lease_expires_at", "current_version")
+    __slots__ = ("agent_id", "role", "endpoint", "rank", "alive", "lease_expires_at", "current_version", "generation")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +288,7 @@ class AgentInfo(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     role: _types_pb2.Role
     endpoint: _types_pb2.Endpoint
@@ -277,7 +296,8 @@ class AgentInfo(_message.Message):
     alive: bool
     lease_expires_at: float
     current_version: int
-    def __init__(self, agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., alive: _Optional[bool] = ..., lease_expires_at: _Optional[float] = ..., current_version: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., alive: _Optional[bool] = ..., lease_expires_at: _Optional[float] = ..., current_version: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
     __slots__ = ("version", "agent_id", "ok", "mismatch", "timings", "bytes_pulled", "reported_at")
@@ -332,11 +352,13 @@ class AbortVersionRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseVersionRequest(_message.Message):
-    __slots__ = ("session", "version", "force")
+    __slots__ = ("session", "version", "force", "generation")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     force: bool
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -50,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.DeregisterAgent = channel.unary_unary(
+                '/weightsync.v1.Coordinator/DeregisterAgent',
+                request_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentResponse.FromString,
+                _registered_method=True)
         self.PublishVersion = channel.stream_unary(
                 '/weightsync.v1.Coordinator/PublishVersion',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.PublishRequest.SerializeToString,
@@ -112,6 +117,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeregisterAgent(self, request, context):
+        """Ends an agent's lease now (graceful exit): it stops being required for commits and
+        its version leases are dropped. Idempotent: an unknown agent is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PublishVersion(self, request_iterator, context):
         """Client-streaming publish of one rank's part: header, descriptor batches, seal.
         """
@@ -155,7 +168,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseVersion(self, request, context):
-        """Marks a version RELEASED; refused while a rollout holds a lease unless forced.
+        """Marks a version RELEASED; refused while a rollout holds a lease unless forced, and
+        from any generation but the current one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,6 +192,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'DeregisterAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterAgent,
+                    request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentResponse.SerializeToString,
             ),
             'PublishVersion': grpc.stream_unary_rpc_method_handler(
                     servicer.PublishVersion,
@@ -296,6 +315,33 @@ class Coordinator:
             '/weightsync.v1.Coordinator/Heartbeat',
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Coordinator/DeregisterAgent',
+            weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentRequest.SerializeToString,
+            weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from weightsync.arena_files import ARENA_NAME, SHM_DIR
 from weightsync.errors import InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
-
-SHM_ROOT = Path("/dev/shm")
-ARENA_NAME = re.compile(r"^weightsync-[A-Za-z0-9._-]+$")
 
 
 def check_arena_path(path: str) -> Path:
     """The arena file, if `path` names one (no '..', symlinks or other directories)."""
     p = Path(path)
-    if not p.is_absolute() or p.parent != SHM_ROOT or not ARENA_NAME.match(p.name) or ".." in p.parts:
-        raise InvalidArgument("endpoint.shm_path", f"{path!r} is not a weightsync arena under {SHM_ROOT}")
+    if not p.is_absolute() or p.parent != SHM_DIR or not ARENA_NAME.match(p.name) or ".." in p.parts:
+        raise InvalidArgument("endpoint.shm_path", f"{path!r} is not a weightsync arena under {SHM_DIR}")
     return p
 
 

@@ -40,6 +40,7 @@ from weightsync.errors import (
     error_for_status,
     status_name_for,
 )
+from weightsync.failpoints import Failpoints
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, FetchRequest, Transport
 
@@ -115,11 +116,13 @@ class TcpChunkServer:
         host: str = "127.0.0.1",
         port: int = 0,
         on_sent: Callable[[int], None] | None = None,  # bytes of each reply's payload
+        failpoints: Failpoints | None = None,
     ) -> None:
         if not native.available():
             raise RuntimeError(f"the tcp transport needs the native shim: {native.missing_reason()}")
         self._source = source
         self._on_sent = on_sent
+        self._failpoints = failpoints or Failpoints()
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
@@ -180,6 +183,8 @@ class TcpChunkServer:
             self._reply(conn, e)
             return
         conn.sendall(REPLY.pack(REPLY_MAGIC, 0, 0, total))
+        if self._failpoints.fire("tcp_server.drop_mid_reply"):
+            raise ConnectionAbortedError("failpoint tcp_server.drop_mid_reply: connection dropped mid-reply")
         if self._on_sent is not None:  # counted before the bytes go: a reader may be done before we return
             self._on_sent(total)
         sent = self._source.send_chunks(conn.fileno(), session, version, rank, indices)

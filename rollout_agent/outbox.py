@@ -1,0 +1,108 @@
+"""Handshakes the coordinator did not receive, sent again until it answers."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+
+from weightsync._proto import coordinator_pb2 as pb
+from weightsync.client import CoordinatorClient
+from weightsync.errors import DataLoss, DeadlineExceeded, TransportUnavailable, WeightsyncError
+
+log = logging.getLogger(__name__)
+TRANSIENT_ERRORS = (TransportUnavailable, DeadlineExceeded)
+Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch)
+REPORT_RETRIES = 2  # a few quick retries in the call; the outbox rides out longer outages
+
+
+def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> tuple[bool, str]:
+    """Sends one handshake: (ok, mismatch). A refusal other than DATA_LOSS (the version was
+    released meanwhile) is a failed round. Raises TransportUnavailable / DeadlineExceeded
+    when the coordinator could not be reached (the report may be sent again: the
+    coordinator keeps one report per agent and version)."""
+    try:
+        client.report_applied(report, retries=REPORT_RETRIES)
+        return not report.local_error, report.local_error
+    except DataLoss as e:
+        return False, e.message
+    except TRANSIENT_ERRORS:
+        raise
+    except WeightsyncError as e:
+        return False, f"handshake refused: {e.message}"
+
+
+class ReportOutbox:
+    """Holds the newest undelivered handshake and re-sends it with jittered backoff
+    (0.5 s doubling to `max_backoff_s`) until the coordinator answers or a newer
+    version's report replaces it; then calls `on_verdict`.
+
+    Lock order: `_lock` only; `on_verdict` is called outside it.
+    """
+
+    def __init__(self, client: CoordinatorClient, on_verdict: Verdict, *, max_backoff_s: float = 8.0) -> None:
+        self._client = client
+        self._on_verdict = on_verdict
+        self._max_backoff_s = max_backoff_s
+        self._lock = threading.Lock()
+        self._pending: pb.ReportAppliedRequest | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="handshake-outbox", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending_version(self) -> int:
+        """The version whose handshake waits for delivery (0: none)."""
+        with self._lock:
+            return self._pending.version if self._pending is not None else 0
+
+    def put(self, report: pb.ReportAppliedRequest) -> None:
+        """Keeps `report` for delivery unless a newer version's report is already waiting."""
+        with self._lock:
+            if self._pending is not None and self._pending.version > report.version:
+                return
+            self._pending = report
+        log.warning("handshake for version %d not delivered; retrying until the coordinator answers", report.version)
+        self._wake.set()
+
+    def discard_older_than(self, version: int) -> None:
+        """A newer version was reported: older undelivered handshakes no longer matter."""
+        with self._lock:
+            if self._pending is not None and self._pending.version < version:
+                log.info("handshake for version %d superseded by version %d", self._pending.version, version)
+                self._pending = None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            with self._lock:
+                report = self._pending
+            if report is None:
+                self._wake.wait()
+                self._wake.clear()
+                backoff = 0.5
+                continue
+            if self._wake.wait(backoff * (0.5 + random.random())):  # a newer report or close
+                self._wake.clear()
+                continue
+            try:
+                ok, mismatch = send_report(self._client, report)
+            except TRANSIENT_ERRORS as e:
+                log.info("handshake for version %d still not delivered: %s", report.version, e.message)
+                backoff = min(self._max_backoff_s, backoff * 2)
+                continue
+            with self._lock:
+                if self._pending is report:
+                    self._pending = None
+                else:
+                    continue  # superseded while in flight: the newer one decides
+            log.info("handshake for version %d delivered: %s", report.version, "ok" if ok else mismatch)
+            self._on_verdict(report.version, ok, mismatch)
+            backoff = 0.5

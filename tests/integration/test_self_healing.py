@@ -1,0 +1,209 @@
+"""Transient faults heal by themselves: real processes, real signals, short leases.
+
+Each test is one scenario from DESIGN "Faults heal by themselves", reproduced the way an
+operator met it (SIGSTOP past the lease, a coordinator outage during a sync, a fenced
+trainer, kill -9 and restart, SIGTERM, a pod without a shared /dev/shm).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integration.support import eventually, metric_value, rollout_status, scrape, state_name
+from trainer_agent.publisher import WeightPublisher
+from weightsync.arena_files import owner_alive
+from weightsync.client import CoordinatorClient
+from weightsync.cluster import Cluster
+from weightsync.errors import StaleGeneration
+
+TINY = ["--model-size", "tiny"]
+TTL = 2.0  # every lease in these tests; agents beat every 0.2 s
+
+
+def agents(client: CoordinatorClient, session: str = "job") -> dict[str, object]:
+    return {a.agent_id: a for a in client.status(session).agents}
+
+
+def test_a_rollout_paused_past_its_lease_registers_again_and_catches_up(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+    r0.popen.send_signal(signal.SIGSTOP)
+    with CoordinatorClient(coord.address) as client:
+        eventually(lambda: not agents(client)["r0"].alive, what="r0's lease to expire", timeout_s=3 * TTL)
+        cluster.stop("t1")
+        # published while r0 is frozen: READY, waiting for a rollout (min_rollouts 1)
+        cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--wait-commit", "false", "--hold"])
+        assert state_name(client.wait_for_version("job", 2, states=("READY",), timeout_s=60)) == "READY"
+        time.sleep(TTL)
+        r0.popen.send_signal(signal.SIGCONT)
+        t0 = time.monotonic()
+        assert state_name(client.wait_for_version("job", 2, timeout_s=3 * TTL)) == "COMMITTED"
+        eventually(lambda: rollout_status(r0.address).current_version == 2, what="r0 at version 2", timeout_s=3 * TTL)
+        assert time.monotonic() - t0 < 3 * TTL
+        assert agents(client)["r0"].alive
+    assert "registering again" in r0.log()
+
+
+def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster: Cluster) -> None:
+    db = str(cluster.workdir / "coordinator.db")
+    coord = cluster.start_coordinator(db_path=db, args=["--lease-ttl-s", str(TTL)])
+    port = int(coord.address.rsplit(":", 1)[1])
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--failpoints", "sync.pause_before_report=1"])
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    eventually(lambda: "pausing 3 s before the handshake" in r0.log(), what="r0 to hold its handshake")
+    cluster.kill("coordinator")  # SIGKILL while r0 holds verified, applied bytes and an unsent report
+    time.sleep(2 * TTL)  # the outage outlives every lease
+    cluster.start_coordinator(name="coordinator-2", db_path=db, port=port, args=["--lease-ttl-s", str(TTL)])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+        (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
+        assert hs.agent_id == "r0" and hs.ok
+    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1", timeout_s=3 * TTL)
+    assert "not delivered" in r0.log()
+
+
+def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    cluster.start_rollout("r0", coord.address, "job")
+    old = cluster.start_trainer("old", coord.address, "job", [*TINY, "--steps", "2", "--incarnation", "a", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
+        generation = client.status("job").generation
+        rng = np.random.default_rng(0)
+        params = {"model.norm.weight": rng.standard_normal(64).astype(np.float32)}
+        with WeightPublisher(coord.address, "job", incarnation="b", next_version=3, slots=1) as fenced:
+            fenced.publish(params, 3)
+            assert client.wait_for_version("job", 3, timeout_s=60)
+            # a third incarnation takes the session; `fenced` may not release or publish anything
+            with CoordinatorClient(coord.address) as third:
+                third.open_session("job", trainer=True, incarnation="c", next_version=5)
+            before = [(v.version, v.state) for v in client.status("job").versions]
+            with pytest.raises(StaleGeneration):
+                fenced.client.release_version("job", 3, generation=fenced.generation, force=True)
+            with pytest.raises(StaleGeneration):
+                fenced.publish(params, 4)  # its slot holds version 3: the release is refused first
+            assert [(v.version, v.state) for v in client.status("job").versions] == before
+            eventually(lambda: fenced.fenced, what="the heartbeat to notice the fence")
+            assert fenced.metrics.fenced._value.get() == 1  # noqa: SLF001 - the gauge's value
+        # the old process noticed too: it logs once and exits (no --stay-fenced)
+        assert cluster.wait_exit("old", 30) == 3
+        assert old.log().count("fenced: session job moved to generation") == 1
+        status = client.status("job")
+        assert status.generation == generation + 2
+        gens = {a.agent_id: a.generation for a in status.agents if a.role == 1}
+        assert sorted(gens.values())[0] == generation  # status shows who is behind
+
+
+def test_a_killed_trainers_arena_is_reclaimed_and_a_refused_restart_bumps_nothing(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    cluster.start_rollout("r0", coord.address, "job")
+    t1 = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 1, timeout_s=60)
+        arenas = sorted(Path("/dev/shm").glob(f"weightsync-job-r0-{t1.pid}-*"))
+        assert len(arenas) == 1 and owner_alive(arenas[0])
+        cluster.kill("t1")  # SIGKILL: no cleanup
+        assert arenas[0].exists() and not owner_alive(arenas[0])
+        generation = client.status("job").generation
+        bad = cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "1"], wait=False)
+        assert bad.popen.wait(60) != 0
+        assert "not newer than the session's latest version 1" in bad.log()
+        assert client.status("job").generation == generation  # the refused restart fenced nobody
+        cluster.start_trainer("t3", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--hold"])
+        assert not arenas[0].exists()  # reclaimed by the next trainer on this host
+        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
+
+
+def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", "30"])  # a long lease: only deregistering ends it soon
+    cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_rollout("r1", coord.address, "job")
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 1, timeout_s=60)
+        t0 = time.monotonic()
+        assert cluster.stop("r1", timeout_s=5) == 0
+        assert time.monotonic() - t0 < 5
+        assert "r1" not in agents(client)  # gone at once, not after its 30 s lease
+        cluster.stop("t1")
+        cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--hold"])
+        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"  # r1 is not waited for
+
+
+def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Cluster) -> None:
+    coord = cluster.start_coordinator()
+    second = cluster.start("coordinator-2", "coordinator", ["--db-path", coord.ready["db_path"], "--port", "0"], wait=False)
+    assert second.popen.wait(30) == 2
+    assert "in use by another coordinator" in second.log()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private /dev/shm")
+def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempts(cluster: Cluster, tmp_path: Path) -> None:
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a mount namespace here: {probe.stderr.decode().strip()}")
+    coord = cluster.start_coordinator()
+    private_shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", "shm"], wrapper=private_shm)
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+    st = rollout_status(r0.address)
+    assert st.current_version == 1 and st.chunk_retries == 0
+    assert "arena not mappable here" in r0.log() and "pulling over tcp" in r0.log()
+    assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 0
+
+
+def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coordinator, no_arena_leak: None) -> None:  # noqa: ANN001
+    """A process toggling a byte of the arena while rollouts read it over shm: a round may
+    fail, but every round that says ok applied exactly the published bytes."""
+    from rollout_agent.appliers import DictApplier
+    from rollout_agent.puller import WeightPuller
+    from rollout_agent.sync import sync_version
+
+    rng = np.random.default_rng(7)
+    params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((128, 256)).astype(np.float32) for i in range(4)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    ok = failed = 0
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=16384) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = WeightPuller(client, "job", "r0", transport="shm", max_attempts=1)
+        stop = threading.Event()
+        for version in range(1, 21):
+            params = {k: v + 1 for k, v in params.items()}
+            result = pub.publish(params, version)
+            target = pub.arena.slot(result.slot)
+            offset = pub.table.entries()[result.slot].chunks[version % 4].offset + 5
+
+            def toggle(target: np.ndarray = target, offset: int = offset) -> None:
+                while not stop.is_set():
+                    target[offset] ^= 0x01  # back and forth: the arena is right half the time
+                    time.sleep(0.0005)
+
+            writer = threading.Thread(target=toggle)
+            stop.clear()
+            writer.start()
+            applier = DictApplier()
+            outcome = sync_version(puller, applier, version)
+            stop.set()
+            writer.join()
+            if outcome.ok:
+                ok += 1
+                assert all(np.array_equal(applier.weights[k], v) for k, v in params.items()), f"version {version}"
+            else:
+                failed += 1
+                assert "digest mismatch" in outcome.mismatch
+        puller.close()
+    client.close()
+    assert ok + failed == 20

@@ -1,0 +1,80 @@
+"""Arena files in /dev/shm: how they are named, who owns one, and reclaiming the dead's.
+
+An arena is `weightsync-<tag>-<pid>-<random>` in /dev/shm. Its owner holds an exclusive
+`flock` on it for as long as it lives (the kernel drops it when the process dies, however
+it dies), so "is the owner alive" is a lock test that works across PID namespaces, not a
+guess from the pid in the name. The pid is there for people and for tests that know
+which processes they started.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import uuid
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")
+ARENA_PREFIX = "weightsync-"
+ARENA_GLOB = f"{ARENA_PREFIX}*"
+ARENA_NAME = re.compile(r"^weightsync-[A-Za-z0-9._-]+$")
+
+
+def new_arena_name(tag: str) -> str:
+    """A fresh arena file name for this process."""
+    return f"{ARENA_PREFIX}{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid an arena name records (None when the name is not an arena's)."""
+    parts = name.split("-")
+    if not name.startswith(ARENA_PREFIX) or len(parts) < 4 or not parts[-2].isdigit():
+        return None
+    return int(parts[-2])
+
+
+def create_locked(path: Path, nbytes: int) -> int:
+    """Creates the arena file at `path`, sized `nbytes`, and returns its fd holding the
+    owner's lock. The file is made under a hidden name and locked before it is renamed
+    into place, so no reclaimer ever sees an arena without its owner's lock."""
+    hidden = path.with_name(f".{path.name}.creating")
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, nbytes)
+        os.rename(hidden, path)
+    except BaseException:
+        os.close(fd)
+        hidden.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def owner_alive(path: Path) -> bool:
+    """True while some process holds the arena's owner lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases our probe lock, if we got it
+    return False
+
+
+def reclaim_orphans(directory: Path = SHM_DIR) -> list[Path]:
+    """Removes arenas whose owner is gone (killed without cleanup); returns them."""
+    removed = []
+    for path in sorted(directory.glob(ARENA_GLOB)):
+        if not ARENA_NAME.match(path.name) or path.is_symlink() or owner_alive(path):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+        log.warning("reclaimed arena %s: its owner (pid %s) is gone", path, owner_pid(path.name))
+    return removed
