@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration protos check-protos lint native bench bench-stage clean
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-stage clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,12 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest -q tests/integration
+
+# The chaos soak: the suite `make test` runs for 40 s, here for CHAOS_SECONDS (default 300);
+# CHAOS_SEED=<seed> replays a schedule (every run prints its seed).
+CHAOS_SECONDS ?= 300
+chaos: setup
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
 
 protos: setup
 	$(PY) protos/generate.py

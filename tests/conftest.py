@@ -69,7 +69,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @contextlib.contextmanager
-def coordinator_in_process(db_path: Path, security: Security | None = None) -> Iterator[RunningServer]:
+def coordinator_in_process(
+    db_path: Path, security: Security | None = None, lease_ttl_s: float = 10.0
+) -> Iterator[RunningServer]:
     """A Coordinator server in this process on 127.0.0.1:<free port> (TLS/tokens per `security`)."""
     from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
     from coordinator.store import SessionStore
@@ -79,7 +81,7 @@ def coordinator_in_process(db_path: Path, security: Security | None = None) -> I
     from weightsync.server import Service, start_server
 
     hub = WatchHub()
-    store = SessionStore(db_path, listener=hub)
+    store = SessionStore(db_path, listener=hub, lease_ttl_s=lease_ttl_s)
     metrics = build_metrics("coordinator")
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],

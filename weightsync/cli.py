@@ -75,12 +75,14 @@ def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Con
         f"min rollouts {st.min_rollouts}"
     )
     agents = Table(title="agents")
-    for col in ("agent", "role", "rank", "endpoint", "host", "alive", "version"):
+    for col in ("agent", "role", "rank", "generation", "endpoint", "host", "alive", "version"):
         agents.add_column(col)
     for a in st.agents:
+        fenced = a.role == tpb.TRAINER and a.generation and a.generation < st.generation
         agents.add_row(
-            a.agent_id, tpb.Role.Name(a.role), str(a.rank), a.endpoint.address, a.endpoint.host_id,
-            "yes" if a.alive else "[red]no[/]", str(a.current_version),
+            a.agent_id, tpb.Role.Name(a.role), str(a.rank),
+            (f"[red]{a.generation} (fenced)[/]" if fenced else str(a.generation)) if a.role == tpb.TRAINER else "",
+            a.endpoint.address, a.endpoint.host_id, "yes" if a.alive else "[red]no[/]", str(a.current_version),
         )
     console.print(agents)
     console.print(versions_table(st.versions, st.handshakes))

@@ -287,6 +287,8 @@ def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None
     assert not left, f"arenas left behind: {left} {where}"
     assert not list(Path("/dev/shm").glob(".weightsync-*")), f"half-created arenas left {where}"
     assert not list((cluster.workdir / "dumps").rglob(".*.tmp")), f"temp files left {where}"
+    for name, proc in cluster.procs.items():  # keepalive settings agree on both ends
+        assert "too_many_pings" not in proc.log(), f"{name} was sent GOAWAY too_many_pings {where}"
 
 
 pytestmark = pytest.mark.chaos

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -13,6 +15,7 @@ from tests.unit.helpers import make_part, sample_arrays
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound
+from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 
 
@@ -70,3 +73,32 @@ def test_wsctl_watch_json_and_errors(inprocess_coordinator: RunningServer) -> No
     assert bad.returncode == 2 and "NOT_FOUND" in bad.stderr
     human = subprocess.run([*base, "status"], capture_output=True, text=True, timeout=60, check=True)
     assert "READY" in human.stdout and "generation 1" in human.stdout
+    with CoordinatorClient(inprocess_coordinator.address) as client:  # a newer incarnation fences "t-a"
+        client.register_agent("job", "t-a", trainer=True, endpoint=Endpoint(), generation=gen)
+        client.open_session("job", trainer=True, incarnation="b")
+    fenced = subprocess.run([*base, "status"], capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "200"})
+    assert "generation 2" in fenced.stdout and "1 (fenced)" in fenced.stdout
+
+
+def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> None:  # noqa: ANN001
+    from tests.conftest import coordinator_in_process
+    from weightsync.heartbeat import Heartbeat
+    from weightsync.lease import heartbeat_interval_s, relay_fresh_s
+
+    assert heartbeat_interval_s(10.0) == 1.0 and heartbeat_interval_s(60.0) == 6.0 and relay_fresh_s(2.0) == 3 * 0.2
+    with coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running, CoordinatorClient(running.address) as client:
+        client.open_session("job", trainer=False)
+        registrations = []
+
+        def register() -> float:
+            registrations.append(1)
+            return client.register_agent("job", "r0", trainer=False, endpoint=Endpoint()).lease_ttl_seconds
+
+        beat = Heartbeat(client, "job", "r0", current_version=lambda: 0, register=register).start()
+        try:
+            assert beat.interval_s == heartbeat_interval_s(0.6) == 0.06
+            time.sleep(1.5)  # 2.5 leases: alive only because beats came at the TTL's pace
+            assert [a.alive for a in client.status("job").agents] == [True]
+            assert registrations == [1]  # never lost the lease
+        finally:
+            beat.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -59,6 +60,13 @@ def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(inprocess_coordina
         puller = WeightPuller(client, "job", "r0", transport="tcp", max_attempts=2)
         outcome = sync_version(puller, DictApplier(), 1)
         assert not outcome.ok and "chunk 1" in outcome.mismatch and "2 attempts" in outcome.mismatch
+        assert outcome.chunk_retries == 1 and not outcome.transient  # counted although the pull failed
+        # a source that cannot be reached is retried with backoff and is not DATA_LOSS
+        pub.tcp_server.close()
+        t0 = time.monotonic()
+        down = sync_version(puller, DictApplier(), 1)
+        assert not down.ok and down.transient and "digest" not in down.mismatch
+        assert time.monotonic() - t0 >= 0.2  # the second attempt waited (0.1 * 2**2 s, jittered x0.5..1.5)
         puller.close()
     client.close()
 

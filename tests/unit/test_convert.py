@@ -169,3 +169,34 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
         got = model(torch.from_numpy(tokens)[None]).logits[0].numpy()
     # fp32 both sides, different op order: agreement to 1e-4 absolute on logits of size ~1-10
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "options", "model_dims", "refusal"),
+    [
+        ("qwen3", {}, {"param_scan_axis": 0}, dims(), r"param_scan_axis=0, which makes \d+ layers, but ModelDims.layers=4; is param_scan_axis 1\?"),
+        ("qwen3", {}, {}, ModelDims(layers=3, heads=N, kv_heads=K, head_dim=H, vocab=V), r"ModelDims.layers=3"),
+        ("qwen3", {"scanned": False}, {"scanned": False}, ModelDims(layers=2, heads=N, kv_heads=K, head_dim=H, vocab=V), r"is layer [23], but ModelDims.layers=2"),
+        ("qwen3", {}, {}, dims(tied=True), r"ModelDims.tied=True, but the tree has 'logits_dense.kernel'"),
+        ("llama3", {}, {}, dims(), r"family 'qwen3' needs 'self_attention.query_norm.scale' in every layer.*another family"),
+        ("qwen3", {}, {}, ModelDims(layers=L, heads=2 * N, kv_heads=K, head_dim=H, vocab=V), r"query.kernel.*on the heads axis, but ModelDims.heads=8"),
+        ("qwen3", {}, {}, ModelDims(layers=L, heads=N, kv_heads=K, head_dim=2 * H, vocab=V), r"on the head_dim axis, but ModelDims.head_dim=32"),
+    ],
+    ids=["scan-axis", "layers", "unscanned-layers", "tied", "family", "heads", "head-dim"],
+)
+def test_options_that_do_not_fit_the_tree_are_refused_naming_the_option(
+    family: str, layout: dict, options: dict, model_dims: ModelDims, refusal: str
+) -> None:
+    """Before anything converts: a wrong scan axis once emitted 128 bogus layers, a wrong
+    `tied` dropped the LM head and a Llama tree converted as Qwen3 lost nothing visibly."""
+    mt = to_maxtext(hf_weights(family), family, layers=L, heads=N, kv_heads=K, head_dim=H, **layout)
+    stream = convert_maxtext(mt, "qwen3", model_dims, ConvertOptions(**options))
+    with pytest.raises(ValueError, match=refusal):
+        next(stream)
+
+
+def test_untied_dims_on_a_tied_tree_are_refused() -> None:
+    mt = to_maxtext(hf_weights("qwen3"), "qwen3", layers=L, heads=N, kv_heads=K, head_dim=H)
+    mt = {k: v for k, v in mt.items() if "logits_dense" not in k}
+    with pytest.raises(ValueError, match="tied=False, but the tree has no 'logits_dense.kernel'"):
+        next(convert_maxtext(mt, "qwen3", dims(), ConvertOptions()))
