@@ -47,7 +47,7 @@ class RolloutAgent:
         client: CoordinatorClient,
         session: str,
         agent_id: str,
-        syncer: Callable[..., SyncResult],
+        syncer: Callable[[int], SyncResult],
         *,
         metrics: Metrics,
         completion: Callable[[], str] | None = None,

@@ -39,6 +39,7 @@ TRAINER_ARGS = ["--model-size", "tiny", "--weight-dtype", "float32", "--steps", 
                 "--step-interval-s", "0.3", "--failpoints", "tcp_server.drop_mid_reply=2"]
 FAULTS = ("kill_coordinator", "kill_rollout", "pause_rollout", "kill_trainer", "flip_arena_byte", "racing_writer")
 EXIT_WITHIN_S = 5.0
+MODEL_BYTES = 329_856  # the tiny preset in fp32: every version fills this much of its slot
 
 
 @dataclass
@@ -124,18 +125,23 @@ class Chaos:
         elif fault == "flip_arena_byte":
             with self.arena() as view:
                 if view is not None:
-                    offset = self.rng.randrange(len(view))
+                    offset = self.staged_offset(len(view))
                     self.note(f"flip arena byte {offset}")
                     view[offset] ^= 0xFF
         elif fault == "racing_writer":
             with self.arena() as view:
                 if view is not None:
-                    offset = self.rng.randrange(len(view))
+                    offset = self.staged_offset(len(view))
                     self.note(f"racing writer toggles arena byte {offset} for 2s")
                     end = time.monotonic() + 2.0
                     while time.monotonic() < end:
                         view[offset] ^= 0x01
                         time.sleep(0.0005)
+
+    def staged_offset(self, arena_bytes: int) -> int:
+        """A byte some version occupies: in either slot, below the model's size."""
+        slot_bytes = arena_bytes // 2  # the trainer's two slots
+        return self.rng.randrange(2) * slot_bytes + self.rng.randrange(min(slot_bytes, MODEL_BYTES))
 
     def arena(self) -> _ArenaView:
         trainer = self.cluster.procs["trainer"]
