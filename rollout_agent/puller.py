@@ -352,6 +352,7 @@ class WeightPuller:
                     c = chunks[payload.index] if payload.index < len(chunks) else None
                     if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
                         problem = f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
+                        self._count_digest_failure(lane)  # wrong bytes from the source, not an absent source
                         continue
                     dst = buf[c.offset - base : c.offset - base + c.length]
                     if native.available():  # copy and hash in one pass, GIL released

@@ -38,6 +38,7 @@ class SyncResult:
     # the verdict comes later (ok stays False here).
     handshake_pending: bool = False
 
+
 APPLY_MODES = ("atomic", "streaming")
 
 
@@ -94,7 +95,8 @@ def sync_version(
     except WeightsyncError as e:
         report.local_error = e.message
         result.transient = isinstance(e, TRANSIENT_ERRORS)
-        result.chunk_retries = puller.last_retries
+        if apply_mode == "atomic":  # streaming rounds count their retries as they go
+            result.chunk_retries = puller.last_retries
         log.error("version %d not applied: %s", v, e.message)
     report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
     report.aggregates.CopyFrom(

@@ -33,6 +33,7 @@ from weightsync.dtypes import dtype_info
 from weightsync.errors import (
     FailedPrecondition,
     InvalidArgument,
+    SlotBusy,
     StaleGeneration,
     WeightsyncError,
     WrongState,
@@ -321,7 +322,7 @@ class WeightPublisher:
         Raises:
             InvalidArgument: bad names, dtypes or shapes (nothing is published).
             StaleGeneration: another incarnation attached since; this publisher is fenced.
-            FailedPrecondition: no slot could be freed within slot_wait_s.
+            SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s.
         """
         if not params:
             raise InvalidArgument("params", "must contain at least one tensor")
@@ -490,9 +491,7 @@ class WeightPublisher:
                     break
             except FailedPrecondition as e:
                 if time.monotonic() > deadline:
-                    raise FailedPrecondition(
-                        f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s"
-                    ) from None
+                    raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
                 time.sleep(0.05)
             except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
                 log.info("releasing version %d: %s", entry.version, e)

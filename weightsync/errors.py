@@ -10,7 +10,8 @@
     │   └── VersionConflict
     ├── FailedPrecondition       FAILED_PRECONDITION
     │   ├── StaleGeneration
-    │   └── WrongState
+    │   ├── WrongState
+    │   └── SlotBusy
     ├── DataLoss                 DATA_LOSS
     │   └── DigestMismatch
     ├── ResourceExhausted        RESOURCE_EXHAUSTED
@@ -83,6 +84,10 @@ class StaleGeneration(FailedPrecondition):
 
 class WrongState(FailedPrecondition):
     """The version is in a state that does not allow the request."""
+
+
+class SlotBusy(FailedPrecondition):
+    """No arena slot could be freed in time (rollouts still lease the versions in them)."""
 
 
 class DataLoss(WeightsyncError):
