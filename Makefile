@@ -45,11 +45,13 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest -q tests/integration
 
-# The chaos soak: the suite `make test` runs for 40 s, here for CHAOS_SECONDS (default 300);
-# CHAOS_SEED=<seed> replays a schedule (every run prints its seed).
+# The chaos soak: the suite `make test` runs for 40 s with a fixed seed, here for
+# CHAOS_SECONDS (default 300) with a fresh seed; CHAOS_SEED=<seed> replays a schedule
+# (every run prints its seed).
 CHAOS_SECONDS ?= 300
+CHAOS_SEED ?= $(shell od -An -N3 -tu4 /dev/urandom | tr -d ' ')
 chaos: setup
-	CHAOS_SECONDS=$(CHAOS_SECONDS) $(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
+	CHAOS_SECONDS=$(CHAOS_SECONDS) CHAOS_SEED=$(CHAOS_SEED) $(PY) -m pytest -q -s -p no:cacheprovider tests/chaos
 
 protos: setup
 	$(PY) protos/generate.py

@@ -299,7 +299,8 @@ class SessionStore:
         """Rollouts that re-serve versions (endpoint offers "relay"), in chain order.
 
         A relay must have renewed its lease within `lease.relay_fresh_s` (three heartbeats
-        at the interval agents derive from the TTL), not merely hold one: a killed relay leaves new chains after a few missed
+        at the interval agents derive from the TTL), not merely hold one: a killed relay
+        leaves new chains after a few missed
         heartbeats instead of a whole lease, so its children stop paying a fallback to the
         trainer for every version meanwhile.
         """
