@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import Aggregates
 from weightsync.metrics import Metrics
+from weightsync.rpc import check_int64_range
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
 from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_to_pieces, part_to_proto
@@ -132,6 +134,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         h = first.header
         check_session_name(h.session, "header.session")
         check_version(h.version, "header.version")
+        check_int64_range(h, "header.")
+        if not (math.isfinite(h.stage_seconds) and h.stage_seconds >= 0):
+            raise InvalidArgument("header.stage_seconds", f"{h.stage_seconds} is not a finite number of seconds >= 0")
         if h.endpoint.address:
             check_address(h.endpoint.address, "header.endpoint.address")
         if h.endpoint.tcp_address:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -10,7 +9,7 @@ import numpy as np
 from weightsync import native
 from weightsync.digests import combine_shard_digests, float64_sum, piecewise_xxh3
 from weightsync.dtypes import dtype_info, native_code
-from weightsync.manifest import Manifest, ShardSpec, TensorSpec
+from weightsync.manifest import Manifest, ShardSpec, TensorSpec, exact_sum
 
 
 def _as_bytes(arr: np.ndarray) -> np.ndarray:
@@ -115,4 +114,4 @@ def first_difference(manifest: Manifest, digests: Mapping[str, tuple[int, float]
 
 
 def grand_total(digests: Mapping[str, tuple[int, float]]) -> float:
-    return math.fsum(s for _, s in digests.values())
+    return exact_sum(s for _, s in digests.values())

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.digests import DIGEST_ALGORITHM, canonical_json, combine_shard_digests, hex64, sha256_hex
 from weightsync.dtypes import dtype_info
 
+
+def exact_sum(values: Iterable[float]) -> float:
+    """math.fsum, except that sums holding +inf and -inf are NaN (fsum raises on them):
+    weights may hold any float, and their sums must still compare."""
+    values = list(values)
+    if all(math.isfinite(v) for v in values):
+        return math.fsum(values)
+    return sum(values, 0.0)
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -62,13 +71,16 @@ class ShardSpec:
             "offset": self.offset,
             "nbytes": self.nbytes,
             "xxh3": hex64(self.xxh3),
-            "sum": self.sum,
+            # NaN and +-inf are legitimate sums of real weights; JSON (and SQLite's JSON
+            # functions) have no literal for them, so they travel as "nan" / "inf" / "-inf".
+            "sum": self.sum if math.isfinite(self.sum) else repr(self.sum),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardSpec:
         return cls(
-            d["tensor_name"], tuple(d["start"]), tuple(d["stop"]), d["offset"], d["nbytes"], int(d["xxh3"], 16), d["sum"]
+            d["tensor_name"], tuple(d["start"]), tuple(d["stop"]), d["offset"], d["nbytes"], int(d["xxh3"], 16),
+            float(d["sum"]),
         )
 
 
@@ -226,13 +238,13 @@ class Manifest:
 
     def tensor_sums(self) -> dict[str, float]:
         """Per-tensor float64 sums (sums of shard sums)."""
-        return {name: math.fsum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
+        return {name: exact_sum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
 
     def aggregates(self) -> Aggregates:
         """grand_total, tensor_count and element_count over the source tensors."""
         tensors = self.tensors
         return Aggregates(
-            grand_total=math.fsum(self.tensor_sums().values()),
+            grand_total=exact_sum(self.tensor_sums().values()),
             tensor_count=len(tensors),
             element_count=sum(t.element_count for t in tensors.values()),
         )

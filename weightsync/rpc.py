@@ -46,6 +46,10 @@ SERVER_OPTIONS = [
 ]
 
 T = TypeVar("T")
+INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
+# Messages and details travel in trailing metadata (8 KiB by default): an error that
+# quoted a 1 MiB name whole would come back as RESOURCE_EXHAUSTED about metadata instead.
+MAX_ERROR_CHARS = 1024
 ERROR_DOMAIN = "weightsync"  # google.rpc.ErrorInfo.domain of our errors; reason is the class name
 
 
@@ -55,13 +59,32 @@ class RpcObserver(Protocol):
     def __call__(self, method: str, code: str, seconds: float) -> None: ...
 
 
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else f"{text[:MAX_ERROR_CHARS]}… ({len(text)} characters)"
+
+
+def check_int64_range(message: Any, prefix: str = "") -> None:
+    """Refuses uint64 fields above 2^63-1 (naming the field) in a request and its singular
+    sub-messages: they could not be stored, and would otherwise surface as INTERNAL."""
+    for fd, value in message.ListFields():
+        if fd.is_repeated:
+            continue
+        if fd.type == fd.TYPE_UINT64 and value > INT64_MAX:
+            raise errors.InvalidArgument(prefix + fd.name, f"{value} exceeds 2^63-1")
+        if fd.type == fd.TYPE_MESSAGE:
+            check_int64_range(value, f"{prefix}{fd.name}.")
+
+
 def to_status(error: Exception) -> status_pb2.Status:
-    """The google.rpc.Status for an error; INVALID_ARGUMENT carries a BadRequest detail."""
+    """The google.rpc.Status for an error; INVALID_ARGUMENT carries a BadRequest detail.
+    Messages are clipped to MAX_ERROR_CHARS (they may quote what the caller sent)."""
     if isinstance(error, errors.WeightsyncError):
         name = errors.status_name_for(error)
-        message = error.message
+        message = _clip(error.message)
+    elif isinstance(error, NotImplementedError):  # e.g. grpc's Health.List in some versions
+        name, message = "UNIMPLEMENTED", _clip(f"not implemented: {error}")
     else:
-        name, message = "INTERNAL", f"internal error: {type(error).__name__}: {error}"
+        name, message = "INTERNAL", _clip(f"internal error: {type(error).__name__}: {error}")
     status = status_pb2.Status(code=getattr(code_pb2, name), message=message)
     if isinstance(error, errors.WeightsyncError):  # the class travels, so clients raise the same one
         info = any_pb2.Any()
@@ -72,7 +95,7 @@ def to_status(error: Exception) -> status_pb2.Status:
         detail = any_pb2.Any()
         detail.Pack(
             error_details_pb2.BadRequest(
-                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=message)]
+                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=_clip(field), description=message)]
             )
         )
         status.details.append(detail)
@@ -105,7 +128,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
             # The client went away while we read its request stream: nothing to answer.
             self._observe(method, "CANCELLED", started)
             raise error
-        if not isinstance(error, errors.WeightsyncError):
+        if not isinstance(error, (errors.WeightsyncError, NotImplementedError)):
             log.exception("unhandled error in %s", method, exc_info=error)
         status = to_status(error)
         self._observe(method, grpc.StatusCode(_code_tuple(status.code)).name, started)
@@ -119,6 +142,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
             started = time.perf_counter()
             try:
+                if hasattr(request, "ListFields"):  # unary requests (streams check their headers)
+                    check_int64_range(request)
                 response = fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 self._fail(context, e, method, started)
@@ -131,6 +156,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
         def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             started = time.perf_counter()
             try:
+                if hasattr(request, "ListFields"):
+                    check_int64_range(request)
                 yield from fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 self._fail(context, e, method, started)

@@ -99,6 +99,17 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
         ("register bad agent id", lambda: stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="A B", role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "agent_id"),
         ("register trainer rank out of range", lambda: stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, rank=9), timeout=5), C.INVALID_ARGUMENT, "rank"),
         ("heartbeat unknown agent", lambda: stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="ghost"), timeout=5), C.NOT_FOUND, None),
+        # uint64 values past SQLite's int64 once came back INTERNAL
+        ("heartbeat version 2^64-1", lambda: stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="probe", current_version=(1 << 64) - 1), timeout=5), C.INVALID_ARGUMENT, "current_version"),
+        ("watch since 2^63", lambda: next(stub.WatchVersions(cpb.WatchVersionsRequest(session="job", since_seq=1 << 63), timeout=5)), C.INVALID_ARGUMENT, "since_seq"),
+        ("manifest version 2^63", lambda: list(stub.GetManifest(cpb.GetManifestRequest(session="job", version=1 << 63), timeout=5)), C.INVALID_ARGUMENT, "version"),
+        ("release version 2^64-1", lambda: stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=(1 << 64) - 1, generation=gen), timeout=5), C.INVALID_ARGUMENT, "version"),
+        ("attach next_version 2^64-1", lambda: stub.OpenSession(cpb.OpenSessionRequest(session="job", role=tpb.TRAINER, incarnation="x", next_version=(1 << 64) - 1), timeout=5), C.INVALID_ARGUMENT, "next_version"),
+        ("publish version 2^63", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=1 << 63), timeout=5), C.INVALID_ARGUMENT, "header.version"),
+        ("publish stage_seconds NaN", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"stage_seconds": float("nan")}), timeout=5), C.INVALID_ARGUMENT, "header.stage_seconds"),
+        # huge values are refused naming the field, not echoed whole into trailing metadata
+        ("1 MiB session name", lambda: stub.OpenSession(cpb.OpenSessionRequest(session="a" * (1 << 20), role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "session"),
+        ("1 MiB tensor name", lambda: stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["x" * (1 << 20)]), timeout=5), C.INVALID_ARGUMENT, "consumed_names[0]"),
         ("publish without header", lambda: stub.PublishVersion(iter([cpb.PublishRequest(seal=cpb.PublishSeal())]), timeout=5), C.INVALID_ARGUMENT, "header"),
         ("publish stale generation", lambda: stub.PublishVersion(publish_stream(part, generation=gen - 1 if gen > 1 else gen + 5, version=2), timeout=5), C.FAILED_PRECONDITION, None),
         ("publish version 0", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=0), timeout=5), C.INVALID_ARGUMENT, "header.version"),
@@ -137,6 +148,7 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
         err = exc.value
         assert err.code() == code, f"{what}: got {err.code()} {err.details()}"
         assert err.details(), f"{what}: no message"
+        assert len(err.details()) < 2048, f"{what}: a {len(err.details())}-character message echoes the input"
         if field is not None:
             assert err.details().startswith(field), f"{what}: {err.details()!r} does not name {field}"
             status = rpc_status.from_call(err)
@@ -145,3 +157,16 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
     channel.close()
     trainer_channel.close()
     reader.close()
+
+
+def test_health_list_is_answered_not_internal(inprocess_coordinator) -> None:  # noqa: ANN001
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(inprocess_coordinator.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.List(health_pb2.HealthListRequest(), timeout=5)
+        except grpc.RpcError as e:
+            assert e.code() == C.UNIMPLEMENTED, e.details()
+        else:
+            assert "weightsync.v1.Coordinator" in reply.statuses

@@ -130,3 +130,21 @@ def test_advertised_host_is_what_rollouts_dial(inprocess_coordinator: RunningSer
         assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         puller.close()
     client.close()
+
+
+def test_weights_holding_nan_and_inf_publish_and_verify(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+    """A NaN weight is legitimate data: its sums must be stored and compared, not crash."""
+    weird = np.array([np.nan, np.inf, -np.inf, 1.0, -0.0, 5e-324] * 100, np.float32)
+    params = {"model.norm.weight": weird, "model.layers.0.mlp.up_proj.weight": np.full((8, 8), np.inf, np.float32)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish(params, 1)
+        puller = WeightPuller(client, "job", "r0", transport="tcp")
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, 1)
+        assert outcome.ok, outcome.mismatch
+        assert all(applier.weights[k].tobytes() == v.tobytes() for k, v in params.items())
+        assert pub.wait_committed(1, 30) == "COMMITTED"
+        puller.close()
+    client.close()
