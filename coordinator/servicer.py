@@ -21,6 +21,7 @@ from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import Aggregates
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range
+from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
 from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_to_pieces, part_to_proto
@@ -141,6 +142,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             check_address(h.endpoint.address, "header.endpoint.address")
         if h.endpoint.tcp_address:
             check_address(h.endpoint.tcp_address, "header.endpoint.tcp_address")
+        if h.endpoint.fs_uri:
+            check_part_uri(h.endpoint.fs_uri, h.session, h.version, h.rank, "header.endpoint.fs_uri")
         if h.endpoint.shm_path:
             try:
                 check_arena_path(h.endpoint.shm_path)

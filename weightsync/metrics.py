@@ -31,11 +31,13 @@ class Metrics:
     versions_total: Counter
     fenced: Gauge
 
-    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        """RpcObserver hook for `rpc.StatusInterceptor`."""
+    def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
+        """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
+        counted but not timed)."""
         service, _, name = method.lstrip("/").rpartition("/")
         self.rpc_total.labels(service=service, method=name, code=code).inc()
-        self.rpc_seconds.labels(service=service, method=name).observe(seconds)
+        if seconds is not None:
+            self.rpc_seconds.labels(service=service, method=name).observe(seconds)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.phase_seconds.labels(role=self.role, phase=phase).observe(seconds)

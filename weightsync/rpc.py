@@ -56,7 +56,7 @@ ERROR_DOMAIN = "weightsync"  # google.rpc.ErrorInfo.domain of our errors; reason
 class RpcObserver(Protocol):
     """Receives one call per finished RPC (metrics hook, so this module needs no prometheus)."""
 
-    def __call__(self, method: str, code: str, seconds: float) -> None: ...
+    def __call__(self, method: str, code: str, seconds: float | None) -> None: ...
 
 
 def _clip(text: str) -> str:
@@ -123,7 +123,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 return handler._replace(**{kind: self._wrap_stream(fn, method)})
         return handler
 
-    def _fail(self, context: grpc.ServicerContext, error: Exception, method: str, started: float) -> None:
+    def _fail(self, context: grpc.ServicerContext, error: Exception, method: str, started: float | None) -> None:
         if isinstance(error, grpc.RpcError):
             # The client went away while we read its request stream: nothing to answer.
             self._observe(method, "CANCELLED", started)
@@ -134,9 +134,11 @@ class StatusInterceptor(grpc.ServerInterceptor):
         self._observe(method, grpc.StatusCode(_code_tuple(status.code)).name, started)
         context.abort_with_status(rpc_status.to_status(status))
 
-    def _observe(self, method: str, code: str, started: float) -> None:
+    def _observe(self, method: str, code: str, started: float | None) -> None:
+        """`started` None: a response stream, counted without a duration (a watch lives
+        for hours; its length would swamp the latency histogram)."""
         if self._observer is not None:
-            self._observer(method, code, time.perf_counter() - started)
+            self._observer(method, code, None if started is None else time.perf_counter() - started)
 
     def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
@@ -154,7 +156,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
     def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
         def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            started = time.perf_counter()
+            started = None  # response streams: counted, not timed
             try:
                 if hasattr(request, "ListFields"):
                     check_int64_range(request)

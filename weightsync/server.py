@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
 from weightsync.metrics import Metrics
@@ -42,6 +42,7 @@ class RunningServer:
     metrics_port: int
     health: health.HealthServicer
     service_names: list[str]
+    metrics: Metrics | None = None
     _httpd: Any = None
     _stopped: bool = field(default=False)
 
@@ -91,7 +92,7 @@ def start_server(
     for svc in services:
         svc.add(svc.servicer, server)
         names.append(svc.full_name)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if credentials is None:
         bound = server.add_insecure_port(f"{host}:{port}")
     else:
@@ -112,7 +113,25 @@ def start_server(
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
         ", bearer tokens" if security.tokens_file else "",
     )
-    return RunningServer(server, address, mport, health_servicer, names, httpd)
+    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd)
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(service_names: Sequence[str], server: grpc.Server) -> None:
+    """Server reflection as `grpc.reflection.v1alpha` and `grpc.reflection.v1` (what
+    current grpcurl asks for first). grpcio-reflection ships only v1alpha; v1's messages
+    are the same messages under a new package name, so one servicer answers both."""
+    servicer = reflection.ReflectionServicer(service_names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        ),
+    }),))
 
 
 def write_ready_file(path: str, **info: Any) -> None:

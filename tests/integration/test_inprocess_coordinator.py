@@ -9,12 +9,13 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 from tests.unit.helpers import make_part, sample_arrays
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound
+from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 
@@ -102,3 +103,28 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
             assert registrations == [1]  # never lost the lease
         finally:
             beat.stop()
+
+
+def test_reflection_answers_v1_and_streams_are_not_timed(inprocess_coordinator: RunningServer) -> None:
+    """grpcurl asks grpc.reflection.v1 first; a watch's hours must not swamp rpc_seconds."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(inprocess_coordinator.address) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        (reply,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        assert "weightsync.v1.Coordinator" in {s.name for s in reply.list_services_response.service}
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        client.open_session("job", trainer=False)
+        with pytest.raises(DeadlineExceeded):
+            list(client.watch("job", 0, timeout_s=0.5))
+        client.status("job")
+    from prometheus_client import generate_latest
+
+    text = generate_latest(inprocess_coordinator.metrics.registry).decode()
+    timed = [line for line in text.splitlines() if line.startswith("weightsync_rpc_seconds_count")]
+    assert any('method="GetStatus"' in line for line in timed)
+    assert not any('method="WatchVersions"' in line for line in timed)

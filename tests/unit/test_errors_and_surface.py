@@ -90,13 +90,22 @@ def test_transport_registry() -> None:
 
 def test_fs_store_confines_every_uri_to_its_root(tmp_path) -> None:  # noqa: ANN001
     from weightsync.errors import InvalidArgument
-    from weightsync.transports.fs import FsStore
+    from weightsync.transports.fs import FsStore, check_part_uri
 
     local = FsStore(str(tmp_path / "root"))
     assert local.confine(str(tmp_path / "root" / "job" / "v1" / "r0")).endswith("/root/job/v1/r0")
     assert local.confine(f"file://{tmp_path}/root/job").endswith("/root/job")
     mem = FsStore("memory://ws")
     assert mem.confine("memory://ws/job/v1/r0") == "/ws/job/v1/r0"
+    assert mem.resolve("job/v1/r0") == "/ws/job/v1/r0"
+    assert local.resolve("job/v1/r0").endswith("/root/job/v1/r0")
+    for bad in ("../etc", "/etc", "file:///etc", "memory://x", "job/../../x", ""):
+        with pytest.raises(InvalidArgument):
+            mem.resolve(bad)
+    check_part_uri("job/v1/r0", "job", 1, 0)
+    for bad in ("../../etc", "/etc", "file:///etc", "memory://x", "job/v2/r0", "other/v1/r0", "job/v1/r0/.."):
+        with pytest.raises(InvalidArgument, match="relative to the store root"):
+            check_part_uri(bad, "job", 1, 0)
     for store, bad in (
         (local, str(tmp_path / "root" / ".." / "etc")),
         (local, "/etc/passwd"),

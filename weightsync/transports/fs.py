@@ -2,8 +2,10 @@
 
 Layout under a configured root (local path, `file://`, `memory://`, `gs://` via gcsfs):
 `<root>/<session>/v<version>/r<rank>/part.bin`, then `_SUCCESS` last. Readers need no
-route to the trainer, only to the store. Every URI is confined to the configured root:
-no `..`, no other scheme or bucket.
+route to the trainer, only to the store. A manifest names a part by its path relative to
+the root, exactly `<session>/v<version>/r<rank>` (`part_path`; the coordinator refuses any
+other), and each reader resolves it under its own configured root: no scheme, no other
+bucket, no '..' can come in through a manifest.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def _store_path(uri: str) -> str:
     return posixpath.normpath(path)
 
 
+def part_path(session: str, version: int, rank: int) -> str:
+    """A part's directory relative to the store root: the only fs_uri a manifest may carry."""
+    return f"{session}/v{version}/r{rank}"
+
+
+def check_part_uri(uri: str, session: str, version: int, rank: int, field: str = "endpoint.fs_uri") -> None:
+    """Refuses any fs_uri but the part's own relative path (checked at publish)."""
+    expected = part_path(session, version, rank)
+    if uri != expected:
+        shown = uri if len(uri) <= 200 else uri[:200] + "…"
+        raise InvalidArgument(field, f"{shown!r} must be the part's path relative to the store root, {expected!r}")
+
+
 class FsStore:
     """One configured root; every path it touches is checked to stay inside it."""
 
@@ -47,6 +62,12 @@ class FsStore:
         self.protocol = _scheme(root)
         self.root = _store_path(root)
         self.root_uri = root
+
+    def resolve(self, relative: str, field: str = "endpoint.fs_uri") -> str:
+        """The store path of a part path relative to the root (see `part_path`)."""
+        if not relative or "://" in relative or relative.startswith("/") or ".." in relative.split("/"):
+            raise InvalidArgument(field, f"{relative!r} is not a path relative to the store root")
+        return self.confine(self.uri_of(posixpath.join(self.root, relative)), field)
 
     def confine(self, uri: str, field: str = "endpoint.fs_uri") -> str:
         """The store path of `uri`, if it lies under the root (same scheme, no '..')."""
@@ -66,13 +87,13 @@ class FsStore:
         return path if self.protocol == "file" else f"{self.protocol}://{path.lstrip('/')}"
 
     def write_part(self, session: str, version: int, rank: int, data: Any) -> str:
-        """Writes part.bin, then the marker last; returns the part directory's URI."""
+        """Writes part.bin, then the marker last; returns the part's path relative to the root."""
         d = self.part_dir(session, version, rank)
         self.fs.makedirs(d, exist_ok=True)
         with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
             f.write(data)
         self.fs.pipe_file(posixpath.join(d, MARKER), b"")
-        return self.uri_of(d)
+        return part_path(session, version, rank)
 
     def remove_part(self, session: str, version: int, rank: int) -> None:
         """Garbage-collects one rank's part (and the version directory once it is empty)."""
@@ -108,7 +129,7 @@ class FsTransport(Transport):
     def open(self, endpoint: Endpoint) -> None:
         if self._store is None:
             raise InvalidArgument("fs_root", "the fs transport needs the store root it may read (fs_root)")
-        self._dir = self._store.confine(endpoint.fs_uri)
+        self._dir = self._store.resolve(endpoint.fs_uri)
         if not self._store.fs.exists(posixpath.join(self._dir, MARKER)):
             raise TransportUnavailable(f"{endpoint.fs_uri} has no {MARKER} marker yet")
 
