@@ -332,9 +332,17 @@ class SessionStore:
         if len(idempotency_key) > 256:
             raise InvalidArgument("header.idempotency_key", "longer than 256 characters")
         digest = part.digest()
+        body = json.dumps(part.to_dict())
+        # Validation runs before the store's lock is taken: a part of 10^5 tensors takes a
+        # while, and every session's calls wait on that lock. The transaction then checks
+        # that what the validation relied on still holds (the generation, the sealed ranks).
+        s = self.session(session)
+        _check_generation(generation, s)
+        validate_part(part, trainer_ranks=s.trainer_ranks, limits=self.limits)
+        checked = self._check_against_sealed(session, version, generation, part, s.trainer_ranks)
         with self._tx() as db:
             s = self._session(db, session)
-            _check_generation(generation, s)
+            _check_generation(generation, s)  # same generation: same trainer_ranks as validated
             existing = db.execute(
                 "SELECT idempotency_key, part_digest FROM parts WHERE session=? AND version=? AND rank=?",
                 (session, version, part.rank),
@@ -346,43 +354,49 @@ class SessionStore:
                     f"version {version} rank {part.rank} was already published with other content or another "
                     "idempotency key; publish a new version"
                 )
-            validate_part(part, trainer_ranks=s.trainer_ranks, limits=self.limits)
             vrow = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
             now = self._clock()
             if vrow is None:
                 latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (session,)).fetchone()["v"]
                 if latest is not None and version <= latest:
                     raise FailedPrecondition(f"version {version} is not newer than the session's latest version {latest}")
-                others: list[Part] = []
             else:
                 state = VersionState(vrow["state"])
                 if state is not S.STAGING or vrow["generation"] != generation:
                     raise WrongState(f"version {version} is {state.value}; only STAGING versions accept parts")
-                others = self._parts(db, session, version)
-            final = len(others) + 1 == s.trainer_ranks
-            validate_against_parts(part, others, final=final)
+            ranks = {r["rank"] for r in db.execute("SELECT rank FROM parts WHERE session=? AND version=?", (session, version))}
+            if checked is None or ranks != checked.ranks:  # another rank sealed meanwhile (rare): check again
+                checked = _SealCheck.of(self._parts(db, session, version), session, version, generation, part, s.trainer_ranks)
             if vrow is None:
                 db.execute(
                     "INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
                 )
             db.execute(
-                "INSERT INTO parts VALUES (?,?,?,?,?,?)",
-                (session, version, part.rank, idempotency_key, digest, json.dumps(part.to_dict())),
+                "INSERT INTO parts VALUES (?,?,?,?,?,?)", (session, version, part.rank, idempotency_key, digest, body)
             )
             if vrow is None:
                 self._event(db, session, version, S.STAGING)
-            if final:
-                manifest = Manifest(session, version, generation, part.chunk_bytes, tuple(sorted([*others, part], key=lambda p: p.rank)))
+            if checked.manifest_digest:  # this part completes the version
                 required = sorted(self._live_agents(db, session, "ROLLOUT"))
                 db.execute(
                     "UPDATE versions SET manifest_digest=?, ready_at=?, required=? WHERE session=? AND version=?",
-                    (manifest.digest(), now, json.dumps(required), session, version),
+                    (checked.manifest_digest, now, json.dumps(required), session, version),
                 )
                 self._set_state(db, session, version, S.READY, "")
             outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
         self._notify(session)
         return outcome
+
+    def _check_against_sealed(
+        self, session: str, version: int, generation: int, part: Part, trainer_ranks: int
+    ) -> _SealCheck | None:
+        """Cross-rank checks against the parts sealed so far, outside the lock; None when
+        this rank already sealed (the transaction answers duplicate or conflict)."""
+        sealed = self.parts(session, version)
+        if any(p.rank == part.rank for p in sealed):
+            return None
+        return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks)
 
     def _parts(self, db: sqlite3.Connection, session: str, version: int) -> list[Part]:
         rows = db.execute("SELECT body FROM parts WHERE session=? AND version=? ORDER BY rank", (session, version)).fetchall()
@@ -664,6 +678,26 @@ class SessionStore:
             "INSERT INTO events (session, version, state, at, record) VALUES (?,?,?,?,?)",
             (session, version, state.value, self._clock(), record),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SealCheck:
+    """A part checked against the ranks sealed before it; `manifest_digest` is set when
+    it completes the version."""
+
+    ranks: frozenset[int]
+    manifest_digest: str
+
+    @classmethod
+    def of(cls, others: list[Part], session: str, version: int, generation: int, part: Part, trainer_ranks: int) -> _SealCheck:
+        others = [p for p in others if p.rank != part.rank]
+        final = len(others) + 1 == trainer_ranks
+        validate_against_parts(part, others, final=final)
+        digest = ""
+        if final:
+            parts = tuple(sorted([*others, part], key=lambda p: p.rank))
+            digest = Manifest(session, version, generation, part.chunk_bytes, parts).digest()
+        return cls(frozenset(p.rank for p in others), digest)
 
 
 def _lock_database(db_path: Path) -> int:
