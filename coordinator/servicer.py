@@ -17,7 +17,7 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.digests import DIGEST_ALGORITHM
-from weightsync.errors import DigestMismatch, InvalidArgument
+from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
 from weightsync.manifest import Aggregates
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range
@@ -149,8 +149,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 check_arena_path(h.endpoint.shm_path)
             except InvalidArgument as e:
                 raise InvalidArgument("header.endpoint.shm_path", e.message.split(": ", 1)[-1]) from None
+        limits = self._store.limits
+        for what, n, cap in (
+            ("tensor_count", h.tensor_count, limits.max_tensors),
+            ("shard_count", h.shard_count, limits.max_shards),
+            ("chunk_count", h.chunk_count, limits.max_chunks),
+        ):
+            if n > cap:  # refused before a single descriptor is read or kept
+                raise ResourceExhausted(f"header.{what}: {n} exceed the limit of {cap}", field=f"header.{what}")
         expected = h.tensor_count + h.shard_count + h.chunk_count
-        builder = PartBuilder(h.rank, max_items=expected)
+        builder = PartBuilder(h.rank, max_items=expected, max_counts=(h.tensor_count, h.shard_count, h.chunk_count))
         seal = None
         for msg in request_iterator:
             if msg.HasField("header"):

@@ -11,6 +11,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, TensorSpec
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
+MAX_NAME_CHARS = 512  # as validation.TENSOR_NAME_RE allows; longer names are refused on arrival
 
 
 def endpoint_to_proto(e: Endpoint) -> _tpb.Endpoint:
@@ -68,11 +69,17 @@ def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb
 
 
 class PartBuilder:
-    """Accumulates DescriptorBatches for one rank into a Part (used by both directions)."""
+    """Accumulates DescriptorBatches for one rank into a Part (used by both directions).
 
-    def __init__(self, rank: int, *, max_items: int) -> None:
+    `max_counts` (tensors, shards, chunks), when given, are enforced as each batch arrives,
+    as is the length of every name: a stream that would exceed what its header announced
+    is refused at the batch that does, before the rest is read or kept.
+    """
+
+    def __init__(self, rank: int, *, max_items: int, max_counts: tuple[int, int, int] | None = None) -> None:
         self.rank = rank
         self.max_items = max_items
+        self.max_counts = max_counts
         self.tensors: list[TensorSpec] = []
         self.shards: list[ShardSpec] = []
         self.chunks: list[ChunkSpec] = []
@@ -84,7 +91,17 @@ class PartBuilder:
         total += len(batch.tensors) + len(batch.shards) + len(batch.chunks)
         if total > self.max_items:
             raise InvalidArgument("batch", f"more than {self.max_items} descriptors; the header's counts were exceeded")
+        if self.max_counts is not None:
+            have = (len(self.tensors), len(self.shards), len(self.chunks))
+            adding = (len(batch.tensors), len(batch.shards), len(batch.chunks))
+            for what, n, k, cap in zip(("tensors", "shards", "chunks"), have, adding, self.max_counts):
+                if n + k > cap:
+                    raise InvalidArgument(f"part.{what}", f"more than the {cap} the header announced")
         base = len(self.tensors)
+        for i, name in enumerate([t.name for t in batch.tensors] + [s.tensor_name for s in batch.shards]):
+            if len(name) > MAX_NAME_CHARS:
+                kind, j = ("tensors", base + i) if i < len(batch.tensors) else ("shards", len(self.shards) + i - len(batch.tensors))
+                raise InvalidArgument(f"part.{kind}[{j}].name", f"{len(name)} characters exceed {MAX_NAME_CHARS}")
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
         self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)

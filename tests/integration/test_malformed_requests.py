@@ -78,6 +78,8 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
     bad_dtype = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name="a.b", dtype=99, shape=[2])])]
     huge = [tpb.DescriptorBatch(rank=0, tensors=[tensor_to_proto(dataclasses.replace(part.tensors[0], shape=(1 << 41,)))],
                                 shards=[tpb.ShardDescriptor(tensor_name=part.tensors[0].name, start=[0], stop=[1 << 41], nbytes=1 << 43)])]
+    many = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name=f"t{i}", dtype=1, shape=[1]) for i in range(2048)])]
+    long_name = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name="x" * (1 << 20), dtype=1, shape=[1])])]
     trainer_channel = grpc.insecure_channel(trainer.address)
     agent = tpb_agent_grpc.TrainerAgentStub(trainer_channel)
     reader = CoordinatorClient(coord.address)  # a leased reader holds the version's access token
@@ -117,6 +119,9 @@ def test_malformed_requests_get_documented_codes_and_leave_state_intact(cluster:
         ("publish shm path outside /dev/shm", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.shm_path"),
         ("publish fs_uri outside the store", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="../../etc")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.fs_uri"),
         ("publish fs_uri of another scheme", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="file:///etc")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.fs_uri"),
+        ("publish announcing 10^6 tensors", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, header_overrides={"tensor_count": 10**6}), timeout=5), C.RESOURCE_EXHAUSTED, "header.tensor_count"),
+        ("publish more tensors than announced", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, batches=many, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 4096}), timeout=5), C.INVALID_ARGUMENT, "part.tensors"),
+        ("publish a 1 MiB tensor name", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, batches=long_name, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}), timeout=5), C.INVALID_ARGUMENT, "part.tensors[0].name"),
         ("publish wrong seal", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, seal="00"), timeout=5), C.INVALID_ARGUMENT, "seal.part_digest"),
         ("publish bad dtype", lambda: stub.PublishVersion(publish_stream(part, generation=gen, version=2, batches=bad_dtype, header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}), timeout=5), C.INVALID_ARGUMENT, "part.tensors[0].dtype"),
         ("publish overlapping chunks", lambda: stub.PublishVersion(publish_stream(overlapping, generation=gen, version=2), timeout=5), C.INVALID_ARGUMENT, "part.chunks[1].offset"),
