@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log_level)
     hub = WatchHub()
     try:
-        store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub)
+        store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub, retain_versions=cfg.retain_versions)
     except WeightsyncError as e:
         log.error("cannot start: %s", e.message)
         return 2
@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
     while not stop.wait(cfg.lease_ttl_s / 2):
         store.sweep()
+        if store.prune():
+            log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
+        metrics.database_bytes.set(store.database_bytes())
     hub.close()
     running.stop()
     store.close()

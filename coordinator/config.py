@@ -14,10 +14,15 @@ class CoordinatorConfig(ServerConfig):
     db_path: str = option(".weightsync/coordinator.db", "SQLite database file (created if missing).")
     lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat ten times per lease (weightsync.lease).")
     max_workers: int = option(64, "gRPC handler threads; every open watch stream holds one.")
+    retain_versions: int = option(
+        50, "Per session, the newest versions kept whole; older RELEASED/FAILED ones keep a summary row only."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.retain_versions < 1:
+            raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
         if self.max_workers < 4:
             raise ValueError(f"max_workers must be >= 4, got {self.max_workers}")

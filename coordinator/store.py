@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from coordinator import retention
 from coordinator.handshake import AppliedReport, compare_report
 from coordinator.records import (
     AgentRecord,
@@ -74,6 +75,8 @@ CREATE TABLE IF NOT EXISTS versions (
   session TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, generation INTEGER NOT NULL,
   chunk_bytes INTEGER NOT NULL, manifest_digest TEXT NOT NULL, created_at REAL NOT NULL,
   ready_at REAL NOT NULL, committed_at REAL NOT NULL, reason TEXT NOT NULL, required TEXT NOT NULL,
+  pruned INTEGER NOT NULL DEFAULT 0, pruned_bytes INTEGER NOT NULL DEFAULT 0, pruned_ranks INTEGER NOT NULL DEFAULT 0,
+  pruned_stage_seconds REAL NOT NULL DEFAULT 0,
   PRIMARY KEY (session, version));
 CREATE TABLE IF NOT EXISTS parts (
   session TEXT NOT NULL, version INTEGER NOT NULL, rank INTEGER NOT NULL,
@@ -96,7 +99,12 @@ MIGRATIONS = (
     ("sessions", "weight_sync_mode", "TEXT NOT NULL DEFAULT 'grpc'"),
     ("agents", "generation", "INTEGER NOT NULL DEFAULT 0"),
     ("events", "record", "TEXT NOT NULL DEFAULT ''"),
+    ("versions", "pruned", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_ranks", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_stage_seconds", "REAL NOT NULL DEFAULT 0"),
 )
+DEFAULT_RETAIN_VERSIONS = 50
 
 
 class SessionStore:
@@ -110,7 +118,14 @@ class SessionStore:
         limits: Limits = DEFAULT_LIMITS,
         clock: Callable[[], float] = time.time,
         listener: EventListener | None = None,
+        retain_versions: int = DEFAULT_RETAIN_VERSIONS,
     ) -> None:
+        """`retain_versions`: per session, the newest versions whose descriptors and
+        handshakes are kept; older RELEASED / FAILED ones keep a summary row
+        (`coordinator.retention`)."""
+        if retain_versions < 1:
+            raise InvalidArgument("retain_versions", f"must be >= 1, got {retain_versions}")
+        self.retain_versions = retain_versions
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
         self._clock = clock
@@ -124,6 +139,7 @@ class SessionStore:
         self._db.row_factory = sqlite3.Row
         # WAL + synchronous=NORMAL: a committed transaction survives a killed process
         # (the WAL is in the OS page cache); only a host crash may lose the last commits.
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file only
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
@@ -369,7 +385,8 @@ class SessionStore:
                 checked = _SealCheck.of(self._parts(db, session, version), session, version, generation, part, s.trainer_ranks)
             if vrow is None:
                 db.execute(
-                    "INSERT INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    "INSERT INTO versions (session, version, state, generation, chunk_bytes, manifest_digest, created_at, "
+                    "ready_at, committed_at, reason, required) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
                 )
             db.execute(
@@ -542,6 +559,19 @@ class SessionStore:
         for session in touched:
             self._notify(session)
 
+    def prune(self) -> int:
+        """Applies the retention window (see `coordinator.retention`); returns the number
+        of versions summarized. Each call frees a bounded number of pages."""
+        with self._tx() as db:
+            pruned = retention.prune(db, self.retain_versions)
+        with self._lock:  # incremental_vacuum cannot run inside a transaction
+            retention.vacuum(self._db)
+        return pruned
+
+    def database_bytes(self) -> int:
+        with self._lock:
+            return retention.database_bytes(self._db)
+
     # -- reads --------------------------------------------------------------------
     def version(self, session: str, version: int) -> VersionRecord:
         check_session_name(session)
@@ -559,6 +589,8 @@ class SessionStore:
             (session, version),
         ).fetchone()
         s = self._session(db, session)
+        if row["pruned"]:  # its parts are gone: the summary kept when they went
+            agg = {"b": row["pruned_bytes"], "n": row["pruned_ranks"], "st": row["pruned_stage_seconds"]}
         return VersionRecord(
             session=session,
             version=version,

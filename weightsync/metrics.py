@@ -30,6 +30,7 @@ class Metrics:
     current_version: Gauge
     versions_total: Counter
     fenced: Gauge
+    database_bytes: Gauge
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
@@ -81,6 +82,10 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         ),
         versions_total=Counter(
             "weightsync_version_transitions_total", "Version state transitions.", ["state"], registry=registry
+        ),
+        database_bytes=Gauge(
+            "weightsync_database_bytes", "Size of the coordinator's SQLite file (retention keeps it bounded).",
+            registry=registry,
         ),
         fenced=Gauge(
             "weightsync_fenced",

@@ -41,6 +41,7 @@ TRAINER_ARGS = ["--model-size", "tiny", "--weight-dtype", "float32", "--steps", 
 FAULTS = ("kill_coordinator", "kill_rollout", "pause_rollout", "kill_trainer", "flip_arena_byte", "racing_writer")
 EXIT_WITHIN_S = 5.0
 DEFAULT_SEED = 2
+RETAIN_VERSIONS = 20
 MODEL_BYTES = 329_856  # the tiny preset in fp32: every version fills this much of its slot
 
 
@@ -57,6 +58,7 @@ class Chaos:
     log: list[str] = field(default_factory=list)
     killed: set[str] = field(default_factory=set)  # processes the schedule killed on purpose
     committed: dict[int, str] = field(default_factory=dict)  # version -> digest, ever seen COMMITTED
+    ok_handshakes: dict[int, set[str]] = field(default_factory=dict)  # version -> rollouts ever seen reporting OK
 
     @property
     def coordinator(self) -> str:
@@ -69,7 +71,9 @@ class Chaos:
 
     # -- processes ---------------------------------------------------------------------
     def start_coordinator(self) -> None:
-        proc = self.cluster.start_coordinator(db_path=self.db, port=self.port, args=["--lease-ttl-s", str(TTL)])
+        # a short retention window: old versions are summarized while faults happen
+        args = ["--lease-ttl-s", str(TTL), "--retain-versions", str(RETAIN_VERSIONS)]
+        proc = self.cluster.start_coordinator(db_path=self.db, port=self.port, args=args)
         self.port = int(proc.address.rsplit(":", 1)[1])
 
     def start_rollout(self, name: str) -> None:
@@ -152,15 +156,22 @@ class Chaos:
 
     # -- the observer --------------------------------------------------------------------
     def observe(self, stop: threading.Event) -> None:
-        """Records every version ever seen COMMITTED (polls through coordinator restarts)."""
+        """Records every version ever seen COMMITTED and every OK handshake (polls through
+        coordinator restarts, and faster than retention summarizes old versions)."""
         while not stop.wait(0.3):
             try:
                 with CoordinatorClient(self.coordinator, timeout_s=2, retries=0) as client:
-                    for v in client.status(SESSION, 100).versions:
-                        if v.state == tpb.COMMITTED:
-                            self.committed.setdefault(v.version, v.manifest_digest)
+                    self.record(client.status(SESSION, 100))
             except WeightsyncError:
                 continue
+
+    def record(self, status: object) -> None:
+        for v in status.versions:  # type: ignore[attr-defined]
+            if v.state == tpb.COMMITTED:
+                self.committed.setdefault(v.version, v.manifest_digest)
+        for h in status.handshakes:  # type: ignore[attr-defined]
+            if h.ok:
+                self.ok_handshakes.setdefault(h.version, set()).add(h.agent_id)
 
 
 class _ArenaView:
@@ -253,16 +264,15 @@ def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None
         stop_observing.set()
         observer.join()
         status = client.status(SESSION, 1000)
+        chaos.record(status)
     chaos.note(f"healed: every rollout serves version {final} {healed_s:.2f}s after it was READY")
 
     # -- no COMMITTED version lost across coordinator restarts ------------------------
     final_state = {v.version: v.state for v in status.versions}
     lost = {v: final_state.get(v) for v in chaos.committed if final_state.get(v) not in (tpb.COMMITTED, tpb.RELEASED)}
     assert not lost, f"versions once COMMITTED are now {lost} {where}"
-    ok_by_version: dict[int, set[str]] = {}
-    for h in status.handshakes:
-        if h.ok:
-            ok_by_version.setdefault(h.version, set()).add(h.agent_id)
+    ok_by_version = chaos.ok_handshakes
+    pruned = sum(1 for v in status.versions if v.version < final - RETAIN_VERSIONS)
     for v in chaos.committed:
         assert ok_by_version.get(v), f"version {v} COMMITTED without an OK handshake {where}"
 
@@ -281,7 +291,10 @@ def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None
                 assert applied[name].tobytes() == arr.tobytes(), f"{agent} v{version} {name} differs {where}"
             checked += 1
     assert checked >= len(MODES), f"only {checked} OK rounds to check {where}"
-    chaos.note(f"{checked} OK rounds checked byte for byte; {len(chaos.committed)} versions committed; faults: {len(chaos.log)}")
+    chaos.note(
+        f"{checked} OK rounds checked byte for byte; {len(chaos.committed)} versions committed, "
+        f"{pruned} outside the retention window; faults: {len(chaos.log)}"
+    )
 
     # -- every process exits on SIGTERM within 5 s; nothing is left behind ---------------
     pids = {p.pid for p in cluster.procs.values()}

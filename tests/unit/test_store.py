@@ -385,3 +385,31 @@ def test_a_second_store_on_the_same_database_is_refused(tmp_path: Path) -> None:
     finally:
         first.close()
     SessionStore(tmp_path / "c.db").close()  # free again once the first closed
+
+
+def test_retention_summarizes_old_versions_and_bounds_the_database(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "c.db", retain_versions=3)
+    try:
+        gen = attach(store, rollouts=("r0",))
+        part, _ = make_part(sample_arrays())
+        for v in range(1, 41):
+            store.publish_part("job", generation=gen, version=v, idempotency_key=f"k{v}", part=part)
+            store.report_applied("job", v, "r0", good_report(store, v))
+            if v > 1:
+                store.release_version("job", v - 1, generation=gen)
+            if v == 20:
+                grown = store.database_bytes()
+                store.prune()
+        assert store.prune() == 20  # 18..37: the first call took 1..17; 38..40 are the window
+        kept = {v.version: v for v in store.versions("job", 100)}
+        assert sorted(kept) == list(range(1, 41))  # every version keeps its row and state
+        assert kept[1].state is S.RELEASED and kept[1].total_bytes == part.total_bytes and kept[1].sealed_ranks == 1
+        assert kept[40].state is S.COMMITTED
+        assert store.parts("job", 1) == [] and store.reports("job", [1]) == []
+        assert len(store.parts("job", 38)) == 1 and store.reports("job", [38])
+        assert {v for _, v, _ in store.event_states_since("job", 0)} == {38, 39, 40}
+        for _ in range(5):
+            store.prune()
+        assert store.database_bytes() <= grown  # 40 versions take no more room than 20 did
+    finally:
+        store.close()

@@ -1,0 +1,54 @@
+"""Bounded history: old versions keep a one-row summary, their bulky rows go.
+
+A 0.6b-shaped version stores ~89 KB of descriptors plus ~37 KB of handshake per rollout;
+kept forever, a 1 GiB volume fills within a few thousand steps. Per session, versions
+beyond the newest `retain` that are RELEASED or FAILED (never one still servable) lose
+their parts, handshakes, leases and events; the version row stays, with the bytes, ranks
+and staging time it had, so history reads the same and no COMMITTED record is lost.
+Pages freed go back to the file system through SQLite's incremental vacuum.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from coordinator.states import VersionState
+
+PRUNABLE = (VersionState.RELEASED.value, VersionState.FAILED.value)
+VACUUM_PAGES = 2048  # per sweep: 8 MiB of 4 KiB pages, so one sweep never holds the lock long
+
+
+def prune(db: sqlite3.Connection, retain: int) -> int:
+    """Summarizes and drops the bulky rows of versions outside the window; returns how
+    many versions were pruned. Runs inside the caller's transaction."""
+    pruned = 0
+    for (session,) in db.execute("SELECT name FROM sessions").fetchall():
+        rows = db.execute(
+            "SELECT version FROM versions WHERE session=? AND pruned=0 AND state IN (?,?) AND version < "
+            "COALESCE((SELECT MIN(version) FROM (SELECT version FROM versions WHERE session=? "
+            "ORDER BY version DESC LIMIT ?)), 0)",
+            (session, *PRUNABLE, session, retain),
+        ).fetchall()
+        for (version,) in rows:
+            db.execute(
+                "UPDATE versions SET pruned=1, pruned_bytes=(SELECT COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) "
+                "FROM parts WHERE session=? AND version=?), pruned_ranks=(SELECT COUNT(*) FROM parts WHERE session=? "
+                "AND version=?), pruned_stage_seconds=(SELECT COALESCE(MAX(json_extract(body, '$.stage_seconds')), 0.0) "
+                "FROM parts WHERE session=? AND version=?) WHERE session=? AND version=?",
+                (session, version) * 4,
+            )
+            for table in ("parts", "reports", "leases", "events"):
+                db.execute(f"DELETE FROM {table} WHERE session=? AND version=?", (session, version))
+            pruned += 1
+    return pruned
+
+
+def vacuum(db: sqlite3.Connection) -> None:
+    """Returns up to VACUUM_PAGES free pages to the file system (auto_vacuum=INCREMENTAL
+    databases; a no-op for older files made without it)."""
+    db.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES})").fetchall()
+
+
+def database_bytes(db: sqlite3.Connection) -> int:
+    """Bytes the database file holds (pages x page size; the WAL is not counted)."""
+    return db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
