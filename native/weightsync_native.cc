@@ -407,7 +407,7 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
 
 extern "C" {
 
-int ws_abi_version(void) { return 5; }
+int ws_abi_version(void) { return 6; }
 
 int ws_default_threads(void) {
   unsigned n = std::thread::hardware_concurrency();
@@ -442,21 +442,21 @@ int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64
 
   // A piece that is exactly a chunk has the chunk's digest (hashed once, above); the rest
   // (small spans packed together in one chunk, chunk plans that cut spans elsewhere) are
-  // hashed from the staged bytes.
+  // hashed again from their sources, never from dst: another process may write into a
+  // shared arena between the copy and this pass, and the manifest must describe what the
+  // trainer meant to publish, not what the arena holds a moment later.
   std::vector<uint64_t> first_piece;
   std::vector<Piece> work = all_pieces(spans, n_spans, piece_bytes, first_piece);
   std::vector<uint64_t> pieces(first_piece[n_spans]);
   std::vector<Piece> rest;
-  std::vector<ws_span> staged(spans, spans + n_spans);
-  for (auto& sp : staged) sp.src = dst + sp.dst_offset;
   for (const Piece& w : work) {
-    const uint64_t lo = staged[w.span].dst_offset + w.index * piece_bytes;
-    const uint64_t len = std::min(piece_bytes, staged[w.span].nbytes - w.index * piece_bytes);
+    const uint64_t lo = spans[w.span].dst_offset + w.index * piece_bytes;
+    const uint64_t len = std::min(piece_bytes, spans[w.span].nbytes - w.index * piece_bytes);
     const uint64_t c = std::lower_bound(off.begin(), off.end() - 1, lo) - off.begin();
     if (len > 0 && c < n_chunks && off[c] == lo && off[c + 1] - lo == len) pieces[w.slot] = chunk_digests[c];
     else rest.push_back(w);
   }
-  rc = hash_pieces(staged.data(), rest, piece_bytes, pieces.data(), nullptr, n_threads);
+  rc = hash_pieces(spans, rest, piece_bytes, pieces.data(), nullptr, n_threads);
   if (rc != WS_OK) return rc;
   for (uint64_t i = 0; i < n_spans; ++i)
     span_digests[i] = combine_pieces(pieces.data() + first_piece[i], first_piece[i + 1] - first_piece[i]);
@@ -513,6 +513,21 @@ int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads) {
     store_fence();
   });
   return rc;
+}
+
+int ws_copy_digest(uint8_t* dst, const uint8_t* src, uint64_t nbytes, uint64_t* digest) {
+  if (((dst == nullptr || src == nullptr) && nbytes > 0) || digest == nullptr) return WS_INVALID_ARGUMENT;
+  // Each block is copied with ordinary stores and hashed from dst while it is in cache:
+  // the digest is of the bytes this process holds, whatever happens to src meanwhile.
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (uint64_t pos = 0; pos < nbytes; pos += kBlock) {
+    const uint64_t take = std::min(kBlock, nbytes - pos);
+    std::memcpy(dst + pos, src + pos, take);
+    XXH3_64bits_update(&state, dst + pos, take);
+  }
+  *digest = XXH3_64bits_digest(&state);
+  return WS_OK;
 }
 
 int ws_copy_many(uint8_t* const* dsts, const uint8_t* const* srcs, const uint64_t* lengths, uint64_t n,

@@ -59,6 +59,10 @@ int ws_digest_spans(const ws_span* spans, uint64_t n_spans, uint64_t piece_bytes
 // Plain copy with the same non-temporal stores (the benchmark's bound uses memcpy).
 int ws_copy(uint8_t* dst, const uint8_t* src, uint64_t nbytes, int n_threads);
 
+// dst = src and *digest = xxh3-64 of the bytes written, hashed from dst (not re-read from
+// src, which another process may be changing: a mapped arena); one thread.
+int ws_copy_digest(uint8_t* dst, const uint8_t* src, uint64_t nbytes, uint64_t* digest);
+
 // dsts[i][0, lengths[i]) = srcs[i][...] for every pair, the bytes of all pairs split evenly
 // over threads (non-temporal stores); pairs must not overlap (an engine's weight update).
 int ws_copy_many(uint8_t* const* dsts, const uint8_t* const* srcs, const uint64_t* lengths, uint64_t n,

@@ -20,7 +20,7 @@ from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -56,6 +56,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     lib.ws_copy_many.argtypes = [_U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_int]
+    lib.ws_copy_digest.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, _U64P]
     lib.ws_send_file_ranges.argtypes = [ctypes.c_int, ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
     lib.ws_send_file_ranges.restype = ctypes.c_int64
     lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
@@ -261,14 +262,19 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, threads: int = 
 
 
 def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:
-    """dst[:] = src and the xxh3-64 of those bytes, in one pass on the calling thread with
-    the GIL released (a received chunk into its receive buffer)."""
+    """dst[:] = src and the xxh3-64 of the bytes written to dst, in one pass on the calling
+    thread with the GIL released (a received chunk into its receive buffer). The digest is
+    of dst: a source another process writes to (a mapped arena) cannot pass a check with
+    bytes other than the ones this process keeps."""
     n = src.nbytes
     if dst.nbytes != n:
         raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {n}")
     if n == 0:
         return xxh3(b"")
-    return int(stage(dst, n, [n], n, [(src, 0, 0)], threads=1).chunk_digests[0])
+    lib = _require()
+    out = np.zeros(1, np.uint64)
+    _check(lib.ws_copy_digest(_ptr(dst), _ptr(src), n, out.ctypes.data_as(_U64P)), "ws_copy_digest")
+    return int(out[0])
 
 
 def _moved(rc: int, what: str) -> int:

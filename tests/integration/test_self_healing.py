@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import threading
+import sys
 import time
 from pathlib import Path
 
@@ -165,45 +165,60 @@ def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempt
 
 
 def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coordinator, no_arena_leak: None) -> None:  # noqa: ANN001
-    """A process toggling a byte of the arena while rollouts read it over shm: a round may
-    fail, but every round that says ok applied exactly the published bytes."""
+    """Another process toggling an arena byte while the trainer stages and a rollout reads
+    over shm: a round may fail, but every round that says ok applied exactly the trainer's
+    bytes. (Found by the chaos suite: staging hashed small shards a second time from the
+    arena, and the shm copy re-read the mapping to hash it instead of hashing what it had
+    written; together a toggled byte passed both checks.)"""
     from rollout_agent.appliers import DictApplier
     from rollout_agent.puller import WeightPuller
     from rollout_agent.sync import sync_version
 
     rng = np.random.default_rng(7)
-    params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((128, 256)).astype(np.float32) for i in range(4)}
+    params = {f"model.layers.{i}.input_layernorm.weight": rng.standard_normal(64).astype(np.float32) for i in range(8)}
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     ok = failed = 0
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=16384) as pub:
+    rounds = 60
+    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=65536) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", transport="shm", max_attempts=1)
-        stop = threading.Event()
-        for version in range(1, 21):
-            params = {k: v + 1 for k, v in params.items()}
-            result = pub.publish(params, version)
-            target = pub.arena.slot(result.slot)
-            offset = pub.table.entries()[result.slot].chunks[version % 4].offset + 5
-
-            def toggle(target: np.ndarray = target, offset: int = offset) -> None:
-                while not stop.is_set():
-                    target[offset] ^= 0x01  # back and forth: the arena is right half the time
-                    time.sleep(0.0005)
-
-            writer = threading.Thread(target=toggle)
-            stop.clear()
-            writer.start()
-            applier = DictApplier()
-            outcome = sync_version(puller, applier, version)
-            stop.set()
-            writer.join()
-            if outcome.ok:
-                ok += 1
-                assert all(np.array_equal(applier.weights[k], v) for k, v in params.items()), f"version {version}"
-            else:
-                failed += 1
-                assert "digest mismatch" in outcome.mismatch
+        pub.publish(params, 1)  # lays the arena out; every version keeps this layout
+        shard = {s.tensor_name: s for s in client.get_manifest("job", 1)[1].parts[0].shards}["model.layers.3.input_layernorm.weight"]
+        offsets = [slot * pub.arena.slot_bytes + shard.offset + 7 for slot in range(pub.arena.slots)]
+        toggler = subprocess.Popen(
+            [sys.executable, "-c", TOGGLER, str(pub.arena.path), *map(str, offsets)], stdin=subprocess.DEVNULL
+        )
+        try:
+            for version in range(2, 2 + rounds):
+                params = {k: v + 1 for k, v in params.items()}
+                pub.publish(params, version)
+                applier = DictApplier()
+                outcome = sync_version(puller, applier, version)
+                if outcome.ok:
+                    ok += 1
+                    for k, v in params.items():
+                        assert applier.weights[k].tobytes() == v.tobytes(), f"version {version} {k}"
+                else:  # refused by the rollout's own checks, before anything reached the engine
+                    failed += 1
+                    assert applier.version == 0 and not applier.weights, f"version {version}: {outcome.mismatch}"
+                    assert "digest mismatch" in outcome.mismatch or "refusing to apply" in outcome.mismatch
+        finally:
+            toggler.kill()
+            toggler.wait()
         puller.close()
     client.close()
-    assert ok + failed == 20
+    assert ok + failed == rounds
+    print(f"racing writer: {ok} rounds ok, {failed} refused")
+
+
+# Toggles bytes of a file mapping as fast as it can, until killed.
+TOGGLER = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+m = mmap.mmap(fd, 0)
+offsets = [int(a) for a in sys.argv[2:]]
+while True:
+    for o in offsets:
+        m[o] ^= 1
+"""
