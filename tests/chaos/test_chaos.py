@@ -42,7 +42,6 @@ FAULTS = ("kill_coordinator", "kill_rollout", "pause_rollout", "kill_trainer", "
 EXIT_WITHIN_S = 5.0
 DEFAULT_SEED = 2
 RETAIN_VERSIONS = 20
-MODEL_BYTES = 329_856  # the tiny preset in fp32: every version fills this much of its slot
 
 
 @dataclass
@@ -59,6 +58,7 @@ class Chaos:
     killed: set[str] = field(default_factory=set)  # processes the schedule killed on purpose
     committed: dict[int, str] = field(default_factory=dict)  # version -> digest, ever seen COMMITTED
     ok_handshakes: dict[int, set[str]] = field(default_factory=dict)  # version -> rollouts ever seen reporting OK
+    model_bytes: int = 1 << 16  # how much of its slot a version fills (from the coordinator once known)
 
     @property
     def coordinator(self) -> str:
@@ -147,7 +147,7 @@ class Chaos:
     def staged_offset(self, arena_bytes: int) -> int:
         """A byte some version occupies: in either slot, below the model's size."""
         slot_bytes = arena_bytes // 2  # the trainer's two slots
-        return self.rng.randrange(2) * slot_bytes + self.rng.randrange(min(slot_bytes, MODEL_BYTES))
+        return self.rng.randrange(2) * slot_bytes + self.rng.randrange(min(slot_bytes, self.model_bytes))
 
     def arena(self) -> _ArenaView:
         trainer = self.cluster.procs["trainer"]
@@ -167,6 +167,7 @@ class Chaos:
 
     def record(self, status: object) -> None:
         for v in status.versions:  # type: ignore[attr-defined]
+            self.model_bytes = max(self.model_bytes, v.total_bytes)
             if v.state == tpb.COMMITTED:
                 self.committed.setdefault(v.version, v.manifest_digest)
         for h in status.handshakes:  # type: ignore[attr-defined]
