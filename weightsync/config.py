@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import sys
 import types
 import typing
@@ -50,6 +51,10 @@ class ServerConfig:
     tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
     auth_tokens_file: str = option("", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).')
     auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
+    insecure: bool = option(
+        False, "Serve plaintext without bearer tokens on a non-loopback --host (anyone who reaches it may fence "
+        "the trainer or publish versions)."
+    )
 
     def __post_init__(self) -> None:
         if not -1 <= self.metrics_port < 65536:
@@ -60,6 +65,11 @@ class ServerConfig:
             self.security().check_files()
         except InvalidArgument as e:
             raise ValueError(e.message) from None
+        if not is_loopback(self.host) and not (self.tls_cert_file or self.auth_tokens_file) and not self.insecure:
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines: serve TLS (--tls-cert-file), require bearer "
+                "tokens (--auth-tokens-file), or pass --insecure to serve plaintext to the network"
+            )
 
     def security(self) -> Security:
         """TLS / mTLS and bearer tokens for this process's server and its channels."""
@@ -71,6 +81,17 @@ class ServerConfig:
             token=self.auth_token,
             tokens_file=self.auth_tokens_file,
         )
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere
 
 
 def _base_type(tp: Any) -> Any:

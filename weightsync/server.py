@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
+from weightsync.config import is_loopback
 from weightsync.metrics import Metrics
 from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
@@ -108,6 +109,11 @@ def start_server(
         httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
         mport = httpd.server_port
     address = f"{host}:{bound}"
+    if credentials is None and not security.tokens_file and not is_loopback(host):
+        log.warning(
+            "INSECURE: %s serves plaintext without bearer tokens on %s; any client that reaches it may fence the "
+            "trainer or publish versions (see --tls-cert-file / --auth-tokens-file)", ", ".join(names), address,
+        )
     log.info(
         "serving %s on %s (metrics on %s; %s%s)", ", ".join(names), address, mport,
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",

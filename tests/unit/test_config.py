@@ -67,3 +67,19 @@ def test_security_flags_are_checked_at_start(tmp_path, capsys: pytest.CaptureFix
         with pytest.raises(SystemExit):
             load_config(CoordinatorConfig, "coordinator", argv, {})
         assert why in capsys.readouterr().err
+
+
+def test_a_network_facing_server_needs_tls_tokens_or_insecure(tmp_path) -> None:  # noqa: ANN001
+    """DESIGN "Fleet scale": off loopback, plaintext without tokens needs --insecure."""
+    from weightsync.config import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("127.8.0.1") and is_loopback("::1") and is_loopback("[::1]")
+    assert is_loopback("localhost") and not is_loopback("0.0.0.0") and not is_loopback("10.0.0.4")
+    assert not is_loopback("coordinator.svc")
+    with pytest.raises(SystemExit):
+        load_config(CoordinatorConfig, "coordinator", ["--host", "0.0.0.0"], {})
+    assert load_config(CoordinatorConfig, "coordinator", ["--host", "0.0.0.0", "--insecure"], {}).insecure
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text('{"trainer": "t' + "x" * 30 + '", "rollout": "r' + "x" * 30 + '", "admin": "a' + "x" * 30 + '"}')
+    assert load_config(CoordinatorConfig, "coordinator", ["--host", "0.0.0.0", "--auth-tokens-file", str(tokens)], {})
+    assert load_config(CoordinatorConfig, "coordinator", ["--host", "127.0.0.1"], {}).host == "127.0.0.1"
