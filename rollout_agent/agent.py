@@ -9,14 +9,14 @@ from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.outbox import TRANSIENT_ERRORS, ReportOutbox
+from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, VersionNotFound, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics

@@ -9,10 +9,9 @@ from collections.abc import Callable
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import DataLoss, DeadlineExceeded, TransportUnavailable, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, DataLoss, WeightsyncError
 
 log = logging.getLogger(__name__)
-TRANSIENT_ERRORS = (TransportUnavailable, DeadlineExceeded)
 Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch)
 REPORT_RETRIES = 2  # a few quick retries in the call; the outbox rides out longer outages
 

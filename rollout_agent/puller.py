@@ -18,7 +18,7 @@ from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
-from weightsync.errors import DeadlineExceeded, DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, TransportUnavailable, WeightsyncError
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
@@ -307,7 +307,7 @@ class WeightPuller:
                     lane.retries += len(pending)
                     pending, last_error = self._fetch(manifest, lane, pending, buf, base)
                 unreachable = bool(pending) and lane.digest_failures == failures_before
-            except (TransportUnavailable, DeadlineExceeded) as e:
+            except TRANSIENT_ERRORS as e:
                 last_error, unreachable = e.message, True
         if pending:
             what = (

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 from rollout_agent.appliers import Applier, layer_groups
 from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
-from rollout_agent.outbox import TRANSIENT_ERRORS, ReportOutbox, send_report
+from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.puller import WeightPuller
 from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import DataLoss, InvalidArgument, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, DataLoss, InvalidArgument, WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics

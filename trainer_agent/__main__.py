@@ -17,7 +17,7 @@ from trainer_agent.config import TrainerConfig
 from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
-from weightsync.errors import DeadlineExceeded, SlotBusy, StaleGeneration, TransportUnavailable
+from weightsync.errors import TRANSIENT_ERRORS, SlotBusy, StaleGeneration
 from weightsync.server import setup_logging, wait_for_signal, write_ready_file
 
 log = logging.getLogger("trainer_agent")
@@ -45,7 +45,7 @@ def publish_retrying(
     for attempt in range(1, attempts + 1):
         try:
             return pub.publish(params, version)
-        except (TransportUnavailable, DeadlineExceeded, SlotBusy) as e:
+        except (*TRANSIENT_ERRORS, SlotBusy) as e:
             if attempt == attempts:
                 raise
             log.warning("publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts)

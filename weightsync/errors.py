@@ -122,6 +122,9 @@ class InternalError(WeightsyncError):
     """An unexpected failure; see the server log."""
 
 
+# Failures that may pass by themselves (a peer unreachable or slow): worth another try.
+TRANSIENT_ERRORS: tuple[type[WeightsyncError], ...] = (TransportUnavailable, DeadlineExceeded)
+
 # The one table: error class -> grpc.StatusCode member name. Most specific first is not
 # needed; lookups walk the MRO.
 STATUS_BY_ERROR: dict[type[WeightsyncError], str] = {
