@@ -150,18 +150,15 @@ class WeightPuller:
     def _off_shm(self, part: Part, why: str) -> str:
         """Where a rank's shm cannot be used: tcp when offered and built here, else grpc."""
         ep = part.endpoint
-        if "tcp" in ep.transports and ep.tcp_address and native.available():
-            if (part.rank, why) not in self._fallbacks_logged:
-                self._fallbacks_logged.add((part.rank, why))
-                log.info("rank %d %s: pulling over tcp", part.rank, why)
-            return "tcp"
-        return self._fallback(part, why)
+        offers_tcp = "tcp" in ep.transports and ep.tcp_address and native.available()
+        return self._fallback(part, why, "tcp" if offers_tcp else "grpc")
 
-    def _fallback(self, part: Part, why: str) -> str:
+    def _fallback(self, part: Part, why: str, mode: str = "grpc") -> str:
+        """`mode` for a rank that cannot be read as asked; logged once per (rank, reason)."""
         if (part.rank, why) not in self._fallbacks_logged:
             self._fallbacks_logged.add((part.rank, why))
-            log.info("rank %d %s: pulling over grpc", part.rank, why)
-        return "grpc"
+            log.info("rank %d %s: pulling over %s", part.rank, why, mode)
+        return mode
 
     def _plan(self, lanes: list[_Lane]) -> list[_Lane]:
         """Chooses each lane's source: the upstream relay in relay mode, else the rank."""
