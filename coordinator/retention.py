@@ -15,6 +15,12 @@ import sqlite3
 from coordinator.states import VersionState
 
 PRUNABLE = (VersionState.RELEASED.value, VersionState.FAILED.value)
+# What a version's parts add up to (ranks sealed, bytes, slowest staging): read live from
+# the parts while they exist, kept in the version row once they are pruned.
+PART_SUMMARY_SQL = (
+    "SELECT COUNT(*) AS n, COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) AS b, "
+    "COALESCE(MAX(json_extract(body, '$.stage_seconds')), 0.0) AS st FROM parts WHERE session=? AND version=?"
+)
 VACUUM_PAGES = 2048  # per sweep: 8 MiB of 4 KiB pages, so one sweep never holds the lock long
 
 
@@ -30,12 +36,11 @@ def prune(db: sqlite3.Connection, retain: int) -> int:
             (session, *PRUNABLE, session, retain),
         ).fetchall()
         for (version,) in rows:
+            summary = db.execute(PART_SUMMARY_SQL, (session, version)).fetchone()
             db.execute(
-                "UPDATE versions SET pruned=1, pruned_bytes=(SELECT COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) "
-                "FROM parts WHERE session=? AND version=?), pruned_ranks=(SELECT COUNT(*) FROM parts WHERE session=? "
-                "AND version=?), pruned_stage_seconds=(SELECT COALESCE(MAX(json_extract(body, '$.stage_seconds')), 0.0) "
-                "FROM parts WHERE session=? AND version=?) WHERE session=? AND version=?",
-                (session, version) * 4,
+                "UPDATE versions SET pruned=1, pruned_bytes=?, pruned_ranks=?, pruned_stage_seconds=? "
+                "WHERE session=? AND version=?",
+                (summary["b"], summary["n"], summary["st"], session, version),
             )
             for table in ("parts", "reports", "leases", "events"):
                 db.execute(f"DELETE FROM {table} WHERE session=? AND version=?", (session, version))

@@ -582,12 +582,7 @@ class SessionStore:
         row = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
         if row is None:
             raise VersionNotFound(f"version {version} of session {session!r} not found")
-        agg = db.execute(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(json_extract(body, '$.total_bytes')), 0) AS b, "
-            "COALESCE(MAX(json_extract(body, '$.stage_seconds')), 0.0) AS st FROM parts "
-            "WHERE session=? AND version=?",
-            (session, version),
-        ).fetchone()
+        agg = db.execute(retention.PART_SUMMARY_SQL, (session, version)).fetchone()
         s = self._session(db, session)
         if row["pruned"]:  # its parts are gone: the summary kept when they went
             agg = {"b": row["pruned_bytes"], "n": row["pruned_ranks"], "st": row["pruned_stage_seconds"]}
