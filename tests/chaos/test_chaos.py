@@ -31,7 +31,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.arena_files import owner_pid
 from weightsync.client import CoordinatorClient
 from weightsync.cluster import Cluster, Proc
-from weightsync.errors import WeightsyncError
+from weightsync.errors import SessionNotFound, WeightsyncError
 
 TTL = 2.0
 SESSION = "chaos"
@@ -95,9 +95,9 @@ class Chaos:
                 with CoordinatorClient(self.coordinator, timeout_s=5) as client:
                     versions = client.status(SESSION, 1).versions
                     return versions[0].version if versions else 0
-            except WeightsyncError as e:  # the session may not exist yet, or the coordinator is restarting
-                if "not found" in e.message:
-                    return 0
+            except SessionNotFound:  # nothing published yet
+                return 0
+            except WeightsyncError:  # the coordinator is restarting
                 if time.monotonic() > deadline:
                     raise
 
