@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -295,14 +296,20 @@ class WeightPublisher:
         return self.fenced_by > 0
 
     def _register(self) -> float:
-        try:
+        with self._refused_as_stale_means_fenced():
             resp = self._client.register_agent(
                 self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank, generation=self.generation
             )
+        return resp.lease_ttl_seconds
+
+    @contextlib.contextmanager
+    def _refused_as_stale_means_fenced(self) -> Iterator[None]:
+        """A write refused with StaleGeneration: a newer incarnation fenced this publisher."""
+        try:
+            yield
         except StaleGeneration:
             self._notice_generation(self.generation + 1)
             raise
-        return resp.lease_ttl_seconds
 
     def _notice_generation(self, generation: int) -> None:
         if generation > self.generation and not self.fenced:
@@ -471,31 +478,30 @@ class WeightPublisher:
             raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
         slot, entry = min(candidates.items(), key=lambda kv: kv[1].version)
         deadline = time.monotonic() + self.slot_wait_s
-        while True:
-            try:
-                self._client.release_version(self.session, entry.version, generation=self.generation)
-                break
-            except StaleGeneration:
-                self._notice_generation(self.generation + 1)
-                raise
-            except WrongState:
-                # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
+        with self._refused_as_stale_means_fenced():
+            while True:
                 try:
-                    self._client.abort_version(
-                        self.session, generation=self.generation, version=entry.version, reason="slot reused"
-                    )
-                except StaleGeneration:
-                    self._notice_generation(self.generation + 1)
-                    raise
-                except WeightsyncError:
+                    self._client.release_version(self.session, entry.version, generation=self.generation)
                     break
-            except FailedPrecondition as e:
-                if time.monotonic() > deadline:
-                    raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
-                time.sleep(0.05)
-            except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
-                log.info("releasing version %d: %s", entry.version, e)
-                break
+                except StaleGeneration:  # before FailedPrecondition, its base: never waited out
+                    raise
+                except WrongState:
+                    # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
+                    try:
+                        self._client.abort_version(
+                            self.session, generation=self.generation, version=entry.version, reason="slot reused"
+                        )
+                    except StaleGeneration:
+                        raise
+                    except WeightsyncError:
+                        break
+                except FailedPrecondition as e:
+                    if time.monotonic() > deadline:
+                        raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
+                    time.sleep(0.05)
+                except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
+                    log.info("releasing version %d: %s", entry.version, e)
+                    break
         self.table.set(slot, None)
         if self.fs_store is not None:
             self.fs_store.remove_part(self.session, entry.version, self.rank)
