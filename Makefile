@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-stage clean
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,9 @@ native: setup
 bench: setup
 	$(PIP) install --quiet --no-build-isolation -e '.[bench]'
 	$(PY) bench/transfer.py $(BENCH_ARGS)
+
+bench-control: setup
+	$(PY) bench/control.py $(BENCH_ARGS)
 
 bench-stage: setup
 	$(PY) bench/stage.py $(BENCH_ARGS)

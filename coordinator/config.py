@@ -12,8 +12,10 @@ class CoordinatorConfig(ServerConfig):
     """Coordinator settings."""
 
     db_path: str = option(".weightsync/coordinator.db", "SQLite database file (created if missing).")
-    lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat ten times per lease (weightsync.lease).")
-    max_workers: int = option(64, "gRPC handler threads; every open watch stream holds one.")
+    lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat four times per lease (weightsync.lease).")
+    max_workers: int = option(
+        8, "Threads for the blocking handlers (watch streams need none). More threads only contend for the GIL."
+    )
     retain_versions: int = option(
         50, "Per session, the newest versions kept whole; older RELEASED/FAILED ones keep a summary row only."
     )

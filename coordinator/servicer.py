@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
 from coordinator.handshake import AppliedReport
 from coordinator.states import VersionState
 from coordinator.store import PublishOutcome, SessionStore, VersionRecord
-from coordinator.watch import WatchHub
+from coordinator.watch import EVENT_PAGE, EventFeed, WatchHub
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
@@ -29,7 +30,6 @@ from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto,
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
-WATCH_POLL_S = 1.0
 
 
 def version_info(rec: VersionRecord) -> tpb.VersionInfo:
@@ -75,12 +75,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._hub = hub
         self._metrics = metrics
         self._last_sweep = 0.0
+        self._feed = EventFeed(hub, store.events_since, store.latest_seq, asyncio.to_thread)
 
-    def _maybe_sweep(self) -> None:
+    def _sweep_due(self) -> bool:
+        """True once a second: expired leases are dropped between the main loop's sweeps."""
         now = time.monotonic()
         if now - self._last_sweep > 1.0:
             self._last_sweep = now
-            self._store.sweep()
+            return True
+        return False
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         role = _role(request.role)
@@ -122,10 +125,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def DeregisterAgent(self, request: pb.DeregisterAgentRequest, context: grpc.ServicerContext) -> pb.DeregisterAgentResponse:
         return pb.DeregisterAgentResponse(removed=self._store.deregister_agent(request.session, request.agent_id))
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        s = self._store.heartbeat(request.session, request.agent_id, request.current_version)
-        self._maybe_sweep()
-        return pb.HeartbeatResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        # A fleet's commonest call, so it runs on the event loop when the store's writer
+        # lock is free (one short statement; a thread hop would double its CPU cost) and
+        # on a thread only when a long write holds the lock.
+        args = (request.session, request.agent_id, request.current_version)
+        generation = self._store.heartbeat(*args, wait=False)
+        if generation is None:
+            generation = await asyncio.to_thread(self._store.heartbeat, *args)
+        if self._sweep_due():
+            await asyncio.to_thread(self._store.sweep)
+        return pb.HeartbeatResponse(generation=generation, lease_ttl_seconds=self._store.lease_ttl_s)
 
     def PublishVersion(self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> pb.PublishResponse:
         started = time.perf_counter()
@@ -195,7 +205,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._metrics.observe_phase("publish", time.perf_counter() - started)
         return pb.PublishResponse(version=version_info(outcome.version), duplicate=outcome.duplicate)
 
-    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> Iterator[pb.ManifestPiece]:
+    async def GetManifest(
+        self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ManifestPiece]:
+        # The store work (a lease is a write) in one hop to a thread; the pieces then
+        # stream from the loop (a generator on the handler pool costs a hop per piece).
+        for piece in await asyncio.to_thread(self._manifest_pieces, request):
+            yield piece
+
+    def _manifest_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
         rec, manifest = self._store.manifest(request.session, request.version, lease_for=request.agent_id)
         agg = manifest.aggregates()
         header = pb.ManifestHeader(
@@ -214,18 +232,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 pb.RelayPeer(agent_id=a.agent_id, endpoint=endpoint_to_proto(a.endpoint))
                 for a in self._store.relay_chain(request.session)
             )
-        yield from manifest_to_pieces(header, manifest)
+        return list(manifest_to_pieces(header, manifest))
 
-    def WatchVersions(self, request: pb.WatchVersionsRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionEvent]:
-        self._store.session(request.session)  # NOT_FOUND before streaming anything
+    async def WatchVersions(
+        self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.VersionEvent]:
+        # A coroutine on the server's loop: a thousand watchers hold no thread.
+        await asyncio.to_thread(self._store.session, request.session)  # NOT_FOUND before streaming anything
         seq = request.since_seq
-        tick = self._hub.tick(request.session)
-        while context.is_active() and not self._hub.closed:
-            for ev in self._store.events_since(request.session, seq):
+        while not self._hub.closed:
+            tick = self._hub.tick(request.session)  # read first: an event appended meanwhile wakes us
+            events = await self._feed.after(request.session, seq)
+            for ev in events:
                 seq = ev.seq
                 yield pb.VersionEvent(seq=ev.seq, version=version_info(ev.version))
-            tick = self._hub.wait(request.session, tick, WATCH_POLL_S)
-            self._maybe_sweep()
+            if len(events) < EVENT_PAGE:
+                await self._hub.wait(request.session, tick)
 
     def ReportApplied(self, request: pb.ReportAppliedRequest, context: grpc.ServicerContext) -> pb.ReportAppliedResponse:
         check_agent_id(request.agent_id)
@@ -263,8 +285,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise DigestMismatch(f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}")
         return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
 
-    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
-        self._maybe_sweep()
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        # On threads of its own (the loop's default executor), not the handler pool: an
+        # operator's status call does not queue behind a fleet's burst of handshakes.
+        return await asyncio.to_thread(self._status, request)
+
+    def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         s = self._store.session(request.session)
         seq = self._store.latest_seq(s.name)  # read first: following from it misses nothing
         limit = request.version_limit or 20

@@ -12,6 +12,8 @@ import hashlib
 import hmac
 import json
 import os
+import queue
+import random
 import secrets
 import sqlite3
 import threading
@@ -105,6 +107,13 @@ MIGRATIONS = (
     ("versions", "pruned_stage_seconds", "REAL NOT NULL DEFAULT 0"),
 )
 DEFAULT_RETAIN_VERSIONS = 50
+READERS = 4  # read connections (reads run beside the writer in WAL mode)
+# "{agent} is a live rollout of session ?1 at time ?3": a primary-key lookup per row, so
+# per-handshake checks stay cheap for a fleet of thousands.
+_LIVE_ROLLOUT = (
+    "EXISTS (SELECT 1 FROM agents a WHERE a.session=?1 AND a.agent_id={agent} AND a.role='ROLLOUT' "
+    "AND a.lease_expires_at>=?3)"
+)
 
 
 class SessionStore:
@@ -147,12 +156,26 @@ class SessionStore:
             if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
         self._manifests: dict[tuple[str, int], Manifest] = {}
+        self._cache_lock = threading.Lock()
         # The key of per-version access tokens; persistent, so tokens survive restarts.
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('token_key', ?)", (secrets.token_hex(32),))
         self._token_key = bytes.fromhex(self._db.execute("SELECT value FROM meta WHERE key='token_key'").fetchone()[0])
+        # Reads (GetStatus, watches, manifests) use connections of their own: in WAL mode
+        # they see the last commit without waiting for the writer's lock, so a fleet's
+        # heartbeats and a big publish do not queue every status call behind them.
+        self._readers: queue.SimpleQueue[sqlite3.Connection] | None = None
+        if str(db_path) != ":memory:":
+            self._readers = queue.SimpleQueue()
+            for _ in range(READERS):
+                reader = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None, timeout=30)
+                reader.row_factory = sqlite3.Row
+                reader.execute("PRAGMA query_only=ON")
+                self._readers.put(reader)
 
     def close(self) -> None:
         with self._lock:
+            while self._readers is not None and not self._readers.empty():
+                self._readers.get().close()
             self._db.close()
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)  # another coordinator may open the database now
@@ -161,6 +184,10 @@ class SessionStore:
     # -- transactions -------------------------------------------------------------
     def _tx(self) -> _Tx:
         return _Tx(self)
+
+    def _read(self) -> _Read | _Tx:
+        """A read-only snapshot (a reader connection; the writer's for ":memory:")."""
+        return _Tx(self) if self._readers is None else _Read(self._readers)
 
     def _notify(self, session: str) -> None:
         if self._listener is not None:
@@ -232,7 +259,7 @@ class SessionStore:
 
     def session(self, name: str) -> SessionRecord:
         check_session_name(name)
-        with self._tx() as db:
+        with self._read() as db:
             return self._session(db, name)
 
     def _session(self, db: sqlite3.Connection, name: str) -> SessionRecord:
@@ -287,21 +314,30 @@ class SessionStore:
         self._notify(session)
         return removed
 
-    def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> SessionRecord:
-        """Renews a lease. AgentNotFound when unknown or expired (register again)."""
+    def heartbeat(self, session: str, agent_id: str, current_version: int = 0, *, wait: bool = True) -> int | None:
+        """Renews a lease; returns the session's generation. AgentNotFound when unknown or
+        expired (register again). With `wait=False`, None (nothing done) when the writer's
+        lock is taken: the caller is an event loop that must not block.
+
+        The commonest call of a fleet (every agent, four times a TTL): one statement, no
+        explicit transaction, so it holds the writer's lock for the shortest time."""
         check_session_name(session)
         check_agent_id(agent_id)
         now = self._clock()
-        with self._tx() as db:
-            s = self._session(db, session)
-            row = db.execute("SELECT * FROM agents WHERE session=? AND agent_id=?", (session, agent_id)).fetchone()
-            if row is None or row["lease_expires_at"] < now:
-                raise AgentNotFound(f"agent {agent_id!r} is not registered or its lease expired; call RegisterAgent")
-            db.execute(
-                "UPDATE agents SET lease_expires_at=?, current_version=? WHERE session=? AND agent_id=?",
-                (now + self.lease_ttl_s, current_version, session, agent_id),
-            )
-            return s
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            rows = self._db.execute(
+                "UPDATE agents SET lease_expires_at=?, current_version=? WHERE session=? AND agent_id=? "
+                "AND lease_expires_at>=? RETURNING (SELECT generation FROM sessions WHERE name=agents.session)",
+                (now + self.lease_ttl_s, current_version, session, agent_id, now),
+            ).fetchall()  # stepped to the end: the autocommit ends here, not when the cursor dies
+        finally:
+            self._lock.release()
+        if rows:
+            return int(rows[0][0])
+        self.session(session)  # SessionNotFound first
+        raise AgentNotFound(f"agent {agent_id!r} is not registered or its lease expired; call RegisterAgent")
 
     def token_key(self, session: str) -> str:
         """The session's token key (given to trainers): HMAC of the name under the store's key."""
@@ -314,24 +350,37 @@ class SessionStore:
     def relay_chain(self, session: str) -> list[AgentRecord]:
         """Rollouts that re-serve versions (endpoint offers "relay"), in chain order.
 
-        A relay must have renewed its lease within `lease.relay_fresh_s` (three heartbeats
+        A relay must have renewed its lease within `lease.relay_fresh_s` (two heartbeats
         at the interval agents derive from the TTL), not merely hold one: a killed relay
         leaves new chains after a few missed
         heartbeats instead of a whole lease, so its children stop paying a fallback to the
         trainer for every version meanwhile.
         """
         fresh_after = self._clock() - relay_fresh_s(self.lease_ttl_s)
-        return [
-            a for a in self.agents(session)
-            if a.role == "ROLLOUT" and a.alive and a.lease_expires_at - self.lease_ttl_s >= fresh_after
-            and "relay" in a.endpoint.transports and a.endpoint.tcp_address
-        ]
+        check_session_name(session)
+        with self._read() as db:
+            self._session(db, session)
+            rows = db.execute(  # filtered in SQL: GetManifest asks for it on every lease
+                "SELECT * FROM agents WHERE session=? AND role='ROLLOUT' AND lease_expires_at-?>=? "
+                "AND endpoint LIKE '%\"relay\"%' "  # a cheap scan first; JSON only for candidates
+                "AND EXISTS (SELECT 1 FROM json_each(endpoint, '$.transports') WHERE value='relay') "
+                "AND json_extract(endpoint, '$.tcp_address')!='' ORDER BY rank, agent_id",
+                (session, self.lease_ttl_s, fresh_after),
+            ).fetchall()
+            return [_agent_record(r, self._clock()) for r in rows]
 
-    def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> set[str]:
+    def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> list[str]:
         rows = db.execute(
-            "SELECT agent_id FROM agents WHERE session=? AND role=? AND lease_expires_at>=?", (session, role, self._clock())
+            "SELECT agent_id FROM agents WHERE session=? AND role=? AND lease_expires_at>=? ORDER BY agent_id",
+            (session, role, self._clock()),
         ).fetchall()
-        return {r["agent_id"] for r in rows}
+        return [r[0] for r in rows]
+
+    def _is_live_rollout(self, db: sqlite3.Connection, session: str, agent_id: str) -> bool:
+        return db.execute(
+            "SELECT 1 FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT' AND lease_expires_at>=?",
+            (session, agent_id, self._clock()),
+        ).fetchone() is not None
 
     # -- versions -----------------------------------------------------------------
     def publish_part(self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part) -> PublishOutcome:
@@ -395,7 +444,10 @@ class SessionStore:
             if vrow is None:
                 self._event(db, session, version, S.STAGING)
             if checked.manifest_digest:  # this part completes the version
-                required = sorted(self._live_agents(db, session, "ROLLOUT"))
+                required = self._live_agents(db, session, "ROLLOUT")
+                # Shuffled: `_owed` scans it for the first rollout still owed, which takes a
+                # few steps per handshake whatever order the fleet reports in (sorted: n).
+                random.shuffle(required)
                 db.execute(
                     "UPDATE versions SET manifest_digest=?, ready_at=?, required=? WHERE session=? AND version=?",
                     (checked.manifest_digest, now, json.dumps(required), session, version),
@@ -424,7 +476,7 @@ class SessionStore:
         check_session_name(session)
         if lease_for:
             check_agent_id(lease_for)
-        with self._tx() as db:
+        with self._tx() if lease_for else self._read() as db:  # a lease is a write
             self._session(db, session)
             if version == 0:
                 marks = ",".join("?" * len(SERVABLE))
@@ -439,7 +491,7 @@ class SessionStore:
             if rec.state not in SERVABLE:
                 raise WrongState(f"version {version} is {rec.state.value}; manifests are served once READY")
             if lease_for:
-                if lease_for not in self._live_agents(db, session, "ROLLOUT"):
+                if not self._is_live_rollout(db, session, lease_for):
                     raise AgentNotFound(f"agent {lease_for!r} holds no live rollout lease; call RegisterAgent")
                 db.execute("INSERT OR IGNORE INTO leases VALUES (?,?,?)", (session, version, lease_for))
                 rec = self._version(db, session, version)
@@ -451,9 +503,10 @@ class SessionStore:
         if m is None:
             parts = tuple(self._parts(db, rec.session, rec.version))
             m = Manifest(rec.session, rec.version, rec.generation, rec.chunk_bytes, parts)
-            if len(self._manifests) > 16:
-                self._manifests.pop(next(iter(self._manifests)))
-            self._manifests[key] = m
+            with self._cache_lock:  # readers fill it too, outside the writer's lock
+                while len(self._manifests) > 16:
+                    self._manifests.pop(next(iter(self._manifests)))
+                self._manifests[key] = m
         return m
 
     def report_applied(self, session: str, version: int, agent_id: str, report: AppliedReport) -> ReportOutcome:
@@ -478,25 +531,39 @@ class SessionStore:
         return outcome
 
     def _evaluate(self, db: sqlite3.Connection, session: str, version: int) -> None:
-        """COMMITTED when every live required rollout reported OK and at least min_rollouts did."""
+        """COMMITTED when every live required rollout reported OK and at least min_rollouts did.
+
+        Runs on every handshake, so it is counted in SQL, stopping at the first required
+        rollout still owed (a fleet of 1,000 would otherwise cost O(n) Python per report)."""
         rec = self._version(db, session, version)
         if rec.state not in (S.READY, S.PARTIAL):
             return
         s = self._session(db, session)
-        required = set(json.loads(db.execute(
-            "SELECT required FROM versions WHERE session=? AND version=?", (session, version)
-        ).fetchone()["required"]))
-        live_required = required & self._live_agents(db, session, "ROLLOUT")
-        reports = {
-            r["agent_id"]: bool(r["ok"])
-            for r in db.execute("SELECT agent_id, ok FROM reports WHERE session=? AND version=?", (session, version))
-        }
-        ok = {a for a, good in reports.items() if good}
-        if live_required <= ok and len(ok) >= s.min_rollouts:
+        counts = db.execute(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(ok), 0) AS ok FROM reports WHERE session=? AND version=?", (session, version)
+        ).fetchone()
+        if counts["ok"] >= s.min_rollouts and not self._owed(db, session, version, ok_only=True):
             self._set_state(db, session, version, S.COMMITTED, "")
-        elif live_required <= set(reports) and len(reports) >= s.min_rollouts and rec.state is S.READY:
-            failed = sorted(set(reports) - ok)
-            self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {', '.join(failed)}")
+        elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
+            rec.state is S.READY and counts["ok"] < counts["n"] >= s.min_rollouts
+            and not self._owed(db, session, version, ok_only=False)
+        ):
+            failed = [r[0] for r in db.execute(
+                "SELECT agent_id FROM reports WHERE session=? AND version=? AND ok=0 ORDER BY agent_id LIMIT 11",
+                (session, version),
+            )]
+            named = ", ".join(failed[:10]) + (" and more" if len(failed) > 10 else "")
+            self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {named}")
+
+    def _owed(self, db: sqlite3.Connection, session: str, version: int, *, ok_only: bool) -> bool:
+        """Whether a live required rollout has not reported (with ok_only: not reported OK)."""
+        return db.execute(
+            "SELECT 1 FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2)) r "
+            f"WHERE {_LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
+            "  SELECT 1 FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.agent_id=r.value"
+            f"  {'AND p.ok=1' if ok_only else ''}) LIMIT 1",
+            (session, version, self._clock()),
+        ).fetchone() is not None
 
     def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> VersionRecord:
         """STAGING/READY/PARTIAL -> FAILED, by the current generation only."""
@@ -522,11 +589,10 @@ class SessionStore:
             if rec.state is S.RELEASED:
                 return rec
             check_transition(version, rec.state, S.RELEASED)
-            holders = self._lease_holders(db, session, version)
+            holders = self._lease_holders(db, session, version, limit=11)
             if holders and not force:
-                raise FailedPrecondition(
-                    f"version {version} is leased by {', '.join(holders)}; wait for their handshake or pass force"
-                )
+                named = ", ".join(holders[:10]) + (" and more" if len(holders) > 10 else "")
+                raise FailedPrecondition(f"version {version} is leased by {named}; wait for their handshake or pass force")
             db.execute("DELETE FROM leases WHERE session=? AND version=?", (session, version))
             self._set_state(db, session, version, S.RELEASED, "")
             rec = self._version(db, session, version)
@@ -534,10 +600,19 @@ class SessionStore:
         self._notify(session)
         return rec
 
-    def _lease_holders(self, db: sqlite3.Connection, session: str, version: int) -> list[str]:
-        live = self._live_agents(db, session, "ROLLOUT")
-        rows = db.execute("SELECT agent_id FROM leases WHERE session=? AND version=?", (session, version)).fetchall()
-        return sorted(r["agent_id"] for r in rows if r["agent_id"] in live)
+    def _lease_holders(self, db: sqlite3.Connection, session: str, version: int, limit: int = -1) -> list[str]:
+        """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
+        rows = db.execute(
+            f"SELECT agent_id FROM leases l WHERE session=?1 AND version=?2 AND {_LIVE_ROLLOUT.format(agent='l.agent_id')} "
+            "ORDER BY agent_id LIMIT ?4",
+            (session, version, self._clock(), limit),
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def _lease_count(self, db: sqlite3.Connection, session: str, version: int) -> int:
+        """Leases held on the version: an index count (every VersionRecord carries it), so
+        a holder whose own lease expired counts until the next sweep drops its leases."""
+        return db.execute("SELECT COUNT(*) FROM leases WHERE session=? AND version=?", (session, version)).fetchone()[0]
 
     def sweep(self) -> None:
         """Drops leases of expired agents and re-evaluates versions awaiting handshakes."""
@@ -575,7 +650,7 @@ class SessionStore:
     # -- reads --------------------------------------------------------------------
     def version(self, session: str, version: int) -> VersionRecord:
         check_session_name(session)
-        with self._tx() as db:
+        with self._read() as db:
             return self._version(db, session, version)
 
     def _version(self, db: sqlite3.Connection, session: str, version: int) -> VersionRecord:
@@ -600,14 +675,14 @@ class SessionStore:
             total_bytes=agg["b"],
             sealed_ranks=agg["n"],
             trainer_ranks=s.trainer_ranks,
-            leases=len(self._lease_holders(db, session, version)),
+            leases=self._lease_count(db, session, version),
             stage_seconds=agg["st"],
         )
 
     def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:
         """Newest first."""
         check_session_name(session)
-        with self._tx() as db:
+        with self._read() as db:
             self._session(db, session)
             rows = db.execute(
                 "SELECT version FROM versions WHERE session=? ORDER BY version DESC LIMIT ?", (session, limit)
@@ -616,34 +691,22 @@ class SessionStore:
 
     def parts(self, session: str, version: int) -> list[Part]:
         check_session_name(session)
-        with self._tx() as db:
+        with self._read() as db:
             return self._parts(db, session, version)
 
     def agents(self, session: str) -> list[AgentRecord]:
         check_session_name(session)
         now = self._clock()
-        with self._tx() as db:
+        with self._read() as db:
             self._session(db, session)
             rows = db.execute("SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)).fetchall()
-            return [
-                AgentRecord(
-                    agent_id=r["agent_id"],
-                    role=r["role"],
-                    endpoint=Endpoint.from_dict(json.loads(r["endpoint"])),
-                    rank=r["rank"],
-                    lease_expires_at=r["lease_expires_at"],
-                    current_version=r["current_version"],
-                    alive=r["lease_expires_at"] >= now,
-                    generation=r["generation"],
-                )
-                for r in rows
-            ]
+            return [_agent_record(r, now) for r in rows]
 
     def reports(self, session: str, versions: list[int]) -> list[ReportRecord]:
         check_session_name(session)
         if not versions:
             return []
-        with self._tx() as db:
+        with self._read() as db:
             marks = ",".join("?" * len(versions))
             rows = db.execute(
                 f"SELECT * FROM reports WHERE session=? AND version IN ({marks}) ORDER BY version DESC, agent_id",
@@ -659,7 +722,7 @@ class SessionStore:
 
     def events_since(self, session: str, seq: int, limit: int = 256) -> list[Event]:
         """Version events after seq, oldest first (for WatchVersions replay)."""
-        with self._tx() as db:
+        with self._read() as db:
             self._session(db, session)
             rows = db.execute(
                 "SELECT seq, version, state, record FROM events WHERE session=? AND seq>? ORDER BY seq LIMIT ?",
@@ -676,13 +739,13 @@ class SessionStore:
 
     def latest_seq(self, session: str) -> int:
         """The newest event sequence number of a session (0 when none)."""
-        with self._tx() as db:
+        with self._read() as db:
             row = db.execute("SELECT MAX(seq) AS s FROM events WHERE session=?", (session,)).fetchone()
             return row["s"] or 0
 
     def event_states_since(self, session: str, seq: int) -> list[tuple[int, int, str]]:
         """(seq, version, state at that event) after seq: the raw event log."""
-        with self._tx() as db:
+        with self._read() as db:
             rows = db.execute(
                 "SELECT seq, version, state FROM events WHERE session=? AND seq>? ORDER BY seq", (session, seq)
             ).fetchall()
@@ -743,6 +806,19 @@ def _lock_database(db_path: Path) -> int:
     return fd
 
 
+def _agent_record(r: sqlite3.Row, now: float) -> AgentRecord:
+    return AgentRecord(
+        agent_id=r["agent_id"],
+        role=r["role"],
+        endpoint=Endpoint.from_dict(json.loads(r["endpoint"])),
+        rank=r["rank"],
+        lease_expires_at=r["lease_expires_at"],
+        current_version=r["current_version"],
+        alive=r["lease_expires_at"] >= now,
+        generation=r["generation"],
+    )
+
+
 def _record_from_json(text: str) -> VersionRecord:
     fields = json.loads(text)
     return VersionRecord(**fields | {"state": VersionState(fields["state"])})
@@ -755,6 +831,26 @@ def _check_generation(generation: int, s: SessionRecord) -> None:
             f"generation {generation} is not the session's current generation {s.generation}; "
             "this writer was fenced by a newer incarnation (re-attach with OpenSession)"
         )
+
+
+class _Read:
+    """`with store._read() as db`: a reader connection from the pool, in one snapshot."""
+
+    def __init__(self, readers: queue.SimpleQueue[sqlite3.Connection]) -> None:
+        self._readers = readers
+        self._db: sqlite3.Connection | None = None
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._db = self._readers.get()
+        self._db.execute("BEGIN")
+        return self._db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._db is not None
+        try:
+            self._db.execute("COMMIT")
+        finally:
+            self._readers.put(self._db)
 
 
 class _Tx:

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     # Graceful exit: health says NOT_SERVING first, then the lease ends (deregister), then
     # the servers stop.
-    running.health.enter_graceful_shutdown()
+    running.enter_graceful_shutdown()
     agent.stop()
     running.stop(grace_s=1.0)
     for close in closers:

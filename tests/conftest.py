@@ -73,6 +73,7 @@ def coordinator_in_process(
     db_path: Path, security: Security | None = None, lease_ttl_s: float = 10.0
 ) -> Iterator[RunningServer]:
     """A Coordinator server in this process on 127.0.0.1:<free port> (TLS/tokens per `security`)."""
+    from coordinator.config import CoordinatorConfig
     from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
     from coordinator.store import SessionStore
     from coordinator.watch import WatchHub
@@ -85,7 +86,8 @@ def coordinator_in_process(
     metrics = build_metrics("coordinator")
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=96, security=security,
+        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=CoordinatorConfig.max_workers,
+        security=security,
     )
     try:
         yield running

@@ -268,7 +268,7 @@ class WeightPublisher:
             return
         self._closed = True
         self._heartbeat.stop()
-        self.server.health.enter_graceful_shutdown()  # health first: nobody new is sent here
+        self.server.enter_graceful_shutdown()  # health first: nobody new is sent here
         if not self.fenced:
             try:
                 self._client.deregister_agent(self.session, self.agent_id)

@@ -18,8 +18,8 @@ from rich.table import Table
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import hex64
-from weightsync.errors import DeadlineExceeded, WeightsyncError
-from weightsync.security import Security
+from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
+from weightsync.security import Security, agent_token, load_tokens
 
 STATE_STYLE = {
     "STAGING": "yellow",
@@ -202,7 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=int, default=0, help="exit after N events")
     s.add_argument("--timeout", type=float, default=0, help="exit after N seconds")
     s.add_argument("--limit", type=int, default=10)
+    s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
+    s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
+    s.add_argument("--role", required=True, choices=("trainer", "rollout"))
+    s.add_argument("--agent-id", required=True)
     return p
+
+
+def cmd_agent_token(args: argparse.Namespace) -> int:
+    """An agent token acts only for its agent id: hand each pod its own, never the role token."""
+    role_token = load_tokens(args.auth_tokens_file).get(args.role)
+    if role_token is None:
+        raise InvalidArgument("role", f"{args.auth_tokens_file!r} holds no {args.role} token")
+    print(agent_token(role_token, args.role, args.agent_id))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Piped output is not cut to 80 columns: tensor names stay whole for grep and scripts.
     console = Console(width=None if sys.stdout.isatty() else 200)
     try:
+        if args.command == "agent-token":
+            return cmd_agent_token(args)
         security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
     except WeightsyncError as e:
         print(f"wsctl: {e.message}", file=sys.stderr)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-# Heartbeats per lease TTL: a lease survives nine lost beats (1 s beats at the default 10 s).
-BEATS_PER_TTL = 10
+# Heartbeats per lease TTL: a lease survives three lost beats (2.5 s beats at the default
+# 10 s). Not more: a unary RPC costs the coordinator ~1 ms of CPU in grpc-python
+# (bench/control.py), so 1,000 rollouts at ten beats per TTL would take a core for
+# heartbeats alone; at four they take ~0.4 core.
+BEATS_PER_TTL = 4
 # A relay that missed this many beats leaves new relay chains while its lease still holds.
-RELAY_MISSED_BEATS = 3
+RELAY_MISSED_BEATS = 2
 
 
 def heartbeat_interval_s(lease_ttl_s: float) -> float:

@@ -7,10 +7,12 @@ Servers install `StatusInterceptor`, so servicers raise `errors.*` and never cal
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -102,28 +104,47 @@ def to_status(error: Exception) -> status_pb2.Status:
     return status
 
 
-class StatusInterceptor(grpc.ServerInterceptor):
-    """Maps raised exceptions to statuses with the table in `errors`; observes every RPC."""
+class RequestCheck(Protocol):
+    """Runs before a servicer method (the bearer-token check); raises `errors.*` to refuse.
+    `request` is the request message, or the request iterator of a client stream."""
 
-    def __init__(self, observer: RpcObserver | None = None) -> None:
+    def __call__(self, method: str, metadata: Any, request: Any) -> None: ...
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps raised exceptions to statuses with the table in `errors`; observes every RPC;
+    runs `checks` (authorization) before each servicer method.
+
+    Servers are `grpc.aio` servers: a handler may be a plain function or generator (run
+    on the server's thread pool, so it may block) or a coroutine / async generator (run
+    on the event loop: the watch streams, which must not hold a thread each).
+    """
+
+    def __init__(self, observer: RpcObserver | None = None, checks: Sequence[RequestCheck] = ()) -> None:
         self._observer = observer
+        self._checks = tuple(checks)
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
         if handler is None:
             return None
-        method = details.method
-        for kind in ("unary_unary", "stream_unary"):
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             fn = getattr(handler, kind)
             if fn is not None:
-                return handler._replace(**{kind: self._wrap_unary(fn, method)})
-        for kind in ("unary_stream", "stream_stream"):
-            fn = getattr(handler, kind)
-            if fn is not None:
-                return handler._replace(**{kind: self._wrap_stream(fn, method)})
+                return handler._replace(**{kind: self._wrap(fn, details.method, details.invocation_metadata, kind)})
         return handler
 
-    def _fail(self, context: grpc.ServicerContext, error: Exception, method: str, started: float | None) -> None:
+    def _before(self, method: str, metadata: Any, request: Any) -> None:
+        if hasattr(request, "ListFields"):  # unary requests (streams check their headers)
+            check_int64_range(request)
+        for check in self._checks:
+            check(method, metadata, request)
+
+    def _status(self, error: Exception, method: str, started: float | None) -> grpc.Status:
+        if isinstance(error, grpc.aio.AbortError):
+            # The handler aborted with a status of its own (grpc's health servicer does).
+            self._observe(method, "ABORTED_BY_HANDLER", started)
+            raise error
         if isinstance(error, grpc.RpcError):
             # The client went away while we read its request stream: nothing to answer.
             self._observe(method, "CANCELLED", started)
@@ -132,7 +153,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
             log.exception("unhandled error in %s", method, exc_info=error)
         status = to_status(error)
         self._observe(method, grpc.StatusCode(_code_tuple(status.code)).name, started)
-        context.abort_with_status(rpc_status.to_status(status))
+        return rpc_status.to_status(status)
 
     def _observe(self, method: str, code: str, started: float | None) -> None:
         """`started` None: a response stream, counted without a duration (a watch lives
@@ -140,32 +161,64 @@ class StatusInterceptor(grpc.ServerInterceptor):
         if self._observer is not None:
             self._observer(method, code, None if started is None else time.perf_counter() - started)
 
-    def _wrap_unary(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            started = time.perf_counter()
-            try:
-                if hasattr(request, "ListFields"):  # unary requests (streams check their headers)
-                    check_int64_range(request)
-                response = fn(request, context)
-            except Exception as e:  # noqa: BLE001 - the single mapping point
-                self._fail(context, e, method, started)
-            self._observe(method, "OK", started)
-            return response
+    def _wrap(self, fn: Callable[..., Any], method: str, metadata: Any, kind: str) -> Callable[..., Any]:
+        """A wrapper of the same flavour as `fn` (the server picks thread or loop by it)."""
+        timed = kind in ("unary_unary", "stream_unary")
 
-        return wrapped
+        if inspect.isasyncgenfunction(fn):
+            async def agen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    self._before(method, metadata, request)
+                    async for item in fn(request, context):
+                        yield item
+                except asyncio.CancelledError:
+                    self._observe(method, "CANCELLED", None)
+                    raise
+                except Exception as e:  # noqa: BLE001 - the single mapping point
+                    s = self._status(e, method, None)
+                    await context.abort(s.code, s.details, s.trailing_metadata)
+                self._observe(method, "OK", None)
+            return agen
 
-    def _wrap_stream(self, fn: Callable[..., Any], method: str) -> Callable[..., Any]:
-        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            started = None  # response streams: counted, not timed
+        if inspect.iscoroutinefunction(fn):
+            async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter() if timed else None
+                try:
+                    self._before(method, metadata, request)
+                    response = await fn(request, context)
+                except Exception as e:  # noqa: BLE001 - the single mapping point
+                    s = self._status(e, method, started)
+                    await context.abort(s.code, s.details, s.trailing_metadata)
+                self._observe(method, "OK", started)
+                return response
+            return coro
+
+        if timed:
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                started = time.perf_counter()
+                try:
+                    self._before(method, metadata, request)
+                    response = fn(request, context)
+                except Exception as e:  # noqa: BLE001 - the single mapping point
+                    _abort_sync(context, self._status(e, method, started))
+                self._observe(method, "OK", started)
+                return response
+            return call
+
+        def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                if hasattr(request, "ListFields"):
-                    check_int64_range(request)
+                self._before(method, metadata, request)
                 yield from fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
-                self._fail(context, e, method, started)
-            self._observe(method, "OK", started)
+                _abort_sync(context, self._status(e, method, None))
+            self._observe(method, "OK", None)
+        return gen
 
-        return wrapped
+
+def _abort_sync(context: grpc.ServicerContext, status: grpc.Status) -> None:
+    """Ends a call run on the thread pool with `status` (its details in trailing metadata)."""
+    context.set_trailing_metadata(status.trailing_metadata)
+    context.abort(status.code, status.details)
 
 
 def _code_tuple(code: int) -> tuple[int, str]:

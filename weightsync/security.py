@@ -10,7 +10,9 @@ turns on, independently:
   "admin": ...}`) require `authorization: Bearer <token>` on every call except health and
   reflection; the token's role decides what it may call (`ROLE_RULES`). Clients send
   `token`. A missing or unknown token is UNAUTHENTICATED, a role calling outside its
-  rules PERMISSION_DENIED.
+  rules PERMISSION_DENIED. Pods should get agent tokens (`agent_token`, derived from
+  the role token): one acts only for its own agent id, so a compromised rollout cannot
+  heartbeat, re-register or report as another.
 
 The tcp / relay data plane is not covered: its reads carry per-version access tokens and
 every byte is checked against the manifest's digests (DESIGN "Data plane").
@@ -18,6 +20,7 @@ every byte is checked against the manifest's digests (DESIGN "Data plane").
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +32,7 @@ import grpc
 
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from weightsync.validation import check_agent_id
 
 ROLES = ("trainer", "rollout", "admin")
 # Methods only some roles may call (admin may call everything); unlisted: any role.
@@ -43,6 +47,11 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 # Methods whose request names a role: it must be the caller's (a rollout token cannot
 # attach as the trainer and bump the generation).
 ROLE_IN_REQUEST = ("/weightsync.v1.Coordinator/OpenSession", "/weightsync.v1.Coordinator/RegisterAgent")
+# Methods whose request names an agent: an agent token may name only its own.
+AGENT_IN_REQUEST = tuple(
+    f"/weightsync.v1.Coordinator/{m}" for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "ReportApplied", "GetManifest")
+)
+AGENT_TOKEN_PREFIX = "wsagent:"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 
@@ -105,7 +114,7 @@ class Security:
         roots = _read(self.ca_file, "tls_ca_file") if self.require_client_cert else None
         return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=self.require_client_cert)
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+    def request_checks(self) -> list[BearerAuth]:
         """The bearer-token check, when this server has a tokens file."""
         return [BearerAuth(load_tokens(self.tokens_file))] if self.tokens_file else []
 
@@ -166,46 +175,58 @@ class _CallDetails(grpc.ClientCallDetails):
     compression: Any
 
 
-class BearerAuth(grpc.ServerInterceptor):
-    """Checks the caller's bearer token and its role's rules before the servicer runs.
+class BearerAuth:
+    """Checks the caller's bearer token and its role's rules before the servicer runs
+    (a `rpc.RequestCheck`: `rpc.StatusInterceptor` calls it and maps what it raises).
 
-    Install inside `rpc.StatusInterceptor`, which turns the raised errors into statuses.
+    A role token acts for any agent of its role; an agent token (`agent_token`) acts only
+    for the agent id it names: calls that name another agent are PERMISSION_DENIED.
     """
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
         self._tokens = dict(tokens)
 
-    def role_of(self, metadata: Sequence[tuple[str, Any]] | None) -> str:
-        """The role whose token the call carries; Unauthenticated when none matches."""
+    def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
+        """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
-            for role, known in self._tokens.items():
-                if hmac.compare_digest(known.encode(), token.encode()):
-                    return role
+            if token.startswith(AGENT_TOKEN_PREFIX):
+                _, role, agent_id, mac = (token.split(":", 3) + ["", "", ""])[:4]
+                known = self._tokens.get(role)
+                if known is not None and hmac.compare_digest(_agent_mac(known, role, agent_id), mac):
+                    return role, agent_id
+            else:
+                for role, known in self._tokens.items():
+                    if hmac.compare_digest(known.encode(), token.encode()):
+                        return role, ""
         raise Unauthenticated("authorization: missing or unknown bearer token")
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        method = details.method
-        if handler is None or method.startswith(UNCHECKED_PREFIXES):
-            return handler
-        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            fn = getattr(handler, kind)
-            if fn is not None:
-                return handler._replace(**{kind: self._guard(fn, method, details.invocation_metadata)})
-        return handler
+    def __call__(self, method: str, metadata: Any, request: Any) -> None:
+        if method.startswith(UNCHECKED_PREFIXES):
+            return
+        role, bound = self.identity_of(metadata)
+        if role == "admin":
+            return
+        allowed = ROLE_RULES.get(method)
+        if allowed is not None and role not in allowed:
+            raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
+        if method in ROLE_IN_REQUEST:
+            asked = _ROLE_OF_ENUM.get(request.role)
+            if asked is not None and asked != role:
+                raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
+        if bound and method in AGENT_IN_REQUEST and request.agent_id not in ("", bound):
+            raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
 
-    def _guard(self, fn: Callable[..., Any], method: str, metadata: Any) -> Callable[..., Any]:
-        def guarded(request: Any, context: grpc.ServicerContext) -> Any:
-            role = self.role_of(metadata)
-            allowed = ROLE_RULES.get(method)
-            if role != "admin" and allowed is not None and role not in allowed:
-                raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
-            if role != "admin" and method in ROLE_IN_REQUEST:
-                asked = _ROLE_OF_ENUM.get(request.role)
-                if asked is not None and asked != role:
-                    raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
-            return fn(request, context)
 
-        return guarded
+def agent_token(role_token: str, role: str, agent_id: str) -> str:
+    """A bearer token that acts as `role` for `agent_id` only, derived from the role's
+    token (which stays with the operator): `wsctl agent-token` prints one per pod."""
+    if role not in ("trainer", "rollout"):
+        raise InvalidArgument("role", f"agent tokens are for trainer or rollout agents, not {role!r}")
+    check_agent_id(agent_id)
+    return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id)}"
+
+
+def _agent_mac(role_token: str, role: str, agent_id: str) -> str:
+    return hmac.new(role_token.encode(), f"{role}:{agent_id}".encode(), hashlib.sha256).hexdigest()

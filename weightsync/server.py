@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,36 +24,67 @@ from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Service:
     """One servicer to mount: the generated add_*_to_server, the servicer, its full name."""
 
-    add: Callable[[Any, grpc.Server], None]
+    add: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
     full_name: str
+
+
+# One event loop per process runs every grpc.aio server in it (grpc.aio objects belong to
+# the loop that made them; tests run coordinator, trainer and rollout servers in one process).
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+# Concurrent calls a server admits; watches and streams cost no thread, so this bounds
+# only memory (a fleet of 1,000 rollouts holds ~2,000: a watch and a heartbeat each).
+MAX_CONCURRENT_RPCS = 16_384
+
+
+def _server_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="grpc-aio", daemon=True).start()
+        return _loop
+
+
+def run_on_server_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs `coro` on the servers' event loop and waits for its result (from any other thread)."""
+    return asyncio.run_coroutine_threadsafe(coro, _server_loop()).result()
 
 
 @dataclass
 class RunningServer:
     """A started server; `stop()` flips health to NOT_SERVING, drains and stops."""
 
-    server: grpc.Server
+    server: grpc.aio.Server
     address: str
     metrics_port: int
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     service_names: list[str]
     metrics: Metrics | None = None
     _httpd: Any = None
+    _pool: futures.ThreadPoolExecutor | None = None
     _stopped: bool = field(default=False)
+
+    def enter_graceful_shutdown(self) -> None:
+        """Health answers NOT_SERVING from now on (load balancers stop sending calls)."""
+        run_on_server_loop(self.health.enter_graceful_shutdown())
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait(grace_s + 1)
+        self.enter_graceful_shutdown()
+        run_on_server_loop(self.server.stop(grace_s))
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -68,41 +100,53 @@ def start_server(
     max_workers: int = 32,
     security: Security | None = None,
 ) -> RunningServer:
-    """Starts a gRPC server with health + reflection and a /metrics endpoint.
+    """Starts a grpc.aio server with health + reflection and a /metrics endpoint.
 
     Args:
-        services: the servicers to mount.
+        services: the servicers to mount. Plain methods and generators run on a pool of
+            `max_workers` threads (they may block); `async` ones run on the event loop
+            and hold no thread (the coordinator's watch streams).
         host, port: gRPC bind address; port 0 picks a free port.
         metrics: this process's metrics (the registry served on /metrics).
         metrics_port: 0 picks a free port; -1 disables /metrics.
-        max_workers: handler threads; each open stream (watch, read) holds one.
+        max_workers: handler threads for the plain methods.
         security: TLS / mTLS and bearer-token checks (`weightsync.security`); plaintext
             and open without.
     """
     security = security or PLAINTEXT
     credentials = security.server_credentials()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[StatusInterceptor(metrics.observe_rpc), *security.server_interceptors()],
-        options=SERVER_OPTIONS,
-        maximum_concurrent_rpcs=max_workers * 4,
-    )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = []
-    for svc in services:
-        svc.add(svc.servicer, server)
-        names.append(svc.full_name)
-    _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    server.start()
-    for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    checks = security.request_checks()
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
+    names = [svc.full_name for svc in services]
+
+    async def start() -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+        server = grpc.aio.server(
+            migration_thread_pool=pool,
+            interceptors=[StatusInterceptor(metrics.observe_rpc, checks)],
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for svc in services:
+            svc.add(svc.servicer, server)
+        _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        if bound == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        await server.start()
+        for name in ["", *names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server, health_servicer, bound
+
+    try:
+        server, health_servicer, bound = run_on_server_loop(start())
+    except BaseException:
+        pool.shutdown(wait=False)
+        raise
     httpd = None
     mport = -1
     if metrics_port >= 0:
@@ -119,17 +163,17 @@ def start_server(
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
         ", bearer tokens" if security.tokens_file else "",
     )
-    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd)
+    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd, pool)
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
-def _enable_reflection(service_names: Sequence[str], server: grpc.Server) -> None:
+def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
     """Server reflection as `grpc.reflection.v1alpha` and `grpc.reflection.v1` (what
     current grpcurl asks for first). grpcio-reflection ships only v1alpha; v1's messages
     are the same messages under a new package name, so one servicer answers both."""
-    servicer = reflection.ReflectionServicer(service_names)
+    servicer = reflection.aio.ReflectionServicer(service_names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
         "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(

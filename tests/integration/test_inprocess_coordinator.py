@@ -86,7 +86,7 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
     from weightsync.heartbeat import Heartbeat
     from weightsync.lease import heartbeat_interval_s, relay_fresh_s
 
-    assert heartbeat_interval_s(10.0) == 1.0 and heartbeat_interval_s(60.0) == 6.0 and relay_fresh_s(2.0) == 3 * 0.2
+    assert heartbeat_interval_s(10.0) == 2.5 and heartbeat_interval_s(60.0) == 15.0 and relay_fresh_s(2.0) == 2 * 0.5
     with coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running, CoordinatorClient(running.address) as client:
         client.open_session("job", trainer=False)
         registrations = []
@@ -97,7 +97,7 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
 
         beat = Heartbeat(client, "job", "r0", current_version=lambda: 0, register=register).start()
         try:
-            assert beat.interval_s == heartbeat_interval_s(0.6) == 0.06
+            assert beat.interval_s == heartbeat_interval_s(0.6) == 0.15
             time.sleep(1.5)  # 2.5 leases: alive only because beats came at the TTL's pace
             assert [a.alive for a in client.status("job").agents] == [True]
             assert registrations == [1]  # never lost the lease

@@ -29,7 +29,7 @@ from weightsync.cluster import Cluster
 from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
 from weightsync.rpc import CHANNEL_OPTIONS
-from weightsync.security import Security, load_tokens
+from weightsync.security import Security, agent_token, load_tokens
 from weightsync.server import RunningServer
 
 TOKENS = {"trainer": "t" * 24, "rollout": "r" * 24, "admin": "a" * 24}
@@ -122,6 +122,39 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     channel.close()
+
+
+def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
+    addr = secure_coordinator.address
+    with CoordinatorClient(addr, security=_client_side(pki, "trainer")) as trainer:
+        trainer.open_session("job", trainer=True)
+    r0 = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token(TOKENS["rollout"], "rollout", "r0"))
+    with CoordinatorClient(addr, timeout_s=3, retries=0, security=r0) as c:
+        c.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        c.heartbeat("job", "r0")
+        assert c.status("job").agents[0].agent_id == "r0"
+        for call in (
+            lambda: c.register_agent("job", "r1", trainer=False, endpoint=Endpoint()),
+            lambda: c.heartbeat("job", "r1"),
+            lambda: c.deregister_agent("job", "r0x"),
+        ):
+            with pytest.raises(PermissionDenied) as exc:
+                call()
+            assert exc.value.field == "agent_id"
+        with pytest.raises(PermissionDenied):  # the role still binds: a rollout's token cannot attach as trainer
+            c.open_session("job", trainer=True)
+    forged = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token("x" * 24, "rollout", "r1"))
+    with CoordinatorClient(addr, timeout_s=3, retries=0, security=forged) as c, pytest.raises(Unauthenticated):
+        c.heartbeat("job", "r1")
+    with pytest.raises(InvalidArgument):
+        agent_token(TOKENS["admin"], "admin", "r0")
+    # the tokens file holds role tokens only; what the operator hands each pod is derived
+    cli = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "agent-token", "--auth-tokens-file", pki["tokens"], "--role", "rollout",
+         "--agent-id", "r0"], capture_output=True, text=True, timeout=60,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == agent_token(TOKENS["rollout"], "rollout", "r0")
 
 
 @pytest.mark.parametrize("mode", ["grpc", "tcp"])

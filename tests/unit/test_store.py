@@ -308,7 +308,7 @@ def test_a_relay_that_stops_heartbeating_leaves_new_chains_before_its_lease_ends
     for agent in ("r0", "r1", "r2"):
         store.register_agent("job", agent, role="ROLLOUT", endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=f"127.0.0.1:{7000 + int(agent[1])}"))
     assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r1", "r2"]
-    for _ in range(4):  # r1 is gone (SIGKILL): r0 and r2 keep heartbeating
+    for _ in range(6):  # r1 is gone (SIGKILL): r0 and r2 keep heartbeating (fresh: 2 beats, 5 s)
         clock.t += 1
         store.heartbeat("job", "r0")
         store.heartbeat("job", "r2")

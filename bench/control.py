@@ -1,0 +1,465 @@
+"""Control-plane benchmark: one coordinator process on its default flags under a fleet.
+
+Three rounds, all on loopback against `python -m coordinator` (default flags):
+
+1. fleet: N agents (default 1,000) each register, hold a WatchVersions stream and
+   heartbeat at the TTL-derived interval, on a connection of their own. A prober times
+   `GetStatus` of the fleet's session and of a quiet one. Midway the trainer publishes a
+   version: every agent sees READY on its watch, takes a lease (`GetManifest`) at once
+   and reports its handshake uniform(0, --pull-s) later, as a pull would take; we time
+   the fan-out and the commit after the last handshake.
+2. big manifest: one rank of 100,000 tensors publishes while the prober times another
+   session; then `GetManifest` of it streams (pieces counted, largest message size).
+3. retention: V versions (default 10,000) published and released; the database size is
+   sampled as it goes (it must stay within the retention window, not grow with V).
+
+Prints one JSON line (stdout) with p50/p99/max, coordinator RSS and threads, and each
+target as true/false; a table on stderr. The agents are asyncio tasks (grpc.aio, a
+connection each) in `--fleet-procs` worker processes, which share the machine's cores
+with the coordinator: latencies are an upper bound on what a coordinator alone would
+show, and its CPU use is reported beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_seconds, peak_rss_bytes, rss_bytes  # noqa: E402
+
+from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
+from weightsync._proto import types_pb2 as tpb  # noqa: E402
+from weightsync.client import CoordinatorClient  # noqa: E402
+from weightsync.cluster import Cluster  # noqa: E402
+from weightsync.layout import place_shards, plan_chunks  # noqa: E402
+from weightsync.lease import heartbeat_interval_s  # noqa: E402
+from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, TensorSpec  # noqa: E402
+from weightsync.rpc import CHANNEL_OPTIONS  # noqa: E402
+
+TARGET_P99_MS = 50.0
+TARGET_COMMIT_S = 1.0
+TARGET_RSS_MIB = 300.0
+TARGET_BIG_PUBLISH_S = 10.0
+PROBE_INTERVAL_S = 0.1
+err = Console(stderr=True)
+
+
+def synthetic_part(tensors: int, *, rank: int = 0, chunk_bytes: int = 1 << 20, seed: int = 0) -> Part:
+    """A rank's descriptors for `tensors` small fp32 tensors (no bytes behind them: the
+    coordinator checks structure, never weight bytes)."""
+    rng = random.Random(seed)
+    specs = tuple(TensorSpec(f"model.layers.{i // 8}.w{i % 8}.weight", "float32", (16,)) for i in range(tensors))
+    offsets, total = place_shards([64] * tensors)
+    shards = tuple(
+        ShardSpec(t.name, (0,), (16,), off, 64, rng.getrandbits(64), 0.0) for t, off in zip(specs, offsets)
+    )
+    chunks = tuple(
+        ChunkSpec(i, off, length, rng.getrandbits(64))
+        for i, (off, length) in enumerate(plan_chunks(total, chunk_bytes, [(s.offset, s.nbytes) for s in shards]))
+    )
+    return Part(rank, total, chunk_bytes, specs, shards, chunks, Endpoint("127.0.0.1:1"))
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    if not samples_s:
+        return {"n": 0}
+    ms = sorted(x * 1000 for x in samples_s)
+    return {
+        "n": len(ms),
+        "p50_ms": round(statistics.median(ms), 2),
+        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 2),
+        "max_ms": round(ms[-1], 2),
+    }
+
+
+def proc_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+class Prober:
+    """Times GetStatus of `session` every PROBE_INTERVAL_S on a thread of its own (sync client)."""
+
+    def __init__(self, address: str, session: str) -> None:
+        self._client = CoordinatorClient(address, timeout_s=30.0)
+        self._session = session
+        self.samples: list[float] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._recording = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL_S):
+            t0 = time.perf_counter()
+            try:
+                self._client.status(self._session)
+            except Exception:  # noqa: BLE001 - counted; the bench reports them
+                self.errors += 1
+                continue
+            if self._recording.is_set():
+                self.samples.append(time.perf_counter() - t0)
+
+    def record(self, on: bool = True) -> None:
+        (self._recording.set if on else self._recording.clear)()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._client.close()
+
+
+@dataclass
+class Fleet:
+    """Agents `first`..`first+count-1` as asyncio tasks of one worker process: register,
+    watch, heartbeat, and handshake each READY version. Times are wall clock (time.time),
+    comparable across the bench's processes."""
+
+    address: str
+    session: str
+    first: int
+    count: int
+    ttl_s: float
+    pull_s: float
+    report: pb.ReportAppliedRequest
+    seen_ready: list[float] = field(default_factory=list)
+    handshakes: list[float] = field(default_factory=list)
+    heartbeats: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def _error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    async def run(self) -> None:
+        """Registers every agent, prints "ready", runs until stdin closes."""
+        ids = [f"r{i:05d}" for i in range(self.first, self.first + self.count)]
+        channels = [grpc.aio.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+                    for _ in ids]  # a connection per agent, as a fleet of pods has
+        stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
+        sem = asyncio.Semaphore(32)
+
+        async def register(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
+            async with sem:
+                await stub.RegisterAgent(pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT), timeout=60)
+
+        await asyncio.gather(*(register(st, a) for st, a in zip(stubs, ids)))
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(self._agent(st, a, stop)) for st, a in zip(stubs, ids)]
+        await asyncio.sleep(0.5)  # the watch streams are open
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in channels:
+            await c.close()
+
+    async def _agent(self, stub: pb_grpc.CoordinatorStub, agent_id: str, stop: asyncio.Event) -> None:
+        beat = asyncio.create_task(self._heartbeat(stub, agent_id))
+        try:
+            async for ev in stub.WatchVersions(pb.WatchVersionsRequest(session=self.session)):
+                if ev.version.state == tpb.READY:
+                    self.seen_ready.append(time.time())
+                    await self._handshake(stub, agent_id, ev.version.version, ev.version.manifest_digest)
+        except asyncio.CancelledError:
+            pass
+        except grpc.aio.AioRpcError as e:
+            if not stop.is_set():
+                self._error(f"watch {e.code().name}")
+        finally:
+            beat.cancel()
+
+    async def _heartbeat(self, stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
+        interval = heartbeat_interval_s(self.ttl_s)
+        await asyncio.sleep(random.random() * interval)  # agents beat at random phases
+        while True:
+            t0 = time.perf_counter()
+            try:
+                await stub.Heartbeat(pb.HeartbeatRequest(session=self.session, agent_id=agent_id), timeout=self.ttl_s)
+                self.heartbeats.append(time.perf_counter() - t0)
+            except grpc.aio.AioRpcError as e:
+                self._error(f"heartbeat {e.code().name}")
+            await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
+
+    async def _handshake(self, stub: pb_grpc.CoordinatorStub, agent_id: str, version: int, digest: str) -> None:
+        try:
+            async for _piece in stub.GetManifest(
+                pb.GetManifestRequest(session=self.session, version=version, agent_id=agent_id), timeout=60
+            ):
+                pass
+            await asyncio.sleep(random.random() * self.pull_s)  # the pull and apply a rollout does here
+            report = pb.ReportAppliedRequest()
+            report.CopyFrom(self.report)
+            report.version, report.agent_id, report.manifest_digest = version, agent_id, digest
+            await stub.ReportApplied(report, timeout=60)
+            self.handshakes.append(time.time())
+        except grpc.aio.AioRpcError as e:
+            self._error(f"handshake {e.code().name}")
+
+
+def fleet_worker(args: argparse.Namespace) -> int:
+    """`--worker FIRST:COUNT`: one process of the fleet; results as JSON on stdout."""
+    first, count = map(int, args.worker.split(":"))
+    part = synthetic_part(8)
+    report = good_report("fleet", 1, "", Manifest("fleet", 1, 1, part.chunk_bytes, (part,)))
+    fleet = Fleet(args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report)
+    asyncio.run(fleet.run())
+    print(json.dumps({"seen_ready": fleet.seen_ready, "handshakes": fleet.handshakes,
+                      "heartbeats": fleet.heartbeats, "errors": fleet.errors}), flush=True)
+    return 0
+
+
+def good_report(session: str, version: int, manifest_digest: str, manifest: Manifest) -> pb.ReportAppliedRequest:
+    """What a rollout that applied `manifest` exactly would report."""
+    digests, sums = manifest.tensor_digests(), manifest.tensor_sums()
+    agg = manifest.aggregates()
+    return pb.ReportAppliedRequest(
+        session=session,
+        version=version,
+        manifest_digest=manifest_digest,
+        tensors=[pb.TensorDigest(name=n, xxh3=digests[n], sum=sums[n]) for n in manifest.tensors],
+        aggregates=tpb.Aggregates(grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count),
+        consumed_names=list(manifest.tensors),
+    )
+
+
+def fleet_round(
+    address: str, pid: int, agents: int, seconds: float, ttl_s: float, procs: int, pull_s: float
+) -> dict[str, Any]:
+    trainer = CoordinatorClient(address, timeout_s=60.0)
+    opened = trainer.open_session("fleet", trainer=True, trainer_ranks=1, min_rollouts=1)
+    trainer.open_session("quiet", trainer=True, trainer_ranks=1)
+    t0 = time.perf_counter()
+    workers = []
+    for w in range(procs):
+        first, last = agents * w // procs, agents * (w + 1) // procs
+        workers.append(subprocess.Popen(
+            [sys.executable, __file__, "--worker", f"{first}:{last - first}", "--address", address,
+             "--lease-ttl-s", str(ttl_s), "--pull-s", str(pull_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        ))
+    for w in workers:
+        if w.stdout.readline().strip() != "ready":
+            raise RuntimeError("a fleet worker failed to start")
+    setup_s = time.perf_counter() - t0
+    committed: list[float] = []
+
+    def observe() -> None:
+        with CoordinatorClient(address) as watcher:
+            for ev in watcher.watch("fleet"):
+                if ev.version.state == tpb.COMMITTED:
+                    committed.append(time.time())
+                    return
+
+    threading.Thread(target=observe, daemon=True).start()
+    time.sleep(heartbeat_interval_s(ttl_s))  # every agent has beaten once
+    c0 = cpu_seconds([pid])
+    busy, quiet = Prober(address, "fleet"), Prober(address, "quiet")
+    busy.record()
+    quiet.record()
+    time.sleep(seconds / 2)
+    part = synthetic_part(8)
+    published = time.time()
+    trainer.publish_part("fleet", generation=opened.generation, version=1, idempotency_key="v1", part=part)
+    deadline = time.monotonic() + max(60.0, seconds)
+    while not committed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(max(0.0, seconds / 2 - (time.time() - published)))
+    busy.record(False)
+    quiet.record(False)
+    coordinator_cores = (cpu_seconds([pid]) - c0) / (seconds + max(0.0, time.time() - published - seconds / 2))
+    rss, hwm, threads = rss_bytes(pid), peak_rss_bytes(pid), proc_threads(pid)
+    results = []
+    for w in workers:
+        out, _ = w.communicate("", timeout=120)
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    busy.close()
+    quiet.close()
+    state = trainer.status("fleet").versions[0]
+    trainer.close()
+    seen = [t for r in results for t in r["seen_ready"]]
+    handshakes = [t for r in results for t in r["handshakes"]]
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, n in r["errors"].items():
+            errors[k] = errors.get(k, 0) + n
+    if busy.errors + quiet.errors:
+        errors["probe"] = busy.errors + quiet.errors
+    return {
+        "agents": agents,
+        "worker_processes": procs,
+        "simulated_pull_s": pull_s,
+        "register_all_s": round(setup_s, 2),
+        "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
+        "getstatus_fleet": percentiles(busy.samples),
+        "getstatus_quiet": percentiles(quiet.samples),
+        "heartbeat": percentiles([x for r in results for x in r["heartbeats"]]),
+        "watchers_saw_ready": len(seen),
+        "ready_fanout_max_s": round(max(seen) - published, 3) if seen else None,
+        "handshakes": len(handshakes),
+        "last_handshake_after_publish_s": round(max(handshakes) - published, 3) if handshakes else None,
+        "commit_after_last_handshake_s": round(committed[0] - max(handshakes), 3) if committed and handshakes else None,
+        "state": tpb.VersionState.Name(state.state),
+        "errors": errors,
+        "coordinator_cpu_cores": round(coordinator_cores, 2),
+        "coordinator_rss_mib": round(rss / 2**20, 1),
+        "coordinator_peak_rss_mib": round(hwm / 2**20, 1),
+        "coordinator_threads": threads,
+    }
+
+
+def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
+    client = CoordinatorClient(address, timeout_s=120.0)
+    opened = client.open_session("big", trainer=True, trainer_ranks=1)
+    client.open_session("other", trainer=True, trainer_ranks=1)
+    t0 = time.perf_counter()
+    part = synthetic_part(tensors, seed=1)
+    build_s = time.perf_counter() - t0
+    other = Prober(address, "other")
+    other.record()
+    t0 = time.perf_counter()
+    client.publish_part("big", generation=opened.generation, version=1, idempotency_key="big", part=part)
+    publish_s = time.perf_counter() - t0
+    other.record(False)
+    other.close()
+    stub = pb_grpc.CoordinatorStub(client._channel)
+    t0 = time.perf_counter()
+    pieces, largest = 0, 0
+    for piece in stub.GetManifest(pb.GetManifestRequest(session="big", version=1), timeout=120):
+        pieces += 1
+        largest = max(largest, piece.ByteSize())
+    manifest_s = time.perf_counter() - t0
+    client.close()
+    return {
+        "tensors": tensors,
+        "build_descriptors_s": round(build_s, 2),
+        "publish_s": round(publish_s, 2),
+        "getstatus_other_session": percentiles(other.samples),
+        "get_manifest_s": round(manifest_s, 2),
+        "get_manifest_pieces": pieces,
+        "largest_piece_bytes": largest,
+        "coordinator_peak_rss_mib": round(peak_rss_bytes(pid) / 2**20, 1),
+    }
+
+
+def database_bytes(db: Path) -> int:
+    return sum(p.stat().st_size for p in (db, Path(f"{db}-wal")) if p.exists())
+
+
+def retention_round(address: str, db: Path, versions: int) -> dict[str, Any]:
+    client = CoordinatorClient(address, timeout_s=30.0)
+    opened = client.open_session("churn", trainer=True, trainer_ranks=1)
+    part = synthetic_part(64, seed=2)
+    samples: list[tuple[int, int]] = []
+    t0 = time.perf_counter()
+    for v in range(1, versions + 1):
+        client.publish_part("churn", generation=opened.generation, version=v, idempotency_key=f"v{v}", part=part)
+        client.release_version("churn", v, generation=opened.generation)
+        if v % max(1, versions // 10) == 0:
+            samples.append((v, database_bytes(db)))
+    elapsed = time.perf_counter() - t0
+    client.close()
+    first_v, first_b = samples[0] if samples else (0, 0)
+    last_v, last_b = samples[-1] if samples else (0, 0)
+    return {
+        "versions": versions,
+        "seconds": round(elapsed, 1),
+        "db_bytes": [[v, b] for v, b in samples],
+        "growth_bytes_per_version_after_first_tenth": round((last_b - first_b) / max(1, last_v - first_v), 1),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=20.0, help="fleet measuring window")
+    ap.add_argument("--tensors", type=int, default=100_000)
+    ap.add_argument("--versions", type=int, default=10_000)
+    ap.add_argument("--lease-ttl-s", type=float, default=10.0, help="the coordinator's default")
+    ap.add_argument("--rounds", default="fleet,big,retention")
+    ap.add_argument("--fleet-procs", type=int, default=2, help="processes the fleet's agents run in")
+    ap.add_argument(
+        "--pull-s", type=float, default=2.0,
+        help="each agent reports uniform(0, pull_s) after its GetManifest, as a pull takes; 0: all at once",
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return fleet_worker(args)
+    rounds = set(args.rounds.split(","))
+    out: dict[str, Any] = {"bench": "control", "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="ws-bench-control-") as tmp, Cluster(tmp) as cluster:
+        db = Path(tmp) / "coordinator.db"
+        coord = cluster.start_coordinator(db_path=str(db))
+        if "fleet" in rounds:
+            err.print(f"fleet: {args.agents} agents for {args.seconds:.0f} s …")
+            out["fleet"] = fleet_round(coord.address, coord.pid, args.agents, args.seconds, args.lease_ttl_s, args.fleet_procs, args.pull_s)
+        if "big" in rounds:
+            err.print(f"big manifest: {args.tensors} tensors …")
+            out["big_manifest"] = big_manifest_round(coord.address, coord.pid, args.tensors)
+        if "retention" in rounds:
+            err.print(f"retention: {args.versions} versions …")
+            out["retention"] = retention_round(coord.address, db, args.versions)
+        out["coordinator_peak_rss_mib"] = round(peak_rss_bytes(coord.pid) / 2**20, 1)
+    out["targets"] = targets(out)
+    report(out)
+    print(json.dumps(out, separators=(",", ":")))
+    return 0
+
+
+def targets(out: dict[str, Any]) -> dict[str, bool]:
+    t: dict[str, bool] = {}
+    if f := out.get("fleet"):
+        t["fleet_getstatus_p99_lt_50ms"] = f["getstatus_fleet"].get("p99_ms", 1e9) < TARGET_P99_MS
+        t["quiet_getstatus_p99_lt_50ms"] = f["getstatus_quiet"].get("p99_ms", 1e9) < TARGET_P99_MS
+        t["every_watcher_saw_ready"] = f["watchers_saw_ready"] == f["agents"]
+        t["committed_within_1s_of_last_handshake"] = (
+            f["state"] == "COMMITTED" and (f["commit_after_last_handshake_s"] or 1e9) < TARGET_COMMIT_S
+        )
+        t["rss_lt_300mib"] = f["coordinator_peak_rss_mib"] < TARGET_RSS_MIB
+    if b := out.get("big_manifest"):
+        t["big_publish_lt_10s"] = b["publish_s"] < TARGET_BIG_PUBLISH_S
+        t["other_session_p99_lt_50ms_during_big_publish"] = b["getstatus_other_session"].get("p99_ms", 1e9) < TARGET_P99_MS
+    if r := out.get("retention"):
+        sizes = [b for _, b in r["db_bytes"]]
+        # Bounded: the last tenth is no larger than 1.5x the first (summary rows are ~100 B/version).
+        t["database_bounded_by_retention"] = bool(sizes) and sizes[-1] <= 1.5 * sizes[0] + (1 << 20)
+    return t
+
+
+def report(out: dict[str, Any]) -> None:
+    table = Table(title="control plane (one coordinator, default flags)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for section in ("fleet", "big_manifest", "retention"):
+        for k, v in (out.get(section) or {}).items():
+            table.add_row(f"{section}.{k}", json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    for k, v in out["targets"].items():
+        table.add_row(f"target {k}", "[green]yes" if v else "[red]NO")
+    err.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""A coordinator process on its default flags holds hundreds of watch streams.
+
+Before the coordinator served streams from the event loop, each WatchVersions held one of
+its 64 handler threads: at ~64 watchers nothing else was answered. Here 300 agents (a
+connection each) register, watch and heartbeat; status calls are still answered, and a
+version published meanwhile reaches every watcher and commits once all report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from bench.control import good_report, synthetic_part
+from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.cluster import Cluster
+from weightsync.manifest import Manifest
+
+AGENTS = 300
+
+
+async def _fleet(address: str, part_manifest: Manifest, published: asyncio.Event) -> dict[str, int]:
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(AGENTS)]
+    stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
+    ids = [f"r{i:04d}" for i in range(AGENTS)]
+    for stub, agent in zip(stubs, ids):
+        await stub.RegisterAgent(pb.RegisterAgentRequest(session="job", agent_id=agent, role=tpb.ROLLOUT), timeout=30)
+    counts = {"ready": 0, "reported": 0, "committed": 0}
+    opened = asyncio.Event()
+    streams_open = 0
+
+    async def agent(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
+        nonlocal streams_open
+        call = stub.WatchVersions(pb.WatchVersionsRequest(session="job"), timeout=120)
+        streams_open += 1
+        if streams_open == AGENTS:
+            opened.set()
+        async for ev in call:
+            if ev.version.state == tpb.READY:
+                counts["ready"] += 1
+                await stub.Heartbeat(pb.HeartbeatRequest(session="job", agent_id=agent_id), timeout=30)
+                report = good_report("job", ev.version.version, ev.version.manifest_digest, part_manifest)
+                report.agent_id = agent_id
+                await stub.ReportApplied(report, timeout=60)
+                counts["reported"] += 1
+            elif ev.version.state == tpb.COMMITTED:
+                counts["committed"] += 1
+                return
+
+    tasks = [asyncio.create_task(agent(s, a)) for s, a in zip(stubs, ids)]
+    await asyncio.wait_for(opened.wait(), 60)
+    await asyncio.sleep(1.0)  # the last streams reach the server
+    published.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    for c in channels:
+        await c.close()
+    return counts
+
+
+def test_hundreds_of_watch_streams_leave_the_coordinator_answering(tmp_path) -> None:  # noqa: ANN001
+    with Cluster(tmp_path / "cluster") as cluster:
+        coord = cluster.start_coordinator()  # default flags: 8 handler threads
+        with CoordinatorClient(coord.address, timeout_s=10) as client:
+            gen = client.open_session("job", trainer=True, trainer_ranks=1, min_rollouts=1).generation
+            part = synthetic_part(8)
+            manifest = Manifest("job", 1, gen, part.chunk_bytes, (part,))
+            loop = asyncio.new_event_loop()
+            published = asyncio.Event()
+            fleet = loop.create_task(_fleet(coord.address, manifest, published))
+            while not published.is_set():
+                loop.run_until_complete(asyncio.sleep(0.1))
+            # 300 streams are open: far more than handler threads; unary calls still answer.
+            for _ in range(5):
+                got = client.status("job")
+            assert len(got.agents) == AGENTS and all(a.alive for a in got.agents)
+            client.publish_part("job", generation=gen, version=1, idempotency_key="v1", part=part)
+            counts = loop.run_until_complete(fleet)
+            loop.close()
+            assert counts == {"ready": AGENTS, "reported": AGENTS, "committed": AGENTS}
+            assert tpb.VersionState.Name(client.status("job").versions[0].state) == "COMMITTED"
+            with open(f"/proc/{coord.pid}/status") as f:
+                threads = int(next(line.split()[1] for line in f if line.startswith("Threads:")))
+            assert threads < 60, f"{threads} threads for {AGENTS} streams: streams must not hold a thread each"
