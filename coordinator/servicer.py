@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -19,7 +21,7 @@ from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
-from weightsync.manifest import Aggregates
+from weightsync.manifest import Aggregates, Endpoint
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range
 from weightsync.transports.fs import check_part_uri
@@ -60,6 +62,12 @@ def timings_to_proto(t: dict[str, float]) -> pb.Timings:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _endpoint_proto(e: Endpoint) -> tpb.Endpoint:
+    """Shared, never mutated: message constructors copy it into each AgentInfo."""
+    return endpoint_to_proto(e)
+
+
 def _role(value: int) -> str:
     try:
         return ROLE_NAMES[value]
@@ -76,6 +84,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._metrics = metrics
         self._last_sweep = 0.0
         self._feed = EventFeed(hub, store.events_since, store.latest_seq, asyncio.to_thread)
+        self._status_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="status")
+        self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
 
     def _sweep_due(self) -> bool:
         """True once a second: expired leases are dropped between the main loop's sweeps."""
@@ -208,9 +218,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetManifest(
         self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestPiece]:
-        # The store work (a lease is a write) in one hop to a thread; the pieces then
-        # stream from the loop (a generator on the handler pool costs a hop per piece).
-        for piece in await asyncio.to_thread(self._manifest_pieces, request):
+        # The store work (a lease is a write) in one hop to a pool of its own (a fleet's burst
+        # of leases queues there, not before heartbeats or status); the pieces then stream
+        # from the loop (a generator on the handler pool costs a hop per piece).
+        loop = asyncio.get_running_loop()
+        for piece in await loop.run_in_executor(self._manifest_pool, self._manifest_pieces, request):
             yield piece
 
     def _manifest_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
@@ -286,9 +298,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
-        # On threads of its own (the loop's default executor), not the handler pool: an
+        # On threads of its own, not the handler pool nor the executor manifests use: an
         # operator's status call does not queue behind a fleet's burst of handshakes.
-        return await asyncio.to_thread(self._status, request)
+        return await asyncio.get_running_loop().run_in_executor(self._status_pool, self._status, request)
 
     def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         s = self._store.session(request.session)
@@ -310,7 +322,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 pb.AgentInfo(
                     agent_id=a.agent_id,
                     role=tpb.Role.Value(a.role),
-                    endpoint=endpoint_to_proto(a.endpoint),
+                    endpoint=_endpoint_proto(a.endpoint),
                     rank=a.rank,
                     alive=a.alive,
                     lease_expires_at=a.lease_expires_at,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -806,11 +807,17 @@ def _lock_database(db_path: Path) -> int:
     return fd
 
 
+@functools.lru_cache(maxsize=4096)
+def _endpoint(text: str) -> Endpoint:
+    """Endpoints rarely change and a fleet's status lists them all: parse each text once."""
+    return Endpoint.from_dict(json.loads(text))
+
+
 def _agent_record(r: sqlite3.Row, now: float) -> AgentRecord:
     return AgentRecord(
         agent_id=r["agent_id"],
         role=r["role"],
-        endpoint=Endpoint.from_dict(json.loads(r["endpoint"])),
+        endpoint=_endpoint(r["endpoint"]),
         rank=r["rank"],
         lease_expires_at=r["lease_expires_at"],
         current_version=r["current_version"],
