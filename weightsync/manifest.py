@@ -147,23 +147,34 @@ class Part:
     stage_seconds: float = 0.0
 
     def content_dict(self) -> dict[str, Any]:
-        """The digest-relevant content (where it is served and how long it took are not)."""
-        return {
-            "rank": self.rank,
-            "digest_algorithm": DIGEST_ALGORITHM,
-            "total_bytes": self.total_bytes,
-            "chunk_bytes": self.chunk_bytes,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "shards": [s.to_dict() for s in self.shards],
-            "chunks": [c.to_dict() for c in self.chunks],
-        }
+        """The digest-relevant content (where it is served and how long it took are not).
+
+        Built once per Part (it is frozen): a publish of 10^5 tensors needs it for the seal,
+        the stored body and the manifest digest, ~1 s each. Callers must not modify it."""
+        cached = self.__dict__.get("_content")
+        if cached is None:
+            cached = {
+                "rank": self.rank,
+                "digest_algorithm": DIGEST_ALGORITHM,
+                "total_bytes": self.total_bytes,
+                "chunk_bytes": self.chunk_bytes,
+                "tensors": [t.to_dict() for t in self.tensors],
+                "shards": [s.to_dict() for s in self.shards],
+                "chunks": [c.to_dict() for c in self.chunks],
+            }
+            object.__setattr__(self, "_content", cached)
+        return cached
 
     def digest(self) -> str:
-        """sha256 hex of the canonical encoding of this part's content."""
-        return sha256_hex(canonical_json(self.content_dict()))
+        """sha256 hex of the canonical encoding of this part's content (computed once)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            cached = sha256_hex(canonical_json(self.content_dict()))
+            object.__setattr__(self, "_digest", cached)
+        return cached
 
     def to_dict(self) -> dict[str, Any]:
-        d = self.content_dict()
+        d = dict(self.content_dict())
         d["endpoint"] = self.endpoint.to_dict()
         d["stage_seconds"] = self.stage_seconds
         return d
