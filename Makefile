@@ -56,6 +56,10 @@ chaos: setup
 protos: setup
 	$(PY) protos/generate.py
 
+# Fails when the committed stubs differ from what `make protos` would write.
+check-protos: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_wire_and_codec.py::test_generated_stubs_are_fresh
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports

@@ -24,10 +24,11 @@ from common import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
-from trainer_agent.publisher import DEFAULT_CHUNK_BYTES, _to_host_shards  # noqa: E402
+from trainer_agent.publisher import _to_host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
+from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
 class RssPeak:

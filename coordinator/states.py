@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from weightsync import version_states
 from weightsync.errors import WrongState
 
 
@@ -29,7 +30,7 @@ TRANSITIONS: dict[VersionState, frozenset[VersionState]] = {
     S.RELEASED: frozenset(),
 }
 # States in which rollouts may pull and report.
-SERVABLE = frozenset({S.READY, S.COMMITTED, S.PARTIAL})
+SERVABLE = frozenset(VersionState(name) for name in version_states.SERVABLE)
 
 
 def check_transition(version: int, current: VersionState, target: VersionState) -> None:

@@ -11,6 +11,7 @@ import grpc
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
+from weightsync import version_states
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
@@ -23,7 +24,7 @@ from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutAgent"].full_name
-SERVABLE_STATES = {tpb.READY, tpb.COMMITTED, tpb.PARTIAL}
+SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)
 
 
 class RolloutAgent:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.arena_files import owner_alive, owner_pid
+from weightsync.arena_files import ARENA_GLOB, owner_alive, owner_pid
 from weightsync.cluster import Cluster
 from weightsync.security import Security
 from weightsync.server import RunningServer
@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _arenas() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("weightsync-*")}
+    return {p.name for p in Path("/dev/shm").glob(ARENA_GLOB)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

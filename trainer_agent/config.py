@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from trainer_agent.synthetic import PRESETS
 from weightsync.config import ServerConfig, option
 from weightsync.dtypes import ALLOWED
+from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
 
 
@@ -27,7 +28,7 @@ class TrainerConfig(ServerConfig):
     weight_dtype: str = option("bfloat16", "Dtype served to rollouts (fp32 masters are cast).", choices=list(ALLOWED))
     slots: int = option(2, "Arena slots.")
     tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
-    chunk_bytes: int = option(3 << 20, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit).")
+    chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit).")
     min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
     commit_timeout_s: float = option(120.0, "How long to wait for a commit.")

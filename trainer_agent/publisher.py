@@ -41,6 +41,7 @@ from weightsync.errors import (
 )
 from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
+from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.modes import normalize_mode
@@ -51,7 +52,6 @@ from weightsync.transports.tcp import TcpChunkServer
 from weightsync.validation import check_session_name
 
 log = logging.getLogger(__name__)
-DEFAULT_CHUNK_BYTES = 3 << 20  # the largest round size below gRPC's 4 MiB message limit; measured best (README)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from types import TracebackType
 
 import grpc
 
-from weightsync import rpc
+from weightsync import rpc, version_states
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
@@ -19,7 +19,7 @@ from weightsync.security import Security
 from weightsync.wire import endpoint_to_proto, manifest_from_pieces, part_to_batches
 
 log = logging.getLogger(__name__)
-TERMINAL_WAIT_STATES = ("COMMITTED", "PARTIAL", "FAILED", "RELEASED")
+TERMINAL_WAIT_STATES = tuple(sorted(version_states.FINAL))
 
 
 class CoordinatorClient:

@@ -22,6 +22,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from weightsync import version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
@@ -31,7 +32,6 @@ from weightsync.errors import DeadlineExceeded
 from weightsync.modes import MODES
 from weightsync.tiny_models import write_tiny_model
 
-FINAL = {"COMMITTED", "PARTIAL", "FAILED"}
 # Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
 # KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
 _STOP = threading.Event()
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                             raise KeyboardInterrupt
                         seq = ev.seq
                         state = tpb.VersionState.Name(ev.version.state)
-                        if state in FINAL and ev.version.version not in done:
+                        if state in version_states.SETTLED and ev.version.version not in done:
                             done.add(ev.version.version)
                             st = client.status(args.session)
                             row = step_row(ev.version, st.handshakes)
