@@ -31,8 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     metrics = build_metrics("coordinator")
     stop = wait_for_signal()
+    servicer = CoordinatorServicer(store, hub, metrics)
     running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
         host=cfg.host,
         port=cfg.port,
         metrics=metrics,
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.database_bytes.set(store.database_bytes())
     hub.close()
     running.stop()
+    servicer.close()
     store.close()
     log.info("coordinator stopped")
     return 0

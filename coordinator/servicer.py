@@ -87,6 +87,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._status_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="status")
         self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
 
+    def close(self) -> None:
+        """Stops the servicer's own executors (after the server stopped)."""
+        self._status_pool.shutdown(wait=False, cancel_futures=True)
+        self._manifest_pool.shutdown(wait=False, cancel_futures=True)
+
     def _sweep_due(self) -> bool:
         """True once a second: expired leases are dropped between the main loop's sweeps."""
         now = time.monotonic()

@@ -84,8 +84,9 @@ def coordinator_in_process(
     hub = WatchHub()
     store = SessionStore(db_path, listener=hub, lease_ttl_s=lease_ttl_s)
     metrics = build_metrics("coordinator")
+    servicer = CoordinatorServicer(store, hub, metrics)
     running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(store, hub, metrics), SERVICE_NAME)],
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
         host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=CoordinatorConfig.max_workers,
         security=security,
     )
@@ -94,6 +95,7 @@ def coordinator_in_process(
     finally:
         hub.close()
         running.stop(0.5)
+        servicer.close()
         store.close()
 
 
