@@ -140,10 +140,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         for check in self._checks:
             check(method, metadata, request)
 
-    def _status(self, error: Exception, method: str, started: float | None) -> grpc.Status:
+    def _status(self, error: Exception, method: str, started: float | None, context: Any) -> grpc.Status:
         if isinstance(error, grpc.aio.AbortError):
-            # The handler aborted with a status of its own (grpc's health servicer does).
-            self._observe(method, "ABORTED_BY_HANDLER", started)
+            # The handler aborted with a status of its own (grpc's health servicer does):
+            # count the code it set, and let that status stand.
+            code = context.code() if hasattr(context, "code") else None
+            self._observe(method, code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN", started)
             raise error
         if isinstance(error, grpc.RpcError):
             # The client went away while we read its request stream: nothing to answer.
@@ -175,7 +177,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     self._observe(method, "CANCELLED", None)
                     raise
                 except Exception as e:  # noqa: BLE001 - the single mapping point
-                    s = self._status(e, method, None)
+                    s = self._status(e, method, None, context)
                     await context.abort(s.code, s.details, s.trailing_metadata)
                 self._observe(method, "OK", None)
             return agen
@@ -187,7 +189,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     self._before(method, metadata, request)
                     response = await fn(request, context)
                 except Exception as e:  # noqa: BLE001 - the single mapping point
-                    s = self._status(e, method, started)
+                    s = self._status(e, method, started, context)
                     await context.abort(s.code, s.details, s.trailing_metadata)
                 self._observe(method, "OK", started)
                 return response
@@ -200,7 +202,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     self._before(method, metadata, request)
                     response = fn(request, context)
                 except Exception as e:  # noqa: BLE001 - the single mapping point
-                    _abort_sync(context, self._status(e, method, started))
+                    _abort_sync(context, self._status(e, method, started, context))
                 self._observe(method, "OK", started)
                 return response
             return call
@@ -210,7 +212,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._before(method, metadata, request)
                 yield from fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
-                _abort_sync(context, self._status(e, method, None))
+                _abort_sync(context, self._status(e, method, None, context))
             self._observe(method, "OK", None)
         return gen
 
