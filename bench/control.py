@@ -102,7 +102,7 @@ class Prober:
     def __init__(self, address: str, session: str) -> None:
         self._client = CoordinatorClient(address, timeout_s=30.0)
         self._session = session
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, float]] = []  # (wall clock at start, seconds)
         self.errors = 0
         self._stop = threading.Event()
         self._recording = threading.Event()
@@ -111,14 +111,18 @@ class Prober:
 
     def _run(self) -> None:
         while not self._stop.wait(PROBE_INTERVAL_S):
-            t0 = time.perf_counter()
+            at, t0 = time.time(), time.perf_counter()
             try:
                 self._client.status(self._session)
             except Exception:  # noqa: BLE001 - counted; the bench reports them
                 self.errors += 1
                 continue
             if self._recording.is_set():
-                self.samples.append(time.perf_counter() - t0)
+                self.samples.append((at, time.perf_counter() - t0))
+
+    def split(self, at: float) -> tuple[list[float], list[float]]:
+        """Latencies of the calls started before and after wall clock `at`."""
+        return [s for t, s in self.samples if t < at], [s for t, s in self.samples if t >= at]
 
     def record(self, on: bool = True) -> None:
         (self._recording.set if on else self._recording.clear)()
@@ -145,6 +149,8 @@ class Fleet:
     seen_ready: list[float] = field(default_factory=list)
     handshakes: list[float] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
+    leases: list[float] = field(default_factory=list)  # GetManifest (with a lease) latencies
+    reports: list[float] = field(default_factory=list)  # ReportApplied latencies
     errors: dict[str, int] = field(default_factory=dict)
 
     def _error(self, what: str) -> None:
@@ -204,15 +210,19 @@ class Fleet:
 
     async def _handshake(self, stub: pb_grpc.CoordinatorStub, agent_id: str, version: int, digest: str) -> None:
         try:
+            t0 = time.perf_counter()
             async for _piece in stub.GetManifest(
                 pb.GetManifestRequest(session=self.session, version=version, agent_id=agent_id), timeout=60
             ):
                 pass
+            self.leases.append(time.perf_counter() - t0)
             await asyncio.sleep(random.random() * self.pull_s)  # the pull and apply a rollout does here
             report = pb.ReportAppliedRequest()
             report.CopyFrom(self.report)
             report.version, report.agent_id, report.manifest_digest = version, agent_id, digest
+            t0 = time.perf_counter()
             await stub.ReportApplied(report, timeout=60)
+            self.reports.append(time.perf_counter() - t0)
             self.handshakes.append(time.time())
         except grpc.aio.AioRpcError as e:
             self._error(f"handshake {e.code().name}")
@@ -226,7 +236,8 @@ def fleet_worker(args: argparse.Namespace) -> int:
     fleet = Fleet(args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report)
     asyncio.run(fleet.run())
     print(json.dumps({"seen_ready": fleet.seen_ready, "handshakes": fleet.handshakes,
-                      "heartbeats": fleet.heartbeats, "errors": fleet.errors}), flush=True)
+                      "heartbeats": fleet.heartbeats, "leases": fleet.leases, "reports": fleet.reports,
+                      "errors": fleet.errors}), flush=True)
     return 0
 
 
@@ -274,7 +285,7 @@ def fleet_round(
 
     threading.Thread(target=observe, daemon=True).start()
     time.sleep(heartbeat_interval_s(ttl_s))  # every agent has beaten once
-    c0 = cpu_seconds([pid])
+    c0, f0 = cpu_seconds([pid]), cpu_seconds([w.pid for w in workers])
     busy, quiet = Prober(address, "fleet"), Prober(address, "quiet")
     busy.record()
     quiet.record()
@@ -288,7 +299,9 @@ def fleet_round(
     time.sleep(max(0.0, seconds / 2 - (time.time() - published)))
     busy.record(False)
     quiet.record(False)
-    coordinator_cores = (cpu_seconds([pid]) - c0) / (seconds + max(0.0, time.time() - published - seconds / 2))
+    window_s = seconds + max(0.0, time.time() - published - seconds / 2)
+    coordinator_cores = (cpu_seconds([pid]) - c0) / window_s
+    fleet_cores = (cpu_seconds([w.pid for w in workers]) - f0) / window_s
     rss, hwm, threads = rss_bytes(pid), peak_rss_bytes(pid), proc_threads(pid)
     results = []
     for w in workers:
@@ -312,9 +325,14 @@ def fleet_round(
         "simulated_pull_s": pull_s,
         "register_all_s": round(setup_s, 2),
         "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
-        "getstatus_fleet": percentiles(busy.samples),
-        "getstatus_quiet": percentiles(quiet.samples),
+        "getstatus_fleet": percentiles([s for _, s in busy.samples]),
+        "getstatus_quiet": percentiles([s for _, s in quiet.samples]),
+        # steady: heartbeats and watches only; burst: from the publish on (leases, handshakes)
+        "getstatus_quiet_steady": percentiles(quiet.split(published)[0]),
+        "getstatus_quiet_burst": percentiles(quiet.split(published)[1]),
         "heartbeat": percentiles([x for r in results for x in r["heartbeats"]]),
+        "get_manifest_leased": percentiles([x for r in results for x in r["leases"]]),
+        "report_applied": percentiles([x for r in results for x in r["reports"]]),
         "watchers_saw_ready": len(seen),
         "ready_fanout_max_s": round(max(seen) - published, 3) if seen else None,
         "handshakes": len(handshakes),
@@ -323,6 +341,8 @@ def fleet_round(
         "state": tpb.VersionState.Name(state.state),
         "errors": errors,
         "coordinator_cpu_cores": round(coordinator_cores, 2),
+        # the simulated agents' own share of the machine's cores, over the same window
+        "fleet_cpu_cores": round(fleet_cores, 2),
         "coordinator_rss_mib": round(rss / 2**20, 1),
         "coordinator_peak_rss_mib": round(hwm / 2**20, 1),
         "coordinator_threads": threads,
@@ -355,7 +375,7 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
         "tensors": tensors,
         "build_descriptors_s": round(build_s, 2),
         "publish_s": round(publish_s, 2),
-        "getstatus_other_session": percentiles(other.samples),
+        "getstatus_other_session": percentiles([s for _, s in other.samples]),
         "get_manifest_s": round(manifest_s, 2),
         "get_manifest_pieces": pieces,
         "largest_piece_bytes": largest,

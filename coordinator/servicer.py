@@ -6,30 +6,37 @@ import asyncio
 import functools
 import logging
 import math
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
 from coordinator.handshake import AppliedReport
 from coordinator.states import VersionState
-from coordinator.store import PublishOutcome, SessionStore, VersionRecord
+from coordinator.store import PublishOutcome, SessionStore, StoreBusy, VersionRecord
 from coordinator.watch import EVENT_PAGE, EventFeed, WatchHub
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
-from weightsync.manifest import Aggregates, Endpoint
+from weightsync.manifest import Aggregates, Endpoint, Manifest
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range
 from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
-from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_to_pieces, part_to_proto
+from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_batches, part_to_proto
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+STORE_WAIT_S = 0.25  # how long a short store call waits on the loop for a busy store
+BURST_CALLS = 2
+MANIFEST_BODIES = 4  # versions whose reader-independent pieces are kept built
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
 
@@ -75,6 +82,27 @@ def _role(value: int) -> str:
         raise InvalidArgument("role", f"must be TRAINER or ROLLOUT, got enum {value}") from None
 
 
+@dataclass(frozen=True)
+class _ManifestBody:
+    """A version's manifest pieces that do not depend on the reader. Shared, never mutated:
+    gRPC only serializes them."""
+
+    parts: tuple[tpb.RankPart, ...]
+    aggregates: tpb.Aggregates
+    batches: tuple[pb.ManifestPiece, ...]
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> _ManifestBody:
+        agg = manifest.aggregates()
+        return cls(
+            parts=tuple(part_to_proto(p) for p in manifest.parts),
+            aggregates=tpb.Aggregates(
+                grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count
+            ),
+            batches=tuple(manifest_batches(manifest)),
+        )
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Translates RPCs to SessionStore calls; errors map to statuses in the interceptor."""
 
@@ -86,11 +114,55 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._feed = EventFeed(hub, store.events_since, store.latest_seq, asyncio.to_thread)
         self._status_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="status")
         self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
+        self._bodies: dict[tuple[str, int, str], _ManifestBody] = {}
+        self._bodies_lock = threading.Lock()
+        # Leases and handshakes come as a fleet-wide burst on every READY; at most this many
+        # at a time, so heartbeats and watches never queue behind a thousand of them.
+        self._burst = asyncio.Semaphore(BURST_CALLS)
+        self._store_free = asyncio.Event()
+        self._store_waiters = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        store.on_writer_free = self._writer_free
 
     def close(self) -> None:
         """Stops the servicer's own executors (after the server stopped)."""
         self._status_pool.shutdown(wait=False, cancel_futures=True)
         self._manifest_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _soon(self, executor: Executor | None, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the event loop once the store can serve it without waiting; on
+        `executor` (None: the loop's default) if it stays busy past STORE_WAIT_S.
+
+        For short store calls that a fleet makes in bursts (leases, handshakes,
+        heartbeats): a thread hop costs more than the call, and handler threads convoy on
+        the GIL with the loop (a fleet's 500 leases took 8 s from a pool, 3 s here). A
+        busy store is waited for rather than handed to a thread at once: calls on threads
+        hold the lock longer, so more calls would find it busy and the burst would tip
+        onto threads."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + STORE_WAIT_S
+        while True:
+            self._store_free.clear()
+            try:
+                with self._store.nonblocking():
+                    return fn(*args)
+            except StoreBusy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return await loop.run_in_executor(executor, fn, *args)
+            self._store_waiters += 1
+            self._loop = loop
+            try:  # woken when a write lets go of the lock; the timeout covers a missed wake
+                await asyncio.wait_for(self._store_free.wait(), min(left, 0.05))
+            except TimeoutError:
+                pass
+            finally:
+                self._store_waiters -= 1
+
+    def _writer_free(self) -> None:
+        """The store's on_writer_free, on whichever thread wrote."""
+        if self._store_waiters and self._loop is not None:  # read off the loop: a stale
+            self._loop.call_soon_threadsafe(self._store_free.set)  # 0 costs one timeout
 
     def _sweep_due(self) -> bool:
         """True once a second: expired leases are dropped between the main loop's sweeps."""
@@ -141,13 +213,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DeregisterAgentResponse(removed=self._store.deregister_agent(request.session, request.agent_id))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        # A fleet's commonest call, so it runs on the event loop when the store's writer
-        # lock is free (one short statement; a thread hop would double its CPU cost) and
-        # on a thread only when a long write holds the lock.
-        args = (request.session, request.agent_id, request.current_version)
-        generation = self._store.heartbeat(*args, wait=False)
-        if generation is None:
-            generation = await asyncio.to_thread(self._store.heartbeat, *args)
+        # A fleet's commonest call: one short statement.
+        generation = await self._soon(None, self._store.heartbeat, request.session, request.agent_id, request.current_version)
         if self._sweep_due():
             await asyncio.to_thread(self._store.sweep)
         return pb.HeartbeatResponse(generation=generation, lease_ttl_seconds=self._store.lease_ttl_s)
@@ -223,33 +290,45 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetManifest(
         self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ManifestPiece]:
-        # The store work (a lease is a write) in one hop to a pool of its own (a fleet's burst
-        # of leases queues there, not before heartbeats or status); the pieces then stream
-        # from the loop (a generator on the handler pool costs a hop per piece).
-        loop = asyncio.get_running_loop()
-        for piece in await loop.run_in_executor(self._manifest_pool, self._manifest_pieces, request):
+        # A fleet takes its leases all at once on each READY: short store calls, so on the
+        # loop when the store is free; the pieces then stream from the loop (a generator on
+        # the handler pool costs a thread hop per piece).
+        async with self._burst:
+            pieces = await self._soon(self._manifest_pool, self._manifest_pieces, request)
+        for piece in pieces:
             yield piece
 
     def _manifest_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
         rec, manifest = self._store.manifest(request.session, request.version, lease_for=request.agent_id)
-        agg = manifest.aggregates()
+        body = self._body(rec, manifest)
         header = pb.ManifestHeader(
             version=version_info(rec),
             chunk_bytes=manifest.chunk_bytes,
             digest_algorithm=DIGEST_ALGORITHM,
-            parts=[part_to_proto(p) for p in manifest.parts],
-            aggregates=tpb.Aggregates(
-                grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count
-            ),
+            parts=body.parts,
+            aggregates=body.aggregates,
             weight_sync_mode=self._store.session(request.session).weight_sync_mode,
         )
         if request.agent_id:  # leased readers only: they may read chunks over tcp / relays
             header.access_token = self._store.access_token(request.session, rec.version)
             header.relay_chain.extend(
-                pb.RelayPeer(agent_id=a.agent_id, endpoint=endpoint_to_proto(a.endpoint))
+                pb.RelayPeer(agent_id=a.agent_id, endpoint=_endpoint_proto(a.endpoint))
                 for a in self._store.relay_chain(request.session)
             )
-        return list(manifest_to_pieces(header, manifest))
+        return [pb.ManifestPiece(header=header), *body.batches]
+
+    def _body(self, rec: VersionRecord, manifest: Manifest) -> _ManifestBody:
+        """What every reader of a version gets alike, built once per version: a fleet asks
+        for it a thousand times within a second of READY."""
+        key = (rec.session, rec.version, rec.manifest_digest)
+        body = self._bodies.get(key)
+        if body is None:
+            body = _ManifestBody.of(manifest)
+            with self._bodies_lock:
+                while len(self._bodies) >= MANIFEST_BODIES:
+                    self._bodies.pop(next(iter(self._bodies)))
+                self._bodies[key] = body
+        return body
 
     async def WatchVersions(
         self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext
@@ -266,7 +345,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if len(events) < EVENT_PAGE:
                 await self._hub.wait(request.session, tick)
 
-    def ReportApplied(self, request: pb.ReportAppliedRequest, context: grpc.ServicerContext) -> pb.ReportAppliedResponse:
+    async def ReportApplied(
+        self, request: pb.ReportAppliedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportAppliedResponse:
+        async with self._burst:
+            return await self._soon(None, self._report_applied, request)
+
+    def _report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
         check_agent_id(request.agent_id)
         if len(request.consumed_names) > self._store.limits.max_tensors:
             raise InvalidArgument("consumed_names", f"more than {self._store.limits.max_tensors} names")

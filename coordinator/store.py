@@ -19,7 +19,8 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,10 @@ CREATE TABLE IF NOT EXISTS events (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, version INTEGER NOT NULL,
   state TEXT NOT NULL, at REAL NOT NULL, record TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
+-- relay_chain's candidates, in chain order: every leased GetManifest asks for them, and a
+-- scan of a fleet's agents per lease is O(n^2) per version.
+CREATE INDEX IF NOT EXISTS relay_candidates ON agents (session, rank, agent_id)
+  WHERE role='ROLLOUT' AND endpoint LIKE '%"relay"%';
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 MIGRATIONS = (
@@ -115,6 +120,11 @@ _LIVE_ROLLOUT = (
     "EXISTS (SELECT 1 FROM agents a WHERE a.session=?1 AND a.agent_id={agent} AND a.role='ROLLOUT' "
     "AND a.lease_expires_at>=?3)"
 )
+
+
+class StoreBusy(Exception):
+    """Within `SessionStore.nonblocking()`: the call would have waited for a connection
+    (the writer's lock or a free reader) and did nothing; run it on a thread instead."""
 
 
 class SessionStore:
@@ -141,6 +151,10 @@ class SessionStore:
         self._clock = clock
         self._listener = listener
         self._lock = threading.Lock()
+        self._nowait = threading.local()  # set on a thread inside nonblocking()
+        # Called (on the releasing thread) each time a write lets go of the writer's lock:
+        # how an event loop waiting to run a short write on itself learns it may try again.
+        self.on_writer_free: Callable[[], None] | None = None
         self._lock_fd = -1
         if str(db_path) != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
@@ -186,9 +200,39 @@ class SessionStore:
     def _tx(self) -> _Tx:
         return _Tx(self)
 
+    @contextmanager
+    def nonblocking(self) -> Iterator[None]:
+        """Within, on this thread: a call that would wait for the writer's lock or a reader
+        raises StoreBusy before it changed anything. For an event loop, which runs short
+        store calls itself (a thread hop costs more than they do, and threads convoy on
+        the GIL) but must never block."""
+        self._nowait.on = True
+        try:
+            yield
+        finally:
+            self._nowait.on = False
+
+    def _acquire_writer(self) -> None:
+        if not self._lock.acquire(blocking=not getattr(self._nowait, "on", False)):
+            raise StoreBusy
+
+    def _release_writer(self) -> None:
+        self._lock.release()
+        if (free := self.on_writer_free) is not None:
+            free()
+
+    @contextmanager
+    def _writer(self) -> Iterator[sqlite3.Connection]:
+        """The writer connection for one autocommit statement (no BEGIN/COMMIT round trips)."""
+        self._acquire_writer()
+        try:
+            yield self._db
+        finally:
+            self._release_writer()
+
     def _read(self) -> _Read | _Tx:
         """A read-only snapshot (a reader connection; the writer's for ":memory:")."""
-        return _Tx(self) if self._readers is None else _Read(self._readers)
+        return _Tx(self) if self._readers is None else _Read(self._readers, getattr(self._nowait, "on", False))
 
     def _notify(self, session: str) -> None:
         if self._listener is not None:
@@ -315,30 +359,35 @@ class SessionStore:
         self._notify(session)
         return removed
 
-    def heartbeat(self, session: str, agent_id: str, current_version: int = 0, *, wait: bool = True) -> int | None:
+    def heartbeat(self, session: str, agent_id: str, current_version: int = 0) -> int:
         """Renews a lease; returns the session's generation. AgentNotFound when unknown or
-        expired (register again). With `wait=False`, None (nothing done) when the writer's
-        lock is taken: the caller is an event loop that must not block.
+        expired (register again).
 
         The commonest call of a fleet (every agent, four times a TTL): one statement, no
         explicit transaction, so it holds the writer's lock for the shortest time."""
         check_session_name(session)
         check_agent_id(agent_id)
         now = self._clock()
-        if not self._lock.acquire(blocking=wait):
-            return None
-        try:
-            rows = self._db.execute(
+        with self._writer() as db:
+            rows = db.execute(
                 "UPDATE agents SET lease_expires_at=?, current_version=? WHERE session=? AND agent_id=? "
                 "AND lease_expires_at>=? RETURNING (SELECT generation FROM sessions WHERE name=agents.session)",
                 (now + self.lease_ttl_s, current_version, session, agent_id, now),
             ).fetchall()  # stepped to the end: the autocommit ends here, not when the cursor dies
-        finally:
-            self._lock.release()
         if rows:
             return int(rows[0][0])
         self.session(session)  # SessionNotFound first
         raise AgentNotFound(f"agent {agent_id!r} is not registered or its lease expired; call RegisterAgent")
+
+    def _renew(self, db: sqlite3.Connection, session: str, agent_id: str) -> None:
+        """A live agent's lease renewed by a call other than Heartbeat (a lease, a handshake):
+        a fleet's burst of those can delay its heartbeats past the TTL, and an agent that is
+        taking a lease or reporting is plainly alive."""
+        now = self._clock()
+        db.execute(
+            "UPDATE agents SET lease_expires_at=MAX(lease_expires_at, ?) WHERE session=? AND agent_id=? AND lease_expires_at>=?",
+            (now + self.lease_ttl_s, session, agent_id, now),
+        ).fetchall()
 
     def token_key(self, session: str) -> str:
         """The session's token key (given to trainers): HMAC of the name under the store's key."""
@@ -363,7 +412,7 @@ class SessionStore:
             self._session(db, session)
             rows = db.execute(  # filtered in SQL: GetManifest asks for it on every lease
                 "SELECT * FROM agents WHERE session=? AND role='ROLLOUT' AND lease_expires_at-?>=? "
-                "AND endpoint LIKE '%\"relay\"%' "  # a cheap scan first; JSON only for candidates
+                "AND endpoint LIKE '%\"relay\"%' "  # the terms of the relay_candidates index
                 "AND EXISTS (SELECT 1 FROM json_each(endpoint, '$.transports') WHERE value='relay') "
                 "AND json_extract(endpoint, '$.tcp_address')!='' ORDER BY rank, agent_id",
                 (session, self.lease_ttl_s, fresh_after),
@@ -473,11 +522,15 @@ class SessionStore:
         return [Part.from_dict(json.loads(r["body"])) for r in rows]
 
     def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
-        """A servable version's manifest (0 = newest servable); optionally takes a lease."""
+        """A servable version's manifest (0 = newest servable); optionally takes a lease.
+
+        Read on a reader connection; the lease is then one conditional statement under the
+        writer's lock (a fleet takes a thousand at once on each new version, and a
+        transaction of reads per lease queued every heartbeat behind them)."""
         check_session_name(session)
         if lease_for:
             check_agent_id(lease_for)
-        with self._tx() if lease_for else self._read() as db:  # a lease is a write
+        with self._read() as db:
             self._session(db, session)
             if version == 0:
                 marks = ",".join("?" * len(SERVABLE))
@@ -489,14 +542,36 @@ class SessionStore:
                     raise VersionNotFound(f"session {session!r} has no READY version yet")
                 version = row["v"]
             rec = self._version(db, session, version)
-            if rec.state not in SERVABLE:
-                raise WrongState(f"version {version} is {rec.state.value}; manifests are served once READY")
-            if lease_for:
-                if not self._is_live_rollout(db, session, lease_for):
-                    raise AgentNotFound(f"agent {lease_for!r} holds no live rollout lease; call RegisterAgent")
-                db.execute("INSERT OR IGNORE INTO leases VALUES (?,?,?)", (session, version, lease_for))
-                rec = self._version(db, session, version)
-            return rec, self._manifest(db, rec)
+            _check_servable(rec)
+            if lease_for and not self._is_live_rollout(db, session, lease_for):
+                raise _no_live_lease(lease_for)
+            manifest = self._manifest(db, rec)
+        if lease_for:
+            rec = self._take_lease(rec, lease_for)
+        return rec, manifest
+
+    def _take_lease(self, rec: VersionRecord, agent_id: str) -> VersionRecord:
+        """Records `agent_id`'s lease on `rec`'s version if it is still servable and the
+        agent still a live rollout (both re-checked in the statement: either may have
+        changed since the caller read them); the record as of after the lease."""
+        marks = ",".join("?" * len(SERVABLE))
+        with self._writer() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO leases SELECT ?1, ?2, ?4 WHERE "
+                f"EXISTS (SELECT 1 FROM versions WHERE session=?1 AND version=?2 AND state IN ({marks})) "
+                f"AND {_LIVE_ROLLOUT.format(agent='?4')}",
+                (rec.session, rec.version, self._clock(), agent_id, *[s.value for s in SERVABLE]),
+            ).fetchall()
+            self._renew(db, rec.session, agent_id)
+        with self._read() as db:
+            rec = self._version(db, rec.session, rec.version)
+            held = db.execute(
+                "SELECT 1 FROM leases WHERE session=? AND version=? AND agent_id=?", (rec.session, rec.version, agent_id)
+            ).fetchone()
+            if held is None:  # the version moved on, or the agent's lease lapsed, meanwhile
+                _check_servable(rec)
+                raise _no_live_lease(agent_id)
+        return rec
 
     def _manifest(self, db: sqlite3.Connection, rec: VersionRecord) -> Manifest:
         key = (rec.session, rec.version)
@@ -526,6 +601,7 @@ class SessionStore:
                 (session, version, agent_id, int(mismatch is None), mismatch or "", json.dumps(report.to_dict()), self._clock()),
             )
             db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))
+            self._renew(db, session, agent_id)
             self._evaluate(db, session, version)
             outcome = ReportOutcome(self._version(db, session, version), mismatch)
         self._notify(session)
@@ -640,13 +716,13 @@ class SessionStore:
         of versions summarized. Each call frees a bounded number of pages."""
         with self._tx() as db:
             pruned = retention.prune(db, self.retain_versions)
-        with self._lock:  # incremental_vacuum cannot run inside a transaction
-            retention.vacuum(self._db)
+        with self._writer() as db:  # incremental_vacuum cannot run inside a transaction
+            retention.vacuum(db)
         return pruned
 
     def database_bytes(self) -> int:
-        with self._lock:
-            return retention.database_bytes(self._db)
+        with self._writer() as db:
+            return retention.database_bytes(db)
 
     # -- reads --------------------------------------------------------------------
     def version(self, session: str, version: int) -> VersionRecord:
@@ -840,15 +916,28 @@ def _check_generation(generation: int, s: SessionRecord) -> None:
         )
 
 
+def _check_servable(rec: VersionRecord) -> None:
+    if rec.state not in SERVABLE:
+        raise WrongState(f"version {rec.version} is {rec.state.value}; manifests are served once READY")
+
+
+def _no_live_lease(agent_id: str) -> AgentNotFound:
+    return AgentNotFound(f"agent {agent_id!r} holds no live rollout lease; call RegisterAgent")
+
+
 class _Read:
     """`with store._read() as db`: a reader connection from the pool, in one snapshot."""
 
-    def __init__(self, readers: queue.SimpleQueue[sqlite3.Connection]) -> None:
+    def __init__(self, readers: queue.SimpleQueue[sqlite3.Connection], nowait: bool) -> None:
         self._readers = readers
+        self._nowait = nowait
         self._db: sqlite3.Connection | None = None
 
     def __enter__(self) -> sqlite3.Connection:
-        self._db = self._readers.get()
+        try:
+            self._db = self._readers.get(block=not self._nowait)
+        except queue.Empty:
+            raise StoreBusy from None
         self._db.execute("BEGIN")
         return self._db
 
@@ -867,13 +956,17 @@ class _Tx:
         self._store = store
 
     def __enter__(self) -> sqlite3.Connection:
-        self._store._lock.acquire()
-        self._store._db.execute("BEGIN IMMEDIATE")
+        self._store._acquire_writer()
+        try:
+            self._store._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._store._release_writer()
+            raise
         return self._store._db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self._store._db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
-            self._store._lock.release()
+            self._store._release_writer()
 

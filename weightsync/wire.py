@@ -132,6 +132,11 @@ def part_to_proto(part: Part) -> _tpb.RankPart:
 def manifest_to_pieces(header: _cpb.ManifestHeader, manifest: Manifest) -> Iterator[_cpb.ManifestPiece]:
     """A manifest as a stream: the header, then each rank's descriptor batches."""
     yield _cpb.ManifestPiece(header=header)
+    yield from manifest_batches(manifest)
+
+
+def manifest_batches(manifest: Manifest) -> Iterator[_cpb.ManifestPiece]:
+    """The pieces after the header: each rank's descriptor batches, in rank order."""
     for part in manifest.parts:
         for batch in part_to_batches(part):
             yield _cpb.ManifestPiece(batch=batch)

@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.handshake import AppliedReport
 from coordinator.states import TRANSITIONS, VersionState, check_transition
-from coordinator.store import SessionStore
+from coordinator.store import READERS, SessionStore, StoreBusy
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
@@ -242,6 +242,51 @@ def test_leases_block_release_until_handshake_or_expiry(store: SessionStore, clo
     store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=part)
     with pytest.raises(AgentNotFound):
         store.manifest("job", 2, lease_for="r0")
+
+
+def test_lease_is_refused_when_the_version_moves_on_before_it_is_written(store: SessionStore, clock: Clock) -> None:
+    # The manifest is read first and the lease written after, in its own statement: a
+    # release (or a lapsed agent) in between must not leave a lease on a RELEASED version.
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    rec, _ = store.manifest("job", 1)
+    store.release_version("job", 1, generation=gen)
+    with pytest.raises(WrongState, match="RELEASED"):
+        store._take_lease(rec, "r0")
+    store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=part)
+    rec, _ = store.manifest("job", 2)
+    clock.t += 11
+    with pytest.raises(AgentNotFound, match="r0"):
+        store._take_lease(rec, "r0")
+    assert store.version("job", 1).leases == store.version("job", 2).leases == 0
+
+
+def test_nonblocking_calls_do_nothing_while_the_store_is_busy(store: SessionStore) -> None:
+    # What the event loop relies on: inside nonblocking(), a call that would wait for the
+    # writer's lock (or a reader) raises StoreBusy before it changed anything.
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    before = store.agents("job")[0].lease_expires_at
+    with store._lock, store.nonblocking():  # another thread's write in progress
+        with pytest.raises(StoreBusy):
+            store.heartbeat("job", "r0", 1)
+        with pytest.raises(StoreBusy):
+            store.manifest("job", 1, lease_for="r0")
+        with pytest.raises(StoreBusy):
+            store.report_applied("job", 1, "r0", good_report(store, 1))
+        assert store.manifest("job", 1)[0].version == 1  # reads never wait for the writer
+    assert store.agents("job")[0].lease_expires_at == before
+    assert store.version("job", 1).leases == 0 and store.version("job", 1).state is S.READY
+    readers = [store._readers.get() for _ in range(READERS)]  # every reader taken
+    try:
+        with store.nonblocking(), pytest.raises(StoreBusy):
+            store.session("job")
+    finally:
+        for r in readers:
+            store._readers.put(r)
+    assert store.heartbeat("job", "r0", 1) == gen  # outside: as ever
 
 
 def test_expired_required_rollout_does_not_block_commit(store: SessionStore, clock: Clock) -> None:
