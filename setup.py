@@ -27,7 +27,10 @@ def _jax_ffi_include() -> str:
     try:
         out = subprocess.run(
             [sys.executable, "-c", "import jax.ffi; print(jax.ffi.include_dir())"],
-            capture_output=True, text=True, check=True, timeout=120,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
         )
         return out.stdout.strip()
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):

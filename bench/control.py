@@ -69,9 +69,7 @@ def synthetic_part(tensors: int, *, rank: int = 0, chunk_bytes: int = 1 << 20, s
     rng = random.Random(seed)
     specs = tuple(TensorSpec(f"model.layers.{i // 8}.w{i % 8}.weight", "float32", (16,)) for i in range(tensors))
     offsets, total = place_shards([64] * tensors)
-    shards = tuple(
-        ShardSpec(t.name, (0,), (16,), off, 64, rng.getrandbits(64), 0.0) for t, off in zip(specs, offsets)
-    )
+    shards = tuple(ShardSpec(t.name, (0,), (16,), off, 64, rng.getrandbits(64), 0.0) for t, off in zip(specs, offsets))
     chunks = tuple(
         ChunkSpec(i, off, length, rng.getrandbits(64))
         for i, (off, length) in enumerate(plan_chunks(total, chunk_bytes, [(s.offset, s.nbytes) for s in shards]))
@@ -159,14 +157,18 @@ class Fleet:
     async def run(self) -> None:
         """Registers every agent, prints "ready", runs until stdin closes."""
         ids = [f"r{i:05d}" for i in range(self.first, self.first + self.count)]
-        channels = [grpc.aio.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
-                    for _ in ids]  # a connection per agent, as a fleet of pods has
+        channels = [
+            grpc.aio.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+            for _ in ids
+        ]  # a connection per agent, as a fleet of pods has
         stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
         sem = asyncio.Semaphore(32)
 
         async def register(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
             async with sem:
-                await stub.RegisterAgent(pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT), timeout=60)
+                await stub.RegisterAgent(
+                    pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT), timeout=60
+                )
 
         await asyncio.gather(*(register(st, a) for st, a in zip(stubs, ids)))
         stop = asyncio.Event()
@@ -235,9 +237,19 @@ def fleet_worker(args: argparse.Namespace) -> int:
     report = good_report("fleet", 1, "", Manifest("fleet", 1, 1, part.chunk_bytes, (part,)))
     fleet = Fleet(args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report)
     asyncio.run(fleet.run())
-    print(json.dumps({"seen_ready": fleet.seen_ready, "handshakes": fleet.handshakes,
-                      "heartbeats": fleet.heartbeats, "leases": fleet.leases, "reports": fleet.reports,
-                      "errors": fleet.errors}), flush=True)
+    print(
+        json.dumps(
+            {
+                "seen_ready": fleet.seen_ready,
+                "handshakes": fleet.handshakes,
+                "heartbeats": fleet.heartbeats,
+                "leases": fleet.leases,
+                "reports": fleet.reports,
+                "errors": fleet.errors,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -250,7 +262,9 @@ def good_report(session: str, version: int, manifest_digest: str, manifest: Mani
         version=version,
         manifest_digest=manifest_digest,
         tensors=[pb.TensorDigest(name=n, xxh3=digests[n], sum=sums[n]) for n in manifest.tensors],
-        aggregates=tpb.Aggregates(grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count),
+        aggregates=tpb.Aggregates(
+            grand_total=agg.grand_total, tensor_count=agg.tensor_count, element_count=agg.element_count
+        ),
         consumed_names=list(manifest.tensors),
     )
 
@@ -265,11 +279,25 @@ def fleet_round(
     workers = []
     for w in range(procs):
         first, last = agents * w // procs, agents * (w + 1) // procs
-        workers.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", f"{first}:{last - first}", "--address", address,
-             "--lease-ttl-s", str(ttl_s), "--pull-s", str(pull_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        ))
+        workers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    f"{first}:{last - first}",
+                    "--address",
+                    address,
+                    "--lease-ttl-s",
+                    str(ttl_s),
+                    "--pull-s",
+                    str(pull_s),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     for w in workers:
         if w.stdout.readline().strip() != "ready":
             raise RuntimeError("a fleet worker failed to start")
@@ -411,7 +439,9 @@ def retention_round(address: str, db: Path, versions: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=20.0, help="fleet measuring window")
     ap.add_argument("--tensors", type=int, default=100_000)
@@ -420,7 +450,9 @@ def main() -> int:
     ap.add_argument("--rounds", default="fleet,big,retention")
     ap.add_argument("--fleet-procs", type=int, default=2, help="processes the fleet's agents run in")
     ap.add_argument(
-        "--pull-s", type=float, default=2.0,
+        "--pull-s",
+        type=float,
+        default=2.0,
         help="each agent reports uniform(0, pull_s) after its GetManifest, as a pull takes; 0: all at once",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -435,7 +467,9 @@ def main() -> int:
         coord = cluster.start_coordinator(db_path=str(db))
         if "fleet" in rounds:
             err.print(f"fleet: {args.agents} agents for {args.seconds:.0f} s …")
-            out["fleet"] = fleet_round(coord.address, coord.pid, args.agents, args.seconds, args.lease_ttl_s, args.fleet_procs, args.pull_s)
+            out["fleet"] = fleet_round(
+                coord.address, coord.pid, args.agents, args.seconds, args.lease_ttl_s, args.fleet_procs, args.pull_s
+            )
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")
             out["big_manifest"] = big_manifest_round(coord.address, coord.pid, args.tensors)
@@ -461,7 +495,9 @@ def targets(out: dict[str, Any]) -> dict[str, bool]:
         t["rss_lt_300mib"] = f["coordinator_peak_rss_mib"] < TARGET_RSS_MIB
     if b := out.get("big_manifest"):
         t["big_publish_lt_10s"] = b["publish_s"] < TARGET_BIG_PUBLISH_S
-        t["other_session_p99_lt_50ms_during_big_publish"] = b["getstatus_other_session"].get("p99_ms", 1e9) < TARGET_P99_MS
+        t["other_session_p99_lt_50ms_during_big_publish"] = (
+            b["getstatus_other_session"].get("p99_ms", 1e9) < TARGET_P99_MS
+        )
     if r := out.get("retention"):
         sizes = [b for _, b in r["db_bytes"]]
         # Bounded: the last tenth is no larger than 1.5x the first (summary rows are ~100 B/version).

@@ -130,7 +130,9 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     source_bytes = sum(a.nbytes for a in tree.values())
     model_bytes = source_bytes // 2  # fp32 -> bf16
     largest = shape.vocab * d * 2  # the bf16 embedding is the largest converted tensor
-    dims = ModelDims(layers=L, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=h, vocab=shape.vocab, tied=shape.tied)
+    dims = ModelDims(
+        layers=L, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=h, vocab=shape.vocab, tied=shape.tied
+    )
     arena = Arena("bench-stream", slots=2)
     arena.ensure_slot_bytes(model_bytes + 256 * 4096)
     baseline = rss_bytes()
@@ -213,11 +215,17 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"model {args.model_size}: {total / 1e9:.3f} GB in {len(host)} tensors, largest {largest / 1e6:.1f} MB, {threads} thread(s)")
+    print(
+        f"model {args.model_size}: {total / 1e9:.3f} GB in {len(host)} tensors, "
+        f"largest {largest / 1e6:.1f} MB, {threads} thread(s)"
+    )
     print(f"memcpy (np.copyto, same bytes, this run): {memcpy_gbps:.2f} GB/s")
     print(f"{'path':6} {'cold GB/s':>10} {'warm GB/s':>10} {'warm/memcpy':>12} {'populate s':>11}")
     for k, r in rows.items():
-        print(f"{k:6} {r['cold_gbps']:>10.2f} {r['warm_gbps']:>10.2f} {r['warm_gbps'] / memcpy_gbps:>12.3f} {r['populate_seconds']:>11.3f}")
+        print(
+            f"{k:6} {r['cold_gbps']:>10.2f} {r['warm_gbps']:>10.2f} "
+            f"{r['warm_gbps'] / memcpy_gbps:>12.3f} {r['populate_seconds']:>11.3f}"
+        )
     print(
         f"peak RSS over baseline: {result['peak_rss_over_baseline_bytes'] / 1e9:.3f} GB "
         f"(bound: arena {2 * total / 1e9:.3f} + largest tensor + 256 MiB = {result['rss_bound_bytes'] / 1e9:.3f} GB)"

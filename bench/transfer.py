@@ -115,13 +115,26 @@ def socket_gbps(nbytes: int, reps: int = 5) -> float:
 
 # -- weightsync ---------------------------------------------------------------------
 def run_weightsync(
-    cluster: Cluster, coord: Proc, mode: str, n: int, params: dict, runs: int, chunk_bytes: int,
-    apply_mode: str = "atomic", rollout_args: tuple[str, ...] = (),
+    cluster: Cluster,
+    coord: Proc,
+    mode: str,
+    n: int,
+    params: dict,
+    runs: int,
+    chunk_bytes: int,
+    apply_mode: str = "atomic",
+    rollout_args: tuple[str, ...] = (),
 ) -> Row:
     session = f"{mode}-n{n}-{uuid.uuid4().hex[:6]}"
     fs_root = tempfile.mkdtemp(prefix="wsbench-fs-", dir="/dev/shm") if mode == "fs" else ""
-    args = ["--weight-sync-mode", mode, "--apply-mode", apply_mode, *(["--fs-root", fs_root] if fs_root else []),
-            *rollout_args]
+    args = [
+        "--weight-sync-mode",
+        mode,
+        "--apply-mode",
+        apply_mode,
+        *(["--fs-root", fs_root] if fs_root else []),
+        *rollout_args,
+    ]
     names = [f"{session}-r{i}" for i in range(n)]
     procs = [cluster.start_rollout(name, coord.address, session, args) for name in names]
     pids = ["self", coord.pid, *(p.pid for p in procs)]
@@ -132,7 +145,13 @@ def run_weightsync(
     rounds, stages, cpus, served = [], [], [], 0
     try:
         with WeightPublisher(
-            coord.address, session, weight_sync_mode=mode, fs_root=fs_root, min_rollouts=n, chunk_bytes=chunk_bytes, slot_wait_s=300
+            coord.address,
+            session,
+            weight_sync_mode=mode,
+            fs_root=fs_root,
+            min_rollouts=n,
+            chunk_bytes=chunk_bytes,
+            slot_wait_s=300,
         ) as pub:
             for version in range(1, runs + 2):
                 before = pub._servicer.bytes_served
@@ -143,7 +162,11 @@ def run_weightsync(
                 seconds = time.perf_counter() - t
                 cpu = cpu_seconds(pids) - cpu0
                 if state != "COMMITTED":
-                    why = [f"{h.agent_id}: {h.mismatch}" for h in pub.client.status(session).handshakes if h.version == version]
+                    why = [
+                        f"{h.agent_id}: {h.mismatch}"
+                        for h in pub.client.status(session).handshakes
+                        if h.version == version
+                    ]
                     logs = "\n".join(p.log()[-1500:] for p in procs)
                     raise RuntimeError(f"{mode} n={n}: version {version} ended {state} {why}\n{logs}")
                 if version > 1:  # the first round is the warm-up (receive buffers, mappings)
@@ -164,7 +187,18 @@ def run_weightsync(
             shutil.rmtree(fs_root, ignore_errors=True)
         time.sleep(SETTLE_S)
     egress = {"shm": 0.0, "fs": 1.0}.get(mode, served / (total * runs))  # fs: written once to the store
-    row = _row("weightsync", mode, n, rounds, total, egress, peak, trainer_peak=trainer_peak, stage=statistics.median(stages), cpus=cpus)
+    row = _row(
+        "weightsync",
+        mode,
+        n,
+        rounds,
+        total,
+        egress,
+        peak,
+        trainer_peak=trainer_peak,
+        stage=statistics.median(stages),
+        cpus=cpus,
+    )
     row.rollout_overhead_bytes = overhead
     row.apply_mode = apply_mode
     if apply_mode != "atomic":
@@ -185,7 +219,10 @@ class Worker:
     def __init__(self, *argv: object) -> None:
         self.popen = subprocess.Popen(
             [sys.executable, str(HERE / "peer_worker.py"), *map(str, argv)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         self.ready = self.read()
 
@@ -241,7 +278,9 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
     trainer_base = rss_bytes()
     try:
         if method == "gloo":  # every rank must join the group before any of them is ready
-            workers = _start_all(lambda r: Worker(method, "send" if r == 0 else "recv", r, n, size, port, workdir), n + 1)
+            workers = _start_all(
+                lambda r: Worker(method, "send" if r == 0 else "recv", r, n, size, port, workdir), n + 1
+            )
             sender, readers = workers[0], workers[1:]
         elif method == "jax_transfer":
             sender = Worker(method, "send", 0, n, size, port, workdir)
@@ -280,7 +319,9 @@ def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
         shutil.rmtree(workdir, ignore_errors=True)
         time.sleep(SETTLE_S)
     bound_mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
-    return _row(method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo", cpus=cpus)
+    return _row(
+        method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo", cpus=cpus
+    )
 
 
 def _start_all(make, n: int) -> list[Worker]:  # noqa: ANN001
@@ -327,34 +368,86 @@ LARGEST = [0]  # the model's largest tensor, bytes
 WINDOW = [0]  # a streaming rollout's in-flight bytes: streams x window_chunks x chunk_bytes (its defaults)
 
 
-def _row(method: str, mode: str, n: int, rounds: list[float], total: int, egress: float, peak: int, *,
-         trainer_peak: int = 0, stage: float = 0.0, reuses: bool = True, cpus: list[float] | None = None) -> Row:
+def _row(
+    method: str,
+    mode: str,
+    n: int,
+    rounds: list[float],
+    total: int,
+    egress: float,
+    peak: int,
+    *,
+    trainer_peak: int = 0,
+    stage: float = 0.0,
+    reuses: bool = True,
+    cpus: list[float] | None = None,
+) -> Row:
     seconds = statistics.median(rounds)
     gbps = total / seconds / 1e9
     bound = "memcpy" if mode.startswith("shm") else "socket"
-    return Row(method, mode, n, round(seconds, 4), round(gbps, 3), round(gbps / BOUNDS[bound], 3), bound,
-               round(egress, 3), int(peak), [round(r, 4) for r in rounds], int(trainer_peak), round(stage, 4), reuses,
-               cpu_seconds=round(statistics.median(cpus), 3) if cpus else 0.0)
+    return Row(
+        method,
+        mode,
+        n,
+        round(seconds, 4),
+        round(gbps, 3),
+        round(gbps / BOUNDS[bound], 3),
+        bound,
+        round(egress, 3),
+        int(peak),
+        [round(r, 4) for r in rounds],
+        int(trainer_peak),
+        round(stage, 4),
+        reuses,
+        cpu_seconds=round(statistics.median(cpus), 3) if cpus else 0.0,
+    )
 
 
-COLUMNS = ("method", "mode", "N", "seconds", "GB/s", "x bound", "stage s", "pull s", "pull x bound", "CPU s",
-           "egress/model", "peak RSS GB", "trainer RSS GB")
+COLUMNS = (
+    "method",
+    "mode",
+    "N",
+    "seconds",
+    "GB/s",
+    "x bound",
+    "stage s",
+    "pull s",
+    "pull x bound",
+    "CPU s",
+    "egress/model",
+    "peak RSS GB",
+    "trainer RSS GB",
+)
 
 
 def _cells(r: Row) -> list[str]:
     """One row's cells, in COLUMNS order (staging and pull only weightsync measures)."""
     ours = r.method == "weightsync"
-    return [r.method, r.mode, str(r.rollouts), f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.ratio_to_bound:.2f} {r.bound}",
-            f"{r.stage_seconds:.3f}" if ours else "", f"{r.pull_seconds:.3f}" if ours else "",
-            f"{r.pull_ratio_to_bound:.2f}" if ours else "", f"{r.cpu_seconds:.2f}", f"{r.egress_ratio:.2f}", f"{r.peak_rss_bytes / 1e9:.2f}",
-            f"{r.trainer_peak_rss_bytes / 1e9:.2f}"]
+    return [
+        r.method,
+        r.mode,
+        str(r.rollouts),
+        f"{r.seconds:.3f}",
+        f"{r.gbps:.2f}",
+        f"{r.ratio_to_bound:.2f} {r.bound}",
+        f"{r.stage_seconds:.3f}" if ours else "",
+        f"{r.pull_seconds:.3f}" if ours else "",
+        f"{r.pull_ratio_to_bound:.2f}" if ours else "",
+        f"{r.cpu_seconds:.2f}",
+        f"{r.egress_ratio:.2f}",
+        f"{r.peak_rss_bytes / 1e9:.2f}",
+        f"{r.trainer_peak_rss_bytes / 1e9:.2f}",
+    ]
 
 
 def print_table(rows: list[Row], total: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"model {total / 1e9:.2f} GB bf16 · memcpy {BOUNDS['memcpy']:.1f} GB/s · socket {BOUNDS['socket']:.2f} GB/s")
+    table = Table(
+        title=f"model {total / 1e9:.2f} GB bf16 · memcpy {BOUNDS['memcpy']:.1f} GB/s · "
+        f"socket {BOUNDS['socket']:.2f} GB/s"
+    )
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
@@ -389,9 +482,12 @@ def verdicts(rows: list[Row]) -> list[str]:
         if r:
             rest = r.seconds - r.stage_seconds - r.pull_seconds
             alone = f"{r.pull_ratio_to_bound:.2f}x alone"
-            check(f"{mode} N=1 end to end >= {target}x {r.bound}", r.ratio_to_bound >= target,
-                  f"{r.ratio_to_bound:.2f}x = stage {r.stage_seconds:.3f}s + pull {r.pull_seconds:.3f}s "
-                  f"({alone}) + tensor verify, apply, control {rest:.3f}s{floor(r)}")
+            check(
+                f"{mode} N=1 end to end >= {target}x {r.bound}",
+                r.ratio_to_bound >= target,
+                f"{r.ratio_to_bound:.2f}x = stage {r.stage_seconds:.3f}s + pull {r.pull_seconds:.3f}s "
+                f"({alone}) + tensor verify, apply, control {rest:.3f}s{floor(r)}",
+            )
     for n in (1, 4):
         ours = [r for r in rows if r.method == "weightsync" and r.rollouts == n]
         peers = [r for r in rows if r.method != "weightsync" and r.rollouts == n]
@@ -399,20 +495,30 @@ def verdicts(rows: list[Row]) -> list[str]:
         gloo = by.get(("gloo", "tcp", n))
         if cross and gloo:
             best = min(cross, key=lambda r: r.seconds)
-            check(f"best cross-host mode faster than gloo, N={n}", best.seconds < gloo.seconds,
-                  f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s (gloo CPU {gloo.cpu_seconds:.2f} s){floor(best, ratio=False)}")
+            check(
+                f"best cross-host mode faster than gloo, N={n}",
+                best.seconds < gloo.seconds,
+                f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s "
+                f"(gloo CPU {gloo.cpu_seconds:.2f} s){floor(best, ratio=False)}",
+            )
         if ours and peers:
             best, peer = min(ours, key=lambda r: r.seconds), min(peers, key=lambda r: r.seconds)
-            check(f"faster than every peer, N={n}", best.seconds < peer.seconds,
-                  f"{best.mode} {best.seconds:.3f}s vs {peer.method} {peer.seconds:.3f}s")
+            check(
+                f"faster than every peer, N={n}",
+                best.seconds < peer.seconds,
+                f"{best.mode} {best.seconds:.3f}s vs {peer.method} {peer.seconds:.3f}s",
+            )
     relay = by.get(("weightsync", "relay", 4))
     if relay:
         check("relay N=4 egress <= 1.25x model", relay.egress_ratio <= 1.25, f"{relay.egress_ratio:.2f}x")
     for r in rows:
         if r.apply_mode == "streaming":
             bound = WINDOW[0] + LARGEST[0] + (256 << 20)
-            check(f"streaming rollout RSS <= window + largest tensor + 256 MiB ({r.mode}, N={r.rollouts})",
-                  r.rollout_overhead_bytes <= bound, f"{r.rollout_overhead_bytes / 2**20:.0f} MiB vs {bound / 2**20:.0f} MiB")
+            check(
+                f"streaming rollout RSS <= window + largest tensor + 256 MiB ({r.mode}, N={r.rollouts})",
+                r.rollout_overhead_bytes <= bound,
+                f"{r.rollout_overhead_bytes / 2**20:.0f} MiB vs {bound / 2**20:.0f} MiB",
+            )
     return out
 
 
@@ -430,7 +536,9 @@ def plot(rows: list[Row], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(max(8, len(labels) * 1.1), 4.5))
     width = 0.8 / len(ns)
     for k, n in enumerate(ns):
-        ax.bar([i + k * width for i in range(len(labels))], [by.get((lab, n), 0) for lab in labels], width, label=f"N={n}")
+        ax.bar(
+            [i + k * width for i in range(len(labels))], [by.get((lab, n), 0) for lab in labels], width, label=f"N={n}"
+        )
     ax.axhline(BOUNDS["socket"], color="gray", linestyle="--", label="loopback socket")
     ax.set_xticks([i + width * (len(ns) - 1) / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
     ax.set_ylabel("GB/s (model bytes / seconds to every rollout)")
@@ -461,8 +569,11 @@ def main() -> int:
     WINDOW[0] = 2 * 32 * args.chunk_bytes
     BOUNDS["memcpy"] = memcpy_gbps(total)
     BOUNDS["socket"] = socket_gbps(total)
-    print(f"bounds: memcpy {BOUNDS['memcpy']:.2f} GB/s, loopback socket {BOUNDS['socket']:.2f} GB/s "
-          f"({BOUND_CPU['socket']:.2f} CPU s per transfer; {total / 1e9:.2f} GB, {CORES} cores)", flush=True)
+    print(
+        f"bounds: memcpy {BOUNDS['memcpy']:.2f} GB/s, loopback socket {BOUNDS['socket']:.2f} GB/s "
+        f"({BOUND_CPU['socket']:.2f} CPU s per transfer; {total / 1e9:.2f} GB, {CORES} cores)",
+        flush=True,
+    )
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsbench-") as tmp, Cluster(tmp) as cluster:
         coord = cluster.start_coordinator()
@@ -472,7 +583,10 @@ def main() -> int:
                 print(f"  weightsync {mode} N={n}: {rows[-1].seconds:.3f}s {rows[-1].gbps:.2f} GB/s", flush=True)
         for mode in filter(None, args.streaming.split(",")):
             rows.append(run_weightsync(cluster, coord, mode, 1, params, args.runs, args.chunk_bytes, "streaming"))
-            print(f"  weightsync {mode} streaming N=1: overhead RSS {rows[-1].rollout_overhead_bytes / 2**20:.0f} MiB", flush=True)
+            print(
+                f"  weightsync {mode} streaming N=1: overhead RSS {rows[-1].rollout_overhead_bytes / 2**20:.0f} MiB",
+                flush=True,
+            )
     for method in peers:
         for n in ns:
             try:
@@ -486,8 +600,15 @@ def main() -> int:
         print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"size": args.size, "model_bytes": total, "runs": args.runs, "bounds_gbps": BOUNDS, "chunk_bytes": args.chunk_bytes,
-            "bounds_cpu_seconds": BOUND_CPU, "cores": CORES}
+    meta = {
+        "size": args.size,
+        "model_bytes": total,
+        "runs": args.runs,
+        "bounds_gbps": BOUNDS,
+        "chunk_bytes": args.chunk_bytes,
+        "bounds_cpu_seconds": BOUND_CPU,
+        "cores": CORES,
+    }
     out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     out.with_suffix(".meta.json").write_text(json.dumps({**meta, "verdicts": verdicts(rows)}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(rows) + "\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")

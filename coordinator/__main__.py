@@ -25,7 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.log_level)
     hub = WatchHub()
     try:
-        store = SessionStore(cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub, retain_versions=cfg.retain_versions)
+        store = SessionStore(
+            cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub, retain_versions=cfg.retain_versions
+        )
     except WeightsyncError as e:
         log.error("cannot start: %s", e.message)
         return 2

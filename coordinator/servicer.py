@@ -197,29 +197,41 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             token_key=self._store.token_key(s.name) if role == "TRAINER" else "",
         )
 
-    def RegisterAgent(self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext) -> pb.RegisterAgentResponse:
+    def RegisterAgent(
+        self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterAgentResponse:
         role = _role(request.role)
         if request.endpoint.address:
             check_address(request.endpoint.address, "endpoint.address")
         if request.endpoint.tcp_address:
             check_address(request.endpoint.tcp_address, "endpoint.tcp_address")
         s = self._store.register_agent(
-            request.session, request.agent_id, role=role, endpoint=endpoint_from_proto(request.endpoint), rank=request.rank,
+            request.session,
+            request.agent_id,
+            role=role,
+            endpoint=endpoint_from_proto(request.endpoint),
+            rank=request.rank,
             generation=request.generation,
         )
         return pb.RegisterAgentResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
 
-    def DeregisterAgent(self, request: pb.DeregisterAgentRequest, context: grpc.ServicerContext) -> pb.DeregisterAgentResponse:
+    def DeregisterAgent(
+        self, request: pb.DeregisterAgentRequest, context: grpc.ServicerContext
+    ) -> pb.DeregisterAgentResponse:
         return pb.DeregisterAgentResponse(removed=self._store.deregister_agent(request.session, request.agent_id))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         # A fleet's commonest call: one short statement.
-        generation = await self._soon(None, self._store.heartbeat, request.session, request.agent_id, request.current_version)
+        generation = await self._soon(
+            None, self._store.heartbeat, request.session, request.agent_id, request.current_version
+        )
         if self._sweep_due():
             await asyncio.to_thread(self._store.sweep)
         return pb.HeartbeatResponse(generation=generation, lease_ttl_seconds=self._store.lease_ttl_s)
 
-    def PublishVersion(self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> pb.PublishResponse:
+    def PublishVersion(
+        self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
         started = time.perf_counter()
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
@@ -384,7 +396,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._metrics.current_version.labels(role="coordinator").set(outcome.version.version)
         if outcome.mismatch is not None:
             self._metrics.digest_failures.labels(role="coordinator").inc()
-            raise DigestMismatch(f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}")
+            raise DigestMismatch(
+                f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}"
+            )
         return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -446,9 +460,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         if not request.generation:
-            raise InvalidArgument("generation", "required: the caller's session generation (fenced writers release nothing)")
-        rec = self._store.release_version(request.session, request.version, generation=request.generation, force=request.force)
+            raise InvalidArgument(
+                "generation", "required: the caller's session generation (fenced writers release nothing)"
+            )
+        rec = self._store.release_version(
+            request.session, request.version, generation=request.generation, force=request.force
+        )
         self._metrics.versions_total.labels(state=rec.state.value).inc()
         return version_info(rec)
-
-

@@ -271,7 +271,15 @@ class SessionStore:
                 gen = 1 if trainer else 0
                 db.execute(
                     "INSERT INTO sessions VALUES (?,?,?,?,?,?,?)",
-                    (name, gen, incarnation if trainer else "", trainer_ranks or 1, max(min_rollouts, 0) or 1, now, mode or DEFAULT_MODE),
+                    (
+                        name,
+                        gen,
+                        incarnation if trainer else "",
+                        trainer_ranks or 1,
+                        max(min_rollouts, 0) or 1,
+                        now,
+                        mode or DEFAULT_MODE,
+                    ),
                 )
             elif trainer:
                 same = bool(incarnation) and incarnation == row["incarnation"]
@@ -292,7 +300,13 @@ class SessionStore:
                     gen = row["generation"] + 1
                     db.execute(
                         "UPDATE sessions SET generation=?, incarnation=?, trainer_ranks=?, min_rollouts=? WHERE name=?",
-                        (gen, incarnation, trainer_ranks or row["trainer_ranks"], min_rollouts or row["min_rollouts"], name),
+                        (
+                            gen,
+                            incarnation,
+                            trainer_ranks or row["trainer_ranks"],
+                            min_rollouts or row["min_rollouts"],
+                            name,
+                        ),
                     )
                     for v in db.execute(
                         "SELECT version FROM versions WHERE session=? AND state=?", (name, S.STAGING.value)
@@ -335,8 +349,17 @@ class SessionStore:
             db.execute(
                 "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version FROM agents "
                 "WHERE session=? AND agent_id=?), 0),?)",
-                (session, agent_id, role, json.dumps(endpoint.to_dict()), rank, self._clock() + self.lease_ttl_s, session, agent_id,
-                 s.generation if role == "TRAINER" else 0),
+                (
+                    session,
+                    agent_id,
+                    role,
+                    json.dumps(endpoint.to_dict()),
+                    rank,
+                    self._clock() + self.lease_ttl_s,
+                    session,
+                    agent_id,
+                    s.generation if role == "TRAINER" else 0,
+                ),
             )
             return s
 
@@ -353,7 +376,8 @@ class SessionStore:
             removed = db.execute("DELETE FROM agents WHERE session=? AND agent_id=?", (session, agent_id)).rowcount > 0
             db.execute("DELETE FROM leases WHERE session=? AND agent_id=?", (session, agent_id))
             for r in db.execute(
-                "SELECT version FROM versions WHERE session=? AND state IN (?,?)", (session, S.READY.value, S.PARTIAL.value)
+                "SELECT version FROM versions WHERE session=? AND state IN (?,?)",
+                (session, S.READY.value, S.PARTIAL.value),
             ).fetchall():
                 self._evaluate(db, session, r["version"])
         self._notify(session)
@@ -385,7 +409,8 @@ class SessionStore:
         taking a lease or reporting is plainly alive."""
         now = self._clock()
         db.execute(
-            "UPDATE agents SET lease_expires_at=MAX(lease_expires_at, ?) WHERE session=? AND agent_id=? AND lease_expires_at>=?",
+            "UPDATE agents SET lease_expires_at=MAX(lease_expires_at, ?) "
+            "WHERE session=? AND agent_id=? AND lease_expires_at>=?",
             (now + self.lease_ttl_s, session, agent_id, now),
         ).fetchall()
 
@@ -427,13 +452,18 @@ class SessionStore:
         return [r[0] for r in rows]
 
     def _is_live_rollout(self, db: sqlite3.Connection, session: str, agent_id: str) -> bool:
-        return db.execute(
-            "SELECT 1 FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT' AND lease_expires_at>=?",
-            (session, agent_id, self._clock()),
-        ).fetchone() is not None
+        return (
+            db.execute(
+                "SELECT 1 FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT' AND lease_expires_at>=?",
+                (session, agent_id, self._clock()),
+            ).fetchone()
+            is not None
+        )
 
     # -- versions -----------------------------------------------------------------
-    def publish_part(self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part) -> PublishOutcome:
+    def publish_part(
+        self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
+    ) -> PublishOutcome:
         """Stores one rank's sealed part; the version is READY once every rank sealed.
 
         Raises:
@@ -472,20 +502,29 @@ class SessionStore:
             vrow = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
             now = self._clock()
             if vrow is None:
-                latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (session,)).fetchone()["v"]
+                latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (session,)).fetchone()[
+                    "v"
+                ]
                 if latest is not None and version <= latest:
-                    raise FailedPrecondition(f"version {version} is not newer than the session's latest version {latest}")
+                    raise FailedPrecondition(
+                        f"version {version} is not newer than the session's latest version {latest}"
+                    )
             else:
                 state = VersionState(vrow["state"])
                 if state is not S.STAGING or vrow["generation"] != generation:
                     raise WrongState(f"version {version} is {state.value}; only STAGING versions accept parts")
-            ranks = {r["rank"] for r in db.execute("SELECT rank FROM parts WHERE session=? AND version=?", (session, version))}
+            ranks = {
+                r["rank"]
+                for r in db.execute("SELECT rank FROM parts WHERE session=? AND version=?", (session, version))
+            }
             if checked is None or ranks != checked.ranks:  # another rank sealed meanwhile (rare): check again
-                checked = _SealCheck.of(self._parts(db, session, version), session, version, generation, part, s.trainer_ranks)
+                checked = _SealCheck.of(
+                    self._parts(db, session, version), session, version, generation, part, s.trainer_ranks
+                )
             if vrow is None:
                 db.execute(
-                    "INSERT INTO versions (session, version, state, generation, chunk_bytes, manifest_digest, created_at, "
-                    "ready_at, committed_at, reason, required) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    "INSERT INTO versions (session, version, state, generation, chunk_bytes, manifest_digest, "
+                    "created_at, ready_at, committed_at, reason, required) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
                 )
             db.execute(
@@ -518,7 +557,9 @@ class SessionStore:
         return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks)
 
     def _parts(self, db: sqlite3.Connection, session: str, version: int) -> list[Part]:
-        rows = db.execute("SELECT body FROM parts WHERE session=? AND version=? ORDER BY rank", (session, version)).fetchall()
+        rows = db.execute(
+            "SELECT body FROM parts WHERE session=? AND version=? ORDER BY rank", (session, version)
+        ).fetchall()
         return [Part.from_dict(json.loads(r["body"])) for r in rows]
 
     def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
@@ -566,7 +607,8 @@ class SessionStore:
         with self._read() as db:
             rec = self._version(db, rec.session, rec.version)
             held = db.execute(
-                "SELECT 1 FROM leases WHERE session=? AND version=? AND agent_id=?", (rec.session, rec.version, agent_id)
+                "SELECT 1 FROM leases WHERE session=? AND version=? AND agent_id=?",
+                (rec.session, rec.version, agent_id),
             ).fetchone()
             if held is None:  # the version moved on, or the agent's lease lapsed, meanwhile
                 _check_servable(rec)
@@ -598,7 +640,15 @@ class SessionStore:
             mismatch = compare_report(self._manifest(db, rec), rec.manifest_digest, report)
             db.execute(
                 "INSERT OR REPLACE INTO reports VALUES (?,?,?,?,?,?,?)",
-                (session, version, agent_id, int(mismatch is None), mismatch or "", json.dumps(report.to_dict()), self._clock()),
+                (
+                    session,
+                    version,
+                    agent_id,
+                    int(mismatch is None),
+                    mismatch or "",
+                    json.dumps(report.to_dict()),
+                    self._clock(),
+                ),
             )
             db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))
             self._renew(db, session, agent_id)
@@ -617,30 +667,38 @@ class SessionStore:
             return
         s = self._session(db, session)
         counts = db.execute(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(ok), 0) AS ok FROM reports WHERE session=? AND version=?", (session, version)
+            "SELECT COUNT(*) AS n, COALESCE(SUM(ok), 0) AS ok FROM reports WHERE session=? AND version=?",
+            (session, version),
         ).fetchone()
         if counts["ok"] >= s.min_rollouts and not self._owed(db, session, version, ok_only=True):
             self._set_state(db, session, version, S.COMMITTED, "")
         elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
-            rec.state is S.READY and counts["ok"] < counts["n"] >= s.min_rollouts
+            rec.state is S.READY
+            and counts["ok"] < counts["n"] >= s.min_rollouts
             and not self._owed(db, session, version, ok_only=False)
         ):
-            failed = [r[0] for r in db.execute(
-                "SELECT agent_id FROM reports WHERE session=? AND version=? AND ok=0 ORDER BY agent_id LIMIT 11",
-                (session, version),
-            )]
+            failed = [
+                r[0]
+                for r in db.execute(
+                    "SELECT agent_id FROM reports WHERE session=? AND version=? AND ok=0 ORDER BY agent_id LIMIT 11",
+                    (session, version),
+                )
+            ]
             named = ", ".join(failed[:10]) + (" and more" if len(failed) > 10 else "")
             self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {named}")
 
     def _owed(self, db: sqlite3.Connection, session: str, version: int, *, ok_only: bool) -> bool:
         """Whether a live required rollout has not reported (with ok_only: not reported OK)."""
-        return db.execute(
-            "SELECT 1 FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2)) r "
-            f"WHERE {_LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
-            "  SELECT 1 FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.agent_id=r.value"
-            f"  {'AND p.ok=1' if ok_only else ''}) LIMIT 1",
-            (session, version, self._clock()),
-        ).fetchone() is not None
+        return (
+            db.execute(
+                "SELECT 1 FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2)) r "
+                f"WHERE {_LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
+                "  SELECT 1 FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.agent_id=r.value"
+                f"  {'AND p.ok=1' if ok_only else ''}) LIMIT 1",
+                (session, version, self._clock()),
+            ).fetchone()
+            is not None
+        )
 
     def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> VersionRecord:
         """STAGING/READY/PARTIAL -> FAILED, by the current generation only."""
@@ -669,7 +727,9 @@ class SessionStore:
             holders = self._lease_holders(db, session, version, limit=11)
             if holders and not force:
                 named = ", ".join(holders[:10]) + (" and more" if len(holders) > 10 else "")
-                raise FailedPrecondition(f"version {version} is leased by {named}; wait for their handshake or pass force")
+                raise FailedPrecondition(
+                    f"version {version} is leased by {named}; wait for their handshake or pass force"
+                )
             db.execute("DELETE FROM leases WHERE session=? AND version=?", (session, version))
             self._set_state(db, session, version, S.RELEASED, "")
             rec = self._version(db, session, version)
@@ -680,8 +740,8 @@ class SessionStore:
     def _lease_holders(self, db: sqlite3.Connection, session: str, version: int, limit: int = -1) -> list[str]:
         """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
         rows = db.execute(
-            f"SELECT agent_id FROM leases l WHERE session=?1 AND version=?2 AND {_LIVE_ROLLOUT.format(agent='l.agent_id')} "
-            "ORDER BY agent_id LIMIT ?4",
+            "SELECT agent_id FROM leases l WHERE session=?1 AND version=?2 "
+            f"AND {_LIVE_ROLLOUT.format(agent='l.agent_id')} ORDER BY agent_id LIMIT ?4",
             (session, version, self._clock(), limit),
         ).fetchall()
         return [r[0] for r in rows]
@@ -702,7 +762,9 @@ class SessionStore:
                 "WHERE a.session=leases.session AND a.agent_id=leases.agent_id)",
                 (now,),
             )
-            rows = db.execute("SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value))
+            rows = db.execute(
+                "SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value)
+            )
             for r in rows.fetchall():
                 before = r["state"]
                 self._evaluate(db, r["session"], r["version"])
@@ -776,7 +838,9 @@ class SessionStore:
         now = self._clock()
         with self._read() as db:
             self._session(db, session)
-            rows = db.execute("SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)).fetchall()
+            rows = db.execute(
+                "SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
+            ).fetchall()
             return [_agent_record(r, now) for r in rows]
 
     def reports(self, session: str, versions: list[int]) -> list[ReportRecord]:
@@ -793,7 +857,15 @@ class SessionStore:
         for r in rows:
             body = json.loads(r["body"])
             out.append(
-                ReportRecord(r["version"], r["agent_id"], bool(r["ok"]), r["mismatch"], body["timings"], body["bytes_pulled"], r["reported_at"])
+                ReportRecord(
+                    r["version"],
+                    r["agent_id"],
+                    bool(r["ok"]),
+                    r["mismatch"],
+                    body["timings"],
+                    body["bytes_pulled"],
+                    r["reported_at"],
+                )
             )
         return out
 
@@ -808,9 +880,12 @@ class SessionStore:
             # Each event carries the version as it was when recorded (events from before
             # snapshots existed: the state it recorded, the other fields current).
             return [
-                Event(r["seq"], _record_from_json(r["record"]) if r["record"] else dataclasses.replace(
-                    self._version(db, session, r["version"]), state=VersionState(r["state"])
-                ))
+                Event(
+                    r["seq"],
+                    _record_from_json(r["record"])
+                    if r["record"]
+                    else dataclasses.replace(self._version(db, session, r["version"]), state=VersionState(r["state"])),
+                )
                 for r in rows
             ]
 
@@ -834,7 +909,8 @@ class SessionStore:
         check_transition(version, VersionState(row["state"]), target)
         committed_at = self._clock() if target is S.COMMITTED else None
         db.execute(
-            "UPDATE versions SET state=?, reason=?, committed_at=COALESCE(?, committed_at) WHERE session=? AND version=?",
+            "UPDATE versions SET state=?, reason=?, committed_at=COALESCE(?, committed_at) "
+            "WHERE session=? AND version=?",
             (target.value, reason, committed_at, session, version),
         )
         self._event(db, session, version, target)
@@ -856,7 +932,9 @@ class _SealCheck:
     manifest_digest: str
 
     @classmethod
-    def of(cls, others: list[Part], session: str, version: int, generation: int, part: Part, trainer_ranks: int) -> _SealCheck:
+    def of(
+        cls, others: list[Part], session: str, version: int, generation: int, part: Part, trainer_ranks: int
+    ) -> _SealCheck:
         others = [p for p in others if p.rank != part.rank]
         final = len(others) + 1 == trainer_ranks
         validate_against_parts(part, others, final=final)
@@ -969,4 +1047,3 @@ class _Tx:
             self._store._db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
             self._store._release_writer()
-

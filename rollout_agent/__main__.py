@@ -59,13 +59,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "auth_token": cfg.auth_token,
             },
         )
-        agent = RolloutAgent(client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
+        agent = RolloutAgent(
+            client, cfg.session, agent_id, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt)
+        )
         closers = [engine.close]
     else:
         if cfg.weight_sync_mode in ("relay", "") and cfg.apply_mode == "atomic":
             # Re-serve what we pull (used when this rollout's or the session's mode is relay).
             relay = Relay(
-                cfg.session, host=cfg.host, port=cfg.relay_port, wait_s=cfg.relay_wait_s, failpoints=Failpoints(cfg.failpoints)
+                cfg.session,
+                host=cfg.host,
+                port=cfg.relay_port,
+                wait_s=cfg.relay_wait_s,
+                failpoints=Failpoints(cfg.failpoints),
             )
         outbox = ReportOutbox(client, lambda v, ok, mismatch: agent.on_verdict(v, ok, mismatch))
         puller = WeightPuller(
@@ -86,9 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         applier = DictApplier(cfg.dump_dir or None)
         failpoints = Failpoints(cfg.failpoints)
         agent = RolloutAgent(
-            client, cfg.session, agent_id,
+            client,
+            cfg.session,
+            agent_id,
             functools.partial(
-                sync_version, puller, applier, apply_mode=cfg.apply_mode, failpoints=failpoints, metrics=metrics, outbox=outbox
+                sync_version,
+                puller,
+                applier,
+                apply_mode=cfg.apply_mode,
+                failpoints=failpoints,
+                metrics=metrics,
+                outbox=outbox,
             ),
             metrics=metrics,
             outbox=outbox,
@@ -104,8 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     relay_address = advertised(relay.address, cfg.advertise_host) if relay else ""
     agent.endpoint = Endpoint(
-        advertised(running.address, cfg.advertise_host), ("grpc", "relay") if relay_address else ("grpc",),
-        cfg.host_id or socket.gethostname(), tcp_address=relay_address,
+        advertised(running.address, cfg.advertise_host),
+        ("grpc", "relay") if relay_address else ("grpc",),
+        cfg.host_id or socket.gethostname(),
+        tcp_address=relay_address,
     )
     agent.start(follow=cfg.follow)
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, agent_id=agent_id)

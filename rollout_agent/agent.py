@@ -84,7 +84,9 @@ class RolloutAgent:
     def attach(self) -> float:
         """Opens the session (creating it if needed) and registers; returns the lease TTL."""
         self.client.open_session(self.session, trainer=False)
-        return self.client.register_agent(self.session, self.agent_id, trainer=False, endpoint=self.endpoint).lease_ttl_seconds
+        return self.client.register_agent(
+            self.session, self.agent_id, trainer=False, endpoint=self.endpoint
+        ).lease_ttl_seconds
 
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads."""
@@ -127,8 +129,11 @@ class RolloutAgent:
                 self.on_verdict(result.version, True, "")
                 log.info(
                     "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
-                    result.version, result.bytes_pulled, result.timings.get("pull_seconds", 0),
-                    result.timings.get("apply_seconds", 0), result.chunk_retries,
+                    result.version,
+                    result.bytes_pulled,
+                    result.timings.get("pull_seconds", 0),
+                    result.timings.get("apply_seconds", 0),
+                    result.chunk_retries,
                 )
             elif result.handshake_pending:
                 log.warning("version %d applied; its handshake waits for the coordinator", result.version)
@@ -200,7 +205,11 @@ class RolloutAgent:
             target = self._wanted
             if target != last_target:
                 backoff, last_target = 0.5, target
-            done = target <= self.current_version or target == self._handshake_waiting() or tries.get(target, 0) > self.AUTO_RETRIES
+            done = (
+                target <= self.current_version
+                or target == self._handshake_waiting()
+                or tries.get(target, 0) > self.AUTO_RETRIES
+            )
             if done:
                 self._wake.wait(1.0)
                 self._wake.clear()

@@ -65,7 +65,10 @@ def assemble(
     """Every tensor of the manifest as an array of its global shape (see assemble_tensor)."""
     reuse = reuse if reuse is not None else {}
     tensors = manifest.tensors
-    return {name: assemble_tensor(tensors[name], shards, buffers, None, reuse) for name, shards in manifest.shards_of().items()}
+    return {
+        name: assemble_tensor(tensors[name], shards, buffers, None, reuse)
+        for name, shards in manifest.shards_of().items()
+    }
 
 
 def tensor_digest(arr: np.ndarray, shards: list[ShardSpec], piece_bytes: int) -> tuple[int, float]:
@@ -89,8 +92,11 @@ def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[st
     """
     shards = manifest.shards_of()
     whole = [
-        name for name in manifest.tensors
-        if native.available() and len(shards[name]) == 1 and tensors[name].flags.c_contiguous
+        name
+        for name in manifest.tensors
+        if native.available()
+        and len(shards[name]) == 1
+        and tensors[name].flags.c_contiguous
         and _is_whole(manifest.tensors[name], shards[name][0][1])
     ]
     out: dict[str, tuple[int, float]] = {}

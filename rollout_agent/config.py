@@ -23,11 +23,17 @@ class RolloutConfig(ServerConfig):
         "(read parts under --fs-root) | relay (pull from the rollout before us in the coordinator's chain, re-serve "
         "to the next); empty: the session's mode, set by the trainer. Ranks not offering it are pulled over grpc.",
     )
-    relay_port: int = option(0, "relay: port of the tcp server re-serving chunks to the next rollout; 0 picks a free one.")
-    relay_wait_s: float = option(10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer.")
+    relay_port: int = option(
+        0, "relay: port of the tcp server re-serving chunks to the next rollout; 0 picks a free one."
+    )
+    relay_wait_s: float = option(
+        10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer."
+    )
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
-    window_chunks: int = option(32, "Chunks requested per call (the in-flight window per stream; tuned in bench/, see README).")
+    window_chunks: int = option(
+        32, "Chunks requested per call (the in-flight window per stream; tuned in bench/, see README)."
+    )
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
     timeout_s: float = option(120.0, "Deadline of each data-plane call.")
     apply_mode: str = option(
@@ -39,7 +45,9 @@ class RolloutConfig(ServerConfig):
     follow: bool = option(True, "Watch the coordinator and sync each new READY version.")
     dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
-    engine: str = option("numpy", "What applies the weights: a NumPy dict, or an in-process vLLM engine.", choices=["numpy", "vllm"])
+    engine: str = option(
+        "numpy", "What applies the weights: a NumPy dict, or an in-process vLLM engine.", choices=["numpy", "vllm"]
+    )
     model: str = option("", "vLLM engine: the model directory to start from (config, tokenizer, weights).")
     dtype: str = option("bfloat16", "vLLM engine: serving dtype.")
     kv_cache_bytes: int = option(64 << 20, "vLLM engine: KV cache size (bounded; vLLM takes ~90% of RAM otherwise).")

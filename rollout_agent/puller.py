@@ -103,7 +103,11 @@ class WeightPuller:
         self.session = session
         self.agent_id = agent_id
         # A mode, or any registered transport (tests register an in-memory one).
-        self.transport = transport if transport in available_transports() else normalize_mode(transport, "transport", allow_empty=True)
+        self.transport = (
+            transport
+            if transport in available_transports()
+            else normalize_mode(transport, "transport", allow_empty=True)
+        )
         self._mode = self.transport or "grpc"  # resolved per version when transport is ""
         self._token = ""  # the current version's access token (tcp reads)
         self.relay = relay  # "relay" mode: re-serves what this puller receives
@@ -271,7 +275,9 @@ class WeightPuller:
             self.metrics.add_bytes("pulled", pulled)
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
 
-    def pull_chunks(self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int) -> tuple[int, int]:
+    def pull_chunks(
+        self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int
+    ) -> tuple[int, int]:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
         the part); returns (bytes pulled, chunks re-fetched). For streaming apply."""
         per = max(1, -(-len(indices) // self.streams))
@@ -292,7 +298,12 @@ class WeightPuller:
                 lane.retries += len(pending)
                 log.warning(
                     "version %d rank %d: re-fetching %d chunk(s) (attempt %d/%d): %s",
-                    manifest.version, lane.part.rank, len(pending), attempt, self.max_attempts, last_error,
+                    manifest.version,
+                    lane.part.rank,
+                    len(pending),
+                    attempt,
+                    self.max_attempts,
+                    last_error,
                 )
                 if unreachable:  # give a restarting source time; jitter spreads the lanes
                     time.sleep(min(2.0, 0.1 * 2**attempt) * (0.5 + random.random()))
@@ -347,8 +358,15 @@ class WeightPuller:
                     continue
                 for payload in transport.fetch(request):
                     c = chunks[payload.index] if payload.index < len(chunks) else None
-                    if c is None or payload.index not in window or payload.offset != c.offset or len(payload.data) != c.length:
-                        problem = f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
+                    if (
+                        c is None
+                        or payload.index not in window
+                        or payload.offset != c.offset
+                        or len(payload.data) != c.length
+                    ):
+                        problem = (
+                            f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
+                        )
                         self._count_digest_failure(lane)  # wrong bytes from the source, not an absent source
                         continue
                     dst = buf[c.offset - base : c.offset - base + c.length]

@@ -149,7 +149,13 @@ class Relay:
     """A RelaySource behind a TcpChunkServer on host:port (what a relaying rollout runs)."""
 
     def __init__(
-        self, session: str, *, host: str = "127.0.0.1", port: int = 0, wait_s: float = 10.0, failpoints: Failpoints | None = None
+        self,
+        session: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        wait_s: float = 10.0,
+        failpoints: Failpoints | None = None,
     ) -> None:
         self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints)
         self.server = TcpChunkServer(self.source, host=host, port=port, on_sent=self.source.count_served)

@@ -101,7 +101,9 @@ def sync_version(
     report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
     report.aggregates.CopyFrom(
         tpb.Aggregates(
-            grand_total=grand_total(progress.digests), tensor_count=len(progress.digests), element_count=progress.elements
+            grand_total=grand_total(progress.digests),
+            tensor_count=len(progress.digests),
+            element_count=progress.elements,
         )
     )
     timings["total_seconds"] = time.perf_counter() - started
@@ -197,7 +199,9 @@ def _apply_streaming(
             timings["apply_seconds"] += time.perf_counter() - t1
     except WeightsyncError as e:
         applier.abort_update()
-        raise e.with_message(f"version {v} stopped after {applied} applied group(s) (streaming, not atomic): {e.message}") from e
+        raise e.with_message(
+            f"version {v} stopped after {applied} applied group(s) (streaming, not atomic): {e.message}"
+        ) from e
     except Exception:
         applier.abort_update()
         raise
@@ -206,4 +210,3 @@ def _apply_streaming(
 
 def tpb_digest(name: str, d: tuple[int, float]) -> pb.TensorDigest:
     return pb.TensorDigest(name=name, xxh3=d[0], sum=d[1])
-

@@ -64,11 +64,13 @@ class VllmApplier(Applier):
         unknown = sorted(set(tensors) - self._expected)
         if missing:
             raise InvalidArgument(
-                "manifest.tensors", f"version {version} lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}"
+                "manifest.tensors",
+                f"version {version} lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}",
             )
         if unknown:
             raise InvalidArgument(
-                "manifest.tensors", f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}"
+                "manifest.tensors",
+                f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}",
             )
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 

@@ -106,16 +106,24 @@ class VllmRollout:
         self.last: SyncResult | None = None
         self.outbox = ReportOutbox(self.client, self._on_verdict)
         self._heartbeat = Heartbeat(
-            self.client, info.session, self.agent_id, current_version=lambda: self.current_version, register=self._attach
+            self.client,
+            info.session,
+            self.agent_id,
+            current_version=lambda: self.current_version,
+            register=self._attach,
         ).start()
 
     def _attach(self) -> float:
         self.client.open_session(self.info.session, trainer=False)
         endpoint = Endpoint(
-            "", ("grpc", "relay") if self.relay else ("grpc",), socket.gethostname(),
+            "",
+            ("grpc", "relay") if self.relay else ("grpc",),
+            socket.gethostname(),
             tcp_address=self.relay.address if self.relay else "",
         )
-        return self.client.register_agent(self.info.session, self.agent_id, trainer=False, endpoint=endpoint).lease_ttl_seconds
+        return self.client.register_agent(
+            self.info.session, self.agent_id, trainer=False, endpoint=endpoint
+        ).lease_ttl_seconds
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:

@@ -1,9 +1,9 @@
 """Worker extension for callers that use `worker_extension_cls` + `collective_rpc`.
 
-    llm = LLM(model, worker_extension_cls="rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension")
-    llm.collective_rpc("weightsync_attach", args=({"coordinator": ..., "session": ...},))
-    llm.collective_rpc("weightsync_sync", args=(7,))   # plain dicts come back
-    llm.reset_prefix_cache()
+llm = LLM(model, worker_extension_cls="rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension")
+llm.collective_rpc("weightsync_attach", args=({"coordinator": ..., "session": ...},))
+llm.collective_rpc("weightsync_sync", args=(7,))   # plain dicts come back
+llm.reset_prefix_cache()
 """
 
 from __future__ import annotations

@@ -87,7 +87,11 @@ def coordinator_in_process(
     servicer = CoordinatorServicer(store, hub, metrics)
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
-        host="127.0.0.1", port=0, metrics=metrics, metrics_port=-1, max_workers=CoordinatorConfig.max_workers,
+        host="127.0.0.1",
+        port=0,
+        metrics=metrics,
+        metrics_port=-1,
+        max_workers=CoordinatorConfig.max_workers,
         security=security,
     )
     try:

@@ -48,7 +48,9 @@ def publish_retrying(
         except (*TRANSIENT_ERRORS, SlotBusy) as e:
             if attempt == attempts:
                 raise
-            log.warning("publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts)
+            log.warning(
+                "publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts
+            )
             if stop.wait(min(5.0, 0.25 * 2**attempt)):
                 return None
     return None
@@ -88,7 +90,9 @@ def _run(argv: Sequence[str] | None) -> int:
         security=cfg.security(),
         next_version=cfg.start_version,
     ) as pub:
-        write_ready_file(cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id)
+        write_ready_file(
+            cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id
+        )
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):
             if stop.is_set():
                 break

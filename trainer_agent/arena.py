@@ -55,7 +55,9 @@ class Arena:
         if self._mm is not None:
             log.warning(
                 "arena %s: layout grew from %d to %d bytes per slot; reallocating (pages are populated again)",
-                self.path, self.slot_bytes, new_slot,
+                self.path,
+                self.slot_bytes,
+                new_slot,
             )
         self._release()
         self.slot_bytes = new_slot

@@ -109,7 +109,9 @@ class SlotTable:
 class TrainerAgentServicer:
     """ReadChunks and GetStatus for one rank."""
 
-    def __init__(self, table: SlotTable, metrics: Metrics, failpoints: Failpoints, generation: Callable[[], int]) -> None:
+    def __init__(
+        self, table: SlotTable, metrics: Metrics, failpoints: Failpoints, generation: Callable[[], int]
+    ) -> None:
         self._table = table
         self._metrics = metrics
         self._failpoints = failpoints

@@ -18,7 +18,9 @@ class TrainerConfig(ServerConfig):
     coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
     session: str = option("demo", "Session name.")
     rank: int = option(0, "This trainer rank.")
-    world_size: int = option(1, "Number of publishing trainer ranks; each owns rows [r*n/W, (r+1)*n/W) of every tensor.")
+    world_size: int = option(
+        1, "Number of publishing trainer ranks; each owns rows [r*n/W, (r+1)*n/W) of every tensor."
+    )
     incarnation: str = option("", "Shared by all ranks of one run; empty = a fresh one (single rank).")
     model_size: str = option("small", "Synthetic model preset.", choices=sorted(PRESETS))
     seed: int = option(0, "Seed of the initial weights and of every step's update.")
@@ -28,17 +30,24 @@ class TrainerConfig(ServerConfig):
     weight_dtype: str = option("bfloat16", "Dtype served to rollouts (fp32 masters are cast).", choices=list(ALLOWED))
     slots: int = option(2, "Arena slots.")
     tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
-    chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit).")
+    chunk_bytes: int = option(
+        DEFAULT_CHUNK_BYTES, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit)."
+    )
     min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
     wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
     commit_timeout_s: float = option(120.0, "How long to wait for a commit.")
     hold: bool = option(False, "Keep serving after the last step until SIGTERM.")
-    stay_fenced: bool = option(False, "Keep running when a newer trainer incarnation fenced this one (default: exit 3).")
+    stay_fenced: bool = option(
+        False, "Keep running when a newer trainer incarnation fenced this one (default: exit 3)."
+    )
     weight_sync_mode: str = option(
         "tcp",
-        "The session's default mode for rollouts: grpc | tcp | shm | fs (aliases filesystem, gcs; needs --fs-root) | relay.",
+        "The session's default mode for rollouts: grpc | tcp | shm | fs "
+        "(aliases filesystem, gcs; needs --fs-root) | relay.",
     )
-    fs_root: str = option("", "Also write every part under this fsspec root for the fs mode (e.g. /mnt/ckpt, gs://b/ws).")
+    fs_root: str = option(
+        "", "Also write every part under this fsspec root for the fs mode (e.g. /mnt/ckpt, gs://b/ws)."
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
 
     def __post_init__(self) -> None:

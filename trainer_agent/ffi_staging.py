@@ -91,7 +91,9 @@ class FfiStager:
         cached = self._cache.get(key)
         if cached is None:
             results = np.zeros(8 * (2 * n + n_chunks) + 8, np.uint8)
-            fn = self._build(int(arena.ctypes.data), int(results.ctypes.data), layout, chunks, chunk_bytes, weight_dtype)
+            fn = self._build(
+                int(arena.ctypes.data), int(results.ctypes.data), layout, chunks, chunk_bytes, weight_dtype
+            )
             if len(self._cache) >= 4:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = cached = (fn, results)

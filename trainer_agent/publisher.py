@@ -68,7 +68,7 @@ class PublishResult:
 
 
 def choose_staging_path(values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str) -> str:
-    """"ffi" or "host", by the use_ffi contract (DESIGN.md "Native shim and FFI").
+    """ "ffi" or "host", by the use_ffi contract (DESIGN.md "Native shim and FFI").
 
     None: FFI when built and every value is a single-device JAX array. True: FFI, and
     RuntimeError naming what is missing when it is not built. False: host pointers.
@@ -77,14 +77,18 @@ def choose_staging_path(values: Sequence[Any], use_ffi: bool | None, *, ffi_buil
     if use_ffi is True and not ffi_built:
         raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {ffi_missing}")
     jax_values = [v for v in values if hasattr(v, "addressable_shards")]
-    ffi_eligible = bool(values) and len(jax_values) == len(values) and all(len(v.addressable_shards) == 1 for v in jax_values)
+    ffi_eligible = (
+        bool(values) and len(jax_values) == len(values) and all(len(v.addressable_shards) == 1 for v in jax_values)
+    )
     if ffi_built and use_ffi is not False and ffi_eligible:
         return "ffi"
     for v in jax_values:
         for shard in v.addressable_shards:
             platform = getattr(shard.device, "platform", "cpu")
             if platform != "cpu":
-                why = "use_ffi=False" if use_ffi is False else (ffi_missing or "the FFI path needs single-device arrays")
+                why = (
+                    "use_ffi=False" if use_ffi is False else (ffi_missing or "the FFI path needs single-device arrays")
+                )
                 raise RuntimeError(
                     f"array on {shard.device} is not host-addressable and the FFI path is not taken ({why}); "
                     "build the shim with FFI and pass use_ffi=None/True, or copy the arrays to host first"
@@ -195,7 +199,9 @@ class WeightPublisher:
     ) -> None:
         check_session_name(session)
         if use_ffi is True and not native.ffi_available():
-            raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {native.ffi_missing_reason()}")
+            raise RuntimeError(
+                f"use_ffi=True but the FFI staging handler is unavailable: {native.ffi_missing_reason()}"
+            )
         if weight_dtype is not None:
             dtype_info(weight_dtype, "weight_dtype")
         mode = normalize_mode(weight_sync_mode, allow_empty=True)
@@ -251,15 +257,23 @@ class WeightPublisher:
         else:
             log.warning("native shim missing (%s): the tcp transport is not offered", native.missing_reason())
         self.endpoint = Endpoint(
-            advertised(self.server.address, advertise_host), transports, host_id or socket.gethostname(),
+            advertised(self.server.address, advertise_host),
+            transports,
+            host_id or socket.gethostname(),
             tcp_address=advertised(self.tcp_server.address, advertise_host) if self.tcp_server else "",
         )
         self._closed = False
         self._heartbeat = Heartbeat(
-            self._client, session, self.agent_id, current_version=self._latest_version, register=self._register,
+            self._client,
+            session,
+            self.agent_id,
+            current_version=self._latest_version,
+            register=self._register,
             on_generation=self._notice_generation,
         ).start()
-        log.info("publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address)
+        log.info(
+            "publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address
+        )
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
@@ -298,7 +312,12 @@ class WeightPublisher:
     def _register(self) -> float:
         with self._refused_as_stale_means_fenced():
             resp = self._client.register_agent(
-                self.session, self.agent_id, trainer=True, endpoint=self.endpoint, rank=self.rank, generation=self.generation
+                self.session,
+                self.agent_id,
+                trainer=True,
+                endpoint=self.endpoint,
+                rank=self.rank,
+                generation=self.generation,
             )
         return resp.lease_ttl_seconds
 
@@ -317,7 +336,10 @@ class WeightPublisher:
             self.metrics.fenced.set(1)
             log.error(
                 "fenced: session %s moved to generation %d, this publisher holds %d; its writes are refused "
-                "(another incarnation of the trainer attached)", self.session, generation, self.generation,
+                "(another incarnation of the trainer attached)",
+                self.session,
+                generation,
+                self.generation,
             )
 
     # -- publishing -----------------------------------------------------------------
@@ -336,12 +358,18 @@ class WeightPublisher:
         key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
         path = choose_staging_path(
-            list(params.values()), self.use_ffi, ffi_built=native.ffi_available(), ffi_missing=native.ffi_missing_reason()
+            list(params.values()),
+            self.use_ffi,
+            ffi_built=native.ffi_available(),
+            ffi_missing=native.ffi_missing_reason(),
         )
         if path == "ffi":
             from trainer_agent.ffi_staging import staged_meta
 
-            shards = [HostShard(n, staged_meta(v, self.weight_dtype), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
+            shards = [
+                HostShard(n, staged_meta(v, self.weight_dtype), tuple(v.shape), (0,) * v.ndim)
+                for n, v in params.items()
+            ]
         else:
             shards = [s for name, value in params.items() for s in _to_host_shards(name, value, self.weight_dtype)]
         layout = plan_layout(shards)
@@ -353,7 +381,11 @@ class WeightPublisher:
                 self.table.set(other, None)
         if path == "ffi":
             shard_specs, chunks = self._ffi_stager().stage(
-                self.arena.buffer(), slot * self.arena.slot_bytes, list(params.values()), layout, self.chunk_bytes,
+                self.arena.buffer(),
+                slot * self.arena.slot_bytes,
+                list(params.values()),
+                layout,
+                self.chunk_bytes,
                 self.weight_dtype,
             )
         else:
@@ -393,7 +425,9 @@ class WeightPublisher:
         chunks = chunk_specs(buf, staged.total_bytes, self.chunk_bytes, staged.spans, staged.known)
         stage_s = time.perf_counter() - started
         path = "stream-native" if native.available() else "stream-python"
-        return self._seal(version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks, staged.total_bytes, stage_s, path)
+        return self._seal(
+            version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks, staged.total_bytes, stage_s, path
+        )
 
     def _seal(
         self,
@@ -411,11 +445,15 @@ class WeightPublisher:
         self.last_path = path
         endpoint = dataclasses.replace(
             # Same-host rollouts may map this slot of the arena directly ("shm" transport).
-            self.endpoint, shm_path=str(self.arena.path), shm_offset=slot * self.arena.slot_bytes
+            self.endpoint,
+            shm_path=str(self.arena.path),
+            shm_offset=slot * self.arena.slot_bytes,
         )
         if self.fs_store is not None:
             t_fs = time.perf_counter()
-            uri = self.fs_store.write_part(self.session, version, self.rank, memoryview(self.arena.slot(slot)[:total_bytes]))
+            uri = self.fs_store.write_part(
+                self.session, version, self.rank, memoryview(self.arena.slot(slot)[:total_bytes])
+            )
             endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=uri)
             self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
         self.table.set(slot, SlotEntry(version, tuple(chunks), total_bytes, access_token(self._token_key, version)))
@@ -445,7 +483,14 @@ class WeightPublisher:
         state = _tpb.VersionState.Name(resp.version.state)
         log.info(
             "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d",
-            version, self.rank, total_bytes, path, stage_s, publish_s, state, slot,
+            version,
+            self.rank,
+            total_bytes,
+            path,
+            stage_s,
+            publish_s,
+            state,
+            slot,
         )
         return PublishResult(version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot)
 

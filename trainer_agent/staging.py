@@ -119,7 +119,13 @@ def stage_one(
     n = arr.nbytes
     if engine == "native" or (engine == "auto" and native.available()):
         pieces = plan_chunks(n, piece_bytes)
-        r = native.stage(slot[offset : offset + n], n, [length for _, length in pieces], piece_bytes, [(arr, 0, native_code(arr.dtype))])
+        r = native.stage(
+            slot[offset : offset + n],
+            n,
+            [length for _, length in pieces],
+            piece_bytes,
+            [(arr, 0, native_code(arr.dtype))],
+        )
         known = {offset + o: (length, int(d)) for (o, length), d in zip(pieces, r.chunk_digests)}
         return int(r.span_digests[0]), float(r.span_sums[0]), known
     dst = slot[offset : offset + n]
@@ -207,6 +213,8 @@ def _stage_python(
         src = np.ascontiguousarray(s.data)
         dst = slot[off : off + s.nbytes]
         np.copyto(dst, src.reshape(-1).view(np.uint8))
-        specs.append(ShardSpec(s.name, s.start, s.stop, off, s.nbytes, piecewise_xxh3(dst, piece_bytes), float64_sum(src)))
+        specs.append(
+            ShardSpec(s.name, s.start, s.stop, off, s.nbytes, piecewise_xxh3(dst, piece_bytes), float64_sum(src))
+        )
         cursor = off + s.nbytes
     return specs, [ChunkSpec(i, off, length, xxh3(slot[off : off + length])) for i, (off, length) in enumerate(chunks)]

@@ -45,7 +45,18 @@ def _mib(n: int) -> str:
 
 def versions_table(versions: Sequence[tpb.VersionInfo], handshakes: Sequence[Any] = ()) -> Table:
     table = Table(title="versions")
-    for col in ("version", "state", "ranks", "MiB", "stage s", "handshakes ok/all", "leases", "ready", "committed", "reason"):
+    for col in (
+        "version",
+        "state",
+        "ranks",
+        "MiB",
+        "stage s",
+        "handshakes ok/all",
+        "leases",
+        "ready",
+        "committed",
+        "reason",
+    ):
         table.add_column(col)
     for v in versions:
         hs = [h for h in handshakes if h.version == v.version]
@@ -80,9 +91,14 @@ def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Con
     for a in st.agents:
         fenced = a.role == tpb.TRAINER and a.generation and a.generation < st.generation
         agents.add_row(
-            a.agent_id, tpb.Role.Name(a.role), str(a.rank),
+            a.agent_id,
+            tpb.Role.Name(a.role),
+            str(a.rank),
             (f"[red]{a.generation} (fenced)[/]" if fenced else str(a.generation)) if a.role == tpb.TRAINER else "",
-            a.endpoint.address, a.endpoint.host_id, "yes" if a.alive else "[red]no[/]", str(a.current_version),
+            a.endpoint.address,
+            a.endpoint.host_id,
+            "yes" if a.alive else "[red]no[/]",
+            str(a.current_version),
         )
     console.print(agents)
     console.print(versions_table(st.versions, st.handshakes))
@@ -92,8 +108,13 @@ def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Con
             hs.add_column(col)
         for h in st.handshakes[: args.limit * 4]:
             hs.add_row(
-                str(h.version), h.agent_id, "[green]OK[/]" if h.ok else "[red]DATA_LOSS[/]",
-                f"{h.timings.pull_seconds:.3f}", f"{h.timings.apply_seconds:.3f}", _mib(h.bytes_pulled), h.mismatch,
+                str(h.version),
+                h.agent_id,
+                "[green]OK[/]" if h.ok else "[red]DATA_LOSS[/]",
+                f"{h.timings.pull_seconds:.3f}",
+                f"{h.timings.apply_seconds:.3f}",
+                _mib(h.bytes_pulled),
+                h.mismatch,
             )
         console.print(hs)
     return 0
@@ -131,13 +152,17 @@ def cmd_manifest(client: CoordinatorClient, args: argparse.Namespace, console: C
     for col in ("rank", "endpoint", "MiB", "chunks", "stage s"):
         parts.add_column(col)
     for p in header.parts:
-        parts.add_row(str(p.rank), p.endpoint.address, _mib(p.total_bytes), str(p.chunk_count), f"{p.stage_seconds:.3f}")
+        parts.add_row(
+            str(p.rank), p.endpoint.address, _mib(p.total_bytes), str(p.chunk_count), f"{p.stage_seconds:.3f}"
+        )
     console.print(parts)
     table = Table(title="tensors")
     for col in ("name", "dtype", "shape", "shards", "xxh3", "sum"):
         table.add_column(col)
     for name, spec in manifest.tensors.items():
-        table.add_row(name, spec.dtype, str(list(spec.shape)), str(len(shards[name])), hex64(digests[name]), f"{sums[name]:.6g}")
+        table.add_row(
+            name, spec.dtype, str(list(spec.shape)), str(len(shards[name])), hex64(digests[name]), f"{sums[name]:.6g}"
+        )
     console.print(table)
     return 0
 
@@ -185,9 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call")
-    for name, what in (("tls-ca-file", "PEM CA of the coordinator's certificate (TLS)"),
-                       ("tls-cert-file", "PEM client certificate (mTLS)"), ("tls-key-file", "its PEM key"),
-                       ("auth-token", "bearer token (any role may read)")):
+    for name, what in (
+        ("tls-ca-file", "PEM CA of the coordinator's certificate (TLS)"),
+        ("tls-cert-file", "PEM client certificate (mTLS)"),
+        ("tls-key-file", "its PEM key"),
+        ("auth-token", "bearer token (any role may read)"),
+    ):
         var = "WEIGHTSYNC_WSCTL_" + name.upper().replace("-", "_")
         p.add_argument(f"--{name}", default=os.environ.get(var, ""), help=f"{what} (default: ${var})")
     sub = p.add_subparsers(dest="command", required=True)

@@ -147,7 +147,9 @@ class CoordinatorClient:
         req = pb.WatchVersionsRequest(session=session, since_seq=since_seq)
         return rpc.stream(self._stub.WatchVersions, req, timeout_s=timeout_s)
 
-    def report_applied(self, request: pb.ReportAppliedRequest, *, retries: int | None = None) -> pb.ReportAppliedResponse:
+    def report_applied(
+        self, request: pb.ReportAppliedRequest, *, retries: int | None = None
+    ) -> pb.ReportAppliedResponse:
         retries = self.retries if retries is None else retries
         return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=retries)
 

@@ -59,7 +59,10 @@ def wait_serving(address: str, timeout_s: float = 30.0, security: Security | Non
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -84,7 +87,13 @@ class Cluster:
         self.security = security
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",
+            "JAX_PLATFORMS": "cpu",
+            **(env or {}),
+        }
         self.procs: dict[str, Proc] = {}
         self._pids: set[int] = set()
 
@@ -95,7 +104,13 @@ class Cluster:
         self.close()
 
     def start(
-        self, name: str, module: str, args: Sequence[str], *, wait: bool = True, timeout_s: float = 90.0,
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        *,
+        wait: bool = True,
+        timeout_s: float = 90.0,
         wrapper: Sequence[str] = (),
     ) -> Proc:
         """Starts `python -m module args --ready-file ...`; waits until it serves.
@@ -135,7 +150,9 @@ class Cluster:
         wait_serving(proc.address, max(1.0, deadline - time.monotonic()), self.security)
         return proc
 
-    def start_coordinator(self, *, name: str = "coordinator", db_path: str | None = None, port: int = 0, args: Sequence[str] = ()) -> Proc:
+    def start_coordinator(
+        self, *, name: str = "coordinator", db_path: str | None = None, port: int = 0, args: Sequence[str] = ()
+    ) -> Proc:
         db = db_path or str(self.workdir / "coordinator.db")
         return self.start(name, "coordinator", ["--db-path", db, "--port", str(port), *args])
 
@@ -143,11 +160,15 @@ class Cluster:
         self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wrapper: Sequence[str] = ()
     ) -> Proc:
         return self.start(
-            name, "rollout_agent", ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
+            name,
+            "rollout_agent",
+            ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
             wrapper=wrapper,
         )
 
-    def start_trainer(self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wait: bool = True) -> Proc:
+    def start_trainer(
+        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wait: bool = True
+    ) -> Proc:
         return self.start(name, "trainer_agent", ["--coordinator", coordinator, "--session", session, *args], wait=wait)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:

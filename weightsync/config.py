@@ -47,13 +47,20 @@ class ServerConfig:
     advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
     tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
     tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
-    tls_ca_file: str = option("", "PEM CA that signs the servers this process dials (TLS on its channels); with --tls-require-client-cert it also checks clients.")
+    tls_ca_file: str = option(
+        "",
+        "PEM CA that signs the servers this process dials (TLS on its channels); "
+        "with --tls-require-client-cert it also checks clients.",
+    )
     tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
-    auth_tokens_file: str = option("", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).')
+    auth_tokens_file: str = option(
+        "", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).'
+    )
     auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
     insecure: bool = option(
-        False, "Serve plaintext without bearer tokens on a non-loopback --host (anyone who reaches it may fence "
-        "the trainer or publish versions)."
+        False,
+        "Serve plaintext without bearer tokens on a non-loopback --host (anyone who reaches it may fence "
+        "the trainer or publish versions).",
     )
 
     def __post_init__(self) -> None:

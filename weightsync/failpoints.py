@@ -14,7 +14,9 @@ KNOWN = {
     "chunk_server.corrupt_chunk": "flip one byte in the next N chunks sent over grpc or tcp (trainer side)",
     "puller.corrupt_assembled": "flip one byte of the first tensor after verification, N times (rollout side)",
     "relay.stall_after_chunks": "a relaying rollout sends N chunks, then stalls every reply (a hung relay)",
-    "tcp_server.drop_mid_reply": "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)",
+    "tcp_server.drop_mid_reply": (
+        "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)"
+    ),
     "sync.pause_before_report": "a rollout pauses 3 s between applying a version and its handshake, N times",
 }
 

@@ -78,7 +78,9 @@ class Heartbeat:
                     self._set_ttl(resp.lease_ttl_seconds)
                     generation = resp.generation
                 except AgentNotFound:
-                    log.warning("agent %s: lease lost (expired or coordinator restarted); registering again", self._agent_id)
+                    log.warning(
+                        "agent %s: lease lost (expired or coordinator restarted); registering again", self._agent_id
+                    )
                     self._set_ttl(self._register())
                     generation = 0
                 if self._failing:
@@ -88,5 +90,7 @@ class Heartbeat:
                     self._on_generation(generation)
             except WeightsyncError as e:
                 if not self._failing:  # once per outage, not every beat
-                    log.warning("agent %s: heartbeat failed (%s); retrying every %.2fs", self._agent_id, e, self._interval_s)
+                    log.warning(
+                        "agent %s: heartbeat failed (%s); retrying every %.2fs", self._agent_id, e, self._interval_s
+                    )
                 self._failing = True

@@ -29,9 +29,7 @@ def place_shards(nbytes: list[int], align: int = SHARD_ALIGN_BYTES) -> tuple[lis
     return offsets, cursor
 
 
-def plan_chunks(
-    total_bytes: int, chunk_bytes: int, shards: Sequence[tuple[int, int]] = ()
-) -> list[tuple[int, int]]:
+def plan_chunks(total_bytes: int, chunk_bytes: int, shards: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """(offset, length) of each chunk covering [0, total_bytes) exactly, in order.
 
     Without `shards` ((offset, nbytes), in order) the chunks are a fixed grid. With them,

@@ -19,6 +19,7 @@ def exact_sum(values: Iterable[float]) -> float:
         return math.fsum(values)
     return sum(values, 0.0)
 
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Global description of one tensor (HF name, dtype, global shape)."""
@@ -79,7 +80,12 @@ class ShardSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardSpec:
         return cls(
-            d["tensor_name"], tuple(d["start"]), tuple(d["stop"]), d["offset"], d["nbytes"], int(d["xxh3"], 16),
+            d["tensor_name"],
+            tuple(d["start"]),
+            tuple(d["stop"]),
+            d["offset"],
+            d["nbytes"],
+            int(d["xxh3"], 16),
             float(d["sum"]),
         )
 
@@ -127,8 +133,12 @@ class Endpoint:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoint:
         return cls(
-            d.get("address", ""), tuple(d.get("transports", ())), d.get("host_id", ""),
-            d.get("shm_path", ""), d.get("shm_offset", 0), d.get("fs_uri", ""),
+            d.get("address", ""),
+            tuple(d.get("transports", ())),
+            d.get("host_id", ""),
+            d.get("shm_path", ""),
+            d.get("shm_offset", 0),
+            d.get("fs_uri", ""),
             d.get("tcp_address", ""),
         )
 

@@ -56,10 +56,17 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         registry=registry,
         role=role,
         rpc_total=Counter(
-            "weightsync_rpc_requests_total", "Finished RPCs by status code.", ["service", "method", "code"], registry=registry
+            "weightsync_rpc_requests_total",
+            "Finished RPCs by status code.",
+            ["service", "method", "code"],
+            registry=registry,
         ),
         rpc_seconds=Histogram(
-            "weightsync_rpc_seconds", "RPC handling time.", ["service", "method"], buckets=RPC_BUCKETS_S, registry=registry
+            "weightsync_rpc_seconds",
+            "RPC handling time.",
+            ["service", "method"],
+            buckets=RPC_BUCKETS_S,
+            registry=registry,
         ),
         phase_seconds=Histogram(
             "weightsync_phase_seconds",
@@ -75,7 +82,10 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             registry=registry,
         ),
         digest_failures=Counter(
-            "weightsync_digest_failures_total", "Chunks or tensors whose digest did not match.", ["role"], registry=registry
+            "weightsync_digest_failures_total",
+            "Chunks or tensors whose digest did not match.",
+            ["role"],
+            registry=registry,
         ),
         current_version=Gauge(
             "weightsync_current_version", "Newest version this process holds/serves.", ["role"], registry=registry
@@ -84,7 +94,8 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_version_transitions_total", "Version state transitions.", ["state"], registry=registry
         ),
         database_bytes=Gauge(
-            "weightsync_database_bytes", "Size of the coordinator's SQLite file (retention keeps it bounded).",
+            "weightsync_database_bytes",
+            "Size of the coordinator's SQLite file (retention keeps it bounded).",
             registry=registry,
         ),
         fenced=Gauge(

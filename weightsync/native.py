@@ -47,11 +47,25 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if lib.ws_abi_version() != _ABI_VERSION:
         return None, f"{_LIB_PATH.name} has ABI {lib.ws_abi_version()}, expected {_ABI_VERSION}; {BUILD_HINT}"
     lib.ws_stage.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint64, _U64P, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(_Span),
-        ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), _U64P, ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        _U64P,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.POINTER(_Span),
+        ctypes.c_uint64,
+        _U64P,
+        ctypes.POINTER(ctypes.c_double),
+        _U64P,
+        ctypes.c_int,
     ]
     lib.ws_digest_spans.argtypes = [
-        ctypes.POINTER(_Span), ctypes.c_uint64, ctypes.c_uint64, _U64P, ctypes.POINTER(ctypes.c_double), ctypes.c_int,
+        ctypes.POINTER(_Span),
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        _U64P,
+        ctypes.POINTER(ctypes.c_double),
+        ctypes.c_int,
     ]
     lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
@@ -122,7 +136,9 @@ def ffi_missing_reason() -> str:
     if _LIB is None:
         return _MISSING
     if not hasattr(_LIB, "WsStageFfi"):
-        return f"{_LIB_PATH.name} was built without the JAX FFI handler (jax headers absent at build time); {BUILD_HINT}"
+        return (
+            f"{_LIB_PATH.name} was built without the JAX FFI handler (jax headers absent at build time); {BUILD_HINT}"
+        )
     return ""
 
 
@@ -188,14 +204,24 @@ def stage(
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
     lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
     if int(lengths.sum()) != total or (lengths == 0).any():
-        raise InvalidArgument("chunk_lengths", f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}")
+        raise InvalidArgument(
+            "chunk_lengths", f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}"
+        )
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
     chunks = np.zeros(max(len(lengths), 1), np.uint64)
     rc = lib.ws_stage(
-        _ptr(dst), total, lengths.ctypes.data_as(_U64P), len(lengths), piece_bytes, spans, len(sources),
-        digests.ctypes.data_as(_U64P), sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-        chunks.ctypes.data_as(_U64P), threads,
+        _ptr(dst),
+        total,
+        lengths.ctypes.data_as(_U64P),
+        len(lengths),
+        piece_bytes,
+        spans,
+        len(sources),
+        digests.ctypes.data_as(_U64P),
+        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        chunks.ctypes.data_as(_U64P),
+        threads,
     )
     _check(rc, "ws_stage")
     return StageResult(digests, sums, chunks[: len(lengths)])
@@ -215,8 +241,12 @@ def digest_arrays(
     digests = np.zeros(max(len(arrays), 1), np.uint64)
     sums = np.zeros(max(len(arrays), 1), np.float64)
     rc = lib.ws_digest_spans(
-        spans, len(arrays), piece_bytes, digests.ctypes.data_as(_U64P),
-        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), threads,
+        spans,
+        len(arrays),
+        piece_bytes,
+        digests.ctypes.data_as(_U64P),
+        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        threads,
     )
     _check(rc, "ws_digest_spans")
     return digests[: len(arrays)], sums[: len(arrays)]
@@ -232,7 +262,9 @@ def digest_ranges(base: np.ndarray, offsets: Sequence[int], lengths: Sequence[in
     if len(off) and int((off + ln).max()) > base.nbytes:
         raise InvalidArgument("offsets", "a range leaves the buffer")
     out = np.zeros(max(len(off), 1), np.uint64)
-    rc = lib.ws_digest_ranges(_ptr(base), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(off), out.ctypes.data_as(_U64P), threads)
+    rc = lib.ws_digest_ranges(
+        _ptr(base), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(off), out.ctypes.data_as(_U64P), threads
+    )
     _check(rc, "ws_digest_ranges")
     return out[: len(off)]
 
@@ -257,7 +289,9 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, threads: int = 
     dsts = np.array([_ptr(d) for d, _ in pairs] or [0], np.uint64)
     srcs = np.array([_ptr(s) for _, s in pairs] or [0], np.uint64)
     lengths = np.array([s.nbytes for _, s in pairs] or [0], np.uint64)
-    rc = lib.ws_copy_many(dsts.ctypes.data_as(_U64P), srcs.ctypes.data_as(_U64P), lengths.ctypes.data_as(_U64P), len(pairs), threads)
+    rc = lib.ws_copy_many(
+        dsts.ctypes.data_as(_U64P), srcs.ctypes.data_as(_U64P), lengths.ctypes.data_as(_U64P), len(pairs), threads
+    )
     _check(rc, "ws_copy_many")
 
 
@@ -315,7 +349,12 @@ def recv_verify(sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]],
     want = np.ascontiguousarray(digests, np.uint64)
     ok = np.zeros(max(len(off), 1), np.uint8)
     rc = lib.ws_recv_verify(
-        sock_fd, _ptr(buf), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), want.ctypes.data_as(_U64P), len(off),
+        sock_fd,
+        _ptr(buf),
+        off.ctypes.data_as(_U64P),
+        ln.ctypes.data_as(_U64P),
+        want.ctypes.data_as(_U64P),
+        len(off),
         _ptr(ok),
     )
     _moved(rc, "recv")

@@ -168,6 +168,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         timed = kind in ("unary_unary", "stream_unary")
 
         if inspect.isasyncgenfunction(fn):
+
             async def agen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
                     self._before(method, metadata, request)
@@ -180,9 +181,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     s = self._status(e, method, None, context)
                     await context.abort(s.code, s.details, s.trailing_metadata)
                 self._observe(method, "OK", None)
+
             return agen
 
         if inspect.iscoroutinefunction(fn):
+
             async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 started = time.perf_counter() if timed else None
                 try:
@@ -193,9 +196,11 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(s.code, s.details, s.trailing_metadata)
                 self._observe(method, "OK", started)
                 return response
+
             return coro
 
         if timed:
+
             def call(request: Any, context: grpc.ServicerContext) -> Any:
                 started = time.perf_counter()
                 try:
@@ -205,6 +210,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     _abort_sync(context, self._status(e, method, started, context))
                 self._observe(method, "OK", started)
                 return response
+
             return call
 
         def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -214,6 +220,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 _abort_sync(context, self._status(e, method, None, context))
             self._observe(method, "OK", None)
+
         return gen
 
 
@@ -283,7 +290,9 @@ def unary(
             raise err from None
 
 
-def stream(fn: Callable[..., Iterator[T]], request: Any, *, timeout_s: float | None, metadata: Any = None) -> Iterator[T]:
+def stream(
+    fn: Callable[..., Iterator[T]], request: Any, *, timeout_s: float | None, metadata: Any = None
+) -> Iterator[T]:
     """Iterates a server-streaming call with a deadline, mapping errors as they arrive."""
     call = fn(request, timeout=timeout_s, metadata=metadata)
     try:

@@ -49,7 +49,8 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 ROLE_IN_REQUEST = ("/weightsync.v1.Coordinator/OpenSession", "/weightsync.v1.Coordinator/RegisterAgent")
 # Methods whose request names an agent: an agent token may name only its own.
 AGENT_IN_REQUEST = tuple(
-    f"/weightsync.v1.Coordinator/{m}" for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "ReportApplied", "GetManifest")
+    f"/weightsync.v1.Coordinator/{m}"
+    for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "ReportApplied", "GetManifest")
 )
 AGENT_TOKEN_PREFIX = "wsagent:"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -100,7 +101,11 @@ class Security:
 
     def check_files(self) -> None:
         """Reads every configured file now (entry points fail at start, naming the flag)."""
-        for path, what in ((self.cert_file, "tls_cert_file"), (self.key_file, "tls_key_file"), (self.ca_file, "tls_ca_file")):
+        for path, what in (
+            (self.cert_file, "tls_cert_file"),
+            (self.key_file, "tls_key_file"),
+            (self.ca_file, "tls_ca_file"),
+        ):
             if path:
                 _read(path, what)
         if self.tokens_file:
@@ -112,7 +117,9 @@ class Security:
             return None
         pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
         roots = _read(self.ca_file, "tls_ca_file") if self.require_client_cert else None
-        return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=self.require_client_cert)
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=roots, require_client_auth=self.require_client_cert
+        )
 
     def request_checks(self) -> list[BearerAuth]:
         """The bearer-token check, when this server has a tokens file."""
@@ -149,8 +156,9 @@ class _BearerToken(
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [*(details.metadata or ()), self._header]
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            details.wait_for_ready, details.compression)
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         return continuation(self._with_token(details), request)

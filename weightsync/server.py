@@ -156,10 +156,15 @@ def start_server(
     if credentials is None and not security.tokens_file and not is_loopback(host):
         log.warning(
             "INSECURE: %s serves plaintext without bearer tokens on %s; any client that reaches it may fence the "
-            "trainer or publish versions (see --tls-cert-file / --auth-tokens-file)", ", ".join(names), address,
+            "trainer or publish versions (see --tls-cert-file / --auth-tokens-file)",
+            ", ".join(names),
+            address,
         )
     log.info(
-        "serving %s on %s (metrics on %s; %s%s)", ", ".join(names), address, mport,
+        "serving %s on %s (metrics on %s; %s%s)",
+        ", ".join(names),
+        address,
+        mport,
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
         ", bearer tokens" if security.tokens_file else "",
     )
@@ -175,13 +180,20 @@ def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) ->
     are the same messages under a new package name, so one servicer answers both."""
     servicer = reflection.aio.ReflectionServicer(service_names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-        ),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
 
 
 def write_ready_file(path: str, **info: Any) -> None:

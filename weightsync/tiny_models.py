@@ -25,10 +25,20 @@ def write_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     shape = PRESETS[shape] if isinstance(shape, str) else shape
     common = dict(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=shape.tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=shape.tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if family == "qwen3":
         cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM

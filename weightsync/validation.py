@@ -79,7 +79,9 @@ def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:
     if any(d < 0 for d in t.shape):
         raise InvalidArgument(f"{field}.shape", f"negative dimension in {list(t.shape)}")
     if t.nbytes > limits.max_part_bytes:
-        raise ResourceExhausted(f"{field}.shape: {t.nbytes} bytes exceed {limits.max_part_bytes}", field=f"{field}.shape")
+        raise ResourceExhausted(
+            f"{field}.shape: {t.nbytes} bytes exceed {limits.max_part_bytes}", field=f"{field}.shape"
+        )
 
 
 def _boxes_overlap(a: ShardSpec, b: ShardSpec) -> bool:
@@ -96,7 +98,8 @@ def _check_counts(part: Part, limits: Limits) -> None:
             raise ResourceExhausted(f"part.{what}: {n} exceed the limit of {cap}", field=f"part.{what}")
     if part.total_bytes > limits.max_part_bytes:
         raise ResourceExhausted(
-            f"part.total_bytes: {part.total_bytes} exceed the limit of {limits.max_part_bytes}", field="part.total_bytes"
+            f"part.total_bytes: {part.total_bytes} exceed the limit of {limits.max_part_bytes}",
+            field="part.total_bytes",
         )
 
 
@@ -164,7 +167,10 @@ def _check_no_box_overlap(name: str, shards: Sequence[ShardSpec], field: str) ->
         open_boxes = [a for a in open_boxes if not ndim or a.stop[axis] > b.start[axis]]
         for a in open_boxes:
             if _boxes_overlap(a, b):
-                raise InvalidArgument(field, f"boxes of {name!r} overlap: {list(a.start)}..{list(a.stop)} and {list(b.start)}..{list(b.stop)}")
+                raise InvalidArgument(
+                    field,
+                    f"boxes of {name!r} overlap: {list(a.start)}..{list(a.stop)} and {list(b.start)}..{list(b.stop)}",
+                )
         open_boxes.append(b)
 
 
@@ -226,7 +232,8 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -
             covered = sum(s.element_count for s in shards.get(name, []))
             if covered != spec.element_count:
                 raise InvalidArgument(
-                    "part.shards", f"shards of {name!r} cover {covered} of {spec.element_count} elements across all ranks"
+                    "part.shards",
+                    f"shards of {name!r} cover {covered} of {spec.element_count} elements across all ranks",
                 )
 
 

@@ -44,7 +44,13 @@ def shard_from_proto(p: _tpb.ShardDescriptor) -> ShardSpec:
 
 def shard_to_proto(s: ShardSpec) -> _tpb.ShardDescriptor:
     return _tpb.ShardDescriptor(
-        tensor_name=s.tensor_name, start=list(s.start), stop=list(s.stop), offset=s.offset, nbytes=s.nbytes, xxh3=s.xxh3, sum=s.sum
+        tensor_name=s.tensor_name,
+        start=list(s.start),
+        stop=list(s.stop),
+        offset=s.offset,
+        nbytes=s.nbytes,
+        xxh3=s.xxh3,
+        sum=s.sum,
     )
 
 
@@ -100,7 +106,11 @@ class PartBuilder:
         base = len(self.tensors)
         for i, name in enumerate([t.name for t in batch.tensors] + [s.tensor_name for s in batch.shards]):
             if len(name) > MAX_NAME_CHARS:
-                kind, j = ("tensors", base + i) if i < len(batch.tensors) else ("shards", len(self.shards) + i - len(batch.tensors))
+                kind, j = (
+                    ("tensors", base + i)
+                    if i < len(batch.tensors)
+                    else ("shards", len(self.shards) + i - len(batch.tensors))
+                )
                 raise InvalidArgument(f"part.{kind}[{j}].name", f"{len(name)} characters exceed {MAX_NAME_CHARS}")
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
@@ -166,4 +176,3 @@ def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.Man
     v = header.version
     manifest = Manifest(v.session, v.version, v.generation, header.chunk_bytes, parts)
     return header, manifest
-

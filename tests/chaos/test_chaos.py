@@ -36,8 +36,20 @@ from weightsync.errors import SessionNotFound, WeightsyncError
 TTL = 2.0
 SESSION = "chaos"
 MODES = {"r0": "tcp", "r1": "shm", "r2": "relay"}
-TRAINER_ARGS = ["--model-size", "tiny", "--weight-dtype", "float32", "--steps", "100000", "--wait-commit", "false",
-                "--step-interval-s", "0.3", "--failpoints", "tcp_server.drop_mid_reply=2"]
+TRAINER_ARGS = [
+    "--model-size",
+    "tiny",
+    "--weight-dtype",
+    "float32",
+    "--steps",
+    "100000",
+    "--wait-commit",
+    "false",
+    "--step-interval-s",
+    "0.3",
+    "--failpoints",
+    "tcp_server.drop_mid_reply=2",
+]
 FAULTS = ("kill_coordinator", "kill_rollout", "pause_rollout", "kill_trainer", "flip_arena_byte", "racing_writer")
 EXIT_WITHIN_S = 5.0
 DEFAULT_SEED = 2
@@ -246,9 +258,22 @@ def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None
     assert time.monotonic() - t_stop < EXIT_WITHIN_S
     final = chaos.latest_version() + 1
     cluster.start_trainer(
-        "final", chaos.coordinator, SESSION,
-        ["--model-size", "tiny", "--weight-dtype", "float32", "--steps", "1", "--start-version", str(final),
-         "--wait-commit", "false", "--hold"],
+        "final",
+        chaos.coordinator,
+        SESSION,
+        [
+            "--model-size",
+            "tiny",
+            "--weight-dtype",
+            "float32",
+            "--steps",
+            "1",
+            "--start-version",
+            str(final),
+            "--wait-commit",
+            "false",
+            "--hold",
+        ],
     )
     with CoordinatorClient(chaos.coordinator) as client:
         ready = client.wait_for_version(SESSION, final, states=("READY", "COMMITTED"), timeout_s=60)

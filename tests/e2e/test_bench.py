@@ -17,16 +17,39 @@ FIELDS = {"method", "mode", "rollouts", "seconds", "gbps", "ratio_to_bound", "eg
 def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena_leak: None) -> None:
     out = tmp_path / "latest.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--size", "tiny", "--runs", "1", "--rollouts", "1,2",
-         "--modes", "tcp,relay", "--peers", "safetensors,gloo", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "transfer.py"),
+            "--size",
+            "tiny",
+            "--runs",
+            "1",
+            "--rollouts",
+            "1,2",
+            "--modes",
+            "tcp,relay",
+            "--peers",
+            "safetensors,gloo",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert {(r["method"], r["mode"], r["rollouts"]) for r in rows} == {
-        ("weightsync", "tcp", 1), ("weightsync", "tcp", 2), ("weightsync", "relay", 1), ("weightsync", "relay", 2),
+        ("weightsync", "tcp", 1),
+        ("weightsync", "tcp", 2),
+        ("weightsync", "relay", 1),
+        ("weightsync", "relay", 2),
         ("weightsync", "tcp/streaming", 1),
-        ("safetensors", "tmpfs", 1), ("safetensors", "tmpfs", 2), ("gloo", "tcp", 1), ("gloo", "tcp", 2),
+        ("safetensors", "tmpfs", 1),
+        ("safetensors", "tmpfs", 2),
+        ("gloo", "tcp", 1),
+        ("gloo", "tcp", 2),
     }
     for r in rows:
         assert FIELDS <= set(r) and r["seconds"] > 0 and r["gbps"] > 0 and r["peak_rss_bytes"] >= 0

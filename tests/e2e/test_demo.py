@@ -23,7 +23,9 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
     workdir = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -44,9 +46,22 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
 def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: None, sig: int) -> None:
     workdir = tmp_path / "demo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "500", "--engine", "numpy",
-         "--workdir", str(workdir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "weightsync.demo",
+            "--model-size",
+            "tiny",
+            "--steps",
+            "500",
+            "--engine",
+            "numpy",
+            "--workdir",
+            str(workdir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120

@@ -37,7 +37,9 @@ pytestmark = pytest.mark.slow
 PROMPT = [1, 5, 6, 7, 8, 9, 10]
 NEW_TOKENS = 6
 LOGPROB_ATOL = 2e-4
-ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=64 << 20, block_size=32, seed=0)
+ENGINE_ARGS = dict(
+    dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=64 << 20, block_size=32, seed=0
+)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,9 @@ def publish_from_maxtext(publisher: WeightPublisher, w: dict[str, np.ndarray], v
 
     mt = with_style(to_maxtext(w, "qwen3", layers=2, heads=4, kv_heads=2, head_dim=32, vocab_pad=16), "linen")
     dims = ModelDims(layers=2, heads=4, kv_heads=2, head_dim=32, vocab=1024)
-    publisher.publish_stream(convert_maxtext(mt, "qwen3", dims), version, capacity_bytes=sum(a.nbytes + 256 for a in w.values()))
+    publisher.publish_stream(
+        convert_maxtext(mt, "qwen3", dims), version, capacity_bytes=sum(a.nbytes + 256 for a in w.values())
+    )
 
 
 def test_native_api_syncs_each_version_and_matches_transformers(
@@ -199,8 +203,14 @@ def test_default_multiprocess_engine_gets_the_backend_from_the_entry_point(model
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     script = Path(__file__).with_name("vllm_multiprocess_check.py")
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), coordinator], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=Path(__file__).parents[2])
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_dir), coordinator],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')))
     assert result["state"] == "COMMITTED" and result["weight_version"] == "1" and len(result["tokens"]) == 4

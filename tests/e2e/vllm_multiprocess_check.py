@@ -18,10 +18,19 @@ from trainer_agent.publisher import WeightPublisher
 def main(model_dir: str, coordinator: str) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128,
-              kv_cache_memory_bytes=64 << 20, block_size=32, seed=0,
-              weight_transfer_config={"backend": "weightsync"})
-    llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "session": "mp", "agent_id": "mp-engine"}})
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=32,
+        seed=0,
+        weight_transfer_config={"backend": "weightsync"},
+    )
+    llm.init_weight_transfer_engine(
+        {"init_info": {"coordinator": coordinator, "session": "mp", "agent_id": "mp-engine"}}
+    )
     base = load_file(f"{model_dir}/model.safetensors")
     rng = np.random.default_rng(5)
     with WeightPublisher(coordinator, "mp", min_rollouts=1) as pub:
@@ -30,10 +39,16 @@ def main(model_dir: str, coordinator: str) -> None:
         llm.update_weights({"update_info": {"version": "latest"}})
         llm.finish_weight_update(weight_version="1")
         llm.reset_prefix_cache()
-        out = llm.generate([{"prompt_token_ids": [1, 5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        out = llm.generate(
+            [{"prompt_token_ids": [1, 5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
         state = pub.wait_committed(1, 60)
     llm.shutdown_weight_transfer_engine()
-    print(json.dumps({"tokens": list(out[0].outputs[0].token_ids), "weight_version": llm.get_weight_version(), "state": state}))
+    print(
+        json.dumps(
+            {"tokens": list(out[0].outputs[0].token_ids), "weight_version": llm.get_weight_version(), "state": state}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,23 @@ INTS = {
 }
 FLOATS = [0.0, -0.0, 1.0, math.nan, math.inf, -math.inf, 1e308, 5e-324, -1e-3]
 STRINGS = [
-    "", "fuzz", "r0", "a", "model.layers.0.w", "../../etc", "/etc/passwd", "file:///etc", "memory://x",
-    "fuzz/v1/r0", "127.0.0.1:1", "[::1]:0", "grpc,tcp", "\x00", "é\u2028\U0001f600", "x" * 10_000, "A" * 300,
+    "",
+    "fuzz",
+    "r0",
+    "a",
+    "model.layers.0.w",
+    "../../etc",
+    "/etc/passwd",
+    "file:///etc",
+    "memory://x",
+    "fuzz/v1/r0",
+    "127.0.0.1:1",
+    "[::1]:0",
+    "grpc,tcp",
+    "\x00",
+    "é\u2028\U0001f600",
+    "x" * 10_000,
+    "A" * 300,
 ]
 
 
@@ -108,14 +123,18 @@ def _methods(channel: grpc.Channel) -> Iterator[tuple[str, Any, bool, bool]]:
             yield f"/{name}/{m.name}", cls, m.client_streaming, m.server_streaming
 
 
-def _call(channel: grpc.Channel, path: str, cls: Any, cstream: bool, sstream: bool, rng: random.Random) -> grpc.StatusCode:
+def _call(
+    channel: grpc.Channel, path: str, cls: Any, cstream: bool, sstream: bool, rng: random.Random
+) -> grpc.StatusCode:
     ser, de = (lambda m: m.SerializeToString()), (lambda b: b)
     try:
         if cstream:
             reqs = [_fill(cls(), rng) for _ in range(rng.choice([0, 1, 2, 4]))]
             channel.stream_unary(path, request_serializer=ser, response_deserializer=de)(iter(reqs), timeout=10)
         elif sstream:
-            call = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(_fill(cls(), rng), timeout=0.2)
+            call = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(
+                _fill(cls(), rng), timeout=0.2
+            )
             # Belt and braces: a watch that outlives its deadline on the client side would
             # hang the test rather than fail it (seen once with a health Watch).
             timer = threading.Timer(3, call.cancel)

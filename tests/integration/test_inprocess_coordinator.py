@@ -67,7 +67,9 @@ def test_wsctl_watch_json_and_errors(inprocess_coordinator: RunningServer) -> No
         part, _ = make_part(sample_arrays())
         client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
     base = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--session", "job"]
-    out = subprocess.run([*base, "--json", "watch", "--count", "2"], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [*base, "--json", "watch", "--count", "2"], capture_output=True, text=True, timeout=60, check=True
+    )
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert [e["version"]["state"] for e in events] == ["STAGING", "READY"]
     bad = subprocess.run([*base, "manifest", "7"], capture_output=True, text=True, timeout=60)
@@ -77,7 +79,9 @@ def test_wsctl_watch_json_and_errors(inprocess_coordinator: RunningServer) -> No
     with CoordinatorClient(inprocess_coordinator.address) as client:  # a newer incarnation fences "t-a"
         client.register_agent("job", "t-a", trainer=True, endpoint=Endpoint(), generation=gen)
         client.open_session("job", trainer=True, incarnation="b")
-    fenced = subprocess.run([*base, "status"], capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "200"})
+    fenced = subprocess.run(
+        [*base, "status"], capture_output=True, text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "200"}
+    )
     assert "generation 2" in fenced.stdout and "1 (fenced)" in fenced.stdout
 
 
@@ -87,7 +91,10 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
     from weightsync.lease import heartbeat_interval_s, relay_fresh_s
 
     assert heartbeat_interval_s(10.0) == 2.5 and heartbeat_interval_s(60.0) == 15.0 and relay_fresh_s(2.0) == 2 * 0.5
-    with coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running, CoordinatorClient(running.address) as client:
+    with (
+        coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running,
+        CoordinatorClient(running.address) as client,
+    ):
         client.open_session("job", trainer=False)
         registrations = []
 

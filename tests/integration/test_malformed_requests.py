@@ -26,12 +26,26 @@ pytestmark = pytest.mark.slow
 C = grpc.StatusCode
 
 
-def publish_stream(part, *, generation: int, version: int, seal: str | None = None, header_overrides=None,  # noqa: ANN001
-                   batches=None) -> Iterator[cpb.PublishRequest]:  # noqa: ANN001
+def publish_stream(
+    part,
+    *,
+    generation: int,
+    version: int,
+    seal: str | None = None,
+    header_overrides=None,  # noqa: ANN001
+    batches=None,
+) -> Iterator[cpb.PublishRequest]:  # noqa: ANN001
     header = cpb.PublishHeader(
-        session="job", generation=generation, version=version, rank=part.rank, idempotency_key="k",
-        total_bytes=part.total_bytes, chunk_bytes=part.chunk_bytes, tensor_count=len(part.tensors),
-        shard_count=len(part.shards), chunk_count=len(part.chunks),
+        session="job",
+        generation=generation,
+        version=version,
+        rank=part.rank,
+        idempotency_key="k",
+        total_bytes=part.total_bytes,
+        chunk_bytes=part.chunk_bytes,
+        tensor_count=len(part.tensors),
+        shard_count=len(part.shards),
+        chunk_count=len(part.chunks),
     )
     for k, v in (header_overrides or {}).items():
         if k == "endpoint":
@@ -54,14 +68,21 @@ def sealed_digest(header: cpb.PublishHeader, batches: list[tpb.DescriptorBatch])
             builder.add(b)
     except InvalidArgument:
         return ""
-    return builder.build(total_bytes=header.total_bytes, chunk_bytes=header.chunk_bytes, endpoint=Endpoint(), stage_seconds=0).digest()
+    return builder.build(
+        total_bytes=header.total_bytes, chunk_bytes=header.chunk_bytes, endpoint=Endpoint(), stage_seconds=0
+    ).digest()
 
 
 def snapshot(stub: cpb_grpc.CoordinatorStub) -> tuple:
     st = stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=10)
-    return (st.generation, st.trainer_ranks, [v.SerializeToString() for v in st.versions],
-            [h.SerializeToString() for h in st.handshakes], [p.SerializeToString() for p in st.parts],
-            sorted(a.agent_id for a in st.agents))
+    return (
+        st.generation,
+        st.trainer_ranks,
+        [v.SerializeToString() for v in st.versions],
+        [h.SerializeToString() for h in st.handshakes],
+        [p.SerializeToString() for p in st.parts],
+        sorted(a.agent_id for a in st.agents),
+    )
 
 
 @dataclasses.dataclass
@@ -82,17 +103,23 @@ class World:
         return dataclasses.replace(self.part, chunks=(c[0], dataclasses.replace(c[1], offset=c[1].offset - 8), *c[2:]))
 
     bad_dtype = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name="a.b", dtype=99, shape=[2])])]
-    many = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name=f"t{i}", dtype=1, shape=[1]) for i in range(2048)])]
+    many = [
+        tpb.DescriptorBatch(
+            rank=0, tensors=[tpb.TensorDescriptor(name=f"t{i}", dtype=1, shape=[1]) for i in range(2048)]
+        )
+    ]
     long_name = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name="x" * (1 << 20), dtype=1, shape=[1])])]
 
     @property
     def huge(self) -> list[tpb.DescriptorBatch]:
         t = self.part.tensors[0]
-        return [tpb.DescriptorBatch(
-            rank=0,
-            tensors=[tensor_to_proto(dataclasses.replace(t, shape=(1 << 41,)))],
-            shards=[tpb.ShardDescriptor(tensor_name=t.name, start=[0], stop=[1 << 41], nbytes=1 << 43)],
-        )]
+        return [
+            tpb.DescriptorBatch(
+                rank=0,
+                tensors=[tensor_to_proto(dataclasses.replace(t, shape=(1 << 41,)))],
+                shards=[tpb.ShardDescriptor(tensor_name=t.name, start=[0], stop=[1 << 41], nbytes=1 << 43)],
+            )
+        ]
 
     def read(self, **kw: object) -> object:
         fields = {"session": "job", "version": 1, "rank": 0, "indices": [0], "access_token": self.token, **kw}
@@ -108,54 +135,379 @@ class Case:
 
 
 CASES = [
-    Case("empty session", lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="", role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "session"),
-    Case("bad session name", lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="Job!", role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "session"),
-    Case("no role", lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="job"), timeout=5), C.INVALID_ARGUMENT, "role"),
-    Case("register unknown session", lambda w: w.stub.RegisterAgent(cpb.RegisterAgentRequest(session="nope", agent_id="a", role=tpb.ROLLOUT), timeout=5), C.NOT_FOUND, None),
-    Case("register bad address", lambda w: w.stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="a", role=tpb.ROLLOUT, endpoint=tpb.Endpoint(address="nowhere")), timeout=5), C.INVALID_ARGUMENT, "endpoint.address"),
-    Case("register bad agent id", lambda w: w.stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="A B", role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "agent_id"),
-    Case("register trainer rank out of range", lambda w: w.stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, rank=9), timeout=5), C.INVALID_ARGUMENT, "rank"),
-    Case("heartbeat unknown agent", lambda w: w.stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="ghost"), timeout=5), C.NOT_FOUND, None),
+    Case(
+        "empty session",
+        lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="", role=tpb.ROLLOUT), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session",
+    ),
+    Case(
+        "bad session name",
+        lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="Job!", role=tpb.ROLLOUT), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session",
+    ),
+    Case(
+        "no role",
+        lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="job"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "role",
+    ),
+    Case(
+        "register unknown session",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="nope", agent_id="a", role=tpb.ROLLOUT), timeout=5
+        ),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "register bad address",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(
+                session="job", agent_id="a", role=tpb.ROLLOUT, endpoint=tpb.Endpoint(address="nowhere")
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "endpoint.address",
+    ),
+    Case(
+        "register bad agent id",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="job", agent_id="A B", role=tpb.ROLLOUT), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "agent_id",
+    ),
+    Case(
+        "register trainer rank out of range",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, rank=9), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "rank",
+    ),
+    Case(
+        "heartbeat unknown agent",
+        lambda w: w.stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="ghost"), timeout=5),
+        C.NOT_FOUND,
+        None,
+    ),
     # uint64 values past SQLite's int64 once came back INTERNAL
-    Case("heartbeat version 2^64-1", lambda w: w.stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="probe", current_version=(1 << 64) - 1), timeout=5), C.INVALID_ARGUMENT, "current_version"),
-    Case("watch since 2^63", lambda w: next(w.stub.WatchVersions(cpb.WatchVersionsRequest(session="job", since_seq=1 << 63), timeout=5)), C.INVALID_ARGUMENT, "since_seq"),
-    Case("manifest version 2^63", lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="job", version=1 << 63), timeout=5)), C.INVALID_ARGUMENT, "version"),
-    Case("release version 2^64-1", lambda w: w.stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=(1 << 64) - 1, generation=w.gen), timeout=5), C.INVALID_ARGUMENT, "version"),
-    Case("attach next_version 2^64-1", lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="job", role=tpb.TRAINER, incarnation="x", next_version=(1 << 64) - 1), timeout=5), C.INVALID_ARGUMENT, "next_version"),
-    Case("publish version 2^63", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=1 << 63), timeout=5), C.INVALID_ARGUMENT, "header.version"),
-    Case("publish stage_seconds NaN", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"stage_seconds": float("nan")}), timeout=5), C.INVALID_ARGUMENT, "header.stage_seconds"),
+    Case(
+        "heartbeat version 2^64-1",
+        lambda w: w.stub.Heartbeat(
+            cpb.HeartbeatRequest(session="job", agent_id="probe", current_version=(1 << 64) - 1), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "current_version",
+    ),
+    Case(
+        "watch since 2^63",
+        lambda w: next(w.stub.WatchVersions(cpb.WatchVersionsRequest(session="job", since_seq=1 << 63), timeout=5)),
+        C.INVALID_ARGUMENT,
+        "since_seq",
+    ),
+    Case(
+        "manifest version 2^63",
+        lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="job", version=1 << 63), timeout=5)),
+        C.INVALID_ARGUMENT,
+        "version",
+    ),
+    Case(
+        "release version 2^64-1",
+        lambda w: w.stub.ReleaseVersion(
+            cpb.ReleaseVersionRequest(session="job", version=(1 << 64) - 1, generation=w.gen), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "version",
+    ),
+    Case(
+        "attach next_version 2^64-1",
+        lambda w: w.stub.OpenSession(
+            cpb.OpenSessionRequest(session="job", role=tpb.TRAINER, incarnation="x", next_version=(1 << 64) - 1),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "next_version",
+    ),
+    Case(
+        "publish version 2^63",
+        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=1 << 63), timeout=5),
+        C.INVALID_ARGUMENT,
+        "header.version",
+    ),
+    Case(
+        "publish stage_seconds NaN",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"stage_seconds": float("nan")}),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "header.stage_seconds",
+    ),
     # huge values are refused naming the field, not echoed whole into trailing metadata
-    Case("1 MiB session name", lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="a" * (1 << 20), role=tpb.ROLLOUT), timeout=5), C.INVALID_ARGUMENT, "session"),
-    Case("1 MiB tensor name", lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["x" * (1 << 20)]), timeout=5), C.INVALID_ARGUMENT, "consumed_names[0]"),
-    Case("publish without header", lambda w: w.stub.PublishVersion(iter([cpb.PublishRequest(seal=cpb.PublishSeal())]), timeout=5), C.INVALID_ARGUMENT, "header"),
-    Case("publish stale generation", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen - 1 if w.gen > 1 else w.gen + 5, version=2), timeout=5), C.FAILED_PRECONDITION, None),
-    Case("publish version 0", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=0), timeout=5), C.INVALID_ARGUMENT, "header.version"),
-    Case("publish wrong counts", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"chunk_count": 99}), timeout=5), C.INVALID_ARGUMENT, None),
-    Case("publish shm path outside /dev/shm", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.shm_path"),
-    Case("publish fs_uri outside the store", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="../../etc")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.fs_uri"),
-    Case("publish fs_uri of another scheme", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="file:///etc")}), timeout=5), C.INVALID_ARGUMENT, "header.endpoint.fs_uri"),
-    Case("publish announcing 10^6 tensors", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, header_overrides={"tensor_count": 10**6}), timeout=5), C.RESOURCE_EXHAUSTED, "header.tensor_count"),
-    Case("publish more tensors than announced", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, batches=w.many, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 4096}), timeout=5), C.INVALID_ARGUMENT, "part.tensors"),
-    Case("publish a 1 MiB tensor name", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, batches=w.long_name, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}), timeout=5), C.INVALID_ARGUMENT, "part.tensors[0].name"),
-    Case("publish wrong seal", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, seal="00"), timeout=5), C.INVALID_ARGUMENT, "seal.part_digest"),
-    Case("publish bad dtype", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, batches=w.bad_dtype, header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}), timeout=5), C.INVALID_ARGUMENT, "part.tensors[0].dtype"),
-    Case("publish overlapping chunks", lambda w: w.stub.PublishVersion(publish_stream(w.overlapping, generation=w.gen, version=2), timeout=5), C.INVALID_ARGUMENT, "part.chunks[1].offset"),
-    Case("publish over the size limit", lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, batches=w.huge, header_overrides={"tensor_count": 1, "shard_count": 1, "chunk_count": 0}), timeout=5), C.RESOURCE_EXHAUSTED, None),
-    Case("publish rank out of range", lambda w: w.stub.PublishVersion(publish_stream(dataclasses.replace(w.part, rank=3), generation=w.gen, version=2), timeout=5), C.INVALID_ARGUMENT, None),
-    Case("republish v1 other content", lambda w: w.stub.PublishVersion(publish_stream(w.other, generation=w.gen, version=1), timeout=5), C.ALREADY_EXISTS, None),
-    Case("manifest unknown version", lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="job", version=42), timeout=5)), C.NOT_FOUND, None),
-    Case("manifest unknown session", lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="nope"), timeout=5)), C.NOT_FOUND, None),
-    Case("watch unknown session", lambda w: next(w.stub.WatchVersions(cpb.WatchVersionsRequest(session="nope"), timeout=5)), C.NOT_FOUND, None),
-    Case("report version 0", lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=0, agent_id="a"), timeout=5), C.INVALID_ARGUMENT, "version"),
-    Case("report bad tensor name", lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=1, agent_id="a", consumed_names=["../x"]), timeout=5), C.INVALID_ARGUMENT, "consumed_names[0]"),
-    Case("report bad agent", lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=1, agent_id=""), timeout=5), C.INVALID_ARGUMENT, "agent_id"),
-    Case("abort stale generation", lambda w: w.stub.AbortVersion(cpb.AbortVersionRequest(session="job", generation=w.gen + 3, version=1), timeout=5), C.FAILED_PRECONDITION, None),
-    Case("release unknown version", lambda w: w.stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=9, generation=w.gen), timeout=5), C.NOT_FOUND, None),
-    Case("release without generation", lambda w: w.stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=1, force=True), timeout=5), C.INVALID_ARGUMENT, "generation"),
-    Case("release stale generation", lambda w: w.stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=1, force=True, generation=w.gen + 3), timeout=5), C.FAILED_PRECONDITION, None),
-    Case("register trainer stale generation", lambda w: w.stub.RegisterAgent(cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, generation=w.gen + 3), timeout=5), C.FAILED_PRECONDITION, None),
-    Case("deregister bad agent", lambda w: w.stub.DeregisterAgent(cpb.DeregisterAgentRequest(session="job", agent_id="Bad Id"), timeout=5), C.INVALID_ARGUMENT, "agent_id"),
-    Case("status limit too big", lambda w: w.stub.GetStatus(cpb.GetStatusRequest(session="job", version_limit=5000), timeout=5), C.INVALID_ARGUMENT, "version_limit"),
+    Case(
+        "1 MiB session name",
+        lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="a" * (1 << 20), role=tpb.ROLLOUT), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session",
+    ),
+    Case(
+        "1 MiB tensor name",
+        lambda w: w.stub.ReportApplied(
+            cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["x" * (1 << 20)]),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "consumed_names[0]",
+    ),
+    Case(
+        "publish without header",
+        lambda w: w.stub.PublishVersion(iter([cpb.PublishRequest(seal=cpb.PublishSeal())]), timeout=5),
+        C.INVALID_ARGUMENT,
+        "header",
+    ),
+    Case(
+        "publish stale generation",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(w.part, generation=w.gen - 1 if w.gen > 1 else w.gen + 5, version=2), timeout=5
+        ),
+        C.FAILED_PRECONDITION,
+        None,
+    ),
+    Case(
+        "publish version 0",
+        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=0), timeout=5),
+        C.INVALID_ARGUMENT,
+        "header.version",
+    ),
+    Case(
+        "publish wrong counts",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"chunk_count": 99}), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        None,
+    ),
+    Case(
+        "publish shm path outside /dev/shm",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "header.endpoint.shm_path",
+    ),
+    Case(
+        "publish fs_uri outside the store",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="../../etc")}
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "header.endpoint.fs_uri",
+    ),
+    Case(
+        "publish fs_uri of another scheme",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="file:///etc")}
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "header.endpoint.fs_uri",
+    ),
+    Case(
+        "publish announcing 10^6 tensors",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"tensor_count": 10**6}), timeout=5
+        ),
+        C.RESOURCE_EXHAUSTED,
+        "header.tensor_count",
+    ),
+    Case(
+        "publish more tensors than announced",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part,
+                generation=w.gen,
+                version=2,
+                batches=w.many,
+                seal="0",
+                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 4096},
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "part.tensors",
+    ),
+    Case(
+        "publish a 1 MiB tensor name",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part,
+                generation=w.gen,
+                version=2,
+                batches=w.long_name,
+                seal="0",
+                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0},
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "part.tensors[0].name",
+    ),
+    Case(
+        "publish wrong seal",
+        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, seal="00"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "seal.part_digest",
+    ),
+    Case(
+        "publish bad dtype",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part,
+                generation=w.gen,
+                version=2,
+                batches=w.bad_dtype,
+                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0},
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "part.tensors[0].dtype",
+    ),
+    Case(
+        "publish overlapping chunks",
+        lambda w: w.stub.PublishVersion(publish_stream(w.overlapping, generation=w.gen, version=2), timeout=5),
+        C.INVALID_ARGUMENT,
+        "part.chunks[1].offset",
+    ),
+    Case(
+        "publish over the size limit",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(
+                w.part,
+                generation=w.gen,
+                version=2,
+                batches=w.huge,
+                header_overrides={"tensor_count": 1, "shard_count": 1, "chunk_count": 0},
+            ),
+            timeout=5,
+        ),
+        C.RESOURCE_EXHAUSTED,
+        None,
+    ),
+    Case(
+        "publish rank out of range",
+        lambda w: w.stub.PublishVersion(
+            publish_stream(dataclasses.replace(w.part, rank=3), generation=w.gen, version=2), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        None,
+    ),
+    Case(
+        "republish v1 other content",
+        lambda w: w.stub.PublishVersion(publish_stream(w.other, generation=w.gen, version=1), timeout=5),
+        C.ALREADY_EXISTS,
+        None,
+    ),
+    Case(
+        "manifest unknown version",
+        lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="job", version=42), timeout=5)),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "manifest unknown session",
+        lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="nope"), timeout=5)),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "watch unknown session",
+        lambda w: next(w.stub.WatchVersions(cpb.WatchVersionsRequest(session="nope"), timeout=5)),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "report version 0",
+        lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=0, agent_id="a"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "version",
+    ),
+    Case(
+        "report bad tensor name",
+        lambda w: w.stub.ReportApplied(
+            cpb.ReportAppliedRequest(session="job", version=1, agent_id="a", consumed_names=["../x"]), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "consumed_names[0]",
+    ),
+    Case(
+        "report bad agent",
+        lambda w: w.stub.ReportApplied(cpb.ReportAppliedRequest(session="job", version=1, agent_id=""), timeout=5),
+        C.INVALID_ARGUMENT,
+        "agent_id",
+    ),
+    Case(
+        "abort stale generation",
+        lambda w: w.stub.AbortVersion(
+            cpb.AbortVersionRequest(session="job", generation=w.gen + 3, version=1), timeout=5
+        ),
+        C.FAILED_PRECONDITION,
+        None,
+    ),
+    Case(
+        "release unknown version",
+        lambda w: w.stub.ReleaseVersion(
+            cpb.ReleaseVersionRequest(session="job", version=9, generation=w.gen), timeout=5
+        ),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "release without generation",
+        lambda w: w.stub.ReleaseVersion(cpb.ReleaseVersionRequest(session="job", version=1, force=True), timeout=5),
+        C.INVALID_ARGUMENT,
+        "generation",
+    ),
+    Case(
+        "release stale generation",
+        lambda w: w.stub.ReleaseVersion(
+            cpb.ReleaseVersionRequest(session="job", version=1, force=True, generation=w.gen + 3), timeout=5
+        ),
+        C.FAILED_PRECONDITION,
+        None,
+    ),
+    Case(
+        "register trainer stale generation",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, generation=w.gen + 3), timeout=5
+        ),
+        C.FAILED_PRECONDITION,
+        None,
+    ),
+    Case(
+        "deregister bad agent",
+        lambda w: w.stub.DeregisterAgent(cpb.DeregisterAgentRequest(session="job", agent_id="Bad Id"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "agent_id",
+    ),
+    Case(
+        "status limit too big",
+        lambda w: w.stub.GetStatus(cpb.GetStatusRequest(session="job", version_limit=5000), timeout=5),
+        C.INVALID_ARGUMENT,
+        "version_limit",
+    ),
     Case("read unknown version", lambda w: w.read(version=9), C.NOT_FOUND, None),
     Case("read other session", lambda w: w.read(session="other"), C.NOT_FOUND, None),
     Case("read wrong rank", lambda w: w.read(rank=1), C.INVALID_ARGUMENT, "rank"),
@@ -171,17 +523,29 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     try:
         coord = cluster.start_coordinator()
         trainer = cluster.start_trainer(
-            "trainer", coord.address, "job", ["--model-size", "tiny", "--steps", "1", "--wait-commit", "false", "--hold"]
+            "trainer",
+            coord.address,
+            "job",
+            ["--model-size", "tiny", "--steps", "1", "--wait-commit", "false", "--hold"],
         )
         with grpc.insecure_channel(coord.address) as channel, grpc.insecure_channel(trainer.address) as trainer_channel:
             stub = cpb_grpc.CoordinatorStub(channel)
-            eventually(lambda: stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).versions, what="version 1")
+            eventually(
+                lambda: stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).versions, what="version 1"
+            )
             gen = stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).generation
             with CoordinatorClient(coord.address) as reader:  # a leased reader holds the access token
                 reader.register_agent("job", "probe", trainer=False, endpoint=Endpoint())
                 token = reader.get_manifest("job", 1, agent_id="probe")[0].access_token
-                w = World(stub, tpb_agent_grpc.TrainerAgentStub(trainer_channel), gen, token,
-                          make_part(sample_arrays())[0], make_part(sample_arrays(seed=7))[0], ())
+                w = World(
+                    stub,
+                    tpb_agent_grpc.TrainerAgentStub(trainer_channel),
+                    gen,
+                    token,
+                    make_part(sample_arrays())[0],
+                    make_part(sample_arrays(seed=7))[0],
+                    (),
+                )
                 assert w.read(), "a well-formed read is answered"
                 w.before = snapshot(stub)
                 yield w

@@ -18,7 +18,10 @@ from weightsync.server import RunningServer
 
 def _params(scale: float) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
-    return {f"model.layers.{i}.mlp.up_proj.weight": (rng.standard_normal((128, 96)) * scale).astype(np.float32) for i in range(6)}
+    return {
+        f"model.layers.{i}.mlp.up_proj.weight": (rng.standard_normal((128, 96)) * scale).astype(np.float32)
+        for i in range(6)
+    }
 
 
 def _sync_all(pullers: list[WeightPuller], version: int) -> list[tuple[SyncResult, DictApplier]]:
@@ -36,14 +39,19 @@ def _sync_all(pullers: list[WeightPuller], version: int) -> list[tuple[SyncResul
     return [o for o in out if o is not None]
 
 
-def test_a_chain_of_relays_takes_each_byte_from_the_trainer_once(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_a_chain_of_relays_takes_each_byte_from_the_trainer_once(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, weight_sync_mode="relay") as pub:
         relays = [Relay("job", wait_s=5.0) for _ in range(4)]
         pullers = []
         for i, relay in enumerate(relays):
             client.register_agent(
-                "job", f"r{i}", trainer=False, endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=relay.address)
+                "job",
+                f"r{i}",
+                trainer=False,
+                endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=relay.address),
             )
             pullers.append(WeightPuller(client, "job", f"r{i}", window_chunks=4, relay=relay.source))
         served = 0
@@ -57,7 +65,9 @@ def test_a_chain_of_relays_takes_each_byte_from_the_trainer_once(inprocess_coord
                 assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
             assert pub._servicer.bytes_served - served == total  # 4 rollouts, 1x egress
             served = pub._servicer.bytes_served
-            assert [r.source.bytes_served for r in relays[:3]] == [total * version] * 3 and relays[3].source.bytes_served == 0
+            assert [r.source.bytes_served for r in relays[:3]] == [total * version] * 3 and relays[
+                3
+            ].source.bytes_served == 0
         header, _ = client.get_manifest("job", 2, agent_id="r3")
         assert [p.agent_id for p in header.relay_chain] == ["r0", "r1", "r2", "r3"]
 

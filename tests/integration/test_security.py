@@ -43,7 +43,9 @@ def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) 
     return str(path.with_suffix(".crt")), str(path.with_suffix(".key"))
 
 
-def _cert(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey, ca: bool) -> x509.Certificate:
+def _cert(
+    name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey, ca: bool
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
@@ -85,7 +87,9 @@ def _client_side(pki: dict[str, str], role: str | None) -> Security:
 
 def _agent_side(pki: dict[str, str], role: str) -> Security:
     """A sidecar: serves mTLS with tokens and dials with its identity and role token."""
-    return Security(pki["crt"], pki["key"], pki["ca"], require_client_cert=True, token=TOKENS[role], tokens_file=pki["tokens"])
+    return Security(
+        pki["crt"], pki["key"], pki["ca"], require_client_cert=True, token=TOKENS[role], tokens_file=pki["tokens"]
+    )
 
 
 @pytest.fixture
@@ -111,8 +115,12 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
     assert "bearer token" in refused(_client_side(pki, None), Unauthenticated)
     assert "bearer token" in refused(Security(pki["crt"], pki["key"], pki["ca"], token="x" * 24), Unauthenticated)
     # a rollout token neither attaches as the trainer nor touches versions; it may read and register
-    assert refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.open_session("job", trainer=True)).startswith("role")
-    assert "ReleaseVersion" in refused(_client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1, generation=1))
+    assert refused(
+        _client_side(pki, "rollout"), PermissionDenied, lambda c: c.open_session("job", trainer=True)
+    ).startswith("role")
+    assert "ReleaseVersion" in refused(
+        _client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1, generation=1)
+    )
     with CoordinatorClient(addr, security=_client_side(pki, "rollout")) as rollout:
         rollout.open_session("job", trainer=False)
         rollout.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -150,8 +158,21 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
         agent_token(TOKENS["admin"], "admin", "r0")
     # the tokens file holds role tokens only; what the operator hands each pod is derived
     cli = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli", "agent-token", "--auth-tokens-file", pki["tokens"], "--role", "rollout",
-         "--agent-id", "r0"], capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "agent-token",
+            "--auth-tokens-file",
+            pki["tokens"],
+            "--role",
+            "rollout",
+            "--agent-id",
+            "r0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.strip() == agent_token(TOKENS["rollout"], "rollout", "r0")
@@ -161,8 +182,13 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
 def test_a_version_syncs_over_mtls_with_role_tokens(
     secure_coordinator: RunningServer, pki: dict[str, str], no_arena_leak: None, mode: str
 ) -> None:
-    params = {f"model.layers.{i}.mlp.up_proj.weight": np.random.default_rng(i).standard_normal((64, 96)).astype(np.float32) for i in range(3)}
-    with WeightPublisher(secure_coordinator.address, "job", chunk_bytes=8192, security=_agent_side(pki, "trainer")) as pub:
+    params = {
+        f"model.layers.{i}.mlp.up_proj.weight": np.random.default_rng(i).standard_normal((64, 96)).astype(np.float32)
+        for i in range(3)
+    }
+    with WeightPublisher(
+        secure_coordinator.address, "job", chunk_bytes=8192, security=_agent_side(pki, "trainer")
+    ) as pub:
         client = CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "rollout"))
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         puller = WeightPuller(client, "job", "r0", transport=mode, security=_client_side(pki, "rollout"))
@@ -173,7 +199,9 @@ def test_a_version_syncs_over_mtls_with_role_tokens(
         assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         assert pub.wait_committed(1, 10) == "COMMITTED"
         if mode == "grpc":  # the trainer agent's ReadChunks wants the rollout role
-            intruder = WeightPuller(client, "job", "r0", transport="grpc", security=_client_side(pki, "trainer"), max_attempts=1)
+            intruder = WeightPuller(
+                client, "job", "r0", transport="grpc", security=_client_side(pki, "trainer"), max_attempts=1
+            )
             assert "ReadChunks" in sync_version(intruder, DictApplier(), 1).mismatch
             intruder.close()
         puller.close()
@@ -186,32 +214,90 @@ def test_security_settings_are_checked(tmp_path: Path, pki: dict[str, str]) -> N
     with pytest.raises(InvalidArgument, match="tls_require_client_cert"):
         Security(require_client_cert=True)
     bad = tmp_path / "bad.json"
-    for content, why in (('{"root": "' + "x" * 20 + '"}', "unknown role"), ('{"trainer": "short"}', "16 characters"),
-                         ('{"trainer": "' + "x" * 20 + '", "rollout": "' + "x" * 20 + '"}', "share"), ("[1", "not JSON")):
+    for content, why in (
+        ('{"root": "' + "x" * 20 + '"}', "unknown role"),
+        ('{"trainer": "short"}', "16 characters"),
+        ('{"trainer": "' + "x" * 20 + '", "rollout": "' + "x" * 20 + '"}', "share"),
+        ("[1", "not JSON"),
+    ):
         bad.write_text(content)
         with pytest.raises(InvalidArgument, match=why):
             load_tokens(str(bad))
     assert load_tokens(pki["tokens"]) == TOKENS
 
 
-def test_processes_started_with_tls_flags_sync_over_mtls_with_tokens(tmp_path: Path, pki: dict[str, str], no_arena_leak: None) -> None:
+def test_processes_started_with_tls_flags_sync_over_mtls_with_tokens(
+    tmp_path: Path, pki: dict[str, str], no_arena_leak: None
+) -> None:
     """The entry points' flags: coordinator, trainer and rollout agents as real processes,
     every gRPC server on mTLS with role tokens; wsctl reads with flags, not without."""
-    tls = ["--tls-cert-file", pki["crt"], "--tls-key-file", pki["key"], "--tls-ca-file", pki["ca"],
-           "--tls-require-client-cert", "--auth-tokens-file", pki["tokens"]]
+    tls = [
+        "--tls-cert-file",
+        pki["crt"],
+        "--tls-key-file",
+        pki["key"],
+        "--tls-ca-file",
+        pki["ca"],
+        "--tls-require-client-cert",
+        "--auth-tokens-file",
+        pki["tokens"],
+    ]
     with Cluster(tmp_path / "procs", security=Security(pki["crt"], pki["key"], pki["ca"])) as cluster:
         try:
             coord = cluster.start_coordinator(args=tls)
-            cluster.start_rollout("r0", coord.address, "job", [*tls, "--auth-token", TOKENS["rollout"], "--weight-sync-mode", "grpc"])
-            cluster.start_trainer("trainer", coord.address, "job",
-                                  ["--model-size", "tiny", "--steps", "2", "--min-rollouts", "1", "--hold", *tls,
-                                   "--auth-token", TOKENS["trainer"]])
+            cluster.start_rollout(
+                "r0", coord.address, "job", [*tls, "--auth-token", TOKENS["rollout"], "--weight-sync-mode", "grpc"]
+            )
+            cluster.start_trainer(
+                "trainer",
+                coord.address,
+                "job",
+                [
+                    "--model-size",
+                    "tiny",
+                    "--steps",
+                    "2",
+                    "--min-rollouts",
+                    "1",
+                    "--hold",
+                    *tls,
+                    "--auth-token",
+                    TOKENS["trainer"],
+                ],
+            )
             with CoordinatorClient(coord.address, security=_client_side(pki, "admin")) as admin:
                 assert state_name(admin.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
-                assert sorted((h.version, h.agent_id, h.ok) for h in admin.status("job").handshakes) == [(1, "r0", True), (2, "r0", True)]
-            wsctl = [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "--json"]
-            ok = subprocess.run([*wsctl, "--tls-ca-file", pki["ca"], "--tls-cert-file", pki["crt"], "--tls-key-file", pki["key"],
-                                 "--auth-token", TOKENS["rollout"], "versions"], capture_output=True, text=True, timeout=60)
+                assert sorted((h.version, h.agent_id, h.ok) for h in admin.status("job").handshakes) == [
+                    (1, "r0", True),
+                    (2, "r0", True),
+                ]
+            wsctl = [
+                sys.executable,
+                "-m",
+                "weightsync.cli",
+                "--coordinator",
+                coord.address,
+                "--session",
+                "job",
+                "--json",
+            ]
+            ok = subprocess.run(
+                [
+                    *wsctl,
+                    "--tls-ca-file",
+                    pki["ca"],
+                    "--tls-cert-file",
+                    pki["crt"],
+                    "--tls-key-file",
+                    pki["key"],
+                    "--auth-token",
+                    TOKENS["rollout"],
+                    "versions",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert ok.returncode == 0, ok.stderr
             assert [v["state"] for v in json.loads(ok.stdout)] == ["COMMITTED", "COMMITTED"]
             plain = subprocess.run([*wsctl, "--timeout-s", "3", "versions"], capture_output=True, text=True, timeout=60)

@@ -42,7 +42,12 @@ def test_a_rollout_paused_past_its_lease_registers_again_and_catches_up(cluster:
         eventually(lambda: not agents(client)["r0"].alive, what="r0's lease to expire", timeout_s=3 * TTL)
         cluster.stop("t1")
         # published while r0 is frozen: READY, waiting for a rollout (min_rollouts 1)
-        cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--wait-commit", "false", "--hold"])
+        cluster.start_trainer(
+            "t2",
+            coord.address,
+            "job",
+            [*TINY, "--steps", "1", "--start-version", "2", "--wait-commit", "false", "--hold"],
+        )
         assert state_name(client.wait_for_version("job", 2, states=("READY",), timeout_s=60)) == "READY"
         time.sleep(TTL)
         r0.popen.send_signal(signal.SIGCONT)
@@ -115,7 +120,9 @@ def test_a_killed_trainers_arena_is_reclaimed_and_a_refused_restart_bumps_nothin
         cluster.kill("t1")  # SIGKILL: no cleanup
         assert arenas[0].exists() and not owner_alive(arenas[0])
         generation = client.status("job").generation
-        bad = cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "1"], wait=False)
+        bad = cluster.start_trainer(
+            "t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "1"], wait=False
+        )
         assert bad.popen.wait(60) != 0
         assert "not newer than the session's latest version 1" in bad.log()
         assert client.status("job").generation == generation  # the refused restart fenced nobody
@@ -142,13 +149,17 @@ def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) ->
 
 def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Cluster) -> None:
     coord = cluster.start_coordinator()
-    second = cluster.start("coordinator-2", "coordinator", ["--db-path", coord.ready["db_path"], "--port", "0"], wait=False)
+    second = cluster.start(
+        "coordinator-2", "coordinator", ["--db-path", coord.ready["db_path"], "--port", "0"], wait=False
+    )
     assert second.popen.wait(30) == 2
     assert "in use by another coordinator" in second.log()
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private /dev/shm")
-def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempts(cluster: Cluster, tmp_path: Path) -> None:
+def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempts(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot create a mount namespace here: {probe.stderr.decode().strip()}")
@@ -184,7 +195,9 @@ def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coord
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", transport="shm", max_attempts=1)
         pub.publish(params, 1)  # lays the arena out; every version keeps this layout
-        shard = {s.tensor_name: s for s in client.get_manifest("job", 1)[1].parts[0].shards}["model.layers.3.input_layernorm.weight"]
+        shard = {s.tensor_name: s for s in client.get_manifest("job", 1)[1].parts[0].shards}[
+            "model.layers.3.input_layernorm.weight"
+        ]
         offsets = [slot * pub.arena.slot_bytes + shard.offset + 7 for slot in range(pub.arena.slots)]
         toggler = subprocess.Popen(
             [sys.executable, "-c", TOGGLER, str(pub.arena.path), *map(str, offsets)], stdin=subprocess.DEVNULL

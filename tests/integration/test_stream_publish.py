@@ -19,11 +19,19 @@ from weightsync.errors import ResourceExhausted
 from weightsync.server import RunningServer
 
 
-def test_streamed_maxtext_conversion_syncs_bit_exactly(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_streamed_maxtext_conversion_syncs_bit_exactly(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     hf = hf_weights("llama3")
     dims = ModelDims(layers=L, heads=N, kv_heads=K, head_dim=H, vocab=128)
-    expected = dict(convert_maxtext(with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen"),
-                                    "llama3", dims, ConvertOptions(weight_dtype="bfloat16")))
+    expected = dict(
+        convert_maxtext(
+            with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen"),
+            "llama3",
+            dims,
+            ConvertOptions(weight_dtype="bfloat16"),
+        )
+    )
     capacity = sum(a.nbytes + 256 for a in expected.values())
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
@@ -49,9 +57,13 @@ def test_streamed_maxtext_conversion_syncs_bit_exactly(inprocess_coordinator: Ru
     client.close()
 
 
-def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     rng = np.random.default_rng(0)
-    params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((64, 256)).astype(np.float32) for i in range(6)}
+    params = {
+        f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((64, 256)).astype(np.float32) for i in range(6)
+    }
     params["model.norm.weight"] = rng.standard_normal(256).astype(np.float32)
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
@@ -71,7 +83,9 @@ def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(inprocess_coordina
         pub.arena.slot(result.slot)[entry.chunks[-1].offset] ^= 1
         outcome = sync_version(puller, applier, 2, apply_mode="streaming")
         assert not outcome.ok and "not atomic" in outcome.mismatch
-        assert np.array_equal(applier.weights["model.layers.0.mlp.up_proj.weight"], later["model.layers.0.mlp.up_proj.weight"])
+        assert np.array_equal(
+            applier.weights["model.layers.0.mlp.up_proj.weight"], later["model.layers.0.mlp.up_proj.weight"]
+        )
         assert applier.version == 1
         puller.close()
     client.close()
@@ -82,7 +96,9 @@ def test_shm_transport_on_the_same_host_and_tcp_fallback(
     inprocess_coordinator: RunningServer, no_arena_leak: None, host_id: str, expected: str
 ) -> None:
     rng = np.random.default_rng(3)
-    params = {f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((96, 64)).astype(np.float32) for i in range(3)}
+    params = {
+        f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((96, 64)).astype(np.float32) for i in range(3)
+    }
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
@@ -122,7 +138,9 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
 
     root = str(tmp_path / "store") if kind == "local" else f"memory://ws-{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(4)
-    params = {f"model.layers.{i}.mlp.down_proj.weight": rng.standard_normal((64, 80)).astype(np.float32) for i in range(3)}
+    params = {
+        f"model.layers.{i}.mlp.down_proj.weight": rng.standard_normal((64, 80)).astype(np.float32) for i in range(3)
+    }
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, fs_root=root) as pub:
@@ -159,4 +177,3 @@ def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: Runn
         assert puller.transport_for(manifest.parts[0]) == "shm"
         puller.close()
     client.close()
-

@@ -23,14 +23,19 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
     coord = cluster.start_coordinator()
     r0 = cluster.start_rollout("r0", coord.address, "job")
     r1 = cluster.start_rollout("r1", coord.address, "job")
-    trainer = cluster.start_trainer("trainer", coord.address, "job", [*TINY, "--steps", "2", "--min-rollouts", "2", "--hold"])
+    trainer = cluster.start_trainer(
+        "trainer", coord.address, "job", [*TINY, "--steps", "2", "--min-rollouts", "2", "--hold"]
+    )
     with CoordinatorClient(coord.address) as client:
         v2 = client.wait_for_version("job", 2, timeout_s=120)
         assert state_name(v2) == "COMMITTED"
         st = client.status("job")
         assert [state_name(v) for v in st.versions] == ["COMMITTED", "COMMITTED"]
         assert sorted((h.version, h.agent_id, h.ok) for h in st.handshakes) == [
-            (1, "r0", True), (1, "r1", True), (2, "r0", True), (2, "r1", True)
+            (1, "r0", True),
+            (1, "r1", True),
+            (2, "r0", True),
+            (2, "r1", True),
         ]
     assert rollout_status(r0.address).current_version == 2
     assert rollout_status(r1.address).current_version == 2
@@ -46,13 +51,29 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
     assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_current_version", role="coordinator") == 2
 
     out = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "--json", "versions"],
-        capture_output=True, text=True, timeout=60, check=True,
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "--coordinator",
+            coord.address,
+            "--session",
+            "job",
+            "--json",
+            "versions",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert [v["state"] for v in json.loads(out.stdout)] == ["COMMITTED", "COMMITTED"]
     human = subprocess.run(
         [sys.executable, "-m", "weightsync.cli", "--coordinator", coord.address, "--session", "job", "manifest", "2"],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert "model.layers.1.mlp.down_proj.weight" in human.stdout
     assert cluster.stop("trainer") == 0  # SIGTERM: clean exit, arena unlinked (checked by the fixture)
@@ -62,8 +83,20 @@ def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal
     coord = cluster.start_coordinator()
     dump = tmp_path / "dump"
     r0 = cluster.start_rollout("r0", coord.address, "job", ["--dump-dir", str(dump)])
-    common = [*TINY, "--steps", "1", "--world-size", "2", "--incarnation", "run-a", "--weight-dtype", "float32",
-              "--wait-commit", "false", "--hold"]
+    common = [
+        *TINY,
+        "--steps",
+        "1",
+        "--world-size",
+        "2",
+        "--incarnation",
+        "run-a",
+        "--weight-dtype",
+        "float32",
+        "--wait-commit",
+        "false",
+        "--hold",
+    ]
     cluster.start_trainer("rank0", coord.address, "job", [*common, "--rank", "0"])
     with CoordinatorClient(coord.address) as client:
         v = eventually(lambda: client.status("job").versions, what="version 1 to appear")[0]
@@ -88,8 +121,20 @@ def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster, mode: str) -> 
     # Two corruptions, one fewer than the puller's 3 attempts: lanes race, so both may hit the
     # same chunk (its first fetch and its re-fetch), and the third attempt must still succeed.
     cluster.start_trainer(
-        "trainer", coord.address, "job",
-        [*TINY, "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", mode, "--failpoints", "chunk_server.corrupt_chunk=2"]
+        "trainer",
+        coord.address,
+        "job",
+        [
+            *TINY,
+            "--steps",
+            "1",
+            "--chunk-bytes",
+            "65536",
+            "--weight-sync-mode",
+            mode,
+            "--failpoints",
+            "chunk_server.corrupt_chunk=2",
+        ],
     )
     assert cluster.wait_exit("trainer", 120) == 0  # waited for COMMITTED
     status = rollout_status(r0.address)
@@ -100,8 +145,15 @@ def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster, mode: str) -> 
 def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: Cluster, tmp_path) -> None:  # noqa: ANN001
     coord = cluster.start_coordinator()
     good = cluster.start_rollout("good", coord.address, "job")
-    bad = cluster.start_rollout("bad", coord.address, "job", ["--failpoints", "puller.corrupt_assembled=1", "--dump-dir", str(tmp_path / "bad")])
-    cluster.start_trainer("trainer", coord.address, "job", [*TINY, "--steps", "1", "--min-rollouts", "2", "--wait-commit", "false", "--hold"])
+    bad = cluster.start_rollout(
+        "bad", coord.address, "job", ["--failpoints", "puller.corrupt_assembled=1", "--dump-dir", str(tmp_path / "bad")]
+    )
+    cluster.start_trainer(
+        "trainer",
+        coord.address,
+        "job",
+        [*TINY, "--steps", "1", "--min-rollouts", "2", "--wait-commit", "false", "--hold"],
+    )
     with CoordinatorClient(coord.address) as client:
         v1 = client.wait_for_version("job", 1, timeout_s=120)
         assert state_name(v1) == "PARTIAL" and "bad" in v1.reason
@@ -111,7 +163,9 @@ def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: 
     assert not (tmp_path / "bad" / "v1.safetensors").exists()
     assert rollout_status(good.address).current_version == 1
     cluster.stop("trainer")
-    cluster.start_trainer("trainer2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--min-rollouts", "2"])
+    cluster.start_trainer(
+        "trainer2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--min-rollouts", "2"]
+    )
     assert cluster.wait_exit("trainer2", 120) == 0
     assert rollout_status(bad.address).current_version == 2
 
@@ -123,8 +177,10 @@ def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: C
     port = coord.address.rsplit(":", 1)[1]
     r0 = cluster.start_rollout("r0", coord.address, "job")
     rng = np.random.default_rng(0)
-    params = {"model.embed_tokens.weight": rng.standard_normal((256, 64)).astype(np.float32),
-              "model.norm.weight": rng.standard_normal(64).astype(np.float32)}
+    params = {
+        "model.embed_tokens.weight": rng.standard_normal((256, 64)).astype(np.float32),
+        "model.norm.weight": rng.standard_normal(64).astype(np.float32),
+    }
     with WeightPublisher(coord.address, "job", min_rollouts=1, incarnation="run-1") as pub:
         pub.publish(params, 1)
         assert pub.wait_committed(1, 60) == "COMMITTED"
@@ -147,29 +203,65 @@ def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: 
     rollouts = {name: cluster.start_rollout(name, coord.address, "job", relay) for name in ("r0", "r2", "r3")}
     cluster.start_rollout("r1", coord.address, "job", [*relay, "--failpoints", "relay.stall_after_chunks=5"])
     trainer = cluster.start_trainer(
-        "trainer", coord.address, "job",
-        ["--model-size", "small", "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", "relay",
-         "--min-rollouts", "3", "--hold"],
+        "trainer",
+        coord.address,
+        "job",
+        [
+            "--model-size",
+            "small",
+            "--steps",
+            "1",
+            "--chunk-bytes",
+            "65536",
+            "--weight-sync-mode",
+            "relay",
+            "--min-rollouts",
+            "3",
+            "--hold",
+        ],
     )
-    eventually(lambda: "stalling this reply" in cluster.procs["r1"].log(), what="r1 to stall mid-transfer", timeout_s=120)
+    eventually(
+        lambda: "stalling this reply" in cluster.procs["r1"].log(), what="r1 to stall mid-transfer", timeout_s=120
+    )
     cluster.kill("r1")  # SIGKILL while r2 is reading from it
     with CoordinatorClient(coord.address) as client:
         assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
         hs = {h.agent_id: h.ok for h in client.status("job").handshakes if h.version == 1}
         assert all(hs[name] for name in rollouts), hs
-        served_v1 = metric_value(scrape(trainer.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served")
+        served_v1 = metric_value(
+            scrape(trainer.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served"
+        )
         model_bytes = client.get_manifest("job", 1)[1].parts[0].total_bytes
         assert model_bytes < served_v1 <= 2 * model_bytes  # r2 re-read what r1 never sent, from the trainer
         assert "pulling the rest from the trainer" in cluster.procs["r2"].log()
         # once r1's lease is gone the chain is r0 -> r2 -> r3: the trainer sends version 2 once
-        eventually(lambda: not any(a.alive for a in client.status("job").agents if a.agent_id == "r1"), what="r1's lease to end")
+        eventually(
+            lambda: not any(a.alive for a in client.status("job").agents if a.agent_id == "r1"),
+            what="r1's lease to end",
+        )
         cluster.stop("trainer")
         trainer2 = cluster.start_trainer(
-            "trainer2", coord.address, "job",
-            ["--model-size", "small", "--steps", "1", "--start-version", "2", "--chunk-bytes", "65536", "--weight-sync-mode", "relay", "--hold"],
+            "trainer2",
+            coord.address,
+            "job",
+            [
+                "--model-size",
+                "small",
+                "--steps",
+                "1",
+                "--start-version",
+                "2",
+                "--chunk-bytes",
+                "65536",
+                "--weight-sync-mode",
+                "relay",
+                "--hold",
+            ],
         )
         assert state_name(client.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
-        served = metric_value(scrape(trainer2.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served")
+        served = metric_value(
+            scrape(trainer2.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served"
+        )
         assert served == model_bytes
     for proc in rollouts.values():
         assert rollout_status(proc.address).current_version == 2

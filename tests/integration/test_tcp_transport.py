@@ -22,11 +22,15 @@ from weightsync.transports.tcp import REPLY, REQUEST, TcpTransport
 
 def _params(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {f"model.layers.{i}.mlp.gate_proj.weight": rng.standard_normal((80, 96)).astype(np.float32) for i in range(4)}
+    return {
+        f"model.layers.{i}.mlp.gate_proj.weight": rng.standard_normal((80, 96)).astype(np.float32) for i in range(4)
+    }
 
 
 @pytest.mark.parametrize("mode", ["tcp", "grpc"])
-def test_versions_sync_bit_exactly_and_egress_is_counted(inprocess_coordinator: RunningServer, no_arena_leak: None, mode: str) -> None:
+def test_versions_sync_bit_exactly_and_egress_is_counted(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, mode: str
+) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, weight_sync_mode=mode) as pub:
         assert "tcp" in pub.endpoint.transports and pub.endpoint.tcp_address
@@ -50,7 +54,9 @@ def test_versions_sync_bit_exactly_and_egress_is_counted(inprocess_coordinator: 
     client.close()
 
 
-def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -71,7 +77,9 @@ def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(inprocess_coordina
     client.close()
 
 
-def test_tcp_server_refuses_bad_requests_and_keeps_serving(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_tcp_server_refuses_bad_requests_and_keeps_serving(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -132,7 +140,9 @@ def test_advertised_host_is_what_rollouts_dial(inprocess_coordinator: RunningSer
     client.close()
 
 
-def test_weights_holding_nan_and_inf_publish_and_verify(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
+def test_weights_holding_nan_and_inf_publish_and_verify(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
     """A NaN weight is legitimate data: its sums must be stored and compared, not crash."""
     weird = np.array([np.nan, np.inf, -np.inf, 1.0, -0.0, 5e-324] * 100, np.float32)
     params = {"model.norm.weight": weird, "model.layers.0.mlp.up_proj.weight": np.full((8, 8), np.inf, np.float32)}

@@ -24,7 +24,9 @@ AGENTS = 300
 
 
 async def _fleet(address: str, part_manifest: Manifest, published: asyncio.Event) -> dict[str, int]:
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(AGENTS)]
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(AGENTS)
+    ]
     stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
     ids = [f"r{i:04d}" for i in range(AGENTS)]
     for stub, agent in zip(stubs, ids):

@@ -21,7 +21,9 @@ def make_part(
 ) -> tuple[Part, np.ndarray]:
     """Stages arrays (whole tensors) or HostShards into a buffer; returns (part, bytes)."""
     shards = (
-        [HostShard(n, a, a.shape, (0,) * a.ndim) for n, a in arrays.items()] if isinstance(arrays, dict) else list(arrays)
+        [HostShard(n, a, a.shape, (0,) * a.ndim) for n, a in arrays.items()]
+        if isinstance(arrays, dict)
+        else list(arrays)
     )
     layout = plan_layout(shards)
     buf = np.zeros(max(layout.total_bytes, 1), np.uint8)

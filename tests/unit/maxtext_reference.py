@@ -70,15 +70,24 @@ def to_maxtext(
     """Dotted MaxText paths (normalised, no 'params'/'base' root) -> arrays."""
     rng = np.random.default_rng(1)
     emb = hf["model.embed_tokens.weight"]
-    out = {"token_embedder.embedding": np.concatenate([emb, rng.standard_normal((vocab_pad, emb.shape[1])).astype(emb.dtype)])}
+    out = {
+        "token_embedder.embedding": np.concatenate(
+            [emb, rng.standard_normal((vocab_pad, emb.shape[1])).astype(emb.dtype)]
+        )
+    }
     out["decoder.decoder_norm.scale"] = hf["model.norm.weight"]
     if "lm_head.weight" in hf:
         head = hf["lm_head.weight"].T
-        out["decoder.logits_dense.kernel"] = np.concatenate([head, rng.standard_normal((head.shape[0], vocab_pad)).astype(head.dtype)], 1)
+        out["decoder.logits_dense.kernel"] = np.concatenate(
+            [head, rng.standard_normal((head.shape[0], vocab_pad)).astype(head.dtype)], 1
+        )
     for hf_key, mt_key in LAYER_KEYS.items():
         if f"model.layers.0.{hf_key}" not in hf:
             continue
-        per = [hf_layer_to_maxtext(hf_key, hf[f"model.layers.{i}.{hf_key}"], family, heads, kv_heads, head_dim) for i in range(layers)]
+        per = [
+            hf_layer_to_maxtext(hf_key, hf[f"model.layers.{i}.{hf_key}"], family, heads, kv_heads, head_dim)
+            for i in range(layers)
+        ]
         if not scanned:
             for i, w in enumerate(per):
                 out[f"decoder.layers_{i}.{mt_key}"] = w
@@ -127,13 +136,16 @@ def _rope(x: jax.Array, theta: float, interleaved: bool) -> jax.Array:
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def forward(mt: dict[str, np.ndarray], family: str, tokens: np.ndarray, *, layers: int, vocab: int, eps: float, theta: float) -> np.ndarray:
+def forward(
+    mt: dict[str, np.ndarray], family: str, tokens: np.ndarray, *, layers: int, vocab: int, eps: float, theta: float
+) -> np.ndarray:
     """Logits [T, vocab] of the MaxText-layout model (scanned, axis 1), MaxText conventions."""
     x = jnp.asarray(mt["token_embedder.embedding"])[tokens]
     llama = family == "llama3"
     t = len(tokens)
     mask = jnp.tril(jnp.ones((t, t), bool))
     for i in range(layers):
+
         def w(key: str, i: int = i) -> jax.Array:
             return jnp.take(jnp.asarray(mt[f"decoder.layers.{key}"]), i, axis=1)
 
@@ -158,5 +170,9 @@ def forward(mt: dict[str, np.ndarray], family: str, tokens: np.ndarray, *, layer
         mlp = jax.nn.silu(h @ w("mlp.wi_0.kernel")) * (h @ w("mlp.wi_1.kernel"))
         x = x + mlp @ w("mlp.wo.kernel")
     x = _rms(x, jnp.asarray(mt["decoder.decoder_norm.scale"]), eps)
-    head = jnp.asarray(mt["decoder.logits_dense.kernel"]) if "decoder.logits_dense.kernel" in mt else jnp.asarray(mt["token_embedder.embedding"]).T
+    head = (
+        jnp.asarray(mt["decoder.logits_dense.kernel"])
+        if "decoder.logits_dense.kernel" in mt
+        else jnp.asarray(mt["token_embedder.embedding"]).T
+    )
     return np.asarray(x @ head)[:, :vocab]

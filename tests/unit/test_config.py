@@ -11,7 +11,11 @@ from weightsync.errors import InvalidArgument
 
 
 def test_flag_beats_env_beats_default(capsys: pytest.CaptureFixture[str]) -> None:
-    env = {"WEIGHTSYNC_COORDINATOR_DB_PATH": "/env.db", "WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "3", "WEIGHTSYNC_COORDINATOR_BOGUS": "1"}
+    env = {
+        "WEIGHTSYNC_COORDINATOR_DB_PATH": "/env.db",
+        "WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "3",
+        "WEIGHTSYNC_COORDINATOR_BOGUS": "1",
+    }
     cfg = load_config(CoordinatorConfig, "coordinator", ["--db-path", "/flag.db"], env)
     assert cfg.db_path == "/flag.db" and cfg.lease_ttl_s == 3.0 and cfg.port == 0
     assert "unknown variable WEIGHTSYNC_COORDINATOR_BOGUS" in capsys.readouterr().err
@@ -31,7 +35,10 @@ def test_weight_sync_mode_flags_and_aliases() -> None:
 
     cfg = load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "filesystem", "--fs-root", "/tmp/x"], {})
     assert cfg.weight_sync_mode == "fs"
-    assert load_config(RolloutConfig, "rollout", [], {"WEIGHTSYNC_ROLLOUT_WEIGHT_SYNC_MODE": "shm"}).weight_sync_mode == "shm"
+    assert (
+        load_config(RolloutConfig, "rollout", [], {"WEIGHTSYNC_ROLLOUT_WEIGHT_SYNC_MODE": "shm"}).weight_sync_mode
+        == "shm"
+    )
     assert load_config(RolloutConfig, "rollout", [], {}).weight_sync_mode == ""  # the session's
     for mode in ("tcp", "relay"):
         assert load_config(RolloutConfig, "rollout", ["--weight-sync-mode", mode], {}).weight_sync_mode == mode
@@ -49,7 +56,9 @@ def test_advertised_addresses_keep_the_bound_port() -> None:
 
     assert advertised("0.0.0.0:5123", "10.1.2.3") == "10.1.2.3:5123"
     assert advertised("127.0.0.1:5123", "") == "127.0.0.1:5123"
-    cfg = load_config(TrainerConfig, "trainer", ["--tcp-port", "50060"], {"WEIGHTSYNC_TRAINER_ADVERTISE_HOST": "10.1.2.3"})
+    cfg = load_config(
+        TrainerConfig, "trainer", ["--tcp-port", "50060"], {"WEIGHTSYNC_TRAINER_ADVERTISE_HOST": "10.1.2.3"}
+    )
     assert (cfg.tcp_port, cfg.advertise_host) == (50060, "10.1.2.3")
     assert load_config(RolloutConfig, "rollout", ["--relay-port", "50053"], {}).relay_port == 50053
 
@@ -60,10 +69,15 @@ def test_security_flags_are_checked_at_start(tmp_path, capsys: pytest.CaptureFix
     cfg = load_config(CoordinatorConfig, "coordinator", ["--auth-tokens-file", str(tokens)], {})
     assert cfg.security().tokens_file == str(tokens)
     env = {"WEIGHTSYNC_ROLLOUT_AUTH_TOKEN": "r" * 20}
-    assert load_config(RolloutConfig, "rollout", ["--coordinator", "c:1", "--session", "s"], env).security().token == "r" * 20
-    for argv, why in ((["--auth-tokens-file", str(tmp_path / "missing.json")], "cannot read"),
-                      (["--tls-cert-file", str(tokens)], "set both or neither"),
-                      (["--tls-require-client-cert"], "tls_require_client_cert")):
+    assert (
+        load_config(RolloutConfig, "rollout", ["--coordinator", "c:1", "--session", "s"], env).security().token
+        == "r" * 20
+    )
+    for argv, why in (
+        (["--auth-tokens-file", str(tmp_path / "missing.json")], "cannot read"),
+        (["--tls-cert-file", str(tokens)], "set both or neither"),
+        (["--tls-require-client-cert"], "tls_require_client_cert"),
+    ):
         with pytest.raises(SystemExit):
             load_config(CoordinatorConfig, "coordinator", argv, {})
         assert why in capsys.readouterr().err

@@ -22,8 +22,11 @@ L, N, K, H, D, F, V = 4, 4, 2, 16, 64, 96, 128
 def hf_weights(family: str, seed: int = 0) -> dict[str, np.ndarray]:
     """Random HF-layout weights (norms perturbed away from 1 so swaps show)."""
     rng = np.random.default_rng(seed)
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, D)), "model.norm.weight": 1 + 0.1 * rng.standard_normal(D),
-         "lm_head.weight": rng.standard_normal((V, D))}
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)),
+        "model.norm.weight": 1 + 0.1 * rng.standard_normal(D),
+        "lm_head.weight": rng.standard_normal((V, D)),
+    }
     for i in range(L):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = 1 + 0.1 * rng.standard_normal(D)
@@ -107,7 +110,9 @@ def test_tied_embeddings_weight_dtype_and_passthrough() -> None:
     hf = hf_weights("qwen3")
     del hf["lm_head.weight"]
     mt = to_maxtext(hf, "qwen3", layers=L, heads=N, kv_heads=K, head_dim=H)
-    out = dict(convert_maxtext(with_style(mt, "nnx"), "qwen3", dims(tied=True), ConvertOptions(weight_dtype="bfloat16")))
+    out = dict(
+        convert_maxtext(with_style(mt, "nnx"), "qwen3", dims(tied=True), ConvertOptions(weight_dtype="bfloat16"))
+    )
     assert "lm_head.weight" not in out and all(str(a.dtype) == "bfloat16" for a in out.values())
     same = dict(passthrough(hf))
     assert all(same[k] is hf[k] or np.array_equal(same[k], hf[k]) for k in hf)
@@ -124,8 +129,13 @@ def test_moe_unstacking_and_lane_padding() -> None:
     wi0 = rng.standard_normal((e, L, D, f)).astype(np.float32)
     wi1 = rng.standard_normal((e, L, D, f)).astype(np.float32)
     wo = rng.standard_normal((e, L, f, D)).astype(np.float32)
-    mt = {**base, "decoder.layers.moe_block.gate.kernel": router, "decoder.layers.moe_block.wi_0": wi0,
-          "decoder.layers.moe_block.wi_1": wi1, "decoder.layers.moe_block.wo": wo}
+    mt = {
+        **base,
+        "decoder.layers.moe_block.gate.kernel": router,
+        "decoder.layers.moe_block.wi_0": wi0,
+        "decoder.layers.moe_block.wi_1": wi1,
+        "decoder.layers.moe_block.wo": wo,
+    }
     out = dict(convert_maxtext(with_style(dict(mt), "nnx"), "qwen3_moe", dims(experts=e)))
     np.testing.assert_array_equal(out["model.layers.2.mlp.gate.weight"], router[:, 2].T)
     np.testing.assert_array_equal(out["model.layers.1.mlp.experts.2.gate_proj.weight"], wi0[2, 1].T)
@@ -149,9 +159,19 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=N,
-                  num_key_value_heads=K, head_dim=H, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                  max_position_embeddings=64)
+    common = dict(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        head_dim=H,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     if family == "qwen3":
         model_cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common)
     else:
@@ -163,7 +183,9 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
     want = forward(mt, family, tokens, layers=L, vocab=V, eps=1e-6, theta=10000.0)
     converted = dict(convert_maxtext(with_style(mt, "linen"), family, dims()))
     model = model_cls(cfg).eval()
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in converted.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in converted.items()}, strict=False
+    )
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     with torch.no_grad():
         got = model(torch.from_numpy(tokens)[None]).logits[0].numpy()
@@ -174,13 +196,43 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
 @pytest.mark.parametrize(
     ("family", "layout", "options", "model_dims", "refusal"),
     [
-        ("qwen3", {}, {"param_scan_axis": 0}, dims(), r"param_scan_axis=0, which makes \d+ layers, but ModelDims.layers=4; is param_scan_axis 1\?"),
+        (
+            "qwen3",
+            {},
+            {"param_scan_axis": 0},
+            dims(),
+            r"param_scan_axis=0, which makes \d+ layers, but ModelDims.layers=4; is param_scan_axis 1\?",
+        ),
         ("qwen3", {}, {}, ModelDims(layers=3, heads=N, kv_heads=K, head_dim=H, vocab=V), r"ModelDims.layers=3"),
-        ("qwen3", {"scanned": False}, {"scanned": False}, ModelDims(layers=2, heads=N, kv_heads=K, head_dim=H, vocab=V), r"is layer [23], but ModelDims.layers=2"),
+        (
+            "qwen3",
+            {"scanned": False},
+            {"scanned": False},
+            ModelDims(layers=2, heads=N, kv_heads=K, head_dim=H, vocab=V),
+            r"is layer [23], but ModelDims.layers=2",
+        ),
         ("qwen3", {}, {}, dims(tied=True), r"ModelDims.tied=True, but the tree has 'logits_dense.kernel'"),
-        ("llama3", {}, {}, dims(), r"family 'qwen3' needs 'self_attention.query_norm.scale' in every layer.*another family"),
-        ("qwen3", {}, {}, ModelDims(layers=L, heads=2 * N, kv_heads=K, head_dim=H, vocab=V), r"query.kernel.*on the heads axis, but ModelDims.heads=8"),
-        ("qwen3", {}, {}, ModelDims(layers=L, heads=N, kv_heads=K, head_dim=2 * H, vocab=V), r"on the head_dim axis, but ModelDims.head_dim=32"),
+        (
+            "llama3",
+            {},
+            {},
+            dims(),
+            r"family 'qwen3' needs 'self_attention.query_norm.scale' in every layer.*another family",
+        ),
+        (
+            "qwen3",
+            {},
+            {},
+            ModelDims(layers=L, heads=2 * N, kv_heads=K, head_dim=H, vocab=V),
+            r"query.kernel.*on the heads axis, but ModelDims.heads=8",
+        ),
+        (
+            "qwen3",
+            {},
+            {},
+            ModelDims(layers=L, heads=N, kv_heads=K, head_dim=2 * H, vocab=V),
+            r"on the head_dim axis, but ModelDims.head_dim=32",
+        ),
     ],
     ids=["scan-axis", "layers", "unscanned-layers", "tied", "family", "heads", "head-dim"],
 )

@@ -42,7 +42,9 @@ def _instance(cls: type[errors.WeightsyncError]) -> errors.WeightsyncError:
     return err
 
 
-@pytest.mark.parametrize("cls", [c for c in all_error_classes() if c is not errors.WeightsyncError], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [c for c in all_error_classes() if c is not errors.WeightsyncError], ids=lambda c: c.__name__
+)
 def test_every_error_class_survives_the_wire(cls: type[errors.WeightsyncError]) -> None:
     """The server sends the class name (ErrorInfo.reason) and the client raises that class:
     a heartbeat's NOT_FOUND must arrive as AgentNotFound, or nobody registers again."""
@@ -76,7 +78,13 @@ def test_shm_transport_opens_only_weightsync_arenas() -> None:
     from weightsync.transports.shm import check_arena_path
 
     assert str(check_arena_path("/dev/shm/weightsync-job-r0-12-ab12cd34")) == "/dev/shm/weightsync-job-r0-12-ab12cd34"
-    for bad in ("/etc/passwd", "/dev/shm/../etc/passwd", "/dev/shm/other-file", "weightsync-x", "/dev/shm/sub/weightsync-x"):
+    for bad in (
+        "/etc/passwd",
+        "/dev/shm/../etc/passwd",
+        "/dev/shm/other-file",
+        "weightsync-x",
+        "/dev/shm/sub/weightsync-x",
+    ):
         with pytest.raises(InvalidArgument):
             check_arena_path(bad)
 

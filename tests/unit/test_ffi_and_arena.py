@@ -61,23 +61,31 @@ def test_use_ffi_contract() -> None:
     assert choose_staging_path(arrays, False, ffi_built=True, ffi_missing="") == "host"
     assert choose_staging_path(arrays, True, ffi_built=True, ffi_missing="") == "ffi"
     assert choose_staging_path([np.ones(3)], None, ffi_built=True, ffi_missing="") == "host"
-    with pytest.raises(RuntimeError, match="use_ffi=True but the FFI staging handler is unavailable: lib was built without"):
+    with pytest.raises(
+        RuntimeError, match="use_ffi=True but the FFI staging handler is unavailable: lib was built without"
+    ):
         choose_staging_path(arrays, True, ffi_built=False, ffi_missing="lib was built without the JAX FFI handler")
     # device-resident arrays never silently take a slow host path
     with pytest.raises(RuntimeError, match="not host-addressable.*use_ffi=False"):
         choose_staging_path([_jax_like("tpu")], False, ffi_built=True, ffi_missing="")
     with pytest.raises(RuntimeError, match="not host-addressable.*make native"):
-        choose_staging_path([_jax_like("tpu")], None, ffi_built=False, ffi_missing="missing; build it with `make native`")
+        choose_staging_path(
+            [_jax_like("tpu")], None, ffi_built=False, ffi_missing="missing; build it with `make native`"
+        )
 
 
 def test_publisher_use_ffi_true_without_handler_fails_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "ffi_available", lambda: False)
-    monkeypatch.setattr(native, "ffi_missing_reason", lambda: "built without the JAX FFI handler; build it with `make native`")
+    monkeypatch.setattr(
+        native, "ffi_missing_reason", lambda: "built without the JAX FFI handler; build it with `make native`"
+    )
     with pytest.raises(RuntimeError, match="use_ffi=True .*`make native`"):
         WeightPublisher("127.0.0.1:1", "job", use_ffi=True)
 
 
-def test_arena_is_persistent_and_reallocates_only_when_it_must(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_arena_is_persistent_and_reallocates_only_when_it_must(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     arena = Arena("t", slots=2, directory=str(tmp_path))
     assert arena.ensure_slot_bytes(1000) is True
     path, base = arena.path, arena.slot(0).ctypes.data

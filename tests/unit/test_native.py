@@ -107,7 +107,11 @@ def test_digest_ranges_beyond_4_gib(tmp_path: Path) -> None:
         offsets = [(4 << 30) + 123, (5 << 30) - 7, 0]
         lengths = [len(payload), 4096, 0]
         got = native.digest_ranges(buf, offsets, lengths)
-        assert list(got) == [xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(bytes(4096)), xxhash.xxh3_64_intdigest(b"")]
+        assert list(got) == [
+            xxhash.xxh3_64_intdigest(payload),
+            xxhash.xxh3_64_intdigest(bytes(4096)),
+            xxhash.xxh3_64_intdigest(b""),
+        ]
         with pytest.raises(InvalidArgument):
             native.digest_ranges(buf, [size - 1], [2])
         del buf
@@ -144,8 +148,14 @@ def test_large_shards_digest_from_their_chunks(sizes: list[tuple[int, int]], chu
         if s.nbytes <= pack_limit(chunk):
             continue
         pieces = [by_offset[o] for o in range(s.offset, s.offset + s.nbytes, chunk)]
-        assert [c.length for c in pieces] == [min(chunk, s.offset + s.nbytes - o) for o in range(s.offset, s.offset + s.nbytes, chunk)]
-        expected = pieces[0].xxh3 if len(pieces) == 1 else xxhash.xxh3_64_intdigest(np.array([c.xxh3 for c in pieces], "<u8").tobytes())
+        assert [c.length for c in pieces] == [
+            min(chunk, s.offset + s.nbytes - o) for o in range(s.offset, s.offset + s.nbytes, chunk)
+        ]
+        expected = (
+            pieces[0].xxh3
+            if len(pieces) == 1
+            else xxhash.xxh3_64_intdigest(np.array([c.xxh3 for c in pieces], "<u8").tobytes())
+        )
         assert s.xxh3 == expected
 
 

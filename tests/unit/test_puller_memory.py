@@ -45,7 +45,9 @@ def sources() -> Iterator[dict[str, BufferSource]]:
     memory.SOURCES.clear()
 
 
-def setup_version(sources: dict, world: int, corrupt_reads: int = 0, chunk_bytes: int = 4096) -> tuple[Manifest, dict[str, np.ndarray]]:
+def setup_version(
+    sources: dict, world: int, corrupt_reads: int = 0, chunk_bytes: int = 4096
+) -> tuple[Manifest, dict[str, np.ndarray]]:
     arrays = sample_arrays()
     parts = []
     for r in range(world):
@@ -95,7 +97,11 @@ def test_flipped_assembled_byte_is_found_before_apply(sources: dict) -> None:
 
 def test_dict_applier_reuses_buffers_and_drops_stale_names() -> None:
     applier = DictApplier()
-    a = {"x.layers.0.q": np.ones(4, np.float32), "x.layers.0.k": np.ones(2, np.float32), "x.norm": np.zeros(3, np.float32)}
+    a = {
+        "x.layers.0.q": np.ones(4, np.float32),
+        "x.layers.0.k": np.ones(2, np.float32),
+        "x.norm": np.zeros(3, np.float32),
+    }
     specs = dict.fromkeys(a)
     applier.begin_update(1, specs)  # type: ignore[arg-type]
     for group in layer_groups(a):
@@ -108,7 +114,9 @@ def test_dict_applier_reuses_buffers_and_drops_stale_names() -> None:
     assert applier.weights["x.layers.0.q"] is kept and kept[0] == 2
     assert list(applier.weights) == ["x.layers.0.q"]
     assert layer_groups(["m.layers.1.a", "m.norm", "m.layers.1.b", "m.layers.10.a"]) == [
-        ["m.layers.1.a", "m.layers.1.b"], ["m.norm"], ["m.layers.10.a"]
+        ["m.layers.1.a", "m.layers.1.b"],
+        ["m.norm"],
+        ["m.layers.10.a"],
     ]
 
 

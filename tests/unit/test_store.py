@@ -204,10 +204,18 @@ def test_handshake_comparison_names_first_difference(store: SessionStore) -> Non
         "was not consumed": dataclasses.replace(good, consumed_names=good.consumed_names[:-1]),
         "not in the manifest": dataclasses.replace(good, consumed_names=good.consumed_names + ("x.y",)),
         f"tensor {name!r}: xxh3": dataclasses.replace(
-            good, tensor_digests={**good.tensor_digests, name: (good.tensor_digests[name][0] ^ 1, good.tensor_digests[name][1])}
+            good,
+            tensor_digests={
+                **good.tensor_digests,
+                name: (good.tensor_digests[name][0] ^ 1, good.tensor_digests[name][1]),
+            },
         ),
         f"tensor {name!r}: sum": dataclasses.replace(
-            good, tensor_digests={**good.tensor_digests, name: (good.tensor_digests[name][0], good.tensor_digests[name][1] + 1.0)}
+            good,
+            tensor_digests={
+                **good.tensor_digests,
+                name: (good.tensor_digests[name][0], good.tensor_digests[name][1] + 1.0),
+            },
         ),
         "element_count": dataclasses.replace(
             good, aggregates=dataclasses.replace(good.aggregates, element_count=good.aggregates.element_count + 1)
@@ -333,7 +341,9 @@ def test_session_weight_sync_mode_is_the_trainers_choice(store: SessionStore, tm
         reopened.close()
 
 
-def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_restarts(tmp_path: Path, clock: Clock) -> None:
+def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_restarts(
+    tmp_path: Path, clock: Clock
+) -> None:
     from weightsync.digests import access_token
 
     store = SessionStore(tmp_path / "t.db", clock=clock)
@@ -348,10 +358,17 @@ def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_rest
     reopened.close()
 
 
-def test_a_relay_that_stops_heartbeating_leaves_new_chains_before_its_lease_ends(store: SessionStore, clock: Clock) -> None:
+def test_a_relay_that_stops_heartbeating_leaves_new_chains_before_its_lease_ends(
+    store: SessionStore, clock: Clock
+) -> None:
     attach(store)
     for agent in ("r0", "r1", "r2"):
-        store.register_agent("job", agent, role="ROLLOUT", endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=f"127.0.0.1:{7000 + int(agent[1])}"))
+        store.register_agent(
+            "job",
+            agent,
+            role="ROLLOUT",
+            endpoint=Endpoint(transports=("grpc", "relay"), tcp_address=f"127.0.0.1:{7000 + int(agent[1])}"),
+        )
     assert [a.agent_id for a in store.relay_chain("job")] == ["r0", "r1", "r2"]
     for _ in range(6):  # r1 is gone (SIGKILL): r0 and r2 keep heartbeating (fresh: 2 beats, 5 s)
         clock.t += 1

@@ -41,11 +41,32 @@ def test_good_part_passes() -> None:
     [
         (lambda p: dataclasses.replace(p, rank=1), "header.rank"),
         (lambda p: dataclasses.replace(p, chunk_bytes=100), "header.chunk_bytes"),
-        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name="../etc/passwd"),) + p.tensors[1:]), "part.tensors[0].name"),
-        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name="a..b"),) + p.tensors[1:]), "part.tensors[0].name"),
-        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name=""),) + p.tensors[1:]), "part.tensors[0].name"),
-        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], dtype="complex64"),) + p.tensors[1:]), "part.tensors[0].dtype"),
-        (lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], shape=(1,) * 9),) + p.tensors[1:]), "part.tensors[0].shape"),
+        (
+            lambda p: dataclasses.replace(
+                p, tensors=(dataclasses.replace(p.tensors[0], name="../etc/passwd"),) + p.tensors[1:]
+            ),
+            "part.tensors[0].name",
+        ),
+        (
+            lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name="a..b"),) + p.tensors[1:]),
+            "part.tensors[0].name",
+        ),
+        (
+            lambda p: dataclasses.replace(p, tensors=(dataclasses.replace(p.tensors[0], name=""),) + p.tensors[1:]),
+            "part.tensors[0].name",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p, tensors=(dataclasses.replace(p.tensors[0], dtype="complex64"),) + p.tensors[1:]
+            ),
+            "part.tensors[0].dtype",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p, tensors=(dataclasses.replace(p.tensors[0], shape=(1,) * 9),) + p.tensors[1:]
+            ),
+            "part.tensors[0].shape",
+        ),
         (lambda p: dataclasses.replace(p, tensors=p.tensors + (p.tensors[0],)), "part.tensors[3].name"),
         (lambda p: replace_shard(p, 0, nbytes=p.shards[0].nbytes - 4), "part.shards[0].nbytes"),
         (lambda p: replace_shard(p, 0, tensor_name="nope"), "part.shards[0].tensor_name"),
@@ -145,7 +166,11 @@ def test_shard_sum_and_digest_are_recorded() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(0, 6), st.integers(1, 4)), min_size=0, max_size=12))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(0, 6), st.integers(1, 4)), min_size=0, max_size=12
+    )
+)
 def test_box_overlap_sweep_agrees_with_comparing_every_pair(boxes: list[tuple[int, int, int, int]]) -> None:
     """The sweep (O(n log n) for split tensors) finds an overlap exactly when some pair overlaps."""
     from weightsync.validation import _boxes_overlap, _check_no_box_overlap

@@ -24,6 +24,8 @@ Array = Any  # np.ndarray or jax.Array: transforms keep the input's kind
 def xp_of(a: Any) -> Any:
     """jax.numpy for JAX arrays (XLA does the transposes, tiled), numpy otherwise."""
     return jnp if isinstance(a, jax.Array) else np
+
+
 # A transform maps one per-layer slice (or a global leaf) to {hf_name_suffix: array}.
 Emit = Callable[[Array, "ModelDims"], dict[str, Array]]
 
@@ -157,8 +159,10 @@ def convert(
                 opts.skipped.append(dotted)
                 flat.pop(path)
                 continue
-            raise UnknownKey(f"no {spec.family} rule for MaxText key {'.'.join(path)!r} (normalised {dotted!r}); "
-                             "pass ignore_unknown=True to skip it")
+            raise UnknownKey(
+                f"no {spec.family} rule for MaxText key {'.'.join(path)!r} (normalised {dotted!r}); "
+                "pass ignore_unknown=True to skip it"
+            )
         leaf = _leaf(flat.pop(path))
         for name, arr in rule.emit(leaf, dims).items():
             yield name, _cast(arr, opts.weight_dtype)
@@ -201,8 +205,9 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
             if c > 1:
                 if not body or not (_SLOT.match(body[0]) or body[0] in ("local_layers", "global_layer")):
                     raise ValueError(
-                        f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} every layer key "
-                        f"needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / 'global_layer.' after 'layers.'"
+                        f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} "
+                        f"every layer key needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / "
+                        "'global_layer.' after 'layers.'"
                     )
                 body = body[1:]
             stacked = shape[axis] * (c if c > 1 else 1)
@@ -215,9 +220,9 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
                 )
             key = ".".join(body)
             layer_keys.setdefault(key, set()).update(range(dims.layers))
-            layer_shape = shape[:axis % len(shape)] + shape[axis % len(shape) + 1 :]
+            layer_shape = shape[: axis % len(shape)] + shape[axis % len(shape) + 1 :]
             if c > 1 and norm[2] == "local_layers":
-                layer_shape = layer_shape[:axis % len(shape)] + layer_shape[axis % len(shape) + 1 :]
+                layer_shape = layer_shape[: axis % len(shape)] + layer_shape[axis % len(shape) + 1 :]
         if key in _HEAD_AXES and len(layer_shape) >= 2:
             for field_name, got in zip(_HEAD_AXES[key], layer_shape[-2:]):
                 if got != getattr(dims, field_name):
@@ -227,9 +232,13 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
                     )
     if any(r.key == _LOGITS_KEY for r in spec.global_rules):
         if dims.tied and _LOGITS_KEY in global_keys:
-            raise ValueError(f"ModelDims.tied=True, but the tree has {_LOGITS_KEY!r} (an untied LM head); set tied=False")
+            raise ValueError(
+                f"ModelDims.tied=True, but the tree has {_LOGITS_KEY!r} (an untied LM head); set tied=False"
+            )
         if not dims.tied and _LOGITS_KEY not in global_keys:
-            raise ValueError(f"ModelDims.tied=False, but the tree has no {_LOGITS_KEY!r}; set tied=True for tied embeddings")
+            raise ValueError(
+                f"ModelDims.tied=False, but the tree has no {_LOGITS_KEY!r}; set tied=True for tied embeddings"
+            )
     if layer_keys:
         for rule in spec.layer_rules:
             have = layer_keys.get(rule.key, set())
@@ -266,7 +275,9 @@ def _convert_layer_leaf(
             for r in range(repeats):
                 per_repeat = xp.take(leaf, r, axis=axis)
                 for slot in range(per_repeat.shape[axis]):
-                    yield from _emit_layer(r * c + slot, body[1:], xp.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted)
+                    yield from _emit_layer(
+                        r * c + slot, body[1:], xp.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted
+                    )
             return
         slot = c - 1 if body[0] == "global_layer" else int(_SLOT.match(body[0]).group(1))  # type: ignore[union-attr]
         for r in range(repeats):
@@ -295,8 +306,10 @@ def _emit_layer(
             if dotted not in opts.skipped:  # once per source leaf, not once per layer
                 opts.skipped.append(dotted)
             return
-        raise UnknownKey(f"no {spec.family} layer rule for MaxText key {dotted!r} (layer key {key!r}); "
-                         "pass ignore_unknown=True to skip it")
+        raise UnknownKey(
+            f"no {spec.family} layer rule for MaxText key {dotted!r} (layer key {key!r}); "
+            "pass ignore_unknown=True to skip it"
+        )
     prefix = spec.layer_prefix.format(i=i)
     for suffix, arr in rule.emit(layer_slice, dims).items():
         yield prefix + suffix, _cast(arr, opts.weight_dtype)

@@ -28,8 +28,10 @@ def _key(a: Array, d: ModelDims) -> dict[str, Array]:
     return {"self_attn.k_proj.weight": k.reshape(k.shape[0], -1).T}
 
 
-_OVERRIDES = {"self_attention.query.kernel": Rule("self_attention.query.kernel", _query),
-              "self_attention.key.kernel": Rule("self_attention.key.kernel", _key)}
+_OVERRIDES = {
+    "self_attention.query.kernel": Rule("self_attention.query.kernel", _query),
+    "self_attention.key.kernel": Rule("self_attention.key.kernel", _key),
+}
 LLAMA3 = ConverterSpec(
     "llama3",
     GLOBAL_RULES,

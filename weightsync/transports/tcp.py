@@ -253,7 +253,9 @@ class TcpTransport(Transport):
         """Sends one request and reads the reply header; returns (socket, payload bytes)."""
         token = request.token.encode()
         session = request.session.encode()
-        head = REQUEST.pack(REQUEST_MAGIC, len(token), len(session), request.version, request.rank, len(request.indices))
+        head = REQUEST.pack(
+            REQUEST_MAGIC, len(token), len(session), request.version, request.rank, len(request.indices)
+        )
         sock = self._connect(request.timeout_s)
         try:
             sock.sendall(head + token + session + np.asarray(request.indices, "<u4").tobytes())
