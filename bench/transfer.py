@@ -44,7 +44,7 @@ MODES = ("grpc", "tcp", "shm", "fs", "relay")
 PEERS = ("safetensors", "orbax", "gloo", "jax_transfer")
 CROSS_HOST = ("grpc", "tcp", "fs", "relay")
 # Between rows: this VM hands freed memory back to its host within 1-2 s, and pages touched
-# while that runs cost several times more (shared/notes/machine.md); let it finish.
+# while that runs cost several times more (docs/machine.md); let it finish.
 SETTLE_S = 3.0
 
 

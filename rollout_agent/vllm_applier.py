@@ -1,6 +1,6 @@
 """VllmApplier: verified tensors -> a live vLLM model via layerwise checkpoint reload.
 
-Facts this relies on (shared/notes/vllm-cpu.md): `model.load_weights` works after startup
+Facts this relies on (docs/vllm-cpu.md): `model.load_weights` works after startup
 only inside a layerwise reload (initialize ... finalize), which re-lays layers in
 checkpoint layout and repacks them afterwards; fused parts (q/k/v, gate/up) must arrive
 together; a failed round leaves the engine unusable. So every name is checked against

@@ -1,6 +1,6 @@
 """Test-side MaxText model: HF weights -> MaxText layouts, and a JAX forward pass on them.
 
-Written from the layout facts in shared/notes/maxtext-layout.md, independently of the
+Written from the layout facts in docs/maxtext-layout.md, independently of the
 converters: the forward uses MaxText's own conventions (Llama: 1/sqrt(H) folded into the
 query kernel, interleaved rotary pairs; Qwen3: run-time query scaling, q/k norms,
 half-split rotary), so a converter that gets a step wrong changes the logits.

@@ -1,4 +1,4 @@
-"""Dense Qwen3: MaxText layout -> HF names (facts: shared/notes/maxtext-layout.md).
+"""Dense Qwen3: MaxText layout -> HF names (facts: docs/maxtext-layout.md).
 
 No query scaling and no RoPE reorder: MaxText's Qwen3 scales queries at run time and
 already uses HF's half-split rotary layout.
