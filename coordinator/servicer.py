@@ -79,7 +79,7 @@ def _role(value: int) -> str:
     try:
         return ROLE_NAMES[value]
     except KeyError:
-        raise InvalidArgument("role", f"must be TRAINER or ROLLOUT, got enum {value}") from None
+        raise InvalidArgument(f"must be TRAINER or ROLLOUT, got enum {value}", field="role") from None
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         role = _role(request.role)
         if len(request.incarnation) > 128:
-            raise InvalidArgument("incarnation", "longer than 128 characters")
+            raise InvalidArgument("longer than 128 characters", field="incarnation")
         s, created = self._store.open_session(
             request.session,
             trainer=role == "TRAINER",
@@ -235,13 +235,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         started = time.perf_counter()
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
-            raise InvalidArgument("header", "the first message of PublishVersion must be a header")
+            raise InvalidArgument("the first message of PublishVersion must be a header", field="header")
         h = first.header
         check_session_name(h.session, "header.session")
         check_version(h.version, "header.version")
         check_int64_range(h, "header.")
         if not (math.isfinite(h.stage_seconds) and h.stage_seconds >= 0):
-            raise InvalidArgument("header.stage_seconds", f"{h.stage_seconds} is not a finite number of seconds >= 0")
+            raise InvalidArgument(
+                f"{h.stage_seconds} is not a finite number of seconds >= 0", field="header.stage_seconds"
+            )
         if h.endpoint.address:
             check_address(h.endpoint.address, "header.endpoint.address")
         if h.endpoint.tcp_address:
@@ -252,7 +254,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             try:
                 check_arena_path(h.endpoint.shm_path)
             except InvalidArgument as e:
-                raise InvalidArgument("header.endpoint.shm_path", e.message.split(": ", 1)[-1]) from None
+                raise InvalidArgument(e.message.split(": ", 1)[-1], field="header.endpoint.shm_path") from None
         limits = self._store.limits
         for what, n, cap in (
             ("tensor_count", h.tensor_count, limits.max_tensors),
@@ -266,21 +268,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         seal = None
         for msg in request_iterator:
             if msg.HasField("header"):
-                raise InvalidArgument("header", "sent twice in one PublishVersion stream")
+                raise InvalidArgument("sent twice in one PublishVersion stream", field="header")
             if seal is not None:
-                raise InvalidArgument("seal", "messages after the seal")
+                raise InvalidArgument("messages after the seal", field="seal")
             if msg.HasField("batch"):
                 builder.add(msg.batch)
             elif msg.HasField("seal"):
                 seal = msg.seal
         if seal is None:
-            raise InvalidArgument("seal", "stream ended without a seal; nothing was stored")
+            raise InvalidArgument("stream ended without a seal; nothing was stored", field="seal")
         counts = (len(builder.tensors), len(builder.shards), len(builder.chunks))
         if counts != (h.tensor_count, h.shard_count, h.chunk_count):
             raise InvalidArgument(
-                "header.tensor_count",
                 f"header announced tensors/shards/chunks {h.tensor_count}/{h.shard_count}/{h.chunk_count}, "
                 f"stream carried {counts[0]}/{counts[1]}/{counts[2]}",
+                field="header.tensor_count",
             )
         part = builder.build(
             total_bytes=h.total_bytes,
@@ -289,7 +291,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             stage_seconds=h.stage_seconds,
         )
         if seal.part_digest != part.digest():
-            raise InvalidArgument("seal.part_digest", f"{seal.part_digest!r} does not match the received descriptors")
+            raise InvalidArgument(
+                f"{seal.part_digest!r} does not match the received descriptors", field="seal.part_digest"
+            )
         outcome: PublishOutcome = self._store.publish_part(
             h.session, generation=h.generation, version=h.version, idempotency_key=h.idempotency_key, part=part
         )
@@ -366,14 +370,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
         check_agent_id(request.agent_id)
         if len(request.consumed_names) > self._store.limits.max_tensors:
-            raise InvalidArgument("consumed_names", f"more than {self._store.limits.max_tensors} names")
+            raise InvalidArgument(f"more than {self._store.limits.max_tensors} names", field="consumed_names")
         for i, name in enumerate(request.consumed_names):
             check_tensor_name(name, f"consumed_names[{i}]")
         digests: dict[str, tuple[int, float]] = {}
         for i, t in enumerate(request.tensors):
             check_tensor_name(t.name, f"tensors[{i}].name")
             if t.name in digests:
-                raise InvalidArgument(f"tensors[{i}].name", f"duplicate digest for {t.name!r}")
+                raise InvalidArgument(f"duplicate digest for {t.name!r}", field=f"tensors[{i}].name")
             digests[t.name] = (t.xxh3, t.sum)
         report = AppliedReport(
             manifest_digest=request.manifest_digest,
@@ -411,7 +415,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         seq = self._store.latest_seq(s.name)  # read first: following from it misses nothing
         limit = request.version_limit or 20
         if limit > 1000:
-            raise InvalidArgument("version_limit", f"{limit} exceeds 1000")
+            raise InvalidArgument(f"{limit} exceeds 1000", field="version_limit")
         versions = self._store.versions(s.name, limit)
         agents = self._store.agents(s.name)
         reports = self._store.reports(s.name, [v.version for v in versions])
@@ -461,7 +465,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         if not request.generation:
             raise InvalidArgument(
-                "generation", "required: the caller's session generation (fenced writers release nothing)"
+                "required: the caller's session generation (fenced writers release nothing)", field="generation"
             )
         rec = self._store.release_version(
             request.session, request.version, generation=request.generation, force=request.force

@@ -144,7 +144,7 @@ class SessionStore:
         handshakes are kept; older RELEASED / FAILED ones keep a summary row
         (`coordinator.retention`)."""
         if retain_versions < 1:
-            raise InvalidArgument("retain_versions", f"must be >= 1, got {retain_versions}")
+            raise InvalidArgument(f"must be >= 1, got {retain_versions}", field="retain_versions")
         self.retain_versions = retain_versions
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
@@ -260,9 +260,9 @@ class SessionStore:
         check_session_name(name)
         mode = normalize_mode(weight_sync_mode, allow_empty=True) if trainer else ""
         if trainer_ranks > self.limits.max_trainer_ranks:
-            raise InvalidArgument("trainer_ranks", f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}")
+            raise InvalidArgument(f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}", field="trainer_ranks")
         if min_rollouts > 100_000:
-            raise InvalidArgument("min_rollouts", f"{min_rollouts} is implausibly large")
+            raise InvalidArgument(f"{min_rollouts} is implausibly large", field="min_rollouts")
         now = self._clock()
         with self._tx() as db:
             row = db.execute("SELECT * FROM sessions WHERE name=?", (name,)).fetchone()
@@ -339,11 +339,11 @@ class SessionStore:
         check_session_name(session)
         check_agent_id(agent_id)
         if role not in ("TRAINER", "ROLLOUT"):
-            raise InvalidArgument("role", f"must be TRAINER or ROLLOUT, got {role!r}")
+            raise InvalidArgument(f"must be TRAINER or ROLLOUT, got {role!r}", field="role")
         with self._tx() as db:
             s = self._session(db, session)
             if role == "TRAINER" and not 0 <= rank < s.trainer_ranks:
-                raise InvalidArgument("rank", f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})")
+                raise InvalidArgument(f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})", field="rank")
             if role == "TRAINER":
                 _check_generation(generation or s.generation, s)
             db.execute(
@@ -475,7 +475,7 @@ class SessionStore:
         check_session_name(session)
         check_version(version, "header.version")
         if len(idempotency_key) > 256:
-            raise InvalidArgument("header.idempotency_key", "longer than 256 characters")
+            raise InvalidArgument("longer than 256 characters", field="header.idempotency_key")
         digest = part.digest()
         body = json.dumps(part.to_dict())
         # Validation runs before the store's lock is taken: a part of 10^5 tensors takes a

@@ -1,0 +1,29 @@
+"""The rollout agent: follows a session, pulls and verifies each READY version, applies it
+to its engine and closes the handshake; as a sidecar, inside a vLLM worker (the worker
+extension) or as a vLLM weight-transfer backend.
+
+Public API (imported on first use; vLLM's modules load only with the vLLM entry points):
+`RolloutAgent`, `RolloutConfig`, `WeightPuller`, `PulledVersion`, and for vLLM
+`WeightsyncWorkerExtension` and `WeightsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RolloutAgent": "rollout_agent.agent",
+    "RolloutConfig": "rollout_agent.config",
+    "WeightPuller": "rollout_agent.puller",
+    "PulledVersion": "rollout_agent.puller",
+    "WeightsyncWorkerExtension": "rollout_agent.vllm_worker_extension",
+    "WeightsyncEngine": "rollout_agent.vllm_backend",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

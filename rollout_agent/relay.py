@@ -104,11 +104,11 @@ class RelaySource:
     def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None:
         held = self._version(session, version)
         if rank not in held.chunks:
-            raise InvalidArgument("rank", f"version {version} has no rank {rank}")
+            raise InvalidArgument(f"version {version} has no rank {rank}", field="rank")
         n = len(held.chunks[rank])
         for i, index in enumerate(indices):
             if index >= n:
-                raise InvalidArgument(f"indices[{i}]", f"{index} >= chunk_count {n}")
+                raise InvalidArgument(f"{index} >= chunk_count {n}", field=f"indices[{i}]")
 
     def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         chunks = self._version(session, version).chunks[rank]

@@ -76,7 +76,7 @@ def sync_version(
         WeightsyncError: the manifest could not be fetched (nothing was applied).
     """
     if apply_mode not in APPLY_MODES:
-        raise InvalidArgument("apply_mode", f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}")
+        raise InvalidArgument(f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}", field="apply_mode")
     started = time.perf_counter()
     header, manifest = puller.fetch_manifest(version)
     v = manifest.version

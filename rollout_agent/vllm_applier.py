@@ -64,13 +64,13 @@ class VllmApplier(Applier):
         unknown = sorted(set(tensors) - self._expected)
         if missing:
             raise InvalidArgument(
-                "manifest.tensors",
                 f"version {version} lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}",
+                field="manifest.tensors",
             )
         if unknown:
             raise InvalidArgument(
-                "manifest.tensors",
                 f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}",
+                field="manifest.tensors",
             )
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 

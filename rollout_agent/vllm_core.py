@@ -50,18 +50,18 @@ class RolloutInitInfo:
         if self.agent_id:
             check_agent_id(self.agent_id, "init_info.agent_id")
         if self.apply_mode not in ("atomic", "streaming"):
-            raise InvalidArgument("init_info.apply_mode", f"{self.apply_mode!r} is not 'atomic' or 'streaming'")
+            raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="init_info.apply_mode")
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "init_info.weight_sync_mode", allow_empty=True)
         self.security()  # both halves of a key pair or neither
         if self.weight_sync_mode == "fs" and not self.fs_root:
-            raise InvalidArgument("init_info.fs_root", "weight_sync_mode 'fs' needs the store root")
+            raise InvalidArgument("weight_sync_mode 'fs' needs the store root", field="init_info.fs_root")
 
     def security(self) -> Security:
         """TLS / mTLS and the bearer token for this worker's channels."""
         try:
             return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
         except InvalidArgument as e:
-            raise InvalidArgument(f"init_info.{e.field}", e.message.partition(": ")[2]) from None
+            raise InvalidArgument(e.message.partition(": ")[2], field=f"init_info.{e.field}") from None
 
 
 def parse_version(version: Any) -> int:
@@ -71,9 +71,9 @@ def parse_version(version: Any) -> int:
     try:
         v = int(version)
     except (TypeError, ValueError):
-        raise InvalidArgument("update_info.version", f"{version!r} is neither 'latest' nor an integer") from None
+        raise InvalidArgument(f"{version!r} is neither 'latest' nor an integer", field="update_info.version") from None
     if v < 0:
-        raise InvalidArgument("update_info.version", f"{v} must be >= 0")
+        raise InvalidArgument(f"{v} must be >= 0", field="update_info.version")
     return v
 
 

@@ -64,7 +64,7 @@ class SlotTable:
         if session != self.session:
             raise NotFound(f"session {session!r} is not served here (this agent serves {self.session!r})")
         if rank != self.rank:
-            raise InvalidArgument("rank", f"this agent serves rank {self.rank}, not {rank}")
+            raise InvalidArgument(f"this agent serves rank {self.rank}, not {rank}", field="rank")
         with self._lock:
             for slot, entry in self._slots.items():
                 if entry.version == version:
@@ -76,7 +76,7 @@ class SlotTable:
         _, entry = self._find(session, version, rank)
         for i, index in enumerate(indices):
             if index >= len(entry.chunks):
-                raise InvalidArgument(f"indices[{i}]", f"{index} >= chunk_count {len(entry.chunks)}")
+                raise InvalidArgument(f"{index} >= chunk_count {len(entry.chunks)}", field=f"indices[{i}]")
 
     def check_token(self, session: str, version: int, token: str) -> None:
         _, entry = self._find(session, version, self.rank)
@@ -101,7 +101,7 @@ class SlotTable:
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
         slot, entry = self._find(session, version, rank)
         if index >= len(entry.chunks):
-            raise InvalidArgument("indices", f"{index} >= chunk_count {len(entry.chunks)}")
+            raise InvalidArgument(f"{index} >= chunk_count {len(entry.chunks)}", field="indices")
         c = entry.chunks[index]
         return c.offset, memoryview(self.arena.slot(slot)[c.offset : c.offset + c.length])
 

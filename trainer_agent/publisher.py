@@ -118,9 +118,9 @@ def _to_host_shards(name: str, value: Any, weight_dtype: str | None) -> list[Hos
                 host = np.asarray(shard.data)  # zero-copy for CPU-resident arrays
             except Exception as e:  # noqa: BLE001 - re-raised with the fix
                 raise InvalidArgument(
-                    f"params[{name!r}]",
                     f"shard on {shard.device} is not host-addressable ({e}); the native FFI path stages device "
                     "buffers, or pass host copies as HostShard",
+                    field=f"params[{name!r}]",
                 ) from e
             out.append(HostShard(name, host, tuple(value.shape), start))
         return out
@@ -206,9 +206,9 @@ class WeightPublisher:
             dtype_info(weight_dtype, "weight_dtype")
         mode = normalize_mode(weight_sync_mode, allow_empty=True)
         if mode == "fs" and not fs_root:
-            raise InvalidArgument("fs_root", "weight_sync_mode 'fs' needs fs_root: where parts are written")
+            raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
         if not 0 <= rank < world_size:
-            raise InvalidArgument("rank", f"{rank} is not in [0, world_size={world_size})")
+            raise InvalidArgument(f"{rank} is not in [0, world_size={world_size})", field="rank")
         self.session = session
         self.rank = rank
         self.chunk_bytes = chunk_bytes
@@ -354,7 +354,7 @@ class WeightPublisher:
             SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s.
         """
         if not params:
-            raise InvalidArgument("params", "must contain at least one tensor")
+            raise InvalidArgument("must contain at least one tensor", field="params")
         key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
         path = choose_staging_path(

@@ -241,7 +241,7 @@ def cmd_agent_token(args: argparse.Namespace) -> int:
     """An agent token acts only for its agent id: hand each pod its own, never the role token."""
     role_token = load_tokens(args.auth_tokens_file).get(args.role)
     if role_token is None:
-        raise InvalidArgument("role", f"{args.auth_tokens_file!r} holds no {args.role} token")
+        raise InvalidArgument(f"{args.auth_tokens_file!r} holds no {args.role} token", field="role")
     print(agent_token(role_token, args.role, args.agent_id))
     return 0
 

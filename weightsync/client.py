@@ -174,7 +174,7 @@ class CoordinatorClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"version {version} did not reach {'/'.join(states)} within {timeout_s}s")
+                raise DeadlineExceeded(f"version {version} did not reach {'/'.join(states)} within {timeout_s}s")
             try:
                 for ev in self.watch(session, seq, timeout_s=remaining):
                     seq = ev.seq

@@ -42,7 +42,7 @@ def dtype_info(name: str, field: str = "dtype") -> DTypeInfo:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise InvalidArgument(field, f"dtype {name!r} is not allowed; use one of {', '.join(ALLOWED)}") from None
+        raise InvalidArgument(f"dtype {name!r} is not allowed; use one of {', '.join(ALLOWED)}", field=field) from None
 
 
 def dtype_from_proto(value: int, field: str = "dtype") -> DTypeInfo:
@@ -50,7 +50,9 @@ def dtype_from_proto(value: int, field: str = "dtype") -> DTypeInfo:
     try:
         return BY_PROTO[value]
     except KeyError:
-        raise InvalidArgument(field, f"dtype enum {value} is not allowed; use one of {', '.join(ALLOWED)}") from None
+        raise InvalidArgument(
+            f"dtype enum {value} is not allowed; use one of {', '.join(ALLOWED)}", field=field
+        ) from None
 
 
 def dtype_name_of(array_dtype: object) -> str:
@@ -59,7 +61,7 @@ def dtype_name_of(array_dtype: object) -> str:
     for info in _INFOS:
         if info.numpy == dt:
             return info.name
-    raise InvalidArgument("dtype", f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}")
+    raise InvalidArgument(f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}", field="dtype")
 
 
 def native_code(dtype: np.dtype) -> int:

@@ -29,25 +29,28 @@ from __future__ import annotations
 
 
 class WeightsyncError(Exception):
-    """Base of every error weightsync raises on purpose."""
+    """Base of every error weightsync raises on purpose: `(message, *, field=None)`.
+
+    With a `field` (the offending request field), the message starts with it
+    ("version: must be > 0, got 0"), as every status message naming a field does.
+    """
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
+        if field and not message.startswith(f"{field}:"):
+            message = f"{field}: {message}"
         super().__init__(message)
         self.message = message
         self.field = field
 
     def with_message(self, message: str) -> WeightsyncError:
         """The same error class and field with a new message (for adding context)."""
-        err = type(self).__new__(type(self))
-        WeightsyncError.__init__(err, message, field=self.field)
+        err = type(self)(message)
+        err.field = self.field
         return err
 
 
 class InvalidArgument(WeightsyncError):
     """A request or value is malformed; `field` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}", field=field)
 
 
 class NotFound(WeightsyncError):
@@ -160,9 +163,7 @@ def error_for_status(status_name: str, message: str, field: str | None = None, r
     cls = ERROR_BY_STATUS.get(status_name, InternalError)
     if reason and reason != cls.__name__:
         cls = next((sub for sub in _subclasses(cls) if sub.__name__ == reason), cls)
-    err = cls.__new__(cls)
-    WeightsyncError.__init__(err, message, field=field)
-    return err
+    return cls(message, field=field)
 
 
 def status_name_for(error: WeightsyncError) -> str:

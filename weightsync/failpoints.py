@@ -30,9 +30,11 @@ class Failpoints:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             name, _, count = item.partition("=")
             if name not in KNOWN:
-                raise InvalidArgument("failpoints", f"unknown failpoint {name!r}; known: {', '.join(sorted(KNOWN))}")
+                raise InvalidArgument(
+                    f"unknown failpoint {name!r}; known: {', '.join(sorted(KNOWN))}", field="failpoints"
+                )
             if not count.isdigit():
-                raise InvalidArgument("failpoints", f"{item!r} must be name=COUNT")
+                raise InvalidArgument(f"{item!r} must be name=COUNT", field="failpoints")
             self._counts[name] = int(count)
 
     def armed(self, name: str) -> bool:

@@ -16,5 +16,6 @@ def normalize_mode(value: str, field: str = "weight_sync_mode", *, allow_empty: 
     if mode in MODES:
         return mode
     raise InvalidArgument(
-        field, f"{value!r} is not a weight-sync mode; use one of {', '.join(MODES)} (aliases: {', '.join(ALIASES)})"
+        f"{value!r} is not a weight-sync mode; use one of {', '.join(MODES)} (aliases: {', '.join(ALIASES)})",
+        field=field,
     )

@@ -161,7 +161,7 @@ def _require() -> ctypes.CDLL:
 
 def _check(rc: int, what: str) -> None:
     if rc == 1:
-        raise InvalidArgument("spans", f"{what}: spans overlap, leave the destination, or a pointer is null")
+        raise InvalidArgument(f"{what}: spans overlap, leave the destination, or a pointer is null", field="spans")
     if rc != 0:
         raise InternalError(f"{what} failed with native status {rc}")
 
@@ -196,16 +196,16 @@ def stage(
     """
     lib = _require()
     if dst.dtype != np.uint8 or dst.nbytes < total or not dst.flags.c_contiguous:
-        raise InvalidArgument("dst", f"needs a contiguous uint8 buffer of at least {total} bytes")
+        raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {total} bytes", field="dst")
     spans = (_Span * max(1, len(sources)))()
     for i, (arr, offset, dtype) in enumerate(sources):
         if not arr.flags.c_contiguous:
-            raise InvalidArgument(f"sources[{i}]", "array is not C-contiguous")
+            raise InvalidArgument("array is not C-contiguous", field=f"sources[{i}]")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
     lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
     if int(lengths.sum()) != total or (lengths == 0).any():
         raise InvalidArgument(
-            "chunk_lengths", f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}"
+            f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}", field="chunk_lengths"
         )
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
@@ -236,7 +236,7 @@ def digest_arrays(
     spans = (_Span * max(1, len(arrays)))()
     for i, (arr, dtype) in enumerate(arrays):
         if not arr.flags.c_contiguous:
-            raise InvalidArgument(f"arrays[{i}]", "array is not C-contiguous")
+            raise InvalidArgument("array is not C-contiguous", field=f"arrays[{i}]")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, 0, dtype, 0)
     digests = np.zeros(max(len(arrays), 1), np.uint64)
     sums = np.zeros(max(len(arrays), 1), np.float64)
@@ -258,9 +258,9 @@ def digest_ranges(base: np.ndarray, offsets: Sequence[int], lengths: Sequence[in
     off = np.ascontiguousarray(offsets, np.uint64)
     ln = np.ascontiguousarray(lengths, np.uint64)
     if len(off) != len(ln):
-        raise InvalidArgument("lengths", "needs one length per offset")
+        raise InvalidArgument("needs one length per offset", field="lengths")
     if len(off) and int((off + ln).max()) > base.nbytes:
-        raise InvalidArgument("offsets", "a range leaves the buffer")
+        raise InvalidArgument("a range leaves the buffer", field="offsets")
     out = np.zeros(max(len(off), 1), np.uint64)
     rc = lib.ws_digest_ranges(
         _ptr(base), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(off), out.ctypes.data_as(_U64P), threads
@@ -273,7 +273,7 @@ def copy(dst: np.ndarray, src: np.ndarray, *, threads: int = 0) -> None:
     """dst[:] = src with the shim's non-temporal stores (same-size contiguous buffers)."""
     lib = _require()
     if dst.nbytes != src.nbytes:
-        raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {src.nbytes}")
+        raise InvalidArgument(f"{dst.nbytes} bytes != source {src.nbytes}", field="dst")
     _check(lib.ws_copy(_ptr(dst), _ptr(src), src.nbytes, threads), "ws_copy")
 
 
@@ -283,9 +283,9 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, threads: int = 
     lib = _require()
     for i, (dst, src) in enumerate(pairs):
         if dst.nbytes != src.nbytes:
-            raise InvalidArgument(f"pairs[{i}]", f"destination {dst.nbytes} bytes != source {src.nbytes}")
+            raise InvalidArgument(f"destination {dst.nbytes} bytes != source {src.nbytes}", field=f"pairs[{i}]")
         if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
-            raise InvalidArgument(f"pairs[{i}]", "needs C-contiguous arrays and a writeable destination")
+            raise InvalidArgument("needs C-contiguous arrays and a writeable destination", field=f"pairs[{i}]")
     dsts = np.array([_ptr(d) for d, _ in pairs] or [0], np.uint64)
     srcs = np.array([_ptr(s) for _, s in pairs] or [0], np.uint64)
     lengths = np.array([s.nbytes for _, s in pairs] or [0], np.uint64)
@@ -302,7 +302,7 @@ def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:
     bytes other than the ones this process keeps."""
     n = src.nbytes
     if dst.nbytes != n:
-        raise InvalidArgument("dst", f"{dst.nbytes} bytes != source {n}")
+        raise InvalidArgument(f"{dst.nbytes} bytes != source {n}", field="dst")
     if n == 0:
         return xxh3(b"")
     lib = _require()
@@ -343,9 +343,9 @@ def recv_verify(sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]],
     off = np.ascontiguousarray([s[0] for s in spans], np.uint64)
     ln = np.ascontiguousarray([s[1] for s in spans], np.uint64)
     if buf.dtype != np.uint8 or not buf.flags.c_contiguous or not buf.flags.writeable:
-        raise InvalidArgument("buf", "needs a writable contiguous uint8 buffer")
+        raise InvalidArgument("needs a writable contiguous uint8 buffer", field="buf")
     if len(off) and int((off + ln).max()) > buf.nbytes:
-        raise InvalidArgument("spans", "a span leaves the receive buffer")
+        raise InvalidArgument("a span leaves the receive buffer", field="spans")
     want = np.ascontiguousarray(digests, np.uint64)
     ok = np.zeros(max(len(off), 1), np.uint8)
     rc = lib.ws_recv_verify(

@@ -72,7 +72,7 @@ def check_int64_range(message: Any, prefix: str = "") -> None:
         if fd.is_repeated:
             continue
         if fd.type == fd.TYPE_UINT64 and value > INT64_MAX:
-            raise errors.InvalidArgument(prefix + fd.name, f"{value} exceeds 2^63-1")
+            raise errors.InvalidArgument(f"{value} exceeds 2^63-1", field=prefix + fd.name)
         if fd.type == fd.TYPE_MESSAGE:
             check_int64_range(value, f"{prefix}{fd.name}.")
 

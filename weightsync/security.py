@@ -61,7 +61,7 @@ def _read(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise InvalidArgument(what, f"cannot read {path!r}: {e.strerror}") from None
+        raise InvalidArgument(f"cannot read {path!r}: {e.strerror}", field=what) from None
 
 
 def load_tokens(path: str) -> dict[str, str]:
@@ -69,16 +69,18 @@ def load_tokens(path: str) -> dict[str, str]:
     try:
         tokens = json.loads(_read(path, "auth_tokens_file"))
     except json.JSONDecodeError as e:
-        raise InvalidArgument("auth_tokens_file", f"{path!r} is not JSON: {e}") from None
+        raise InvalidArgument(f"{path!r} is not JSON: {e}", field="auth_tokens_file") from None
     if not isinstance(tokens, dict) or not tokens:
-        raise InvalidArgument("auth_tokens_file", f"{path!r} must hold an object of role -> token")
+        raise InvalidArgument(f"{path!r} must hold an object of role -> token", field="auth_tokens_file")
     for role, token in tokens.items():
         if role not in ROLES:
-            raise InvalidArgument("auth_tokens_file", f"unknown role {role!r} (roles: {', '.join(ROLES)})")
+            raise InvalidArgument(f"unknown role {role!r} (roles: {', '.join(ROLES)})", field="auth_tokens_file")
         if not isinstance(token, str) or len(token) < 16:
-            raise InvalidArgument("auth_tokens_file", f"the {role} token must be a string of at least 16 characters")
+            raise InvalidArgument(
+                f"the {role} token must be a string of at least 16 characters", field="auth_tokens_file"
+            )
     if len(set(tokens.values())) != len(tokens):
-        raise InvalidArgument("auth_tokens_file", "two roles share one token")
+        raise InvalidArgument("two roles share one token", field="auth_tokens_file")
     return tokens
 
 
@@ -95,9 +97,11 @@ class Security:
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
-            raise InvalidArgument("tls_key_file" if self.cert_file else "tls_cert_file", "set both or neither")
+            raise InvalidArgument("set both or neither", field="tls_key_file" if self.cert_file else "tls_cert_file")
         if self.require_client_cert and not (self.ca_file and self.cert_file):
-            raise InvalidArgument("tls_require_client_cert", "needs tls_ca_file and this server's own certificate")
+            raise InvalidArgument(
+                "needs tls_ca_file and this server's own certificate", field="tls_require_client_cert"
+            )
 
     def check_files(self) -> None:
         """Reads every configured file now (entry points fail at start, naming the flag)."""
@@ -231,7 +235,7 @@ def agent_token(role_token: str, role: str, agent_id: str) -> str:
     """A bearer token that acts as `role` for `agent_id` only, derived from the role's
     token (which stays with the operator): `wsctl agent-token` prints one per pod."""
     if role not in ("trainer", "rollout"):
-        raise InvalidArgument("role", f"agent tokens are for trainer or rollout agents, not {role!r}")
+        raise InvalidArgument(f"agent tokens are for trainer or rollout agents, not {role!r}", field="role")
     check_agent_id(agent_id)
     return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id)}"
 

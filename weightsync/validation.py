@@ -36,31 +36,33 @@ DEFAULT_LIMITS = Limits()
 def check_session_name(name: str, field: str = "session") -> str:
     """A DNS-label-like session name (lowercase, digits, '.', '_', '-', max 63)."""
     if not name:
-        raise InvalidArgument(field, "must not be empty")
+        raise InvalidArgument("must not be empty", field=field)
     if not SESSION_NAME_RE.match(name):
-        raise InvalidArgument(field, f"{name!r} must match {SESSION_NAME_RE.pattern}")
+        raise InvalidArgument(f"{name!r} must match {SESSION_NAME_RE.pattern}", field=field)
     return name
 
 
 def check_agent_id(agent_id: str, field: str = "agent_id") -> str:
     """Agent ids follow the session-name rules."""
     if not agent_id:
-        raise InvalidArgument(field, "must not be empty")
+        raise InvalidArgument("must not be empty", field=field)
     if not AGENT_ID_RE.match(agent_id):
-        raise InvalidArgument(field, f"{agent_id!r} must match {AGENT_ID_RE.pattern}")
+        raise InvalidArgument(f"{agent_id!r} must match {AGENT_ID_RE.pattern}", field=field)
     return agent_id
 
 
 def check_tensor_name(name: str, field: str) -> None:
     """HF-style tensor names: no empty, '..', leading separator or odd characters."""
     if not TENSOR_NAME_RE.match(name) or ".." in name or "//" in name:
-        raise InvalidArgument(field, f"tensor name {name!r} must match {TENSOR_NAME_RE.pattern} without '..' or '//'")
+        raise InvalidArgument(
+            f"tensor name {name!r} must match {TENSOR_NAME_RE.pattern} without '..' or '//'", field=field
+        )
 
 
 def check_version(version: int, field: str = "version") -> int:
     """Versions are positive integers (0 is reserved for 'latest' in reads)."""
     if version <= 0:
-        raise InvalidArgument(field, f"must be > 0, got {version}")
+        raise InvalidArgument(f"must be > 0, got {version}", field=field)
     return version
 
 
@@ -68,16 +70,16 @@ def check_address(address: str, field: str) -> None:
     """host:port with a numeric port."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(field, f"{address!r} is not host:port")
+        raise InvalidArgument(f"{address!r} is not host:port", field=field)
 
 
 def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:
     check_tensor_name(t.name, f"{field}.name")
     dtype_info(t.dtype, f"{field}.dtype")
     if len(t.shape) > limits.max_ndim:
-        raise InvalidArgument(f"{field}.shape", f"{len(t.shape)} dims exceed the limit of {limits.max_ndim}")
+        raise InvalidArgument(f"{len(t.shape)} dims exceed the limit of {limits.max_ndim}", field=f"{field}.shape")
     if any(d < 0 for d in t.shape):
-        raise InvalidArgument(f"{field}.shape", f"negative dimension in {list(t.shape)}")
+        raise InvalidArgument(f"negative dimension in {list(t.shape)}", field=f"{field}.shape")
     if t.nbytes > limits.max_part_bytes:
         raise ResourceExhausted(
             f"{field}.shape: {t.nbytes} bytes exceed {limits.max_part_bytes}", field=f"{field}.shape"
@@ -108,15 +110,15 @@ def _check_chunks(part: Part) -> None:
     for i, c in enumerate(part.chunks):
         f = f"part.chunks[{i}]"
         if c.index != i:
-            raise InvalidArgument(f"{f}.index", f"expected {i}, got {c.index} (chunks are sent in index order)")
+            raise InvalidArgument(f"expected {i}, got {c.index} (chunks are sent in index order)", field=f"{f}.index")
         if c.offset != cursor:
             what = "overlaps the previous chunk" if c.offset < cursor else "leaves a gap"
-            raise InvalidArgument(f"{f}.offset", f"{c.offset} {what}; expected {cursor}")
+            raise InvalidArgument(f"{c.offset} {what}; expected {cursor}", field=f"{f}.offset")
         if not 0 < c.length <= part.chunk_bytes:
-            raise InvalidArgument(f"{f}.length", f"{c.length} must be in (0, chunk_bytes={part.chunk_bytes}]")
+            raise InvalidArgument(f"{c.length} must be in (0, chunk_bytes={part.chunk_bytes}]", field=f"{f}.length")
         cursor += c.length
     if cursor != part.total_bytes:
-        raise InvalidArgument("part.chunks", f"cover [0, {cursor}) but total_bytes is {part.total_bytes}")
+        raise InvalidArgument(f"cover [0, {cursor}) but total_bytes is {part.total_bytes}", field="part.chunks")
 
 
 def _check_shards(part: Part, specs: dict[str, TensorSpec]) -> None:
@@ -125,31 +127,33 @@ def _check_shards(part: Part, specs: dict[str, TensorSpec]) -> None:
         f = f"part.shards[{i}]"
         spec = specs.get(s.tensor_name)
         if spec is None:
-            raise InvalidArgument(f"{f}.tensor_name", f"{s.tensor_name!r} is not among this part's tensors")
+            raise InvalidArgument(f"{s.tensor_name!r} is not among this part's tensors", field=f"{f}.tensor_name")
         nd = len(spec.shape)
         if len(s.start) != nd or len(s.stop) != nd:
-            raise InvalidArgument(f"{f}.start", f"box has {len(s.start)}/{len(s.stop)} dims, tensor has {nd}")
+            raise InvalidArgument(f"box has {len(s.start)}/{len(s.stop)} dims, tensor has {nd}", field=f"{f}.start")
         for d, (a, b, n) in enumerate(zip(s.start, s.stop, spec.shape)):
             if not 0 <= a <= b <= n:
-                raise InvalidArgument(f"{f}.stop", f"dim {d}: need 0 <= start {a} <= stop {b} <= {n}")
+                raise InvalidArgument(f"dim {d}: need 0 <= start {a} <= stop {b} <= {n}", field=f"{f}.stop")
         expected = s.element_count * dtype_info(spec.dtype).itemsize
         if s.nbytes != expected:
-            raise InvalidArgument(f"{f}.nbytes", f"{s.nbytes} != prod(box {list(s.shape)}) * itemsize = {expected}")
+            raise InvalidArgument(
+                f"{s.nbytes} != prod(box {list(s.shape)}) * itemsize = {expected}", field=f"{f}.nbytes"
+            )
         if s.offset < 0 or s.offset + s.nbytes > part.total_bytes:
             raise InvalidArgument(
-                f"{f}.offset", f"[{s.offset}, {s.offset + s.nbytes}) is outside the part [0, {part.total_bytes})"
+                f"[{s.offset}, {s.offset + s.nbytes}) is outside the part [0, {part.total_bytes})", field=f"{f}.offset"
             )
         by_tensor.setdefault(s.tensor_name, []).append(s)
     # Byte ranges must not overlap inside the part.
     ranges = sorted((s.offset, s.offset + s.nbytes, s.tensor_name) for s in part.shards if s.nbytes)
     for (a0, a1, an), (b0, _, bn) in zip(ranges, ranges[1:]):
         if b0 < a1:
-            raise InvalidArgument("part.shards", f"bytes of {an!r} [{a0}, {a1}) overlap those of {bn!r} at {b0}")
+            raise InvalidArgument(f"bytes of {an!r} [{a0}, {a1}) overlap those of {bn!r} at {b0}", field="part.shards")
     for name, shards in by_tensor.items():
         _check_no_box_overlap(name, shards, "part.shards")
     for name in specs:
         if name not in by_tensor:
-            raise InvalidArgument("part.tensors", f"{name!r} has no shard in this part")
+            raise InvalidArgument(f"{name!r} has no shard in this part", field="part.tensors")
 
 
 def _check_no_box_overlap(name: str, shards: Sequence[ShardSpec], field: str) -> None:
@@ -168,8 +172,8 @@ def _check_no_box_overlap(name: str, shards: Sequence[ShardSpec], field: str) ->
         for a in open_boxes:
             if _boxes_overlap(a, b):
                 raise InvalidArgument(
-                    field,
                     f"boxes of {name!r} overlap: {list(a.start)}..{list(a.stop)} and {list(b.start)}..{list(b.stop)}",
+                    field=field,
                 )
         open_boxes.append(b)
 
@@ -182,17 +186,18 @@ def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LI
         ResourceExhausted: a count or size limit is exceeded.
     """
     if not 0 <= part.rank < trainer_ranks:
-        raise InvalidArgument("header.rank", f"{part.rank} is not in [0, trainer_ranks={trainer_ranks})")
+        raise InvalidArgument(f"{part.rank} is not in [0, trainer_ranks={trainer_ranks})", field="header.rank")
     if not limits.min_chunk_bytes <= part.chunk_bytes <= limits.max_chunk_bytes:
         raise InvalidArgument(
-            "header.chunk_bytes", f"{part.chunk_bytes} must be in [{limits.min_chunk_bytes}, {limits.max_chunk_bytes}]"
+            f"{part.chunk_bytes} must be in [{limits.min_chunk_bytes}, {limits.max_chunk_bytes}]",
+            field="header.chunk_bytes",
         )
     _check_counts(part, limits)
     specs: dict[str, TensorSpec] = {}
     for i, t in enumerate(part.tensors):
         _check_tensor(t, f"part.tensors[{i}]", limits)
         if t.name in specs:
-            raise InvalidArgument(f"part.tensors[{i}].name", f"duplicate tensor {t.name!r}")
+            raise InvalidArgument(f"duplicate tensor {t.name!r}", field=f"part.tensors[{i}].name")
         specs[t.name] = t
     _check_shards(part, specs)
     _check_chunks(part)
@@ -209,7 +214,7 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -
     for other in others:
         if other.chunk_bytes != part.chunk_bytes:
             raise InvalidArgument(
-                "header.chunk_bytes", f"{part.chunk_bytes} differs from rank {other.rank}'s {other.chunk_bytes}"
+                f"{part.chunk_bytes} differs from rank {other.rank}'s {other.chunk_bytes}", field="header.chunk_bytes"
             )
         for t in other.tensors:
             specs[t.name] = t
@@ -219,8 +224,8 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -
         prior = specs.get(t.name)
         if prior is not None and prior != t:
             raise InvalidArgument(
-                f"part.tensors[{i}]",
                 f"{t.name!r} is {t.dtype}{list(t.shape)} here but {prior.dtype}{list(prior.shape)} on another rank",
+                field=f"part.tensors[{i}]",
             )
         specs[t.name] = t
     for s in part.shards:
@@ -232,8 +237,8 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -
             covered = sum(s.element_count for s in shards.get(name, []))
             if covered != spec.element_count:
                 raise InvalidArgument(
-                    "part.shards",
                     f"shards of {name!r} cover {covered} of {spec.element_count} elements across all ranks",
+                    field="part.shards",
                 )
 
 

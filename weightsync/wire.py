@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.dtypes import dtype_from_proto, dtype_info
-from weightsync.errors import InvalidArgument
+from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, TensorSpec
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
@@ -92,17 +92,19 @@ class PartBuilder:
 
     def add(self, batch: _tpb.DescriptorBatch) -> None:
         if batch.rank != self.rank:
-            raise InvalidArgument("batch.rank", f"{batch.rank} does not match the header's rank {self.rank}")
+            raise InvalidArgument(f"{batch.rank} does not match the header's rank {self.rank}", field="batch.rank")
         total = len(self.tensors) + len(self.shards) + len(self.chunks)
         total += len(batch.tensors) + len(batch.shards) + len(batch.chunks)
         if total > self.max_items:
-            raise InvalidArgument("batch", f"more than {self.max_items} descriptors; the header's counts were exceeded")
+            raise InvalidArgument(
+                f"more than {self.max_items} descriptors; the header's counts were exceeded", field="batch"
+            )
         if self.max_counts is not None:
             have = (len(self.tensors), len(self.shards), len(self.chunks))
             adding = (len(batch.tensors), len(batch.shards), len(batch.chunks))
             for what, n, k, cap in zip(("tensors", "shards", "chunks"), have, adding, self.max_counts):
                 if n + k > cap:
-                    raise InvalidArgument(f"part.{what}", f"more than the {cap} the header announced")
+                    raise InvalidArgument(f"more than the {cap} the header announced", field=f"part.{what}")
         base = len(self.tensors)
         for i, name in enumerate([t.name for t in batch.tensors] + [s.tensor_name for s in batch.shards]):
             if len(name) > MAX_NAME_CHARS:
@@ -111,7 +113,7 @@ class PartBuilder:
                     if i < len(batch.tensors)
                     else ("shards", len(self.shards) + i - len(batch.tensors))
                 )
-                raise InvalidArgument(f"part.{kind}[{j}].name", f"{len(name)} characters exceed {MAX_NAME_CHARS}")
+                raise InvalidArgument(f"{len(name)} characters exceed {MAX_NAME_CHARS}", field=f"part.{kind}[{j}].name")
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
         self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)
@@ -153,16 +155,17 @@ def manifest_batches(manifest: Manifest) -> Iterator[_cpb.ManifestPiece]:
 
 
 def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.ManifestHeader, Manifest]:
-    """Rebuilds a Manifest from GetManifest's stream; checks the digest it claims."""
+    """Rebuilds a Manifest from GetManifest's stream; DigestMismatch unless it hashes to the
+    digest its header claims (so every reader, `wsctl` included, gets a checked manifest)."""
     it = iter(pieces)
     first = next(it, None)
     if first is None or not first.HasField("header"):
-        raise InvalidArgument("manifest", "stream did not start with a header")
+        raise InvalidArgument("stream did not start with a header", field="manifest")
     header = first.header
     builders: dict[int, PartBuilder] = {p.rank: PartBuilder(p.rank, max_items=1 << 40) for p in header.parts}
     for piece in it:
         if piece.batch.rank not in builders:
-            raise InvalidArgument("manifest.batch.rank", f"unknown rank {piece.batch.rank}")
+            raise InvalidArgument(f"unknown rank {piece.batch.rank}", field="manifest.batch.rank")
         builders[piece.batch.rank].add(piece.batch)
     parts = tuple(
         builders[p.rank].build(
@@ -175,4 +178,9 @@ def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.Man
     )
     v = header.version
     manifest = Manifest(v.session, v.version, v.generation, header.chunk_bytes, parts)
+    if manifest.digest() != v.manifest_digest:
+        raise DigestMismatch(
+            f"manifest of version {v.version} hashes to {manifest.digest()[:16]}…, "
+            f"its header says {v.manifest_digest[:16]}…"
+        )
     return header, manifest

@@ -15,6 +15,7 @@ from trainer_agent.convert import (
     passthrough,
 )
 from trainer_agent.convert.qwen3_moe import pad_rows_per_shard
+from weightsync.errors import InvalidArgument
 
 L, N, K, H, D, F, V = 4, 4, 2, 16, 64, 96, 128
 
@@ -99,8 +100,9 @@ def test_missing_slot_prefix_is_a_descriptive_error() -> None:
 def test_unknown_keys_raise_with_path_unless_ignored() -> None:
     mt = to_maxtext(hf_weights("qwen3"), "qwen3", layers=L, heads=N, kv_heads=K, head_dim=H)
     mt["decoder.layers.self_attention.mystery.kernel"] = np.zeros((D, L))
-    with pytest.raises(UnknownKey, match="decoder.layers.self_attention.mystery.kernel"):
+    with pytest.raises(UnknownKey, match="decoder.layers.self_attention.mystery.kernel") as exc:
         run(with_style(dict(mt), "nnx"), "qwen3")
+    assert isinstance(exc.value, InvalidArgument)  # in the hierarchy: INVALID_ARGUMENT over gRPC
     opts = ConvertOptions(ignore_unknown=True)
     out = dict(convert_maxtext(with_style(mt, "nnx"), "qwen3", dims(), opts))
     assert opts.skipped == ["decoder.layers.self_attention.mystery.kernel"] and "lm_head.weight" in out

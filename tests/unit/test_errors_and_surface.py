@@ -8,7 +8,6 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-import weightsync
 import weightsync.transports as transports
 from weightsync import errors
 from weightsync.rpc import to_status
@@ -20,8 +19,7 @@ def all_error_classes() -> list[type[errors.WeightsyncError]]:
 
 @pytest.mark.parametrize("cls", all_error_classes(), ids=lambda c: c.__name__)
 def test_every_error_maps_to_a_real_status(cls: type[errors.WeightsyncError]) -> None:
-    err = cls.__new__(cls)
-    errors.WeightsyncError.__init__(err, "x")
+    err = cls("x")  # one signature for every class: (message, *, field=None)
     name = errors.status_name_for(err)
     assert name in grpc.StatusCode.__members__
     if cls is not errors.InternalError and cls is not errors.WeightsyncError:
@@ -31,15 +29,22 @@ def test_every_error_maps_to_a_real_status(cls: type[errors.WeightsyncError]) ->
 
 
 def test_invalid_argument_carries_the_field_in_a_bad_request_detail() -> None:
-    status = to_status(errors.InvalidArgument("header.rank", "too big"))
+    status = to_status(errors.InvalidArgument("too big", field="header.rank"))
     assert status.message == "header.rank: too big" and len(status.details) == 2
     assert any(d.Is(error_details_pb2.BadRequest.DESCRIPTOR) for d in status.details)
 
 
 def _instance(cls: type[errors.WeightsyncError]) -> errors.WeightsyncError:
-    err = cls.__new__(cls)
-    errors.WeightsyncError.__init__(err, "x")
-    return err
+    return cls("x")
+
+
+def test_a_field_prefixes_the_message_once() -> None:
+    assert errors.InvalidArgument("must be > 0", field="version").message == "version: must be > 0"
+    assert errors.PermissionDenied("token: wrong", field="token").message == "token: wrong"
+    err = errors.error_for_status("INVALID_ARGUMENT", "rank: out of range", "rank", "InvalidArgument")
+    assert (type(err), err.message, err.field) == (errors.InvalidArgument, "rank: out of range", "rank")
+    more = err.with_message(f"publishing: {err.message}")
+    assert (type(more), more.message, more.field) == (errors.InvalidArgument, "publishing: rank: out of range", "rank")
 
 
 @pytest.mark.parametrize(
@@ -66,11 +71,27 @@ def test_documented_codes() -> None:
     assert errors.status_name_for(errors.TransportUnavailable("x")) == "UNAVAILABLE"
 
 
-def test_exported_members() -> None:
-    assert weightsync.__all__ == ["__version__"]
-    for name in transports.__all__:
-        assert hasattr(transports, name)
-    assert not any(n.startswith("_") for n in transports.__all__)
+@pytest.mark.parametrize("package", ["weightsync", "weightsync.transports", "trainer_agent", "rollout_agent"])
+def test_every_exported_name_resolves_and_is_public(package: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(package)
+    assert mod.__all__, f"{package} exports nothing"
+    for name in mod.__all__:
+        assert not name.startswith("_") or name == "__version__", name
+        assert getattr(mod, name) is not None, f"{package}.{name} does not resolve"
+    with pytest.raises(AttributeError):
+        mod.no_such_member  # noqa: B018 - the lookup is the test
+
+
+def test_the_documented_entry_points_are_exported() -> None:
+    import rollout_agent
+    import trainer_agent
+    from trainer_agent.publisher import WeightPublisher
+
+    assert trainer_agent.WeightPublisher is WeightPublisher  # README: from trainer_agent.publisher import ...
+    assert {"convert_maxtext", "ConvertOptions", "ModelDims"} <= set(trainer_agent.__all__)
+    assert {"RolloutAgent", "WeightsyncWorkerExtension", "WeightsyncEngine"} <= set(rollout_agent.__all__)
 
 
 def test_shm_transport_opens_only_weightsync_arenas() -> None:

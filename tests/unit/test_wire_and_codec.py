@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import trainer_agent_pb2 as tpb
-from weightsync.errors import DataLoss
+from weightsync.errors import DataLoss, DigestMismatch
 from weightsync.manifest import Manifest
 from weightsync.transports.grpc import decode_chunk, encode_chunk
 from weightsync.wire import manifest_from_pieces, manifest_to_pieces, part_to_proto
@@ -55,9 +55,14 @@ def test_manifest_stream_round_trip_keeps_digest() -> None:
     m = Manifest("job", 3, 1, parts[0].chunk_bytes, parts)
     header = cpb.ManifestHeader(chunk_bytes=m.chunk_bytes, parts=[part_to_proto(p) for p in parts])
     header.version.session, header.version.version, header.version.generation = "job", 3, 1
+    header.version.manifest_digest = m.digest()
     _, back = manifest_from_pieces(manifest_to_pieces(header, m))
     assert back.digest() == m.digest()
     assert back.tensor_digests() == m.tensor_digests()
+    # a stream whose descriptors do not hash to the header's digest is refused where it is read
+    header.version.manifest_digest = "0" * 64
+    with pytest.raises(DigestMismatch, match="manifest of version 3"):
+        manifest_from_pieces(manifest_to_pieces(header, m))
 
 
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:

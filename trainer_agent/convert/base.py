@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weightsync.dtypes import dtype_info
+from weightsync.errors import InvalidArgument
 
 Array = Any  # np.ndarray or jax.Array: transforms keep the input's kind
 
@@ -118,8 +119,9 @@ def _leaf(value: Any) -> Array:
     return value if isinstance(value, jax.Array) else np.asarray(value)
 
 
-class UnknownKey(ValueError):
-    """A source key no rule claims."""
+class UnknownKey(InvalidArgument, ValueError):
+    """A source key no rule claims (an InvalidArgument; still a ValueError for callers
+    that caught it as one)."""
 
 
 def convert(

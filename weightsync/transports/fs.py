@@ -49,7 +49,9 @@ def check_part_uri(uri: str, session: str, version: int, rank: int, field: str =
     expected = part_path(session, version, rank)
     if uri != expected:
         shown = uri if len(uri) <= 200 else uri[:200] + "…"
-        raise InvalidArgument(field, f"{shown!r} must be the part's path relative to the store root, {expected!r}")
+        raise InvalidArgument(
+            f"{shown!r} must be the part's path relative to the store root, {expected!r}", field=field
+        )
 
 
 class FsStore:
@@ -57,7 +59,7 @@ class FsStore:
 
     def __init__(self, root: str) -> None:
         if not root:
-            raise InvalidArgument("fs_root", "must not be empty")
+            raise InvalidArgument("must not be empty", field="fs_root")
         self.fs, _ = fsspec.core.url_to_fs(root)
         self.protocol = _scheme(root)
         self.root = _store_path(root)
@@ -66,18 +68,18 @@ class FsStore:
     def resolve(self, relative: str, field: str = "endpoint.fs_uri") -> str:
         """The store path of a part path relative to the root (see `part_path`)."""
         if not relative or "://" in relative or relative.startswith("/") or ".." in relative.split("/"):
-            raise InvalidArgument(field, f"{relative!r} is not a path relative to the store root")
+            raise InvalidArgument(f"{relative!r} is not a path relative to the store root", field=field)
         return self.confine(self.uri_of(posixpath.join(self.root, relative)), field)
 
     def confine(self, uri: str, field: str = "endpoint.fs_uri") -> str:
         """The store path of `uri`, if it lies under the root (same scheme, no '..')."""
         if _scheme(uri) != self.protocol:
-            raise InvalidArgument(field, f"{uri!r} is not under the configured root {self.root_uri!r} (scheme)")
+            raise InvalidArgument(f"{uri!r} is not under the configured root {self.root_uri!r} (scheme)", field=field)
         if ".." in uri.split("/"):
-            raise InvalidArgument(field, f"{uri!r} contains '..'")
+            raise InvalidArgument(f"{uri!r} contains '..'", field=field)
         norm = _store_path(uri)
         if norm != self.root and not norm.startswith(self.root.rstrip("/") + "/"):
-            raise InvalidArgument(field, f"{uri!r} is not under the configured root {self.root_uri!r}")
+            raise InvalidArgument(f"{uri!r} is not under the configured root {self.root_uri!r}", field=field)
         return norm
 
     def part_dir(self, session: str, version: int, rank: int) -> str:
@@ -128,7 +130,7 @@ class FsTransport(Transport):
 
     def open(self, endpoint: Endpoint) -> None:
         if self._store is None:
-            raise InvalidArgument("fs_root", "the fs transport needs the store root it may read (fs_root)")
+            raise InvalidArgument("the fs transport needs the store root it may read (fs_root)", field="fs_root")
         self._dir = self._store.resolve(endpoint.fs_uri)
         if not self._store.fs.exists(posixpath.join(self._dir, MARKER)):
             raise TransportUnavailable(f"{endpoint.fs_uri} has no {MARKER} marker yet")
@@ -137,7 +139,7 @@ class FsTransport(Transport):
         if self._store is None or not self._dir:
             raise TransportUnavailable("not open; call open() first")
         if len(request.spans) != len(request.indices):
-            raise InvalidArgument("spans", "the fs transport needs (offset, length) for every index")
+            raise InvalidArgument("the fs transport needs (offset, length) for every index", field="spans")
         path = posixpath.join(self._dir, PART_FILE)
         for index, (offset, length) in zip(request.indices, request.spans):
             data = self._store.fs.cat_file(path, start=offset, end=offset + length)

@@ -98,9 +98,9 @@ def serve_chunks(
 ) -> Iterator[bytes]:
     """The ReadChunks serving loop over any ChunkSource; validates before the first byte."""
     if len(request.indices) > MAX_INDICES_PER_READ:
-        raise InvalidArgument("indices", f"{len(request.indices)} exceed {MAX_INDICES_PER_READ} per call")
+        raise InvalidArgument(f"{len(request.indices)} exceed {MAX_INDICES_PER_READ} per call", field="indices")
     if not request.indices:
-        raise InvalidArgument("indices", "must name at least one chunk")
+        raise InvalidArgument("must name at least one chunk", field="indices")
     source.check_token(request.session, request.version, request.access_token)
     source.check_read(request.session, request.version, request.rank, request.indices)
     for index in request.indices:

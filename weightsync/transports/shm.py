@@ -25,7 +25,7 @@ def check_arena_path(path: str) -> Path:
     """The arena file, if `path` names one (no '..', symlinks or other directories)."""
     p = Path(path)
     if not p.is_absolute() or p.parent != SHM_DIR or not ARENA_NAME.match(p.name) or ".." in p.parts:
-        raise InvalidArgument("endpoint.shm_path", f"{path!r} is not a weightsync arena under {SHM_DIR}")
+        raise InvalidArgument(f"{path!r} is not a weightsync arena under {SHM_DIR}", field="endpoint.shm_path")
     return p
 
 
@@ -60,7 +60,7 @@ class ShmTransport(Transport):
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
         self._mapped()
         if len(request.spans) != len(request.indices):
-            raise InvalidArgument("spans", "the shm transport needs (offset, length) for every index")
+            raise InvalidArgument("the shm transport needs (offset, length) for every index", field="spans")
         for index, (offset, length) in zip(request.indices, request.spans):
             yield ChunkPayload(index, offset, self._slice(offset, length))
 

@@ -164,10 +164,10 @@ class TcpChunkServer:
         magic, token_len, session_len, version, rank, count = REQUEST.unpack(head)
         if magic != REQUEST_MAGIC or token_len > MAX_TOKEN or session_len > MAX_SESSION:
             # Not our protocol (or a corrupt stream): answer once and drop the connection.
-            self._reply(conn, InvalidArgument("request", "not a weightsync tcp request (bad magic or sizes)"))
+            self._reply(conn, InvalidArgument("not a weightsync tcp request (bad magic or sizes)", field="request"))
             raise ConnectionAbortedError("bad request header")
         if count > MAX_INDICES_PER_READ:  # refused before its body is read: the stream cannot continue
-            self._reply(conn, InvalidArgument("indices", f"{count} exceed {MAX_INDICES_PER_READ} per call"))
+            self._reply(conn, InvalidArgument(f"{count} exceed {MAX_INDICES_PER_READ} per call", field="indices"))
             raise ConnectionAbortedError("too many indices")
         body = _recv_exact(conn, token_len + session_len + 4 * count)
         token = body[:token_len].decode("utf-8", "replace")
@@ -175,7 +175,7 @@ class TcpChunkServer:
         indices = np.frombuffer(body, "<u4", count, token_len + session_len).tolist()
         try:
             if count == 0:
-                raise InvalidArgument("indices", "must name at least one chunk")
+                raise InvalidArgument("must name at least one chunk", field="indices")
             self._source.check_token(session, version, token)
             self._source.check_read(session, version, rank, indices)
             total = self._source.chunk_lengths(session, version, rank, indices)
