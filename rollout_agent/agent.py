@@ -11,15 +11,14 @@ import grpc
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
+from rollout_agent.wiring import RolloutWiring
 from weightsync import version_states
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
-from weightsync.client import CoordinatorClient
 from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
-from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -45,28 +44,27 @@ class RolloutAgent:
 
     def __init__(
         self,
-        client: CoordinatorClient,
-        session: str,
-        agent_id: str,
+        wiring: RolloutWiring,
         syncer: Callable[[int], SyncResult],
         *,
         metrics: Metrics,
         completion: Callable[[], str] | None = None,
         outbox: ReportOutbox | None = None,
     ) -> None:
-        """`syncer(version)` runs one round (the NumPy applier's `sync_version`, or a vLLM
-        engine's weight-transfer API); `completion()` shows what the engine now says;
-        `outbox` re-sends handshakes `syncer` could not deliver (its verdicts must reach
-        `on_verdict`)."""
-        self.client = client
-        self.session = session
-        self.agent_id = agent_id
+        """`wiring` (`rollout_agent.wiring`) gives the client, registers the agent and
+        keeps its lease; `syncer(version)` runs one round (the NumPy applier's
+        `sync_version`, or a vLLM engine's weight-transfer API); `completion()` shows what
+        the engine now says; `outbox` re-sends handshakes `syncer` could not deliver (its
+        verdicts must reach `on_verdict`)."""
+        self.wiring = wiring
+        self.client = wiring.client
+        self.session = wiring.settings.session
+        self.agent_id = wiring.agent_id
         self.syncer = syncer
         self.completion_fn = completion
         self.outbox = outbox
         self.last_completion = ""
         self.recent_completions: dict[int, str] = {}
-        self.endpoint = Endpoint()  # set to the agent's own server before start()
         self.metrics = metrics
         self.current_version = 0
         self.syncs_ok = 0
@@ -81,18 +79,9 @@ class RolloutAgent:
         self._heartbeat: Heartbeat | None = None
         self._threads: list[threading.Thread] = []
 
-    def attach(self) -> float:
-        """Opens the session (creating it if needed) and registers; returns the lease TTL."""
-        self.client.open_session(self.session, trainer=False)
-        return self.client.register_agent(
-            self.session, self.agent_id, trainer=False, endpoint=self.endpoint
-        ).lease_ttl_seconds
-
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads."""
-        self._heartbeat = Heartbeat(
-            self.client, self.session, self.agent_id, current_version=lambda: self.current_version, register=self.attach
-        ).start()
+        self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         if follow:
             self._threads = [
                 threading.Thread(target=self._watch_loop, name="watch", daemon=True),
@@ -228,7 +217,7 @@ class RolloutAgent:
                 transient = True
                 log.warning("sync of version %d found no lease; registering again", target)
                 try:
-                    self.attach()
+                    self.wiring.register()
                 except WeightsyncError as e:
                     self.last_error = e.message
             except WeightsyncError as e:  # released, gone, or refused: nothing to retry

@@ -19,12 +19,14 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from rollout_agent.vllm_core import RolloutInitInfo, VllmRollout
+from rollout_agent.settings import InitInfo
+from rollout_agent.vllm_core import VllmRollout
 
 
 @dataclass
-class WeightsyncInitInfo(RolloutInitInfo, WeightTransferInitInfo):
-    """coordinator, session, agent_id, transport, streams, window_chunks, max_attempts, timeout_s."""
+class WeightsyncInitInfo(InitInfo, WeightTransferInitInfo):
+    """`rollout_agent.settings.SyncSettings`' fields (coordinator, session, agent_id,
+    weight_sync_mode, ...), named `init_info.<field>` in errors."""
 
 
 @dataclass

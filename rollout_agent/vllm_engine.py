@@ -20,15 +20,13 @@ class VllmEngineSyncer:
     def __init__(
         self,
         model: str,
+        init_info: dict[str, Any],
         *,
-        coordinator: str,
-        session: str,
-        agent_id: str,
         dtype: str = "bfloat16",
         kv_cache_bytes: int = 64 << 20,
         max_model_len: int = 256,
-        init_extra: dict[str, Any] | None = None,
     ) -> None:
+        """`init_info`: the backend's settings (`SyncSettings.init_info()`)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process per rollout sidecar
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM, SamplingParams
@@ -44,8 +42,7 @@ class VllmEngineSyncer:
             seed=0,
             weight_transfer_config={"backend": "weightsync"},
         )
-        info = {"coordinator": coordinator, "session": session, "agent_id": agent_id, **(init_extra or {})}
-        self.llm.init_weight_transfer_engine({"init_info": info})
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def sync(self, version: int) -> SyncResult:
         """One round through vLLM's API; raises nothing: a refused version is ok=False."""

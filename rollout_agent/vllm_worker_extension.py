@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from rollout_agent.vllm_core import RolloutInitInfo, VllmRollout
+from rollout_agent.settings import InitInfo
+from rollout_agent.vllm_core import VllmRollout
 
 
 class WeightsyncWorkerExtension:
@@ -24,7 +25,7 @@ class WeightsyncWorkerExtension:
             self._weightsync.close()
         model = self.model_runner.model  # type: ignore[attr-defined]
         config = self.vllm_config.model_config  # type: ignore[attr-defined]
-        self._weightsync = VllmRollout(RolloutInitInfo(**init_info), model, config, rank=getattr(self, "rank", 0))
+        self._weightsync = VllmRollout(InitInfo(**init_info), model, config, rank=getattr(self, "rank", 0))
         return self._weightsync.status()
 
     def weightsync_sync(self, version: Any = "latest") -> dict[str, Any]:

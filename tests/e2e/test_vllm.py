@@ -64,7 +64,10 @@ def publisher(coordinator: str) -> Iterator[WeightPublisher]:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, coordinator: str) -> Iterator[Any]:
     llm = vllm.LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
-    llm.init_weight_transfer_engine({"init_info": {"coordinator": coordinator, "session": "job", "agent_id": "eng-a"}})
+    # tcp, not the session's mode: with "" it would offer a relay too (any rollout that may
+    # end up in relay mode does), and the relay test below wants eng-0 right before eng-b.
+    info = {"coordinator": coordinator, "session": "job", "agent_id": "eng-a", "weight_sync_mode": "tcp"}
+    llm.init_weight_transfer_engine({"init_info": info})
     yield llm
     llm.shutdown_weight_transfer_engine()
 
@@ -229,13 +232,13 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
     )
     relay = Relay("job", wait_s=30.0)
     client = CoordinatorClient(coordinator)
+    upstream = WeightPuller(client, "job", "eng-0", transport="relay", relay=relay.source)
     try:
         init = {"coordinator": coordinator, "session": "job", "agent_id": "eng-b", "weight_sync_mode": "relay"}
         (status,) = other.collective_rpc("weightsync_attach", args=(init,))
         assert status["agent_id"] == "eng-b"
         endpoint = Endpoint(transports=("grpc", "relay"), tcp_address=relay.address)
         client.register_agent("job", "eng-0", trainer=False, endpoint=endpoint)
-        upstream = WeightPuller(client, "job", "eng-0", transport="relay", relay=relay.source)
         v = next(versions)
         w = weights_for(model_dir, 41)
         served = publisher._servicer.bytes_served
@@ -256,8 +259,8 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
             assert handshake(coordinator, v, agent)[0].ok
         assert publisher._servicer.bytes_served - served == 2 * total
         assert other.collective_rpc("weightsync_status")[0]["current_version"] == v
-        upstream.close()
     finally:
+        upstream.close()
         other.collective_rpc("weightsync_detach")
         relay.close()
         client.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.config import CoordinatorConfig
@@ -44,7 +46,7 @@ def test_weight_sync_mode_flags_and_aliases() -> None:
         assert load_config(RolloutConfig, "rollout", ["--weight-sync-mode", mode], {}).weight_sync_mode == mode
     with pytest.raises(SystemExit):
         load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "fs"], {})  # needs --fs-root
-    with pytest.raises(InvalidArgument, match="'udp' is not a weight-sync mode"):
+    with pytest.raises(SystemExit):  # a usage error naming the mode, not a traceback
         load_config(RolloutConfig, "rollout", ["--weight-sync-mode", "udp"], {})
     with pytest.raises(SystemExit):
         load_config(TrainerConfig, "trainer", ["--weight-sync-mode", "gcs"], {})  # needs --fs-root
@@ -97,3 +99,74 @@ def test_a_network_facing_server_needs_tls_tokens_or_insecure(tmp_path) -> None:
     tokens.write_text('{"trainer": "t' + "x" * 30 + '", "rollout": "r' + "x" * 30 + '", "admin": "a' + "x" * 30 + '"}')
     assert load_config(CoordinatorConfig, "coordinator", ["--host", "0.0.0.0", "--auth-tokens-file", str(tokens)], {})
     assert load_config(CoordinatorConfig, "coordinator", ["--host", "127.0.0.1"], {}).host == "127.0.0.1"
+
+
+def test_one_settings_class_feeds_every_rollout_entry_point() -> None:
+    # The sidecar's flags and vLLM's init_info are the same SyncSettings; errors of the
+    # init_info form name the field as init_info.<name>.
+    from rollout_agent.settings import InitInfo, SyncSettings
+
+    cfg = load_config(
+        RolloutConfig,
+        "rollout",
+        ["--session", "job", "--weight-sync-mode", "relay", "--advertise-host", "10.0.0.7"],
+        {},
+    )
+    info = InitInfo(**cfg.init_info(agent_id="eng-1"))
+    assert (info.session, info.weight_sync_mode, info.advertise_host, info.agent_id) == (
+        "job",
+        "relay",
+        "10.0.0.7",
+        "eng-1",
+    )
+    assert set(cfg.init_info()) == {f.name for f in dataclasses.fields(SyncSettings)}
+    for bad, field in (
+        ({"apply_mode": "lazy"}, "init_info.apply_mode"),
+        ({"weight_sync_mode": "udp"}, "init_info.weight_sync_mode"),
+        ({"weight_sync_mode": "fs"}, "init_info.fs_root"),
+        ({"streams": 0}, "init_info.streams"),
+        ({"session": "Bad!"}, "init_info.session"),
+        ({"tls_cert_file": "/x.pem"}, "init_info.tls_key_file"),
+    ):
+        with pytest.raises(InvalidArgument) as exc:
+            InitInfo(coordinator="c:1", **{"session": "job", **bad})
+        assert exc.value.field == field and exc.value.message.startswith(f"{field}: "), exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("mode", "apply_mode", "relays"),
+    [("", "atomic", True), ("relay", "atomic", True), ("tcp", "atomic", False), ("relay", "streaming", False)],
+)
+def test_every_entry_point_relays_by_the_same_rule(mode: str, apply_mode: str, relays: bool) -> None:
+    from rollout_agent.settings import InitInfo
+    from rollout_agent.wiring import wire_rollout
+
+    settings = InitInfo(coordinator="127.0.0.1:1", session="job", weight_sync_mode=mode, apply_mode=apply_mode)
+    wiring = wire_rollout(settings, "r0", on_verdict=lambda *_: None)
+    try:
+        assert (wiring.relay is not None) is relays
+        assert ("relay" in wiring.endpoint().transports) is relays
+    finally:
+        wiring.close_data_plane()
+        wiring.outbox.close()
+        wiring.client.close()
+
+
+def test_a_relay_in_a_vllm_worker_binds_and_advertises_the_advertised_host() -> None:
+    # Inside a vLLM worker there is no server --host: the relay once bound 127.0.0.1 and
+    # advertised it, unreachable from every other host.
+    from rollout_agent.settings import InitInfo
+    from rollout_agent.wiring import wire_rollout
+
+    settings = InitInfo(coordinator="127.0.0.1:1", session="job", weight_sync_mode="relay", advertise_host="127.0.0.3")
+    wiring = wire_rollout(settings, "r0", on_verdict=lambda *_: None)
+    try:
+        assert wiring.relay is not None and wiring.relay.address.startswith("127.0.0.3:")
+        assert wiring.endpoint().tcp_address == wiring.relay.address
+        assert wiring.endpoint().address == ""  # no gRPC server of its own
+        wiring.server_address = "0.0.0.0:4242"  # a sidecar's: advertised with the pod's host
+        assert wiring.endpoint().address == "127.0.0.3:4242"
+    finally:
+        wiring.close_data_plane()
+        wiring.outbox.close()
+        wiring.client.close()

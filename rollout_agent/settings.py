@@ -1,0 +1,114 @@
+"""SyncSettings: how a rollout follows a session and pulls its versions.
+
+One source for every entry point: the sidecar's flags and WEIGHTSYNC_ROLLOUT_* variables
+(`RolloutConfig` extends it), vLLM's `init_info` (the weight-transfer backend) and the
+worker extension's attach dict (`InitInfo`, which names fields `init_info.<name>` in its
+errors). `rollout_agent.wiring` builds the parts from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from weightsync.config import option
+from weightsync.errors import InvalidArgument
+from weightsync.modes import normalize_mode
+from weightsync.security import Security
+from weightsync.validation import check_agent_id, check_session_name
+
+APPLY_MODES = ("atomic", "streaming")
+
+
+@dataclass
+class SyncSettings:
+    """A rollout's session, data-plane mode and limits, relay and credentials."""
+
+    FIELD_PREFIX: ClassVar[str] = ""  # how errors name a field ("init_info." for vLLM's)
+
+    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
+    session: str = option("demo", "Session name.")
+    agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>).")
+    host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
+    weight_sync_mode: str = option(
+        "",
+        "grpc | tcp (native bulk path) | shm (map a same-host trainer's arena) | fs, alias filesystem or gcs "
+        "(read parts under --fs-root) | relay (pull from the rollout before us in the coordinator's chain, "
+        "re-serve to the next); empty: the session's mode, set by the trainer. Ranks not offering it are "
+        "pulled over grpc.",
+    )
+    relay_host: str = option(
+        "",
+        "relay: address the chunk server re-serving pulled versions binds; default the server's --host "
+        "(sidecar), else --advertise-host, else 127.0.0.1.",
+    )
+    relay_port: int = option(0, "relay: port of that chunk server; 0 picks a free one.")
+    relay_wait_s: float = option(
+        10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer."
+    )
+    advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
+    fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
+    streams: int = option(2, "Parallel streams per trainer rank.")
+    window_chunks: int = option(
+        32, "Chunks requested per call (the in-flight window per stream; tuned in bench/, see README)."
+    )
+    max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
+    timeout_s: float = option(120.0, "Deadline of each data-plane call.")
+    apply_mode: str = option(
+        "atomic",
+        "atomic: verify every byte before the first weight changes; streaming: one layer group at a time "
+        "(bounded memory, not atomic).",
+        choices=list(APPLY_MODES),
+    )
+    tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
+    tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
+    tls_ca_file: str = option("", "PEM CA that signs the servers this process dials (TLS on its channels).")
+    auth_token: str = option("", "Bearer token this process sends on its calls (the rollout role's token).")
+    failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """InvalidArgument naming the first bad field (with FIELD_PREFIX)."""
+        try:
+            check_session_name(self.session, "session")
+            if self.agent_id:
+                check_agent_id(self.agent_id, "agent_id")
+            if self.apply_mode not in APPLY_MODES:
+                raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="apply_mode")
+            self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
+            if self.weight_sync_mode == "fs" and not self.fs_root:
+                raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
+            for name in ("streams", "window_chunks", "max_attempts"):
+                if getattr(self, name) < 1:
+                    raise InvalidArgument(f"must be >= 1, got {getattr(self, name)}", field=name)
+            if not 0 <= self.relay_port < 65536:
+                raise InvalidArgument(f"must be in [0, 65535], got {self.relay_port}", field="relay_port")
+            self.security()  # both halves of a key pair or neither
+        except InvalidArgument as e:
+            if not self.FIELD_PREFIX or e.field is None:
+                raise
+            raise InvalidArgument(e.message.partition(": ")[2], field=f"{self.FIELD_PREFIX}{e.field}") from None
+
+    def security(self) -> Security:
+        """TLS / mTLS and the bearer token for this rollout's channels."""
+        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
+
+    def wants_relay(self) -> bool:
+        """Re-serve what we pull: in relay mode, or where the session's mode (unknown until
+        the first manifest) may be relay. Streaming applies hold no whole version to serve."""
+        return self.weight_sync_mode in ("relay", "") and self.apply_mode == "atomic"
+
+    def init_info(self, **overrides: Any) -> dict[str, Any]:
+        """These settings as vLLM's `init_info` (plain data: it crosses vLLM's RPCs)."""
+        names = {f.name for f in dataclasses.fields(SyncSettings)}
+        return {**{n: getattr(self, n) for n in names}, **overrides}
+
+
+@dataclass
+class InitInfo(SyncSettings):
+    """SyncSettings as vLLM's init_info / the worker extension's attach dict."""
+
+    FIELD_PREFIX: ClassVar[str] = "init_info."

@@ -1,0 +1,119 @@
+"""The one assembly of a rollout's parts, for every entry point.
+
+The sidecar (`python -m rollout_agent`, NumPy or its own vLLM engine), the vLLM
+weight-transfer backend and the worker extension all build their coordinator client,
+puller, relay, report outbox, advertised endpoint and heartbeat here, from one
+`SyncSettings`, so a rule (which modes relay, which host a relay binds and advertises)
+has one owner.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rollout_agent.outbox import ReportOutbox
+from rollout_agent.puller import WeightPuller
+from rollout_agent.relay import Relay
+from rollout_agent.settings import SyncSettings
+from weightsync.client import CoordinatorClient
+from weightsync.config import advertised
+from weightsync.failpoints import Failpoints
+from weightsync.heartbeat import Heartbeat
+from weightsync.manifest import Endpoint
+from weightsync.metrics import Metrics
+
+Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch) of a late handshake
+
+
+@dataclass
+class RolloutWiring:
+    """A rollout's parts; `server_address` is its own gRPC server's, once it serves."""
+
+    settings: SyncSettings
+    agent_id: str
+    client: CoordinatorClient
+    puller: WeightPuller | None  # None: the engine pulls (a sidecar driving its own vLLM)
+    relay: Relay | None
+    outbox: ReportOutbox | None
+    failpoints: Failpoints
+    server_address: str = ""
+
+    def endpoint(self) -> Endpoint:
+        """What the coordinator hands to trainers and downstream relays: addresses as
+        other hosts dial them (`advertise_host`), and "relay" only where one serves."""
+        s = self.settings
+        relay_address = advertised(self.relay.address, s.advertise_host) if self.relay else ""
+        return Endpoint(
+            advertised(self.server_address, s.advertise_host) if self.server_address else "",
+            ("grpc", "relay") if relay_address else ("grpc",),
+            s.host_id or socket.gethostname(),
+            tcp_address=relay_address,
+        )
+
+    def register(self) -> float:
+        """Opens the session (creating it if needed) and registers; returns the lease TTL."""
+        self.client.open_session(self.settings.session, trainer=False)
+        return self.client.register_agent(
+            self.settings.session, self.agent_id, trainer=False, endpoint=self.endpoint()
+        ).lease_ttl_seconds
+
+    def heartbeat(self, current_version: Callable[[], int]) -> Heartbeat:
+        """A started lease keeper that registers (again) through `register`."""
+        return Heartbeat(
+            self.client, self.settings.session, self.agent_id, current_version=current_version, register=self.register
+        ).start()
+
+    def close_data_plane(self) -> None:
+        """Stops the puller's connections and the relay (the client stays open for the
+        deregistration that follows)."""
+        if self.puller is not None:
+            self.puller.close()
+        if self.relay is not None:
+            self.relay.close()
+
+
+def wire_rollout(
+    settings: SyncSettings,
+    agent_id: str,
+    *,
+    on_verdict: Verdict | None,
+    server_host: str = "",
+    metrics: Metrics | None = None,
+) -> RolloutWiring:
+    """Builds a rollout's parts. `server_host`: the address its own server binds, where it
+    has one (the sidecar); a relay binds `relay_host`, else that, else `advertise_host`
+    (so a relay inside a vLLM worker is reachable from other hosts), else loopback.
+    `on_verdict` None: no data plane here (a sidecar whose vLLM engine pulls itself)."""
+    security = settings.security()
+    failpoints = Failpoints(settings.failpoints)
+    client = CoordinatorClient(settings.coordinator, security=security)
+    if on_verdict is None:
+        return RolloutWiring(settings, agent_id, client, None, None, None, failpoints)
+    relay = None
+    if settings.wants_relay():
+        relay = Relay(
+            settings.session,
+            host=settings.relay_host or server_host or settings.advertise_host or "127.0.0.1",
+            port=settings.relay_port,
+            wait_s=settings.relay_wait_s,
+            failpoints=failpoints,
+        )
+    puller = WeightPuller(
+        client,
+        settings.session,
+        agent_id,
+        transport=settings.weight_sync_mode,
+        host_id=settings.host_id,
+        fs_root=settings.fs_root,
+        streams=settings.streams,
+        window_chunks=settings.window_chunks,
+        max_attempts=settings.max_attempts,
+        timeout_s=settings.timeout_s,
+        metrics=metrics,
+        relay=relay.source if relay else None,
+        security=security,
+    )
+    outbox = ReportOutbox(client, on_verdict)
+    return RolloutWiring(settings, agent_id, client, puller, relay, outbox, failpoints)
