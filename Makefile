@@ -34,7 +34,7 @@ $(XXHASH_LOCAL):
 	cp build/xxhash-src/xxhash-*/deps/xxhash/xxhash.h $(XXHASH_LOCAL)
 
 demo: setup
-	$(PY) -m weightsync.demo $(DEMO_ARGS)
+	$(PY) -m devtools.demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cpu_seconds, model, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
+from devtools.cluster import Cluster, Proc  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
-from weightsync.cluster import Cluster, Proc  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.cluster import Cluster
 from weightsync.arena_files import ARENA_GLOB, owner_alive, owner_pid
-from weightsync.cluster import Cluster
 from weightsync.security import Security
 from weightsync.server import RunningServer
 

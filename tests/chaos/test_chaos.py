@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devtools.cluster import Cluster, Proc
 from tests.integration.support import rollout_status
 from weightsync._proto import types_pb2 as tpb
 from weightsync.arena_files import owner_pid
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster, Proc
 from weightsync.errors import SessionNotFound, WeightsyncError
 
 TTL = 2.0

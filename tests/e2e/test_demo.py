@@ -22,7 +22,7 @@ def _our_processes(workdir: Path) -> list[str]:
 def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None) -> None:
     workdir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "weightsync.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
+        [sys.executable, "-m", "devtools.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -49,7 +49,7 @@ def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: N
         [
             sys.executable,
             "-m",
-            "weightsync.demo",
+            "devtools.demo",
             "--model-size",
             "tiny",
             "--steps",

@@ -22,6 +22,8 @@ torch = pytest.importorskip("torch")
 
 from safetensors.numpy import load_file  # noqa: E402
 
+from devtools.cluster import Cluster  # noqa: E402
+from devtools.tiny_models import write_tiny_model  # noqa: E402
 from rollout_agent.appliers import DictApplier  # noqa: E402
 from rollout_agent.puller import WeightPuller  # noqa: E402
 from rollout_agent.relay import Relay  # noqa: E402
@@ -29,9 +31,7 @@ from rollout_agent.sync import sync_version  # noqa: E402
 from tests.integration.support import state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
-from weightsync.cluster import Cluster  # noqa: E402
 from weightsync.manifest import Endpoint  # noqa: E402
-from weightsync.tiny_models import write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = [1, 5, 6, 7, 8, 9, 10]

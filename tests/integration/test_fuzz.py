@@ -24,9 +24,9 @@ from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from devtools.cluster import Cluster
 from tests.integration.support import state_name
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 CALLS = int(os.environ.get("WS_FUZZ_CALLS", "1000"))  # per server (watches wait out a 0.2 s deadline each)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
+from devtools.cluster import Cluster
 from tests.integration.support import eventually
 from tests.unit.helpers import make_part, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb
@@ -17,7 +18,6 @@ from weightsync._proto import trainer_agent_pb2 as tpb_agent
 from weightsync._proto import trainer_agent_pb2_grpc as tpb_agent_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Endpoint, Part
 from weightsync.wire import PartBuilder, part_to_batches, tensor_to_proto

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devtools.cluster import Cluster
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
@@ -25,7 +26,6 @@ from tests.conftest import coordinator_in_process
 from tests.integration.support import state_name
 from trainer_agent.publisher import WeightPublisher
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
 from weightsync.rpc import CHANNEL_OPTIONS

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devtools.cluster import Cluster
 from tests.integration.support import eventually, metric_value, rollout_status, scrape, state_name
 from trainer_agent.publisher import WeightPublisher
 from weightsync.arena_files import owner_alive
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 from weightsync.errors import StaleGeneration
 
 TINY = ["--model-size", "tiny"]

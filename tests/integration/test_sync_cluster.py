@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from devtools.cluster import Cluster
 from tests.integration.support import eventually, metric_value, reflected_services, rollout_status, scrape, state_name
 from trainer_agent import synthetic
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 TINY = ["--model-size", "tiny"]

@@ -12,12 +12,12 @@ import asyncio
 
 import grpc
 
-from bench.control import good_report, synthetic_part
+from devtools.cluster import Cluster
+from devtools.synthetic import good_report, synthetic_part
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 from weightsync.manifest import Manifest
 
 AGENTS = 300

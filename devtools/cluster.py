@@ -22,6 +22,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import coordinator as coordinator_pkg
+import rollout_agent as rollout_pkg
+import trainer_agent as trainer_pkg
 from weightsync import rpc
 from weightsync.arena_files import ARENA_GLOB, owner_pid
 from weightsync.security import Security
@@ -154,14 +157,14 @@ class Cluster:
         self, *, name: str = "coordinator", db_path: str | None = None, port: int = 0, args: Sequence[str] = ()
     ) -> Proc:
         db = db_path or str(self.workdir / "coordinator.db")
-        return self.start(name, "coordinator", ["--db-path", db, "--port", str(port), *args])
+        return self.start(name, coordinator_pkg.__name__, ["--db-path", db, "--port", str(port), *args])
 
     def start_rollout(
         self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wrapper: Sequence[str] = ()
     ) -> Proc:
         return self.start(
             name,
-            "rollout_agent",
+            rollout_pkg.__name__,
             ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
             wrapper=wrapper,
         )
@@ -169,7 +172,9 @@ class Cluster:
     def start_trainer(
         self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wait: bool = True
     ) -> Proc:
-        return self.start(name, "trainer_agent", ["--coordinator", coordinator, "--session", session, *args], wait=wait)
+        return self.start(
+            name, trainer_pkg.__name__, ["--coordinator", coordinator, "--session", session, *args], wait=wait
+        )
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
         """Sends `sig` and waits for the exit; returns the exit code."""

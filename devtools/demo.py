@@ -18,19 +18,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 from rich.console import Console
 from rich.table import Table
 
-from weightsync import version_states
+from devtools.cluster import Cluster
+from devtools.tiny_models import write_tiny_model
+from weightsync import rpc, version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.cluster import Cluster
 from weightsync.errors import DeadlineExceeded
 from weightsync.modes import MODES
-from weightsync.tiny_models import write_tiny_model
+from weightsync.security import Security
 
 # Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
 # KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def rollout_completion(address: str, version: int, timeout_s: float = 120.0) -> str:
-    """The rollout's greedy completion once it applied `version`."""
-    with grpc.insecure_channel(address) as channel:
+def rollout_completion(address: str, version: int, security: Security | None, timeout_s: float = 120.0) -> str:
+    """The rollout's greedy completion once it applied `version` (over the cluster's
+    channel settings: TLS and tokens where it runs with them)."""
+    with rpc.channel(address, security) as channel:
         stub = rpb_grpc.RolloutAgentStub(channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -197,7 +198,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                             row = step_row(ev.version, st.handshakes)
                             if args.engine == "vllm" and state == "COMMITTED":
                                 row["completions"] = {
-                                    r.name: rollout_completion(r.address, row["version"]) for r in rollouts
+                                    r.name: rollout_completion(r.address, row["version"], cluster.security)
+                                    for r in rollouts
                                 }
                             rows.append(row)
                             ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
