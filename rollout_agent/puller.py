@@ -63,7 +63,7 @@ class _Lane:
 class WeightPuller:
     """Pulls versions with parallel streams and a bounded in-flight window.
 
-    `transport` is a weight-sync mode ("" = the session's default, read from each
+    `mode` is a weight-sync mode ("" = the session's default, read from each
     manifest): "tcp" reads the native bulk server, "shm" maps a same-host trainer's arena
     (host ids equal), "fs" reads parts from the store under `fs_root`, "relay" reads from
     the rollout before this one in the coordinator's chain (the trainer over tcp when
@@ -86,7 +86,7 @@ class WeightPuller:
         session: str,
         agent_id: str,
         *,
-        transport: str = "",
+        mode: str = "",
         host_id: str = "",
         fs_root: str = "",
         streams: int = 2,
@@ -103,22 +103,18 @@ class WeightPuller:
         self.session = session
         self.agent_id = agent_id
         # A mode, or any registered transport (tests register an in-memory one).
-        self.transport = (
-            transport
-            if transport in available_transports()
-            else normalize_mode(transport, "transport", allow_empty=True)
-        )
-        self._mode = self.transport or "grpc"  # resolved per version when transport is ""
+        self.mode = mode if mode in available_transports() else normalize_mode(mode, "mode", allow_empty=True)
+        self._mode = self.mode or "grpc"  # resolved per version when mode is ""
         self._token = ""  # the current version's access token (tcp reads)
         self.relay = relay  # "relay" mode: re-serves what this puller receives
         self._upstream: Endpoint | None = None  # "relay" mode: the relay before us in the chain
         self.relay_fallbacks = 0
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
-        if relay is not None and self.transport not in ("relay", ""):
-            raise ValueError(f"a relay source needs transport 'relay' (or the session's mode), not {self.transport!r}")
-        if self.transport == "fs" and not fs_root:
-            raise ValueError("transport 'fs' needs fs_root (the store it may read)")
+        if relay is not None and self.mode not in ("relay", ""):
+            raise ValueError(f"a relay source needs mode 'relay' (or the session's mode), not {self.mode!r}")
+        if self.mode == "fs" and not fs_root:
+            raise ValueError("mode 'fs' needs fs_root (the store it may read)")
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
@@ -223,7 +219,7 @@ class WeightPuller:
     def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
         header, manifest = self.client.get_manifest(self.session, version, agent_id=self.agent_id)
-        self._mode = self.transport or header.weight_sync_mode or "grpc"
+        self._mode = self.mode or header.weight_sync_mode or "grpc"
         self._token = header.access_token
         self._upstream = None
         chain = [peer.agent_id for peer in header.relay_chain]

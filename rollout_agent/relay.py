@@ -41,7 +41,7 @@ class _Held:
 
 
 class RelaySource:
-    """The TcpSource of a relaying rollout: the current version's verified chunks.
+    """The ChunkSource of a relaying rollout: the current version's verified chunks.
 
     `wait_s` bounds how long a request waits for this rollout to start the version or
     to receive a chunk; past it the reader is refused (before the reply) or cut off
@@ -80,7 +80,7 @@ class RelaySource:
                 self._held.failed = True
                 self._cond.notify_all()
 
-    # -- the server's side (TcpSource) ----------------------------------------------
+    # -- the server's side (ChunkSource) -------------------------------------------
     def _version(self, session: str, version: int) -> _Held:
         if session != self.session:
             raise NotFound(f"session {session!r} is not relayed here (this rollout relays {self.session!r})")
@@ -121,12 +121,7 @@ class RelaySource:
         sent, pos = 0, 0
         while pos < len(indices):
             with self._cond:
-                deadline = time.monotonic() + self.wait_s
-                while not ready[indices[pos]]:
-                    if self._held is not held or held.failed or time.monotonic() > deadline:
-                        # Mid-reply: the reader sees the connection drop and re-fetches elsewhere.
-                        raise TransportUnavailable(f"relay gave up on version {version} chunk {indices[pos]}")
-                    self._cond.wait(0.5)
+                self._wait_ready(held, rank, indices[pos])
                 end = pos
                 while end < len(indices) and ready[indices[end]]:
                     end += 1
@@ -139,6 +134,24 @@ class RelaySource:
             sent += native.send_views(sock_fd, views)
             pos = end
         return sent
+
+    def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
+        """One chunk once it is verified here (what a gRPC ReadChunks would send)."""
+        held = self._version(session, version)
+        self.check_read(session, version, rank, [index])
+        with self._cond:
+            self._wait_ready(held, rank, index)
+        c = held.chunks[rank][index]
+        return c.offset, memoryview(held.buffers[rank][c.offset : c.offset + c.length])
+
+    def _wait_ready(self, held: _Held, rank: int, index: int) -> None:
+        """Waits (holding `_cond`) until chunk `index` is verified here, at most wait_s."""
+        deadline = time.monotonic() + self.wait_s
+        while not held.ready[rank][index]:
+            if self._held is not held or held.failed or time.monotonic() > deadline:
+                # Mid-reply: the reader sees the connection drop and re-fetches elsewhere.
+                raise TransportUnavailable(f"relay gave up on version {held.version} chunk {index}")
+            self._cond.wait(0.5)
 
     def count_served(self, nbytes: int) -> None:
         with self._cond:

@@ -104,7 +104,7 @@ def wire_rollout(
         client,
         settings.session,
         agent_id,
-        transport=settings.weight_sync_mode,
+        mode=settings.weight_sync_mode,
         host_id=settings.host_id,
         fs_root=settings.fs_root,
         streams=settings.streams,

@@ -232,7 +232,7 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
     )
     relay = Relay("job", wait_s=30.0)
     client = CoordinatorClient(coordinator)
-    upstream = WeightPuller(client, "job", "eng-0", transport="relay", relay=relay.source)
+    upstream = WeightPuller(client, "job", "eng-0", mode="relay", relay=relay.source)
     try:
         init = {"coordinator": coordinator, "session": "job", "agent_id": "eng-b", "weight_sync_mode": "relay"}
         (status,) = other.collective_rpc("weightsync_attach", args=(init,))

@@ -191,7 +191,7 @@ def test_a_version_syncs_over_mtls_with_role_tokens(
     ) as pub:
         client = CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "rollout"))
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
-        puller = WeightPuller(client, "job", "r0", transport=mode, security=_client_side(pki, "rollout"))
+        puller = WeightPuller(client, "job", "r0", mode=mode, security=_client_side(pki, "rollout"))
         pub.publish(params, 1)
         applier = DictApplier()
         outcome = sync_version(puller, applier, 1)
@@ -200,7 +200,7 @@ def test_a_version_syncs_over_mtls_with_role_tokens(
         assert pub.wait_committed(1, 10) == "COMMITTED"
         if mode == "grpc":  # the trainer agent's ReadChunks wants the rollout role
             intruder = WeightPuller(
-                client, "job", "r0", transport="grpc", security=_client_side(pki, "trainer"), max_attempts=1
+                client, "job", "r0", mode="grpc", security=_client_side(pki, "trainer"), max_attempts=1
             )
             assert "ReadChunks" in sync_version(intruder, DictApplier(), 1).mismatch
             intruder.close()

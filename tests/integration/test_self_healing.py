@@ -193,7 +193,7 @@ def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coord
     rounds = 60
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=65536) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = WeightPuller(client, "job", "r0", transport="shm", max_attempts=1)
+        puller = WeightPuller(client, "job", "r0", mode="shm", max_attempts=1)
         pub.publish(params, 1)  # lays the arena out; every version keeps this layout
         shard = {s.tensor_name: s for s in client.get_manifest("job", 1)[1].parts[0].shards}[
             "model.layers.3.input_layernorm.weight"

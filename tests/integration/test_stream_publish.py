@@ -103,7 +103,7 @@ def test_shm_transport_on_the_same_host_and_tcp_fallback(
     client.open_session("job", trainer=False)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = WeightPuller(client, "job", "r0", transport="shm", host_id=host_id)
+        puller = WeightPuller(client, "job", "r0", mode="shm", host_id=host_id)
         for version in (1, 2, 3):  # slots alternate: the mapping is reused, the offset follows
             params = {k: v * 2 for k, v in params.items()}
             pub.publish(params, version)
@@ -145,7 +145,7 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
     client.open_session("job", trainer=False)
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, fs_root=root) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = WeightPuller(client, "job", "r0", transport="fs", fs_root=root)
+        puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=root)
         pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
         for version in (1, 2, 3):
             params = {k: v + 1 for k, v in params.items()}
@@ -155,7 +155,7 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
             assert outcome.ok, outcome.mismatch
             assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         assert FsStore(root).versions("job") == [2, 3]  # v1's slot was reused: its files are gone
-        other = WeightPuller(client, "job", "r0", transport="fs", fs_root=root + "-elsewhere")
+        other = WeightPuller(client, "job", "r0", mode="fs", fs_root=root + "-elsewhere")
         bad = sync_version(other, DictApplier(), 3)  # its own root holds no such part
         assert not bad.ok and "no _SUCCESS marker" in bad.mismatch
         puller.close()

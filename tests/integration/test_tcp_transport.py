@@ -63,7 +63,7 @@ def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(
         result = pub.publish(_params(2), 1)
         entry = pub.table.entries()[result.slot]
         pub.arena.slot(result.slot)[entry.chunks[1].offset + 5] ^= 0x40  # the source itself is bad
-        puller = WeightPuller(client, "job", "r0", transport="tcp", max_attempts=2)
+        puller = WeightPuller(client, "job", "r0", mode="tcp", max_attempts=2)
         outcome = sync_version(puller, DictApplier(), 1)
         assert not outcome.ok and "chunk 1" in outcome.mismatch and "2 attempts" in outcome.mismatch
         assert outcome.chunk_retries == 1 and not outcome.transient  # counted although the pull failed
@@ -150,7 +150,7 @@ def test_weights_holding_nan_and_inf_publish_and_verify(
     with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         pub.publish(params, 1)
-        puller = WeightPuller(client, "job", "r0", transport="tcp")
+        puller = WeightPuller(client, "job", "r0", mode="tcp")
         applier = DictApplier()
         outcome = sync_version(puller, applier, 1)
         assert outcome.ok, outcome.mismatch

@@ -12,7 +12,7 @@ from rollout_agent.assembly import assemble, digest_all, first_difference
 from rollout_agent.puller import WeightPuller
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb
-from weightsync.errors import DigestMismatch, VersionNotFound
+from weightsync.errors import DigestMismatch, TransportUnavailable, VersionNotFound
 from weightsync.manifest import Manifest, Part
 from weightsync.transports import memory
 
@@ -58,7 +58,7 @@ def setup_version(
 
 
 def puller(**kw: object) -> WeightPuller:
-    return WeightPuller(None, "job", "r0", transport="memory", **kw)  # type: ignore[arg-type]
+    return WeightPuller(None, "job", "r0", mode="memory", **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -131,3 +131,24 @@ def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None
     runs = _runs(spans)
     assert runs == [(0, 0, 9), (0, 100, 100), (1, 0, 1), (1, 50, 50)]
     assert _run_of(runs, 0, 100) == (0, 100) and _run_of(runs, 0, 5) == (0, 0)
+
+
+def test_a_relay_source_serves_only_verified_chunks_through_any_server(sources: dict) -> None:
+    # One ChunkSource protocol: a relay's buffers are served by the same read path as the
+    # trainer's arena (here the in-memory server), chunk by chunk as they verify.
+    from rollout_agent.relay import RelaySource
+
+    arrays = sample_arrays()
+    part, staged = make_part(arrays, chunk_bytes=4096, address="mem-relay:1")
+    m = Manifest("job", 1, 1, 4096, (part,))
+    relay = RelaySource("job", wait_s=0.2)
+    held = np.zeros_like(staged)
+    relay.begin(m, "token", {0: held})
+    with pytest.raises(TransportUnavailable, match="chunk 0"):  # not verified here yet
+        relay.chunk_view("job", 1, 0, 0)
+    held[:] = staged
+    relay.mark(1, 0, [c.index for c in part.chunks])
+    sources["mem-relay:1"] = relay
+    pulled = puller().pull(cpb.ManifestHeader(), m)
+    tensors = assemble(m, pulled.buffers)
+    assert all(np.array_equal(tensors[n], a) for n, a in arrays.items())

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar, Protocol
 
+import numpy as np
+
 from weightsync.manifest import Endpoint
 
 MAX_INDICES_PER_READ = 4096
@@ -36,28 +38,46 @@ class ChunkPayload:
 
 
 class ChunkSource(Protocol):
-    """What a chunk server serves from (the trainer's arena, a relay's buffers)."""
+    """What a chunk server serves from: the trainer's slot table, a relay's buffers.
 
-    def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
-        """(offset, bytes view) of one chunk; raises NotFound / InvalidArgument."""
+    Both servers take one: gRPC `ReadChunks` (`serve_chunks`) checks the token and the
+    read, then sends `chunk_view`s; the tcp server (`TcpChunkServer`) checks the same,
+    sends `chunk_lengths` in its reply header and the bytes with `send_chunks`.
+    """
+
+    def check_token(self, session: str, version: int, token: str) -> None:
+        """PermissionDenied unless `token` is this version's access token."""
         ...
 
     def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None:
         """Validates a read before the first byte is sent (names the bad field)."""
         ...
 
+    def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
+        """(offset, bytes view) of one chunk; raises NotFound / InvalidArgument."""
+        ...
+
+    def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """Total bytes of the chunks."""
+        ...
+
+    def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
+        """Writes the chunks' bytes back to back to the socket; returns bytes sent."""
+        ...
+
 
 class Transport(ABC):
     """Fetches chunk bytes from one endpoint. A context manager.
 
-    Capability flags are class attributes; instances are made by
+    Capabilities are class attributes with the methods they promise declared here (with
+    defaults), so the puller asks the flag, never the class; instances are made by
     `weightsync.transports.create_transport(name)`.
     """
 
     name: ClassVar[str]
-    cross_host: ClassVar[bool] = True
-    # True: the transport offers fetch_into(request, buf, base, digests) -> ok flags,
-    # receiving and verifying straight into the receive buffer (no payload objects).
+    cross_host: ClassVar[bool] = True  # False: reads only a source on this host (shm)
+    # True: `fetch_into` receives and verifies straight into the receive buffer (no
+    # payload objects, no copy); the puller then never calls `fetch`.
     receives_in_place: ClassVar[bool] = False
 
     @abstractmethod
@@ -67,6 +87,12 @@ class Transport(ABC):
     @abstractmethod
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
         """Yields the requested chunks in request order; raises weightsync errors."""
+
+    def fetch_into(self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int]) -> np.ndarray:
+        """Receives the requested chunks into `buf` (chunk at `offset` lands at
+        `buf[offset - base]`, spans in `request.spans`) and checks each against `digests`;
+        returns one bool per chunk. Only where `receives_in_place`."""
+        raise NotImplementedError(f"transport {self.name!r} does not receive in place; use fetch()")
 
     @abstractmethod
     def close(self) -> None:

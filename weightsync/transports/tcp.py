@@ -26,7 +26,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
 
 import grpc
 import numpy as np
@@ -42,7 +41,7 @@ from weightsync.errors import (
 )
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Endpoint
-from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, FetchRequest, Transport
+from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, ChunkSource, FetchRequest, Transport
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +52,6 @@ REPLY_MAGIC = b"WSR1"
 MAX_TOKEN = 256
 MAX_SESSION = 128
 SOCKET_BUFFER = 4 << 20
-
-
-class TcpSource(Protocol):
-    """What a tcp server serves from: the trainer's slot table or a relay's buffers."""
-
-    def check_token(self, session: str, version: int, token: str) -> None:
-        """PermissionDenied unless `token` is this version's access token."""
-        ...
-
-    def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None: ...
-
-    def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
-        """Writes the chunks' bytes back to back to the socket; returns bytes sent."""
-        ...
-
-    def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
-        """Total bytes of the chunks (sent in the reply header before the bytes)."""
-        ...
 
 
 def _code(name: str) -> int:
@@ -107,11 +88,11 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 class TcpChunkServer:
-    """Serves chunk bytes from a TcpSource on host:port; a thread per connection."""
+    """Serves chunk bytes from a ChunkSource on host:port; a thread per connection."""
 
     def __init__(
         self,
-        source: TcpSource,
+        source: ChunkSource,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
