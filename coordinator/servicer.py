@@ -15,9 +15,11 @@ from typing import Any, TypeVar
 
 import grpc
 
+from coordinator.database import StoreBusy
 from coordinator.handshake import AppliedReport
+from coordinator.records import PublishOutcome, VersionRecord
 from coordinator.states import VersionState
-from coordinator.store import PublishOutcome, SessionStore, StoreBusy, VersionRecord
+from coordinator.store import SessionStore
 from coordinator.watch import EVENT_PAGE, EventFeed, WatchHub
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
@@ -194,7 +196,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             created=created,
             latest_version=latest[0].version if latest else 0,
             weight_sync_mode=s.weight_sync_mode,
-            token_key=self._store.token_key(s.name) if role == "TRAINER" else "",
+            token_key=self._store.tokens.session_key(s.name) if role == "TRAINER" else "",
         )
 
     def RegisterAgent(
@@ -326,7 +328,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_sync_mode=self._store.session(request.session).weight_sync_mode,
         )
         if request.agent_id:  # leased readers only: they may read chunks over tcp / relays
-            header.access_token = self._store.access_token(request.session, rec.version)
+            header.access_token = self._store.tokens.access_token(request.session, rec.version)
             header.relay_chain.extend(
                 pb.RelayPeer(agent_id=a.agent_id, endpoint=_endpoint_proto(a.endpoint))
                 for a in self._store.relay_chain(request.session)

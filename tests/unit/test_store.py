@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.database import READERS, StoreBusy
 from coordinator.handshake import AppliedReport
 from coordinator.states import TRANSITIONS, VersionState, check_transition
-from coordinator.store import READERS, SessionStore, StoreBusy
+from coordinator.store import SessionStore
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
@@ -277,7 +278,7 @@ def test_nonblocking_calls_do_nothing_while_the_store_is_busy(store: SessionStor
     part, _ = make_part(sample_arrays())
     store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
     before = store.agents("job")[0].lease_expires_at
-    with store._lock, store.nonblocking():  # another thread's write in progress
+    with store.db.lock, store.nonblocking():  # another thread's write in progress
         with pytest.raises(StoreBusy):
             store.heartbeat("job", "r0", 1)
         with pytest.raises(StoreBusy):
@@ -287,13 +288,13 @@ def test_nonblocking_calls_do_nothing_while_the_store_is_busy(store: SessionStor
         assert store.manifest("job", 1)[0].version == 1  # reads never wait for the writer
     assert store.agents("job")[0].lease_expires_at == before
     assert store.version("job", 1).leases == 0 and store.version("job", 1).state is S.READY
-    readers = [store._readers.get() for _ in range(READERS)]  # every reader taken
+    readers = [store.db.readers.get() for _ in range(READERS)]  # every reader taken
     try:
         with store.nonblocking(), pytest.raises(StoreBusy):
             store.session("job")
     finally:
         for r in readers:
-            store._readers.put(r)
+            store.db.readers.put(r)
     assert store.heartbeat("job", "r0", 1) == gen  # outside: as ever
 
 
@@ -347,14 +348,25 @@ def test_access_tokens_are_per_version_derivable_by_the_trainer_and_survive_rest
     from weightsync.digests import access_token
 
     store = SessionStore(tmp_path / "t.db", clock=clock)
-    key = store.token_key("job")
-    assert store.access_token("job", 3) == access_token(key, 3)  # what the trainer computes from OpenSession
-    assert len({store.access_token("job", 3), store.access_token("job", 4), store.access_token("other", 3)}) == 3
-    assert key != store.token_key("other")
+    key = store.tokens.session_key("job")
+    assert store.tokens.access_token("job", 3) == access_token(key, 3)  # what the trainer computes from OpenSession
+    assert (
+        len(
+            {
+                store.tokens.access_token("job", 3),
+                store.tokens.access_token("job", 4),
+                store.tokens.access_token("other", 3),
+            }
+        )
+        == 3
+    )
+    assert key != store.tokens.session_key("other")
     store.close()
     reopened = SessionStore(tmp_path / "t.db", clock=clock)
-    assert reopened.access_token("job", 3) == access_token(key, 3)
-    assert SessionStore(tmp_path / "u.db", clock=clock).token_key("job") != key  # another coordinator, another key
+    assert reopened.tokens.access_token("job", 3) == access_token(key, 3)
+    assert (
+        SessionStore(tmp_path / "u.db", clock=clock).tokens.session_key("job") != key
+    )  # another coordinator, another key
     reopened.close()
 
 

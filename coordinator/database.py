@@ -1,0 +1,223 @@
+"""The coordinator's SQLite database: schema and migrations, one writer connection behind a
+lock, a pool of read-only connections (WAL: reads see the last commit without waiting for
+the writer), and the transactions the store runs on them."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from weightsync.errors import FailedPrecondition
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+  name TEXT PRIMARY KEY, generation INTEGER NOT NULL, incarnation TEXT NOT NULL,
+  trainer_ranks INTEGER NOT NULL, min_rollouts INTEGER NOT NULL, created_at REAL NOT NULL,
+  weight_sync_mode TEXT NOT NULL DEFAULT 'grpc');
+CREATE TABLE IF NOT EXISTS agents (
+  session TEXT NOT NULL, agent_id TEXT NOT NULL, role TEXT NOT NULL, endpoint TEXT NOT NULL,
+  rank INTEGER NOT NULL, lease_expires_at REAL NOT NULL, current_version INTEGER NOT NULL,
+  generation INTEGER NOT NULL DEFAULT 0,
+  PRIMARY KEY (session, agent_id));
+CREATE TABLE IF NOT EXISTS versions (
+  session TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, generation INTEGER NOT NULL,
+  chunk_bytes INTEGER NOT NULL, manifest_digest TEXT NOT NULL, created_at REAL NOT NULL,
+  ready_at REAL NOT NULL, committed_at REAL NOT NULL, reason TEXT NOT NULL, required TEXT NOT NULL,
+  pruned INTEGER NOT NULL DEFAULT 0, pruned_bytes INTEGER NOT NULL DEFAULT 0, pruned_ranks INTEGER NOT NULL DEFAULT 0,
+  pruned_stage_seconds REAL NOT NULL DEFAULT 0,
+  PRIMARY KEY (session, version));
+CREATE TABLE IF NOT EXISTS parts (
+  session TEXT NOT NULL, version INTEGER NOT NULL, rank INTEGER NOT NULL,
+  idempotency_key TEXT NOT NULL, part_digest TEXT NOT NULL, body TEXT NOT NULL,
+  PRIMARY KEY (session, version, rank));
+CREATE TABLE IF NOT EXISTS reports (
+  session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL, ok INTEGER NOT NULL,
+  mismatch TEXT NOT NULL, body TEXT NOT NULL, reported_at REAL NOT NULL,
+  PRIMARY KEY (session, version, agent_id));
+CREATE TABLE IF NOT EXISTS leases (
+  session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL,
+  PRIMARY KEY (session, version, agent_id));
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, session TEXT NOT NULL, version INTEGER NOT NULL,
+  state TEXT NOT NULL, at REAL NOT NULL, record TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS events_by_session ON events (session, seq);
+-- relay_chain's candidates, in chain order: every leased GetManifest asks for them, and a
+-- scan of a fleet's agents per lease is O(n^2) per version.
+CREATE INDEX IF NOT EXISTS relay_candidates ON agents (session, rank, agent_id)
+  WHERE role='ROLLOUT' AND endpoint LIKE '%"relay"%';
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+MIGRATIONS = (
+    ("sessions", "weight_sync_mode", "TEXT NOT NULL DEFAULT 'grpc'"),
+    ("agents", "generation", "INTEGER NOT NULL DEFAULT 0"),
+    ("events", "record", "TEXT NOT NULL DEFAULT ''"),
+    ("versions", "pruned", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_ranks", "INTEGER NOT NULL DEFAULT 0"),
+    ("versions", "pruned_stage_seconds", "REAL NOT NULL DEFAULT 0"),
+)
+READERS = 4  # read connections (reads run beside the writer in WAL mode)
+
+
+class StoreBusy(Exception):
+    """Within `SessionStore.nonblocking()`: the call would have waited for a connection
+    (the writer's lock or a free reader) and did nothing; run it on a thread instead."""
+
+
+class Database:
+    """Connections and transactions; thread-safe. Lock order: the writer's lock only."""
+
+    def __init__(self, db_path: str | Path) -> None:
+        self.lock = threading.Lock()  # the writer's
+        self._nowait = threading.local()  # set on a thread inside nonblocking()
+        # Called (on the releasing thread) each time a write lets go of the writer's lock:
+        # how an event loop waiting to run a short write on itself learns it may try again.
+        self.on_writer_free: Callable[[], None] | None = None
+        self._lock_fd = -1
+        if str(db_path) != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock_database(Path(db_path))
+        self.writer_db = db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        # WAL + synchronous=NORMAL: a committed transaction survives a killed process
+        # (the WAL is in the OS page cache); only a host crash may lose the last commits.
+        db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file only
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(SCHEMA)
+        for table, column, decl in MIGRATIONS:  # databases from before the column existed
+            if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        # Reads (GetStatus, watches, manifests) use connections of their own: in WAL mode
+        # they see the last commit without waiting for the writer's lock, so a fleet's
+        # heartbeats and a big publish do not queue every status call behind them.
+        self.readers: queue.SimpleQueue[sqlite3.Connection] | None = None
+        if str(db_path) != ":memory:":
+            self.readers = queue.SimpleQueue()
+            for _ in range(READERS):
+                reader = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None, timeout=30)
+                reader.row_factory = sqlite3.Row
+                reader.execute("PRAGMA query_only=ON")
+                self.readers.put(reader)
+
+    def meta(self, key: str, default: str) -> str:
+        """A persistent setting, stored as `default` the first time it is asked for."""
+        with self.writer() as db:
+            db.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, default))
+            return str(db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
+
+    def close(self) -> None:
+        with self.lock:
+            while self.readers is not None and not self.readers.empty():
+                self.readers.get().close()
+            self.writer_db.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # another coordinator may open the database now
+                self._lock_fd = -1
+
+    @contextmanager
+    def nonblocking(self) -> Iterator[None]:
+        """Within, on this thread: a call that would wait for the writer's lock or a reader
+        raises StoreBusy before it changed anything. For an event loop, which runs short
+        store calls itself (a thread hop costs more than they do, and threads convoy on
+        the GIL) but must never block."""
+        self._nowait.on = True
+        try:
+            yield
+        finally:
+            self._nowait.on = False
+
+    def acquire_writer(self) -> None:
+        if not self.lock.acquire(blocking=not getattr(self._nowait, "on", False)):
+            raise StoreBusy
+
+    def release_writer(self) -> None:
+        self.lock.release()
+        if (free := self.on_writer_free) is not None:
+            free()
+
+    @contextmanager
+    def writer(self) -> Iterator[sqlite3.Connection]:
+        """The writer connection for one autocommit statement (no BEGIN/COMMIT round trips)."""
+        self.acquire_writer()
+        try:
+            yield self.writer_db
+        finally:
+            self.release_writer()
+
+    def tx(self) -> _Tx:
+        """A write transaction (BEGIN IMMEDIATE under the writer's lock)."""
+        return _Tx(self)
+
+    def read(self) -> _Read | _Tx:
+        """A read-only snapshot (a reader connection; the writer's for ":memory:")."""
+        return _Tx(self) if self.readers is None else _Read(self.readers, getattr(self._nowait, "on", False))
+
+
+def _lock_database(db_path: Path) -> int:
+    """Takes `<db>.lock` exclusively for this store's lifetime: two coordinators writing
+    one database would each believe their own leases and generations."""
+    lock_path = db_path.with_name(db_path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FailedPrecondition(
+            f"database {db_path} is in use by another coordinator ({lock_path} is locked); "
+            "stop it first, or give this one its own --db-path"
+        ) from None
+    return fd
+
+
+class _Read:
+    """`with database.read() as db`: a reader connection from the pool, in one snapshot."""
+
+    def __init__(self, readers: queue.SimpleQueue[sqlite3.Connection], nowait: bool) -> None:
+        self._readers = readers
+        self._nowait = nowait
+        self._db: sqlite3.Connection | None = None
+
+    def __enter__(self) -> sqlite3.Connection:
+        try:
+            self._db = self._readers.get(block=not self._nowait)
+        except queue.Empty:
+            raise StoreBusy from None
+        self._db.execute("BEGIN")
+        return self._db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._db is not None
+        try:
+            self._db.execute("COMMIT")
+        finally:
+            self._readers.put(self._db)
+
+
+class _Tx:
+    """`with database.tx() as db`: takes the lock, BEGIN IMMEDIATE, COMMIT or ROLLBACK."""
+
+    def __init__(self, database: Database) -> None:
+        self._database = database
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._database.acquire_writer()
+        try:
+            self._database.writer_db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._database.release_writer()
+            raise
+        return self._database.writer_db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._database.writer_db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self._database.release_writer()

@@ -1,0 +1,426 @@
+"""The version lifecycle of the session store: publish (STAGING -> READY), leases and
+manifests, handshakes (-> COMMITTED / PARTIAL), abort, release, and the lease sweep.
+
+A mixin of `SessionStore` (`coordinator.store`), which supplies the connections, the
+session / agent queries and the clock named below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sqlite3
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from coordinator import events
+from coordinator.handshake import AppliedReport, compare_report
+from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
+from coordinator.states import SERVABLE, VersionState, check_transition
+from weightsync.errors import (
+    AgentNotFound,
+    FailedPrecondition,
+    InvalidArgument,
+    StaleGeneration,
+    VersionConflict,
+    VersionNotFound,
+    WrongState,
+)
+from weightsync.manifest import Manifest, Part
+from weightsync.validation import (
+    Limits,
+    check_agent_id,
+    check_session_name,
+    check_version,
+    validate_against_parts,
+    validate_part,
+)
+
+S = VersionState
+# "{agent} is a live rollout of session ?1 at time ?3": a primary-key lookup per row, so
+# per-handshake checks stay cheap for a fleet of thousands.
+_LIVE_ROLLOUT = (
+    "EXISTS (SELECT 1 FROM agents a WHERE a.session=?1 AND a.agent_id={agent} AND a.role='ROLLOUT' "
+    "AND a.lease_expires_at>=?3)"
+)
+
+
+class VersionLifecycle:
+    """Publish, lease, handshake, abort, release, sweep (see the module docstring)."""
+
+    # Supplied by SessionStore:
+    limits: Limits
+    lease_ttl_s: float
+    _clock: Callable[[], float]
+    _manifests: dict[tuple[str, int], Manifest]
+    _cache_lock: threading.Lock
+    _tx: Callable[[], AbstractContextManager[sqlite3.Connection]]
+    _read: Callable[[], AbstractContextManager[sqlite3.Connection]]
+    _writer: Callable[[], AbstractContextManager[sqlite3.Connection]]
+    _notify: Callable[[str], None]
+    session: Callable[[str], SessionRecord]
+    parts: Callable[[str, int], list[Part]]
+    _session: Callable[[sqlite3.Connection, str], SessionRecord]
+    _version: Callable[[sqlite3.Connection, str, int], VersionRecord]
+    _parts: Callable[[sqlite3.Connection, str, int], list[Part]]
+    _live_agents: Callable[[sqlite3.Connection, str, str], list[str]]
+    _is_live_rollout: Callable[[sqlite3.Connection, str, str], bool]
+    _lease_count: Callable[[sqlite3.Connection, str, int], int]
+    _renew: Callable[[sqlite3.Connection, str, str], None]
+
+    def publish_part(
+        self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
+    ) -> PublishOutcome:
+        """Stores one rank's sealed part; the version is READY once every rank sealed.
+
+        Raises:
+            StaleGeneration: generation is not the session's current one.
+            VersionConflict: this rank already sealed other content (or another key).
+            WrongState / FailedPrecondition: version not STAGING, or not newer than the latest.
+            InvalidArgument / ResourceExhausted: from part validation.
+        """
+        check_session_name(session)
+        check_version(version, "header.version")
+        if len(idempotency_key) > 256:
+            raise InvalidArgument("longer than 256 characters", field="header.idempotency_key")
+        digest = part.digest()
+        body = json.dumps(part.to_dict())
+        # Validation runs before the store's lock is taken: a part of 10^5 tensors takes a
+        # while, and every session's calls wait on that lock. The transaction then checks
+        # that what the validation relied on still holds (the generation, the sealed ranks).
+        s = self.session(session)
+        check_generation(generation, s)
+        validate_part(part, trainer_ranks=s.trainer_ranks, limits=self.limits)
+        checked = self._check_against_sealed(session, version, generation, part, s.trainer_ranks)
+        with self._tx() as db:
+            s = self._session(db, session)
+            check_generation(generation, s)  # same generation: same trainer_ranks as validated
+            existing = db.execute(
+                "SELECT idempotency_key, part_digest FROM parts WHERE session=? AND version=? AND rank=?",
+                (session, version, part.rank),
+            ).fetchone()
+            if existing is not None:
+                if existing["idempotency_key"] == idempotency_key and existing["part_digest"] == digest:
+                    return PublishOutcome(self._version(db, session, version), duplicate=True)
+                raise VersionConflict(
+                    f"version {version} rank {part.rank} was already published with other content or another "
+                    "idempotency key; publish a new version"
+                )
+            vrow = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+            now = self._clock()
+            if vrow is None:
+                latest = db.execute("SELECT MAX(version) AS v FROM versions WHERE session=?", (session,)).fetchone()[
+                    "v"
+                ]
+                if latest is not None and version <= latest:
+                    raise FailedPrecondition(
+                        f"version {version} is not newer than the session's latest version {latest}"
+                    )
+            else:
+                state = VersionState(vrow["state"])
+                if state is not S.STAGING or vrow["generation"] != generation:
+                    raise WrongState(f"version {version} is {state.value}; only STAGING versions accept parts")
+            ranks = {
+                r["rank"]
+                for r in db.execute("SELECT rank FROM parts WHERE session=? AND version=?", (session, version))
+            }
+            if checked is None or ranks != checked.ranks:  # another rank sealed meanwhile (rare): check again
+                checked = _SealCheck.of(
+                    self._parts(db, session, version), session, version, generation, part, s.trainer_ranks
+                )
+            if vrow is None:
+                db.execute(
+                    "INSERT INTO versions (session, version, state, generation, chunk_bytes, manifest_digest, "
+                    "created_at, ready_at, committed_at, reason, required) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
+                )
+            db.execute(
+                "INSERT INTO parts VALUES (?,?,?,?,?,?)", (session, version, part.rank, idempotency_key, digest, body)
+            )
+            if vrow is None:
+                self._event(db, session, version, S.STAGING)
+            if checked.manifest_digest:  # this part completes the version
+                required = self._live_agents(db, session, "ROLLOUT")
+                # Shuffled: `_owed` scans it for the first rollout still owed, which takes a
+                # few steps per handshake whatever order the fleet reports in (sorted: n).
+                random.shuffle(required)
+                db.execute(
+                    "UPDATE versions SET manifest_digest=?, ready_at=?, required=? WHERE session=? AND version=?",
+                    (checked.manifest_digest, now, json.dumps(required), session, version),
+                )
+                self._set_state(db, session, version, S.READY, "")
+            outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
+        self._notify(session)
+        return outcome
+
+    def _check_against_sealed(
+        self, session: str, version: int, generation: int, part: Part, trainer_ranks: int
+    ) -> _SealCheck | None:
+        """Cross-rank checks against the parts sealed so far, outside the lock; None when
+        this rank already sealed (the transaction answers duplicate or conflict)."""
+        sealed = self.parts(session, version)
+        if any(p.rank == part.rank for p in sealed):
+            return None
+        return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks)
+
+    def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
+        """A servable version's manifest (0 = newest servable); optionally takes a lease.
+
+        Read on a reader connection; the lease is then one conditional statement under the
+        writer's lock (a fleet takes a thousand at once on each new version, and a
+        transaction of reads per lease queued every heartbeat behind them)."""
+        check_session_name(session)
+        if lease_for:
+            check_agent_id(lease_for)
+        with self._read() as db:
+            self._session(db, session)
+            if version == 0:
+                marks = ",".join("?" * len(SERVABLE))
+                row = db.execute(
+                    f"SELECT MAX(version) AS v FROM versions WHERE session=? AND state IN ({marks})",
+                    (session, *[s.value for s in SERVABLE]),
+                ).fetchone()
+                if row["v"] is None:
+                    raise VersionNotFound(f"session {session!r} has no READY version yet")
+                version = row["v"]
+            rec = self._version(db, session, version)
+            _check_servable(rec)
+            if lease_for and not self._is_live_rollout(db, session, lease_for):
+                raise _no_live_lease(lease_for)
+            manifest = self._manifest(db, rec)
+        if lease_for:
+            rec = self._take_lease(rec, lease_for)
+        return rec, manifest
+
+    def _take_lease(self, rec: VersionRecord, agent_id: str) -> VersionRecord:
+        """Records `agent_id`'s lease on `rec`'s version if it is still servable and the
+        agent still a live rollout (both re-checked in the statement: either may have
+        changed since the caller read them); the record as of after the lease."""
+        marks = ",".join("?" * len(SERVABLE))
+        with self._writer() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO leases SELECT ?1, ?2, ?4 WHERE "
+                f"EXISTS (SELECT 1 FROM versions WHERE session=?1 AND version=?2 AND state IN ({marks})) "
+                f"AND {_LIVE_ROLLOUT.format(agent='?4')}",
+                (rec.session, rec.version, self._clock(), agent_id, *[s.value for s in SERVABLE]),
+            ).fetchall()
+            self._renew(db, rec.session, agent_id)
+        with self._read() as db:
+            rec = self._version(db, rec.session, rec.version)
+            held = db.execute(
+                "SELECT 1 FROM leases WHERE session=? AND version=? AND agent_id=?",
+                (rec.session, rec.version, agent_id),
+            ).fetchone()
+            if held is None:  # the version moved on, or the agent's lease lapsed, meanwhile
+                _check_servable(rec)
+                raise _no_live_lease(agent_id)
+        return rec
+
+    def _manifest(self, db: sqlite3.Connection, rec: VersionRecord) -> Manifest:
+        key = (rec.session, rec.version)
+        m = self._manifests.get(key)
+        if m is None:
+            parts = tuple(self._parts(db, rec.session, rec.version))
+            m = Manifest(rec.session, rec.version, rec.generation, rec.chunk_bytes, parts)
+            with self._cache_lock:  # readers fill it too, outside the writer's lock
+                while len(self._manifests) > 16:
+                    self._manifests.pop(next(iter(self._manifests)))
+                self._manifests[key] = m
+        return m
+
+    def report_applied(self, session: str, version: int, agent_id: str, report: AppliedReport) -> ReportOutcome:
+        """Records a rollout's handshake, compares it to the source, re-evaluates the state."""
+        check_session_name(session)
+        check_version(version)
+        check_agent_id(agent_id)
+        with self._tx() as db:
+            self._session(db, session)
+            rec = self._version(db, session, version)
+            if rec.state not in SERVABLE:
+                raise WrongState(f"version {version} is {rec.state.value}; handshakes are accepted for READY versions")
+            mismatch = compare_report(self._manifest(db, rec), rec.manifest_digest, report)
+            db.execute(
+                "INSERT OR REPLACE INTO reports VALUES (?,?,?,?,?,?,?)",
+                (
+                    session,
+                    version,
+                    agent_id,
+                    int(mismatch is None),
+                    mismatch or "",
+                    json.dumps(report.to_dict()),
+                    self._clock(),
+                ),
+            )
+            db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))
+            self._renew(db, session, agent_id)
+            self._evaluate(db, session, version)
+            outcome = ReportOutcome(self._version(db, session, version), mismatch)
+        self._notify(session)
+        return outcome
+
+    def _evaluate(self, db: sqlite3.Connection, session: str, version: int) -> None:
+        """COMMITTED when every live required rollout reported OK and at least min_rollouts did.
+
+        Runs on every handshake, so it is counted in SQL, stopping at the first required
+        rollout still owed (a fleet of 1,000 would otherwise cost O(n) Python per report)."""
+        rec = self._version(db, session, version)
+        if rec.state not in (S.READY, S.PARTIAL):
+            return
+        s = self._session(db, session)
+        counts = db.execute(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(ok), 0) AS ok FROM reports WHERE session=? AND version=?",
+            (session, version),
+        ).fetchone()
+        if counts["ok"] >= s.min_rollouts and not self._owed(db, session, version, ok_only=True):
+            self._set_state(db, session, version, S.COMMITTED, "")
+        elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
+            rec.state is S.READY
+            and counts["ok"] < counts["n"] >= s.min_rollouts
+            and not self._owed(db, session, version, ok_only=False)
+        ):
+            failed = [
+                r[0]
+                for r in db.execute(
+                    "SELECT agent_id FROM reports WHERE session=? AND version=? AND ok=0 ORDER BY agent_id LIMIT 11",
+                    (session, version),
+                )
+            ]
+            named = ", ".join(failed[:10]) + (" and more" if len(failed) > 10 else "")
+            self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {named}")
+
+    def _owed(self, db: sqlite3.Connection, session: str, version: int, *, ok_only: bool) -> bool:
+        """Whether a live required rollout has not reported (with ok_only: not reported OK)."""
+        return (
+            db.execute(
+                "SELECT 1 FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2)) r "
+                f"WHERE {_LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
+                "  SELECT 1 FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.agent_id=r.value"
+                f"  {'AND p.ok=1' if ok_only else ''}) LIMIT 1",
+                (session, version, self._clock()),
+            ).fetchone()
+            is not None
+        )
+
+    def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> VersionRecord:
+        """STAGING/READY/PARTIAL -> FAILED, by the current generation only."""
+        check_session_name(session)
+        check_version(version)
+        with self._tx() as db:
+            check_generation(generation, self._session(db, session))
+            rec = self._version(db, session, version)
+            check_transition(version, rec.state, S.FAILED)
+            self._set_state(db, session, version, S.FAILED, reason[:500] or "aborted")
+            rec = self._version(db, session, version)
+        self._notify(session)
+        return rec
+
+    def release_version(self, session: str, version: int, *, generation: int, force: bool = False) -> VersionRecord:
+        """-> RELEASED; refused while a live rollout holds a lease, unless forced, and from
+        any generation but the session's current one (a fenced trainer releases nothing)."""
+        check_session_name(session)
+        check_version(version)
+        with self._tx() as db:
+            check_generation(generation, self._session(db, session))
+            rec = self._version(db, session, version)
+            if rec.state is S.RELEASED:
+                return rec
+            check_transition(version, rec.state, S.RELEASED)
+            holders = self._lease_holders(db, session, version, limit=11)
+            if holders and not force:
+                named = ", ".join(holders[:10]) + (" and more" if len(holders) > 10 else "")
+                raise FailedPrecondition(
+                    f"version {version} is leased by {named}; wait for their handshake or pass force"
+                )
+            db.execute("DELETE FROM leases WHERE session=? AND version=?", (session, version))
+            self._set_state(db, session, version, S.RELEASED, "")
+            rec = self._version(db, session, version)
+        self._manifests.pop((session, version), None)
+        self._notify(session)
+        return rec
+
+    def _lease_holders(self, db: sqlite3.Connection, session: str, version: int, limit: int = -1) -> list[str]:
+        """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
+        rows = db.execute(
+            "SELECT agent_id FROM leases l WHERE session=?1 AND version=?2 "
+            f"AND {_LIVE_ROLLOUT.format(agent='l.agent_id')} ORDER BY agent_id LIMIT ?4",
+            (session, version, self._clock(), limit),
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def sweep(self) -> None:
+        """Drops leases of expired agents and re-evaluates versions awaiting handshakes."""
+        touched = set()
+        with self._tx() as db:
+            now = self._clock()
+            db.execute(
+                "DELETE FROM leases WHERE EXISTS (SELECT 1 FROM agents a WHERE a.session=leases.session "
+                "AND a.agent_id=leases.agent_id AND a.lease_expires_at<?) OR NOT EXISTS (SELECT 1 FROM agents a "
+                "WHERE a.session=leases.session AND a.agent_id=leases.agent_id)",
+                (now,),
+            )
+            rows = db.execute(
+                "SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value)
+            )
+            for r in rows.fetchall():
+                before = r["state"]
+                self._evaluate(db, r["session"], r["version"])
+                if self._version(db, r["session"], r["version"]).state.value != before:
+                    touched.add(r["session"])
+        for session in touched:
+            self._notify(session)
+
+    def _set_state(self, db: sqlite3.Connection, session: str, version: int, target: VersionState, reason: str) -> None:
+        row = db.execute("SELECT state FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+        check_transition(version, VersionState(row["state"]), target)
+        committed_at = self._clock() if target is S.COMMITTED else None
+        db.execute(
+            "UPDATE versions SET state=?, reason=?, committed_at=COALESCE(?, committed_at) "
+            "WHERE session=? AND version=?",
+            (target.value, reason, committed_at, session, version),
+        )
+        self._event(db, session, version, target)
+
+    def _event(self, db: sqlite3.Connection, session: str, version: int, state: VersionState) -> None:
+        events.append(db, self._version(db, session, version), state, self._clock())
+
+
+@dataclasses.dataclass(frozen=True)
+class _SealCheck:
+    """A part checked against the ranks sealed before it; `manifest_digest` is set when
+    it completes the version."""
+
+    ranks: frozenset[int]
+    manifest_digest: str
+
+    @classmethod
+    def of(
+        cls, others: list[Part], session: str, version: int, generation: int, part: Part, trainer_ranks: int
+    ) -> _SealCheck:
+        others = [p for p in others if p.rank != part.rank]
+        final = len(others) + 1 == trainer_ranks
+        validate_against_parts(part, others, final=final)
+        digest = ""
+        if final:
+            parts = tuple(sorted([*others, part], key=lambda p: p.rank))
+            digest = Manifest(session, version, generation, part.chunk_bytes, parts).digest()
+        return cls(frozenset(p.rank for p in others), digest)
+
+
+def check_generation(generation: int, s: SessionRecord) -> None:
+    """Writers must carry the session's current generation (fencing, DESIGN "Concepts")."""
+    if generation != s.generation:
+        raise StaleGeneration(
+            f"generation {generation} is not the session's current generation {s.generation}; "
+            "this writer was fenced by a newer incarnation (re-attach with OpenSession)"
+        )
+
+
+def _check_servable(rec: VersionRecord) -> None:
+    if rec.state not in SERVABLE:
+        raise WrongState(f"version {rec.version} is {rec.state.value}; manifests are served once READY")
+
+
+def _no_live_lease(agent_id: str) -> AgentNotFound:
+    return AgentNotFound(f"agent {agent_id!r} holds no live rollout lease; call RegisterAgent")
