@@ -60,6 +60,15 @@ class _Lane:
         self.digest_failures = 0  # chunks whose bytes arrived but did not verify
 
 
+@dataclass(frozen=True)
+class PullPlan:
+    """Where one version's chunks come from (`WeightPuller.plan(header)`)."""
+
+    mode: str  # in force for this version: the puller's, else the session's, else grpc
+    token: str = ""  # the version's access token (tcp and relay servers check it)
+    upstream: Endpoint | None = None  # relay mode: the relay before this rollout in the chain
+
+
 class WeightPuller:
     """Pulls versions with parallel streams and a bounded in-flight window.
 
@@ -104,10 +113,7 @@ class WeightPuller:
         self.agent_id = agent_id
         # A mode, or any registered transport (tests register an in-memory one).
         self.mode = mode if mode in available_transports() else normalize_mode(mode, "mode", allow_empty=True)
-        self._mode = self.mode or "grpc"  # resolved per version when mode is ""
-        self._token = ""  # the current version's access token (tcp reads)
         self.relay = relay  # "relay" mode: re-serves what this puller receives
-        self._upstream: Endpoint | None = None  # "relay" mode: the relay before us in the chain
         self.relay_fallbacks = 0
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
@@ -130,22 +136,24 @@ class WeightPuller:
         self._transports_lock = threading.Lock()
         self.last_retries = 0  # chunks re-fetched by the last pull, also when it failed
 
-    def transport_for(self, part: Part) -> str:
-        """The transport for one rank's part: shm only where asked for and possible."""
+    def transport_for(self, part: Part, mode: str = "") -> str:
+        """The transport for one rank's part under `mode` (default: this puller's, else
+        grpc): shm only where asked for and possible."""
+        mode = mode or self.mode or "grpc"
         ep = part.endpoint
-        if self._mode == "fs":
+        if mode == "fs":
             if "fs" in ep.transports and ep.fs_uri and self.fs_root:
                 return "fs"
             return self._fallback(part, "offers no fs copy (or no fs_root here)")
-        if self._mode in ("tcp", "relay"):  # relay: the trainer is read over tcp too
+        if mode in ("tcp", "relay"):  # relay: the trainer is read over tcp too
             if "tcp" in ep.transports and ep.tcp_address and native.available():
                 return "tcp"
             return self._fallback(part, "offers no tcp address (or the native shim is not built here)")
-        if self._mode == "shm":
+        if mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
             return self._off_shm(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
-        return self._mode
+        return mode
 
     def _off_shm(self, part: Part, why: str) -> str:
         """Where a rank's shm cannot be used: tcp when offered and built here, else grpc."""
@@ -160,13 +168,17 @@ class WeightPuller:
             log.info("rank %d %s: pulling over %s", part.rank, why, mode)
         return mode
 
-    def _plan(self, lanes: list[_Lane]) -> list[_Lane]:
+    def _route(self, lanes: list[_Lane], plan: PullPlan) -> list[_Lane]:
         """Chooses each lane's source: the upstream relay in relay mode, else the rank."""
         for lane in lanes:
-            if self._mode == "relay" and self._upstream is not None:
-                lane.mode, lane.endpoint, lane.relayed = "tcp", self._upstream, True
+            if plan.upstream is not None:
+                lane.mode, lane.endpoint, lane.relayed = "tcp", plan.upstream, True
             else:
-                lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
+                lane.mode, lane.endpoint, lane.relayed = (
+                    self.transport_for(lane.part, plan.mode),
+                    lane.part.endpoint,
+                    False,
+                )
         return lanes
 
     def _open_lane(self, lane: _Lane) -> Transport:
@@ -181,11 +193,11 @@ class WeightPuller:
             lane.mode = self._off_shm(lane.part, f"arena not mappable here ({e.message})")
             return self._transport(lane)
 
-    def _from_trainer(self, lane: _Lane, why: str) -> None:
+    def _from_trainer(self, lane: _Lane, why: str, plan: PullPlan) -> None:
         """A relay failed or lagged: this lane reads the rest from the trainer rank."""
         log.warning("relay for rank %d failed (%s): pulling the rest from the trainer", lane.part.rank, why)
         self.relay_fallbacks += 1
-        lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part), lane.part.endpoint, False
+        lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part, plan.mode), lane.part.endpoint, False
 
     def _key(self, lane: _Lane) -> tuple[str, str, int]:
         return (lane.mode, lane.endpoint.tcp_address if lane.mode == "tcp" else lane.endpoint.address, lane.stream)
@@ -218,14 +230,18 @@ class WeightPuller:
 
     def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
-        header, manifest = self.client.get_manifest(self.session, version, agent_id=self.agent_id)
-        self._mode = self.mode or header.weight_sync_mode or "grpc"
-        self._token = header.access_token
-        self._upstream = None
+        return self.client.get_manifest(self.session, version, agent_id=self.agent_id)
+
+    def plan(self, header: pb.ManifestHeader) -> PullPlan:
+        """Where a version's chunks come from, from its manifest header: this puller's mode,
+        else the session's; the version's access token; in relay mode, the relay before
+        this rollout in the coordinator's chain (none when it is first or not listed)."""
+        mode = self.mode or header.weight_sync_mode or "grpc"
+        upstream = None
         chain = [peer.agent_id for peer in header.relay_chain]
-        if self._mode == "relay" and self.agent_id in chain and chain.index(self.agent_id) > 0:
-            self._upstream = endpoint_from_proto(header.relay_chain[chain.index(self.agent_id) - 1].endpoint)
-        return header, manifest
+        if mode == "relay" and self.agent_id in chain and chain.index(self.agent_id) > 0:
+            upstream = endpoint_from_proto(header.relay_chain[chain.index(self.agent_id) - 1].endpoint)
+        return PullPlan(mode, header.access_token, upstream)
 
     def _buffer(self, rank: int, nbytes: int) -> np.ndarray:
         buf = self._buffers.get(rank)
@@ -237,19 +253,22 @@ class WeightPuller:
     def pull(self, header: pb.ManifestHeader, manifest: Manifest) -> PulledVersion:
         """Fetches and verifies every chunk of every rank into the receive buffers."""
         started = time.perf_counter()
+        plan = self.plan(header)
         with self._lock:
             lanes = []
             for part in manifest.parts:
                 n = len(part.chunks)
                 per = max(1, -(-n // self.streams))
                 lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
-            lanes = self._plan(lanes)
+            lanes = self._route(lanes, plan)
             buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             if self.relay is not None:
-                self.relay.begin(manifest, self._token, buffers)
+                self.relay.begin(manifest, plan.token, buffers)
             try:
                 with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-                    futures = [pool.submit(self._run_lane, manifest, lane, buffers[lane.part.rank]) for lane in lanes]
+                    futures = [
+                        pool.submit(self._run_lane, plan, manifest, lane, buffers[lane.part.rank]) for lane in lanes
+                    ]
                     for future in futures:
                         future.result()
             except BaseException:
@@ -267,18 +286,21 @@ class WeightPuller:
         return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
 
     def pull_chunks(
-        self, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int
+        self, plan: PullPlan, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int
     ) -> tuple[int, int]:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
-        the part); returns (bytes pulled, chunks re-fetched). For streaming apply."""
+        the part) as `plan` says; returns (bytes pulled, chunks re-fetched). For streaming
+        apply."""
         per = max(1, -(-len(indices) // self.streams))
-        lanes = self._plan([_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))])
+        lanes = self._route(
+            [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))], plan
+        )
         with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-            for future in [pool.submit(self._run_lane, manifest, lane, buf, base) for lane in lanes]:
+            for future in [pool.submit(self._run_lane, plan, manifest, lane, buf, base) for lane in lanes]:
                 future.result()
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)
 
-    def _run_lane(self, manifest: Manifest, lane: _Lane, buf: np.ndarray, base: int = 0) -> None:
+    def _run_lane(self, plan: PullPlan, manifest: Manifest, lane: _Lane, buf: np.ndarray, base: int = 0) -> None:
         pending = lane.indices
         last_error = ""
         unreachable = False  # the last attempt failed to reach the source (not a bad byte)
@@ -300,11 +322,11 @@ class WeightPuller:
                     time.sleep(min(2.0, 0.1 * 2**attempt) * (0.5 + random.random()))
             failures_before = lane.digest_failures
             try:
-                pending, last_error = self._fetch(manifest, lane, pending, buf, base)
+                pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 while pending and lane.relayed:  # a relay's failure costs no attempt
-                    self._from_trainer(lane, last_error)
+                    self._from_trainer(lane, last_error, plan)
                     lane.retries += len(pending)
-                    pending, last_error = self._fetch(manifest, lane, pending, buf, base)
+                    pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 unreachable = bool(pending) and lane.digest_failures == failures_before
             except TRANSIENT_ERRORS as e:
                 last_error, unreachable = e.message, True
@@ -321,7 +343,7 @@ class WeightPuller:
             self.metrics.digest_failures.labels(role=self.metrics.role).inc()
 
     def _fetch(
-        self, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
+        self, plan: PullPlan, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
@@ -332,7 +354,7 @@ class WeightPuller:
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
             request = FetchRequest(
-                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, self._token
+                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, plan.token
             )
             try:
                 if transport.receives_in_place:

@@ -17,14 +17,15 @@ import numpy as np
 
 from rollout_agent.appliers import layer_groups
 from rollout_agent.assembly import assemble_tensor
-from rollout_agent.puller import WeightPuller
+from rollout_agent.puller import PullPlan, WeightPuller
 from weightsync.manifest import Manifest
 
 
 def stream_verified_groups(
-    puller: WeightPuller, manifest: Manifest, result: Any, timings: dict[str, float]
+    puller: WeightPuller, plan: PullPlan, manifest: Manifest, result: Any, timings: dict[str, float]
 ) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """Yields each layer group's (name, tensor) pairs once all its chunks verified.
+    """Yields each layer group's (name, tensor) pairs once all its chunks verified (read
+    as `plan` says: `puller.plan(header)`).
 
     The tensors may be views into scratch buffers that are dropped after the next
     iteration: appliers copy what they keep. `result.bytes_pulled` / `chunk_retries` and
@@ -51,7 +52,7 @@ def stream_verified_groups(
             chunks = parts[rank].chunks
             base = chunks[lo].offset
             buf = np.empty(chunks[hi].offset + chunks[hi].length - base, np.uint8)
-            pulled, retries = puller.pull_chunks(manifest, parts[rank], list(range(lo, hi + 1)), buf, base)
+            pulled, retries = puller.pull_chunks(plan, manifest, parts[rank], list(range(lo, hi + 1)), buf, base)
             result.bytes_pulled += pulled
             result.chunk_retries += retries
             pulled_runs[(rank, lo)] = (buf, base)

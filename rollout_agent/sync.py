@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from rollout_agent.appliers import Applier, layer_groups
 from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
 from rollout_agent.outbox import ReportOutbox, send_report
-from rollout_agent.puller import WeightPuller
+from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
@@ -88,7 +88,7 @@ def sync_version(
     progress = _Progress()
     try:
         if apply_mode == "streaming":
-            _apply_streaming(puller, applier, manifest, progress, result, timings)
+            _apply_streaming(puller, applier, puller.plan(header), manifest, progress, result, timings)
         else:
             _apply_atomic(puller, applier, header, manifest, progress, result, timings, failpoints)
         report.consumed_names.extend(progress.consumed)
@@ -171,6 +171,7 @@ def _apply_atomic(
 def _apply_streaming(
     puller: WeightPuller,
     applier: Applier,
+    plan: PullPlan,
     manifest: Manifest,
     progress: _Progress,
     result: SyncResult,
@@ -181,7 +182,7 @@ def _apply_streaming(
     applier.begin_update(v, manifest.tensors)  # name checks happen here, before any byte moves
     applied = 0
     try:
-        for group in stream_verified_groups(puller, manifest, result, timings):
+        for group in stream_verified_groups(puller, plan, manifest, result, timings):
             t0 = time.perf_counter()
             digests = {
                 name: tensor_digest(arr, [s for _, s in manifest.shards_of_name(name)], manifest.chunk_bytes)

@@ -174,6 +174,6 @@ def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: Runn
         assert outcome.ok, outcome.mismatch
         header, manifest = client.get_manifest("job", 1)
         assert header.weight_sync_mode == "shm"
-        assert puller.transport_for(manifest.parts[0]) == "shm"
+        assert puller.transport_for(manifest.parts[0], puller.plan(header).mode) == "shm"
         puller.close()
     client.close()

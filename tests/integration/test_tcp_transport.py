@@ -44,8 +44,10 @@ def test_versions_sync_bit_exactly_and_egress_is_counted(
             outcome = sync_version(puller, applier, version)
             assert outcome.ok, outcome.mismatch
             assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
-        _, manifest = client.get_manifest("job", 3)
-        assert puller.transport_for(manifest.parts[0]) == mode
+        header, manifest = client.get_manifest("job", 3)
+        plan = puller.plan(header)  # the session's mode, from the header: nothing held between calls
+        assert plan.mode == mode and plan.upstream is None
+        assert puller.transport_for(manifest.parts[0], plan.mode) == mode
         if mode == "tcp":
             assert pub._servicer.bytes_served == total  # every byte went over tcp, once
         else:  # ChunkData framing on top of every chunk
