@@ -9,8 +9,7 @@ Public API (imported on first use; vLLM's modules load only with the vLLM entry 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightsync.exports import lazy_exports
 
 _EXPORTS = {
     "RolloutAgent": "rollout_agent.agent",
@@ -22,8 +21,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,17 +12,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.config import option
+from weightsync.config import PeerConfig, option
 from weightsync.errors import InvalidArgument
 from weightsync.modes import normalize_mode
-from weightsync.security import Security
 from weightsync.validation import check_agent_id, check_session_name
 
 APPLY_MODES = ("atomic", "streaming")
 
 
 @dataclass
-class SyncSettings:
+class SyncSettings(PeerConfig):
     """A rollout's session, data-plane mode and limits, relay and credentials."""
 
     FIELD_PREFIX: ClassVar[str] = ""  # how errors name a field ("init_info." for vLLM's)
@@ -47,7 +46,6 @@ class SyncSettings:
     relay_wait_s: float = option(
         10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer."
     )
-    advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
     window_chunks: int = option(
@@ -61,10 +59,6 @@ class SyncSettings:
         "(bounded memory, not atomic).",
         choices=list(APPLY_MODES),
     )
-    tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
-    tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
-    tls_ca_file: str = option("", "PEM CA that signs the servers this process dials (TLS on its channels).")
-    auth_token: str = option("", "Bearer token this process sends on its calls (the rollout role's token).")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
 
     def __post_init__(self) -> None:
@@ -92,10 +86,6 @@ class SyncSettings:
                 raise
             raise InvalidArgument(e.message.partition(": ")[2], field=f"{self.FIELD_PREFIX}{e.field}") from None
 
-    def security(self) -> Security:
-        """TLS / mTLS and the bearer token for this rollout's channels."""
-        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
-
     def wants_relay(self) -> bool:
         """Re-serve what we pull: in relay mode, or where the session's mode (unknown until
         the first manifest) may be relay. Streaming applies hold no whole version to serve."""
@@ -103,7 +93,7 @@ class SyncSettings:
 
     def init_info(self, **overrides: Any) -> dict[str, Any]:
         """These settings as vLLM's `init_info` (plain data: it crosses vLLM's RPCs)."""
-        names = {f.name for f in dataclasses.fields(SyncSettings)}
+        names = {f.name for f in dataclasses.fields(SyncSettings)}  # PeerConfig's included
         return {**{n: getattr(self, n) for n in names}, **overrides}
 
 

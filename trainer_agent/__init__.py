@@ -8,8 +8,7 @@ MaxText converters `convert_maxtext`, `ConvertOptions`, `ModelDims`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from weightsync.exports import lazy_exports
 
 _EXPORTS = {
     "WeightPublisher": "trainer_agent.publisher",
@@ -21,8 +20,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -36,14 +36,10 @@ def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors a
 
 
 @dataclass
-class ServerConfig:
-    """Fields every server shares."""
+class PeerConfig:
+    """How a process is reached and reaches its peers: a server's, or a rollout's inside a
+    vLLM worker (which serves no gRPC of its own)."""
 
-    host: str = option("127.0.0.1", "Address to bind the gRPC server and /metrics to.")
-    port: int = option(0, "gRPC port; 0 picks a free one (see --ready-file).")
-    metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
-    ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
-    log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
     advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
     tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
     tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
@@ -52,11 +48,26 @@ class ServerConfig:
         "PEM CA that signs the servers this process dials (TLS on its channels); "
         "with --tls-require-client-cert it also checks clients.",
     )
+    auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
+
+    def security(self) -> Security:
+        """TLS / mTLS and the bearer token for this process's channels."""
+        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
+
+
+@dataclass
+class ServerConfig(PeerConfig):
+    """Fields every server shares."""
+
+    host: str = option("127.0.0.1", "Address to bind the gRPC server and /metrics to.")
+    port: int = option(0, "gRPC port; 0 picks a free one (see --ready-file).")
+    metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
+    ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
+    log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
     tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
     auth_tokens_file: str = option(
         "", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).'
     )
-    auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
     insecure: bool = option(
         False,
         "Serve plaintext without bearer tokens on a non-loopback --host (anyone who reaches it may fence "

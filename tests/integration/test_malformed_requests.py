@@ -126,6 +126,15 @@ class World:
         return list(self.agent.ReadChunks(tpb_agent.ReadChunksRequest(**fields), timeout=10))
 
 
+def publish(
+    w: World, part: Part | None = None, *, generation: int | None = None, version: int = 2, **stream: object
+) -> object:
+    """PublishVersion of a stream `publish_stream` builds (defaults: version 2 of the
+    world's part under its generation)."""
+    gen = w.gen if generation is None else generation
+    return w.stub.PublishVersion(publish_stream(part or w.part, generation=gen, version=version, **stream), timeout=5)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     what: str
@@ -232,18 +241,10 @@ CASES = [
         C.INVALID_ARGUMENT,
         "next_version",
     ),
-    Case(
-        "publish version 2^63",
-        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=1 << 63), timeout=5),
-        C.INVALID_ARGUMENT,
-        "header.version",
-    ),
+    Case("publish version 2^63", lambda w: publish(w, version=1 << 63), C.INVALID_ARGUMENT, "header.version"),
     Case(
         "publish stage_seconds NaN",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"stage_seconds": float("nan")}),
-            timeout=5,
-        ),
+        lambda w: publish(w, header_overrides={"stage_seconds": float("nan")}),
         C.INVALID_ARGUMENT,
         "header.stage_seconds",
     ),
@@ -271,155 +272,74 @@ CASES = [
     ),
     Case(
         "publish stale generation",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(w.part, generation=w.gen - 1 if w.gen > 1 else w.gen + 5, version=2), timeout=5
-        ),
+        lambda w: publish(w, generation=w.gen - 1 if w.gen > 1 else w.gen + 5),
         C.FAILED_PRECONDITION,
         None,
     ),
-    Case(
-        "publish version 0",
-        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=0), timeout=5),
-        C.INVALID_ARGUMENT,
-        "header.version",
-    ),
-    Case(
-        "publish wrong counts",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"chunk_count": 99}), timeout=5
-        ),
-        C.INVALID_ARGUMENT,
-        None,
-    ),
+    Case("publish version 0", lambda w: publish(w, version=0), C.INVALID_ARGUMENT, "header.version"),
+    Case("publish wrong counts", lambda w: publish(w, header_overrides={"chunk_count": 99}), C.INVALID_ARGUMENT, None),
     Case(
         "publish shm path outside /dev/shm",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}
-            ),
-            timeout=5,
-        ),
+        lambda w: publish(w, header_overrides={"endpoint": tpb.Endpoint(shm_path="/etc/passwd")}),
         C.INVALID_ARGUMENT,
         "header.endpoint.shm_path",
     ),
     Case(
         "publish fs_uri outside the store",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="../../etc")}
-            ),
-            timeout=5,
-        ),
+        lambda w: publish(w, header_overrides={"endpoint": tpb.Endpoint(fs_uri="../../etc")}),
         C.INVALID_ARGUMENT,
         "header.endpoint.fs_uri",
     ),
     Case(
         "publish fs_uri of another scheme",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part, generation=w.gen, version=2, header_overrides={"endpoint": tpb.Endpoint(fs_uri="file:///etc")}
-            ),
-            timeout=5,
-        ),
+        lambda w: publish(w, header_overrides={"endpoint": tpb.Endpoint(fs_uri="file:///etc")}),
         C.INVALID_ARGUMENT,
         "header.endpoint.fs_uri",
     ),
     Case(
         "publish announcing 10^6 tensors",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(w.part, generation=w.gen, version=2, header_overrides={"tensor_count": 10**6}), timeout=5
-        ),
+        lambda w: publish(w, header_overrides={"tensor_count": 10**6}),
         C.RESOURCE_EXHAUSTED,
         "header.tensor_count",
     ),
     Case(
         "publish more tensors than announced",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part,
-                generation=w.gen,
-                version=2,
-                batches=w.many,
-                seal="0",
-                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 4096},
-            ),
-            timeout=5,
+        lambda w: publish(
+            w, batches=w.many, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 4096}
         ),
         C.INVALID_ARGUMENT,
         "part.tensors",
     ),
     Case(
         "publish a 1 MiB tensor name",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part,
-                generation=w.gen,
-                version=2,
-                batches=w.long_name,
-                seal="0",
-                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0},
-            ),
-            timeout=5,
+        lambda w: publish(
+            w, batches=w.long_name, seal="0", header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}
         ),
         C.INVALID_ARGUMENT,
         "part.tensors[0].name",
     ),
-    Case(
-        "publish wrong seal",
-        lambda w: w.stub.PublishVersion(publish_stream(w.part, generation=w.gen, version=2, seal="00"), timeout=5),
-        C.INVALID_ARGUMENT,
-        "seal.part_digest",
-    ),
+    Case("publish wrong seal", lambda w: publish(w, seal="00"), C.INVALID_ARGUMENT, "seal.part_digest"),
     Case(
         "publish bad dtype",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part,
-                generation=w.gen,
-                version=2,
-                batches=w.bad_dtype,
-                header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0},
-            ),
-            timeout=5,
+        lambda w: publish(
+            w, batches=w.bad_dtype, header_overrides={"tensor_count": 1, "shard_count": 0, "chunk_count": 0}
         ),
         C.INVALID_ARGUMENT,
         "part.tensors[0].dtype",
     ),
     Case(
-        "publish overlapping chunks",
-        lambda w: w.stub.PublishVersion(publish_stream(w.overlapping, generation=w.gen, version=2), timeout=5),
-        C.INVALID_ARGUMENT,
-        "part.chunks[1].offset",
+        "publish overlapping chunks", lambda w: publish(w, w.overlapping), C.INVALID_ARGUMENT, "part.chunks[1].offset"
     ),
     Case(
         "publish over the size limit",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(
-                w.part,
-                generation=w.gen,
-                version=2,
-                batches=w.huge,
-                header_overrides={"tensor_count": 1, "shard_count": 1, "chunk_count": 0},
-            ),
-            timeout=5,
-        ),
+        lambda w: publish(w, batches=w.huge, header_overrides={"tensor_count": 1, "shard_count": 1, "chunk_count": 0}),
         C.RESOURCE_EXHAUSTED,
         None,
     ),
     Case(
-        "publish rank out of range",
-        lambda w: w.stub.PublishVersion(
-            publish_stream(dataclasses.replace(w.part, rank=3), generation=w.gen, version=2), timeout=5
-        ),
-        C.INVALID_ARGUMENT,
-        None,
+        "publish rank out of range", lambda w: publish(w, dataclasses.replace(w.part, rank=3)), C.INVALID_ARGUMENT, None
     ),
-    Case(
-        "republish v1 other content",
-        lambda w: w.stub.PublishVersion(publish_stream(w.other, generation=w.gen, version=1), timeout=5),
-        C.ALREADY_EXISTS,
-        None,
-    ),
+    Case("republish v1 other content", lambda w: publish(w, w.other, version=1), C.ALREADY_EXISTS, None),
     Case(
         "manifest unknown version",
         lambda w: list(w.stub.GetManifest(cpb.GetManifestRequest(session="job", version=42), timeout=5)),
