@@ -71,6 +71,11 @@ class StoreBusy(Exception):
     (the writer's lock or a free reader) and did nothing; run it on a thread instead."""
 
 
+class NotOnLoop(StoreBusy):
+    """Within `nonblocking()`: the call would hold its thread long (a manifest not built yet,
+    a very large report) and did nothing irreversible; run it on a thread at once."""
+
+
 class Database:
     """Connections and transactions; thread-safe. Lock order: the writer's lock only."""
 
@@ -133,6 +138,10 @@ class Database:
             yield
         finally:
             self._nowait.on = False
+
+    def is_nonblocking(self) -> bool:
+        """Whether this thread is inside `nonblocking()`."""
+        return bool(getattr(self._nowait, "on", False))
 
     def acquire_writer(self) -> None:
         if not self.lock.acquire(blocking=not getattr(self._nowait, "on", False)):

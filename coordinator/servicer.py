@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from coordinator.database import StoreBusy
+from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
 from coordinator.records import PublishOutcome, VersionRecord
 from coordinator.states import VersionState
@@ -36,6 +36,7 @@ from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto,
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+LOOP_REPORT_TENSORS = 4096  # larger handshakes are checked on a thread, not on the loop
 STORE_WAIT_S = 0.25  # how long a short store call waits on the loop for a busy store
 BURST_CALLS = 2
 MANIFEST_BODIES = 4  # versions whose reader-independent pieces are kept built
@@ -148,6 +149,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             try:
                 with self._store.nonblocking():
                     return fn(*args)
+            except NotOnLoop:
+                return await loop.run_in_executor(executor, fn, *args)
             except StoreBusy:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -318,7 +321,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def _manifest_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
         rec, manifest = self._store.manifest(request.session, request.version, lease_for=request.agent_id)
-        body = self._body(rec, manifest)
+        body = self._body(rec, manifest)  # on the loop only when built (else NotOnLoop; a lease
+        # taken again on the thread is the same lease)
         header = pb.ManifestHeader(
             version=version_info(rec),
             chunk_bytes=manifest.chunk_bytes,
@@ -341,6 +345,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         key = (rec.session, rec.version, rec.manifest_digest)
         body = self._bodies.get(key)
         if body is None:
+            if self._store.db.is_nonblocking():
+                raise NotOnLoop
             body = _ManifestBody.of(manifest)
             with self._bodies_lock:
                 while len(self._bodies) >= MANIFEST_BODIES:
@@ -370,6 +376,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return await self._soon(None, self._report_applied, request)
 
     def _report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
+        if len(request.tensors) > LOOP_REPORT_TENSORS and self._store.db.is_nonblocking():
+            raise NotOnLoop  # checking every tensor's name and digest is long for a large model
         check_agent_id(request.agent_id)
         if len(request.consumed_names) > self._store.limits.max_tensors:
             raise InvalidArgument(f"more than {self._store.limits.max_tensors} names", field="consumed_names")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from coordinator import events
+from coordinator.database import Database, NotOnLoop
 from coordinator.handshake import AppliedReport, compare_report
 from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
 from coordinator.states import SERVABLE, VersionState, check_transition
@@ -51,6 +52,7 @@ class VersionLifecycle:
     """Publish, lease, handshake, abort, release, sweep (see the module docstring)."""
 
     # Supplied by SessionStore:
+    db: Database
     limits: Limits
     lease_ttl_s: float
     _clock: Callable[[], float]
@@ -189,6 +191,8 @@ class VersionLifecycle:
             _check_servable(rec)
             if lease_for and not self._is_live_rollout(db, session, lease_for):
                 raise _no_live_lease(lease_for)
+            if self.db.is_nonblocking() and (rec.session, rec.version) not in self._manifests:
+                raise NotOnLoop  # decoding every rank's descriptors is long for a large model
             manifest = self._manifest(db, rec)
         if lease_for:
             rec = self._take_lease(rec, lease_for)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.database import READERS, StoreBusy
+from coordinator.database import READERS, NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
 from coordinator.states import TRANSITIONS, VersionState, check_transition
 from coordinator.store import SessionStore
@@ -278,13 +278,14 @@ def test_nonblocking_calls_do_nothing_while_the_store_is_busy(store: SessionStor
     part, _ = make_part(sample_arrays())
     store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
     before = store.agents("job")[0].lease_expires_at
+    report = good_report(store, 1)  # builds the manifest: a cold one is NotOnLoop (next test)
     with store.db.lock, store.nonblocking():  # another thread's write in progress
         with pytest.raises(StoreBusy):
             store.heartbeat("job", "r0", 1)
         with pytest.raises(StoreBusy):
             store.manifest("job", 1, lease_for="r0")
         with pytest.raises(StoreBusy):
-            store.report_applied("job", 1, "r0", good_report(store, 1))
+            store.report_applied("job", 1, "r0", report)
         assert store.manifest("job", 1)[0].version == 1  # reads never wait for the writer
     assert store.agents("job")[0].lease_expires_at == before
     assert store.version("job", 1).leases == 0 and store.version("job", 1).state is S.READY
@@ -487,3 +488,18 @@ def test_retention_summarizes_old_versions_and_bounds_the_database(tmp_path: Pat
         assert store.database_bytes() <= grown  # 40 versions take no more room than 20 did
     finally:
         store.close()
+
+
+def test_a_cold_manifest_is_never_built_on_the_event_loop(store: SessionStore) -> None:
+    # Decoding a large model's descriptors takes seconds: inside nonblocking() a manifest
+    # not yet built raises NotOnLoop (run it on a thread) before any lease is written.
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    store._manifests.clear()
+    with store.nonblocking(), pytest.raises(NotOnLoop):
+        store.manifest("job", 1, lease_for="r0")
+    assert store.version("job", 1).leases == 0
+    store.manifest("job", 1)  # built (on a thread, in the servicer)
+    with store.nonblocking():
+        assert store.manifest("job", 1, lease_for="r0")[0].leases == 1
