@@ -33,7 +33,13 @@ def replace_chunk(part: Part, i: int, **kw: object) -> Part:
 
 
 def test_good_part_passes() -> None:
-    validate_part(good_part(), trainer_ranks=1)
+    part = good_part()
+    assert validate_part(part, trainer_ranks=1) is None  # accepted as it is
+    # what acceptance stands for: the chunks tile the part and every shard lies inside it
+    ends = [c.offset + c.length for c in part.chunks]
+    assert [c.offset for c in part.chunks] == [0, *ends[:-1]] and ends[-1] == part.total_bytes
+    assert all(0 <= s.offset and s.offset + s.nbytes <= part.total_bytes for s in part.shards)
+    assert validate_part(dataclasses.replace(part, rank=0), trainer_ranks=2) is None  # rank 0 of 2
 
 
 @pytest.mark.parametrize(

@@ -68,9 +68,15 @@ def decode_chunk(raw: bytes) -> ChunkPayload:
         field, wire_type = key >> 3, key & 7
         if wire_type == 0:
             value, pos = _read_varint(buf, pos)
+            # Wider than the field's type: protobuf would truncate it (index 2^32 read as
+            # chunk 0); a malformed reply is refused instead.
             if field == 1:
+                if value >= 1 << 32:
+                    raise DataLoss(f"ChunkData.index {value} does not fit uint32")
                 index = value
             elif field == 2:
+                if value >= 1 << 64:
+                    raise DataLoss(f"ChunkData.offset {value} does not fit uint64")
                 offset = value
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos)
