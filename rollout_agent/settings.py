@@ -67,6 +67,8 @@ class SyncSettings(PeerConfig):
     def check(self) -> None:
         """InvalidArgument naming the first bad field (with FIELD_PREFIX)."""
         try:
+            if not self.coordinator:
+                raise InvalidArgument("must name the coordinator (host:port)", field="coordinator")
             check_session_name(self.session, "session")
             if self.agent_id:
                 check_agent_id(self.agent_id, "agent_id")
@@ -102,3 +104,8 @@ class InitInfo(SyncSettings):
     """SyncSettings as vLLM's init_info / the worker extension's attach dict."""
 
     FIELD_PREFIX: ClassVar[str] = "init_info."
+
+    # Required here, as they were before the settings were shared: the sidecar's defaults
+    # (a local coordinator, session "demo") would let a worker silently sync the wrong thing.
+    coordinator: str = option("", "Coordinator address host:port (required).")
+    session: str = option("", "Session name (required).")

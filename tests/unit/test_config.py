@@ -127,9 +127,11 @@ def test_one_settings_class_feeds_every_rollout_entry_point() -> None:
         ({"streams": 0}, "init_info.streams"),
         ({"session": "Bad!"}, "init_info.session"),
         ({"tls_cert_file": "/x.pem"}, "init_info.tls_key_file"),
+        ({"session": ""}, "init_info.session"),
+        ({"coordinator": ""}, "init_info.coordinator"),
     ):
         with pytest.raises(InvalidArgument) as exc:
-            InitInfo(coordinator="c:1", **{"session": "job", **bad})
+            InitInfo(**{"coordinator": "c:1", "session": "job", **bad})
         assert exc.value.field == field and exc.value.message.startswith(f"{field}: "), exc.value.message
 
 
@@ -170,3 +172,12 @@ def test_a_relay_in_a_vllm_worker_binds_and_advertises_the_advertised_host() -> 
         wiring.close_data_plane()
         wiring.outbox.close()
         wiring.client.close()
+
+
+def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
+    from rollout_agent.settings import InitInfo
+
+    with pytest.raises(InvalidArgument, match="init_info.coordinator"):
+        InitInfo()
+    with pytest.raises(InvalidArgument, match="init_info.session"):
+        InitInfo(coordinator="c:1")
