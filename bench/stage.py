@@ -24,7 +24,7 @@ from common import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
-from trainer_agent.publisher import _to_host_shards  # noqa: E402
+from trainer_agent.params import host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
@@ -103,7 +103,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     converted, so the peak should stay near arena + the largest converted tensor.
     """
     from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
-    from trainer_agent.publisher import _to_host_shards
+    from trainer_agent.params import host_shards
     from trainer_agent.staging import chunk_specs, stage_stream
 
     shape = PRESETS[preset]
@@ -139,7 +139,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     with RssPeak() as rss:
         t0 = time.perf_counter()
         items = convert_maxtext(tree, "qwen3", dims, ConvertOptions(weight_dtype="bfloat16"))
-        staged = stage_stream(arena.slot(0), (hs for n, v in items for hs in _to_host_shards(n, v, None)), chunk_bytes)
+        staged = stage_stream(arena.slot(0), (hs for n, v in items for hs in host_shards(n, v)), chunk_bytes)
         chunk_specs(arena.slot(0), staged.total_bytes, chunk_bytes, staged.spans, staged.known)
         seconds = time.perf_counter() - t0
     arena_bytes = arena.nbytes
@@ -171,7 +171,7 @@ def main() -> int:
 
     params = make_params(args.model_size, args.dtype)
     values = list(params.values())
-    host = [s for n, v in params.items() for s in _to_host_shards(n, v, None)]
+    host = [s for n, v in params.items() for s in host_shards(n, v)]
     layout = plan_layout(host)
     total = layout.total_bytes
     largest = max(s.nbytes for s in host)

@@ -38,6 +38,7 @@ from common import cpu_seconds, model, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 from devtools.cluster import Cluster, Proc  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.settings import PublisherSettings  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay")
@@ -145,13 +146,15 @@ def run_weightsync(
     rounds, stages, cpus, served = [], [], [], 0
     try:
         with WeightPublisher(
-            coord.address,
-            session,
-            weight_sync_mode=mode,
-            fs_root=fs_root,
-            min_rollouts=n,
-            chunk_bytes=chunk_bytes,
-            slot_wait_s=300,
+            PublisherSettings(
+                coordinator=coord.address,
+                session=session,
+                weight_sync_mode=mode,
+                fs_root=fs_root,
+                min_rollouts=n,
+                chunk_bytes=chunk_bytes,
+                slot_wait_s=300,
+            )
         ) as pub:
             for version in range(1, runs + 2):
                 before = pub._servicer.bytes_served

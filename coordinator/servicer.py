@@ -6,7 +6,6 @@ import asyncio
 import functools
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -17,6 +16,7 @@ import grpc
 
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
+from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, VersionRecord
 from coordinator.states import VersionState
 from coordinator.store import SessionStore
@@ -117,8 +117,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._feed = EventFeed(hub, store.events_since, store.latest_seq, asyncio.to_thread)
         self._status_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="status")
         self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
-        self._bodies: dict[tuple[str, int, str], _ManifestBody] = {}
-        self._bodies_lock = threading.Lock()
+        self._bodies: Recent[tuple[str, int, str], _ManifestBody] = Recent(MANIFEST_BODIES)
         # Leases and handshakes come as a fleet-wide burst on every READY; at most this many
         # at a time, so heartbeats and watches never queue behind a thousand of them.
         self._burst = asyncio.Semaphore(BURST_CALLS)
@@ -348,10 +347,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if self._store.db.is_nonblocking():
                 raise NotOnLoop
             body = _ManifestBody.of(manifest)
-            with self._bodies_lock:
-                while len(self._bodies) >= MANIFEST_BODIES:
-                    self._bodies.pop(next(iter(self._bodies)))
-                self._bodies[key] = body
+            self._bodies.put(key, body)
         return body
 
     async def WatchVersions(

@@ -11,7 +11,6 @@ import functools
 import json
 import secrets
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from coordinator import events, retention
 from coordinator.database import Database
+from coordinator.recent import Recent
 from coordinator.records import (
     AgentRecord,
     Event,
@@ -52,6 +52,7 @@ S = VersionState
 # a rank without it, or a rollout without the native shim, is read over grpc).
 DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
+DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
 class SessionStore(VersionLifecycle):
@@ -82,8 +83,7 @@ class SessionStore(VersionLifecycle):
         self._clock = clock
         self._listener = listener
         self.db = Database(db_path)
-        self._manifests: dict[tuple[str, int], Manifest] = {}
-        self._cache_lock = threading.Lock()
+        self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
 
     def close(self) -> None:

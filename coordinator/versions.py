@@ -11,13 +11,13 @@ import dataclasses
 import json
 import random
 import sqlite3
-import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from coordinator import events
 from coordinator.database import Database, NotOnLoop
 from coordinator.handshake import AppliedReport, compare_report
+from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
 from coordinator.states import SERVABLE, VersionState, check_transition
 from weightsync.errors import (
@@ -56,8 +56,7 @@ class VersionLifecycle:
     limits: Limits
     lease_ttl_s: float
     _clock: Callable[[], float]
-    _manifests: dict[tuple[str, int], Manifest]
-    _cache_lock: threading.Lock
+    _manifests: Recent[tuple[str, int], Manifest]
     _tx: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _read: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _writer: Callable[[], AbstractContextManager[sqlite3.Connection]]
@@ -228,10 +227,7 @@ class VersionLifecycle:
         if m is None:
             parts = tuple(self._parts(db, rec.session, rec.version))
             m = Manifest(rec.session, rec.version, rec.generation, rec.chunk_bytes, parts)
-            with self._cache_lock:  # readers fill it too, outside the writer's lock
-                while len(self._manifests) > 16:
-                    self._manifests.pop(next(iter(self._manifests)))
-                self._manifests[key] = m
+            self._manifests.put(key, m)  # readers fill it too, outside the writer's lock
         return m
 
     def report_applied(self, session: str, version: int, agent_id: str, report: AppliedReport) -> ReportOutcome:
@@ -340,7 +336,7 @@ class VersionLifecycle:
             db.execute("DELETE FROM leases WHERE session=? AND version=?", (session, version))
             self._set_state(db, session, version, S.RELEASED, "")
             rec = self._version(db, session, version)
-        self._manifests.pop((session, version), None)
+        self._manifests.discard((session, version))
         self._notify(session)
         return rec
 

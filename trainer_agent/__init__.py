@@ -2,7 +2,8 @@
 versions to the coordinator and serves chunks to rollouts.
 
 Public API (imported on first use, so `python -m trainer_agent --help` stays light):
-`WeightPublisher` (the in-trainer publisher), `PublishResult`, `TrainerConfig`, and the
+`WeightPublisher` (the in-trainer publisher) and its `PublisherSettings`, `PublishResult`,
+`TrainerConfig` (the entry point's flags: PublisherSettings and the synthetic run), and the
 MaxText converters `convert_maxtext`, `ConvertOptions`, `ModelDims`.
 """
 
@@ -13,6 +14,7 @@ from weightsync.exports import lazy_exports
 _EXPORTS = {
     "WeightPublisher": "trainer_agent.publisher",
     "PublishResult": "trainer_agent.publisher",
+    "PublisherSettings": "trainer_agent.settings",
     "TrainerConfig": "trainer_agent.config",
     "convert_maxtext": "trainer_agent.convert",
     "ConvertOptions": "trainer_agent.convert",

@@ -69,27 +69,7 @@ def _run(argv: Sequence[str] | None) -> int:
     setup_logging(cfg.log_level)
     stop = wait_for_signal(interrupt=True)
     params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1)
-    with WeightPublisher(
-        cfg.coordinator,
-        cfg.session,
-        rank=cfg.rank,
-        world_size=cfg.world_size,
-        incarnation=cfg.incarnation or None,
-        slots=cfg.slots,
-        chunk_bytes=cfg.chunk_bytes,
-        weight_dtype=cfg.weight_dtype,
-        min_rollouts=cfg.min_rollouts,
-        host=cfg.host,
-        port=cfg.port,
-        metrics_port=cfg.metrics_port,
-        advertise_host=cfg.advertise_host,
-        tcp_port=cfg.tcp_port,
-        failpoints=cfg.failpoints,
-        fs_root=cfg.fs_root,
-        weight_sync_mode=cfg.weight_sync_mode,
-        security=cfg.security(),
-        next_version=cfg.start_version,
-    ) as pub:
+    with WeightPublisher(cfg).start(next_version=cfg.start_version) as pub:
         write_ready_file(
             cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id
         )

@@ -51,7 +51,7 @@ class ArrayMeta:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def staged_meta(value: Any, weight_dtype: str | None) -> ArrayMeta:
+def staged_meta(value: Any, weight_dtype: str) -> ArrayMeta:
     dt = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.dtype)
     return ArrayMeta(tuple(value.shape), dt)
 
@@ -72,7 +72,7 @@ class FfiStager:
         arrays: Sequence[jax.Array],
         layout: Layout,
         chunk_bytes: int,
-        weight_dtype: str | None,
+        weight_dtype: str,
     ) -> tuple[list[ShardSpec], list[ChunkSpec]]:
         """Stages `arrays` into arena[slot_offset:] (the whole arena buffer is passed)."""
         if slot_offset + layout.total_bytes > arena.nbytes:
@@ -115,7 +115,7 @@ class FfiStager:
         layout: Layout,
         chunks: Sequence[tuple[int, int]],
         chunk_bytes: int,
-        weight_dtype: str | None,
+        weight_dtype: str,
     ) -> Any:
         cast = jnp.dtype(dtype_info(weight_dtype).numpy) if weight_dtype else None
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((1,), jnp.uint32), has_side_effect=True)

@@ -8,12 +8,10 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
-
-import numpy as np
 
 from trainer_agent.arena import Arena
 from trainer_agent.chunk_server import (
@@ -23,6 +21,8 @@ from trainer_agent.chunk_server import (
     TrainerAgentServicer,
     add_trainer_agent_service,
 )
+from trainer_agent.params import choose_staging_path, host_shards
+from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import HostShard, chunk_specs, plan_layout, stage_shards, stage_stream
 from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
@@ -30,7 +30,6 @@ from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
 from weightsync.digests import access_token
-from weightsync.dtypes import dtype_info
 from weightsync.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -41,15 +40,11 @@ from weightsync.errors import (
 )
 from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
-from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
-from weightsync.modes import normalize_mode
-from weightsync.security import Security
 from weightsync.server import RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore
 from weightsync.transports.tcp import TcpChunkServer
-from weightsync.validation import check_session_name
 
 log = logging.getLogger(__name__)
 
@@ -67,221 +62,130 @@ class PublishResult:
     slot: int
 
 
-def choose_staging_path(values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str) -> str:
-    """ "ffi" or "host", by the use_ffi contract (DESIGN.md "Native shim and FFI").
-
-    None: FFI when built and every value is a single-device JAX array. True: FFI, and
-    RuntimeError naming what is missing when it is not built. False: host pointers.
-    Arrays that are not host-addressable without FFI fail fast (never a silent slow path).
-    """
-    if use_ffi is True and not ffi_built:
-        raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {ffi_missing}")
-    jax_values = [v for v in values if hasattr(v, "addressable_shards")]
-    ffi_eligible = (
-        bool(values) and len(jax_values) == len(values) and all(len(v.addressable_shards) == 1 for v in jax_values)
-    )
-    if ffi_built and use_ffi is not False and ffi_eligible:
-        return "ffi"
-    for v in jax_values:
-        for shard in v.addressable_shards:
-            platform = getattr(shard.device, "platform", "cpu")
-            if platform != "cpu":
-                why = (
-                    "use_ffi=False" if use_ffi is False else (ffi_missing or "the FFI path needs single-device arrays")
-                )
-                raise RuntimeError(
-                    f"array on {shard.device} is not host-addressable and the FFI path is not taken ({why}); "
-                    "build the shim with FFI and pass use_ffi=None/True, or copy the arrays to host first"
-                )
-    return "host"
-
-
-def _to_host_shards(name: str, value: Any, weight_dtype: str | None) -> list[HostShard]:
-    """Host shards of one parameter: NumPy arrays, HostShards, or JAX arrays (replica 0).
-
-    A JAX array contributes its addressable replica-0 shards, so each host of a
-    multi-host trainer publishes only what it owns.
-    """
-    if isinstance(value, HostShard):
-        data = value.data if weight_dtype is None else value.data.astype(dtype_info(weight_dtype).numpy)
-        return [HostShard(name, data, value.global_shape, value.start)]
-    if hasattr(value, "addressable_shards"):  # jax.Array
-        if weight_dtype is not None and str(value.dtype) != weight_dtype:
-            value = value.astype(dtype_info(weight_dtype).numpy)
-        out = []
-        for shard in value.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            start = tuple(0 if sl.start is None else sl.start for sl in shard.index)
-            start = start + (0,) * (value.ndim - len(start))
-            try:
-                host = np.asarray(shard.data)  # zero-copy for CPU-resident arrays
-            except Exception as e:  # noqa: BLE001 - re-raised with the fix
-                raise InvalidArgument(
-                    f"shard on {shard.device} is not host-addressable ({e}); the native FFI path stages device "
-                    "buffers, or pass host copies as HostShard",
-                    field=f"params[{name!r}]",
-                ) from e
-            out.append(HostShard(name, host, tuple(value.shape), start))
-        return out
-    arr = np.asarray(value)
-    if weight_dtype is not None:
-        arr = arr.astype(dtype_info(weight_dtype).numpy, copy=False)
-    return [HostShard(name, arr, tuple(arr.shape), (0,) * arr.ndim)]
-
-
 class WeightPublisher:
     """Stages parameters into a persistent arena, publishes descriptors, serves chunks.
 
-    One publisher per trainer rank. All ranks of one trainer run pass the same
-    `incarnation`; a new incarnation bumps the session generation (fencing older
-    writers). The chunk server runs in this process on `host:port`.
+    One publisher per trainer rank, described by `PublisherSettings`. Constructing one
+    checks the settings and does no I/O; `start()` (or entering `with`) attaches to the
+    session, maps the arena and starts this rank's chunk servers and heartbeat:
 
-    Args:
-        coordinator: coordinator address (host:port).
-        session: session name.
-        rank, world_size: this trainer rank and the number of publishing ranks.
-        incarnation: shared by all ranks of one run; default: a fresh id (single rank).
-        slots: arena slots; a slot is reused only after its version's leases end.
-        chunk_bytes: chunk size (travels in the manifest).
-        weight_dtype: cast every tensor to this dtype while staging (e.g. "bfloat16").
-        min_rollouts: OK handshakes needed to commit (0 keeps the session's setting).
-        use_ffi: None uses the JAX FFI handler when built; True requires it (RuntimeError
-            naming what is missing); False stages through host pointers.
-        staging_threads: threads of the native staging pass (0 = every core).
-        advertise_host: the host rollouts dial (e.g. the pod IP) when `host` is 0.0.0.0.
-        tcp_port: the native tcp data-plane server's port (0: a free one).
-        fs_root: also write every part under this fsspec root (`fs` transport: rollouts
-            need only the store, not a route to this process); old versions are removed
-            when their slot is reused.
-        weight_sync_mode: the session's default mode for rollouts without their own
-            (grpc | tcp | shm | fs | relay; "" keeps the session's). fs needs fs_root.
-        security: TLS / mTLS and bearer tokens for the coordinator channel and this
-            rank's gRPC server (`weightsync.security`; plaintext without).
-        next_version: the first version this publisher will publish (0: not said); a new
-            incarnation whose next_version is not newer than the session's latest is
-            refused (FailedPrecondition) before it fences anyone.
+        with WeightPublisher(PublisherSettings(coordinator="c:50051", session="s")) as pub:
+            pub.publish(params, version)
 
-    A newer incarnation fences this one: its writes are refused (StaleGeneration), and
-    the heartbeat notices within one beat: `fenced` turns True, it is logged once and
+    All ranks of one trainer run pass the same `incarnation`; a new incarnation bumps the
+    session generation, fencing older writers: their writes are refused (StaleGeneration),
+    and the heartbeat notices within one beat: `fenced` turns True, it is logged once and
     the `weightsync_fenced` gauge reads 1.
     """
 
-    def __init__(
-        self,
-        coordinator: str,
-        session: str,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        incarnation: str | None = None,
-        slots: int = 2,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        weight_dtype: str | None = None,
-        min_rollouts: int = 0,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        metrics_port: int = -1,
-        advertise_host: str = "",
-        tcp_port: int = 0,
-        host_id: str | None = None,
-        agent_id: str | None = None,
-        timeout_s: float = 30.0,
-        slot_wait_s: float = 60.0,
-        metrics: Metrics | None = None,
-        failpoints: str = "",
-        use_ffi: bool | None = None,
-        staging_threads: int = 0,
-        fs_root: str = "",
-        weight_sync_mode: str = "",
-        security: Security | None = None,
-        next_version: int = 0,
-    ) -> None:
-        check_session_name(session)
-        if use_ffi is True and not native.ffi_available():
+    def __init__(self, settings: PublisherSettings, *, metrics: Metrics | None = None) -> None:
+        if settings.use_ffi is True and not native.ffi_available():
             raise RuntimeError(
                 f"use_ffi=True but the FFI staging handler is unavailable: {native.ffi_missing_reason()}"
             )
-        if weight_dtype is not None:
-            dtype_info(weight_dtype, "weight_dtype")
-        mode = normalize_mode(weight_sync_mode, allow_empty=True)
-        if mode == "fs" and not fs_root:
-            raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
-        if not 0 <= rank < world_size:
-            raise InvalidArgument(f"{rank} is not in [0, world_size={world_size})", field="rank")
-        self.session = session
-        self.rank = rank
-        self.chunk_bytes = chunk_bytes
-        self.weight_dtype = weight_dtype
-        self.slot_wait_s = slot_wait_s
-        self.use_ffi = use_ffi
-        self.staging_threads = staging_threads
-        self.last_path = ""
-        self.fs_store = FsStore(fs_root) if fs_root else None
-        self._ffi: Any = None
-        self.agent_id = agent_id or f"trainer-{rank}-{uuid.uuid4().hex[:8]}"
+        self.settings = settings
+        self.session = settings.session
+        self.rank = settings.rank
+        self.agent_id = settings.agent_id or f"trainer-{settings.rank}-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or build_metrics("trainer")
-        self._client = CoordinatorClient(coordinator, timeout_s=timeout_s, security=security)
+        self.fs_store = FsStore(settings.fs_root) if settings.fs_root else None
+        self.last_path = ""
+        self.generation = 0
+        self.fenced_by = 0  # the newer generation that fenced this publisher
+        self._ffi: Any = None
+        self._started = self._closed = False
+        self._resources = contextlib.ExitStack()  # closes what start() opened, in reverse
+
+    def start(self, *, next_version: int = 0) -> WeightPublisher:
+        """Attaches to the session and starts serving; returns self. Idempotent.
+
+        Args:
+            next_version: the first version this publisher will publish (0: not said); a
+                new incarnation whose next_version is not newer than the session's latest
+                is refused (FailedPrecondition) before it fences anyone.
+        """
+        if self._started:
+            return self
+        self._started = True
+        try:
+            self._start(next_version)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, next_version: int) -> None:
+        s = self.settings
+        security = s.security()
+        self._client = CoordinatorClient(s.coordinator, timeout_s=s.timeout_s, security=security)
+        self._resources.callback(self._client.close)
         opened = self._client.open_session(
-            session,
+            s.session,
             trainer=True,
-            incarnation=incarnation or uuid.uuid4().hex,
-            trainer_ranks=world_size,
-            min_rollouts=min_rollouts,
-            weight_sync_mode=mode,
+            incarnation=s.incarnation or uuid.uuid4().hex,
+            trainer_ranks=s.world_size,
+            min_rollouts=s.min_rollouts,
+            weight_sync_mode=s.weight_sync_mode,
             next_version=next_version,
         )
         self.generation = opened.generation
-        self.fenced_by = 0  # the newer generation that fenced this publisher
         self._token_key = opened.token_key
         reclaim_orphans()  # arenas of trainers killed on this host before they could clean up
-        self.arena = Arena(f"{session}-r{rank}", slots=slots)
-        fps = Failpoints(failpoints)
-        self.table = SlotTable(self.arena, session, rank, fps)
+        self.arena = Arena(f"{s.session}-r{s.rank}", slots=s.slots)
+        self._resources.callback(self.arena.close)
+        fps = Failpoints(s.failpoints)
+        self.table = SlotTable(self.arena, s.session, s.rank, fps)
+        self._resources.callback(self.table.close)
         self._servicer = TrainerAgentServicer(self.table, self.metrics, fps, lambda: self.generation)
-        self.server: RunningServer = start_server(
-            [Service(add_trainer_agent_service, self._servicer, SERVICE_NAME)],
-            host=host,
-            port=port,
-            metrics=self.metrics,
-            metrics_port=metrics_port,
-            security=security,
-        )
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None
         if native.available():  # the native bulk path ("tcp"): sendfile from the arena
             self.tcp_server = TcpChunkServer(
-                self.table, host=host, port=tcp_port, on_sent=self._servicer.count_served, failpoints=fps
+                self.table, host=s.host, port=s.tcp_port, on_sent=self._servicer.count_served, failpoints=fps
             )
+            self._resources.callback(self.tcp_server.close)
             transports += ("tcp",)
         else:
             log.warning("native shim missing (%s): the tcp transport is not offered", native.missing_reason())
-        self.endpoint = Endpoint(
-            advertised(self.server.address, advertise_host),
-            transports,
-            host_id or socket.gethostname(),
-            tcp_address=advertised(self.tcp_server.address, advertise_host) if self.tcp_server else "",
+        self.server: RunningServer = start_server(
+            [Service(add_trainer_agent_service, self._servicer, SERVICE_NAME)],
+            host=s.host,
+            port=s.port,
+            metrics=self.metrics,
+            metrics_port=s.metrics_port,
+            security=security,
         )
-        self._closed = False
+        self._resources.callback(self._stop_serving)
+        self.endpoint = Endpoint(
+            advertised(self.server.address, s.advertise_host),
+            transports,
+            s.host_id or socket.gethostname(),
+            tcp_address=advertised(self.tcp_server.address, s.advertise_host) if self.tcp_server else "",
+        )
         self._heartbeat = Heartbeat(
             self._client,
-            session,
+            s.session,
             self.agent_id,
             current_version=self._latest_version,
             register=self._register,
             on_generation=self._notice_generation,
         ).start()
+        self._resources.callback(self._heartbeat.stop)
         log.info(
-            "publisher rank=%d session=%s generation=%d serving %s", rank, session, self.generation, self.server.address
+            "publisher rank=%d session=%s generation=%d serving %s",
+            s.rank,
+            s.session,
+            self.generation,
+            self.server.address,
         )
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
-        """Stops serving, heartbeats and frees the arena; idempotent."""
-        if self._closed:
-            return
+        """Stops heartbeats and serving, deregisters, frees the arena; idempotent."""
         self._closed = True
-        self._heartbeat.stop()
+        self._resources.close()
+
+    def _stop_serving(self) -> None:
         self.server.enter_graceful_shutdown()  # health first: nobody new is sent here
         if not self.fenced:
             try:
@@ -289,14 +193,9 @@ class WeightPublisher:
             except WeightsyncError as e:
                 log.info("deregistering %s: %s (its lease ends by itself)", self.agent_id, e)
         self.server.stop(grace_s=1.0)
-        if self.tcp_server is not None:
-            self.tcp_server.close()
-        self.table.close()
-        self.arena.close()
-        self._client.close()
 
     def __enter__(self) -> WeightPublisher:
-        return self
+        return self.start()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
@@ -359,7 +258,7 @@ class WeightPublisher:
         started = time.perf_counter()
         path = choose_staging_path(
             list(params.values()),
-            self.use_ffi,
+            self.settings.use_ffi,
             ffi_built=native.ffi_available(),
             ffi_missing=native.ffi_missing_reason(),
         )
@@ -367,11 +266,11 @@ class WeightPublisher:
             from trainer_agent.ffi_staging import staged_meta
 
             shards = [
-                HostShard(n, staged_meta(v, self.weight_dtype), tuple(v.shape), (0,) * v.ndim)
+                HostShard(n, staged_meta(v, self.settings.weight_dtype), tuple(v.shape), (0,) * v.ndim)
                 for n, v in params.items()
             ]
         else:
-            shards = [s for name, value in params.items() for s in _to_host_shards(name, value, self.weight_dtype)]
+            shards = [s for name, value in params.items() for s in host_shards(name, value, self.settings.weight_dtype)]
         layout = plan_layout(shards)
         claim_started = time.perf_counter()
         slot = self._claim_slot(version)  # may wait for leases: not staging time
@@ -385,13 +284,18 @@ class WeightPublisher:
                 slot * self.arena.slot_bytes,
                 list(params.values()),
                 layout,
-                self.chunk_bytes,
-                self.weight_dtype,
+                self.settings.chunk_bytes,
+                self.settings.weight_dtype,
             )
         else:
             path = "native" if native.available() else "python"
             shard_specs, chunks = stage_shards(
-                self.arena.slot(slot), shards, layout, self.chunk_bytes, engine=path, threads=self.staging_threads
+                self.arena.slot(slot),
+                shards,
+                layout,
+                self.settings.chunk_bytes,
+                engine=path,
+                threads=self.settings.staging_threads,
             )
         stage_s = time.perf_counter() - started
         return self._seal(version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path)
@@ -420,9 +324,9 @@ class WeightPublisher:
                 self.table.set(other, None)
         started = time.perf_counter()
         buf = self.arena.slot(slot)
-        shards = (hs for name, value in items for hs in _to_host_shards(name, value, self.weight_dtype))
-        staged = stage_stream(buf, shards, self.chunk_bytes)
-        chunks = chunk_specs(buf, staged.total_bytes, self.chunk_bytes, staged.spans, staged.known)
+        shards = (hs for name, value in items for hs in host_shards(name, value, self.settings.weight_dtype))
+        staged = stage_stream(buf, shards, self.settings.chunk_bytes)
+        chunks = chunk_specs(buf, staged.total_bytes, self.settings.chunk_bytes, staged.spans, staged.known)
         stage_s = time.perf_counter() - started
         path = "stream-native" if native.available() else "stream-python"
         return self._seal(
@@ -462,7 +366,7 @@ class WeightPublisher:
         part = Part(
             rank=self.rank,
             total_bytes=total_bytes,
-            chunk_bytes=self.chunk_bytes,
+            chunk_bytes=self.settings.chunk_bytes,
             tensors=tensors,
             shards=tuple(shard_specs),
             chunks=tuple(chunks),
@@ -498,7 +402,7 @@ class WeightPublisher:
         if self._ffi is None:
             from trainer_agent.ffi_staging import FfiStager  # imports jax; host-only users skip it
 
-            self._ffi = FfiStager(self.staging_threads)
+            self._ffi = FfiStager(self.settings.staging_threads)
         return self._ffi
 
     def _claim_slot(self, version: int) -> int:
@@ -509,6 +413,10 @@ class WeightPublisher:
         released at the coordinator first, which is refused while a rollout holds a lease
         on it; we wait (bounded) rather than tear its bytes.
         """
+        if not self._started or self._closed:
+            raise FailedPrecondition(
+                "this publisher is closed" if self._closed else "start() it (or enter `with`) before publishing"
+            )
         if self.fenced:  # refused before any byte of the arena is touched
             raise StaleGeneration(
                 f"this publisher (generation {self.generation}) was fenced by generation {self.fenced_by}; "
@@ -522,7 +430,7 @@ class WeightPublisher:
         if not candidates:
             raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
         slot, entry = min(candidates.items(), key=lambda kv: kv[1].version)
-        deadline = time.monotonic() + self.slot_wait_s
+        deadline = time.monotonic() + self.settings.slot_wait_s
         with self._refused_as_stale_means_fenced():
             while True:
                 try:

@@ -30,6 +30,7 @@ from rollout_agent.relay import Relay  # noqa: E402
 from rollout_agent.sync import sync_version  # noqa: E402
 from tests.integration.support import state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.manifest import Endpoint  # noqa: E402
 
@@ -57,7 +58,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def publisher(coordinator: str) -> Iterator[WeightPublisher]:
-    with WeightPublisher(coordinator, "job", min_rollouts=1, chunk_bytes=64 << 10) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=coordinator, session="job", min_rollouts=1, chunk_bytes=64 << 10)
+    ) as pub:
         yield pub
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 
 
 def main(model_dir: str, coordinator: str) -> None:
@@ -33,7 +34,7 @@ def main(model_dir: str, coordinator: str) -> None:
     )
     base = load_file(f"{model_dir}/model.safetensors")
     rng = np.random.default_rng(5)
-    with WeightPublisher(coordinator, "mp", min_rollouts=1) as pub:
+    with WeightPublisher(PublisherSettings(coordinator=coordinator, session="mp", min_rollouts=1)) as pub:
         pub.publish({k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}, 1)
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": "latest"}})

@@ -11,6 +11,7 @@ from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay
 from rollout_agent.sync import SyncResult, sync_version
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
@@ -43,7 +44,11 @@ def test_a_chain_of_relays_takes_each_byte_from_the_trainer_once(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, weight_sync_mode="relay") as pub:
+    with WeightPublisher(
+        PublisherSettings(
+            coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, weight_sync_mode="relay"
+        )
+    ) as pub:
         relays = [Relay("job", wait_s=5.0) for _ in range(4)]
         pullers = []
         for i, relay in enumerate(relays):

@@ -25,6 +25,7 @@ from rollout_agent.sync import sync_version
 from tests.conftest import coordinator_in_process
 from tests.integration.support import state_name
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
@@ -83,13 +84,6 @@ def pki(tmp_path: Path) -> dict[str, str]:
 
 def _client_side(pki: dict[str, str], role: str | None) -> Security:
     return Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS[role] if role else "")
-
-
-def _agent_side(pki: dict[str, str], role: str) -> Security:
-    """A sidecar: serves mTLS with tokens and dials with its identity and role token."""
-    return Security(
-        pki["crt"], pki["key"], pki["ca"], require_client_cert=True, token=TOKENS[role], tokens_file=pki["tokens"]
-    )
 
 
 @pytest.fixture
@@ -187,7 +181,17 @@ def test_a_version_syncs_over_mtls_with_role_tokens(
         for i in range(3)
     }
     with WeightPublisher(
-        secure_coordinator.address, "job", chunk_bytes=8192, security=_agent_side(pki, "trainer")
+        PublisherSettings(
+            coordinator=secure_coordinator.address,
+            session="job",
+            chunk_bytes=8192,
+            tls_cert_file=pki["crt"],
+            tls_key_file=pki["key"],
+            tls_ca_file=pki["ca"],
+            tls_require_client_cert=True,
+            auth_token=TOKENS["trainer"],
+            auth_tokens_file=pki["tokens"],
+        )
     ) as pub:
         client = CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "rollout"))
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())

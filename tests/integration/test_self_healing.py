@@ -20,6 +20,7 @@ import pytest
 from devtools.cluster import Cluster
 from tests.integration.support import eventually, metric_value, rollout_status, scrape, state_name
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from weightsync.arena_files import owner_alive
 from weightsync.client import CoordinatorClient
 from weightsync.errors import StaleGeneration
@@ -86,7 +87,9 @@ def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
         generation = client.status("job").generation
         rng = np.random.default_rng(0)
         params = {"model.norm.weight": rng.standard_normal(64).astype(np.float32)}
-        with WeightPublisher(coord.address, "job", incarnation="b", next_version=3, slots=1) as fenced:
+        with WeightPublisher(
+            PublisherSettings(coordinator=coord.address, session="job", incarnation="b", slots=1)
+        ).start(next_version=3) as fenced:
             fenced.publish(params, 3)
             assert client.wait_for_version("job", 3, timeout_s=60)
             # a third incarnation takes the session; `fenced` may not release or publish anything
@@ -191,7 +194,9 @@ def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coord
     client.open_session("job", trainer=False)
     ok = failed = 0
     rounds = 60
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=65536) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=65536)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", mode="shm", max_attempts=1)
         pub.publish(params, 1)  # lays the arena out; every version keeps this layout

@@ -14,6 +14,7 @@ from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights
 from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import ResourceExhausted
 from weightsync.server import RunningServer
@@ -35,7 +36,9 @@ def test_streamed_maxtext_conversion_syncs_bit_exactly(
     capacity = sum(a.nbytes + 256 for a in expected.values())
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=16384) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         tree = with_style(to_maxtext(hf, "llama3", layers=L, heads=N, kv_heads=K, head_dim=H, vocab_pad=8), "linen")
         stream = convert_maxtext(tree, "llama3", dims, ConvertOptions(weight_dtype="bfloat16"))
@@ -67,7 +70,9 @@ def test_streaming_apply_mode_bounds_memory_and_is_not_atomic(
     params["model.norm.weight"] = rng.standard_normal(256).astype(np.float32)
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         applier = DictApplier()
         puller = WeightPuller(client, "job", "r0", window_chunks=2)
@@ -101,7 +106,9 @@ def test_shm_transport_on_the_same_host_and_tcp_fallback(
     }
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", mode="shm", host_id=host_id)
         for version in (1, 2, 3):  # slots alternate: the mapping is reused, the offset follows
@@ -143,7 +150,9 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
     }
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, fs_root=root) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, fs_root=root)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=root)
         pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
@@ -166,7 +175,9 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
 def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
     params = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", weight_sync_mode="shm") as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", weight_sync_mode="shm")
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0")  # no mode of its own
         pub.publish(params, 1)

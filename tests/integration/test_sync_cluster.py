@@ -172,6 +172,7 @@ def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: 
 
 def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: Cluster) -> None:
     from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.settings import PublisherSettings
 
     coord = cluster.start_coordinator()
     port = coord.address.rsplit(":", 1)[1]
@@ -181,7 +182,9 @@ def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: C
         "model.embed_tokens.weight": rng.standard_normal((256, 64)).astype(np.float32),
         "model.norm.weight": rng.standard_normal(64).astype(np.float32),
     }
-    with WeightPublisher(coord.address, "job", min_rollouts=1, incarnation="run-1") as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=coord.address, session="job", min_rollouts=1, incarnation="run-1")
+    ) as pub:
         pub.publish(params, 1)
         assert pub.wait_committed(1, 60) == "COMMITTED"
         generation = pub.generation

@@ -12,8 +12,9 @@ from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
-from weightsync.errors import InvalidArgument, NotFound, PermissionDenied
+from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 from weightsync.transports import FetchRequest
@@ -32,7 +33,11 @@ def test_versions_sync_bit_exactly_and_egress_is_counted(
     inprocess_coordinator: RunningServer, no_arena_leak: None, mode: str
 ) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, weight_sync_mode=mode) as pub:
+    with WeightPublisher(
+        PublisherSettings(
+            coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, weight_sync_mode=mode
+        )
+    ) as pub:
         assert "tcp" in pub.endpoint.transports and pub.endpoint.tcp_address
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         puller = WeightPuller(client, "job", "r0", window_chunks=3)
@@ -60,7 +65,9 @@ def test_tcp_refetches_a_corrupt_chunk_then_reports_data_loss(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         result = pub.publish(_params(2), 1)
         entry = pub.table.entries()[result.slot]
@@ -83,7 +90,9 @@ def test_tcp_server_refuses_bad_requests_and_keeps_serving(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         pub.publish(_params(3), 1)
         header, manifest = client.get_manifest("job", 1, agent_id="r0")
@@ -127,7 +136,11 @@ def test_tcp_server_refuses_bad_requests_and_keeps_serving(
 
 def test_advertised_host_is_what_rollouts_dial(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192, advertise_host="localhost") as pub:
+    with WeightPublisher(
+        PublisherSettings(
+            coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, advertise_host="localhost"
+        )
+    ) as pub:
         assert pub.endpoint.address.startswith("localhost:") and pub.endpoint.tcp_address.startswith("localhost:")
         assert pub.endpoint.tcp_address.rpartition(":")[2] == pub.tcp_server.address.rpartition(":")[2]
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -149,7 +162,9 @@ def test_weights_holding_nan_and_inf_publish_and_verify(
     weird = np.array([np.nan, np.inf, -np.inf, 1.0, -0.0, 5e-324] * 100, np.float32)
     params = {"model.norm.weight": weird, "model.layers.0.mlp.up_proj.weight": np.full((8, 8), np.inf, np.float32)}
     client = CoordinatorClient(inprocess_coordinator.address)
-    with WeightPublisher(inprocess_coordinator.address, "job", chunk_bytes=8192) as pub:
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+    ) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         pub.publish(params, 1)
         puller = WeightPuller(client, "job", "r0", mode="tcp")
@@ -160,3 +175,22 @@ def test_weights_holding_nan_and_inf_publish_and_verify(
         assert pub.wait_committed(1, 30) == "COMMITTED"
         puller.close()
     client.close()
+
+
+@pytest.mark.parametrize("taken", ["port", "tcp_port"])
+def test_a_publisher_that_cannot_start_releases_what_it_opened(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, taken: str
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        settings = PublisherSettings(
+            coordinator=inprocess_coordinator.address, session="job", **{taken: busy.getsockname()[1]}
+        )
+        pub = WeightPublisher(settings)
+        with pytest.raises(Exception, match=str(busy.getsockname()[1])):
+            pub.start()  # the arena was mapped and the session attached before the bind failed
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pub.publish(_params(0), 1)
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        assert [a.agent_id for a in client.status("job").agents] == []  # registered nothing

@@ -181,3 +181,61 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         InitInfo()
     with pytest.raises(InvalidArgument, match="init_info.session"):
         InitInfo(coordinator="c:1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(session="Bad Name"), "session"),
+        (dict(coordinator=""), "coordinator"),
+        (dict(rank=2, world_size=2), "rank"),
+        (dict(world_size=0), "world_size"),
+        (dict(weight_dtype="float8"), "weight_dtype"),
+        (dict(weight_sync_mode="fs"), "fs_root"),
+        (dict(weight_sync_mode="udp"), "weight_sync_mode"),
+        (dict(slots=0), "slots"),
+        (dict(chunk_bytes=0), "chunk_bytes"),
+        (dict(min_rollouts=-1), "min_rollouts"),
+        (dict(timeout_s=0.0), "timeout_s"),
+        (dict(tcp_port=70000), "tcp_port"),
+        (dict(agent_id="Trainer 0"), "agent_id"),
+    ],
+)
+def test_publisher_settings_name_the_bad_field_for_library_and_entry_point(kwargs: dict, field: str) -> None:
+    from trainer_agent.config import TrainerConfig
+    from trainer_agent.settings import PublisherSettings
+
+    with pytest.raises(InvalidArgument) as e:
+        PublisherSettings(**kwargs)
+    assert e.value.field == field
+    # the entry point runs the same check (one owner): a usage error, not a traceback
+    argv = [arg for k, v in kwargs.items() for arg in ("--" + k.replace("_", "-"), str(v))]
+    with pytest.raises(SystemExit):
+        load_config(TrainerConfig, "trainer", argv, {})
+
+
+def test_trainer_config_is_the_publisher_settings_with_entry_point_defaults() -> None:
+    from trainer_agent.config import TrainerConfig
+    from trainer_agent.settings import PublisherSettings
+
+    cfg = load_config(TrainerConfig, "trainer", ["--use-ffi", "false", "--slot-wait-s", "5"], {})
+    assert isinstance(cfg, PublisherSettings) and cfg.use_ffi is False and cfg.slot_wait_s == 5.0
+    assert (cfg.weight_dtype, cfg.weight_sync_mode, cfg.metrics_port) == ("bfloat16", "tcp", 0)
+    library = PublisherSettings()
+    assert (library.weight_dtype, library.weight_sync_mode, library.metrics_port, library.use_ffi) == ("", "", -1, None)
+    assert load_config(TrainerConfig, "trainer", [], {}).use_ffi is None  # not given: the best path
+
+
+def test_a_publisher_does_no_io_until_started_and_refuses_to_publish_before() -> None:
+    import numpy as np
+
+    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.settings import PublisherSettings
+    from weightsync.errors import FailedPrecondition
+
+    pub = WeightPublisher(PublisherSettings(coordinator="127.0.0.1:1", session="job"))  # nothing listens there
+    with pytest.raises(FailedPrecondition, match="start"):
+        pub.publish({"w": np.zeros(4, np.float32)}, 1)
+    pub.close()  # closing what never started is fine
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pub.publish({"w": np.zeros(4, np.float32)}, 1)

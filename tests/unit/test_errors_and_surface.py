@@ -89,7 +89,8 @@ def test_the_documented_entry_points_are_exported() -> None:
     import trainer_agent
     from trainer_agent.publisher import WeightPublisher
 
-    assert trainer_agent.WeightPublisher is WeightPublisher  # README: from trainer_agent.publisher import ...
+    assert trainer_agent.WeightPublisher is WeightPublisher  # README: from trainer_agent import ...
+    assert trainer_agent.PublisherSettings.__module__ == "trainer_agent.settings"
     assert {"convert_maxtext", "ConvertOptions", "ModelDims"} <= set(trainer_agent.__all__)
     assert {"RolloutAgent", "WeightsyncWorkerExtension", "WeightsyncEngine"} <= set(rollout_agent.__all__)
 

@@ -13,7 +13,9 @@ import pytest
 
 from trainer_agent.arena import Arena
 from trainer_agent.ffi_staging import FfiStager, staged_meta
-from trainer_agent.publisher import WeightPublisher, _to_host_shards, choose_staging_path
+from trainer_agent.params import choose_staging_path, host_shards
+from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import HostShard, plan_layout, stage_shards
 from weightsync import native
 
@@ -22,8 +24,8 @@ def test_ffi_handler_is_built() -> None:
     assert native.ffi_available(), native.ffi_missing_reason()
 
 
-@pytest.mark.parametrize("weight_dtype", [None, "bfloat16", "float16"])
-def test_ffi_and_host_paths_give_identical_arenas_and_digests(weight_dtype: str | None) -> None:
+@pytest.mark.parametrize("weight_dtype", ["", "bfloat16", "float16"])
+def test_ffi_and_host_paths_give_identical_arenas_and_digests(weight_dtype: str) -> None:
     key = jax.random.PRNGKey(0)
     params = {
         "model.embed_tokens.weight": jax.random.normal(key, (513, 64)),
@@ -37,7 +39,7 @@ def test_ffi_and_host_paths_give_identical_arenas_and_digests(weight_dtype: str 
     arena = np.full(2 * (1 << 20), 0xCD, np.uint8)
     stager = FfiStager(threads=2)
     specs_f, chunks_f = stager.stage(arena, 1 << 20, list(params.values()), layout, chunk, weight_dtype)
-    host = [s for n, v in params.items() for s in _to_host_shards(n, v, weight_dtype)]
+    host = [s for n, v in params.items() for s in host_shards(n, v, weight_dtype)]
     slot = np.zeros(1 << 20, np.uint8)
     specs_h, chunks_h = stage_shards(slot, host, plan_layout(host), chunk, engine="python")
     assert np.array_equal(arena[1 << 20 : (1 << 20) + layout.total_bytes], slot[: layout.total_bytes])
@@ -80,7 +82,7 @@ def test_publisher_use_ffi_true_without_handler_fails_before_connecting(monkeypa
         native, "ffi_missing_reason", lambda: "built without the JAX FFI handler; build it with `make native`"
     )
     with pytest.raises(RuntimeError, match="use_ffi=True .*`make native`"):
-        WeightPublisher("127.0.0.1:1", "job", use_ffi=True)
+        WeightPublisher(PublisherSettings(coordinator="127.0.0.1:1", session="job", use_ffi=True))
 
 
 def test_arena_is_persistent_and_reallocates_only_when_it_must(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.database import READERS, NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
@@ -503,3 +505,23 @@ def test_a_cold_manifest_is_never_built_on_the_event_loop(store: SessionStore) -
     store.manifest("job", 1)  # built (on a thread, in the servicer)
     with store.nonblocking():
         assert store.manifest("job", 1, lease_for="r0")[0].leases == 1
+
+
+@given(st.integers(1, 5), st.lists(st.tuples(st.sampled_from(["put", "discard"]), st.integers(0, 7)), max_size=40))
+def test_recent_keeps_the_last_puts_like_a_bounded_fifo(size: int, ops: list[tuple[str, int]]) -> None:
+    from coordinator.recent import Recent
+
+    recent: Recent[int, str] = Recent(size)
+    model: list[int] = []  # keys, oldest first
+    for op, key in ops:
+        if key in model:
+            model.remove(key)
+        if op == "put":
+            recent.put(key, f"v{key}")
+            model.append(key)
+            del model[:-size]
+        else:
+            recent.discard(key)
+    assert len(recent) == len(model)
+    assert all(recent.get(k) == f"v{k}" for k in model)
+    assert all(k not in recent for k in range(8) if k not in model)

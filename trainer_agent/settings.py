@@ -1,0 +1,97 @@
+"""PublisherSettings: what a `WeightPublisher` is, for the library and the trainer entry point.
+
+One source: a trainer builds `PublisherSettings(...)` in code; `TrainerConfig` (flags and
+WEIGHTSYNC_TRAINER_* variables) extends it, so a default or a check lives here once.
+Building settings does no I/O beyond reading the TLS and token files it names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.config import ServerConfig, option
+from weightsync.dtypes import dtype_info
+from weightsync.errors import InvalidArgument
+from weightsync.layout import DEFAULT_CHUNK_BYTES
+from weightsync.modes import normalize_mode
+from weightsync.validation import check_agent_id, check_session_name
+
+
+@dataclass
+class PublisherSettings(ServerConfig):
+    """One trainer rank's publisher: its session, arena, staging and chunk servers.
+
+    The inherited server fields (host, port, metrics_port, TLS, tokens) describe this
+    rank's gRPC chunk server; `metrics_port` defaults to -1 here (no /metrics server: a
+    trainer library exports into its own registry), the entry point serves one.
+    """
+
+    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
+    session: str = option("demo", "Session name.")
+    rank: int = option(0, "This trainer rank.")
+    world_size: int = option(
+        1, "Number of publishing trainer ranks; each owns rows [r*n/W, (r+1)*n/W) of every tensor."
+    )
+    incarnation: str = option(
+        "", "Shared by all ranks of one run (a new one fences the old); empty = a fresh one (single rank)."
+    )
+    agent_id: str = option("", "This rank's agent id; default trainer-<rank>-<random>.")
+    host_id: str = option("", "Machine identity for same-host transports (shm); default the hostname.")
+    metrics_port: int = option(-1, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
+    slots: int = option(2, "Arena slots; a slot is reused only after its version's leases end.")
+    chunk_bytes: int = option(
+        DEFAULT_CHUNK_BYTES, "Chunk size in bytes (3 MiB: measured best for grpc and tcp, below gRPC's 4 MiB limit)."
+    )
+    weight_dtype: str = option("", "Cast every tensor to this dtype while staging (e.g. bfloat16); empty keeps each.")
+    min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
+    tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
+    weight_sync_mode: str = option(
+        "",
+        "The session's default mode for rollouts without their own: grpc | tcp | shm | fs "
+        "(aliases filesystem, gcs; needs --fs-root) | relay; empty keeps the session's.",
+    )
+    fs_root: str = option(
+        "",
+        "Also write every part under this fsspec root for the fs mode (e.g. /mnt/ckpt, gs://b/ws); old versions "
+        "are removed when their slot is reused.",
+    )
+    use_ffi: bool | None = option(
+        None,
+        "Stage JAX arrays through the FFI handler: unset = when built, true = required (fails naming what is "
+        "missing), false = through host pointers.",
+    )
+    staging_threads: int = option(0, "Threads of the native staging pass; 0 = every core.")
+    timeout_s: float = option(30.0, "Deadline of each call to the coordinator.")
+    slot_wait_s: float = option(60.0, "How long a publish waits for rollouts' leases to free the oldest slot.")
+    failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check()
+
+    def check(self) -> None:
+        """InvalidArgument naming the first bad field; normalizes the mode's aliases."""
+        if not self.coordinator:
+            raise InvalidArgument("must name the coordinator (host:port)", field="coordinator")
+        check_session_name(self.session, "session")
+        if self.agent_id:
+            check_agent_id(self.agent_id, "agent_id")
+        if self.weight_dtype:
+            dtype_info(self.weight_dtype, "weight_dtype")
+        self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
+        if self.weight_sync_mode == "fs" and not self.fs_root:
+            raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
+        if self.world_size < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.world_size}", field="world_size")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
+        for name in ("slots", "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"must be >= 1, got {getattr(self, name)}", field=name)
+        for name in ("min_rollouts", "staging_threads", "slot_wait_s"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"must be >= 0, got {getattr(self, name)}", field=name)
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"must be > 0, got {self.timeout_s}", field="timeout_s")
+        if not 0 <= self.tcp_port < 65536:
+            raise InvalidArgument(f"must be in [0, 65535], got {self.tcp_port}", field="tcp_port")
