@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage clean
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage clean check-deploy deploy-rules
 
 setup: $(STAMP)
 
@@ -59,6 +59,26 @@ protos: setup
 # Fails when the committed stubs differ from what `make protos` would write.
 check-protos: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_wire_and_codec.py::test_generated_stubs_are_fresh
+
+# deploy/: every kustomize root renders, validates against the Kubernetes schemas and passes
+# checkov; the alerting rules pass promtool's check and unit tests; the metrics they and the
+# dashboard query are exported by live servers (tests/deploy). Tools: checkov and
+# kubernetes-validate in their own venv, promtool from Debian's prometheus package, kubectl.
+DEPLOY_VENV := .venv-deploy
+$(DEPLOY_VENV)/.installed:
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install --quiet 'checkov==3.3.30' 'kubernetes-validate==1.37.0'
+	touch $@
+
+check-deploy: setup $(DEPLOY_VENV)/.installed
+	@command -v promtool >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
+	$(PY) -m devtools.check_deploy --tools $(DEPLOY_VENV)/bin
+	$(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_monitoring.py
+
+# The PrometheusRule of the prometheus-operator component, from the rules file.
+deploy-rules: setup
+	$(PY) -m devtools.prometheus_rule
 
 lint: setup
 	$(VENV)/bin/ruff check .

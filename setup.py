@@ -2,7 +2,8 @@
 
 The JAX FFI handler is compiled when jax's FFI headers are importable at build time
 (`make setup` installs with --no-build-isolation into a venv that has jax); otherwise
-only the C ABI is built and the FFI path reports itself unavailable.
+only the C ABI is built and the FFI path reports itself unavailable, unless
+WEIGHTSYNC_REQUIRE_FFI=1 (the trainer image's build), which makes that an error.
 """
 
 from __future__ import annotations
@@ -52,10 +53,16 @@ class CMakeBuild(build_ext):
         # Named as setuptools expects an extension module; weightsync.native loads it by glob.
         target = Path(self.get_ext_fullpath(ext.name))
         target.parent.mkdir(parents=True, exist_ok=True)
+        ffi_include = _jax_ffi_include()
+        if not ffi_include and os.environ.get("WEIGHTSYNC_REQUIRE_FFI") == "1":
+            raise RuntimeError(
+                "WEIGHTSYNC_REQUIRE_FFI=1 but jax's FFI headers are not importable by this build "
+                f"({sys.executable} -c 'import jax.ffi'): install jax[cpu] first and build without isolation"
+            )
         with tempfile.TemporaryDirectory(prefix="weightsync-native-") as build:
             args = [
                 f"-DXXHASH_INCLUDE_DIR={_xxhash_include()}",
-                f"-DJAX_FFI_INCLUDE_DIR={_jax_ffi_include()}",
+                f"-DJAX_FFI_INCLUDE_DIR={ffi_include}",
                 "-DCMAKE_BUILD_TYPE=Release",
             ]
             subprocess.run(["cmake", "-S", str(ROOT / "native"), "-B", build, *args], check=True)

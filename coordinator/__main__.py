@@ -14,15 +14,16 @@ from coordinator.watch import WatchHub
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync.config import load_config
 from weightsync.errors import WeightsyncError
+from weightsync.logs import setup_logging
 from weightsync.metrics import build_metrics
-from weightsync.server import Service, setup_logging, start_server, wait_for_signal, write_ready_file
+from weightsync.server import Service, start_server, wait_for_signal, write_ready_file
 
 log = logging.getLogger("coordinator")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(CoordinatorConfig, "coordinator", argv, os.environ, prog="weightsync-coordinator")
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     hub = WatchHub()
     try:
         store = SessionStore(
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
     while not stop.wait(cfg.lease_ttl_s / 2):
-        store.sweep()
+        servicer.sweep()
         if store.prune():
             log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
         metrics.database_bytes.set(store.database_bytes())

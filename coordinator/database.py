@@ -86,6 +86,18 @@ class Database:
         # how an event loop waiting to run a short write on itself learns it may try again.
         self.on_writer_free: Callable[[], None] | None = None
         self._lock_fd = -1
+        try:
+            self._open(db_path)
+        except (OSError, sqlite3.Error) as e:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+            raise FailedPrecondition(
+                f"cannot open the database {db_path}: {e} (its directory must exist or be creatable and be "
+                f"writable by uid {os.getuid()}; on Kubernetes, the pod's fsGroup)",
+                field="db_path",
+            ) from e
+
+    def _open(self, db_path: str | Path) -> None:
         if str(db_path) != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _lock_database(Path(db_path))

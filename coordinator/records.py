@@ -10,6 +10,17 @@ from weightsync.manifest import Endpoint
 
 
 @dataclass(frozen=True)
+class FleetGauges:
+    """One session's fleet as metrics see it at a scrape."""
+
+    session: str
+    agents: dict[tuple[str, bool], int]  # (role, alive) -> count
+    leases: int
+    published: int  # newest version past STAGING (0: none)
+    committed: int  # newest COMMITTED version (0: none)
+
+
+@dataclass(frozen=True)
 class SessionRecord:
     name: str
     generation: int

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator.database import NotOnLoop, StoreBusy
+from coordinator.fleet_metrics import FleetCollector
 from coordinator.handshake import AppliedReport
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, VersionRecord
@@ -32,7 +33,14 @@ from weightsync.rpc import check_int64_range
 from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
-from weightsync.wire import PartBuilder, endpoint_from_proto, endpoint_to_proto, manifest_batches, part_to_proto
+from weightsync.wire import (
+    PartBuilder,
+    endpoint_from_proto,
+    endpoint_to_proto,
+    manifest_batches,
+    part_to_proto,
+    timestamp,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,9 +62,9 @@ def version_info(rec: VersionRecord) -> tpb.VersionInfo:
         total_bytes=rec.total_bytes,
         sealed_ranks=rec.sealed_ranks,
         trainer_ranks=rec.trainer_ranks,
-        created_at=rec.created_at,
-        ready_at=rec.ready_at,
-        committed_at=rec.committed_at,
+        created_at=timestamp(rec.created_at),
+        ready_at=timestamp(rec.ready_at),
+        committed_at=timestamp(rec.committed_at),
         reason=rec.reason,
         leases=rec.leases,
         stage_seconds=rec.stage_seconds,
@@ -125,6 +133,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._store_waiters = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         store.on_writer_free = self._writer_free
+        store.on_transition = self._count_transition
+        metrics.registry.register(FleetCollector(store))
+
+    def sweep(self) -> None:
+        """Drops the leases of rollouts that stopped heartbeating (counted per session)."""
+        for session, dropped in self._store.sweep().items():
+            self._metrics.leases_dropped.labels(session=session).inc(dropped)
+
+    def _count_transition(self, rec: VersionRecord) -> None:
+        self._metrics.versions_total.labels(session=rec.session, state=rec.state.value).inc()
+        if rec.state in (VersionState.COMMITTED, VersionState.PARTIAL) and rec.ready_at:
+            self._metrics.ready_to_commit_seconds.labels(session=rec.session).observe(
+                max(0.0, (rec.committed_at or time.time()) - rec.ready_at)
+            )
 
     def close(self) -> None:
         """Stops the servicer's own executors (after the server stopped)."""
@@ -230,7 +252,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             None, self._store.heartbeat, request.session, request.agent_id, request.current_version
         )
         if self._sweep_due():
-            await asyncio.to_thread(self._store.sweep)
+            await asyncio.to_thread(self.sweep)
         return pb.HeartbeatResponse(generation=generation, lease_ttl_seconds=self._store.lease_ttl_s)
 
     def PublishVersion(
@@ -301,9 +323,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         outcome: PublishOutcome = self._store.publish_part(
             h.session, generation=h.generation, version=h.version, idempotency_key=h.idempotency_key, part=part
         )
-        if not outcome.duplicate:
-            self._metrics.versions_total.labels(state=outcome.version.state.value).inc()
-            self._metrics.current_version.labels(role="coordinator").set(outcome.version.version)
         self._metrics.observe_phase("publish", time.perf_counter() - started)
         return pb.PublishResponse(version=version_info(outcome.version), duplicate=outcome.duplicate)
 
@@ -402,13 +421,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             local_error=request.local_error[:2000],
         )
         outcome = self._store.report_applied(request.session, request.version, request.agent_id, report)
-        if outcome.version.state is VersionState.COMMITTED:
-            self._metrics.current_version.labels(role="coordinator").set(outcome.version.version)
+        if report.local_error:
+            # Recorded as a failed handshake, but no digest differed: the rollout failed on its
+            # side and knows it. Answered, not DATA_LOSS, so nobody diagnoses a corruption.
+            self._metrics.handshakes.labels(session=request.session, outcome="local_error").inc()
+            return pb.ReportAppliedResponse(
+                ok=False, version=version_info(outcome.version), mismatch=outcome.mismatch or ""
+            )
         if outcome.mismatch is not None:
-            self._metrics.digest_failures.labels(role="coordinator").inc()
+            self._metrics.handshakes.labels(session=request.session, outcome="mismatch").inc()
+            self._metrics.digest_failures.labels(role="coordinator", session=request.session).inc()
             raise DigestMismatch(
                 f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}"
             )
+        self._metrics.handshakes.labels(session=request.session, outcome="ok").inc()
         return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -439,7 +465,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     endpoint=_endpoint_proto(a.endpoint),
                     rank=a.rank,
                     alive=a.alive,
-                    lease_expires_at=a.lease_expires_at,
+                    lease_expires_at=timestamp(a.lease_expires_at),
                     current_version=a.current_version,
                     generation=a.generation,
                 )
@@ -453,7 +479,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     mismatch=r.mismatch,
                     timings=timings_to_proto(r.timings),
                     bytes_pulled=r.bytes_pulled,
-                    reported_at=r.reported_at,
+                    reported_at=timestamp(r.reported_at),
                 )
                 for r in reports
             ],
@@ -465,7 +491,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         rec = self._store.abort_version(
             request.session, generation=request.generation, version=request.version, reason=request.reason
         )
-        self._metrics.versions_total.labels(state=rec.state.value).inc()
         return version_info(rec)
 
     def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
@@ -476,5 +501,4 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         rec = self._store.release_version(
             request.session, request.version, generation=request.generation, force=request.force
         )
-        self._metrics.versions_total.labels(state=rec.state.value).inc()
         return version_info(rec)

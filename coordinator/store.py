@@ -7,6 +7,7 @@ manifest cache's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import secrets
@@ -23,6 +24,7 @@ from coordinator.records import (
     AgentRecord,
     Event,
     EventListener,
+    FleetGauges,
     ReportRecord,
     SessionRecord,
     VersionRecord,
@@ -82,6 +84,7 @@ class SessionStore(VersionLifecycle):
         self.limits = limits
         self._clock = clock
         self._listener = listener
+        self.on_transition: Callable[[VersionRecord], None] | None = None  # each version entering a state
         self.db = Database(db_path)
         self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
@@ -354,6 +357,34 @@ class SessionStore(VersionLifecycle):
     def database_bytes(self) -> int:
         with self._writer() as db:
             return retention.database_bytes(db)
+
+    def fleet_gauges(self) -> list[FleetGauges]:
+        """Agents alive and expired by role, leases held and the newest published and
+        committed versions, per session: three grouped reads (a scrape's cost)."""
+        with self._read() as db:
+            now = self._clock()
+            sessions = {r[0]: FleetGauges(r[0], {}, 0, 0, 0) for r in db.execute("SELECT name FROM sessions")}
+            for r in db.execute(
+                "SELECT session, role, lease_expires_at>=? AS alive, COUNT(*) FROM agents GROUP BY 1, 2, 3", (now,)
+            ):
+                if r[0] in sessions:
+                    sessions[r[0]].agents[(r[1].lower(), bool(r[2]))] = r[3]
+            leases = dict(db.execute("SELECT session, COUNT(*) FROM leases GROUP BY session").fetchall())
+            newest = db.execute(
+                "SELECT session, MAX(CASE WHEN state!=? THEN version ELSE 0 END), "
+                "MAX(CASE WHEN state=? THEN version ELSE 0 END) FROM versions GROUP BY session",
+                (S.STAGING.value, S.COMMITTED.value),
+            ).fetchall()
+        published = {r[0]: (r[1] or 0, r[2] or 0) for r in newest}
+        return [
+            dataclasses.replace(
+                g,
+                leases=leases.get(name, 0),
+                published=published.get(name, (0, 0))[0],
+                committed=published.get(name, (0, 0))[1],
+            )
+            for name, g in sessions.items()
+        ]
 
     # -- reads --------------------------------------------------------------------
     def version(self, session: str, version: int) -> VersionRecord:

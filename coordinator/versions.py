@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 import sqlite3
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -61,6 +62,7 @@ class VersionLifecycle:
     _read: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _writer: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _notify: Callable[[str], None]
+    on_transition: Callable[[VersionRecord], None] | None
     session: Callable[[str], SessionRecord]
     parts: Callable[[str, int], list[Part]]
     _session: Callable[[sqlite3.Connection, str], SessionRecord]
@@ -349,17 +351,18 @@ class VersionLifecycle:
         ).fetchall()
         return [r[0] for r in rows]
 
-    def sweep(self) -> None:
-        """Drops leases of expired agents and re-evaluates versions awaiting handshakes."""
+    def sweep(self) -> dict[str, int]:
+        """Drops leases of expired agents and re-evaluates versions awaiting handshakes;
+        returns how many leases of expired (or forgotten) agents each session lost."""
         touched = set()
         with self._tx() as db:
             now = self._clock()
-            db.execute(
+            dropped = db.execute(
                 "DELETE FROM leases WHERE EXISTS (SELECT 1 FROM agents a WHERE a.session=leases.session "
                 "AND a.agent_id=leases.agent_id AND a.lease_expires_at<?) OR NOT EXISTS (SELECT 1 FROM agents a "
-                "WHERE a.session=leases.session AND a.agent_id=leases.agent_id)",
+                "WHERE a.session=leases.session AND a.agent_id=leases.agent_id) RETURNING session",
                 (now,),
-            )
+            ).fetchall()
             rows = db.execute(
                 "SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value)
             )
@@ -370,6 +373,7 @@ class VersionLifecycle:
                     touched.add(r["session"])
         for session in touched:
             self._notify(session)
+        return dict(Counter(r["session"] for r in dropped))
 
     def _set_state(self, db: sqlite3.Connection, session: str, version: int, target: VersionState, reason: str) -> None:
         row = db.execute("SELECT state FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
@@ -383,7 +387,10 @@ class VersionLifecycle:
         self._event(db, session, version, target)
 
     def _event(self, db: sqlite3.Connection, session: str, version: int, state: VersionState) -> None:
-        events.append(db, self._version(db, session, version), state, self._clock())
+        rec = self._version(db, session, version)
+        events.append(db, rec, state, self._clock())
+        if self.on_transition is not None:  # metrics: counted where every transition passes
+            self.on_transition(rec)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,3 +64,23 @@ def write_tiny_model(
     )
     fast.save_pretrained(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m devtools.tiny_models DIR [--shape small] [--family qwen3]`: a model for
+    rollouts to start from (deploy/examples' init container; the trainer's --model-size
+    must name the same shape)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m devtools.tiny_models", description=main.__doc__)
+    parser.add_argument("path")
+    parser.add_argument("--shape", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "llama3"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write_tiny_model(args.path, args.family, seed=args.seed, shape=args.shape))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,17 +15,19 @@ from rollout_agent.sync import sync_version
 from rollout_agent.wiring import wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config
+from weightsync.logs import bind, setup_logging
 from weightsync.metrics import build_metrics
-from weightsync.server import Service, setup_logging, start_server, wait_for_signal, write_ready_file
+from weightsync.server import Service, start_server, wait_for_signal, write_ready_file
 
 log = logging.getLogger("rollout_agent")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(RolloutConfig, "rollout", argv, os.environ, prog="weightsync-rollout")
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     stop = wait_for_signal()
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
+    bind(session=cfg.session, agent_id=agent_id)
     metrics = build_metrics("rollout")
     if cfg.engine == "vllm":
         from rollout_agent.vllm_engine import VllmEngineSyncer

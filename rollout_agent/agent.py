@@ -19,6 +19,7 @@ from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
+from weightsync.logs import version_context
 from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class RolloutAgent:
         self.recent_completions: dict[int, str] = {}
         self.metrics = metrics
         self.current_version = 0
+        # From the start, so a rollout that never syncs shows as version 0 (alerts see it behind).
+        metrics.current_version.labels(role=metrics.role, session=self.session).set(0)
         self.syncs_ok = 0
         self.syncs_failed = 0
         self.chunk_retries = 0
@@ -111,9 +114,17 @@ class RolloutAgent:
         with self._sync_lock:
             if version == 0:
                 version = self._newest_servable()
-            result = self.syncer(version)
+            try:
+                with version_context(version):
+                    result = self.syncer(version)
+            except WeightsyncError as e:  # the manifest could not be had: nothing was pulled
+                self._count_failure("transient" if isinstance(e, TRANSIENT_ERRORS) else "refused")
+                raise
             with self._state_lock:
                 self.chunk_retries += result.chunk_retries
+            self.metrics.chunk_retries.labels(role=self.metrics.role, session=self.session).inc(result.chunk_retries)
+            if result.failure:
+                self._count_failure(result.failure)
             if result.ok:
                 self.on_verdict(result.version, True, "")
                 log.info(
@@ -129,6 +140,9 @@ class RolloutAgent:
             else:
                 self.on_verdict(result.version, False, result.mismatch)
             return result
+
+    def _count_failure(self, reason: str) -> None:
+        self.metrics.sync_failures.labels(role=self.metrics.role, session=self.session, reason=reason).inc()
 
     def on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         """The coordinator's answer to a handshake (now, or later through the outbox)."""
@@ -146,7 +160,7 @@ class RolloutAgent:
                         del self.recent_completions[old]
             with self._state_lock:
                 self.current_version = max(self.current_version, version)
-            self.metrics.current_version.labels(role=self.metrics.role).set(self.current_version)
+            self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(self.current_version)
         else:
             with self._state_lock:
                 self.syncs_failed += 1

@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
@@ -16,20 +17,32 @@ Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch)
 REPORT_RETRIES = 2  # a few quick retries in the call; the outbox rides out longer outages
 
 
-def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> tuple[bool, str]:
-    """Sends one handshake: (ok, mismatch). A refusal other than DATA_LOSS (the version was
-    released meanwhile) is a failed round. Raises TransportUnavailable / DeadlineExceeded
-    when the coordinator could not be reached (the report may be sent again: the
-    coordinator keeps one report per agent and version)."""
+@dataclass(frozen=True)
+class HandshakeVerdict:
+    """The coordinator's answer to one handshake. `failure` names why it is not ok: local
+    (this rollout reported its own error), mismatch (DATA_LOSS: digests differ from the
+    source) or refused (any other refusal, e.g. the version was released meanwhile)."""
+
+    ok: bool
+    mismatch: str = ""
+    failure: str = ""
+
+
+def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> HandshakeVerdict:
+    """Sends one handshake. A refusal other than DATA_LOSS is a failed round. Raises
+    TransportUnavailable / DeadlineExceeded when the coordinator could not be reached (the
+    report may be sent again: the coordinator keeps one report per agent and version)."""
     try:
         client.report_applied(report, retries=REPORT_RETRIES)
-        return not report.local_error, report.local_error
+        if report.local_error:
+            return HandshakeVerdict(False, report.local_error, "local")
+        return HandshakeVerdict(True)
     except DataLoss as e:
-        return False, e.message
+        return HandshakeVerdict(False, e.message, "mismatch")
     except TRANSIENT_ERRORS:
         raise
     except WeightsyncError as e:
-        return False, f"handshake refused: {e.message}"
+        return HandshakeVerdict(False, f"handshake refused: {e.message}", "refused")
 
 
 class ReportOutbox:
@@ -92,7 +105,7 @@ class ReportOutbox:
                 self._wake.clear()
                 continue
             try:
-                ok, mismatch = send_report(self._client, report)
+                verdict = send_report(self._client, report)
             except TRANSIENT_ERRORS as e:
                 log.info("handshake for version %d still not delivered: %s", report.version, e.message)
                 backoff = min(self._max_backoff_s, backoff * 2)
@@ -102,6 +115,6 @@ class ReportOutbox:
                     self._pending = None
                 else:
                     continue  # superseded while in flight: the newer one decides
-            log.info("handshake for version %d delivered: %s", report.version, "ok" if ok else mismatch)
-            self._on_verdict(report.version, ok, mismatch)
+            log.info("handshake for version %d delivered: %s", report.version, "ok" if verdict.ok else verdict.mismatch)
+            self._on_verdict(report.version, verdict.ok, verdict.mismatch)
             backoff = 0.5

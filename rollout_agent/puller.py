@@ -340,7 +340,7 @@ class WeightPuller:
     def _count_digest_failure(self, lane: _Lane) -> None:
         lane.digest_failures += 1
         if self.metrics is not None:
-            self.metrics.digest_failures.labels(role=self.metrics.role).inc()
+            self.metrics.digest_failures.labels(role=self.metrics.role, session=self.session).inc()
 
     def _fetch(
         self, plan: PullPlan, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0

@@ -13,7 +13,7 @@ from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import TRANSIENT_ERRORS, DataLoss, InvalidArgument, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, DataLoss, DigestMismatch, InvalidArgument, WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
@@ -37,6 +37,9 @@ class SyncResult:
     # The coordinator could not be reached with the handshake: it waits in the outbox and
     # the verdict comes later (ok stays False here).
     handshake_pending: bool = False
+    # Why a finished round did not apply (weightsync_sync_failures_total's reason): data_loss,
+    # transient, local, mismatch or refused; empty when ok or the verdict is pending.
+    failure: str = ""
 
 
 APPLY_MODES = ("atomic", "streaming")
@@ -84,6 +87,7 @@ def sync_version(
         session=puller.session, version=v, agent_id=puller.agent_id, manifest_digest=header.version.manifest_digest
     )
     timings: dict[str, float] = {}
+    failure = ""  # the weightsync_sync_failures_total reason, when the round fails
     result = SyncResult(v, ok=False)
     progress = _Progress()
     try:
@@ -95,9 +99,13 @@ def sync_version(
     except WeightsyncError as e:
         report.local_error = e.message
         result.transient = isinstance(e, TRANSIENT_ERRORS)
+        failure = "data_loss" if isinstance(e, DataLoss) else "transient" if result.transient else "local"
+        if isinstance(e, DataLoss) and not isinstance(e, DigestMismatch) and metrics is not None:
+            # an assembled tensor differed (the puller counts the chunks that did)
+            metrics.digest_failures.labels(role=metrics.role, session=puller.session).inc()
         if apply_mode == "atomic":  # streaming rounds count their retries as they go
             result.chunk_retries = puller.last_retries
-        log.error("version %d not applied: %s", v, e.message)
+        log.error("version %d not applied: %s", v, e.message, extra={"version": v})
     report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
     report.aggregates.CopyFrom(
         tpb.Aggregates(
@@ -120,14 +128,17 @@ def sync_version(
     if outbox is not None:
         outbox.discard_older_than(v)
     try:
-        result.ok, result.mismatch = send_report(puller.client, report)
+        verdict = send_report(puller.client, report)
+        result.ok, result.mismatch = verdict.ok, verdict.mismatch
+        failure = failure or verdict.failure
     except TRANSIENT_ERRORS as e:
         result.mismatch = f"handshake not delivered yet ({e.message}); the outbox sends it again"
         if outbox is not None:
             outbox.put(report)
             result.handshake_pending = True
+    result.failure = "" if result.ok or result.handshake_pending else failure or "local"
     if result.ok and metrics is not None:
-        metrics.current_version.labels(role=metrics.role).set(v)
+        metrics.current_version.labels(role=metrics.role, session=puller.session).set(v)
     return result
 
 

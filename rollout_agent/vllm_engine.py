@@ -55,7 +55,9 @@ class VllmEngineSyncer:
             why = str(e).splitlines()[0][:500]
             # The coordinator was unreachable (for the manifest or the handshake): try again.
             transient = any(m in why for m in ("not delivered yet", "UNAVAILABLE", "failed to connect", "unreachable"))
-            return SyncResult(version, ok=False, mismatch=why, transient=transient)
+            corrupt = any(m in why for m in ("DATA_LOSS", "refusing to apply", "did not verify"))
+            failure = "transient" if transient else "data_loss" if corrupt else "local"
+            return SyncResult(version, ok=False, mismatch=why, transient=transient, failure=failure)
         finally:
             self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
         applied = int(self.llm.get_weight_version()) if version == 0 else version

@@ -18,7 +18,8 @@ from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
 from weightsync.errors import TRANSIENT_ERRORS, SlotBusy, StaleGeneration
-from weightsync.server import setup_logging, wait_for_signal, write_ready_file
+from weightsync.logs import bind, setup_logging
+from weightsync.server import wait_for_signal, write_ready_file
 
 log = logging.getLogger("trainer_agent")
 EXIT_FENCED = 3  # a newer incarnation owns the session
@@ -66,10 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     cfg = load_config(TrainerConfig, "trainer", argv, os.environ, prog="weightsync-trainer")
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     stop = wait_for_signal(interrupt=True)
     params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1)
     with WeightPublisher(cfg).start(next_version=cfg.start_version) as pub:
+        bind(session=cfg.session, agent_id=pub.agent_id)
         write_ready_file(
             cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id
         )

@@ -40,6 +40,7 @@ from weightsync.errors import (
 )
 from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
+from weightsync.logs import version_context
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import RunningServer, Service, start_server
@@ -130,6 +131,7 @@ class WeightPublisher:
         )
         self.generation = opened.generation
         self._token_key = opened.token_key
+        self.metrics.fenced.labels(session=s.session).set(0)
         reclaim_orphans()  # arenas of trainers killed on this host before they could clean up
         self.arena = Arena(f"{s.session}-r{s.rank}", slots=s.slots)
         self._resources.callback(self.arena.close)
@@ -232,7 +234,7 @@ class WeightPublisher:
     def _notice_generation(self, generation: int) -> None:
         if generation > self.generation and not self.fenced:
             self.fenced_by = generation
-            self.metrics.fenced.set(1)
+            self.metrics.fenced.labels(session=self.session).set(1)
             log.error(
                 "fenced: session %s moved to generation %d, this publisher holds %d; its writes are refused "
                 "(another incarnation of the trainer attached)",
@@ -252,6 +254,10 @@ class WeightPublisher:
             StaleGeneration: another incarnation attached since; this publisher is fenced.
             SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s.
         """
+        with version_context(version):
+            return self._publish(params, version, idempotency_key)
+
+    def _publish(self, params: Mapping[str, Any], version: int, idempotency_key: str | None) -> PublishResult:
         if not params:
             raise InvalidArgument("must contain at least one tensor", field="params")
         key = idempotency_key or f"{self.agent_id}:{version}"
@@ -317,6 +323,12 @@ class WeightPublisher:
             capacity_bytes: slot size to reserve (the converted model's bytes, padded by
                 256 per tensor); ResourceExhausted when the stream outgrows it.
         """
+        with version_context(version):
+            return self._publish_stream(items, version, capacity_bytes, idempotency_key)
+
+    def _publish_stream(
+        self, items: Iterable[tuple[str, Any]], version: int, capacity_bytes: int, idempotency_key: str | None
+    ) -> PublishResult:
         key = idempotency_key or f"{self.agent_id}:{version}"
         slot = self._claim_slot(version)
         if self.arena.ensure_slot_bytes(capacity_bytes):
@@ -383,7 +395,7 @@ class WeightPublisher:
             raise
         publish_s = time.perf_counter() - t0
         self.metrics.observe_phase("publish", publish_s)
-        self.metrics.current_version.labels(role="trainer").set(version)
+        self.metrics.current_version.labels(role="trainer", session=self.session).set(version)
         state = _tpb.VersionState.Name(resp.version.state)
         log.info(
             "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d",

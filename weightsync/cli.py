@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -20,6 +21,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
 from weightsync.security import Security, agent_token, load_tokens
+from weightsync.wire import unix_seconds
 
 STATE_STYLE = {
     "STAGING": "yellow",
@@ -35,7 +37,8 @@ def _state(v: tpb.VersionInfo) -> str:
     return tpb.VersionState.Name(v.state)
 
 
-def _ts(t: float) -> str:
+def _ts(ts: Timestamp) -> str:
+    t = unix_seconds(ts)
     return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
 
 
@@ -218,14 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         var = "WEIGHTSYNC_WSCTL_" + name.upper().replace("-", "_")
         p.add_argument(f"--{name}", default=os.environ.get(var, ""), help=f"{what} (default: ${var})")
+    # --json is accepted after the subcommand too (`wsctl versions --json`); SUPPRESS keeps
+    # a --json given before it when the subcommand has none.
+    json_after = argparse.ArgumentParser(add_help=False)
+    json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("status", help="session, agents, versions, handshakes")
+    s = sub.add_parser("status", help="session, agents, versions, handshakes", parents=[json_after])
     s.add_argument("--limit", type=int, default=10)
-    s = sub.add_parser("versions", help="versions, newest first")
+    s = sub.add_parser("versions", help="versions, newest first", parents=[json_after])
     s.add_argument("--limit", type=int, default=20)
-    s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)")
+    s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)", parents=[json_after])
     s.add_argument("version", type=int)
-    s = sub.add_parser("watch", help="follow version events live")
+    s = sub.add_parser("watch", help="follow version events live", parents=[json_after])
     s.add_argument("--since", type=int, default=0, help="replay events after this sequence number")
     s.add_argument("--count", type=int, default=0, help="exit after N events")
     s.add_argument("--timeout", type=float, default=0, help="exit after N seconds")

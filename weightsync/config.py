@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from weightsync.errors import InvalidArgument
-from weightsync.security import Security
+from weightsync.security import Security, read_token
 
 C = TypeVar("C")
 
@@ -49,10 +49,19 @@ class PeerConfig:
         "with --tls-require-client-cert it also checks clients.",
     )
     auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
+    auth_token_file: str = option(
+        "", "File holding that token (e.g. a mounted Secret; read at start); instead of --auth-token."
+    )
+
+    def token(self) -> str:
+        """The bearer token: --auth-token, else the contents of --auth-token-file."""
+        if self.auth_token and self.auth_token_file:
+            raise InvalidArgument("give --auth-token or --auth-token-file, not both", field="auth_token_file")
+        return read_token(self.auth_token_file) if self.auth_token_file else self.auth_token
 
     def security(self) -> Security:
         """TLS / mTLS and the bearer token for this process's channels."""
-        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.auth_token)
+        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.token())
 
 
 @dataclass
@@ -64,6 +73,9 @@ class ServerConfig(PeerConfig):
     metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
     ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
     log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
+    log_format: str = option(
+        "text", "text, or json: one object per line naming session, agent_id and version.", choices=["text", "json"]
+    )
     tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
     auth_tokens_file: str = option(
         "", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).'
@@ -96,7 +108,7 @@ class ServerConfig(PeerConfig):
             key_file=self.tls_key_file,
             ca_file=self.tls_ca_file,
             require_client_cert=self.tls_require_client_cert,
-            token=self.auth_token,
+            token=self.token(),
             tokens_file=self.auth_tokens_file,
         )
 
@@ -135,7 +147,7 @@ def build_parser(cls: type, prog: str, description: str = "") -> argparse.Argume
     for f in dataclasses.fields(cls):
         tp = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse %-formats help
         default = f.default if f.default is not dataclasses.MISSING else None
         if default not in (None, ""):
             help_text += f" (default: {default})"

@@ -1,4 +1,9 @@
-"""All weightsync Prometheus metrics, built on an injected CollectorRegistry."""
+"""All weightsync Prometheus metrics, built on an injected CollectorRegistry.
+
+Series that belong to a session carry a `session` label (a coordinator serves many; the
+rules and dashboard in deploy/ group by it). The coordinator's fleet gauges (agents,
+leases, newest versions) are read from its store at scrape time: `coordinator.fleet_metrics`.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,11 @@ class Metrics:
     versions_total: Counter
     fenced: Gauge
     database_bytes: Gauge
+    handshakes: Counter
+    leases_dropped: Counter
+    ready_to_commit_seconds: Histogram
+    sync_failures: Counter
+    chunk_retries: Counter
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
@@ -83,15 +93,55 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         ),
         digest_failures=Counter(
             "weightsync_digest_failures_total",
-            "Chunks or tensors whose digest did not match.",
-            ["role"],
+            "Chunks (rollouts) or handshakes (coordinator) whose digests did not match.",
+            ["role", "session"],
             registry=registry,
         ),
         current_version=Gauge(
-            "weightsync_current_version", "Newest version this process holds/serves.", ["role"], registry=registry
+            "weightsync_current_version",
+            "Newest version this process serves (a rollout that never synced reads 0).",
+            ["role", "session"],
+            registry=registry,
         ),
         versions_total=Counter(
-            "weightsync_version_transitions_total", "Version state transitions.", ["state"], registry=registry
+            "weightsync_version_transitions_total",
+            "Versions entering each state (STAGING, READY, COMMITTED, PARTIAL, FAILED, RELEASED).",
+            ["session", "state"],
+            registry=registry,
+        ),
+        handshakes=Counter(
+            "weightsync_handshakes_total",
+            "Rollout handshakes by outcome: ok, mismatch (digests differ from the source: DATA_LOSS), "
+            "local_error (the rollout failed on its side).",
+            ["session", "outcome"],
+            registry=registry,
+        ),
+        leases_dropped=Counter(
+            "weightsync_leases_dropped_total",
+            "Version leases dropped because the rollout holding them stopped heartbeating.",
+            ["session"],
+            registry=registry,
+        ),
+        ready_to_commit_seconds=Histogram(
+            "weightsync_ready_to_commit_seconds",
+            "From a version's first published part to its COMMITTED or PARTIAL verdict.",
+            ["session"],
+            buckets=PHASE_BUCKETS_S,
+            registry=registry,
+        ),
+        sync_failures=Counter(
+            "weightsync_sync_failures_total",
+            "Sync rounds that did not apply a version, by reason: data_loss (bytes did not verify), "
+            "transient (a source or the coordinator unreachable), local (this process failed to apply), "
+            "mismatch (the coordinator's digests differ), refused (the handshake was refused).",
+            ["role", "session", "reason"],
+            registry=registry,
+        ),
+        chunk_retries=Counter(
+            "weightsync_chunk_retries_total",
+            "Chunks fetched again after a failed digest or an unreachable source.",
+            ["role", "session"],
+            registry=registry,
         ),
         database_bytes=Gauge(
             "weightsync_database_bytes",
@@ -101,6 +151,7 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         fenced=Gauge(
             "weightsync_fenced",
             "1 when a newer trainer incarnation fenced this trainer (its writes are refused), else 0.",
+            ["session"],
             registry=registry,
         ),
     )

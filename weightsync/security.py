@@ -64,6 +64,14 @@ def _read(path: str, what: str) -> bytes:
         raise InvalidArgument(f"cannot read {path!r}: {e.strerror}", field=what) from None
 
 
+def read_token(path: str) -> str:
+    """A bearer token kept in a file (a mounted Secret rather than an environment variable)."""
+    token = _read(path, "auth_token_file").decode().strip()
+    if not token:
+        raise InvalidArgument(f"{path!r} holds no token", field="auth_token_file")
+    return token
+
+
 def load_tokens(path: str) -> dict[str, str]:
     """role -> token from a JSON file; roles outside ROLES and empty tokens are refused."""
     try:

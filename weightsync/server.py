@@ -223,11 +223,3 @@ def wait_for_signal(*, interrupt: bool = False) -> threading.Event:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
-
-
-def setup_logging(level: str) -> None:
-    """Structured-ish one-line logs: time, level, logger, message (key=value pairs)."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
-    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.dtypes import dtype_from_proto, dtype_info
@@ -12,6 +14,21 @@ from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, 
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
 MAX_NAME_CHARS = 512  # as validation.TENSOR_NAME_RE allows; longer names are refused on arrival
+
+
+def timestamp(unix_s: float) -> Timestamp | None:
+    """A google.protobuf.Timestamp (grpcurl and MessageToJson print RFC 3339); None for 0,
+    the store's "not yet", so the field stays unset."""
+    if not unix_s:
+        return None
+    ts = Timestamp()
+    ts.FromNanoseconds(round(unix_s * 1e9))
+    return ts
+
+
+def unix_seconds(ts: Timestamp) -> float:
+    """Seconds since the epoch of a Timestamp field; 0.0 when unset."""
+    return ts.ToNanoseconds() / 1e9
 
 
 def endpoint_to_proto(e: Endpoint) -> _tpb.Endpoint:

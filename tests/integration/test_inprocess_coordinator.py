@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -72,6 +73,12 @@ def test_wsctl_watch_json_and_errors(inprocess_coordinator: RunningServer) -> No
     )
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert [e["version"]["state"] for e in events] == ["STAGING", "READY"]
+    # --json after the subcommand; timestamps are google.protobuf.Timestamp: RFC 3339 in JSON
+    out = subprocess.run([*base, "versions", "--json"], capture_output=True, text=True, timeout=60, check=True)
+    (v1,) = json.loads(out.stdout)
+    assert v1["state"] == "READY" and "committedAt" not in v1 and "committed_at" not in v1
+    ready = v1.get("readyAt", v1.get("ready_at"))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", ready), ready
     bad = subprocess.run([*base, "manifest", "7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "NOT_FOUND" in bad.stderr
     human = subprocess.run([*base, "status"], capture_output=True, text=True, timeout=60, check=True)
@@ -135,3 +142,31 @@ def test_reflection_answers_v1_and_streams_are_not_timed(inprocess_coordinator: 
     timed = [line for line in text.splitlines() if line.startswith("weightsync_rpc_seconds_count")]
     assert any('method="GetStatus"' in line for line in timed)
     assert not any('method="WatchVersions"' in line for line in timed)
+
+
+def test_a_local_failure_is_answered_not_diagnosed_as_data_loss(inprocess_coordinator: RunningServer) -> None:
+    from weightsync._proto import coordinator_pb2 as pb
+    from weightsync.errors import DataLoss
+
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        gen = client.open_session("job", trainer=True, incarnation="a", min_rollouts=1).generation
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        part, _ = make_part(sample_arrays())
+        client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+        header, _ = client.get_manifest("job", 1, agent_id="r0")
+        local = pb.ReportAppliedRequest(
+            session="job",
+            version=1,
+            agent_id="r0",
+            manifest_digest=header.version.manifest_digest,
+            local_error="cannot open /dev/shm/x: permission denied",
+        )
+        answer = client.report_applied(local)  # recorded and answered: not a corruption
+        assert not answer.ok and "permission denied" in answer.mismatch
+        (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
+        assert not hs.ok and "permission denied" in hs.mismatch
+        wrong = pb.ReportAppliedRequest(
+            session="job", version=1, agent_id="r0", manifest_digest="0" * 64, consumed_names=["x"]
+        )
+        with pytest.raises(DataLoss, match="manifest digest"):
+            client.report_applied(wrong)

@@ -102,7 +102,7 @@ def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
                 fenced.publish(params, 4)  # its slot holds version 3: the release is refused first
             assert [(v.version, v.state) for v in client.status("job").versions] == before
             eventually(lambda: fenced.fenced, what="the heartbeat to notice the fence")
-            assert fenced.metrics.fenced._value.get() == 1  # noqa: SLF001 - the gauge's value
+            assert fenced.metrics.fenced.labels(session="job")._value.get() == 1  # noqa: SLF001 - the gauge's value
         # the old process noticed too: it logs once and exits (no --stay-fenced)
         assert cluster.wait_exit("old", 30) == 3
         assert old.log().count("fenced: session job moved to generation") == 1

@@ -48,7 +48,7 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
     assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="pulled") > 0
     assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_current_version", role="rollout") == 2
     assert metric_value(scrape(trainer.ready["metrics_port"]), "weightsync_phase_seconds_count", phase="stage") == 2
-    assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_current_version", role="coordinator") == 2
+    assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_session_version", kind="committed") == 2
 
     out = subprocess.run(
         [

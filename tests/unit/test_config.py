@@ -239,3 +239,69 @@ def test_a_publisher_does_no_io_until_started_and_refuses_to_publish_before() ->
     pub.close()  # closing what never started is fine
     with pytest.raises(FailedPrecondition, match="closed"):
         pub.publish({"w": np.zeros(4, np.float32)}, 1)
+
+
+@pytest.mark.parametrize("module", ["coordinator", "trainer_agent", "rollout_agent", "weightsync.cli"])
+def test_every_entry_point_prints_its_help(module: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]  # rollout_agent's "~90% of RAM" once crashed argparse
+    assert "usage:" in out.stdout
+
+
+def test_wsctl_takes_json_before_or_after_the_subcommand() -> None:
+    from weightsync.cli import build_parser
+
+    parser = build_parser()
+    for argv, expected in (
+        (["versions", "--json"], True),
+        (["--json", "versions"], True),
+        (["watch", "--json", "--count", "1"], True),
+        (["status"], False),
+    ):
+        assert parser.parse_args(argv).json is expected, argv
+
+
+def test_json_logs_name_session_agent_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import logging
+
+    from weightsync import logs
+
+    logs.setup_logging("INFO", "json")
+    try:
+        logs.bind(session="job", agent_id="r0")
+        log = logging.getLogger("weightsync.test")
+        log.info("outside")
+        with logs.version_context(7):
+            log.warning("inside %d", 1)
+        log.error("explicit", extra={"version": 9})
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    finally:
+        logs._bound.clear()  # noqa: SLF001 - process state of this test only
+        logging.getLogger().handlers.clear()
+    assert [(x["message"], x.get("version")) for x in lines] == [("outside", None), ("inside 1", 7), ("explicit", 9)]
+    assert all(x["session"] == "job" and x["agent_id"] == "r0" and x["time"].endswith("Z") for x in lines)
+    assert lines[1]["level"] == "WARNING" and lines[1]["logger"] == "weightsync.test"
+    with pytest.raises(ValueError, match="log format"):
+        logs.setup_logging("INFO", "xml")
+
+
+def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa: ANN001
+    token = tmp_path / "token"
+    token.write_text("t" * 24 + "\n")
+    argv = ["--coordinator", "c:1", "--session", "s", "--auth-token-file", str(token)]
+    assert load_config(RolloutConfig, "rollout", argv, {}).security().token == "t" * 24
+    for bad in (
+        [*argv, "--auth-token", "x" * 20],  # both
+        ["--coordinator", "c:1", "--session", "s", "--auth-token-file", str(tmp_path / "missing")],
+    ):
+        with pytest.raises(SystemExit):
+            load_config(RolloutConfig, "rollout", bad, {})
+    (tmp_path / "empty").write_text("\n")
+    from rollout_agent.settings import InitInfo
+
+    with pytest.raises(InvalidArgument, match="init_info.auth_token_file"):
+        InitInfo(coordinator="c:1", session="s", auth_token_file=str(tmp_path / "empty"))

@@ -246,7 +246,8 @@ def test_leases_block_release_until_handshake_or_expiry(store: SessionStore, clo
     with pytest.raises(FailedPrecondition, match="leased by r0"):
         store.release_version("job", 1, generation=gen)
     clock.t += 11  # r0's lease expires
-    store.sweep()
+    assert store.sweep() == {"job": 1}  # weightsync_leases_dropped_total counts it
+    assert store.sweep() == {}
     assert store.release_version("job", 1, generation=gen).state is S.RELEASED
     with pytest.raises(AgentNotFound):
         store.heartbeat("job", "r0")
@@ -525,3 +526,29 @@ def test_recent_keeps_the_last_puts_like_a_bounded_fifo(size: int, ops: list[tup
     assert len(recent) == len(model)
     assert all(recent.get(k) == f"v{k}" for k in model)
     assert all(k not in recent for k in range(8) if k not in model)
+
+
+def test_every_transition_passes_the_hook_and_fleet_gauges_count_the_fleet(store: SessionStore, clock: Clock) -> None:
+    seen: list[tuple[int, str]] = []
+    store.on_transition = lambda rec: seen.append((rec.version, rec.state.value))
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=part)
+    store.manifest("job", 1, lease_for="r0")
+    (g,) = store.fleet_gauges()
+    assert (g.session, g.published, g.committed, g.leases) == ("job", 1, 0, 1)
+    assert g.agents == {("rollout", True): 2}
+    for agent in ("r0", "r1"):
+        store.report_applied("job", 1, agent, good_report(store, 1))
+    assert seen == [(1, "STAGING"), (1, "READY"), (1, "COMMITTED")]
+    clock.t += 11  # both rollouts lapse
+    (g,) = store.fleet_gauges()
+    assert (g.published, g.committed) == (1, 1) and g.agents == {("rollout", False): 2}
+
+
+def test_a_database_that_cannot_be_opened_names_its_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(FailedPrecondition, match=f"cannot open the database {blocker}/sub/c.db") as e:
+        SessionStore(str(blocker / "sub" / "c.db"))
+    assert e.value.field == "db_path"

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from weightsync._proto import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -280,24 +283,24 @@ class GetStatusRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., version_limit: _Optional[int] = ...) -> None: ...
 
 class AgentInfo(_message.Message):
-    __slots__ = ("agent_id", "role", "endpoint", "rank", "alive", "lease_expires_at", "current_version", "generation")
+    __slots__ = ("agent_id", "role", "endpoint", "rank", "alive", "current_version", "generation", "lease_expires_at")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
-    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     role: _types_pb2.Role
     endpoint: _types_pb2.Endpoint
     rank: int
     alive: bool
-    lease_expires_at: float
     current_version: int
     generation: int
-    def __init__(self, agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., alive: _Optional[bool] = ..., lease_expires_at: _Optional[float] = ..., current_version: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    lease_expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., alive: _Optional[bool] = ..., current_version: _Optional[int] = ..., generation: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
     __slots__ = ("version", "agent_id", "ok", "mismatch", "timings", "bytes_pulled", "reported_at")
@@ -314,8 +317,8 @@ class HandshakeInfo(_message.Message):
     mismatch: str
     timings: Timings
     bytes_pulled: int
-    reported_at: float
-    def __init__(self, version: _Optional[int] = ..., agent_id: _Optional[str] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., reported_at: _Optional[float] = ...) -> None: ...
+    reported_at: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[int] = ..., agent_id: _Optional[str] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "versions", "agents", "handshakes", "parts", "event_seq")

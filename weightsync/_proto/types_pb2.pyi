@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -153,7 +156,7 @@ class RankPart(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "created_at", "ready_at", "committed_at", "reason", "leases", "stage_seconds")
+    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "reason", "leases", "stage_seconds", "created_at", "ready_at", "committed_at")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -162,12 +165,12 @@ class VersionInfo(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SEALED_RANKS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
-    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
-    READY_AT_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    READY_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     state: VersionState
@@ -176,10 +179,10 @@ class VersionInfo(_message.Message):
     total_bytes: int
     sealed_ranks: int
     trainer_ranks: int
-    created_at: float
-    ready_at: float
-    committed_at: float
     reason: str
     leases: int
     stage_seconds: float
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., created_at: _Optional[float] = ..., ready_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
+    created_at: _timestamp_pb2.Timestamp
+    ready_at: _timestamp_pb2.Timestamp
+    committed_at: _timestamp_pb2.Timestamp
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ready_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

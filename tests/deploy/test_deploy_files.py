@@ -1,0 +1,111 @@
+"""deploy/ is consistent with itself: generated files are fresh, every alert has a runbook
+section and a promtool test, the examples define every variable they use."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from devtools import prometheus_rule
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+RULES = DEPLOY / "components" / "prometheus-rules"
+
+
+def _alerts() -> list[dict]:
+    groups = yaml.safe_load((RULES / "rules.yaml").read_text())["groups"]
+    return [r for g in groups for r in g["rules"] if "alert" in r]
+
+
+def test_the_prometheus_rule_is_generated_from_the_rules_file() -> None:
+    committed = (DEPLOY / "components" / "prometheus-operator" / "prometheusrule.yaml").read_text()
+    assert committed == prometheus_rule.render((RULES / "rules.yaml").read_text()), "run `make deploy-rules`"
+    spec = yaml.safe_load(committed)["spec"]
+    assert spec == yaml.safe_load((RULES / "rules.yaml").read_text())
+
+
+def test_every_alert_has_a_runbook_section_and_a_promtool_test() -> None:
+    anchors = {
+        re.sub(r"[^a-z0-9-]", "", line[3:].strip().lower().replace(" ", "-"))
+        for line in (ROOT / "docs" / "runbooks.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
+    tests = yaml.safe_load((RULES / "rules.test.yaml").read_text())["tests"]
+    tested = {case["alertname"] for t in tests for case in t.get("alert_rule_test", []) if case.get("exp_alerts")}
+    for alert in _alerts():
+        name = alert["alert"]
+        url = alert["annotations"]["runbook_url"]
+        assert url == f"docs/runbooks.md#{name.lower()}", name
+        assert name.lower() in anchors, f"docs/runbooks.md has no section for {name}"
+        assert name in tested, f"rules.test.yaml never fires {name}"
+        assert alert["labels"]["severity"] in ("critical", "warning", "info"), name
+
+
+def _env_and_refs(container: dict) -> tuple[set[str], set[str]]:
+    defined = {e["name"] for e in container.get("env", [])}
+    text = json.dumps([container.get("args", []), container.get("command", []), container.get("env", [])])
+    return defined, set(re.findall(r"\$\(([A-Z0-9_]+)\)", text))
+
+
+@pytest.mark.parametrize(
+    "path", sorted((DEPLOY / "examples" / "base").glob("*.yaml")) + [DEPLOY / "base" / "coordinator.yaml"]
+)
+def test_workloads_define_what_they_use_and_run_restricted(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") in ("Deployment", "StatefulSet")]
+    for doc in docs:
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        mounts_by_volume = {v["name"] for v in pod.get("volumes", [])} | {
+            t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])
+        }
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            defined, used = _env_and_refs(container)
+            assert used <= defined, f"{path.name}: {container['name']} uses undefined {sorted(used - defined)}"
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert {"cpu", "memory"} <= set(container["resources"]["limits"]), container["name"]
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in mounts_by_volume, f"{container['name']} mounts undefined {mount['name']}"
+        for container in pod["containers"]:
+            assert "livenessProbe" in container and "readinessProbe" in container, container["name"]
+            shm = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+            if doc["metadata"]["name"] != "weightsync-coordinator":  # trainers and rollouts share /dev/shm
+                assert shm, f"{container['name']} has no /dev/shm volume"
+
+
+def test_the_image_builds_its_wheel_with_the_script_the_test_runs() -> None:
+    containerfile = (DEPLOY / "Containerfile").read_text()
+    assert 'RUN sh deploy/build-wheel.sh /wheels "$VARIANT"' in containerfile
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "weightsync/_native/*.so" in ignored  # a local build never stands in for the image's own
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl renders kustomize trees (make check-deploy)")
+@pytest.mark.parametrize("root", ["overlays/tls", "examples/tls"])
+def test_tls_trees_drop_insecure_and_mount_what_they_name(root: str) -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / root)], capture_output=True, text=True, check=True
+    ).stdout
+    workloads = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in ("Deployment", "StatefulSet")]
+    assert workloads
+    for doc in workloads:
+        pod = doc["spec"]["template"]["spec"]
+        main = pod["containers"][0]
+        assert "--insecure" not in main["args"], doc["metadata"]["name"]
+        env = {e["name"].split("_", 2)[2]: e.get("value") for e in main["env"] if e["name"].startswith("WEIGHTSYNC_")}
+        mounted = {m["mountPath"] for m in main["volumeMounts"]}
+        for key in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "AUTH_TOKENS_FILE"):
+            assert env[key].rsplit("/", 1)[0] in mounted, (doc["metadata"]["name"], key)
+        if doc["metadata"]["name"] != "weightsync-coordinator":  # agents dial with their own token
+            assert env["AUTH_TOKEN_FILE"].rsplit("/", 1)[0] in mounted
+            assert any(c["name"] == "agent-token" for c in pod["initContainers"])
+        assert "grpc" not in main["readinessProbe"]  # kubelet's gRPC probe cannot speak TLS
