@@ -4,6 +4,13 @@ Prints GB/s for a cold arena (allocate + populate + stage) and a warm one (stead
 for the JAX FFI path and the host-pointer path, each with its ratio to a plain memcpy of
 the same bytes measured in this run, plus the peak RSS above the pre-staging baseline.
 `--json` prints one JSON object instead.
+
+`--devices N` instead stages a model sharded over N devices (FSDP x TP; on CPU through
+`--xla_force_host_platform_device_count`) by the device path: per replica-0 shard, the
+device-to-host copy issued `--window-bytes` ahead, each shard staged as it lands. It
+reports GB/s against the platform's raw device-to-host bound measured in the same run
+(every shard copied to warm host memory) and the RSS high-water mark against arena +
+window + 256 MiB.
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--devices" in sys.argv:  # XLA reads the device count once, at import
+    import os
+
+    n = sys.argv[sys.argv.index("--devices") + 1]
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -155,6 +167,82 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     }
 
 
+def measure_devices(args: argparse.Namespace) -> dict:
+    """The device path on a sharded model, against the raw D2H bound of the same shards."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from trainer_agent.params import device_stream, shard_metas
+    from trainer_agent.staging import stage_batched
+
+    devices = jax.devices()[: args.devices]
+    mesh = Mesh(np.array(devices).reshape(-1, 2 if len(devices) % 2 == 0 else 1), ("fsdp", "tp"))
+    params = {}
+    for name, value in make_params(args.model_size, args.dtype).items():
+        spec = [None] * value.ndim
+        if value.ndim and value.shape[0] % mesh.shape["fsdp"] == 0:
+            spec[0] = "fsdp"
+        if value.ndim > 1 and value.shape[1] % mesh.shape["tp"] == 0:
+            spec[1] = "tp"
+        params[name] = jax.device_put(value, NamedSharding(mesh, PartitionSpec(*spec)))
+    params = jax.block_until_ready(params)
+    shards = [s.data for v in params.values() for s in v.addressable_shards if s.replica_id == 0]
+    total = sum(int(s.nbytes) for s in shards)
+    layout = plan_layout([m for n, v in params.items() for m in shard_metas(n, v)])
+    threads = args.threads or native.default_threads()
+
+    # The bound, same shards, same run: each shard's bytes into warm host memory.
+    dst = np.empty(total, np.uint8)
+    dst[:] = 0
+    bound_s = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        for s in shards:
+            s.copy_to_host_async()
+        off = 0
+        for s in shards:
+            n = int(s.nbytes)
+            np.copyto(dst[off : off + n], np.asarray(s).reshape(-1).view(np.uint8))
+            off += n
+        bound_s.append(time.perf_counter() - t0)
+    del dst, shards
+    arena = Arena("bench-devices", slots=1)
+    baseline = rss_bytes()
+    try:
+        with RssPeak() as rss:
+            arena.ensure_slot_bytes(layout.total_bytes)
+            stage_s = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                half = args.window_bytes // 2  # as the publisher: half in flight, half landed
+                stage_batched(
+                    arena.slot(0),
+                    layout,
+                    device_stream(params.items(), "", half),
+                    args.chunk_bytes,
+                    batch_bytes=half,
+                    threads=threads,
+                )
+                stage_s.append(time.perf_counter() - t0)
+        arena_bytes = arena.slots * arena.slot_bytes
+    finally:
+        arena.close()
+    d2h = gbps(total, statistics.median(bound_s))
+    staged_gbps = gbps(total, statistics.median(stage_s))
+    return {
+        "model_size": args.model_size,
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "path": "device",
+        "window_bytes": args.window_bytes,
+        "model_bytes": total,
+        "gbps": round(staged_gbps, 2),
+        "d2h_bound_gbps": round(d2h, 2),
+        "ratio_to_d2h_bound": round(staged_gbps / d2h, 3),
+        "peak_rss_over_baseline_bytes": rss.peak - baseline,
+        "rss_bound_bytes": arena_bytes + args.window_bytes + (256 << 20),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model-size", default="0.6b", choices=sorted(PRESETS))
@@ -164,9 +252,23 @@ def main() -> int:
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the publisher's default")
     p.add_argument("--json", action="store_true")
     p.add_argument("--maxtext", action="store_true", help="also convert + stage a MaxText fp32 tree (streaming)")
+    p.add_argument("--devices", type=int, default=0, help="stage a model sharded over N devices (device path)")
+    p.add_argument("--window-bytes", type=int, default=256 << 20, help="device path: D2H bytes in flight")
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")
+    if args.devices:
+        result = measure_devices(args)
+        if not args.json:
+            print(
+                f"{result['devices']} {result['platform']} devices, {result['model_bytes'] / 1e9:.3f} GB: device path "
+                f"{result['gbps']:.2f} GB/s, D2H bound {result['d2h_bound_gbps']:.2f} GB/s "
+                f"(ratio {result['ratio_to_d2h_bound']:.3f}); peak RSS over baseline "
+                f"{result['peak_rss_over_baseline_bytes'] / 1e9:.3f} GB "
+                f"(bound {result['rss_bound_bytes'] / 1e9:.3f} GB)"
+            )
+        print(json.dumps(result))
+        return 0
     threads = args.threads or native.default_threads()
 
     params = make_params(args.model_size, args.dtype)

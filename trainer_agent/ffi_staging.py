@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer_agent.params import ArrayMeta
 from trainer_agent.staging import Layout, specs_from_digests
 from weightsync import native
 from weightsync.dtypes import dtype_info
@@ -37,18 +37,6 @@ def register_target() -> None:
         if not _registered:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(native.ffi_handler()), platform="cpu")
             _registered = True
-
-
-@dataclass(frozen=True)
-class ArrayMeta:
-    """Shape, dtype and size of an array as staged (after the weight_dtype cast)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 def staged_meta(value: Any, weight_dtype: str) -> ArrayMeta:

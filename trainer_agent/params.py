@@ -1,9 +1,20 @@
-"""From a parameter tree to host shards: which staging path a publish takes and the
-replica-0 shards each host owns."""
+"""From a parameter tree to host shards: which staging path a publish takes (the use_ffi
+contract, per platform) and the replica-0 shards each host owns, moved to host memory
+through a bounded window of device-to-host transfers.
+
+Paths: "ffi" (the shim's XLA FFI handler stages XLA's own buffers; CPU arrays, one device
+each), "host" (host-addressable arrays staged in place: CPU or NumPy, no cast needed) and
+"device" (everything else: per shard, the runtime's device-to-host copy is issued ahead of
+use, `window_bytes` in flight, each shard staged as it lands and its host copy dropped;
+casts run on the device, one tensor at a time). No path makes a second host copy of the
+whole model.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,65 +23,173 @@ from trainer_agent.staging import HostShard
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
 
+DEFAULT_WINDOW_BYTES = 256 << 20
+FFI_PLATFORMS = frozenset({"cpu"})  # where the shim's handler is registered
+# Why a platform has no FFI path (use_ffi=True names it).
+NO_FFI = {
+    "tpu": "XLA TPU custom calls are not open to user code; the device path (use_ffi=None or False) is the TPU path",
+    "cuda": "the FFI staging handler is registered for cpu only; the CUDA staging library is a separate build",
+    "rocm": "the FFI staging handler is registered for cpu only",
+}
 
-def choose_staging_path(values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str) -> str:
-    """ "ffi" or "host", by the use_ffi contract (DESIGN.md "Native shim and FFI").
 
-    None: FFI when built and every value is a single-device JAX array. True: FFI, and
-    RuntimeError naming what is missing when it is not built. False: host pointers.
-    Arrays that are not host-addressable without FFI fail fast (never a silent slow path).
+@dataclass(frozen=True)
+class ArrayMeta:
+    """Shape, dtype and size of an array as it will be staged (after any cast)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _platforms(value: Any) -> set[str]:
+    if hasattr(value, "addressable_shards"):
+        return {getattr(s.device, "platform", "cpu") for s in value.addressable_shards}
+    return {"cpu"}
+
+
+def _needs_cast(value: Any, weight_dtype: str) -> bool:
+    data = value.data if isinstance(value, HostShard) else value
+    return bool(weight_dtype) and np.dtype(data.dtype) != dtype_info(weight_dtype).numpy
+
+
+def choose_staging_path(
+    values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str, weight_dtype: str = ""
+) -> str:
+    """ "ffi", "host" or "device", by the use_ffi contract (DESIGN.md "Native shim and FFI").
+
+    None: the best path for the arrays' platform: FFI for single-device CPU arrays when it
+    is built, "host" for host-addressable values that need no cast, else "device".
+    True: the FFI path, or RuntimeError naming what is missing for that platform.
+    False: never FFI ("host" where the bytes are already host memory, else "device").
     """
-    if use_ffi is True and not ffi_built:
-        raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {ffi_missing}")
-    jax_values = [v for v in values if hasattr(v, "addressable_shards")]
-    ffi_eligible = (
-        bool(values) and len(jax_values) == len(values) and all(len(v.addressable_shards) == 1 for v in jax_values)
-    )
-    if ffi_built and use_ffi is not False and ffi_eligible:
+    platforms = set().union(*(_platforms(v) for v in values)) if values else {"cpu"}
+    single = bool(values) and all(hasattr(v, "addressable_shards") and len(v.addressable_shards) == 1 for v in values)
+    if use_ffi is True:
+        if not ffi_built:
+            raise RuntimeError(f"use_ffi=True but the FFI staging handler is unavailable: {ffi_missing}")
+        for platform in sorted(platforms - FFI_PLATFORMS):
+            why = NO_FFI.get(platform, "the FFI staging handler is registered for cpu only")
+            raise RuntimeError(f"use_ffi=True but arrays live on {platform}: {why}")
+        if not single:
+            raise RuntimeError(
+                "use_ffi=True but the FFI path stages single-device JAX arrays; sharded or NumPy values take the "
+                "host or device path (use_ffi=None)"
+            )
         return "ffi"
-    for v in jax_values:
-        for shard in v.addressable_shards:
-            platform = getattr(shard.device, "platform", "cpu")
-            if platform != "cpu":
-                why = (
-                    "use_ffi=False" if use_ffi is False else (ffi_missing or "the FFI path needs single-device arrays")
-                )
-                raise RuntimeError(
-                    f"array on {shard.device} is not host-addressable and the FFI path is not taken ({why}); "
-                    "build the shim with FFI and pass use_ffi=None/True, or copy the arrays to host first"
-                )
-    return "host"
+    if use_ffi is None and ffi_built and single and platforms <= FFI_PLATFORMS:
+        return "ffi"
+    if platforms <= {"cpu"} and not any(_needs_cast(v, weight_dtype) for v in values):
+        return "host"
+    return "device"
+
+
+def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard]:
+    """The HostShards `host_shards` / `device_stream` will yield, with ArrayMeta instead of
+    bytes: the layout is planned before any byte moves."""
+    if isinstance(value, HostShard):
+        dt = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.data.dtype)
+        return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
+    dt = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.dtype)
+    if hasattr(value, "addressable_shards"):
+        return [
+            HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), _start(s.index, value.ndim))
+            for s in value.addressable_shards
+            if s.replica_id == 0
+        ]
+    shape = tuple(np.shape(value))
+    return [HostShard(name, ArrayMeta(shape, dt), shape, (0,) * len(shape))]
+
+
+def _start(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+    start = tuple(0 if sl.start is None else sl.start for sl in index)
+    return start + (0,) * (ndim - len(start))
+
+
+def device_stream(
+    items: Iterable[tuple[str, Any]], weight_dtype: str = "", window_bytes: int = DEFAULT_WINDOW_BYTES
+) -> Iterator[HostShard]:
+    """Host shards of `items` in order, with at most ~`window_bytes` of device-to-host
+    copies in flight ahead of the one being consumed.
+
+    A JAX array is cast on its device (if `weight_dtype` differs), then each replica-0
+    shard's `copy_to_host_async` is issued; the consumer gets the shard's host bytes when
+    its turn comes and the reference is dropped as soon as it asks for the next. Items
+    are pulled lazily, so a converter feeding this runs a window ahead, not a model ahead.
+    """
+    source = iter(items)
+    inflight: deque[tuple[HostShard, Any]] = deque()  # (metadata, device shard or host array)
+    inflight_bytes = 0
+    exhausted = False
+    while True:
+        while not exhausted and (not inflight or inflight_bytes < window_bytes):
+            try:
+                name, value = next(source)
+            except StopIteration:
+                exhausted = True
+                break
+            for meta, data in _issue(name, value, weight_dtype):
+                inflight.append((meta, data))
+                inflight_bytes += meta.data.nbytes
+            del value
+        if not inflight:
+            return
+        meta, data = inflight.popleft()
+        inflight_bytes -= meta.data.nbytes
+        host = _host_array(meta.name, data)
+        shard = HostShard(meta.name, host, meta.global_shape, meta.start)
+        del data, host
+        yield shard
+        del shard  # the consumer holds the only reference now; dropped when it moves on
+
+
+def _issue(name: str, value: Any, weight_dtype: str) -> list[tuple[HostShard, Any]]:
+    """Starts the transfers of one item's replica-0 shards (host values pass through)."""
+    if not hasattr(value, "addressable_shards"):
+        return [(s, s.data) for s in host_shards(name, value, weight_dtype)]
+    if weight_dtype and str(value.dtype) != weight_dtype:
+        value = value.astype(dtype_info(weight_dtype).numpy)  # on the device, this tensor only
+    out = []
+    for s in value.addressable_shards:
+        if s.replica_id != 0:
+            continue
+        data = s.data
+        data.copy_to_host_async()
+        meta = ArrayMeta(tuple(data.shape), np.dtype(data.dtype))
+        out.append((HostShard(name, meta, tuple(value.shape), _start(s.index, value.ndim)), data))
+    return out
+
+
+def _host_array(name: str, data: Any) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data
+    try:
+        return np.asarray(data)  # waits for this shard's transfer; zero-copy on CPU
+    except Exception as e:  # noqa: BLE001 - re-raised naming the parameter
+        raise InvalidArgument(f"cannot bring a shard to host memory: {e}", field=f"params[{name!r}]") from e
 
 
 def host_shards(name: str, value: Any, weight_dtype: str = "") -> list[HostShard]:
-    """Host shards of one parameter: NumPy arrays, HostShards, or JAX arrays (replica 0).
-
-    A JAX array contributes its addressable replica-0 shards, so each host of a
-    multi-host trainer publishes only what it owns.
+    """Host shards of one parameter: NumPy arrays, HostShards, or host-addressable JAX
+    arrays (their replica-0 shards, so each host of a multi-host trainer publishes only
+    what it owns). Views where no cast is needed; device arrays go through `device_stream`.
     """
+    cast = dtype_info(weight_dtype).numpy if weight_dtype else None
     if isinstance(value, HostShard):
-        data = value.data if not weight_dtype else value.data.astype(dtype_info(weight_dtype).numpy)
+        data = value.data if cast is None else value.data.astype(cast, copy=False)
         return [HostShard(name, data, value.global_shape, value.start)]
     if hasattr(value, "addressable_shards"):  # jax.Array
-        if weight_dtype and str(value.dtype) != weight_dtype:
-            value = value.astype(dtype_info(weight_dtype).numpy)
-        out = []
-        for shard in value.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            start = tuple(0 if sl.start is None else sl.start for sl in shard.index)
-            start = start + (0,) * (value.ndim - len(start))
-            try:
-                host = np.asarray(shard.data)  # zero-copy for CPU-resident arrays
-            except Exception as e:  # noqa: BLE001 - re-raised with the fix
-                raise InvalidArgument(
-                    f"shard on {shard.device} is not host-addressable ({e}); the native FFI path stages device "
-                    "buffers, or pass host copies as HostShard",
-                    field=f"params[{name!r}]",
-                ) from e
-            out.append(HostShard(name, host, tuple(value.shape), start))
-        return out
+        if cast is not None and value.dtype != cast:
+            value = value.astype(cast)
+        return [
+            HostShard(name, _host_array(name, s.data), tuple(value.shape), _start(s.index, value.ndim))
+            for s in value.addressable_shards
+            if s.replica_id == 0
+        ]
     arr = np.asarray(value)
-    if weight_dtype:
-        arr = arr.astype(dtype_info(weight_dtype).numpy, copy=False)
+    if cast is not None:
+        arr = arr.astype(cast, copy=False)
     return [HostShard(name, arr, tuple(arr.shape), (0,) * arr.ndim)]

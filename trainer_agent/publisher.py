@@ -21,9 +21,10 @@ from trainer_agent.chunk_server import (
     TrainerAgentServicer,
     add_trainer_agent_service,
 )
-from trainer_agent.params import choose_staging_path, host_shards
+from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.staging import HostShard, chunk_specs, plan_layout, stage_shards, stage_stream
+from trainer_agent.stage_plan import Stager, plan_staging
+from trainer_agent.staging import stage_streamed
 from weightsync import native
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.arena_files import reclaim_orphans
@@ -93,7 +94,7 @@ class WeightPublisher:
         self.last_path = ""
         self.generation = 0
         self.fenced_by = 0  # the newer generation that fenced this publisher
-        self._ffi: Any = None
+        self._stager = Stager(settings)
         self._started = self._closed = False
         self._resources = contextlib.ExitStack()  # closes what start() opened, in reverse
 
@@ -262,47 +263,17 @@ class WeightPublisher:
             raise InvalidArgument("must contain at least one tensor", field="params")
         key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
-        path = choose_staging_path(
-            list(params.values()),
-            self.settings.use_ffi,
-            ffi_built=native.ffi_available(),
-            ffi_missing=native.ffi_missing_reason(),
-        )
-        if path == "ffi":
-            from trainer_agent.ffi_staging import staged_meta
-
-            shards = [
-                HostShard(n, staged_meta(v, self.settings.weight_dtype), tuple(v.shape), (0,) * v.ndim)
-                for n, v in params.items()
-            ]
-        else:
-            shards = [s for name, value in params.items() for s in host_shards(name, value, self.settings.weight_dtype)]
-        layout = plan_layout(shards)
+        plan = plan_staging(params, self.settings)
+        layout = plan.layout
         claim_started = time.perf_counter()
         slot = self._claim_slot(version)  # may wait for leases: not staging time
         started += time.perf_counter() - claim_started
         if self.arena.ensure_slot_bytes(layout.total_bytes):
             for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
                 self.table.set(other, None)
-        if path == "ffi":
-            shard_specs, chunks = self._ffi_stager().stage(
-                self.arena.buffer(),
-                slot * self.arena.slot_bytes,
-                list(params.values()),
-                layout,
-                self.settings.chunk_bytes,
-                self.settings.weight_dtype,
-            )
-        else:
-            path = "native" if native.available() else "python"
-            shard_specs, chunks = stage_shards(
-                self.arena.slot(slot),
-                shards,
-                layout,
-                self.settings.chunk_bytes,
-                engine=path,
-                threads=self.settings.staging_threads,
-            )
+        path, shard_specs, chunks = self._stager.stage(
+            plan, params, self.arena.buffer(), slot * self.arena.slot_bytes, self.arena.slot(slot)
+        )
         stage_s = time.perf_counter() - started
         return self._seal(version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path)
 
@@ -335,10 +306,8 @@ class WeightPublisher:
             for other in range(self.arena.slots):
                 self.table.set(other, None)
         started = time.perf_counter()
-        buf = self.arena.slot(slot)
-        shards = (hs for name, value in items for hs in host_shards(name, value, self.settings.weight_dtype))
-        staged = stage_stream(buf, shards, self.settings.chunk_bytes)
-        chunks = chunk_specs(buf, staged.total_bytes, self.settings.chunk_bytes, staged.spans, staged.known)
+        stream = device_stream(items, self.settings.weight_dtype, self.settings.d2h_window_bytes)
+        staged, chunks = stage_streamed(self.arena.slot(slot), stream, self.settings.chunk_bytes)
         stage_s = time.perf_counter() - started
         path = "stream-native" if native.available() else "stream-python"
         return self._seal(
@@ -409,13 +378,6 @@ class WeightPublisher:
             slot,
         )
         return PublishResult(version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot)
-
-    def _ffi_stager(self) -> Any:
-        if self._ffi is None:
-            from trainer_agent.ffi_staging import FfiStager  # imports jax; host-only users skip it
-
-            self._ffi = FfiStager(self.settings.staging_threads)
-        return self._ffi
 
     def _claim_slot(self, version: int) -> int:
         """A slot to stage into: an empty one, else the oldest whose version is released.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer_agent.params import DEFAULT_WINDOW_BYTES
 from weightsync.config import ServerConfig, option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
@@ -61,6 +62,11 @@ class PublisherSettings(ServerConfig):
         "missing), false = through host pointers.",
     )
     staging_threads: int = option(0, "Threads of the native staging pass; 0 = every core.")
+    d2h_window_bytes: int = option(
+        DEFAULT_WINDOW_BYTES,
+        "Device arrays (and casts): bytes of device-to-host copies in flight ahead of staging; host memory "
+        "above the arena stays within about this.",
+    )
     timeout_s: float = option(30.0, "Deadline of each call to the coordinator.")
     slot_wait_s: float = option(60.0, "How long a publish waits for rollouts' leases to free the oldest slot.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
@@ -85,7 +91,7 @@ class PublisherSettings(ServerConfig):
             raise InvalidArgument(f"must be >= 1, got {self.world_size}", field="world_size")
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
-        for name in ("slots", "chunk_bytes"):
+        for name in ("slots", "chunk_bytes", "d2h_window_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"must be >= 1, got {getattr(self, name)}", field=name)
         for name in ("min_rollouts", "staging_threads", "slot_wait_s"):

@@ -8,6 +8,8 @@ shim is not built. The JAX FFI path lives in `trainer_agent.ffi_staging`.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +18,7 @@ import numpy as np
 from weightsync import native
 from weightsync.digests import float64_sum, piecewise_xxh3, xxh3
 from weightsync.dtypes import dtype_name_of, native_code
-from weightsync.errors import ResourceExhausted
+from weightsync.errors import InternalError, ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
 from weightsync.manifest import ChunkSpec, ShardSpec, TensorSpec
 
@@ -99,7 +101,18 @@ def stage_shards(
     Alignment gaps are zeroed so chunk digests depend only on the data. `engine` is
     "native", "python" or "auto" (native when built).
     """
-    chunks = layout.chunk_plan(chunk_bytes)
+    return _stage_fused(slot, shards, layout, layout.chunk_plan(chunk_bytes), chunk_bytes, engine, threads)
+
+
+def _stage_fused(
+    slot: np.ndarray,
+    shards: Sequence[HostShard],
+    layout: Layout,
+    chunks: Sequence[tuple[int, int]],
+    chunk_bytes: int,
+    engine: str,
+    threads: int,
+) -> tuple[list[ShardSpec], list[ChunkSpec]]:
     if engine == "native" or (engine == "auto" and native.available()):
         sources = []
         for s, off in zip(shards, layout.offsets):
@@ -109,6 +122,58 @@ def stage_shards(
         result = native.stage(slot, layout.total_bytes, lengths, chunk_bytes, sources, threads=threads)
         return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunks)
     return _stage_python(slot, shards, layout, chunks, chunk_bytes)
+
+
+def stage_batched(
+    slot: np.ndarray,
+    layout: Layout,
+    shards: Iterable[HostShard],
+    chunk_bytes: int,
+    *,
+    batch_bytes: int,
+    engine: str = "auto",
+    threads: int = 0,
+) -> tuple[list[ShardSpec], list[ChunkSpec]]:
+    """`stage_shards` for shards that arrive one by one (the device path): they are staged
+    in batches of about `batch_bytes`, each one fused pass over a run of whole chunks, and
+    released before the next batch arrives. Same bytes and specs as `stage_shards`.
+
+    Shards must come in layout order (InternalError otherwise).
+    """
+    chunks = layout.chunk_plan(chunk_bytes)
+    starts = [off for off, _ in chunks] + [layout.total_bytes]
+    shard_specs: list[ShardSpec] = []
+    chunk_specs_: list[ChunkSpec] = []
+    batch: list[tuple[int, HostShard]] = []
+    lo, held, last = 0, 0, len(layout.offsets) - 1
+    for i, hs in enumerate(shards):
+        if i > last or (hs.name, tuple(hs.start), tuple(hs.stop), hs.nbytes) != (*layout.boxes[i], layout.nbytes[i]):
+            raise InternalError(f"shard {i} ({hs.name!r} at {hs.start}) is not the one the layout planned there")
+        batch.append((i, hs))
+        held += hs.nbytes
+        end = layout.offsets[i] + layout.nbytes[i]
+        nxt = layout.offsets[i + 1] if i < last else layout.total_bytes
+        k = bisect.bisect_left(starts, end)
+        if k < len(starts) and starts[k] <= nxt and (held >= batch_bytes or i == last):
+            hi = starts[k]
+            first = bisect.bisect_left(starts, lo)
+            sub_chunks = [(off - lo, n) for off, n in chunks[first:k]]
+            sub = Layout(
+                tensors=(),
+                boxes=tuple(layout.boxes[j] for j, _ in batch),
+                nbytes=tuple(layout.nbytes[j] for j, _ in batch),
+                offsets=tuple(layout.offsets[j] - lo for j, _ in batch),
+                total_bytes=hi - lo,
+            )
+            view = slot[lo:hi]
+            view[end - lo :] = 0  # padding up to the chunk boundary (the next shard's alignment)
+            specs, cspecs = _stage_fused(view, [s for _, s in batch], sub, sub_chunks, chunk_bytes, engine, threads)
+            shard_specs += [dataclasses.replace(s, offset=s.offset + lo) for s in specs]
+            chunk_specs_ += [ChunkSpec(first + c.index, c.offset + lo, c.length, c.xxh3) for c in cspecs]
+            batch, held, lo = [], 0, hi
+    if batch or lo != layout.total_bytes:
+        raise InternalError(f"the stream ended after {len(shard_specs)} of {len(layout.offsets)} planned shards")
+    return shard_specs, chunk_specs_
 
 
 def stage_one(
@@ -177,6 +242,15 @@ def stage_stream(
         del arr, hs
     out.total_bytes = cursor
     return out
+
+
+def stage_streamed(
+    slot: np.ndarray, shards: Iterable[HostShard], chunk_bytes: int
+) -> tuple[StreamStaged, list[ChunkSpec]]:
+    """`stage_stream`, then the chunks the shards' own pieces did not cover, hashed in one
+    read pass: what a publish of a stream of unknown length stages."""
+    staged = stage_stream(slot, shards, chunk_bytes)
+    return staged, chunk_specs(slot, staged.total_bytes, chunk_bytes, staged.spans, staged.known)
 
 
 def chunk_specs(

@@ -56,24 +56,30 @@ def _jax_like(platform: str) -> SimpleNamespace:
     return SimpleNamespace(addressable_shards=[shard], shape=(2,), ndim=1, dtype=np.float32)
 
 
-def test_use_ffi_contract() -> None:
-    arrays = [jnp.ones(3), jnp.zeros(2)]
-    assert choose_staging_path(arrays, None, ffi_built=True, ffi_missing="") == "ffi"
-    assert choose_staging_path(arrays, None, ffi_built=False, ffi_missing="not built") == "host"
-    assert choose_staging_path(arrays, False, ffi_built=True, ffi_missing="") == "host"
-    assert choose_staging_path(arrays, True, ffi_built=True, ffi_missing="") == "ffi"
-    assert choose_staging_path([np.ones(3)], None, ffi_built=True, ffi_missing="") == "host"
-    with pytest.raises(
-        RuntimeError, match="use_ffi=True but the FFI staging handler is unavailable: lib was built without"
-    ):
-        choose_staging_path(arrays, True, ffi_built=False, ffi_missing="lib was built without the JAX FFI handler")
-    # device-resident arrays never silently take a slow host path
-    with pytest.raises(RuntimeError, match="not host-addressable.*use_ffi=False"):
-        choose_staging_path([_jax_like("tpu")], False, ffi_built=True, ffi_missing="")
-    with pytest.raises(RuntimeError, match="not host-addressable.*make native"):
-        choose_staging_path(
-            [_jax_like("tpu")], None, ffi_built=False, ffi_missing="missing; build it with `make native`"
-        )
+def test_use_ffi_contract_per_platform() -> None:
+    def path(values: list, use_ffi: bool | None, built: bool = True, dtype: str = "") -> str:
+        return choose_staging_path(values, use_ffi, ffi_built=built, ffi_missing="not built", weight_dtype=dtype)
+
+    arrays = [jnp.ones(3), jnp.zeros(2)]  # single-device CPU
+    assert path(arrays, None) == "ffi" and path(arrays, True) == "ffi"
+    assert path(arrays, None, built=False) == "host" and path(arrays, False) == "host"
+    assert path(arrays, False, dtype="bfloat16") == "device"  # the cast runs on the device, tensor by tensor
+    assert path([np.ones(3)], None) == "host"
+    assert path([np.ones(3, np.float32)], None, dtype="bfloat16") == "device"  # never a whole cast copy
+    assert path([np.ones(3, np.float32)], None, dtype="float32") == "host"
+    with pytest.raises(RuntimeError, match="use_ffi=True but the FFI staging handler is unavailable: not built"):
+        path(arrays, True, built=False)
+    with pytest.raises(RuntimeError, match="single-device"):
+        path([np.ones(3)], True)
+    # accelerator arrays: the device path, or FFI refused naming the platform's reason
+    for platform in ("tpu", "cuda"):
+        assert path([_jax_like(platform)], None) == "device"
+        assert path([_jax_like(platform)], False) == "device"
+        assert path([_jax_like(platform)], None, built=False) == "device"
+    with pytest.raises(RuntimeError, match="tpu: XLA TPU custom calls are not open to user code"):
+        path([_jax_like("tpu")], True)
+    with pytest.raises(RuntimeError, match="cuda: the FFI staging handler is registered for cpu only"):
+        path([_jax_like("cuda")], True)
 
 
 def test_publisher_use_ffi_true_without_handler_fails_before_connecting(monkeypatch: pytest.MonkeyPatch) -> None:

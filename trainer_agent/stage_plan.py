@@ -1,0 +1,85 @@
+"""How one publish stages its parameters: the path (`params.choose_staging_path`), the
+layout planned before a slot is claimed, and the staging run into that slot."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainer_agent.params import choose_staging_path, device_stream, host_shards, shard_metas
+from trainer_agent.settings import PublisherSettings
+from trainer_agent.staging import HostShard, Layout, plan_layout, stage_batched, stage_shards
+from weightsync import native
+from weightsync.manifest import ChunkSpec, ShardSpec
+
+
+@dataclass
+class StagePlan:
+    """A publish's path and layout; `shards` hold host bytes on the host path only."""
+
+    path: str  # "ffi", "host" or "device"
+    layout: Layout
+    shards: list[HostShard]
+
+
+def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> StagePlan:
+    """The path for these params and their layout (no byte moves on the ffi and device paths)."""
+    dtype = settings.weight_dtype
+    path = choose_staging_path(
+        list(params.values()),
+        settings.use_ffi,
+        ffi_built=native.ffi_available(),
+        ffi_missing=native.ffi_missing_reason(),
+        weight_dtype=dtype,
+    )
+    if path == "ffi":
+        from trainer_agent.ffi_staging import staged_meta
+
+        shards = [HostShard(n, staged_meta(v, dtype), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
+    elif path == "device":  # planned from shapes; the bytes move through the window later
+        shards = [s for name, value in params.items() for s in shard_metas(name, value, dtype)]
+    else:
+        shards = [s for name, value in params.items() for s in host_shards(name, value, dtype)]
+    return StagePlan(path, plan_layout(shards), shards)
+
+
+@dataclass
+class Stager:
+    """Runs a StagePlan into an arena slot; keeps the FFI call compiled between publishes."""
+
+    settings: PublisherSettings
+    _ffi: Any = field(default=None, repr=False)
+
+    def stage(
+        self, plan: StagePlan, params: Mapping[str, Any], arena: np.ndarray, slot_offset: int, slot: np.ndarray
+    ) -> tuple[str, list[ShardSpec], list[ChunkSpec]]:
+        """(the path as logged, shard specs, chunk specs) of staging `params` into `slot`
+        (at `slot_offset` of the whole `arena`, which the FFI call addresses)."""
+        s = self.settings
+        if plan.path == "ffi":
+            specs, chunks = self._ffi_stager().stage(
+                arena, slot_offset, list(params.values()), plan.layout, s.chunk_bytes, s.weight_dtype
+            )
+            return "ffi", specs, chunks
+        if plan.path == "device":  # half the window in flight, half landed and waiting for its fused pass
+            half = max(1, s.d2h_window_bytes // 2)
+            stream = device_stream(params.items(), s.weight_dtype, half)
+            specs, chunks = stage_batched(
+                slot, plan.layout, stream, s.chunk_bytes, batch_bytes=half, threads=s.staging_threads
+            )
+            return "device", specs, chunks
+        engine = "native" if native.available() else "python"
+        specs, chunks = stage_shards(
+            slot, plan.shards, plan.layout, s.chunk_bytes, engine=engine, threads=s.staging_threads
+        )
+        return engine, specs, chunks
+
+    def _ffi_stager(self) -> Any:
+        if self._ffi is None:
+            from trainer_agent.ffi_staging import FfiStager  # imports jax; host-only users skip it
+
+            self._ffi = FfiStager(self.settings.staging_threads)
+        return self._ffi
