@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
@@ -16,7 +15,7 @@ import grpc
 
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.fleet_metrics import FleetCollector
-from coordinator.handshake import AppliedReport
+from coordinator.messages import agent_info, applied_report, endpoint_proto, handshake_info, role_name, version_info
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, VersionRecord
 from coordinator.states import VersionState
@@ -27,19 +26,17 @@ from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
-from weightsync.manifest import Aggregates, Endpoint, Manifest
+from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range
 from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
-from weightsync.validation import check_address, check_agent_id, check_session_name, check_tensor_name, check_version
+from weightsync.validation import check_address, check_session_name, check_version
 from weightsync.wire import (
     PartBuilder,
     endpoint_from_proto,
-    endpoint_to_proto,
     manifest_batches,
     part_to_proto,
-    timestamp,
 )
 
 log = logging.getLogger(__name__)
@@ -49,48 +46,6 @@ STORE_WAIT_S = 0.25  # how long a short store call waits on the loop for a busy 
 BURST_CALLS = 2
 MANIFEST_BODIES = 4  # versions whose reader-independent pieces are kept built
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
-
-
-def version_info(rec: VersionRecord) -> tpb.VersionInfo:
-    return tpb.VersionInfo(
-        session=rec.session,
-        version=rec.version,
-        state=tpb.VersionState.Value(rec.state.value),
-        generation=rec.generation,
-        manifest_digest=rec.manifest_digest,
-        total_bytes=rec.total_bytes,
-        sealed_ranks=rec.sealed_ranks,
-        trainer_ranks=rec.trainer_ranks,
-        created_at=timestamp(rec.created_at),
-        ready_at=timestamp(rec.ready_at),
-        committed_at=timestamp(rec.committed_at),
-        reason=rec.reason,
-        leases=rec.leases,
-        stage_seconds=rec.stage_seconds,
-    )
-
-
-def timings_to_proto(t: dict[str, float]) -> pb.Timings:
-    return pb.Timings(
-        pull_seconds=t.get("pull_seconds", 0.0),
-        verify_seconds=t.get("verify_seconds", 0.0),
-        apply_seconds=t.get("apply_seconds", 0.0),
-        total_seconds=t.get("total_seconds", 0.0),
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _endpoint_proto(e: Endpoint) -> tpb.Endpoint:
-    """Shared, never mutated: message constructors copy it into each AgentInfo."""
-    return endpoint_to_proto(e)
-
-
-def _role(value: int) -> str:
-    try:
-        return ROLE_NAMES[value]
-    except KeyError:
-        raise InvalidArgument(f"must be TRAINER or ROLLOUT, got enum {value}", field="role") from None
 
 
 @dataclass(frozen=True)
@@ -199,7 +154,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return False
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
-        role = _role(request.role)
+        role = role_name(request.role)
         if len(request.incarnation) > 128:
             raise InvalidArgument("longer than 128 characters", field="incarnation")
         s, created = self._store.open_session(
@@ -226,7 +181,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def RegisterAgent(
         self, request: pb.RegisterAgentRequest, context: grpc.ServicerContext
     ) -> pb.RegisterAgentResponse:
-        role = _role(request.role)
+        role = role_name(request.role)
         if request.endpoint.address:
             check_address(request.endpoint.address, "endpoint.address")
         if request.endpoint.tcp_address:
@@ -352,7 +307,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.agent_id:  # leased readers only: they may read chunks over tcp / relays
             header.access_token = self._store.tokens.access_token(request.session, rec.version)
             header.relay_chain.extend(
-                pb.RelayPeer(agent_id=a.agent_id, endpoint=_endpoint_proto(a.endpoint))
+                pb.RelayPeer(agent_id=a.agent_id, endpoint=endpoint_proto(a.endpoint))
                 for a in self._store.relay_chain(request.session)
             )
         return [pb.ManifestPiece(header=header), *body.batches]
@@ -393,33 +348,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _report_applied(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
         if len(request.tensors) > LOOP_REPORT_TENSORS and self._store.db.is_nonblocking():
             raise NotOnLoop  # checking every tensor's name and digest is long for a large model
-        check_agent_id(request.agent_id)
-        if len(request.consumed_names) > self._store.limits.max_tensors:
-            raise InvalidArgument(f"more than {self._store.limits.max_tensors} names", field="consumed_names")
-        for i, name in enumerate(request.consumed_names):
-            check_tensor_name(name, f"consumed_names[{i}]")
-        digests: dict[str, tuple[int, float]] = {}
-        for i, t in enumerate(request.tensors):
-            check_tensor_name(t.name, f"tensors[{i}].name")
-            if t.name in digests:
-                raise InvalidArgument(f"duplicate digest for {t.name!r}", field=f"tensors[{i}].name")
-            digests[t.name] = (t.xxh3, t.sum)
-        report = AppliedReport(
-            manifest_digest=request.manifest_digest,
-            tensor_digests=digests,
-            aggregates=Aggregates(
-                request.aggregates.grand_total, request.aggregates.tensor_count, request.aggregates.element_count
-            ),
-            consumed_names=tuple(request.consumed_names),
-            timings={
-                "pull_seconds": request.timings.pull_seconds,
-                "verify_seconds": request.timings.verify_seconds,
-                "apply_seconds": request.timings.apply_seconds,
-                "total_seconds": request.timings.total_seconds,
-            },
-            bytes_pulled=request.bytes_pulled,
-            local_error=request.local_error[:2000],
-        )
+        report = applied_report(request, self._store.limits)
         outcome = self._store.report_applied(request.session, request.version, request.agent_id, report)
         if report.local_error:
             # Recorded as a failed handshake, but no digest differed: the rollout failed on its
@@ -435,6 +364,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}"
             )
         self._metrics.handshakes.labels(session=request.session, outcome="ok").inc()
+        if report.timings["pause_seconds"]:
+            self._metrics.pause_seconds.labels(session=request.session).observe(report.timings["pause_seconds"])
+        if report.timings["ready_to_serving_seconds"]:
+            self._metrics.ready_to_serving_seconds.labels(session=request.session).observe(
+                report.timings["ready_to_serving_seconds"]
+            )
         return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -458,31 +393,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             trainer_ranks=s.trainer_ranks,
             min_rollouts=s.min_rollouts,
             versions=[version_info(v) for v in versions],
-            agents=[
-                pb.AgentInfo(
-                    agent_id=a.agent_id,
-                    role=tpb.Role.Value(a.role),
-                    endpoint=_endpoint_proto(a.endpoint),
-                    rank=a.rank,
-                    alive=a.alive,
-                    lease_expires_at=timestamp(a.lease_expires_at),
-                    current_version=a.current_version,
-                    generation=a.generation,
-                )
-                for a in agents
-            ],
-            handshakes=[
-                pb.HandshakeInfo(
-                    version=r.version,
-                    agent_id=r.agent_id,
-                    ok=r.ok,
-                    mismatch=r.mismatch,
-                    timings=timings_to_proto(r.timings),
-                    bytes_pulled=r.bytes_pulled,
-                    reported_at=timestamp(r.reported_at),
-                )
-                for r in reports
-            ],
+            agents=[agent_info(a) for a in agents],
+            handshakes=[handshake_info(r) for r in reports],
             parts=[part_to_proto(p) for p in parts],
             event_seq=seq,
         )

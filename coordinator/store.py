@@ -7,8 +7,6 @@ manifest cache's.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import secrets
 import sqlite3
@@ -29,6 +27,7 @@ from coordinator.records import (
     SessionRecord,
     VersionRecord,
 )
+from coordinator.rows import agent_record, fleet_gauges, report_records, version_record
 from coordinator.states import VersionState
 from coordinator.tokens import TokenKeys
 from coordinator.versions import VersionLifecycle, check_generation
@@ -315,7 +314,7 @@ class SessionStore(VersionLifecycle):
                 "AND json_extract(endpoint, '$.tcp_address')!='' ORDER BY rank, agent_id",
                 (session, self.lease_ttl_s, fresh_after),
             ).fetchall()
-            return [_agent_record(r, self._clock()) for r in rows]
+            return [agent_record(r, self._clock()) for r in rows]
 
     def _live_agents(self, db: sqlite3.Connection, session: str, role: str) -> list[str]:
         rows = db.execute(
@@ -359,32 +358,9 @@ class SessionStore(VersionLifecycle):
             return retention.database_bytes(db)
 
     def fleet_gauges(self) -> list[FleetGauges]:
-        """Agents alive and expired by role, leases held and the newest published and
-        committed versions, per session: three grouped reads (a scrape's cost)."""
+        """Per session: agents alive and expired, leases, newest published and committed."""
         with self._read() as db:
-            now = self._clock()
-            sessions = {r[0]: FleetGauges(r[0], {}, 0, 0, 0) for r in db.execute("SELECT name FROM sessions")}
-            for r in db.execute(
-                "SELECT session, role, lease_expires_at>=? AS alive, COUNT(*) FROM agents GROUP BY 1, 2, 3", (now,)
-            ):
-                if r[0] in sessions:
-                    sessions[r[0]].agents[(r[1].lower(), bool(r[2]))] = r[3]
-            leases = dict(db.execute("SELECT session, COUNT(*) FROM leases GROUP BY session").fetchall())
-            newest = db.execute(
-                "SELECT session, MAX(CASE WHEN state!=? THEN version ELSE 0 END), "
-                "MAX(CASE WHEN state=? THEN version ELSE 0 END) FROM versions GROUP BY session",
-                (S.STAGING.value, S.COMMITTED.value),
-            ).fetchall()
-        published = {r[0]: (r[1] or 0, r[2] or 0) for r in newest}
-        return [
-            dataclasses.replace(
-                g,
-                leases=leases.get(name, 0),
-                published=published.get(name, (0, 0))[0],
-                committed=published.get(name, (0, 0))[1],
-            )
-            for name, g in sessions.items()
-        ]
+            return fleet_gauges(db, self._clock())
 
     # -- reads --------------------------------------------------------------------
     def version(self, session: str, version: int) -> VersionRecord:
@@ -396,27 +372,9 @@ class SessionStore(VersionLifecycle):
         row = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
         if row is None:
             raise VersionNotFound(f"version {version} of session {session!r} not found")
-        agg = db.execute(retention.PART_SUMMARY_SQL, (session, version)).fetchone()
-        s = self._session(db, session)
-        if row["pruned"]:  # its parts are gone: the summary kept when they went
-            agg = {"b": row["pruned_bytes"], "n": row["pruned_ranks"], "st": row["pruned_stage_seconds"]}
-        return VersionRecord(
-            session=session,
-            version=version,
-            state=VersionState(row["state"]),
-            generation=row["generation"],
-            chunk_bytes=row["chunk_bytes"],
-            manifest_digest=row["manifest_digest"],
-            created_at=row["created_at"],
-            ready_at=row["ready_at"],
-            committed_at=row["committed_at"],
-            reason=row["reason"],
-            total_bytes=agg["b"],
-            sealed_ranks=agg["n"],
-            trainer_ranks=s.trainer_ranks,
-            leases=self._lease_count(db, session, version),
-            stage_seconds=agg["st"],
-        )
+        parts = db.execute(retention.PART_SUMMARY_SQL, (session, version)).fetchone()
+        trainer_ranks = self._session(db, session).trainer_ranks
+        return version_record(row, parts, trainer_ranks, self._lease_count(db, session, version))
 
     def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:
         """Newest first."""
@@ -438,10 +396,10 @@ class SessionStore(VersionLifecycle):
         now = self._clock()
         with self._read() as db:
             self._session(db, session)
-            rows = db.execute(
+            found = db.execute(
                 "SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
             ).fetchall()
-            return [_agent_record(r, now) for r in rows]
+            return [agent_record(r, now) for r in found]
 
     def reports(self, session: str, versions: list[int]) -> list[ReportRecord]:
         check_session_name(session)
@@ -449,25 +407,12 @@ class SessionStore(VersionLifecycle):
             return []
         with self._read() as db:
             marks = ",".join("?" * len(versions))
-            rows = db.execute(
-                f"SELECT * FROM reports WHERE session=? AND version IN ({marks}) ORDER BY version DESC, agent_id",
-                (session, *versions),
-            ).fetchall()
-        out = []
-        for r in rows:
-            body = json.loads(r["body"])
-            out.append(
-                ReportRecord(
-                    r["version"],
-                    r["agent_id"],
-                    bool(r["ok"]),
-                    r["mismatch"],
-                    body["timings"],
-                    body["bytes_pulled"],
-                    r["reported_at"],
+            return report_records(
+                db.execute(
+                    f"SELECT * FROM reports WHERE session=? AND version IN ({marks}) ORDER BY version DESC, agent_id",
+                    (session, *versions),
                 )
             )
-        return out
 
     def events_since(self, session: str, seq: int, limit: int = 256) -> list[Event]:
         """Version events after seq, oldest first (for WatchVersions replay)."""
@@ -484,22 +429,3 @@ class SessionStore(VersionLifecycle):
         """(seq, version, state at that event) after seq: the raw event log."""
         with self._read() as db:
             return events.states_since(db, session, seq)
-
-
-@functools.lru_cache(maxsize=4096)
-def _endpoint(text: str) -> Endpoint:
-    """Endpoints rarely change and a fleet's status lists them all: parse each text once."""
-    return Endpoint.from_dict(json.loads(text))
-
-
-def _agent_record(r: sqlite3.Row, now: float) -> AgentRecord:
-    return AgentRecord(
-        agent_id=r["agent_id"],
-        role=r["role"],
-        endpoint=_endpoint(r["endpoint"]),
-        rank=r["rank"],
-        lease_expires_at=r["lease_expires_at"],
-        current_version=r["current_version"],
-        alive=r["lease_expires_at"] >= now,
-        generation=r["generation"],
-    )

@@ -90,6 +90,7 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
     hs = [h for h in handshakes if h.version == version.version]
     pull = max((h.timings.pull_seconds for h in hs), default=0.0)
     apply = max((h.timings.apply_seconds for h in hs), default=0.0)
+    pause = max((h.timings.pause_seconds for h in hs), default=0.0)  # the engine could not serve
     gbps = [h.bytes_pulled / h.timings.pull_seconds / 1e9 for h in hs if h.timings.pull_seconds > 0]
     return {
         "version": version.version,
@@ -98,6 +99,7 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
         "stage_s": round(version.stage_seconds, 4),
         "pull_s": round(pull, 4),
         "apply_s": round(apply, 4),
+        "pause_s": round(pause, 4),
         "pull_gbps": round(sum(gbps) / len(gbps), 3) if gbps else 0.0,
         "handshakes_ok": sum(h.ok for h in hs),
         "handshakes": len(hs),
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                             console.print(
                                 f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
                                 f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
+                                f"pause {row['pause_s']:.3f}s  "
                                 f"{row['pull_gbps']:.2f} GB/s  handshake "
                                 + (
                                     f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]"
@@ -235,7 +238,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "per_step": [
             {
                 k: r[k]
-                for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pull_gbps", "completions")
+                for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pause_s", "pull_gbps", "completions")
                 if k in r
             }
             for r in rows

@@ -17,6 +17,7 @@ from weightsync.errors import TRANSIENT_ERRORS, DataLoss, DigestMismatch, Invali
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
+from weightsync.wire import unix_seconds
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def sync_version(
     failpoints: Failpoints | None = None,
     metrics: Metrics | None = None,
     outbox: ReportOutbox | None = None,
+    engine_blocked: bool = False,
 ) -> SyncResult:
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
@@ -74,6 +76,11 @@ def sync_version(
     The handshake carries digests over the tensors handed to the applier. A handshake
     the coordinator could not be reached with goes to `outbox`, which sends it again
     until the coordinator answers (`handshake_pending`; without an outbox it is lost).
+
+    The handshake's `pause_seconds` is how long the engine could not serve: the apply
+    (atomic) or the whole streamed apply, or, with `engine_blocked` (the caller holds the
+    engine for the whole call, as vLLM's `update_weights` does), the whole round;
+    `ready_to_serving_seconds` runs from the version's READY to the new weights serving.
 
     Raises:
         WeightsyncError: the manifest could not be fetched (nothing was applied).
@@ -92,9 +99,16 @@ def sync_version(
     progress = _Progress()
     try:
         if apply_mode == "streaming":
+            t0 = time.perf_counter()
             _apply_streaming(puller, applier, puller.plan(header), manifest, progress, result, timings)
+            timings["pause_seconds"] = time.perf_counter() - t0
         else:
             _apply_atomic(puller, applier, header, manifest, progress, result, timings, failpoints)
+            timings["pause_seconds"] = timings["apply_seconds"]
+        if engine_blocked:
+            timings["pause_seconds"] = time.perf_counter() - started
+        if header.version.HasField("ready_at"):
+            timings["ready_to_serving_seconds"] = max(0.0, time.time() - unix_seconds(header.version.ready_at))
         report.consumed_names.extend(progress.consumed)
     except WeightsyncError as e:
         report.local_error = e.message

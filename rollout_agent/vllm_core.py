@@ -67,6 +67,7 @@ class VllmRollout:
             apply_mode=self.info.apply_mode,
             failpoints=w.failpoints,
             outbox=w.outbox,
+            engine_blocked=True,  # update_weights / collective_rpc hold the engine for the round
         )
         self.last = result
         if result.ok:

@@ -41,6 +41,8 @@ class Metrics:
     ready_to_commit_seconds: Histogram
     sync_failures: Counter
     chunk_retries: Counter
+    pause_seconds: Histogram
+    ready_to_serving_seconds: Histogram
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
@@ -135,6 +137,20 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "transient (a source or the coordinator unreachable), local (this process failed to apply), "
             "mismatch (the coordinator's digests differ), refused (the handshake was refused).",
             ["role", "session", "reason"],
+            registry=registry,
+        ),
+        pause_seconds=Histogram(
+            "weightsync_pause_seconds",
+            "Per OK handshake: how long the rollout's engine could not serve because of the round.",
+            ["session"],
+            buckets=PHASE_BUCKETS_S,
+            registry=registry,
+        ),
+        ready_to_serving_seconds=Histogram(
+            "weightsync_ready_to_serving_seconds",
+            "Per OK handshake: from the version's READY to the new weights serving at the rollout.",
+            ["session"],
+            buckets=PHASE_BUCKETS_S,
             registry=registry,
         ),
         chunk_retries=Counter(

@@ -62,6 +62,10 @@ def test_a_failing_rollout_and_a_partial_version_move_the_metrics_alerts_read(cl
     assert metric_value(c, "weightsync_handshakes_total", session="job", outcome="local_error") == 1
     assert metric_value(c, "weightsync_digest_failures_total", role="coordinator") == 0
     assert metric_value(c, "weightsync_ready_to_commit_seconds_count", session="job") == 1
+    # the OK handshake carried the engine's pause and READY -> serving
+    assert metric_value(c, "weightsync_pause_seconds_count", session="job") == 1
+    assert metric_value(c, "weightsync_ready_to_serving_seconds_count", session="job") == 1
+    assert 0 < metric_value(c, "weightsync_ready_to_serving_seconds_sum", session="job") < 60
     assert metric_value(c, "weightsync_session_version", session="job", kind="published") == 1
     assert metric_value(c, "weightsync_session_version", session="job", kind="committed") == 0
     assert metric_value(c, "weightsync_agents", session="job", role="rollout", state="alive") == 2

@@ -194,3 +194,26 @@ def test_a_publisher_that_cannot_start_releases_what_it_opened(
         pub.publish(_params(0), 1)
     with CoordinatorClient(inprocess_coordinator.address) as client:
         assert [a.agent_id for a in client.status("job").agents] == []  # registered nothing
+
+
+def test_handshakes_carry_the_engines_pause_and_ready_to_serving(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0")
+        pub.publish(_params(1), 1)
+        alone = sync_version(puller, DictApplier(), 1)  # a sidecar: the engine waits only for the apply
+        pub.publish(_params(2), 2)
+        held = sync_version(puller, DictApplier(), 2, engine_blocked=True)  # vLLM: held for the round
+        puller.close()
+        assert alone.ok and held.ok
+        assert alone.timings["pause_seconds"] == alone.timings["apply_seconds"]
+        t = held.timings
+        assert t["pause_seconds"] >= t["pull_seconds"] + t["verify_seconds"] + t["apply_seconds"]
+        assert 0 < t["ready_to_serving_seconds"] < 60
+        hs = {h.version: h for h in client.status("job").handshakes}
+        assert hs[2].timings.pause_seconds == pytest.approx(t["pause_seconds"])
+        assert hs[1].timings.ready_to_serving_seconds > 0
+    client.close()

@@ -229,16 +229,20 @@ class TensorDigest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., xxh3: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("pull_seconds", "verify_seconds", "apply_seconds", "total_seconds")
+    __slots__ = ("pull_seconds", "verify_seconds", "apply_seconds", "total_seconds", "pause_seconds", "ready_to_serving_seconds")
     PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_TO_SERVING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     pull_seconds: float
     verify_seconds: float
     apply_seconds: float
     total_seconds: float
-    def __init__(self, pull_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+    pause_seconds: float
+    ready_to_serving_seconds: float
+    def __init__(self, pull_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., ready_to_serving_seconds: _Optional[float] = ...) -> None: ...
 
 class ReportAppliedRequest(_message.Message):
     __slots__ = ("session", "version", "agent_id", "manifest_digest", "tensors", "aggregates", "consumed_names", "timings", "bytes_pulled", "local_error")

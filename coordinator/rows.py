@@ -1,0 +1,90 @@
+"""SQLite rows as the store's records, and the grouped reads behind the fleet gauges."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from coordinator.records import AgentRecord, FleetGauges, ReportRecord, VersionRecord
+from coordinator.states import VersionState
+from weightsync.manifest import Endpoint
+
+
+def version_record(row: sqlite3.Row, parts: Mapping[str, Any], trainer_ranks: int, leases: int) -> VersionRecord:
+    """A versions row; `parts` the part summary (bytes "b", ranks "n", stage seconds "st"),
+    replaced by the summary the row kept when its parts were pruned."""
+    if row["pruned"]:
+        parts = {"b": row["pruned_bytes"], "n": row["pruned_ranks"], "st": row["pruned_stage_seconds"]}
+    return VersionRecord(
+        session=row["session"],
+        version=row["version"],
+        state=VersionState(row["state"]),
+        generation=row["generation"],
+        chunk_bytes=row["chunk_bytes"],
+        manifest_digest=row["manifest_digest"],
+        created_at=row["created_at"],
+        ready_at=row["ready_at"],
+        committed_at=row["committed_at"],
+        reason=row["reason"],
+        total_bytes=parts["b"],
+        sealed_ranks=parts["n"],
+        trainer_ranks=trainer_ranks,
+        leases=leases,
+        stage_seconds=parts["st"],
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _endpoint(text: str) -> Endpoint:
+    """Endpoints rarely change and a fleet's status lists them all: parse each text once."""
+    return Endpoint.from_dict(json.loads(text))
+
+
+def agent_record(r: sqlite3.Row, now: float) -> AgentRecord:
+    return AgentRecord(
+        agent_id=r["agent_id"],
+        role=r["role"],
+        endpoint=_endpoint(r["endpoint"]),
+        rank=r["rank"],
+        lease_expires_at=r["lease_expires_at"],
+        current_version=r["current_version"],
+        alive=r["lease_expires_at"] >= now,
+        generation=r["generation"],
+    )
+
+
+def report_records(rows: Iterable[sqlite3.Row]) -> list[ReportRecord]:
+    out = []
+    for r in rows:
+        body = json.loads(r["body"])
+        out.append(
+            ReportRecord(
+                r["version"], r["agent_id"], bool(r["ok"]), r["mismatch"], body["timings"], body["bytes_pulled"],
+                r["reported_at"],
+            )
+        )  # fmt: skip
+    return out
+
+
+def fleet_gauges(db: sqlite3.Connection, now: float) -> list[FleetGauges]:
+    """Agents alive and expired by role, leases held, and the newest published (past
+    STAGING) and committed versions, per session: three grouped reads."""
+    gauges = {r[0]: FleetGauges(r[0], {}, 0, 0, 0) for r in db.execute("SELECT name FROM sessions")}
+    for r in db.execute(
+        "SELECT session, role, lease_expires_at>=? AS alive, COUNT(*) FROM agents GROUP BY 1, 2, 3", (now,)
+    ):
+        if r[0] in gauges:
+            gauges[r[0]].agents[(r[1].lower(), bool(r[2]))] = r[3]
+    leases = dict(db.execute("SELECT session, COUNT(*) FROM leases GROUP BY session").fetchall())
+    newest = {
+        r[0]: (r[1] or 0, r[2] or 0)
+        for r in db.execute(
+            "SELECT session, MAX(CASE WHEN state!=? THEN version ELSE 0 END), "
+            "MAX(CASE WHEN state=? THEN version ELSE 0 END) FROM versions GROUP BY session",
+            (VersionState.STAGING.value, VersionState.COMMITTED.value),
+        )
+    }
+    return [FleetGauges(name, g.agents, leases.get(name, 0), *newest.get(name, (0, 0))) for name, g in gauges.items()]
