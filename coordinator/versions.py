@@ -211,6 +211,13 @@ class VersionLifecycle:
                 f"AND {_LIVE_ROLLOUT.format(agent='?4')}",
                 (rec.session, rec.version, self._clock(), agent_id, *[s.value for s in SERVABLE]),
             ).fetchall()
+            # A rollout reads one version at a time: leasing a newer one ends its older leases
+            # (a prefetch abandoned for a newer version frees the trainer's slot at once).
+            db.execute(
+                "DELETE FROM leases WHERE session=? AND agent_id=? AND version<? "
+                "AND EXISTS (SELECT 1 FROM leases WHERE session=? AND agent_id=? AND version=?)",
+                (rec.session, agent_id, rec.version, rec.session, agent_id, rec.version),
+            )
             self._renew(db, rec.session, agent_id)
         with self._read() as db:
             rec = self._version(db, rec.session, rec.version)

@@ -9,14 +9,13 @@ from collections.abc import Callable
 
 import grpc
 
+from rollout_agent.follow import SERVABLE_STATES, follow_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
-from weightsync import version_states
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
-from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, VersionNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
@@ -24,7 +23,6 @@ from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutAgent"].full_name
-SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)
 
 
 class RolloutAgent:
@@ -180,25 +178,7 @@ class RolloutAgent:
 
     def _watch_loop(self) -> None:
         """Learns of servable versions: the newest on (re)connect, then each new one."""
-        seq = -1
-        while not self._stop.is_set():
-            try:
-                if seq < 0:  # (re)connect: no replay of history, just the newest version
-                    st = self.client.status(self.session, 1)
-                    seq = st.event_seq
-                    if st.versions and st.versions[0].state in SERVABLE_STATES:
-                        self._want(st.versions[0].version)
-                for ev in self.client.watch(self.session, seq):
-                    seq = ev.seq
-                    if self._stop.is_set():
-                        return
-                    if ev.version.state in SERVABLE_STATES:
-                        self._want(ev.version.version)
-            except WeightsyncError as e:
-                if not self._stop.is_set():
-                    log.warning("watch interrupted (%s); reconnecting", e)
-                    seq = -1
-                    self._stop.wait(0.5)
+        follow_servable(self.client, self.session, self._want, self._stop)
 
     def _follow_loop(self) -> None:
         """Syncs the newest wanted version until it is applied or given up on."""

@@ -59,6 +59,11 @@ class SyncSettings(PeerConfig):
         "(bounded memory, not atomic).",
         choices=list(APPLY_MODES),
     )
+    prefetch: bool = option(
+        True,
+        "vLLM engines: pull and verify each new servable version in the background while the engine serves; "
+        "an update of a prefetched version only applies (one receive buffer; atomic apply only).",
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
 
     def __post_init__(self) -> None:

@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rollout_agent.appliers import Applier, layer_groups
 from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
 from rollout_agent.outbox import ReportOutbox, send_report
@@ -55,6 +57,59 @@ class _Progress:
     consumed: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Prefetched:
+    """A version pulled and checked, waiting in the puller's receive buffer for its apply;
+    or the error that stopped the pull or a check (reported when it is applied)."""
+
+    header: pb.ManifestHeader
+    manifest: Manifest
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    progress: _Progress = field(default_factory=_Progress)
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_pulled: int = 0
+    chunk_retries: int = 0
+    error: WeightsyncError | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | None = None) -> Prefetched:
+    """Fetches `version`'s manifest (0 = newest servable; the lease is taken), pulls every
+    chunk and checks every chunk and assembled tensor; the live weights are not touched.
+
+    Raises:
+        WeightsyncError: the manifest could not be had (nothing was pulled). A failed pull
+        or check is kept in `error` instead, for the handshake.
+    """
+    started = time.perf_counter()
+    header, manifest = puller.fetch_manifest(version)
+    p = Prefetched(header, manifest, started=started)
+    try:
+        pulled = puller.pull(header, manifest)
+        p.bytes_pulled, p.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
+        p.timings["pull_seconds"] = pulled.pull_seconds
+        t0 = time.perf_counter()
+        tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
+        if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
+            first = next(iter(tensors.values()))
+            first.reshape(-1).view("uint8")[0] ^= 0xFF
+        p.progress.digests = digest_all(manifest, tensors)
+        p.progress.elements = sum(int(t.size) for t in tensors.values())
+        p.timings["verify_seconds"] = time.perf_counter() - t0
+        problem = first_difference(manifest, p.progress.digests)
+        if problem is not None:
+            raise DataLoss(f"refusing to apply version {p.version}: {problem}")
+        p.tensors = tensors
+    except WeightsyncError as e:
+        p.error = e
+        p.chunk_retries = puller.last_retries
+    return p
+
+
 def sync_version(
     puller: WeightPuller,
     applier: Applier,
@@ -69,7 +124,8 @@ def sync_version(
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
     apply_mode "atomic" (default): every chunk and every assembled tensor is verified
-    before the applier's `begin_update`, so a bad version never touches the live weights.
+    before the applier's `begin_update`, so a bad version never touches the live weights
+    (`prefetch`, then `apply_prefetched`).
     "streaming": one layer group at a time is pulled, verified and applied, so host
     memory stays near one group, but a bad chunk found late leaves earlier groups applied
     (not atomic; the handshake fails and the next good version repairs it).
@@ -88,47 +144,104 @@ def sync_version(
     if apply_mode not in APPLY_MODES:
         raise InvalidArgument(f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}", field="apply_mode")
     started = time.perf_counter()
+    if apply_mode == "atomic":
+        p = prefetch(puller, version, failpoints)
+        return apply_prefetched(
+            p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints,
+            blocked_since=started if engine_blocked else None,
+        )  # fmt: skip
     header, manifest = puller.fetch_manifest(version)
-    v = manifest.version
-    report = pb.ReportAppliedRequest(
-        session=puller.session, version=v, agent_id=puller.agent_id, manifest_digest=header.version.manifest_digest
-    )
-    timings: dict[str, float] = {}
-    failure = ""  # the weightsync_sync_failures_total reason, when the round fails
-    result = SyncResult(v, ok=False)
-    progress = _Progress()
+    p = Prefetched(header, manifest, started=started)
+    result = SyncResult(p.version, ok=False)
+    failure = ""
     try:
-        if apply_mode == "streaming":
-            t0 = time.perf_counter()
-            _apply_streaming(puller, applier, puller.plan(header), manifest, progress, result, timings)
-            timings["pause_seconds"] = time.perf_counter() - t0
-        else:
-            _apply_atomic(puller, applier, header, manifest, progress, result, timings, failpoints)
-            timings["pause_seconds"] = timings["apply_seconds"]
-        if engine_blocked:
-            timings["pause_seconds"] = time.perf_counter() - started
-        if header.version.HasField("ready_at"):
-            timings["ready_to_serving_seconds"] = max(0.0, time.time() - unix_seconds(header.version.ready_at))
-        report.consumed_names.extend(progress.consumed)
+        in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
+        p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else in_flux
     except WeightsyncError as e:
-        report.local_error = e.message
-        result.transient = isinstance(e, TRANSIENT_ERRORS)
-        failure = "data_loss" if isinstance(e, DataLoss) else "transient" if result.transient else "local"
-        if isinstance(e, DataLoss) and not isinstance(e, DigestMismatch) and metrics is not None:
-            # an assembled tensor differed (the puller counts the chunks that did)
-            metrics.digest_failures.labels(role=metrics.role, session=puller.session).inc()
-        if apply_mode == "atomic":  # streaming rounds count their retries as they go
-            result.chunk_retries = puller.last_retries
-        log.error("version %d not applied: %s", v, e.message, extra={"version": v})
-    report.tensors.extend(tpb_digest(name, d) for name, d in progress.digests.items())
+        failure = _failed(e, p, result, puller, metrics)
+    p.bytes_pulled, p.chunk_retries = result.bytes_pulled, result.chunk_retries
+    return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def apply_prefetched(
+    p: Prefetched,
+    puller: WeightPuller,
+    applier: Applier,
+    *,
+    metrics: Metrics | None = None,
+    outbox: ReportOutbox | None = None,
+    failpoints: Failpoints | None = None,
+    blocked_since: float | None = None,
+) -> SyncResult:
+    """Loads a prefetched version into `applier` (only bytes that verified; a prefetch that
+    failed is reported, not applied) and sends the handshake. The pause is the apply, or
+    from `blocked_since` (perf_counter) where the caller held the engine since then."""
+    result = SyncResult(p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries)
+    failure = ""
+    try:
+        if p.error is not None:
+            raise p.error
+        t1 = time.perf_counter()
+        applier.begin_update(p.version, p.manifest.tensors)
+        try:
+            for group in layer_groups(p.manifest.tensors):
+                applier.apply([(name, p.tensors[name]) for name in group])
+        except Exception:
+            applier.abort_update()
+            raise
+        p.progress.consumed = applier.commit_update(p.version)
+        now = time.perf_counter()
+        p.timings["apply_seconds"] = now - t1
+        p.timings["pause_seconds"] = now - (t1 if blocked_since is None else blocked_since)
+    except WeightsyncError as e:
+        failure = _failed(e, p, result, puller, metrics)
+    return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def _failed(
+    e: WeightsyncError, p: Prefetched, result: SyncResult, puller: WeightPuller, metrics: Metrics | None
+) -> str:
+    """Records why a round did not apply; the weightsync_sync_failures_total reason."""
+    p.error = e
+    result.transient = isinstance(e, TRANSIENT_ERRORS)
+    if isinstance(e, DataLoss) and not isinstance(e, DigestMismatch) and metrics is not None:
+        # an assembled tensor differed (the puller counts the chunks that did)
+        metrics.digest_failures.labels(role=metrics.role, session=puller.session).inc()
+    log.error("version %d not applied: %s", p.version, e.message, extra={"version": p.version})
+    return "data_loss" if isinstance(e, DataLoss) else "transient" if result.transient else "local"
+
+
+def _report(
+    p: Prefetched,
+    puller: WeightPuller,
+    result: SyncResult,
+    failure: str,
+    *,
+    metrics: Metrics | None,
+    outbox: ReportOutbox | None,
+    failpoints: Failpoints | None,
+) -> SyncResult:
+    """The handshake of a finished round: digests of what was handed to the engine,
+    timings, and the verdict (or its place in the outbox)."""
+    v, timings = p.version, p.timings
+    report = pb.ReportAppliedRequest(
+        session=puller.session, version=v, agent_id=puller.agent_id, manifest_digest=p.header.version.manifest_digest
+    )
+    if p.error is not None:
+        report.local_error = p.error.message
+    else:
+        report.consumed_names.extend(p.progress.consumed)
+        if p.header.version.HasField("ready_at"):
+            timings["ready_to_serving_seconds"] = max(0.0, time.time() - unix_seconds(p.header.version.ready_at))
+    report.tensors.extend(tpb_digest(name, d) for name, d in p.progress.digests.items())
     report.aggregates.CopyFrom(
         tpb.Aggregates(
-            grand_total=grand_total(progress.digests),
-            tensor_count=len(progress.digests),
-            element_count=progress.elements,
+            grand_total=grand_total(p.progress.digests),
+            tensor_count=len(p.progress.digests),
+            element_count=p.progress.elements,
         )
     )
-    timings["total_seconds"] = time.perf_counter() - started
+    timings["total_seconds"] = time.perf_counter() - p.started
     report.timings.CopyFrom(pb.Timings(**timings))
     report.bytes_pulled = result.bytes_pulled
     result.timings = timings
@@ -156,43 +269,6 @@ def sync_version(
     return result
 
 
-def _apply_atomic(
-    puller: WeightPuller,
-    applier: Applier,
-    header: pb.ManifestHeader,
-    manifest: Manifest,
-    progress: _Progress,
-    result: SyncResult,
-    timings: dict[str, float],
-    failpoints: Failpoints | None,
-) -> None:
-    v = manifest.version
-    pulled = puller.pull(header, manifest)
-    result.bytes_pulled, result.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
-    timings["pull_seconds"] = pulled.pull_seconds
-    t0 = time.perf_counter()
-    tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
-    if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
-        first = next(iter(tensors.values()))
-        first.reshape(-1).view("uint8")[0] ^= 0xFF
-    progress.digests = digest_all(manifest, tensors)
-    progress.elements = sum(int(t.size) for t in tensors.values())
-    timings["verify_seconds"] = time.perf_counter() - t0
-    problem = first_difference(manifest, progress.digests)
-    if problem is not None:
-        raise DataLoss(f"refusing to apply version {v}: {problem}")
-    t1 = time.perf_counter()
-    applier.begin_update(v, manifest.tensors)
-    try:
-        for group in layer_groups(manifest.tensors):
-            applier.apply([(name, tensors[name]) for name in group])
-    except Exception:
-        applier.abort_update()
-        raise
-    progress.consumed = applier.commit_update(v)
-    timings["apply_seconds"] = time.perf_counter() - t1
-
-
 def _apply_streaming(
     puller: WeightPuller,
     applier: Applier,
@@ -201,9 +277,10 @@ def _apply_streaming(
     progress: _Progress,
     result: SyncResult,
     timings: dict[str, float],
-) -> None:
+) -> float:
     v = manifest.version
     timings.update(pull_seconds=0.0, verify_seconds=0.0, apply_seconds=0.0)
+    t_begin = time.perf_counter()
     applier.begin_update(v, manifest.tensors)  # name checks happen here, before any byte moves
     applied = 0
     try:
@@ -232,6 +309,7 @@ def _apply_streaming(
         applier.abort_update()
         raise
     progress.consumed = applier.commit_update(v)
+    return time.perf_counter() - t_begin  # the engine's weights were in flux throughout
 
 
 def tpb_digest(name: str, d: tuple[int, float]) -> pb.TensorDigest:

@@ -7,14 +7,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import asdict
 from typing import Any
 
+from rollout_agent.follow import SERVABLE_STATES
+from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
-from rollout_agent.sync import SyncResult, sync_version
+from rollout_agent.sync import SyncResult, apply_prefetched, sync_version
 from rollout_agent.vllm_applier import VllmApplier
 from rollout_agent.wiring import wire_rollout
-from weightsync.errors import InvalidArgument, WeightsyncError
+from weightsync.errors import InvalidArgument, VersionNotFound, WeightsyncError
 from weightsync.validation import check_agent_id
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -47,6 +50,11 @@ class VllmRollout:
         self.current_version = 0
         self.last: SyncResult | None = None
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
+        # Pulls and checks each new version while the engine serves (a thread of this worker):
+        # an update then only applies. Streaming applies hold no whole version to keep.
+        self.prefetcher: Prefetcher | None = None
+        if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
+            self.prefetcher = Prefetcher(self.wiring.puller, failpoints=self.wiring.failpoints)
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
@@ -60,15 +68,25 @@ class VllmRollout:
         chunk and tensor verified and every name matched the model."""
         w = self.wiring
         assert w.puller is not None
-        result = sync_version(
-            w.puller,
-            self.applier,
-            parse_version(version),
-            apply_mode=self.info.apply_mode,
-            failpoints=w.failpoints,
-            outbox=w.outbox,
-            engine_blocked=True,  # update_weights / collective_rpc hold the engine for the round
-        )
+        blocked_since = time.perf_counter()  # update_weights / collective_rpc hold the engine from here
+        v = parse_version(version)
+        if self.prefetcher is None:
+            result = sync_version(
+                w.puller, self.applier, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
+                outbox=w.outbox, engine_blocked=True,
+            )  # fmt: skip
+        else:
+            v = v or self._newest_servable()
+            with self.prefetcher.hold(v) as ready:
+                if ready is not None:  # pulled and checked while the engine served: apply only
+                    result = apply_prefetched(
+                        ready, w.puller, self.applier, outbox=w.outbox, failpoints=w.failpoints,
+                        blocked_since=blocked_since,
+                    )  # fmt: skip
+                else:
+                    result = sync_version(
+                        w.puller, self.applier, v, failpoints=w.failpoints, outbox=w.outbox, engine_blocked=True
+                    )
         self.last = result
         if result.ok:
             self.current_version = result.version
@@ -77,16 +95,33 @@ class VllmRollout:
             log.error("weightsync version %d not applied: %s", result.version, result.mismatch)
         return result
 
+    def prefetch(self, version: Any = "latest") -> dict[str, Any]:
+        """Starts pulling `version` in the background (the prefetcher also follows the
+        session by itself); returns at once."""
+        if self.prefetcher is None:
+            raise InvalidArgument("prefetch is off (init_info.prefetch, or a streaming apply_mode)", field="prefetch")
+        self.prefetcher.request(parse_version(version) or self._newest_servable())
+        return self.status()
+
+    def _newest_servable(self) -> int:
+        for v in self.wiring.client.status(self.info.session, 20).versions:
+            if v.state in SERVABLE_STATES:
+                return v.version
+        raise VersionNotFound(f"session {self.info.session!r} has no servable version yet")
+
     def status(self) -> dict[str, Any]:
         return {
             "agent_id": self.agent_id,
             "session": self.info.session,
             "current_version": self.current_version,
             "last": asdict(self.last) if self.last else None,
+            "prefetch": self.prefetcher.status() if self.prefetcher is not None else None,
         }
 
     def close(self) -> None:
         w = self.wiring
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self._heartbeat.stop()
         if w.outbox is not None:
             w.outbox.close()

@@ -33,6 +33,13 @@ class WeightsyncWorkerExtension:
             raise RuntimeError("weightsync: not attached; call weightsync_attach first")
         return asdict(self._weightsync.sync(version))
 
+    def weightsync_prefetch(self, version: Any = "latest") -> dict[str, Any]:
+        """Starts pulling and checking `version` in this worker's background thread while
+        the engine serves; a later `weightsync_sync` of it only applies."""
+        if self._weightsync is None:
+            raise RuntimeError("weightsync: not attached; call weightsync_attach first")
+        return self._weightsync.prefetch(version)
+
     def weightsync_detach(self) -> None:
         """Stops heartbeats and closes connections (the weights stay as they are)."""
         if self._weightsync is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,7 +70,15 @@ def engine(model_dir: Path, coordinator: str) -> Iterator[Any]:
     llm = vllm.LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
     # tcp, not the session's mode: with "" it would offer a relay too (any rollout that may
     # end up in relay mode does), and the relay test below wants eng-0 right before eng-b.
-    info = {"coordinator": coordinator, "session": "job", "agent_id": "eng-a", "weight_sync_mode": "tcp"}
+    # No prefetch here: the corrupted-byte test flips a byte after the publish, which a
+    # prefetch could pull first; test_prefetch... turns it on for its own rounds.
+    info = {
+        "coordinator": coordinator,
+        "session": "job",
+        "agent_id": "eng-a",
+        "weight_sync_mode": "tcp",
+        "prefetch": False,
+    }
     llm.init_weight_transfer_engine({"init_info": info})
     yield llm
     llm.shutdown_weight_transfer_engine()
@@ -202,6 +211,37 @@ def test_manifest_missing_a_fused_part_is_refused_before_any_change(
     assert not hs.ok and "model.layers.0.self_attn.v_proj.weight" in hs.mismatch
 
 
+# Before the tests that start a second engine in this process: its shutdown tears down
+# vLLM's process-wide parallel state, which the module's engine needs to generate.
+def test_an_engine_serves_while_a_version_prefetches_and_pauses_for_the_apply_alone(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+) -> None:
+    info = {"coordinator": coordinator, "session": "job", "agent_id": "eng-a", "weight_sync_mode": "tcp"}
+    engine.init_weight_transfer_engine({"init_info": info})  # prefetch is on by default
+    try:
+        v = next(versions)
+        w = weights_for(model_dir, 51)
+        publisher.publish(w, v)
+        with CoordinatorClient(coordinator) as c:  # the worker's prefetcher took the lease by itself
+            deadline = time.monotonic() + 60
+            while c.get_manifest("job", v)[0].version.leases < 1:
+                assert time.monotonic() < deadline, "no prefetch of the new version"
+                time.sleep(0.05)
+        time.sleep(0.5)  # the pull and checks finish in the background
+        old = vllm_run(engine)  # the engine keeps serving the old weights meanwhile
+        assert len(old[0]) == NEW_TOKENS
+        sync_native(engine, v)
+        assert_matches(vllm_run(engine), transformers_run(model_dir, w))
+        hs, _ = handshake(coordinator, v, "eng-a")
+        t = hs.timings
+        assert hs.ok and t.pause_seconds > 0
+        # pulled and checked before update_weights: the engine paused for the apply, not the round
+        assert t.pause_seconds < t.total_seconds - 0.4, t
+        assert t.pause_seconds <= t.apply_seconds + 0.25, t
+    finally:
+        engine.init_weight_transfer_engine({"init_info": {**info, "prefetch": False}})
+
+
 def test_default_multiprocess_engine_gets_the_backend_from_the_entry_point(model_dir: Path, coordinator: str) -> None:
     import json
     import subprocess
@@ -237,7 +277,10 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
     client = CoordinatorClient(coordinator)
     upstream = WeightPuller(client, "job", "eng-0", mode="relay", relay=relay.source)
     try:
-        init = {"coordinator": coordinator, "session": "job", "agent_id": "eng-b", "weight_sync_mode": "relay"}
+        init = {
+            "coordinator": coordinator, "session": "job", "agent_id": "eng-b", "weight_sync_mode": "relay",
+            "prefetch": False,  # its bytes must come from eng-0's relay, pulled during this test's round
+        }  # fmt: skip
         (status,) = other.collective_rpc("weightsync_attach", args=(init,))
         assert status["agent_id"] == "eng-b"
         endpoint = Endpoint(transports=("grpc", "relay"), tcp_address=relay.address)

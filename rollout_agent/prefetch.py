@@ -1,0 +1,129 @@
+"""Prefetch: pull and verify each new servable version in the background, into the
+puller's receive buffer, while the engine keeps serving; the apply step then loads only
+verified bytes (`sync.apply_prefetched`), so the engine pauses for the apply alone.
+
+Memory stays one receive buffer: a prefetched version waits there until it is applied or
+a newer one replaces it (leasing the newer version drops the older lease at the
+coordinator, so the trainer's slot is freed). Nothing here touches the live weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+from rollout_agent.follow import follow_servable
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import Prefetched, prefetch
+from weightsync.errors import WeightsyncError
+from weightsync.failpoints import Failpoints
+from weightsync.logs import version_context
+
+log = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    """A thread that prefetches the newest requested version, and a watch that requests
+    each new servable one (`follow=True`). The apply step runs inside `hold`, which stops
+    prefetching for its duration: the receive buffer is the caller's there.
+
+    Lock order: `_pull` before `_cond`; `_cond` is never held across a pull.
+    """
+
+    def __init__(self, puller: WeightPuller, *, failpoints: Failpoints | None = None, follow: bool = True) -> None:
+        self._puller = puller
+        self._failpoints = failpoints
+        self._pull = threading.Lock()  # whoever holds it owns the receive buffer
+        self._cond = threading.Condition()
+        self._wanted = 0  # newest version asked for
+        self._done = 0  # newest version applied (or tried) through `hold`
+        self._ready: Prefetched | None = None  # pulled and checked, waiting for its apply
+        self._held = False
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, name="prefetch", daemon=True)]
+        if follow:
+            self._threads.append(
+                threading.Thread(
+                    target=follow_servable,
+                    args=(puller.client, puller.session, self.request, self._stop),
+                    name="prefetch-watch",
+                    daemon=True,
+                )
+            )
+        for t in self._threads:
+            t.start()
+
+    def request(self, version: int) -> None:
+        """Prefetch `version` (ignored unless newer than every version asked for so far)."""
+        with self._cond:
+            if version > max(self._wanted, self._done):
+                self._wanted = version
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, version: int) -> Iterator[Prefetched | None]:
+        """The receive buffer for the block, and the prefetched `version` if there is one
+        (a pull of it in progress is waited for). None: pull it directly, inside the block."""
+        with self._cond:
+            self._held = True
+        try:
+            with self._pull:  # waits for a pull in progress, most likely of this version
+                with self._cond:  # the caller's now: a waiting other version would be overwritten
+                    ready, self._ready = self._ready, None
+                if ready is not None and ready.version != version:
+                    ready = None  # the caller pulls `version` itself; a newer one is fetched again after
+                try:
+                    yield ready
+                finally:
+                    with self._cond:
+                        self._done = max(self._done, version)
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
+
+    def status(self) -> dict[str, int]:
+        """The newest version asked for, and the one waiting verified (0: none)."""
+        with self._cond:
+            return {"wanted": self._wanted, "ready": self._ready.version if self._ready else 0}
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _next(self) -> int:
+        """The version to prefetch now; 0 when stopped (blocks while there is none)."""
+        with self._cond:
+            while not self._stop.is_set():
+                target = self._wanted
+                waiting = self._ready.version if self._ready is not None else 0
+                if not self._held and target > max(self._done, waiting):
+                    return target
+                self._cond.wait(1.0)
+        return 0
+
+    def _run(self) -> None:
+        while (version := self._next()) > 0:
+            with self._pull:
+                with self._cond:
+                    if self._held or version <= self._done:
+                        continue  # an apply took the buffer first
+                    self._ready = None  # a newer version replaces a waiting older one
+                try:
+                    with version_context(version):
+                        got: Prefetched | None = prefetch(self._puller, version, self._failpoints)
+                except WeightsyncError as e:  # no manifest (released, not yet servable): nothing leased
+                    log.warning("prefetch of version %d: %s", version, e.message)
+                    got = None
+                with self._cond:
+                    if got is not None:
+                        self._ready = got
+                        log.info("prefetched version %d (%s)", version, "verified" if got.error is None else "failed")
+                    elif self._wanted == version:
+                        self._wanted = 0  # a later announcement asks again
+                    self._cond.notify_all()

@@ -1,0 +1,138 @@
+"""Prefetch: a version pulled and checked in the background applies the same bytes as a
+direct pull and pauses the engine for the apply alone; a corrupted byte found during the
+prefetch never reaches the engine; a newer version wins and frees the older lease."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rollout_agent.appliers import DictApplier
+from rollout_agent.prefetch import Prefetcher
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import apply_prefetched, sync_version
+from tests.integration.support import eventually
+from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
+from weightsync.client import CoordinatorClient
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import Endpoint
+from weightsync.server import RunningServer
+
+
+def _params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((256, 128)).astype(np.float32) for i in range(4)
+    }
+
+
+def _setup(address: str, *agents: str) -> CoordinatorClient:
+    client = CoordinatorClient(address)
+    for agent in agents:
+        client.register_agent("job", agent, trainer=False, endpoint=Endpoint())
+    return client
+
+
+def test_a_prefetched_version_applies_the_same_bytes_and_pauses_for_the_apply_alone(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
+    with WeightPublisher(settings) as pub:
+        client = _setup(inprocess_coordinator.address, "r0", "r1")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller)  # follows the session by itself
+        try:
+            pub.publish(_params(1), 1)
+            eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
+            engine = DictApplier()
+            assert engine.weights == {}  # nothing applied while it prefetched
+            t0 = time.perf_counter()
+            with prefetcher.hold(1) as ready:
+                assert ready is not None and ready.error is None
+                result = apply_prefetched(ready, puller, engine, blocked_since=t0)
+            assert result.ok, result.mismatch
+            direct = DictApplier()
+            other = WeightPuller(client, "job", "r1")
+            assert sync_version(other, direct, 1).ok
+            other.close()
+            assert {k: v.tobytes() for k, v in engine.weights.items()} == {
+                k: v.tobytes() for k, v in direct.weights.items()
+            }
+            t = result.timings
+            assert t["pause_seconds"] < t["pull_seconds"] + t["verify_seconds"] + t["apply_seconds"] + 0.05
+            hs = {h.agent_id: h for h in client.status("job").handshakes if h.version == 1}
+            assert hs["r0"].ok and hs["r0"].timings.pause_seconds == t["pause_seconds"]
+            assert pub.wait_committed(1, 30) == "COMMITTED"
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
+
+
+def test_a_corrupted_byte_found_in_prefetch_never_reaches_the_engine(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
+    with WeightPublisher(settings) as pub:
+        client = _setup(inprocess_coordinator.address, "r0")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller, failpoints=Failpoints("puller.corrupt_assembled=1"), follow=False)
+        engine = DictApplier()
+        try:
+            pub.publish(_params(1), 1)
+            prefetcher.request(1)
+            eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
+            with prefetcher.hold(1) as ready:
+                assert ready is not None and ready.error is not None and "refusing to apply" in ready.error.message
+                refused = apply_prefetched(ready, puller, engine)
+            assert not refused.ok and refused.failure == "data_loss"
+            assert engine.weights == {} and engine.version == 0  # the live weights never changed
+            (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
+            assert not hs.ok and "refusing to apply" in hs.mismatch
+            params = _params(2)
+            pub.publish(params, 2)
+            prefetcher.request(2)
+            eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 prefetched")
+            with prefetcher.hold(2) as ready:
+                assert apply_prefetched(ready, puller, engine).ok
+            assert all(engine.weights[k].tobytes() == v.tobytes() for k, v in params.items())
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
+
+
+def test_a_newer_version_wins_and_frees_the_older_lease(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384, slots=2, slot_wait_s=3.0
+    )
+    with WeightPublisher(settings) as pub:
+        client = _setup(inprocess_coordinator.address, "r0")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller, follow=False)
+        try:
+            pub.publish(_params(1), 1)
+            prefetcher.request(1)
+            eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
+            assert client.get_manifest("job", 1)[0].version.leases == 1  # held while it waits
+            pub.publish(_params(2), 2)
+            prefetcher.request(2)
+            eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 replaced version 1")
+            assert client.get_manifest("job", 1)[0].version.leases == 0  # abandoned: its slot is free
+            pub.publish(_params(3), 3)  # reuses version 1's slot without waiting for a lease
+            with prefetcher.hold(1) as ready:
+                # version 1 is gone: the caller pulls it itself into the buffer, so the waiting
+                # version 2 is dropped there and prefetched again after the block
+                assert ready is None
+            eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 prefetched again")
+            with prefetcher.hold(2) as ready:
+                assert ready is not None and ready.version == 2
+                assert apply_prefetched(ready, puller, DictApplier()).ok
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
