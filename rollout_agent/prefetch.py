@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 from rollout_agent.follow import follow_servable
@@ -83,6 +84,22 @@ class Prefetcher:
             with self._cond:
                 self._held = False
                 self._cond.notify_all()
+
+    def wait_ready(self, version: int, timeout_s: float) -> bool:
+        """Asks for `version` and waits until it (or a newer one) waits verified, its pull
+        gave up, or `timeout_s` passed; True when it is ready to apply."""
+        self.request(version)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._ready is not None and self._ready.version >= version:
+                    return True
+                if self._wanted < version or self._done >= version:  # gave up, or applied meanwhile
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return False
+                self._cond.wait(min(remaining, 1.0))
 
     def status(self) -> dict[str, int]:
         """The newest version asked for, and the one waiting verified (0: none)."""

@@ -36,6 +36,15 @@ def parse_version(version: Any) -> int:
     return v
 
 
+_IN_PROCESS: dict[str, VllmRollout] = {}  # agent id -> the rollout of a worker in this process
+
+
+def in_process(agent_id: str) -> VllmRollout | None:
+    """The rollout of the weightsync backend in this process's engine (a sidecar's in-process
+    vLLM), if there is one for `agent_id`."""
+    return _IN_PROCESS.get(agent_id)
+
+
 class VllmRollout:
     """Coordinator registration, heartbeats, pull + verify + apply, handshake; its parts
     come from `rollout_agent.wiring`, as the sidecar's do."""
@@ -55,6 +64,7 @@ class VllmRollout:
         self.prefetcher: Prefetcher | None = None
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(self.wiring.puller, failpoints=self.wiring.failpoints)
+        _IN_PROCESS[agent_id] = self
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
@@ -120,6 +130,8 @@ class VllmRollout:
 
     def close(self) -> None:
         w = self.wiring
+        if _IN_PROCESS.get(self.agent_id) is self:
+            del _IN_PROCESS[self.agent_id]
         if self.prefetcher is not None:
             self.prefetcher.close()
         self._heartbeat.stop()

@@ -1,8 +1,11 @@
 """A vLLM engine owned by the rollout sidecar, synced through vLLM's own weight-transfer API.
 
 The sidecar's watch loop calls `sync(version)`; the `weightsync` backend inside the engine
-pulls, verifies, applies and reports the handshake. After each sync the sidecar can show
-one greedy completion, so a person sees the policy change.
+pulls, verifies, applies and reports the handshake. With prefetch on (the default), the
+sidecar first waits, outside the engine, until the backend's prefetcher holds the version
+verified, so the engine keeps generating through the pull and pauses for the apply alone.
+After each sync the sidecar can show one greedy completion, so a person sees the policy
+change.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from typing import Any
 
 from rollout_agent.sync import SyncResult
+from rollout_agent.vllm_core import in_process
 
 
 class VllmEngineSyncer:
@@ -25,6 +29,7 @@ class VllmEngineSyncer:
         dtype: str = "bfloat16",
         kv_cache_bytes: int = 64 << 20,
         max_model_len: int = 256,
+        prefetch_wait_s: float = 120.0,
     ) -> None:
         """`init_info`: the backend's settings (`SyncSettings.init_info()`)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process per rollout sidecar
@@ -43,10 +48,16 @@ class VllmEngineSyncer:
             weight_transfer_config={"backend": "weightsync"},
         )
         self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self.agent_id = init_info["agent_id"]
+        self.prefetch_wait_s = prefetch_wait_s
 
     def sync(self, version: int) -> SyncResult:
         """One round through vLLM's API; raises nothing: a refused version is ok=False."""
         started = time.perf_counter()
+        backend = in_process(self.agent_id)
+        if version and backend is not None and backend.prefetcher is not None:
+            # The engine serves meanwhile; a version that does not arrive is pulled by the update.
+            backend.prefetcher.wait_ready(version, self.prefetch_wait_s)
         try:
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": {"version": version or "latest"}})

@@ -33,9 +33,11 @@ def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None)
     assert summary["bytes_per_step"] > 0 and len(summary["per_step"]) == 5
     assert [s["version"] for s in summary["per_step"]] == [1, 2, 3, 4, 5]
     assert all(s["pull_s"] > 0 and s["stage_s"] > 0 for s in summary["per_step"])
-    # the engine pauses at least for the apply (the sidecar updates as soon as a version is
-    # READY, so its update also waits for the engine's prefetch of it)
-    assert all(s["pause_s"] >= s["apply_s"] > 0 for s in summary["per_step"])
+    # the sidecar waits for its engine's prefetch before the update: the engine pauses for
+    # the apply, not the pull
+    assert all(0 < s["apply_s"] <= s["pause_s"] <= s["apply_s"] + 0.25 for s in summary["per_step"]), summary[
+        "per_step"
+    ]
     assert proc.stdout.count("handshake OK 2/2") == 5
     assert summary["engine"] == "vllm"  # real vLLM rollouts by default
     for step in summary["per_step"]:
