@@ -71,6 +71,10 @@ class Row:
     # CPU seconds per round over every process of the method (trainer or sender, coordinator,
     # rollouts or readers): on CORES cores no schedule of that work ends before cpu / CORES.
     cpu_seconds: float = 0.0
+    # How long the engine could not serve per round: weightsync from its handshakes (a NumPy
+    # engine waits for the apply alone); peers, the whole round (the engine waits for the
+    # broadcast or the load).
+    pause_seconds: float = 0.0
 
 
 # -- bounds ------------------------------------------------------------------------
@@ -179,6 +183,7 @@ def run_weightsync(
                     served += pub._servicer.bytes_served - before
             handshakes = pub.client.status(session, runs + 2).handshakes
             pulls = [max(h.timings.pull_seconds for h in handshakes if h.version == v) for v in range(2, runs + 2)]
+            pauses = [max(h.timings.pause_seconds for h in handshakes if h.version == v) for v in range(2, runs + 2)]
         trainer_peak = peak_rss_bytes() - trainer_base
         peak = max(peak_rss_bytes(p.pid) - baselines[p.pid] for p in procs)
         # beyond the applier's own copy of the weights (an engine holds those anyway)
@@ -207,6 +212,7 @@ def run_weightsync(
     if apply_mode != "atomic":
         row.mode = f"{mode}/{apply_mode}"
     row.pull_seconds = round(statistics.median(pulls), 4)
+    row.pause_seconds = round(statistics.median(pauses), 4)
     row.pull_ratio_to_bound = round(total / row.pull_seconds / 1e9 / BOUNDS[row.bound], 3)
     return row
 
@@ -403,6 +409,7 @@ def _row(
         round(stage, 4),
         reuses,
         cpu_seconds=round(statistics.median(cpus), 3) if cpus else 0.0,
+        pause_seconds=0.0 if method == "weightsync" else round(seconds, 4),
     )
 
 
@@ -416,6 +423,7 @@ COLUMNS = (
     "stage s",
     "pull s",
     "pull x bound",
+    "pause s",
     "CPU s",
     "egress/model",
     "peak RSS GB",
@@ -436,6 +444,7 @@ def _cells(r: Row) -> list[str]:
         f"{r.stage_seconds:.3f}" if ours else "",
         f"{r.pull_seconds:.3f}" if ours else "",
         f"{r.pull_ratio_to_bound:.2f}" if ours else "",
+        f"{r.pause_seconds:.3f}",
         f"{r.cpu_seconds:.2f}",
         f"{r.egress_ratio:.2f}",
         f"{r.peak_rss_bytes / 1e9:.2f}",

@@ -107,11 +107,12 @@ class Prefetcher:
             return {"wanted": self._wanted, "ready": self._ready.version if self._ready else 0}
 
     def close(self) -> None:
+        """Stops prefetching (a pull in progress finishes first). The watch thread, a daemon
+        blocked on its stream, ends when the caller closes the client, right after."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._threads[0].join(timeout=30)
 
     def _next(self) -> int:
         """The version to prefetch now; 0 when stopped (blocks while there is none)."""

@@ -60,6 +60,9 @@ def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena
     # CPU seconds per round (clock ticks: a tiny round may read 0); every weightsync round
     # runs a coordinator, a trainer and rollouts, so their CPU shows
     assert all(r["cpu_seconds"] >= 0 for r in rows) and by[("weightsync", "tcp", 2)]["cpu_seconds"] > 0
+    # the engine's pause: weightsync's NumPy engine waits for the apply, a peer's for its round
+    assert 0 < by[("weightsync", "tcp", 1)]["pause_seconds"] < by[("weightsync", "tcp", 1)]["seconds"]
+    assert by[("gloo", "tcp", 1)]["pause_seconds"] == by[("gloo", "tcp", 1)]["seconds"]
     meta = json.loads(out.with_suffix(".meta.json").read_text())
     assert meta["bounds_gbps"]["socket"] > 0 and meta["bounds_cpu_seconds"]["socket"] > 0 and meta["cores"] >= 1
     assert any(v.startswith("MET  streaming rollout RSS") for v in meta["verdicts"]), meta["verdicts"]
