@@ -552,3 +552,20 @@ def test_a_database_that_cannot_be_opened_names_its_path(tmp_path: Path) -> None
     with pytest.raises(FailedPrecondition, match=f"cannot open the database {blocker}/sub/c.db") as e:
         SessionStore(str(blocker / "sub" / "c.db"))
     assert e.value.field == "db_path"
+
+
+def test_a_rollout_holds_only_its_newest_lease(store: SessionStore) -> None:
+    # A prefetch abandoned for a newer version must not hold the trainer's slot while the
+    # rollout lives: leasing the newer version ends the older lease.
+    gen = attach(store, rollouts=("r0", "r1"))
+    part, _ = make_part(sample_arrays())
+    for v in (1, 2):
+        store.publish_part("job", generation=gen, version=v, idempotency_key=f"k{v}", part=part)
+    store.manifest("job", 1, lease_for="r0")
+    store.manifest("job", 1, lease_for="r1")
+    store.manifest("job", 2, lease_for="r0")
+    assert (store.version("job", 1).leases, store.version("job", 2).leases) == (1, 1)  # r1's stays
+    store.manifest("job", 1, lease_for="r0")  # an older version again: the newer lease is kept
+    assert (store.version("job", 1).leases, store.version("job", 2).leases) == (2, 1)
+    store.manifest("job", 2, lease_for="r1")
+    assert store.version("job", 1).leases == 1
