@@ -51,9 +51,15 @@ def _platforms(value: Any) -> set[str]:
     return {"cpu"}
 
 
-def _needs_cast(value: Any, weight_dtype: str) -> bool:
+def _dtype(value: Any) -> np.dtype:
+    """The dtype a value stages with before any cast (lists and scalars as NumPy reads them)."""
     data = value.data if isinstance(value, HostShard) else value
-    return bool(weight_dtype) and np.dtype(data.dtype) != dtype_info(weight_dtype).numpy
+    dt = getattr(data, "dtype", None)
+    return np.dtype(dt) if dt is not None else np.asarray(data).dtype
+
+
+def _needs_cast(value: Any, weight_dtype: str) -> bool:
+    return bool(weight_dtype) and _dtype(value) != dtype_info(weight_dtype).numpy
 
 
 def choose_staging_path(
@@ -90,10 +96,9 @@ def choose_staging_path(
 def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard]:
     """The HostShards `host_shards` / `device_stream` will yield, with ArrayMeta instead of
     bytes: the layout is planned before any byte moves."""
+    dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value)
     if isinstance(value, HostShard):
-        dt = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.data.dtype)
         return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
-    dt = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.dtype)
     if hasattr(value, "addressable_shards"):
         return [
             HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), _start(s.index, value.ndim))
@@ -120,21 +125,20 @@ def device_stream(
     its turn comes and the reference is dropped as soon as it asks for the next. Items
     are pulled lazily, so a converter feeding this runs a window ahead, not a model ahead.
     """
-    source = iter(items)
+    pending = _shards(items, weight_dtype)
     inflight: deque[tuple[HostShard, Any]] = deque()  # (metadata, device shard or host array)
     inflight_bytes = 0
-    exhausted = False
     while True:
-        while not exhausted and (not inflight or inflight_bytes < window_bytes):
-            try:
-                name, value = next(source)
-            except StopIteration:
-                exhausted = True
+        while not inflight or inflight_bytes < window_bytes:  # shard by shard: a tensor of
+            nxt = next(pending, None)  # many shards is not brought over whole
+            if nxt is None:
                 break
-            for meta, data in _issue(name, value, weight_dtype):
-                inflight.append((meta, data))
-                inflight_bytes += meta.data.nbytes
-            del value
+            meta, data = nxt
+            if not isinstance(data, np.ndarray):
+                data.copy_to_host_async()
+            inflight.append((meta, data))
+            inflight_bytes += meta.data.nbytes
+            del nxt, data
         if not inflight:
             return
         meta, data = inflight.popleft()
@@ -146,21 +150,20 @@ def device_stream(
         del shard  # the consumer holds the only reference now; dropped when it moves on
 
 
-def _issue(name: str, value: Any, weight_dtype: str) -> list[tuple[HostShard, Any]]:
-    """Starts the transfers of one item's replica-0 shards (host values pass through)."""
-    if not hasattr(value, "addressable_shards"):
-        return [(s, s.data) for s in host_shards(name, value, weight_dtype)]
-    if weight_dtype and str(value.dtype) != weight_dtype:
-        value = value.astype(dtype_info(weight_dtype).numpy)  # on the device, this tensor only
-    out = []
-    for s in value.addressable_shards:
-        if s.replica_id != 0:
+def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tuple[HostShard, Any]]:
+    """Each item's replica-0 shards, lazily: (metadata, device shard) for JAX arrays, cast on
+    their device one tensor at a time; host values pass through as host shards."""
+    for name, value in items:
+        if not hasattr(value, "addressable_shards"):
+            yield from ((s, s.data) for s in host_shards(name, value, weight_dtype))
             continue
-        data = s.data
-        data.copy_to_host_async()
-        meta = ArrayMeta(tuple(data.shape), np.dtype(data.dtype))
-        out.append((HostShard(name, meta, tuple(value.shape), _start(s.index, value.ndim)), data))
-    return out
+        if weight_dtype and str(value.dtype) != weight_dtype:
+            value = value.astype(dtype_info(weight_dtype).numpy)  # on the device, this tensor only
+        for s in value.addressable_shards:
+            if s.replica_id == 0:
+                data = s.data
+                meta = ArrayMeta(tuple(data.shape), np.dtype(data.dtype))
+                yield HostShard(name, meta, tuple(value.shape), _start(s.index, value.ndim)), data
 
 
 def _host_array(name: str, data: Any) -> np.ndarray:

@@ -106,3 +106,44 @@ def test_arena_is_persistent_and_reallocates_only_when_it_must(
     new_path = arena.path
     arena.close()
     assert not new_path.exists() and list(tmp_path.iterdir()) == []
+
+
+class _DeviceShardData:
+    """A fake device buffer: counts transfers issued, and in flight when read."""
+
+    log: list[str] = []
+
+    def __init__(self, value: np.ndarray, tag: str) -> None:
+        self.value, self.tag = value, tag
+        self.shape, self.dtype = value.shape, value.dtype
+
+    def copy_to_host_async(self) -> None:
+        self.log.append(f"issue {self.tag}")
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:  # noqa: ANN001
+        self.log.append(f"read {self.tag}")
+        return self.value
+
+
+def test_the_device_stream_issues_shard_by_shard_within_the_window() -> None:
+    from trainer_agent.params import device_stream, shard_metas
+
+    rows = np.arange(4 * 1024, dtype=np.float32).reshape(4, 1024)  # 4 shards of 4 KiB
+    shards = [
+        SimpleNamespace(
+            data=_DeviceShardData(rows[i : i + 1], f"w{i}"), index=(slice(i, i + 1), slice(None)), replica_id=0
+        )
+        for i in range(4)
+    ]
+    value = SimpleNamespace(addressable_shards=shards, shape=(4, 1024), ndim=2, dtype=np.dtype(np.float32))
+    _DeviceShardData.log = []
+    got = list(device_stream([("w", value), ("b", [1.0, 2.0])], "", window_bytes=4096))
+    # one 4 KiB shard in flight at a time: a tensor of many shards is not brought over whole
+    assert _DeviceShardData.log == [f"{op} w{i}" for i in range(4) for op in ("issue", "read")]
+    assert [(s.name, s.start) for s in got] == [("w", (i, 0)) for i in range(4)] + [("b", (0,))]
+    assert np.array_equal(np.concatenate([s.data for s in got[:4]]), rows)
+    # a plain list plans and stages like the array NumPy reads it, cast included
+    (meta,) = shard_metas("b", [1.0, 2.0], "bfloat16")
+    assert meta.data.shape == (2,) and meta.data.nbytes == 4
+    assert choose_staging_path([[1.0, 2.0]], None, ffi_built=True, ffi_missing="", weight_dtype="bfloat16") == "device"
+    assert choose_staging_path([[1.0, 2.0]], None, ffi_built=True, ffi_missing="", weight_dtype="float64") == "host"
