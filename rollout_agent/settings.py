@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.config import PeerConfig, option
+from weightsync.config import PeerConfig, check_bounds, option
 from weightsync.errors import InvalidArgument
 from weightsync.modes import normalize_mode
 from weightsync.validation import check_agent_id, check_session_name
@@ -82,11 +82,8 @@ class SyncSettings(PeerConfig):
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
             if self.weight_sync_mode == "fs" and not self.fs_root:
                 raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
-            for name in ("streams", "window_chunks", "max_attempts"):
-                if getattr(self, name) < 1:
-                    raise InvalidArgument(f"must be >= 1, got {getattr(self, name)}", field=name)
-            if not 0 <= self.relay_port < 65536:
-                raise InvalidArgument(f"must be in [0, 65535], got {self.relay_port}", field="relay_port")
+            check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1)
+            check_bounds(self, ("relay_port",), 0, 65535)
             self.security()  # both halves of a key pair or neither
         except InvalidArgument as e:
             if not self.FIELD_PREFIX or e.field is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
-from weightsync.config import ServerConfig, option
+from weightsync.config import ServerConfig, check_bounds, option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
 from weightsync.layout import DEFAULT_CHUNK_BYTES
@@ -87,17 +87,11 @@ class PublisherSettings(ServerConfig):
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
         if self.weight_sync_mode == "fs" and not self.fs_root:
             raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
-        if self.world_size < 1:
-            raise InvalidArgument(f"must be >= 1, got {self.world_size}", field="world_size")
+        check_bounds(self, ("world_size",), 1)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
-        for name in ("slots", "chunk_bytes", "d2h_window_bytes"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"must be >= 1, got {getattr(self, name)}", field=name)
-        for name in ("min_rollouts", "staging_threads", "slot_wait_s"):
-            if getattr(self, name) < 0:
-                raise InvalidArgument(f"must be >= 0, got {getattr(self, name)}", field=name)
+        check_bounds(self, ("slots", "chunk_bytes", "d2h_window_bytes"), 1)
+        check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s"), 0)
         if not self.timeout_s > 0:
             raise InvalidArgument(f"must be > 0, got {self.timeout_s}", field="timeout_s")
-        if not 0 <= self.tcp_port < 65536:
-            raise InvalidArgument(f"must be in [0, 65535], got {self.tcp_port}", field="tcp_port")
+        check_bounds(self, ("tcp_port",), 0, 65535)

@@ -35,6 +35,16 @@ def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors a
     return field(default=default, metadata={"help": help, **kw})
 
 
+def check_bounds(obj: Any, names: Sequence[str], low: int, high: int | None = None) -> None:
+    """InvalidArgument naming the first of `names` whose value on `obj` is below `low`
+    (or above `high`): the settings classes' numeric checks."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise InvalidArgument(f"must be {bound}, got {value}", field=name)
+
+
 @dataclass
 class PeerConfig:
     """How a process is reached and reaches its peers: a server's, or a rollout's inside a
