@@ -116,7 +116,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     """
     from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
     from trainer_agent.params import host_shards
-    from trainer_agent.staging import chunk_specs, stage_stream
+    from trainer_agent.staging import stage_streamed
 
     shape = PRESETS[preset]
     d, h, L = shape.hidden, shape.head_dim, shape.layers
@@ -151,8 +151,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     with RssPeak() as rss:
         t0 = time.perf_counter()
         items = convert_maxtext(tree, "qwen3", dims, ConvertOptions(weight_dtype="bfloat16"))
-        staged = stage_stream(arena.slot(0), (hs for n, v in items for hs in host_shards(n, v)), chunk_bytes)
-        chunk_specs(arena.slot(0), staged.total_bytes, chunk_bytes, staged.spans, staged.known)
+        staged, _ = stage_streamed(arena.slot(0), (hs for n, v in items for hs in host_shards(n, v)), chunk_bytes)
         seconds = time.perf_counter() - t0
     arena_bytes = arena.nbytes
     arena.close()
