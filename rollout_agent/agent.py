@@ -9,14 +9,14 @@ from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.follow import SERVABLE_STATES, follow_servable
+from rollout_agent.follow import follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
-from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, VersionNotFound, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
 from weightsync.metrics import Metrics
@@ -111,7 +111,7 @@ class RolloutAgent:
         """Syncs a version (0 = newest servable); one at a time."""
         with self._sync_lock:
             if version == 0:
-                version = self._newest_servable()
+                version = newest_servable(self.client, self.session)
             try:
                 with version_context(version):
                     result = self.syncer(version)
@@ -164,12 +164,6 @@ class RolloutAgent:
                 self.syncs_failed += 1
                 self.last_error = mismatch
             log.error("version %d handshake failed: %s", version, mismatch)
-
-    def _newest_servable(self) -> int:
-        for v in self.client.status(self.session, 20).versions:
-            if v.state in SERVABLE_STATES:
-                return v.version
-        raise VersionNotFound(f"session {self.session!r} has no READY version yet")
 
     def _want(self, version: int) -> None:
         if version > self._wanted:

@@ -9,10 +9,18 @@ from collections.abc import Callable
 from weightsync import version_states
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import WeightsyncError
+from weightsync.errors import VersionNotFound, WeightsyncError
 
 log = logging.getLogger(__name__)
 SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)
+
+
+def newest_servable(client: CoordinatorClient, session: str) -> int:
+    """The session's newest READY / COMMITTED / PARTIAL version (VersionNotFound if none)."""
+    for v in client.status(session, 20).versions:
+        if v.state in SERVABLE_STATES:
+            return v.version
+    raise VersionNotFound(f"session {session!r} has no READY version yet")
 
 
 def follow_servable(

@@ -4,20 +4,22 @@ the bytes itself."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
-from rollout_agent.follow import SERVABLE_STATES
+from rollout_agent.follow import newest_servable
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
-from rollout_agent.sync import SyncResult, apply_prefetched, sync_version
+from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
 from rollout_agent.vllm_applier import VllmApplier
 from rollout_agent.wiring import wire_rollout
-from weightsync.errors import InvalidArgument, VersionNotFound, WeightsyncError
+from weightsync.errors import InvalidArgument, WeightsyncError
 from weightsync.validation import check_agent_id
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -80,23 +82,21 @@ class VllmRollout:
         assert w.puller is not None
         blocked_since = time.perf_counter()  # update_weights / collective_rpc hold the engine from here
         v = parse_version(version)
-        if self.prefetcher is None:
-            result = sync_version(
-                w.puller, self.applier, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
-                outbox=w.outbox, engine_blocked=True,
-            )  # fmt: skip
-        else:
-            v = v or self._newest_servable()
-            with self.prefetcher.hold(v) as ready:
-                if ready is not None:  # pulled and checked while the engine served: apply only
-                    result = apply_prefetched(
-                        ready, w.puller, self.applier, outbox=w.outbox, failpoints=w.failpoints,
-                        blocked_since=blocked_since,
-                    )  # fmt: skip
-                else:
-                    result = sync_version(
-                        w.puller, self.applier, v, failpoints=w.failpoints, outbox=w.outbox, engine_blocked=True
-                    )
+        hold: AbstractContextManager[Prefetched | None] = contextlib.nullcontext(None)
+        if self.prefetcher is not None:
+            v = v or newest_servable(w.client, self.info.session)
+            hold = self.prefetcher.hold(v)
+        with hold as ready:
+            if ready is not None:  # pulled and checked while the engine served: apply only
+                result = apply_prefetched(
+                    ready, w.puller, self.applier, outbox=w.outbox, failpoints=w.failpoints,
+                    blocked_since=blocked_since,
+                )  # fmt: skip
+            else:
+                result = sync_version(
+                    w.puller, self.applier, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
+                    outbox=w.outbox, engine_blocked=True,
+                )  # fmt: skip
         self.last = result
         if result.ok:
             self.current_version = result.version
@@ -110,14 +110,8 @@ class VllmRollout:
         session by itself); returns at once."""
         if self.prefetcher is None:
             raise InvalidArgument("prefetch is off (init_info.prefetch, or a streaming apply_mode)", field="prefetch")
-        self.prefetcher.request(parse_version(version) or self._newest_servable())
+        self.prefetcher.request(parse_version(version) or newest_servable(self.wiring.client, self.info.session))
         return self.status()
-
-    def _newest_servable(self) -> int:
-        for v in self.wiring.client.status(self.info.session, 20).versions:
-            if v.state in SERVABLE_STATES:
-                return v.version
-        raise VersionNotFound(f"session {self.info.session!r} has no servable version yet")
 
     def status(self) -> dict[str, Any]:
         return {
