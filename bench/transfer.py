@@ -1,15 +1,23 @@
 """Transfer benchmark (`make bench`): weightsync's modes against the bounds and peer methods.
 
 One run, one table. For a Qwen3-shaped bf16 model (`--size`, default 0.6b, ~1.19 GB):
-- bounds: memcpy of the model's bytes, and a plain loopback TCP socket moving them;
-- weightsync end to end (publish -> N rollout processes pulled, verified, applied,
+- bounds (bench/bounds.py): a warm copy of the model's bytes, one xxh3 pass over them, a
+  plain loopback TCP socket moving them, each with its CPU seconds;
+- weightsync end to end (publish -> N rollout processes pulled, checked, applied,
   handshakes COMMITTED), per mode, N = 1, 2, 4;
 - peers: safetensors save + load through tmpfs, Orbax (tensorstore) save + restore
   through tmpfs, torch.distributed gloo broadcast, jax.experimental.transfer pulls.
-Each row: median seconds of `--runs` rounds after one warm-up round, GB/s (model bytes
-over seconds: every rollout has the model), ratio to the bound (memcpy for shm, the
-socket for the rest), trainer egress / model bytes, peak RSS above baseline (largest
-over the method's processes). Writes bench/results/latest.json and latest.png.
+
+This VM drifts by tens of percent within minutes, so every weightsync row runs its rounds
+interleaved with gloo's at the same N (ours, gloo, ours, gloo, ...; gloo's processes stay
+up for all of that N's rows): `paired_ratio_to_gloo` is the median of the per-round
+ratios, so drift hits both sides. Each row: median seconds of `--runs` rounds after one
+warm-up round, GB/s (model bytes over seconds: every rollout has the model), ratio to the
+bound (memcpy for shm, the socket for the rest), the engine's pause, CPU seconds of every
+process beside the least CPU the roles' work takes (`cpu_min_seconds`), trainer egress /
+model bytes, peak RSS above baseline. `--vllm PRESET` adds a real vLLM engine generating
+while versions arrive (bench/vllm_row.py). Writes bench/results/latest.json, .md, .png
+and latest.meta.json with the targets' MET/MISS lines.
 """
 
 from __future__ import annotations
@@ -17,36 +25,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_seconds, model, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+import bounds as bounds_mod  # noqa: E402
+from bounds import Bounds  # noqa: E402
+from common import model  # noqa: E402
+from runners import Peaks, PeerRun, Round, WeightsyncRun, model_bytes_of  # noqa: E402
 
-from devtools.cluster import Cluster, Proc  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
-from trainer_agent.settings import PublisherSettings  # noqa: E402
+from devtools.cluster import Cluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay")
 PEERS = ("safetensors", "orbax", "gloo", "jax_transfer")
-CROSS_HOST = ("grpc", "tcp", "fs", "relay")
-# Between rows: this VM hands freed memory back to its host within 1-2 s, and pages touched
-# while that runs cost several times more (docs/machine.md); let it finish.
-SETTLE_S = 3.0
+PAIRED_PEER = "gloo"
+CORES = os.cpu_count() or 1
 
 
 @dataclass
@@ -63,356 +63,175 @@ class Row:
     rounds: list[float] = field(default_factory=list)
     trainer_peak_rss_bytes: int = 0
     stage_seconds: float = 0.0  # weightsync: the trainer's staging (copy + digests) inside `seconds`
-    pull_seconds: float = 0.0  # weightsync: the slowest rollout's pull + chunk verification
+    pull_seconds: float = 0.0  # weightsync: the slowest rollout's pull
     pull_ratio_to_bound: float = 0.0
     rollout_overhead_bytes: int = 0  # weightsync: a rollout's peak RSS beyond its applied weights
     apply_mode: str = ""
     reuses_memory: bool = True
     # CPU seconds per round over every process of the method (trainer or sender, coordinator,
-    # rollouts or readers): on CORES cores no schedule of that work ends before cpu / CORES.
+    # rollouts or readers), and by role: on CORES cores no schedule of that work ends before
+    # cpu / CORES.
     cpu_seconds: float = 0.0
+    cpu_roles: dict[str, float] = field(default_factory=dict)
+    # the least CPU the roles' work takes (bounds.Bounds.cpu_min), and by role
+    cpu_min_seconds: float = 0.0
+    cpu_min_roles: dict[str, float] = field(default_factory=dict)
     # How long the engine could not serve per round: weightsync from its handshakes (a NumPy
     # engine waits for the apply alone); peers, the whole round (the engine waits for the
     # broadcast or the load).
     pause_seconds: float = 0.0
+    # medians of per-round ratios to gloo's round at the same N, rounds interleaved
+    paired_ratio_to_gloo: float = 0.0
+    paired_pause_ratio_to_gloo: float = 0.0
+    paired_rounds: int = 0
+    # one warm copy of the model's bytes (an apply), measured just before the row's rounds,
+    # and N such copies at once (N rollouts applying together on this one machine)
+    copy_seconds: float = 0.0
+    copies_at_once_seconds: float = 0.0
 
 
-# -- bounds ------------------------------------------------------------------------
-def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def socket_gbps(nbytes: int, reps: int = 5) -> float:
-    """A plain loopback TCP socket: sendall from one buffer, recv_into another (both warm).
-    Also records the CPU seconds one transfer takes (BOUND_CPU["socket"])."""
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    listener = socket.create_server(("127.0.0.1", 0))
-    out = socket.create_connection(listener.getsockname())
-    inc, _ = listener.accept()
-    for s in (out, inc):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    view = memoryview(dst)
-    times = []
-    cpu0 = cpu_seconds()
-    for _ in range(reps):
-        sender = threading.Thread(target=out.sendall, args=(memoryview(src),))
-        t = time.perf_counter()
-        sender.start()
-        got = 0
-        while got < nbytes:
-            got += inc.recv_into(view[got:], min(nbytes - got, 4 << 20))
-        sender.join()
-        times.append(time.perf_counter() - t)
-    BOUND_CPU["socket"] = (cpu_seconds() - cpu0) / reps
-    for s in (out, inc, listener):
-        s.close()
-    return nbytes / statistics.median(times) / 1e9
-
-
-# -- weightsync ---------------------------------------------------------------------
-def run_weightsync(
-    cluster: Cluster,
-    coord: Proc,
-    mode: str,
-    n: int,
-    params: dict,
-    runs: int,
-    chunk_bytes: int,
-    apply_mode: str = "atomic",
-    rollout_args: tuple[str, ...] = (),
-) -> Row:
-    session = f"{mode}-n{n}-{uuid.uuid4().hex[:6]}"
-    fs_root = tempfile.mkdtemp(prefix="wsbench-fs-", dir="/dev/shm") if mode == "fs" else ""
-    args = [
-        "--weight-sync-mode",
-        mode,
-        "--apply-mode",
-        apply_mode,
-        *(["--fs-root", fs_root] if fs_root else []),
-        *rollout_args,
-    ]
-    names = [f"{session}-r{i}" for i in range(n)]
-    procs = [cluster.start_rollout(name, coord.address, session, args) for name in names]
-    pids = ["self", coord.pid, *(p.pid for p in procs)]
-    baselines = {p.pid: rss_bytes(p.pid) for p in procs}
-    reset_peak_rss()
-    trainer_base = rss_bytes()
-    total = model_bytes_of(params)
-    rounds, stages, cpus, served = [], [], [], 0
-    try:
-        with WeightPublisher(
-            PublisherSettings(
-                coordinator=coord.address,
-                session=session,
-                weight_sync_mode=mode,
-                fs_root=fs_root,
-                min_rollouts=n,
-                chunk_bytes=chunk_bytes,
-                slot_wait_s=300,
-            )
-        ) as pub:
-            for version in range(1, runs + 2):
-                before = pub._servicer.bytes_served
-                cpu0 = cpu_seconds(pids)
-                t = time.perf_counter()
-                result = pub.publish(params, version)
-                state = pub.wait_committed(version, 600)
-                seconds = time.perf_counter() - t
-                cpu = cpu_seconds(pids) - cpu0
-                if state != "COMMITTED":
-                    why = [
-                        f"{h.agent_id}: {h.mismatch}"
-                        for h in pub.client.status(session).handshakes
-                        if h.version == version
-                    ]
-                    logs = "\n".join(p.log()[-1500:] for p in procs)
-                    raise RuntimeError(f"{mode} n={n}: version {version} ended {state} {why}\n{logs}")
-                if version > 1:  # the first round is the warm-up (receive buffers, mappings)
-                    rounds.append(seconds)
-                    stages.append(result.stage_seconds)
-                    cpus.append(cpu)
-                    served += pub._servicer.bytes_served - before
-            handshakes = pub.client.status(session, runs + 2).handshakes
-            pulls = [max(h.timings.pull_seconds for h in handshakes if h.version == v) for v in range(2, runs + 2)]
-            pauses = [max(h.timings.pause_seconds for h in handshakes if h.version == v) for v in range(2, runs + 2)]
-        trainer_peak = peak_rss_bytes() - trainer_base
-        peak = max(peak_rss_bytes(p.pid) - baselines[p.pid] for p in procs)
-        # beyond the applier's own copy of the weights (an engine holds those anyway)
-        overhead = max(0, peak - total)
-    finally:
-        for name in names:
-            cluster.stop(name)
-        if fs_root:
-            shutil.rmtree(fs_root, ignore_errors=True)
-        time.sleep(SETTLE_S)
-    egress = {"shm": 0.0, "fs": 1.0}.get(mode, served / (total * runs))  # fs: written once to the store
-    row = _row(
-        "weightsync",
-        mode,
-        n,
-        rounds,
-        total,
-        egress,
-        peak,
-        trainer_peak=trainer_peak,
-        stage=statistics.median(stages),
-        cpus=cpus,
-    )
-    row.rollout_overhead_bytes = overhead
-    row.apply_mode = apply_mode
-    if apply_mode != "atomic":
-        row.mode = f"{mode}/{apply_mode}"
-    row.pull_seconds = round(statistics.median(pulls), 4)
-    row.pause_seconds = round(statistics.median(pauses), 4)
-    row.pull_ratio_to_bound = round(total / row.pull_seconds / 1e9 / BOUNDS[row.bound], 3)
-    return row
-
-
-def model_bytes_of(params: dict) -> int:
-    return sum(v.nbytes for v in params.values())
-
-
-# -- peers ----------------------------------------------------------------------------
-class Worker:
-    """A peer_worker.py process: JSON lines on stdout, commands on stdin."""
-
-    def __init__(self, *argv: object) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, str(HERE / "peer_worker.py"), *map(str, argv)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        self.ready = self.read()
-
-    def read(self) -> dict:
-        line = self.popen.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            raise RuntimeError(f"peer worker {self.popen.args} exited with {self.popen.wait()}")
-        return json.loads(line)
-
-    def send(self, text: str) -> None:
-        self.popen.stdin.write(text + "\n")  # type: ignore[union-attr]
-        self.popen.stdin.flush()  # type: ignore[union-attr]
-
-    def wchar(self) -> int:
-        with open(f"/proc/{self.popen.pid}/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
-
-    def quit(self) -> dict:
-        self.send("quit")
-        out = self.read()
-        self.popen.wait(60)
-        return out
-
-
-def _sent_bytes(method: str, sender: Worker | None) -> int:
-    """Bytes the sender has written: its write/send syscalls (/proc/PID/io wchar); for
-    jax_transfer, whose sends bypass that counter, the loopback interface's tx bytes
-    (only its transfers run meanwhile)."""
-    if sender is None:
-        return 0
-    if method == "jax_transfer":
-        with open("/proc/net/dev") as f:
-            return next(int(line.split(":")[1].split()[8]) for line in f if line.strip().startswith("lo:"))
-    return sender.wchar()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_peer(method: str, n: int, size: str, params: dict, runs: int) -> Row:
-    workdir = Path(tempfile.mkdtemp(prefix=f"wsbench-{method}-", dir="/dev/shm"))
-    port = _free_port()
-    sender: Worker | None = None
-    readers: list[Worker] = []
-    rounds: list[float] = []
-    cpus: list[float] = []
-    total = model_bytes_of(params)
-    egress_bytes = 0
-    reset_peak_rss()
-    trainer_base = rss_bytes()
-    try:
-        if method == "gloo":  # every rank must join the group before any of them is ready
-            workers = _start_all(
-                lambda r: Worker(method, "send" if r == 0 else "recv", r, n, size, port, workdir), n + 1
-            )
-            sender, readers = workers[0], workers[1:]
-        elif method == "jax_transfer":
-            sender = Worker(method, "send", 0, n, size, port, workdir)
-            readers = [Worker(method, "recv", r, n, size, port, sender.ready["address"]) for r in range(1, n + 1)]
-        else:
-            readers = _start_all(lambda r: Worker(method, "recv", r + 1, n, size, port, workdir), n)
-        writer = _checkpoint_writer(method, params) if method in ("safetensors", "orbax") else None
-        pids = ["self", *(w.popen.pid for w in ([sender] if sender else []) + readers)]
-        for it in range(runs + 1):
-            w0 = _sent_bytes(method, sender)
-            cpu0 = cpu_seconds(pids)
-            t0 = time.time()
-            if writer is not None:
-                writer(workdir, it)
-            if sender is not None and method == "jax_transfer":
-                sender.send(f"go {it}")
-                sender.read()
-            everyone = readers + ([sender] if method == "gloo" and sender else [])
-            for w in everyone:
-                w.send(f"go {it}")
-            t_end = max(w.read()["t_end"] for w in everyone)
-            if it > 0:
-                rounds.append(t_end - t0)
-                cpus.append(cpu_seconds(pids) - cpu0)
-                egress_bytes += (_sent_bytes(method, sender) - w0) if sender else total  # checkpoints: written once
-            for old in workdir.glob(f"v{it}*"):
-                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-        stats = [w.quit() for w in ([sender] if sender else []) + readers]
-        peak = max(s["peak_rss"] - s["baseline_rss"] for s in stats)
-        if writer is not None:
-            peak = max(peak, peak_rss_bytes() - trainer_base)
-    finally:
-        for w in ([sender] if sender else []) + readers:
-            if w.popen.poll() is None:
-                w.popen.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
-        time.sleep(SETTLE_S)
-    bound_mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
-    return _row(
-        method, bound_mode, n, rounds, total, egress_bytes / (total * runs), peak, reuses=method == "gloo", cpus=cpus
-    )
-
-
-def _start_all(make, n: int) -> list[Worker]:  # noqa: ANN001
-    """Starts workers 0..n-1 concurrently (gloo ranks are ready only once all joined)."""
-    out: list[Worker | None] = [None] * n
-
-    def start(r: int) -> None:
-        out[r] = make(r)
-
-    threads = [threading.Thread(target=start, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if any(w is None for w in out):
-        raise RuntimeError("a peer worker did not start")
-    return out  # type: ignore[return-value]
-
-
-def _checkpoint_writer(method: str, params: dict):  # noqa: ANN202
-    if method == "safetensors":
-        from safetensors.numpy import save_file
-
-        as_u16 = {k: v.view(np.uint16) for k, v in params.items()}  # same bytes; numpy has no bf16
-        return lambda workdir, it: save_file(as_u16, str(workdir / f"v{it}.safetensors"))
-    import jax
-    import orbax.checkpoint as ocp
-
-    tree = {k: jax.device_put(v) for k, v in params.items()}
-    ckpt = ocp.StandardCheckpointer()
-
-    def write(workdir: Path, it: int) -> None:
-        ckpt.save(workdir / f"v{it}", tree)
-        ckpt.wait_until_finished()
-
-    return write
-
-
-# -- report ---------------------------------------------------------------------------
-BOUNDS: dict[str, float] = {}
-BOUND_CPU: dict[str, float] = {}  # CPU seconds of one bound transfer
-CORES = os.cpu_count() or 1
-LARGEST = [0]  # the model's largest tensor, bytes
-WINDOW = [0]  # a streaming rollout's in-flight bytes: streams x window_chunks x chunk_bytes (its defaults)
-
-
-def _row(
+def make_row(
     method: str,
     mode: str,
     n: int,
-    rounds: list[float],
+    rounds: list[Round],
     total: int,
-    egress: float,
-    peak: int,
+    peaks: Peaks,
+    bounds: Bounds,
     *,
-    trainer_peak: int = 0,
-    stage: float = 0.0,
-    reuses: bool = True,
-    cpus: list[float] | None = None,
+    paired: list[Round] | None = None,
 ) -> Row:
-    seconds = statistics.median(rounds)
+    """A table row from a runner's measured rounds (and gloo's rounds interleaved with them)."""
+    med = statistics.median
+    seconds = med(r.seconds for r in rounds)
     gbps = total / seconds / 1e9
     bound = "memcpy" if mode.startswith("shm") else "socket"
-    return Row(
+    bound_gbps = bounds.memcpy_gbps if bound == "memcpy" else bounds.socket_gbps
+    ours = method == "weightsync"
+    row = Row(
         method,
         mode,
         n,
         round(seconds, 4),
         round(gbps, 3),
-        round(gbps / BOUNDS[bound], 3),
+        round(gbps / bound_gbps, 3),
         bound,
-        round(egress, 3),
-        int(peak),
-        [round(r, 4) for r in rounds],
-        int(trainer_peak),
-        round(stage, 4),
-        reuses,
-        cpu_seconds=round(statistics.median(cpus), 3) if cpus else 0.0,
-        pause_seconds=0.0 if method == "weightsync" else round(seconds, 4),
+        round(sum(r.egress_bytes for r in rounds) / (total * len(rounds)), 3),
+        int(peaks.largest),
+        [round(r.seconds, 4) for r in rounds],
+        int(peaks.trainer),
+        round(med(r.stage for r in rounds), 4) if ours else 0.0,
+        round(med(r.pull for r in rounds), 4) if ours else 0.0,
+        reuses_memory=method in ("weightsync", "gloo"),
+        cpu_seconds=round(med(r.cpu_total for r in rounds), 3),
+        cpu_roles={k: round(med(r.cpu[k] for r in rounds), 3) for k in rounds[0].cpu},
+        pause_seconds=round(med(r.pause for r in rounds), 4),
+        copy_seconds=round(bounds.copy_s, 4),
     )
+    if ours:
+        row.pull_ratio_to_bound = round(total / row.pull_seconds / 1e9 / bound_gbps, 3) if row.pull_seconds else 0.0
+        row.rollout_overhead_bytes = peaks.rollout_overhead
+        row.cpu_min_roles = {k: round(v, 6) for k, v in bounds.cpu_min(mode.split("/")[0], n).items()}
+        row.cpu_min_seconds = round(sum(row.cpu_min_roles.values()), 6)
+    if paired:
+        row.paired_ratio_to_gloo = round(med(a.seconds / b.seconds for a, b in zip(rounds, paired)), 3)
+        row.paired_pause_ratio_to_gloo = round(med(a.pause / b.seconds for a, b in zip(rounds, paired)), 3)
+        row.paired_rounds = len(paired)
+    return row
 
 
+def run_paired(
+    cluster: Cluster,
+    coord,  # noqa: ANN001
+    modes: list[str],
+    n: int,
+    params: dict,
+    args: argparse.Namespace,
+    bounds: Bounds,
+    with_gloo: bool,
+) -> list[Row]:
+    """Every mode's rows at one N, each mode's rounds interleaved with gloo's."""
+    total = model_bytes_of(params)
+    rows: list[Row] = []
+    together = bounds_mod.concurrent_copy_s(total, n) if n > 1 else 0.0
+    gloo = PeerRun(PAIRED_PEER, n, args.size, params).start() if with_gloo else None
+    gloo_rounds: list[Round] = []
+    try:
+        if gloo is not None:
+            gloo.round()  # warm-up
+        for mode in modes:
+            # the bounds again beside each row: this VM drifts within minutes
+            row_bounds = bounds_mod.measure(total, reps=3)
+            ws = WeightsyncRun(cluster, coord, mode, n, params, args.chunk_bytes).start()
+            ours: list[Round] = []
+            theirs: list[Round] = []
+            try:
+                ws.round()  # warm-up: receive buffers, mappings, connections
+                for _ in range(args.runs):
+                    ours.append(ws.round())
+                    if gloo is not None:
+                        theirs.append(gloo.round())
+            finally:
+                peaks = ws.close()
+            rows.append(make_row("weightsync", mode, n, ours, total, peaks, row_bounds, paired=theirs or None))
+            rows[-1].copies_at_once_seconds = round(together, 4)
+            gloo_rounds += theirs
+            r = rows[-1]
+            paired = f", {r.paired_ratio_to_gloo:.2f}x gloo paired" if theirs else ""
+            print(
+                f"  weightsync {mode} N={n}: {r.seconds:.3f}s pause {r.pause_seconds:.3f}s "
+                f"CPU {r.cpu_seconds:.2f} (min {r.cpu_min_seconds:.2f}){paired}",
+                flush=True,
+            )
+    finally:
+        gloo_peaks = gloo.close() if gloo is not None else None
+    if gloo is not None and gloo_rounds:
+        rows.append(make_row(PAIRED_PEER, "tcp", n, gloo_rounds, total, gloo_peaks or Peaks(), bounds))
+        print(f"  {PAIRED_PEER} N={n}: {rows[-1].seconds:.3f}s ({len(gloo_rounds)} rounds)", flush=True)
+    return rows
+
+
+def run_alone(method: str, n: int, params: dict, args: argparse.Namespace, bounds: Bounds) -> Row:
+    """A peer's row on its own: one warm-up round, then --runs rounds."""
+    runner = PeerRun(method, n, args.size, params).start()
+    try:
+        runner.round()
+        rounds = [runner.round() for _ in range(args.runs)]
+    finally:
+        peaks = runner.close()
+    mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
+    return make_row(method, mode, n, rounds, model_bytes_of(params), peaks, bounds)
+
+
+def run_streaming(cluster: Cluster, coord, mode: str, params: dict, args: argparse.Namespace, bounds: Bounds) -> Row:  # noqa: ANN001
+    ws = WeightsyncRun(cluster, coord, mode, 1, params, args.chunk_bytes, apply_mode="streaming").start()
+    try:
+        ws.round()
+        rounds = [ws.round() for _ in range(args.runs)]
+    finally:
+        peaks = ws.close()
+    row = make_row("weightsync", f"{mode}/streaming", 1, rounds, model_bytes_of(params), peaks, bounds)
+    row.apply_mode = "streaming"
+    return row
+
+
+def run_vllm(preset: str, versions: int) -> dict | None:
+    """The vLLM row (bench/vllm_row.py) in its own process; None when vLLM is not installed."""
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_row.py"), "--preset", preset, "--versions", str(versions)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if out.returncode == 3:
+        print(f"  vllm: skipped ({out.stdout.strip() or out.stderr.strip()[-300:]})", flush=True)
+        return None
+    if out.returncode != 0:
+        raise RuntimeError(f"bench/vllm_row.py failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- report ---------------------------------------------------------------------------
 COLUMNS = (
     "method",
     "mode",
@@ -420,11 +239,12 @@ COLUMNS = (
     "seconds",
     "GB/s",
     "x bound",
+    "x gloo (paired)",
     "stage s",
     "pull s",
-    "pull x bound",
     "pause s",
     "CPU s",
+    "CPU min s",
     "egress/model",
     "peak RSS GB",
     "trainer RSS GB",
@@ -432,7 +252,7 @@ COLUMNS = (
 
 
 def _cells(r: Row) -> list[str]:
-    """One row's cells, in COLUMNS order (staging and pull only weightsync measures)."""
+    """One row's cells, in COLUMNS order (staging, pull and CPU min only weightsync measures)."""
     ours = r.method == "weightsync"
     return [
         r.method,
@@ -441,30 +261,36 @@ def _cells(r: Row) -> list[str]:
         f"{r.seconds:.3f}",
         f"{r.gbps:.2f}",
         f"{r.ratio_to_bound:.2f} {r.bound}",
+        f"{r.paired_ratio_to_gloo:.2f}" if r.paired_rounds else "",
         f"{r.stage_seconds:.3f}" if ours else "",
         f"{r.pull_seconds:.3f}" if ours else "",
-        f"{r.pull_ratio_to_bound:.2f}" if ours else "",
         f"{r.pause_seconds:.3f}",
         f"{r.cpu_seconds:.2f}",
+        f"{r.cpu_min_seconds:.2f}" if ours else "",
         f"{r.egress_ratio:.2f}",
         f"{r.peak_rss_bytes / 1e9:.2f}",
         f"{r.trainer_peak_rss_bytes / 1e9:.2f}",
     ]
 
 
-def print_table(rows: list[Row], total: int) -> None:
+def header(total: int, b: Bounds) -> str:
+    return (
+        f"model {total / 1e9:.2f} GB bf16 · copy {b.copy_s:.3f} s ({b.memcpy_gbps:.1f} GB/s) · "
+        f"xxh3 {b.hash_s:.3f} s · socket {b.socket_gbps:.2f} GB/s "
+        f"(send {b.send_cpu_s:.2f} + recv {b.recv_cpu_s:.2f} CPU s) · {CORES} cores"
+    )
+
+
+def print_table(rows: list[Row], total: int, b: Bounds) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(
-        title=f"model {total / 1e9:.2f} GB bf16 · memcpy {BOUNDS['memcpy']:.1f} GB/s · "
-        f"socket {BOUNDS['socket']:.2f} GB/s"
-    )
+    table = Table(title=header(total, b))
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
         table.add_row(*_cells(r))
-    Console(width=170).print(table)
+    Console(width=190).print(table)
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -475,66 +301,106 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def verdicts(rows: list[Row]) -> list[str]:
-    """The issue's targets, each with the numbers it was judged on."""
+def verdicts(rows: list[Row], b: Bounds, vllm: dict | None, window: int, largest: int) -> list[str]:
+    """The targets (issue 14 and the standing ones), each with the figures it was judged on."""
     by = {(r.method, r.mode, r.rollouts): r for r in rows}
-    out = []
+    out: list[str] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
         out.append(f"{'MET ' if ok else 'MISS'} {name}: {detail}")
 
-    def floor(r: Row, ratio: bool = True) -> str:
-        """What the row's CPU work allows on this machine's cores, whatever the overlap."""
-        least = r.cpu_seconds / CORES
-        best = f" (<= {r.ratio_to_bound * r.seconds / least:.2f}x {r.bound})" if least and ratio else ""
-        return f"; {r.mode} CPU {r.cpu_seconds:.2f} s on {CORES} cores: no schedule under {least:.3f} s{best}"
-
-    for mode, target in (("shm", 0.4), ("tcp", 0.8), ("grpc", 0.4)):
+    for mode in ("tcp", "relay"):
+        for n in (1, 4):
+            r = by.get(("weightsync", mode, n))
+            if r is None:
+                continue
+            copy = r.copy_seconds
+            shared = ""
+            if n > 1:
+                shared = (
+                    f"; the {n} rollouts share {CORES} cores and apply at once: {n} copies at once take "
+                    f"{r.copies_at_once_seconds:.3f} s here"
+                )
+            check(
+                f"{mode} N={n} pause <= 1.5x one apply copy",
+                r.pause_seconds <= 1.5 * copy,
+                f"{r.pause_seconds:.3f} s vs 1.5 x {copy:.3f} s = {1.5 * copy:.3f} s{shared}",
+            )
+            if r.paired_rounds:
+                check(
+                    f"{mode} N={n} pause <= 0.5x gloo's round (paired)",
+                    r.paired_pause_ratio_to_gloo <= 0.5,
+                    f"median of {r.paired_rounds} paired ratios {r.paired_pause_ratio_to_gloo:.3f}",
+                )
+    for mode in ("tcp", "relay"):
         r = by.get(("weightsync", mode, 1))
-        if r:
-            rest = r.seconds - r.stage_seconds - r.pull_seconds
-            alone = f"{r.pull_ratio_to_bound:.2f}x alone"
+        if r is not None:
+            roles = ", ".join(f"{k} {v:.2f} (min {r.cpu_min_roles.get(k, 0.0):.2f})" for k, v in r.cpu_roles.items())
             check(
-                f"{mode} N=1 end to end >= {target}x {r.bound}",
-                r.ratio_to_bound >= target,
-                f"{r.ratio_to_bound:.2f}x = stage {r.stage_seconds:.3f}s + pull {r.pull_seconds:.3f}s "
-                f"({alone}) + tensor verify, apply, control {rest:.3f}s{floor(r)}",
+                f"{mode} N=1 CPU <= 1.3x the roles' physical minimum",
+                r.cpu_seconds <= 1.3 * r.cpu_min_seconds,
+                f"{r.cpu_seconds:.2f} CPU s vs 1.3 x {r.cpu_min_seconds:.2f} = {1.3 * r.cpu_min_seconds:.2f} "
+                f"({r.cpu_seconds / max(r.cpu_min_seconds, 1e-9):.2f}x; {roles})",
             )
-    for n in (1, 4):
-        ours = [r for r in rows if r.method == "weightsync" and r.rollouts == n]
-        peers = [r for r in rows if r.method != "weightsync" and r.rollouts == n]
-        cross = [r for r in ours if r.mode in CROSS_HOST]
-        gloo = by.get(("gloo", "tcp", n))
-        if cross and gloo:
-            best = min(cross, key=lambda r: r.seconds)
-            check(
-                f"best cross-host mode faster than gloo, N={n}",
-                best.seconds < gloo.seconds,
-                f"{best.mode} {best.seconds:.3f}s vs gloo {gloo.seconds:.3f}s "
-                f"(gloo CPU {gloo.cpu_seconds:.2f} s){floor(best, ratio=False)}",
+    for n in (1, 2, 4):
+        gloo = by.get((PAIRED_PEER, "tcp", n))
+        paired = [r for r in rows if r.method == "weightsync" and r.rollouts == n and r.paired_rounds]
+        if not (gloo and paired):
+            continue
+        if n == 1:
+            best = min(
+                (r for r in paired if r.mode in ("tcp", "relay")), key=lambda r: r.paired_ratio_to_gloo, default=None
             )
-        if ours and peers:
-            best, peer = min(ours, key=lambda r: r.seconds), min(peers, key=lambda r: r.seconds)
+            if best is not None:
+                check(
+                    "tcp or relay N=1 publish -> COMMITTED <= 1.25x gloo (paired)",
+                    best.paired_ratio_to_gloo <= 1.25,
+                    f"{best.mode} {best.paired_ratio_to_gloo:.3f}x{_floor(best, gloo)}",
+                )
+        if n == 4 and (relay := by.get(("weightsync", "relay", 4))) and relay.paired_rounds:
             check(
-                f"faster than every peer, N={n}",
-                best.seconds < peer.seconds,
-                f"{best.mode} {best.seconds:.3f}s vs {peer.method} {peer.seconds:.3f}s",
+                "relay N=4 publish -> COMMITTED faster than gloo (paired)",
+                relay.paired_ratio_to_gloo < 1.0,
+                f"{relay.paired_ratio_to_gloo:.3f}x{_floor(relay, gloo)}",
             )
     relay = by.get(("weightsync", "relay", 4))
     if relay:
         check("relay N=4 egress <= 1.25x model", relay.egress_ratio <= 1.25, f"{relay.egress_ratio:.2f}x")
     for r in rows:
         if r.apply_mode == "streaming":
-            bound = WINDOW[0] + LARGEST[0] + (256 << 20)
+            bound = window + largest + (256 << 20)
             check(
                 f"streaming rollout RSS <= window + largest tensor + 256 MiB ({r.mode}, N={r.rollouts})",
                 r.rollout_overhead_bytes <= bound,
                 f"{r.rollout_overhead_bytes / 2**20:.0f} MiB vs {bound / 2**20:.0f} MiB",
             )
+    if vllm is not None:
+        check(
+            f"vLLM ({vllm['preset']}) tokens/s while prefetching >= 0.5x idle",
+            vllm["tokens_per_s_ratio"] >= 0.5,
+            f"{vllm['tokens_per_s_prefetch']:.1f} vs {vllm['tokens_per_s_idle']:.1f} tokens/s "
+            f"= {vllm['tokens_per_s_ratio']:.2f}x over {vllm['prefetch_seconds']:.2f} s of prefetch",
+        )
+        check(
+            f"vLLM ({vllm['preset']}) pause per version <= apply + 50 ms",
+            vllm["max_pause_over_apply_s"] <= 0.05,
+            f"largest pause - apply {vllm['max_pause_over_apply_s'] * 1e3:.1f} ms "
+            f"(median pause {vllm['pause_s_median'] * 1e3:.1f} ms, apply {vllm['apply_s_median'] * 1e3:.1f} ms)",
+        )
     return out
 
 
-def plot(rows: list[Row], path: Path) -> bool:
+def _floor(r: Row, gloo: Row) -> str:
+    """What CPU allows on this machine's cores: our round cannot end before cpu / CORES,
+    nor before the roles' minimum work / CORES."""
+    return (
+        f" (ours {r.seconds:.3f} s, gloo {gloo.seconds:.3f} s; our CPU {r.cpu_seconds:.2f} s on {CORES} cores: "
+        f"no schedule under {r.cpu_seconds / CORES:.3f} s; the least work {r.cpu_min_seconds:.2f} CPU s: "
+        f"{r.cpu_min_seconds / CORES:.3f} s; gloo CPU {gloo.cpu_seconds:.2f} s)"
+    )
+
+
+def plot(rows: list[Row], path: Path, b: Bounds) -> bool:
     try:
         import matplotlib
 
@@ -551,7 +417,7 @@ def plot(rows: list[Row], path: Path) -> bool:
         ax.bar(
             [i + k * width for i in range(len(labels))], [by.get((lab, n), 0) for lab in labels], width, label=f"N={n}"
         )
-    ax.axhline(BOUNDS["socket"], color="gray", linestyle="--", label="loopback socket")
+    ax.axhline(b.socket_gbps, color="gray", linestyle="--", label="loopback socket")
     ax.set_xticks([i + width * (len(ns) - 1) / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
     ax.set_ylabel("GB/s (model bytes / seconds to every rollout)")
     ax.legend()
@@ -569,6 +435,8 @@ def main() -> int:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--chunk-bytes", type=int, default=3 << 20)
     ap.add_argument("--streaming", default="tcp", help="modes also run with --apply-mode streaming at N=1 (RSS target)")
+    ap.add_argument("--vllm", default="small", help="the vLLM row's model preset ('' skips the row)")
+    ap.add_argument("--vllm-versions", type=int, default=6)
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop rollouts, free the arena
@@ -577,38 +445,30 @@ def main() -> int:
     peers = [p for p in args.peers.split(",") if p]
     params = model(args.size)
     total = model_bytes_of(params)
-    LARGEST[0] = max(v.nbytes for v in params.values())
-    WINDOW[0] = 2 * 32 * args.chunk_bytes
-    BOUNDS["memcpy"] = memcpy_gbps(total)
-    BOUNDS["socket"] = socket_gbps(total)
-    print(
-        f"bounds: memcpy {BOUNDS['memcpy']:.2f} GB/s, loopback socket {BOUNDS['socket']:.2f} GB/s "
-        f"({BOUND_CPU['socket']:.2f} CPU s per transfer; {total / 1e9:.2f} GB, {CORES} cores)",
-        flush=True,
-    )
+    largest = max(v.nbytes for v in params.values())
+    window = 2 * 32 * args.chunk_bytes  # a streaming rollout's in-flight bytes at its defaults
+    b = bounds_mod.measure(total)
+    print(f"bounds: {header(total, b)}", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsbench-") as tmp, Cluster(tmp) as cluster:
         coord = cluster.start_coordinator()
-        for mode in modes:
-            for n in ns:
-                rows.append(run_weightsync(cluster, coord, mode, n, params, args.runs, args.chunk_bytes))
-                print(f"  weightsync {mode} N={n}: {rows[-1].seconds:.3f}s {rows[-1].gbps:.2f} GB/s", flush=True)
+        for n in ns:
+            rows += run_paired(cluster, coord, modes, n, params, args, b, with_gloo=PAIRED_PEER in peers)
         for mode in filter(None, args.streaming.split(",")):
-            rows.append(run_weightsync(cluster, coord, mode, 1, params, args.runs, args.chunk_bytes, "streaming"))
-            print(
-                f"  weightsync {mode} streaming N=1: overhead RSS {rows[-1].rollout_overhead_bytes / 2**20:.0f} MiB",
-                flush=True,
-            )
-    for method in peers:
+            rows.append(run_streaming(cluster, coord, mode, params, args, b))
+            print(f"  weightsync {mode} streaming N=1: overhead RSS {rows[-1].rollout_overhead_bytes / 2**20:.0f} MiB")
+    for method in (p for p in peers if p != PAIRED_PEER):
         for n in ns:
             try:
-                rows.append(run_peer(method, n, args.size, params, args.runs))
+                rows.append(run_alone(method, n, params, args, b))
                 print(f"  {method} N={n}: {rows[-1].seconds:.3f}s {rows[-1].gbps:.2f} GB/s", flush=True)
             except (ImportError, RuntimeError) as e:
                 print(f"  {method} N={n}: skipped ({e})", flush=True)
                 break
-    print_table(rows, total)
-    for line in verdicts(rows):
+    vllm = run_vllm(args.vllm, args.vllm_versions) if args.vllm else None
+    print_table(rows, total, b)
+    lines = verdicts(rows, b, vllm, window, largest)
+    for line in lines:
         print(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -616,16 +476,20 @@ def main() -> int:
         "size": args.size,
         "model_bytes": total,
         "runs": args.runs,
-        "bounds_gbps": BOUNDS,
+        "bounds": {**asdict(b), "memcpy_gbps": b.memcpy_gbps, "socket_gbps": b.socket_gbps},
         "chunk_bytes": args.chunk_bytes,
-        "bounds_cpu_seconds": BOUND_CPU,
         "cores": CORES,
+        "vllm": vllm,
+        "verdicts": lines,
     }
     out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    out.with_suffix(".meta.json").write_text(json.dumps({**meta, "verdicts": verdicts(rows)}, indent=1))
-    out.with_suffix(".md").write_text(markdown_table(rows) + "\n" + "\n".join(f"- {v}" for v in verdicts(rows)) + "\n")
+    out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+    vllm_md = f"\nvLLM row: `{json.dumps(vllm)}`\n" if vllm else ""
+    out.with_suffix(".md").write_text(
+        f"{header(total, b)}\n\n" + markdown_table(rows) + vllm_md + "\n" + "\n".join(f"- {v}" for v in lines) + "\n"
+    )
     png = out.with_suffix(".png")
-    print(f"wrote {out}" + (f" and {png}" if plot(rows, png) else " (no matplotlib: no PNG)"))
+    print(f"wrote {out}" + (f" and {png}" if plot(rows, png, b) else " (no matplotlib: no PNG)"))
     return 0
 
 

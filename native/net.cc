@@ -1,10 +1,9 @@
-// Bulk byte movement for the `tcp` transport: zero-copy sends and verified receives.
+// Bulk byte movement for the `tcp` transport: sends from memory and verified receives.
 // The control protocol (request/response headers, tokens) stays in Python; these calls
 // move the payload with the GIL released and report errors as -errno.
 #include "weightsync_native.h"
 
 #include <errno.h>
-#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -19,25 +18,6 @@ constexpr uint64_t kPiece = 1 << 20;  // bytes per syscall: hashed while still i
 }
 
 extern "C" {
-
-int64_t ws_send_file_ranges(int sock, int file_fd, const uint64_t* offsets, const uint64_t* lengths, uint64_t n) {
-  int64_t sent_total = 0;
-  for (uint64_t i = 0; i < n; ++i) {
-    off_t off = static_cast<off_t>(offsets[i]);
-    uint64_t left = lengths[i];
-    while (left > 0) {
-      ssize_t s = sendfile(sock, file_fd, &off, static_cast<size_t>(std::min<uint64_t>(left, 1ull << 30)));
-      if (s < 0) {
-        if (errno == EINTR) continue;
-        return -errno;
-      }
-      if (s == 0) return -EIO;  // the file is shorter than the range
-      left -= static_cast<uint64_t>(s);
-      sent_total += s;
-    }
-  }
-  return sent_total;
-}
 
 int64_t ws_send_mem_ranges(int sock, const uint8_t* const* ptrs, const uint64_t* lengths, uint64_t n) {
   int64_t sent_total = 0;
@@ -60,33 +40,34 @@ int64_t ws_send_mem_ranges(int sock, const uint8_t* const* ptrs, const uint64_t*
 
 int64_t ws_recv_verify(int sock, uint8_t* base, const uint64_t* dst_offsets, const uint64_t* lengths,
                        const uint64_t* digests, uint64_t n, uint8_t* ok) {
-  XXH3_state_t* state = XXH3_createState();
-  if (state == nullptr) return -ENOMEM;
+  XXH3_state_t* state = digests == nullptr ? nullptr : XXH3_createState();
+  if (digests != nullptr && state == nullptr) return -ENOMEM;
   int64_t received = 0;
-  for (uint64_t i = 0; i < n; ++i) {
+  int64_t failed = 0;
+  for (uint64_t i = 0; i < n && failed == 0; ++i) {
     uint8_t* p = base + dst_offsets[i];
     uint64_t left = lengths[i];
-    XXH3_64bits_reset(state);
+    if (state != nullptr) XXH3_64bits_reset(state);
     while (left > 0) {
       ssize_t r = recv(sock, p, static_cast<size_t>(std::min(left, kPiece)), 0);
       if (r < 0) {
         if (errno == EINTR) continue;
-        XXH3_freeState(state);
-        return -errno;
+        failed = -errno;
+        break;
       }
       if (r == 0) {
-        XXH3_freeState(state);
-        return -ECONNRESET;  // the peer closed mid-payload
+        failed = -ECONNRESET;  // the peer closed mid-payload
+        break;
       }
-      XXH3_64bits_update(state, p, static_cast<size_t>(r));
+      if (state != nullptr) XXH3_64bits_update(state, p, static_cast<size_t>(r));
       p += r;
       left -= static_cast<uint64_t>(r);
       received += r;
     }
-    ok[i] = XXH3_64bits_digest(state) == digests[i] ? 1 : 0;
+    ok[i] = state == nullptr || XXH3_64bits_digest(state) == digests[i] ? 1 : 0;
   }
-  XXH3_freeState(state);
-  return received;
+  if (state != nullptr) XXH3_freeState(state);
+  return failed != 0 ? failed : received;
 }
 
 }  // extern "C"

@@ -70,12 +70,11 @@ int ws_copy_many(uint8_t* const* dsts, const uint8_t* const* srcs, const uint64_
 
 // tcp transport (net.cc). Return bytes moved, or -errno. Sockets must be blocking
 // (timeouts via SO_RCVTIMEO / SO_SNDTIMEO surface as -EAGAIN).
-// Sends file ranges with sendfile (zero-copy from a shm arena).
-int64_t ws_send_file_ranges(int sock, int file_fd, const uint64_t* offsets, const uint64_t* lengths, uint64_t n);
-// Sends memory ranges (a relay's receive buffers).
+// Sends memory ranges (a trainer's mapped arena, a relay's receive buffers).
 int64_t ws_send_mem_ranges(int sock, const uint8_t* const* ptrs, const uint64_t* lengths, uint64_t n);
 // Receives n payloads back to back into base + dst_offsets[i], hashing each piece as it
-// lands; ok[i] = 1 when payload i's xxh3-64 equals digests[i].
+// lands; ok[i] = 1 when payload i's xxh3-64 equals digests[i]. digests null: no hashing
+// (the caller verifies the tensors the bytes make up), ok[i] = 1.
 int64_t ws_recv_verify(int sock, uint8_t* base, const uint64_t* dst_offsets, const uint64_t* lengths,
                        const uint64_t* digests, uint64_t n, uint8_t* ok);
 

@@ -110,6 +110,12 @@ def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[st
     return {name: out[name] for name in manifest.tensors}
 
 
+def mismatched(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> list[str]:
+    """The tensors whose assembled digest differs from the manifest's."""
+    expected = manifest.tensor_digests()
+    return [name for name, (got, _) in digests.items() if got != expected[name]]
+
+
 def first_difference(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> str | None:
     """The first tensor whose assembled digest differs from the manifest's, if any."""
     expected = manifest.tensor_digests()

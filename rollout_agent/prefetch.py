@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,8 +34,11 @@ class Prefetcher:
     Lock order: `_pull` before `_cond`; `_cond` is never held across a pull.
     """
 
-    def __init__(self, puller: WeightPuller, *, failpoints: Failpoints | None = None, follow: bool = True) -> None:
+    def __init__(
+        self, puller: WeightPuller, *, failpoints: Failpoints | None = None, follow: bool = True, nice: int = 0
+    ) -> None:
         self._puller = puller
+        self._nice = nice
         self._failpoints = failpoints
         self._pull = threading.Lock()  # whoever holds it owns the receive buffer
         self._cond = threading.Condition()
@@ -126,6 +130,11 @@ class Prefetcher:
         return 0
 
     def _run(self) -> None:
+        if self._nice:  # Linux: per thread, and inherited by the pull's lane threads
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError as e:
+                log.warning("prefetch: cannot set nice %d: %s", self._nice, e)
         while (version := self._next()) > 0:
             with self._pull:
                 with self._cond:

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PulledVersion:
-    """A version whose every chunk verified, held in per-rank receive buffers."""
+    """A version's chunks in per-rank receive buffers, each verified as it landed unless
+    pulled with `check_chunks=False`."""
 
     header: pb.ManifestHeader
     manifest: Manifest
@@ -57,6 +58,7 @@ class _Lane:
         self.mode = ""  # transport name; set by WeightPuller._plan
         self.endpoint = part.endpoint
         self.relayed = False
+        self.check = True  # hash each chunk as it lands (else the caller checks the tensors)
         self.digest_failures = 0  # chunks whose bytes arrived but did not verify
 
 
@@ -67,6 +69,7 @@ class PullPlan:
     mode: str  # in force for this version: the puller's, else the session's, else grpc
     token: str = ""  # the version's access token (tcp and relay servers check it)
     upstream: Endpoint | None = None  # relay mode: the relay before this rollout in the chain
+    downstream: bool = False  # relay mode: a rollout after this one in the chain reads from it
 
 
 class WeightPuller:
@@ -79,11 +82,15 @@ class WeightPuller:
     first, or when that relay fails) and re-serves through `relay`; ranks that do not
     offer the mode are pulled over "grpc". Each rank's chunks are split into `streams`
     contiguous lanes; a lane requests at most `window_chunks` chunks per call, so at most
-    streams x window_chunks x chunk_bytes are in flight per rank. Every chunk's xxh3 is
-    checked on arrival; a bad or missing chunk is fetched again (with backoff after a
-    transport failure), up to `max_attempts` times in all, then DigestMismatch (DATA_LOSS)
-    when a chunk's bytes did not verify, or TransportUnavailable when the source could
-    not be read (retryable: nothing was wrong with any byte). Receive buffers persist
+    streams x window_chunks x chunk_bytes are in flight per rank. Each chunk's xxh3 is
+    checked on arrival, except in a `pull(check_chunks=False)`, whose caller checks the
+    tensors the chunks make up (one hash pass, not two) and has `repair` locate and
+    re-fetch the chunks under a tensor that failed; chunks read from a relay, or re-served
+    to the rollout after this one in a relay chain, are always checked. A bad or missing
+    chunk is fetched again (with backoff after a transport failure), up to `max_attempts`
+    times in all, then DigestMismatch (DATA_LOSS) when a chunk's bytes did not verify, or
+    TransportUnavailable when the source could not be read (retryable: nothing was wrong
+    with any byte). Receive buffers persist
     across versions. Every byte is copied into them, shm included, and checked there:
     what is verified and applied is this process's own copy, which no other process can
     change after the check (a view of the trainer's arena could).
@@ -237,11 +244,14 @@ class WeightPuller:
         else the session's; the version's access token; in relay mode, the relay before
         this rollout in the coordinator's chain (none when it is first or not listed)."""
         mode = self.mode or header.weight_sync_mode or "grpc"
-        upstream = None
+        upstream, downstream = None, False
         chain = [peer.agent_id for peer in header.relay_chain]
-        if mode == "relay" and self.agent_id in chain and chain.index(self.agent_id) > 0:
-            upstream = endpoint_from_proto(header.relay_chain[chain.index(self.agent_id) - 1].endpoint)
-        return PullPlan(mode, header.access_token, upstream)
+        if mode == "relay" and self.agent_id in chain:
+            at = chain.index(self.agent_id)
+            if at > 0:
+                upstream = endpoint_from_proto(header.relay_chain[at - 1].endpoint)
+            downstream = at < len(chain) - 1
+        return PullPlan(mode, header.access_token, upstream, downstream)
 
     def _buffer(self, rank: int, nbytes: int) -> np.ndarray:
         buf = self._buffers.get(rank)
@@ -250,8 +260,11 @@ class WeightPuller:
             self._buffers[rank] = buf
         return buf[:nbytes]
 
-    def pull(self, header: pb.ManifestHeader, manifest: Manifest) -> PulledVersion:
-        """Fetches and verifies every chunk of every rank into the receive buffers."""
+    def pull(self, header: pb.ManifestHeader, manifest: Manifest, *, check_chunks: bool = True) -> PulledVersion:
+        """Fetches every chunk of every rank into the receive buffers, each verified as it
+        lands unless `check_chunks` is False (then the caller verifies the tensors and
+        calls `repair`); chunks this rollout re-serves as a relay, or reads from one, are
+        verified all the same."""
         started = time.perf_counter()
         plan = self.plan(header)
         with self._lock:
@@ -261,6 +274,11 @@ class WeightPuller:
                 per = max(1, -(-n // self.streams))
                 lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
             lanes = self._route(lanes, plan)
+            # A relay checks what it will pass on as it lands; the chain's tail passes nothing
+            # on (a rollout that joins after it later reads relayed chunks checked on its side).
+            relaying = self.relay is not None and plan.downstream
+            for lane in lanes:
+                lane.check = check_chunks or relaying
             buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             if self.relay is not None:
                 self.relay.begin(manifest, plan.token, buffers)
@@ -291,20 +309,77 @@ class WeightPuller:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
         the part) as `plan` says; returns (bytes pulled, chunks re-fetched). For streaming
         apply."""
-        per = max(1, -(-len(indices) // self.streams))
-        lanes = self._route(
-            [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))], plan
-        )
-        with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-            for future in [pool.submit(self._run_lane, plan, manifest, lane, buf, base) for lane in lanes]:
-                future.result()
+        lanes = self._split(plan, part, indices)
+        self._run_lanes(plan, manifest, lanes, buf, base)
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)
 
-    def _run_lane(self, plan: PullPlan, manifest: Manifest, lane: _Lane, buf: np.ndarray, base: int = 0) -> None:
+    def _split(self, plan: PullPlan, part: Part, indices: list[int]) -> list[_Lane]:
+        per = max(1, -(-len(indices) // self.streams))
+        return self._route(
+            [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))], plan
+        )
+
+    def _run_lanes(
+        self, plan: PullPlan, manifest: Manifest, lanes: list[_Lane], buf: np.ndarray, base: int, **how: object
+    ) -> None:
+        with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
+            for future in [pool.submit(self._run_lane, plan, manifest, lane, buf, base, **how) for lane in lanes]:
+                future.result()
+
+    def repair(self, plan: PullPlan, manifest: Manifest, buffers: dict[int, np.ndarray], names: Sequence[str]) -> None:
+        """After a pull without chunk checks: hashes the chunks under the named tensors'
+        shards in the receive buffers and re-fetches, verified, each that differs from the
+        manifest. The pull was each chunk's first attempt: at most `max_attempts` in all,
+        then DigestMismatch as in a pull. Re-fetches count in `last_retries`."""
+        shards = manifest.shards_of()
+        for part in manifest.parts:
+            spans = [(s.offset, s.offset + s.nbytes) for n in names for rank, s in shards[n] if rank == part.rank]
+            under = [
+                i
+                for i, c in enumerate(part.chunks)
+                if any(c.offset < stop and start < c.offset + c.length for start, stop in spans)
+            ]
+            if not under:
+                continue
+            buf = buffers[part.rank]
+            got = (
+                native.digest_ranges(
+                    buf, [part.chunks[i].offset for i in under], [part.chunks[i].length for i in under]
+                )
+                if native.available()
+                else [xxh3(buf[part.chunks[i].offset :][: part.chunks[i].length]) for i in under]
+            )
+            bad = [i for i, d in zip(under, got) if int(d) != part.chunks[i].xxh3]
+            if not bad:
+                continue
+            log.warning(
+                "version %d rank %d: %d chunk(s) under a tensor that failed its check differ; re-fetching",
+                manifest.version,
+                part.rank,
+                len(bad),
+            )
+            if self.metrics is not None:
+                self.metrics.digest_failures.labels(role=self.metrics.role, session=self.session).inc(len(bad))
+            lanes = self._split(plan, part, bad)
+            try:
+                self._run_lanes(plan, manifest, lanes, buf, 0, first_attempt=2, why="found by the tensor check")
+            finally:
+                self.last_retries += sum(lane.retries for lane in lanes)
+
+    def _run_lane(
+        self,
+        plan: PullPlan,
+        manifest: Manifest,
+        lane: _Lane,
+        buf: np.ndarray,
+        base: int = 0,
+        first_attempt: int = 1,
+        why: str = "",
+    ) -> None:
         pending = lane.indices
-        last_error = ""
+        last_error = why and f"digest mismatch {why}"
         unreachable = False  # the last attempt failed to reach the source (not a bad byte)
-        for attempt in range(1, self.max_attempts + 1):
+        for attempt in range(first_attempt, self.max_attempts + 1):
             if not pending:
                 return
             if attempt > 1:
@@ -358,7 +433,8 @@ class WeightPuller:
             )
             try:
                 if transport.receives_in_place:
-                    ok = transport.fetch_into(request, buf, base, [chunks[i].xxh3 for i in window])
+                    check = lane.check or lane.relayed
+                    ok = transport.fetch_into(request, buf, base, [chunks[i].xxh3 for i in window] if check else None)
                     for i, good in zip(window, ok):
                         if good:
                             received.add(i)
@@ -383,7 +459,10 @@ class WeightPuller:
                         self._count_digest_failure(lane)  # wrong bytes from the source, not an absent source
                         continue
                     dst = buf[c.offset - base : c.offset - base + c.length]
-                    if native.available():  # copy and hash in one pass, GIL released
+                    if not (lane.check or lane.relayed):  # the caller checks the tensors
+                        dst[:] = np.frombuffer(payload.data, np.uint8)
+                        good = True
+                    elif native.available():  # copy and hash in one pass, GIL released
                         good = native.copy_digest(dst, np.frombuffer(payload.data, np.uint8)) == c.xxh3
                     elif good := xxh3(payload.data) == c.xxh3:
                         dst[:] = np.frombuffer(payload.data, np.uint8)

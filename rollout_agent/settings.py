@@ -64,6 +64,11 @@ class SyncSettings(PeerConfig):
         "vLLM engines: pull and verify each new servable version in the background while the engine serves; "
         "an update of a prefetched version only applies (one receive buffer; atomic apply only).",
     )
+    prefetch_nice: int = option(
+        10,
+        "vLLM engines: the nice value (0-19) of the prefetch threads: the engine's threads win the cores and "
+        "the pull takes what they leave (0: the same priority as the engine).",
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
 
     def __post_init__(self) -> None:
@@ -84,6 +89,7 @@ class SyncSettings(PeerConfig):
                 raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
             check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1)
             check_bounds(self, ("relay_port",), 0, 65535)
+            check_bounds(self, ("prefetch_nice",), 0, 19)
             self.security()  # both halves of a key pair or neither
         except InvalidArgument as e:
             if not self.FIELD_PREFIX or e.field is None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout_agent.appliers import Applier, layer_groups
-from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, tensor_digest
+from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, mismatched, tensor_digest
 from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
@@ -79,7 +79,12 @@ class Prefetched:
 
 def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | None = None) -> Prefetched:
     """Fetches `version`'s manifest (0 = newest servable; the lease is taken), pulls every
-    chunk and checks every chunk and assembled tensor; the live weights are not touched.
+    chunk and checks every assembled tensor; the live weights are not touched.
+
+    One hash pass per byte: the chunks land unchecked (relays excepted) and the tensor
+    check covers them, since a tensor's digest is made of its chunks' digests. A tensor
+    that fails has the chunks under it located and re-fetched (`WeightPuller.repair`),
+    then is checked once more.
 
     Raises:
         WeightsyncError: the manifest could not be had (nothing was pulled). A failed pull
@@ -89,15 +94,21 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
     header, manifest = puller.fetch_manifest(version)
     p = Prefetched(header, manifest, started=started)
     try:
-        pulled = puller.pull(header, manifest)
+        pulled = puller.pull(header, manifest, check_chunks=False)
         p.bytes_pulled, p.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
         p.timings["pull_seconds"] = pulled.pull_seconds
         t0 = time.perf_counter()
-        tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
-        if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
-            first = next(iter(tensors.values()))
-            first.reshape(-1).view("uint8")[0] ^= 0xFF
-        p.progress.digests = digest_all(manifest, tensors)
+        for attempt in range(2):  # the tensor check, and once more after a repair
+            tensors = assemble(manifest, pulled.buffers, puller.assembly_buffers)
+            if failpoints is not None and failpoints.fire("puller.corrupt_assembled"):
+                first = next(iter(tensors.values()))
+                first.reshape(-1).view("uint8")[0] ^= 0xFF
+            p.progress.digests = digest_all(manifest, tensors)
+            bad = mismatched(manifest, p.progress.digests)
+            if not bad or attempt == 1:
+                break
+            puller.repair(puller.plan(header), manifest, pulled.buffers, bad)
+        p.chunk_retries = puller.last_retries
         p.progress.elements = sum(int(t.size) for t in tensors.values())
         p.timings["verify_seconds"] = time.perf_counter() - t0
         problem = first_difference(manifest, p.progress.digests)

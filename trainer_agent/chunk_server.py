@@ -17,7 +17,7 @@ from weightsync.failpoints import Failpoints
 from weightsync.manifest import ChunkSpec
 from weightsync.metrics import Metrics
 from weightsync.transports.grpc import serialize_response, serve_chunks
-from weightsync.transports.tcp import FileRanges, check_token
+from weightsync.transports.tcp import check_token
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 
@@ -44,7 +44,6 @@ class SlotTable:
         self.failpoints = failpoints or Failpoints()
         self._lock = threading.Lock()
         self._slots: dict[int, SlotEntry] = {}
-        self._files = FileRanges()
 
     def set(self, slot: int, entry: SlotEntry | None) -> None:
         with self._lock:
@@ -52,9 +51,6 @@ class SlotTable:
                 self._slots.pop(slot, None)
             else:
                 self._slots[slot] = entry
-
-    def close(self) -> None:
-        self._files.close()
 
     def entries(self) -> dict[int, SlotEntry]:
         with self._lock:
@@ -87,16 +83,29 @@ class SlotTable:
         return sum(entry.chunks[i].length for i in indices)
 
     def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
-        """sendfile()s the chunks from the arena file (zero copy)."""
+        """Sends the chunks from the mapped arena, runs of adjacent chunks in one call.
+
+        Not `sendfile`: from a tmpfs file it costs more CPU in all on loopback (measured:
+        0.82-0.92 vs 0.66-0.71 CPU s for 1.19 GB, sender + receiver), since the receiver's
+        copy then reads cold pages. The view keeps the mapping alive while it is sent,
+        even if the arena is reallocated meanwhile (`Arena._release`)."""
         slot, entry = self._find(session, version, rank)
-        base = slot * self.arena.slot_bytes
-        ranges = [(base + entry.chunks[i].offset, entry.chunks[i].length) for i in indices]
-        sent = 0
+        arena = self.arena.slot(slot)
+        runs: list[list[int]] = []  # [start, stop) byte ranges of adjacent chunks
+        for i in indices:
+            c = entry.chunks[i]
+            if runs and runs[-1][1] == c.offset:
+                runs[-1][1] = c.offset + c.length
+            else:
+                runs.append([c.offset, c.offset + c.length])
+        views = [arena[a:b] for a, b in runs]
         if self.failpoints.fire("chunk_server.corrupt_chunk"):  # the first chunk leaves with one byte flipped
-            first = np.array(self.arena.slot(slot)[entry.chunks[indices[0]].offset :][: ranges[0][1]])
+            c = entry.chunks[indices[0]]
+            first = np.array(arena[c.offset : c.offset + c.length])
             first[-1:] ^= 0xFF
-            sent, ranges = native.send_views(sock_fd, [first]), ranges[1:]
-        return sent + self._files.send(sock_fd, str(self.arena.path), ranges)
+            views[0] = views[0][c.length :]
+            return native.send_views(sock_fd, [first, *views])
+        return native.send_views(sock_fd, views)
 
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
         slot, entry = self._find(session, version, rank)

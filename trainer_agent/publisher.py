@@ -138,11 +138,10 @@ class WeightPublisher:
         self._resources.callback(self.arena.close)
         fps = Failpoints(s.failpoints)
         self.table = SlotTable(self.arena, s.session, s.rank, fps)
-        self._resources.callback(self.table.close)
         self._servicer = TrainerAgentServicer(self.table, self.metrics, fps, lambda: self.generation)
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None
-        if native.available():  # the native bulk path ("tcp"): sendfile from the arena
+        if native.available():  # the native bulk path ("tcp"): sends from the mapped arena
             self.tcp_server = TcpChunkServer(
                 self.table, host=s.host, port=s.tcp_port, on_sent=self._servicer.count_served, failpoints=fps
             )

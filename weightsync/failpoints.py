@@ -12,7 +12,10 @@ from weightsync.errors import InvalidArgument
 
 KNOWN = {
     "chunk_server.corrupt_chunk": "flip one byte in the next N chunks sent over grpc or tcp (trainer side)",
-    "puller.corrupt_assembled": "flip one byte of the first tensor after verification, N times (rollout side)",
+    "puller.corrupt_assembled": (
+        "flip one byte of the first tensor before its check, N checks (rollout side; a flip the check finds is "
+        "repaired by re-fetching its chunk and checked again, so N=2 makes a version fail)"
+    ),
     "relay.stall_after_chunks": "a relaying rollout sends N chunks, then stalls every reply (a hung relay)",
     "tcp_server.drop_mid_reply": (
         "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)"

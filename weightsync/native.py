@@ -20,7 +20,7 @@ from weightsync.errors import InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -71,8 +71,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
     lib.ws_copy_many.argtypes = [_U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_int]
     lib.ws_copy_digest.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, _U64P]
-    lib.ws_send_file_ranges.argtypes = [ctypes.c_int, ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
-    lib.ws_send_file_ranges.restype = ctypes.c_int64
     lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
     lib.ws_send_mem_ranges.restype = ctypes.c_int64
     lib.ws_recv_verify.argtypes = [ctypes.c_int, ctypes.c_void_p, _U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_void_p]
@@ -317,15 +315,6 @@ def _moved(rc: int, what: str) -> int:
     return rc
 
 
-def send_file_ranges(sock_fd: int, file_fd: int, ranges: Sequence[tuple[int, int]]) -> int:
-    """sendfile()s each (file offset, length) to a blocking socket; bytes sent, or OSError."""
-    lib = _require()
-    off = np.ascontiguousarray([r[0] for r in ranges], np.uint64)
-    ln = np.ascontiguousarray([r[1] for r in ranges], np.uint64)
-    rc = lib.ws_send_file_ranges(sock_fd, file_fd, off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(ranges))
-    return _moved(rc, "sendfile")
-
-
 def send_views(sock_fd: int, views: Sequence[np.ndarray]) -> int:
     """Sends contiguous uint8 arrays back to back to a blocking socket; bytes sent, or OSError."""
     lib = _require()
@@ -335,10 +324,13 @@ def send_views(sock_fd: int, views: Sequence[np.ndarray]) -> int:
     return _moved(rc, "send")
 
 
-def recv_verify(sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]], digests: Sequence[int]) -> np.ndarray:
+def recv_verify(
+    sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]], digests: Sequence[int] | None
+) -> np.ndarray:
     """Receives len(spans) payloads back to back into buf[offset:offset+length], hashing
-    each as it lands; returns a bool array: payload i's xxh3-64 == digests[i]. OSError on
-    a socket error (timeouts: EAGAIN) or a short stream."""
+    each as it lands; returns a bool array: payload i's xxh3-64 == digests[i] (all True
+    where `digests` is None: received, not hashed). OSError on a socket error (timeouts:
+    EAGAIN) or a short stream."""
     lib = _require()
     off = np.ascontiguousarray([s[0] for s in spans], np.uint64)
     ln = np.ascontiguousarray([s[1] for s in spans], np.uint64)
@@ -346,14 +338,16 @@ def recv_verify(sock_fd: int, buf: np.ndarray, spans: Sequence[tuple[int, int]],
         raise InvalidArgument("needs a writable contiguous uint8 buffer", field="buf")
     if len(off) and int((off + ln).max()) > buf.nbytes:
         raise InvalidArgument("a span leaves the receive buffer", field="spans")
-    want = np.ascontiguousarray(digests, np.uint64)
+    if digests is not None and len(digests) != len(off):
+        raise InvalidArgument(f"{len(digests)} digests for {len(off)} spans", field="digests")
+    want = None if digests is None else np.ascontiguousarray(digests, np.uint64)
     ok = np.zeros(max(len(off), 1), np.uint8)
     rc = lib.ws_recv_verify(
         sock_fd,
         _ptr(buf),
         off.ctypes.data_as(_U64P),
         ln.ctypes.data_as(_U64P),
-        want.ctypes.data_as(_U64P),
+        None if want is None else want.ctypes.data_as(_U64P),
         len(off),
         _ptr(ok),
     )

@@ -44,7 +44,7 @@ def test_a_failing_rollout_and_a_partial_version_move_the_metrics_alerts_read(cl
     json_logs = ["--log-format", "json"]
     coord = cluster.start_coordinator(args=json_logs)
     good = cluster.start_rollout("good", coord.address, "job", json_logs)
-    bad = cluster.start_rollout("bad", coord.address, "job", [*json_logs, "--failpoints", "puller.corrupt_assembled=1"])
+    bad = cluster.start_rollout("bad", coord.address, "job", [*json_logs, "--failpoints", "puller.corrupt_assembled=2"])
     trainer = cluster.start_trainer(
         "trainer",
         coord.address,
@@ -73,7 +73,8 @@ def test_a_failing_rollout_and_a_partial_version_move_the_metrics_alerts_read(cl
 
     b = scrape(bad.ready["metrics_port"])
     assert metric_value(b, "weightsync_sync_failures_total", session="job", reason="data_loss") == 1
-    assert metric_value(b, "weightsync_digest_failures_total", role="rollout", session="job") == 1
+    # the chunk under the first flip (re-fetched), then the tensor that failed again
+    assert metric_value(b, "weightsync_digest_failures_total", role="rollout", session="job") == 2
     assert 'weightsync_current_version{role="rollout",session="job"} 0.0' in b  # present, so min() sees it
     g = scrape(good.ready["metrics_port"])
     assert metric_value(g, "weightsync_current_version", role="rollout", session="job") == 1

@@ -30,6 +30,8 @@ def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena
             "tcp,relay",
             "--peers",
             "safetensors,gloo",
+            "--vllm",
+            "",
             "--out",
             str(out),
         ],
@@ -63,7 +65,34 @@ def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena
     # the engine's pause: weightsync's NumPy engine waits for the apply, a peer's for its round
     assert 0 < by[("weightsync", "tcp", 1)]["pause_seconds"] < by[("weightsync", "tcp", 1)]["seconds"]
     assert by[("gloo", "tcp", 1)]["pause_seconds"] == by[("gloo", "tcp", 1)]["seconds"]
+    # every weightsync row ran its rounds interleaved with gloo's at the same N
+    for r in rows:
+        if r["method"] == "weightsync" and r["apply_mode"] != "streaming":
+            assert r["paired_rounds"] == 1 and r["paired_ratio_to_gloo"] > 0 and r["paired_pause_ratio_to_gloo"] > 0
+            assert set(r["cpu_roles"]) == {"trainer", "coordinator", "rollouts"}
+            assert set(r["cpu_min_roles"]) == {"trainer", "rollouts"} and r["cpu_min_seconds"] > 0
+    assert len(by[("gloo", "tcp", 1)]["rounds"]) == 2  # one paired round per weightsync mode at N=1
     meta = json.loads(out.with_suffix(".meta.json").read_text())
-    assert meta["bounds_gbps"]["socket"] > 0 and meta["bounds_cpu_seconds"]["socket"] > 0 and meta["cores"] >= 1
+    b = meta["bounds"]
+    assert b["socket_gbps"] > 0 and b["send_cpu_s"] > 0 and b["recv_cpu_s"] > 0 and meta["cores"] >= 1
     assert any(v.startswith("MET  streaming rollout RSS") for v in meta["verdicts"]), meta["verdicts"]
+    assert any("CPU <= 1.3x the roles' physical minimum" in v for v in meta["verdicts"]), meta["verdicts"]
+    assert any("<= 1.25x gloo (paired)" in v for v in meta["verdicts"]), meta["verdicts"]
     assert "x bound" in run.stdout
+
+
+def test_vllm_row_generates_while_versions_prefetch_and_reports_the_pause(no_arena_leak: None) -> None:
+    pytest.importorskip("vllm")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vllm_row.py"), "--preset", "tiny", "--versions", "2", "--idle-s", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    assert row["versions"] == 2 and row["all_ok"]
+    assert row["tokens_per_s_idle"] > 0 and row["idle_seconds"] > 0.5
+    assert row["prefetch_seconds"] > 0 and row["tokens_per_s_prefetch"] >= 0
+    assert len(row["pause_s"]) == 2 and all(p >= a > 0 for p, a in zip(row["pause_s"], row["apply_s"]))

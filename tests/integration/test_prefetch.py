@@ -4,6 +4,8 @@ prefetch never reaches the engine; a newer version wins and frees the older leas
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -78,7 +80,7 @@ def test_a_corrupted_byte_found_in_prefetch_never_reaches_the_engine(
     with WeightPublisher(settings) as pub:
         client = _setup(inprocess_coordinator.address, "r0")
         puller = WeightPuller(client, "job", "r0")
-        prefetcher = Prefetcher(puller, failpoints=Failpoints("puller.corrupt_assembled=1"), follow=False)
+        prefetcher = Prefetcher(puller, failpoints=Failpoints("puller.corrupt_assembled=2"), follow=False)
         engine = DictApplier()
         try:
             pub.publish(_params(1), 1)
@@ -102,6 +104,50 @@ def test_a_corrupted_byte_found_in_prefetch_never_reaches_the_engine(
             prefetcher.close()
             puller.close()
             client.close()
+
+
+def test_a_tensor_that_fails_its_check_has_its_chunk_refetched_and_applies(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """Chunks land unchecked; the tensor check finds the flipped byte, the chunk under it
+    is located and re-fetched, and the tensor checked again applies bit for bit."""
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
+    with WeightPublisher(settings) as pub:
+        client = _setup(inprocess_coordinator.address, "r0")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller, failpoints=Failpoints("puller.corrupt_assembled=1"), follow=False)
+        engine = DictApplier()
+        try:
+            params = _params(1)
+            pub.publish(params, 1)
+            prefetcher.request(1)
+            eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
+            with prefetcher.hold(1) as ready:
+                assert ready is not None and ready.error is None and ready.chunk_retries == 1
+                result = apply_prefetched(ready, puller, engine)
+            assert result.ok and result.chunk_retries == 1
+            assert all(engine.weights[k].tobytes() == v.tobytes() for k, v in params.items())
+            assert pub.wait_committed(1, 30) == "COMMITTED"
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
+
+
+def test_prefetch_threads_run_at_the_nice_value_asked_for(inprocess_coordinator: RunningServer) -> None:
+    """The engine's threads win the cores (the pull's lane threads, started by this
+    thread, inherit its value on Linux)."""
+    client = CoordinatorClient(inprocess_coordinator.address)  # asked for nothing: no session needed
+    puller = WeightPuller(client, "job", "r0")
+    prefetcher = Prefetcher(puller, follow=False, nice=7)
+    try:
+        (thread,) = [t for t in threading.enumerate() if t.name == "prefetch"]
+        eventually(lambda: os.getpriority(os.PRIO_PROCESS, thread.native_id) == 7, what="prefetch thread at nice 7")
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the caller's is unchanged
+    finally:
+        prefetcher.close()
+        puller.close()
+        client.close()
 
 
 def test_a_newer_version_wins_and_frees_the_older_lease(

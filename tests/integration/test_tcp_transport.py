@@ -117,6 +117,13 @@ def test_tcp_server_refuses_bad_requests_and_keeps_serving(
         buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
         ok = t.fetch_into(good, buf, 0, [c.xxh3 for c in chunks[:2]])
         assert ok.tolist() == [True, True]
+        assert t.fetch_into(good, buf, 0, [c.xxh3 ^ 1 for c in chunks[:2]]).tolist() == [False, False]
+        # unchecked (the caller checks the tensors): the same bytes land, nothing is hashed
+        unchecked = np.zeros_like(buf)
+        assert t.fetch_into(good, unchecked, 0, None).tolist() == [True, True]
+        assert unchecked.tobytes() == buf.tobytes()
+        with pytest.raises(InvalidArgument, match="digests"):
+            t.fetch_into(good, buf, 0, [chunks[0].xxh3])
         t.close()
         # a peer speaking another protocol gets one refusal and is disconnected
         host, _, port = pub.endpoint.tcp_address.rpartition(":")

@@ -125,6 +125,8 @@ def test_one_settings_class_feeds_every_rollout_entry_point() -> None:
         ({"weight_sync_mode": "udp"}, "init_info.weight_sync_mode"),
         ({"weight_sync_mode": "fs"}, "init_info.fs_root"),
         ({"streams": 0}, "init_info.streams"),
+        ({"prefetch_nice": -1}, "init_info.prefetch_nice"),
+        ({"prefetch_nice": 20}, "init_info.prefetch_nice"),
         ({"session": "Bad!"}, "init_info.session"),
         ({"tls_cert_file": "/x.pem"}, "init_info.tls_key_file"),
         ({"session": ""}, "init_info.session"),

@@ -88,10 +88,13 @@ class Transport(ABC):
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
         """Yields the requested chunks in request order; raises weightsync errors."""
 
-    def fetch_into(self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int]) -> np.ndarray:
+    def fetch_into(
+        self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int] | None
+    ) -> np.ndarray:
         """Receives the requested chunks into `buf` (chunk at `offset` lands at
-        `buf[offset - base]`, spans in `request.spans`) and checks each against `digests`;
-        returns one bool per chunk. Only where `receives_in_place`."""
+        `buf[offset - base]`, spans in `request.spans`) and checks each against `digests`
+        (None: received unchecked, all True); returns one bool per chunk. Only where
+        `receives_in_place`."""
         raise NotImplementedError(f"transport {self.name!r} does not receive in place; use fetch()")
 
     @abstractmethod

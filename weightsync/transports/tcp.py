@@ -3,8 +3,8 @@
 gRPC carries every control message and the descriptors; this moves only chunk bytes.
 One request names a version's chunks by index and carries the version's access token
 (issued by the coordinator); the reply is a small header, then the chunks' bytes back
-to back in request order. The server `sendfile`s straight from the arena file (or
-sends a relay's buffers) and the client receives into its receive buffer and hashes
+to back in request order. The server sends straight from the mapped arena (or a
+relay's buffers) and the client receives into its receive buffer and hashes
 each chunk as it lands, both in the native shim with the GIL released.
 
     request:  "WST1" u16 token_len u16 session_len u64 version u32 rank u32 count
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
-import os
 import socket
 import struct
 import threading
@@ -252,9 +251,11 @@ class TcpTransport(Transport):
             raise error_for_status(_NAME_BY_CODE.get(code, "INTERNAL"), message)
         return sock, payload
 
-    def fetch_into(self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int]) -> np.ndarray:
-        """Receives the requested chunks into buf[offset - base : ...] and verifies them;
-        returns one bool per index (digest matched)."""
+    def fetch_into(
+        self, request: FetchRequest, buf: np.ndarray, base: int, digests: Sequence[int] | None
+    ) -> np.ndarray:
+        """Receives the requested chunks into buf[offset - base : ...] and verifies them
+        (unless `digests` is None); returns one bool per index (digest matched)."""
         sock, payload = self._request(request)
         expected = sum(length for _, length in request.spans)
         if payload != expected:
@@ -286,29 +287,6 @@ class TcpTransport(Transport):
             except OSError:
                 pass
         self._sock = None
-
-
-class FileRanges:
-    """sendfile() helper: keeps one read-only fd per file path (arena files are stable
-    per allocation; a reallocated arena has a new path)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
-
-    def send(self, sock_fd: int, path: str, ranges: Sequence[tuple[int, int]]) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:  # a reallocated arena's old fd stays open until close(): a
-                # concurrent sendfile may still be using it
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return native.send_file_ranges(sock_fd, fd, ranges)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds = {}
 
 
 def check_token(expected: str | None, token: str, version: int) -> None:
