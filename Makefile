@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage clean check-deploy deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta clean check-deploy deploy-rules
 
 setup: $(STAMP)
 
@@ -100,6 +100,10 @@ bench-control: setup
 
 bench-stage: setup
 	$(PY) bench/stage.py $(BENCH_ARGS)
+
+# How much of a bf16 model changes per RL step and what the delta codec makes of it (issue 15).
+bench-delta: setup
+	$(PY) bench/delta.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info

@@ -407,7 +407,7 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
 
 extern "C" {
 
-int ws_abi_version(void) { return 7; }
+int ws_abi_version(void) { return 8; }
 
 int ws_default_threads(void) {
   unsigned n = std::thread::hardware_concurrency();

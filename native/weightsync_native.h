@@ -11,6 +11,7 @@ enum ws_status {
   WS_OK = 0,
   WS_INVALID_ARGUMENT = 1,  // spans overlap, leave [0, total), or a pointer is null
   WS_INTERNAL = 2,          // a worker thread failed
+  WS_DATA_LOSS = 3,         // a delta encoding that does not decode (truncated, past the end)
 };
 
 // Element types, equal to weightsync.v1.DType values (used for the float64 sums).
@@ -77,6 +78,17 @@ int64_t ws_send_mem_ranges(int sock, const uint8_t* const* ptrs, const uint64_t*
 // (the caller verifies the tensors the bytes make up), ok[i] = 1.
 int64_t ws_recv_verify(int sock, uint8_t* base, const uint64_t* dst_offsets, const uint64_t* lengths,
                        const uint64_t* digests, uint64_t n, uint8_t* ok);
+
+// Delta codec for 16-bit elements (delta.cc): the changed elements of `now` against
+// `base` (n elements each), as LEB128 gaps + step bytes. Returns the bytes written to out,
+// -1 when more than cap bytes would be needed (the caller sends the raw bytes instead),
+// -2 for a null pointer; *changed (if not null) = elements that differ.
+int64_t ws_delta16_encode(const uint16_t* base, const uint16_t* now, uint64_t n, uint8_t* out, uint64_t cap,
+                          uint64_t* changed);
+// Applies an encoding to buf (the base, n elements) in place: WS_OK, or WS_DATA_LOSS for an
+// encoding that is truncated, names an element past the end or a step of 0 (buf may then
+// hold part of the changes: rebuild from a clean base).
+int ws_delta16_decode(uint16_t* buf, uint64_t n, const uint8_t* enc, uint64_t len);
 
 int ws_abi_version(void);
 int ws_default_threads(void);

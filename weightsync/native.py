@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from weightsync.digests import xxh3
-from weightsync.errors import InternalError, InvalidArgument
+from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -75,6 +75,16 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ws_send_mem_ranges.restype = ctypes.c_int64
     lib.ws_recv_verify.argtypes = [ctypes.c_int, ctypes.c_void_p, _U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_void_p]
     lib.ws_recv_verify.restype = ctypes.c_int64
+    lib.ws_delta16_encode.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        _U64P,
+    ]
+    lib.ws_delta16_encode.restype = ctypes.c_int64
+    lib.ws_delta16_decode.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
     return lib, ""
 
 
@@ -155,6 +165,9 @@ def _require() -> ctypes.CDLL:
     if _LIB is None:
         raise RuntimeError(_MISSING)
     return _LIB
+
+
+_WS_DATA_LOSS = 3  # ws_status: a delta encoding that does not decode
 
 
 def _check(rc: int, what: str) -> None:
@@ -353,3 +366,41 @@ def recv_verify(
     )
     _moved(rc, "recv")
     return ok[: len(off)].astype(bool)
+
+
+def delta16_encode(base: np.ndarray, now: np.ndarray, *, cap: int | None = None) -> tuple[bytes | None, int]:
+    """(encoding, elements changed) of `now` against `base`: C-contiguous arrays of the
+    same number of 16-bit elements (bf16, f16, uint16; bit patterns are compared, not
+    floats). The encoding (native/delta.cc) is None when it would take more than `cap`
+    bytes (default: `now.nbytes`, never more than the raw bytes); the count is then 0."""
+    lib = _require()
+    for name, a in (("base", base), ("now", now)):
+        if a.dtype.itemsize != 2 or not a.flags.c_contiguous:
+            raise InvalidArgument(f"needs C-contiguous 16-bit elements (bf16, f16), got {a.dtype}", field=name)
+    if base.size != now.size:
+        raise InvalidArgument(f"{now.size} elements != base's {base.size}", field="now")
+    cap = now.nbytes if cap is None else cap
+    if cap < 0:
+        raise InvalidArgument(f"must be >= 0, got {cap}", field="cap")
+    out = np.empty(max(cap, 1), np.uint8)
+    changed = np.zeros(1, np.uint64)
+    n = lib.ws_delta16_encode(_ptr(base), _ptr(now), now.size, _ptr(out), cap, changed.ctypes.data_as(_U64P))
+    if n == -1:
+        return None, 0
+    if n < 0:
+        raise InvalidArgument("a null pointer", field="base")
+    return out[:n].tobytes(), int(changed[0])
+
+
+def delta16_decode(buf: np.ndarray, encoding: bytes) -> None:
+    """Applies a `delta16_encode` encoding to `buf` (the base version's 16-bit elements) in
+    place. DataLoss for an encoding that is truncated, names an element past the end or a
+    step of 0; `buf` may then hold part of the changes (rebuild from a clean base)."""
+    lib = _require()
+    if buf.dtype.itemsize != 2 or not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise InvalidArgument(f"needs a writable C-contiguous array of 16-bit elements, got {buf.dtype}", field="buf")
+    enc = np.frombuffer(encoding, np.uint8)
+    rc = lib.ws_delta16_decode(_ptr(buf) if buf.size else None, buf.size, _ptr(enc) if enc.size else None, enc.size)
+    if rc == _WS_DATA_LOSS:
+        raise DataLoss(f"a delta encoding of {enc.size} bytes does not decode onto {buf.size} elements")
+    _check(rc, "ws_delta16_decode")

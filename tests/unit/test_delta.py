@@ -1,0 +1,150 @@
+"""The 16-bit delta codec (native/delta.cc): rebuilt bytes equal the new version bit for bit,
+whatever changed; a broken encoding is refused, never half-trusted."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer_agent.update_model import AdamSteps, initial_weights
+from weightsync import native
+from weightsync.errors import DataLoss, InvalidArgument
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=native.missing_reason())
+
+SPECIAL = [
+    0x0000,
+    0x8000,
+    0x7F80,
+    0xFF80,
+    0x7FC0,
+    0xFFC1,
+    0x0001,
+    0x8001,
+    0x7F7F,
+    0x3F80,
+]  # +-0, +-inf, NaNs, subnormals
+
+
+def reference_encode(base: np.ndarray, now: np.ndarray) -> bytes:
+    """The encoding, spelled out: LEB128 gap of unchanged elements, then a step byte (the
+    int16 difference when in [-127, 127]) or 0x80 + the new pattern, little-endian."""
+    out = bytearray()
+    last = 0
+    for i in np.flatnonzero(base != now):
+        gap = int(i) - last
+        while gap >= 0x80:
+            out.append((gap & 0x7F) | 0x80)
+            gap >>= 7
+        out.append(gap)
+        step = (int(now[i]) - int(base[i])) & 0xFFFF
+        step -= 0x10000 if step >= 0x8000 else 0
+        if -127 <= step <= 127:
+            out.append(step & 0xFF)
+        else:
+            out += bytes([0x80, int(now[i]) & 0xFF, int(now[i]) >> 8])
+        last = int(i) + 1
+    return bytes(out)
+
+
+@st.composite
+def versions(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """(base, new) uint16 patterns: a size, a fraction changed (0 and 1 included), steps
+    of +-1 ulp, larger ones and special patterns."""
+    n = draw(st.integers(0, 3000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    fraction = draw(st.sampled_from([0.0, 0.001, 0.03, 0.2, 0.7, 1.0]))
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 2**16, n, dtype=np.uint16)
+    if n:
+        base[rng.integers(0, n, max(1, n // 50))] = rng.choice(SPECIAL, max(1, n // 50))
+    new = base.copy()
+    pick = rng.random(n) < fraction
+    kind = rng.integers(0, 4, n)
+    new[pick & (kind == 0)] += np.uint16(1)
+    new[pick & (kind == 1)] -= np.uint16(1)
+    new[pick & (kind == 2)] = rng.integers(0, 2**16, int((pick & (kind == 2)).sum()), dtype=np.uint16)
+    new[pick & (kind == 3)] = rng.choice(SPECIAL, int((pick & (kind == 3)).sum()))
+    return base, new
+
+
+@settings(max_examples=200, deadline=None)
+@given(versions())
+def test_the_rebuilt_bytes_equal_the_new_version_and_the_encoding_is_the_reference(
+    pair: tuple[np.ndarray, np.ndarray],
+) -> None:
+    base, new = pair
+    want = reference_encode(base, new)
+    enc, changed = native.delta16_encode(base, new, cap=4 * base.size)  # room for any encoding
+    assert enc == want
+    assert changed == int((base != new).sum())
+    # by default never more than the raw bytes: larger encodings are refused
+    assert native.delta16_encode(base, new)[0] == (want if len(want) <= new.nbytes else None)
+    rebuilt = base.copy()
+    native.delta16_decode(rebuilt, enc)
+    assert rebuilt.tobytes() == new.tobytes()
+
+
+def test_bf16_special_values_round_trip_by_bit_pattern() -> None:
+    base = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 1.0], ml_dtypes.bfloat16)
+    new = np.array([-0.0, 0.0, -np.inf, np.nan, np.inf, -1e-40, 1.0078125], ml_dtypes.bfloat16)
+    enc, changed = native.delta16_encode(base, new, cap=64)
+    assert changed == 7  # -0.0 != 0.0 and NaN vs NaN payloads compare as bits, not as floats
+    rebuilt = base.copy()
+    native.delta16_decode(rebuilt, enc)
+    assert rebuilt.view(np.uint16).tobytes() == new.view(np.uint16).tobytes()
+    assert native.delta16_encode(new, new.copy())[0] == b""  # nothing changed: nothing to send
+
+
+def test_an_encoding_over_the_cap_is_refused_so_the_raw_bytes_go_instead() -> None:
+    base = np.zeros(1000, np.uint16)
+    new = base + np.uint16(1)  # every element: 1000 x (gap 0, step 1) = 2000 bytes
+    assert native.delta16_encode(base, new, cap=1999)[0] is None
+    assert len(native.delta16_encode(base, new, cap=2000)[0]) == 2000
+
+
+@pytest.mark.parametrize(
+    ("enc", "why"),
+    [
+        (b"\x05", "truncated after a gap"),
+        (b"\x80\x80", "truncated varint"),
+        (b"\x0a\x01", "a change past the end"),
+        (b"\x00\x80\x01", "truncated escape"),
+        (b"\x00\x00", "a step of 0"),
+        (b"\x09\x01\x00\x01", "a change past the end after one inside"),
+        (b"\xff" * 11 + b"\x01", "overlong varint"),
+    ],
+)
+def test_a_broken_encoding_is_data_loss(enc: bytes, why: str) -> None:
+    buf = np.zeros(10, np.uint16)
+    with pytest.raises(DataLoss):
+        native.delta16_decode(buf, enc)
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(InvalidArgument, match="now"):
+        native.delta16_encode(np.zeros(4, np.uint16), np.zeros(5, np.uint16))
+    with pytest.raises(InvalidArgument, match="base"):
+        native.delta16_encode(np.zeros(4, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(InvalidArgument, match="buf"):
+        native.delta16_decode(np.zeros(4, np.uint16)[::2], b"")
+
+
+def test_the_update_model_moves_a_few_percent_of_bf16_elements_per_step() -> None:
+    shapes = {"model.layers.0.mlp.up_proj.weight": (512, 256), "model.norm.weight": (256,)}
+    initial = initial_weights(shapes, ml_dtypes.bfloat16, seed=0)
+    assert abs(float(initial["model.norm.weight"].astype(np.float32).mean()) - 1.0) < 0.01
+    steps = AdamSteps(initial, 1e-5, seed=1)
+    before, after = steps.step(), steps.step()
+    assert all(v.dtype == ml_dtypes.bfloat16 for v in after.values())
+    assert all(v.dtype == np.float32 for v in steps.master.values()) and steps.steps == 2
+    moved = np.mean(
+        before["model.layers.0.mlp.up_proj.weight"].view(np.uint16)
+        != after["model.layers.0.mlp.up_proj.weight"].view(np.uint16)
+    )
+    assert 0.05 < moved < 0.35  # ~15% at lr 1e-5 (README "Delta"); most values do not move
+    with pytest.raises(ValueError, match="lr"):
+        AdamSteps(initial, 0.0)
