@@ -90,10 +90,10 @@ class WeightPuller:
     chunk is fetched again (with backoff after a transport failure), up to `max_attempts`
     times in all, then DigestMismatch (DATA_LOSS) when a chunk's bytes did not verify, or
     TransportUnavailable when the source could not be read (retryable: nothing was wrong
-    with any byte). Receive buffers persist
-    across versions. Every byte is copied into them, shm included, and checked there:
-    what is verified and applied is this process's own copy, which no other process can
-    change after the check (a view of the trainer's arena could).
+    with any byte). Receive buffers persist across versions. Every byte is copied into
+    them, shm included, and checked there: what is verified and applied is this process's
+    own copy, which no other process can change after the check (a view of the trainer's
+    arena could).
     """
 
     def __init__(
