@@ -7,14 +7,17 @@ element of lr x N(0, 1), clipped at 3 (Adam's normalized update moves every elem
 about lr), served as bf16 (round to nearest even). Per learning rate (default 1e-6 and
 1e-5), after a warm-up step, `--steps` steps:
 - the fraction of bf16 elements whose bit pattern changed;
-- the delta on the wire over the model's bytes (`wire_ratio`): every tensor encoded
-  against the previous version, a tensor whose encoding is not smaller than its raw bytes
-  sent raw; beside the simplest alternative (LEB128 gap + the 2-byte new value, the
-  calibration in the issue) and XOR + zlib level 1;
-- encode and rebuild (decode) seconds on one thread, beside staging the same bytes
-  (`staging.stage_shards`: copy + chunk digests + sums, every core) measured in the same
-  run, rounds interleaved, and the ratio (staging + encode) / staging;
-- every rebuilt tensor compared with the new version bit for bit.
+- the delta on the wire over the model's bytes (`wire_ratio`): staging encodes each chunk
+  against the previous version in the other slot, in the same pass (a chunk whose
+  encoding would pass half its bytes goes raw); beside the simplest alternative (LEB128
+  gap + the 2-byte new value, the calibration in the issue) and XOR + zlib level 1;
+- staging with the delta against staging alone, the same bytes into a warm slot, every
+  core, the two interleaved (which goes first alternates), and their ratio;
+- the same version staged again against identical bytes (nothing to emit) against staging
+  alone (`unchanged_stage_delta_ratio`): what reading and comparing the previous version
+  costs by itself;
+- the rebuild (decode) on one thread;
+- the rebuilt slot compared with the staged new version bit for bit.
 Prints one JSON line per learning rate.
 """
 
@@ -36,9 +39,10 @@ import ml_dtypes  # noqa: E402
 from common import shapes  # noqa: E402
 
 from trainer_agent.params import host_shards  # noqa: E402
-from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
+from trainer_agent.staging import plan_layout  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 from weightsync import native  # noqa: E402
+from weightsync.dtypes import native_code  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
@@ -49,27 +53,61 @@ def gap_value_bytes(base: np.ndarray, now: np.ndarray) -> int:
     return int((1 + (gaps >= 1 << 7) + (gaps >= 1 << 14) + (gaps >= 1 << 21) + (gaps >= 1 << 28)).sum() + 2 * idx.size)
 
 
-def encode_all(old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> tuple[dict[str, bytes | None], float]:
-    """Each tensor's encoding (None: sent raw) and the seconds it took, one thread."""
-    t = time.perf_counter()
-    out = {k: native.delta16_encode(old[k], new[k])[0] for k in new}
-    return out, time.perf_counter() - t
+class Slots:
+    """Two arena-like slots staged alternately (each version against the other, which holds
+    the previous one, as the publisher's arena does) and a scratch slot for staging alone."""
+
+    def __init__(self, params: dict[str, np.ndarray], chunk_bytes: int) -> None:
+        shards = [s for n, v in params.items() for s in host_shards(n, v)]
+        self.layout = plan_layout(shards)
+        self.lengths = [n for _, n in self.layout.chunk_plan(chunk_bytes)]
+        self.chunk_bytes = chunk_bytes
+        self.slots = [np.zeros(self.layout.total_bytes, np.uint8) for _ in range(3)]
+        self.deltas = np.zeros(self.layout.total_bytes // 2 + 1, np.uint8)  # kept, as an arena is
+        self.k = 0
+
+    def _sources(self, params: dict[str, np.ndarray]) -> list[tuple[np.ndarray, int, int]]:
+        shards = [s for n, v in params.items() for s in host_shards(n, v)]
+        return [
+            (np.ascontiguousarray(s.data), off, native_code(s.data.dtype))
+            for s, off in zip(shards, self.layout.offsets)
+        ]
+
+    def stage_alone(self, params: dict[str, np.ndarray]) -> float:
+        sources = self._sources(params)
+        t = time.perf_counter()
+        native.stage(self.slots[2], self.layout.total_bytes, self.lengths, self.chunk_bytes, sources)
+        return time.perf_counter() - t
+
+    def stage_with_delta(
+        self, params: dict[str, np.ndarray]
+    ) -> tuple[float, list[bytes | None], np.ndarray, np.ndarray]:
+        """Stages into the next slot against the other; (seconds, chunk deltas, base, new)."""
+        sources = self._sources(params)
+        new, base = self.slots[self.k % 2], self.slots[(self.k + 1) % 2]
+        self.k += 1
+        t = time.perf_counter()
+        result = native.stage(
+            new, self.layout.total_bytes, self.lengths, self.chunk_bytes, sources, base=base, delta_out=self.deltas
+        )
+        return time.perf_counter() - t, result.chunk_deltas or [], base, new
 
 
-def rebuild_all(old: dict[str, np.ndarray], encodings: dict[str, bytes | None], new: dict[str, np.ndarray]) -> float:
-    """Rebuilds every tensor from the old version and its encoding (raw ones copied), checks
-    each against the new version bit for bit; returns the rebuild's seconds."""
-    bufs = {k: v.copy() for k, v in old.items()}
+def rebuild(lengths: list[int], deltas: list[bytes | None], base: np.ndarray, new: np.ndarray) -> float:
+    """Rebuilds the new slot from the base slot and the chunk deltas (raw chunks copied),
+    checks it against the new slot bit for bit; returns the rebuild's seconds."""
+    out = base.copy()
     t = time.perf_counter()
-    for k, enc in encodings.items():
+    start = 0
+    for length, enc in zip(lengths, deltas):
         if enc is None:
-            np.copyto(bufs[k], new[k])
+            out[start : start + length] = new[start : start + length]
         else:
-            native.delta16_decode(bufs[k], enc)
+            native.delta16_decode(out[start : start + length].view(np.uint16), enc)
+        start += length
     seconds = time.perf_counter() - t
-    bad = [k for k in new if bufs[k].view(np.uint16).tobytes() != new[k].view(np.uint16).tobytes()]
-    if bad:
-        raise SystemExit(f"rebuilt tensors differ from the new version: {bad[:3]}")
+    if out.tobytes() != new.tobytes():
+        raise SystemExit("the rebuilt slot differs from the new version")
     return seconds
 
 
@@ -84,35 +122,40 @@ def main() -> int:
         raise SystemExit(native.missing_reason())
     served = initial_weights(shapes(args.size), ml_dtypes.bfloat16, seed=0)
     total = sum(v.nbytes for v in served.values())
-    shards = [s for n, v in served.items() for s in host_shards(n, v)]
-    layout = plan_layout(shards)
-    slot = np.zeros(layout.total_bytes, np.uint8)
-    stage_shards(slot, shards, layout, DEFAULT_CHUNK_BYTES)  # warm the destination
     for lr in (float(x) for x in args.lrs.split(",")):
         steps = AdamSteps(served, lr, seed=1)
-        old = steps.step()  # warm-up: the first bf16 version of the master weights
+        slots = Slots(served, DEFAULT_CHUNK_BYTES)
+        old = steps.step()  # warm-up: the first version, staged into both slots
+        for _ in range(2):
+            slots.stage_with_delta(old)
+        slots.stage_alone(old)
+        # The compare alone: the same version again against identical bytes (nothing to
+        # emit), interleaved with staging alone: what reading the previous version costs.
+        same = [(slots.stage_alone(old), slots.stage_with_delta(old)[0]) for _ in range(3)]
         rows = []
-        for _ in range(args.steps):
+        for i in range(args.steps):
             new = steps.step()
-            shards = [s for n, v in new.items() for s in host_shards(n, v)]
-            t = time.perf_counter()
-            stage_shards(slot, shards, layout, DEFAULT_CHUNK_BYTES)
-            stage_s = time.perf_counter() - t
-            encodings, encode_s = encode_all(old, new)
-            rebuild_s = rebuild_all(old, encodings, new)
+            if i % 2 == 0:  # ABAB: which of the two goes first alternates
+                stage_s = slots.stage_alone(new)
+                fused_s, deltas, base, staged = slots.stage_with_delta(new)
+            else:
+                fused_s, deltas, base, staged = slots.stage_with_delta(new)
+                stage_s = slots.stage_alone(new)
+            rebuild_s = rebuild(slots.lengths, deltas, base, staged)
             changed = sum(int((old[k].view(np.uint16) != new[k].view(np.uint16)).sum()) for k in new)
             elements = sum(v.size for v in new.values())
-            wire = sum(len(e) if e is not None else new[k].nbytes for k, e in encodings.items())
+            wire = sum(len(d) if d is not None else n for d, n in zip(deltas, slots.lengths))
             row = {
                 "changed_fraction": changed / elements,
                 "wire_ratio": wire / total,
-                "raw_tensors": sum(e is None for e in encodings.values()),
+                "raw_chunks": sum(d is None for d in deltas),
+                "chunks": len(deltas),
                 "gap_value_ratio": sum(gap_value_bytes(old[k].view(np.uint16), new[k].view(np.uint16)) for k in new)
                 / total,
                 "stage_s": stage_s,
-                "encode_s": encode_s,
+                "stage_delta_s": fused_s,
+                "stage_delta_ratio": fused_s / stage_s,
                 "rebuild_s": rebuild_s,
-                "stage_plus_encode_ratio": (stage_s + encode_s) / stage_s,
             }
             if args.zlib:
                 t = time.perf_counter()
@@ -121,6 +164,7 @@ def main() -> int:
             rows.append(row)
             old = new
         med = {k: round(statistics.median(r[k] for r in rows), 5) for k in rows[0]}
+        med["unchanged_stage_delta_ratio"] = round(statistics.median(b / a for a, b in same), 3)
         print(
             json.dumps(
                 {

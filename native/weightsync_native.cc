@@ -14,6 +14,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "delta_encoder.h"
+
 namespace {
 
 // Blocks stay in L2 between the copy and the hash of the same source bytes.
@@ -287,11 +289,24 @@ std::vector<uint64_t> prefix_offsets(const uint64_t* lengths, uint64_t n) {
   return off;
 }
 
+// Where staging writes each chunk's delta against the previous version (same layout):
+// chunk c's encoding goes to out + out_off[c], at most caps[c] bytes; lengths[c] = its
+// size, or -1 when it did not fit (the chunk travels raw).
+struct DeltaSink {
+  const uint8_t* base;
+  uint8_t* out;
+  const uint64_t* out_off;
+  const uint64_t* caps;
+  int64_t* lengths;
+};
+
 // Copies, zero-fills and hashes chunks [c_lo, c_hi) in blocks that stay in L2 between the
 // sum, the copy and the hash. Sums are additive, so each thread adds its part of every span
-// into partial_sums; span digests are derived from chunk digests afterwards.
+// into partial_sums; span digests are derived from chunk digests afterwards. With a delta
+// sink, each block is also compared with the previous version's while it is in cache.
 void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chunk_off, uint8_t* dst,
-                  const ws_span* spans, uint64_t n_spans, std::vector<double>& partial_sums, uint64_t* chunk_digests) {
+                  const ws_span* spans, uint64_t n_spans, std::vector<double>& partial_sums, uint64_t* chunk_digests,
+                  const DeltaSink* delta) {
   XXH3_state_t state;
   uint64_t s = std::lower_bound(spans, spans + n_spans, chunk_off[c_lo],
                                 [](const ws_span& sp, uint64_t v) { return sp.dst_offset + sp.nbytes <= v; }) -
@@ -300,6 +315,7 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
     XXH3_64bits_reset(&state);
     uint64_t pos = chunk_off[c];
     const uint64_t end = chunk_off[c + 1];
+    ws_delta::Encoder enc(delta ? delta->out + delta->out_off[c] : nullptr, delta ? delta->caps[c] : 0);
     while (pos < end) {
       while (s < n_spans && spans[s].dst_offset + spans[s].nbytes <= pos) ++s;
       if (s == n_spans || spans[s].dst_offset > pos) {  // a gap: zero it, hash the zeros
@@ -308,6 +324,7 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
           const uint64_t take = std::min<uint64_t>(gap_end - pos, kBlock);
           std::memset(dst + pos, 0, take);
           XXH3_64bits_update(&state, kZeros, take);
+          if (delta) enc.feed(delta->base + pos, kZeros, take);
           pos += take;
         }
         continue;
@@ -326,10 +343,12 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
           partial_sums[s] += sum_elements(src, a, a + take, sp.dtype);
         }
         XXH3_64bits_update(&state, src + a, take);
+        if (delta) enc.feed(delta->base + pos, src + a, take);
         pos += take;
       }
     }
     chunk_digests[c] = XXH3_64bits_digest(&state);
+    if (delta) delta->lengths[c] = enc.overflow() ? -1 : static_cast<int64_t>(enc.size());
   }
   store_fence();
 }
@@ -407,7 +426,7 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
 
 extern "C" {
 
-int ws_abi_version(void) { return 8; }
+int ws_abi_version(void) { return 9; }
 
 int ws_default_threads(void) {
   unsigned n = std::thread::hardware_concurrency();
@@ -417,13 +436,31 @@ int ws_default_threads(void) {
 int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,
              const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests,
              int n_threads) {
+  return ws_stage_delta(dst, total, chunk_lengths, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums,
+                        chunk_digests, nullptr, nullptr, nullptr, nullptr, n_threads);
+}
+
+int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                   uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                   double* span_sums, uint64_t* chunk_digests, const uint8_t* base, uint8_t* delta_out,
+                   const uint64_t* delta_caps, int64_t* delta_lengths, int n_threads) {
   if ((dst == nullptr && total > 0) || piece_bytes == 0 || (n_chunks > 0 && chunk_lengths == nullptr))
     return WS_INVALID_ARGUMENT;
+  if (base != nullptr && (delta_caps == nullptr || delta_lengths == nullptr)) return WS_INVALID_ARGUMENT;
   if (check_spans(spans, n_spans, total) != WS_OK) return WS_INVALID_ARGUMENT;
   for (uint64_t i = 0; i < n_chunks; ++i)
     if (chunk_lengths[i] == 0) return WS_INVALID_ARGUMENT;
   const std::vector<uint64_t> off = prefix_offsets(chunk_lengths, n_chunks);
   if (off[n_chunks] != total) return WS_INVALID_ARGUMENT;
+  std::vector<uint64_t> out_off;
+  DeltaSink sink{base, delta_out, nullptr, delta_caps, delta_lengths};
+  if (base != nullptr) {  // 16-bit words: every chunk starts and ends on a word
+    for (uint64_t i = 0; i < n_chunks; ++i)
+      if (chunk_lengths[i] % 2 != 0) return WS_INVALID_ARGUMENT;
+    out_off = prefix_offsets(delta_caps, n_chunks);
+    if (delta_out == nullptr && out_off[n_chunks] > 0) return WS_INVALID_ARGUMENT;
+    sink.out_off = out_off.data();
+  }
 
   // Threads take runs of whole chunks holding about equal bytes.
   const int n = resolve_threads(n_threads, std::max<uint64_t>(1, n_chunks));
@@ -431,7 +468,9 @@ int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64
   for (int t = 0; t < n; ++t) first[t] = std::lower_bound(off.begin(), off.end() - 1, total * t / n) - off.begin();
   std::vector<std::vector<double>> partial(n, std::vector<double>(n_spans, 0.0));
   int rc = run_parallel(n, [&](int t) {
-    if (first[t] < first[t + 1]) stage_chunks(first[t], first[t + 1], off, dst, spans, n_spans, partial[t], chunk_digests);
+    if (first[t] < first[t + 1])
+      stage_chunks(first[t], first[t + 1], off, dst, spans, n_spans, partial[t], chunk_digests,
+                   base != nullptr ? &sink : nullptr);
   });
   if (rc != WS_OK) return rc;
   for (uint64_t i = 0; i < n_spans; ++i) {

@@ -90,6 +90,15 @@ int64_t ws_delta16_encode(const uint16_t* base, const uint16_t* now, uint64_t n,
 // hold part of the changes: rebuild from a clean base).
 int ws_delta16_decode(uint16_t* buf, uint64_t n, const uint8_t* enc, uint64_t len);
 
+// ws_stage, and in the same pass each chunk's delta against `base`, the previous version
+// staged with the same layout (16-bit words; every chunk length must be even): chunk c's
+// encoding (delta.cc) goes to delta_out + sum(delta_caps[0..c)), at most delta_caps[c]
+// bytes; delta_lengths[c] = its size, or -1 when it would not fit (send that chunk raw).
+int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                   uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                   double* span_sums, uint64_t* chunk_digests, const uint8_t* base, uint8_t* delta_out,
+                   const uint64_t* delta_caps, int64_t* delta_lengths, int n_threads);
+
 int ws_abi_version(void);
 int ws_default_threads(void);
 

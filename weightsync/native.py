@@ -20,7 +20,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -34,6 +34,7 @@ class _Span(ctypes.Structure):
     ]
 
 
+_I64P = ctypes.POINTER(ctypes.c_int64)
 _U64P = ctypes.POINTER(ctypes.c_uint64)
 
 
@@ -57,6 +58,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         _U64P,
         ctypes.POINTER(ctypes.c_double),
         _U64P,
+        ctypes.c_int,
+    ]
+    lib.ws_stage_delta.argtypes = [
+        *lib.ws_stage.argtypes[:-1],
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        _U64P,
+        _I64P,
         ctypes.c_int,
     ]
     lib.ws_digest_spans.argtypes = [
@@ -184,6 +193,8 @@ class StageResult:
     span_digests: np.ndarray  # uint64[n]
     span_sums: np.ndarray  # float64[n]
     chunk_digests: np.ndarray  # uint64[n_chunks]
+    # with a base: each chunk's delta encoding against it (None: the chunk goes raw)
+    chunk_deltas: list[bytes | None] | None = None
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -197,6 +208,9 @@ def stage(
     piece_bytes: int,
     sources: Sequence[tuple[np.ndarray, int, int]],
     *,
+    base: np.ndarray | None = None,
+    delta_cap: float = 0.5,
+    delta_out: np.ndarray | None = None,
     threads: int = 0,
 ) -> StageResult:
     """Copies each (C-contiguous array, dst offset, dtype code) into dst and digests it.
@@ -204,6 +218,14 @@ def stage(
     One pass: xxh3-64 of each chunk (the chunks tile dst[0, total) with these lengths),
     float64 sum and piecewise digest (`digests.piecewise_xxh3` with `piece_bytes`) per
     span, gaps zeroed. Spans must be sorted by offset and must not overlap.
+
+    With `base` (the previous version staged with the same layout: the other arena slot),
+    the same pass also encodes each chunk's 16-bit words against it (`delta16_encode`'s
+    format) while the new bytes are in cache; a chunk whose encoding would pass
+    `delta_cap` x its length goes raw (None in `chunk_deltas`). The encodings are written
+    to `delta_out` (uint8, at least `delta_cap` x total bytes), which a caller staging
+    every step keeps: a fresh buffer's pages are zeroed as each chunk's region is first
+    written (2 MiB huge pages: measured 6x the staging time on 1.19 GB, against 2.4x).
     """
     lib = _require()
     if dst.dtype != np.uint8 or dst.nbytes < total or not dst.flags.c_contiguous:
@@ -221,7 +243,7 @@ def stage(
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
     chunks = np.zeros(max(len(lengths), 1), np.uint64)
-    rc = lib.ws_stage(
+    args = [
         _ptr(dst),
         total,
         lengths.ctypes.data_as(_U64P),
@@ -232,10 +254,30 @@ def stage(
         digests.ctypes.data_as(_U64P),
         sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
         chunks.ctypes.data_as(_U64P),
-        threads,
+    ]
+    if base is None:
+        _check(lib.ws_stage(*args, threads), "ws_stage")
+        return StageResult(digests, sums, chunks[: len(lengths)])
+    if base.dtype != np.uint8 or base.nbytes < total or not base.flags.c_contiguous:
+        raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {total} bytes", field="base")
+    if _ptr(base) < _ptr(dst) + total and _ptr(dst) < _ptr(base) + total:
+        raise InvalidArgument("overlaps dst: the previous version must be in another slot", field="base")
+    if (lengths % 2).any():
+        raise InvalidArgument("a delta compares 16-bit words: every chunk length must be even", field="chunk_lengths")
+    if not 0 <= delta_cap <= 1:
+        raise InvalidArgument(f"must be in [0, 1], got {delta_cap}", field="delta_cap")
+    caps = (lengths * delta_cap).astype(np.uint64)
+    out = np.empty(max(int(caps.sum()), 1), np.uint8) if delta_out is None else delta_out
+    if out.dtype != np.uint8 or out.nbytes < int(caps.sum()) or not out.flags.c_contiguous:
+        raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {int(caps.sum())} bytes", field="delta_out")
+    sizes = np.zeros(max(len(lengths), 1), np.int64)
+    rc = lib.ws_stage_delta(
+        *args, _ptr(base), _ptr(out), caps.ctypes.data_as(_U64P), sizes.ctypes.data_as(_I64P), threads
     )
-    _check(rc, "ws_stage")
-    return StageResult(digests, sums, chunks[: len(lengths)])
+    _check(rc, "ws_stage_delta")
+    starts = np.concatenate([[0], np.cumsum(caps)])
+    deltas = [None if n < 0 else out[int(a) : int(a) + int(n)].tobytes() for a, n in zip(starts, sizes[: len(lengths)])]
+    return StageResult(digests, sums, chunks[: len(lengths)], deltas)
 
 
 def digest_arrays(

@@ -148,3 +148,73 @@ def test_the_update_model_moves_a_few_percent_of_bf16_elements_per_step() -> Non
     assert 0.05 < moved < 0.35  # ~15% at lr 1e-5 (README "Delta"); most values do not move
     with pytest.raises(ValueError, match="lr"):
         AdamSteps(initial, 0.0)
+
+
+@st.composite
+def staged_versions(draw: st.DrawFn) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], list[int], int]:
+    """Two versions of a few tensors (bf16 patterns, and odd-sized int8 ones whose words
+    straddle the alignment gaps), placed with gaps, and a chunk plan of even lengths."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    fraction = draw(st.sampled_from([0.0, 0.02, 0.3, 1.0]))
+    tensors, offset = [], 0
+    for _ in range(draw(st.integers(1, 6))):
+        offset += int(rng.integers(0, 40)) * 2
+        if rng.random() < 0.3:
+            old = rng.integers(-128, 128, int(rng.integers(1, 200)), dtype=np.int8)
+        else:
+            old = rng.integers(0, 2**16, int(rng.integers(1, 5000)), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        new = old.copy()
+        bits = new.view(np.uint8 if new.itemsize == 1 else np.uint16)
+        pick = rng.random(bits.size) < fraction
+        bits[pick] += 1
+        tensors.append((old, new, offset))
+        offset += old.nbytes
+    total = offset + int(rng.integers(0, 20)) * 2 + (offset % 2)
+    cuts = (
+        sorted({int(c) * 2 for c in rng.integers(1, total // 2, int(rng.integers(0, 6)))} - {0, total})
+        if total > 2
+        else []
+    )
+    bounds = [0, *cuts, total]
+    return tensors, [b - a for a, b in zip(bounds, bounds[1:])], total
+
+
+@settings(max_examples=150, deadline=None)
+@given(staged_versions(), st.sampled_from([0.0, 0.5, 1.0]))
+def test_staging_with_a_base_encodes_each_chunk_as_the_codec_does(case, cap: float) -> None:  # noqa: ANN001
+    """The fused pass stages exactly as without a base, and each chunk's delta rebuilds the
+    new chunk from the base chunk; a chunk over its cap goes raw (None)."""
+    tensors, chunk_lengths, total = case
+    code = {np.dtype(np.int8): 5}
+    old_slot, new_slot, plain = (np.full(total + 8, 0xAB, np.uint8) for _ in range(3))
+    sources = lambda which: [(t[which], t[2], code.get(t[0].dtype, 3)) for t in tensors]  # noqa: E731
+    native.stage(old_slot, total, chunk_lengths, 4096, sources(0))
+    fused = native.stage(new_slot, total, chunk_lengths, 4096, sources(1), base=old_slot, delta_cap=cap)
+    alone = native.stage(plain, total, chunk_lengths, 4096, sources(1))
+    assert new_slot[:total].tobytes() == plain[:total].tobytes()
+    assert fused.chunk_digests.tolist() == alone.chunk_digests.tolist()
+    assert fused.span_digests.tolist() == alone.span_digests.tolist()
+    assert fused.chunk_deltas is not None and len(fused.chunk_deltas) == len(chunk_lengths)
+    start = 0
+    for length, enc in zip(chunk_lengths, fused.chunk_deltas):
+        old_words = old_slot[start : start + length].view(np.uint16)
+        new_words = new_slot[start : start + length].view(np.uint16)
+        want = native.delta16_encode(old_words, new_words, cap=int(length * cap))[0]
+        assert enc == want
+        if enc is not None:
+            rebuilt = old_words.copy()
+            native.delta16_decode(rebuilt, enc)
+            assert rebuilt.tobytes() == new_words.tobytes()
+        start += length
+
+
+def test_staging_with_a_base_refuses_odd_chunks_and_a_short_base() -> None:
+    a = np.ones(50, np.uint16).view(ml_dtypes.bfloat16)
+    slot = np.zeros(128, np.uint8)
+    with pytest.raises(InvalidArgument, match="chunk_lengths"):
+        native.stage(slot, 100, [51, 49], 4096, [(a, 0, 3)], base=np.zeros(128, np.uint8))
+    with pytest.raises(InvalidArgument, match="base"):
+        native.stage(slot, 100, [100], 4096, [(a, 0, 3)], base=np.zeros(64, np.uint8))
+    with pytest.raises(InvalidArgument, match="base"):  # the slot being staged cannot be its own base
+        native.stage(slot, 100, [100], 4096, [(a, 0, 3)], base=slot)
