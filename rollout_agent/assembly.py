@@ -110,19 +110,20 @@ def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[st
     return {name: out[name] for name in manifest.tensors}
 
 
-def mismatched(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> list[str]:
-    """The tensors whose assembled digest differs from the manifest's."""
+def mismatched(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> list[tuple[str, int, int]]:
+    """(name, assembled xxh3, manifest xxh3) of each tensor whose digests differ, in order."""
     expected = manifest.tensor_digests()
-    return [name for name, (got, _) in digests.items() if got != expected[name]]
+    return [(name, got, expected[name]) for name, (got, _) in digests.items() if got != expected[name]]
+
+
+def describe_difference(name: str, got: int, expected: int) -> str:
+    return f"tensor {name!r}: assembled xxh3 {got:016x} != manifest {expected:016x}"
 
 
 def first_difference(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> str | None:
     """The first tensor whose assembled digest differs from the manifest's, if any."""
-    expected = manifest.tensor_digests()
-    for name, (got, _) in digests.items():
-        if got != expected[name]:
-            return f"tensor {name!r}: assembled xxh3 {got:016x} != manifest {expected[name]:016x}"
-    return None
+    bad = mismatched(manifest, digests)
+    return describe_difference(*bad[0]) if bad else None
 
 
 def grand_total(digests: Mapping[str, tuple[int, float]]) -> float:

@@ -61,6 +61,11 @@ class _Lane:
         self.check = True  # hash each chunk as it lands (else the caller checks the tensors)
         self.digest_failures = 0  # chunks whose bytes arrived but did not verify
 
+    @property
+    def checks_on_arrival(self) -> bool:
+        """Hash each chunk as it lands: asked for, or read from a relay (which may be wrong)."""
+        return self.check or self.relayed
+
 
 @dataclass(frozen=True)
 class PullPlan:
@@ -268,12 +273,7 @@ class WeightPuller:
         started = time.perf_counter()
         plan = self.plan(header)
         with self._lock:
-            lanes = []
-            for part in manifest.parts:
-                n = len(part.chunks)
-                per = max(1, -(-n // self.streams))
-                lanes += [_Lane(part, k, list(range(i, min(i + per, n)))) for k, i in enumerate(range(0, n, per))]
-            lanes = self._route(lanes, plan)
+            lanes = [lane for part in manifest.parts for lane in self._split(plan, part, list(range(len(part.chunks))))]
             # A relay checks what it will pass on as it lands; the chain's tail passes nothing
             # on (a rollout that joins after it later reads relayed chunks checked on its side).
             relaying = self.relay is not None and plan.downstream
@@ -433,8 +433,8 @@ class WeightPuller:
             )
             try:
                 if transport.receives_in_place:
-                    check = lane.check or lane.relayed
-                    ok = transport.fetch_into(request, buf, base, [chunks[i].xxh3 for i in window] if check else None)
+                    digests = [chunks[i].xxh3 for i in window] if lane.checks_on_arrival else None
+                    ok = transport.fetch_into(request, buf, base, digests)
                     for i, good in zip(window, ok):
                         if good:
                             received.add(i)
@@ -459,7 +459,7 @@ class WeightPuller:
                         self._count_digest_failure(lane)  # wrong bytes from the source, not an absent source
                         continue
                     dst = buf[c.offset - base : c.offset - base + c.length]
-                    if not (lane.check or lane.relayed):  # the caller checks the tensors
+                    if not lane.checks_on_arrival:  # the caller checks the tensors
                         dst[:] = np.frombuffer(payload.data, np.uint8)
                         good = True
                     elif native.available():  # copy and hash in one pass, GIL released

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout_agent.appliers import Applier, layer_groups
-from rollout_agent.assembly import assemble, digest_all, first_difference, grand_total, mismatched, tensor_digest
+from rollout_agent.assembly import (
+    assemble,
+    describe_difference,
+    digest_all,
+    first_difference,
+    grand_total,
+    mismatched,
+    tensor_digest,
+)
 from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
@@ -107,13 +115,12 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
             bad = mismatched(manifest, p.progress.digests)
             if not bad or attempt == 1:
                 break
-            puller.repair(puller.plan(header), manifest, pulled.buffers, bad)
+            puller.repair(puller.plan(header), manifest, pulled.buffers, [name for name, _, _ in bad])
         p.chunk_retries = puller.last_retries
         p.progress.elements = sum(int(t.size) for t in tensors.values())
         p.timings["verify_seconds"] = time.perf_counter() - t0
-        problem = first_difference(manifest, p.progress.digests)
-        if problem is not None:
-            raise DataLoss(f"refusing to apply version {p.version}: {problem}")
+        if bad:
+            raise DataLoss(f"refusing to apply version {p.version}: {describe_difference(*bad[0])}")
         p.tensors = tensors
     except WeightsyncError as e:
         p.error = e

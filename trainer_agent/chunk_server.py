@@ -83,28 +83,18 @@ class SlotTable:
         return sum(entry.chunks[i].length for i in indices)
 
     def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
-        """Sends the chunks from the mapped arena, runs of adjacent chunks in one call.
+        """Sends the chunks from the mapped arena.
 
         Not `sendfile`: from a tmpfs file it costs more CPU in all on loopback (measured:
         0.82-0.92 vs 0.66-0.71 CPU s for 1.19 GB, sender + receiver), since the receiver's
-        copy then reads cold pages. The view keeps the mapping alive while it is sent,
+        copy then reads cold pages. The views keep the mapping alive while they are sent,
         even if the arena is reallocated meanwhile (`Arena._release`)."""
         slot, entry = self._find(session, version, rank)
         arena = self.arena.slot(slot)
-        runs: list[list[int]] = []  # [start, stop) byte ranges of adjacent chunks
-        for i in indices:
-            c = entry.chunks[i]
-            if runs and runs[-1][1] == c.offset:
-                runs[-1][1] = c.offset + c.length
-            else:
-                runs.append([c.offset, c.offset + c.length])
-        views = [arena[a:b] for a, b in runs]
+        views = [arena[c.offset : c.offset + c.length] for c in (entry.chunks[i] for i in indices)]
         if self.failpoints.fire("chunk_server.corrupt_chunk"):  # the first chunk leaves with one byte flipped
-            c = entry.chunks[indices[0]]
-            first = np.array(arena[c.offset : c.offset + c.length])
-            first[-1:] ^= 0xFF
-            views[0] = views[0][c.length :]
-            return native.send_views(sock_fd, [first, *views])
+            views[0] = np.array(views[0])
+            views[0][-1:] ^= 0xFF
         return native.send_views(sock_fd, views)
 
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
