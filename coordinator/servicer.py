@@ -237,15 +237,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except InvalidArgument as e:
                 raise InvalidArgument(e.message.split(": ", 1)[-1], field="header.endpoint.shm_path") from None
         limits = self._store.limits
-        for what, n, cap in (
-            ("tensor_count", h.tensor_count, limits.max_tensors),
-            ("shard_count", h.shard_count, limits.max_shards),
-            ("chunk_count", h.chunk_count, limits.max_chunks),
+        delta = h.delta if h.HasField("delta") else None
+        announced = (
+            h.tensor_count,
+            h.shard_count,
+            h.chunk_count,
+            delta.chunk_count if delta else 0,
+            delta.raw_count if delta else 0,
+        )
+        for what, n, cap in zip(
+            ("tensor_count", "shard_count", "chunk_count", "delta.chunk_count", "delta.raw_count"),
+            announced,
+            (limits.max_tensors, limits.max_shards, limits.max_chunks, limits.max_chunks, limits.max_chunks),
         ):
             if n > cap:  # refused before a single descriptor is read or kept
                 raise ResourceExhausted(f"header.{what}: {n} exceed the limit of {cap}", field=f"header.{what}")
-        expected = h.tensor_count + h.shard_count + h.chunk_count
-        builder = PartBuilder(h.rank, max_items=expected, max_counts=(h.tensor_count, h.shard_count, h.chunk_count))
+        builder = PartBuilder(h.rank, max_items=sum(announced), max_counts=announced)
         seal = None
         for msg in request_iterator:
             if msg.HasField("header"):
@@ -258,11 +265,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 seal = msg.seal
         if seal is None:
             raise InvalidArgument("stream ended without a seal; nothing was stored", field="seal")
-        counts = (len(builder.tensors), len(builder.shards), len(builder.chunks))
-        if counts != (h.tensor_count, h.shard_count, h.chunk_count):
+        counts = builder.counts()
+        if counts != announced:
             raise InvalidArgument(
-                f"header announced tensors/shards/chunks {h.tensor_count}/{h.shard_count}/{h.chunk_count}, "
-                f"stream carried {counts[0]}/{counts[1]}/{counts[2]}",
+                "header announced tensors/shards/chunks/delta chunks/raw chunks "
+                f"{'/'.join(map(str, announced))}, stream carried {'/'.join(map(str, counts))}",
                 field="header.tensor_count",
             )
         part = builder.build(
@@ -270,6 +277,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             chunk_bytes=h.chunk_bytes,
             endpoint=endpoint_from_proto(h.endpoint),
             stage_seconds=h.stage_seconds,
+            delta=delta,
         )
         if seal.part_digest != part.digest():
             raise InvalidArgument(

@@ -65,6 +65,7 @@ class VersionLifecycle:
     on_transition: Callable[[VersionRecord], None] | None
     session: Callable[[str], SessionRecord]
     parts: Callable[[str, int], list[Part]]
+    version: Callable[[str, int], VersionRecord]
     _session: Callable[[sqlite3.Connection, str], SessionRecord]
     _version: Callable[[sqlite3.Connection, str, int], VersionRecord]
     _parts: Callable[[sqlite3.Connection, str, int], list[Part]]
@@ -96,6 +97,8 @@ class VersionLifecycle:
         s = self.session(session)
         check_generation(generation, s)
         validate_part(part, trainer_ranks=s.trainer_ranks, limits=self.limits)
+        if part.delta is not None:
+            self._check_delta_base(session, version, part)
         checked = self._check_against_sealed(session, version, generation, part, s.trainer_ranks)
         with self._tx() as db:
             s = self._session(db, session)
@@ -157,6 +160,36 @@ class VersionLifecycle:
             outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
         self._notify(session)
         return outcome
+
+    def _check_delta_base(self, session: str, version: int, part: Part) -> None:
+        """A delta names an older version of this session, by its manifest digest, whose
+        part of this rank has the same chunk layout (what its encodings were made against)."""
+        d = part.delta
+        assert d is not None
+        if d.base_version >= version:
+            raise InvalidArgument(
+                f"{d.base_version} is not older than version {version}", field="header.delta.base_version"
+            )
+        try:
+            base = self.version(session, d.base_version)
+        except VersionNotFound:
+            raise FailedPrecondition(
+                f"version {d.base_version} is not known here (never published, or pruned)",
+                field="header.delta.base_version",
+            ) from None
+        if not base.manifest_digest or base.manifest_digest != d.base_manifest_digest:
+            raise FailedPrecondition(
+                f"{d.base_manifest_digest[:16]}… is not the manifest digest of version {d.base_version} "
+                f"({base.manifest_digest[:16] or 'none yet'}…)",
+                field="header.delta.base_manifest_digest",
+            )
+        layout = [(c.offset, c.length) for c in part.chunks]
+        base_part = next((p for p in self.parts(session, d.base_version) if p.rank == part.rank), None)
+        if base_part is None or [(c.offset, c.length) for c in base_part.chunks] != layout:
+            raise FailedPrecondition(
+                f"version {d.base_version}'s part of rank {part.rank} has another chunk layout than this one",
+                field="header.delta.base_version",
+            )
 
     def _check_against_sealed(
         self, session: str, version: int, generation: int, part: Part, trainer_ranks: int

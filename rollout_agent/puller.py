@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import socket
@@ -18,8 +19,8 @@ from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
-from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, TransportUnavailable, WeightsyncError
-from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
+from weightsync.errors import TRANSIENT_ERRORS, DataLoss, DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
@@ -43,6 +44,7 @@ class PulledVersion:
     bytes_pulled: int
     chunk_retries: int
     pull_seconds: float
+    delta_base: int = 0  # rebuilt from this version's bytes by a delta (0: pulled whole)
 
 
 class _Lane:
@@ -140,6 +142,10 @@ class WeightPuller:
         self.metrics = metrics
         self.security = security  # for gRPC reads from trainer agents
         self._buffers: dict[int, np.ndarray] = {}
+        self._delta_buffers: dict[int, np.ndarray] = {}  # encoded delta chunks, per rank
+        # The version whose verified bytes fill the receive buffers (a delta's base), and its
+        # manifest digest: set by the caller once every tensor checked, cleared by any pull.
+        self._holding: tuple[Manifest, str] | None = None
         self.assembly_buffers: dict[str, np.ndarray] = {}  # tensors split across ranks
         self._lock = threading.Lock()
         # One open transport (connection) per (endpoint, stream), kept across versions.
@@ -258,12 +264,45 @@ class WeightPuller:
             downstream = at < len(chain) - 1
         return PullPlan(mode, header.access_token, upstream, downstream)
 
-    def _buffer(self, rank: int, nbytes: int) -> np.ndarray:
-        buf = self._buffers.get(rank)
+    @staticmethod
+    def _grow(buffers: dict[int, np.ndarray], rank: int, nbytes: int) -> np.ndarray:
+        buf = buffers.get(rank)
         if buf is None or buf.nbytes < nbytes:
             buf = np.empty(max(nbytes, 1), np.uint8)
-            self._buffers[rank] = buf
+            buffers[rank] = buf
         return buf[:nbytes]
+
+    def _buffer(self, rank: int, nbytes: int) -> np.ndarray:
+        return self._grow(self._buffers, rank, nbytes)
+
+    def holds(self, manifest: Manifest, manifest_digest: str) -> None:
+        """The receive buffers hold `manifest`'s bytes, every tensor checked: a later
+        version published as a delta against it may be rebuilt there."""
+        self._holding = (manifest, manifest_digest)
+
+    @property
+    def holding(self) -> int:
+        """The version a delta may be rebuilt from (0: none)."""
+        return self._holding[0].version if self._holding else 0
+
+    def _why_not_delta(self, manifest: Manifest, plan: PullPlan, held: tuple[Manifest, str] | None) -> str:
+        """Why this pull cannot rebuild `manifest` from its delta ("" when it can)."""
+        base = manifest.delta_base
+        if base is None:
+            return "it has no delta"
+        if held is None or held[1] != base[1]:
+            have = f"version {held[0].version}" if held else "no checked version"
+            return f"its delta's base is version {base[0]}, the receive buffers hold {have}"
+        if self.relay is not None or plan.upstream is not None:
+            return "relays pull whole versions"
+        layouts = {p.rank: [(c.offset, c.length) for c in p.chunks] for p in held[0].parts}
+        for part in manifest.parts:
+            if layouts.get(part.rank) != [(c.offset, c.length) for c in part.chunks]:
+                return f"rank {part.rank}'s chunks differ from the base's"
+            mode = self.transport_for(part, plan.mode)
+            if mode not in ("tcp", "grpc"):
+                return f"rank {part.rank} is read over {mode}, which serves whole parts"
+        return ""
 
     def pull(self, header: pb.ManifestHeader, manifest: Manifest, *, check_chunks: bool = True) -> PulledVersion:
         """Fetches every chunk of every rank into the receive buffers, each verified as it
@@ -273,6 +312,12 @@ class WeightPuller:
         started = time.perf_counter()
         plan = self.plan(header)
         with self._lock:
+            held, self._holding = self._holding, None  # overwritten from here on
+            why = self._why_not_delta(manifest, plan, held)
+            if not why:
+                return self._pull_delta(header, manifest, plan, started)
+            if manifest.delta_base is not None:
+                log.info("version %d: pulling it whole: %s", manifest.version, why)
             lanes = [lane for part in manifest.parts for lane in self._split(plan, part, list(range(len(part.chunks))))]
             # A relay checks what it will pass on as it lands; the chain's tail passes nothing
             # on (a rollout that joins after it later reads relayed chunks checked on its side).
@@ -295,13 +340,87 @@ class WeightPuller:
                 raise
             finally:
                 self.last_retries = sum(lane.retries for lane in lanes)
+        return self._pulled(header, manifest, buffers, lanes, started)
+
+    def _pulled(
+        self,
+        header: pb.ManifestHeader,
+        manifest: Manifest,
+        buffers: dict[int, np.ndarray],
+        lanes: list[_Lane],
+        started: float,
+        delta_base: int = 0,
+    ) -> PulledVersion:
         seconds = time.perf_counter() - started
         pulled = sum(lane.bytes for lane in lanes)
-        retries = self.last_retries
         if self.metrics is not None:
             self.metrics.observe_phase("pull", seconds)
             self.metrics.add_bytes("pulled", pulled)
-        return PulledVersion(header, manifest, buffers, pulled, retries, seconds)
+        return PulledVersion(header, manifest, buffers, pulled, self.last_retries, seconds, delta_base)
+
+    def _pull_delta(
+        self, header: pb.ManifestHeader, manifest: Manifest, plan: PullPlan, started: float
+    ) -> PulledVersion:
+        """Rebuilds `manifest` in the receive buffers, which hold its delta's base: fetches
+        each rank's raw chunks into place (unchecked: the tensor check covers them) and its
+        delta chunks, each checked as it lands, into a delta buffer, then decodes each onto
+        the base bytes of the chunk it rebuilds. A delta chunk that passes its check yet
+        does not decode has its full chunk fetched instead. The caller checks every tensor
+        (and `repair`s), as after a whole pull."""
+        buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
+        lanes: list[_Lane] = []
+        try:
+            for part in manifest.parts:
+                d = part.delta
+                assert d is not None
+                raw = self._split(plan, part, list(d.raw))
+                for lane in raw:
+                    lane.check = False
+                # The delta chunks are fetched like chunks: by index, into the delta buffer.
+                fetchable = dataclasses.replace(part, chunks=part.chunks + tuple(c.as_chunk() for c in d.chunks))
+                encoded = self._split(plan, fetchable, [c.index for c in d.chunks])
+                lanes += raw + encoded
+                buf = buffers[part.rank]
+                scratch = self._grow(self._delta_buffers, part.rank, d.total_bytes)
+                self._run_lanes(plan, manifest, raw, buf, 0)
+                self._run_lanes(plan, manifest, encoded, scratch, 0)
+                broken = self._decode(part, buf, scratch)
+                if broken:
+                    log.warning(
+                        "version %d rank %d: %d delta chunk(s) did not decode; fetching their chunks whole",
+                        manifest.version,
+                        part.rank,
+                        len(broken),
+                    )
+                    whole = self._split(plan, part, broken)
+                    lanes += whole
+                    self._run_lanes(plan, manifest, whole, buf, 0)
+        finally:
+            self.last_retries = sum(lane.retries for lane in lanes)
+        base = manifest.delta_base
+        assert base is not None
+        return self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])
+
+    @staticmethod
+    def _decode(part: Part, buf: np.ndarray, scratch: np.ndarray) -> list[int]:
+        """Decodes each delta chunk of `part` onto its chunk in `buf`; returns the chunks
+        whose encoding did not decode (they may hold part of their changes)."""
+        d = part.delta
+        assert d is not None
+
+        def one(c: DeltaChunkSpec) -> int:
+            target = part.chunks[c.target]
+            try:
+                native.delta16_decode(
+                    buf[target.offset : target.offset + target.length].view(np.uint16),
+                    scratch[c.offset : c.offset + c.length],
+                )
+            except DataLoss:
+                return c.target
+            return -1
+
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode") as pool:
+            return [t for t in pool.map(one, d.chunks) if t >= 0]
 
     def pull_chunks(
         self, plan: PullPlan, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int
@@ -309,6 +428,7 @@ class WeightPuller:
         """Fetches and verifies some chunks of one rank into buf (buf[0] is byte `base` of
         the part) as `plan` says; returns (bytes pulled, chunks re-fetched). For streaming
         apply."""
+        self._holding = None  # a streamed pull reuses no receive buffer
         lanes = self._split(plan, part, indices)
         self._run_lanes(plan, manifest, lanes, buf, base)
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)

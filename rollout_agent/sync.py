@@ -51,6 +51,7 @@ class SyncResult:
     # Why a finished round did not apply (weightsync_sync_failures_total's reason): data_loss,
     # transient, local, mismatch or refused; empty when ok or the verdict is pending.
     failure: str = ""
+    delta_base: int = 0  # the version rebuilt from by a delta (0: pulled whole)
 
 
 APPLY_MODES = ("atomic", "streaming")
@@ -79,6 +80,7 @@ class Prefetched:
     chunk_retries: int = 0
     error: WeightsyncError | None = None
     started: float = field(default_factory=time.perf_counter)
+    delta_base: int = 0  # rebuilt from this version's bytes by its delta (0: pulled whole)
 
     @property
     def version(self) -> int:
@@ -92,7 +94,11 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
     One hash pass per byte: the chunks land unchecked (relays excepted) and the tensor
     check covers them, since a tensor's digest is made of its chunks' digests. A tensor
     that fails has the chunks under it located and re-fetched (`WeightPuller.repair`),
-    then is checked once more.
+    then is checked once more. A version published as a delta against the version the
+    receive buffers hold is rebuilt there from its delta (`WeightPuller.pull`), then
+    checked the same way: a wrong base or a bad decode fails the check, and the chunks
+    that differ are fetched whole. Once every tensor checked, the buffers are the base
+    of the next delta (`WeightPuller.holds`).
 
     Raises:
         WeightsyncError: the manifest could not be had (nothing was pulled). A failed pull
@@ -103,7 +109,7 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
     p = Prefetched(header, manifest, started=started)
     try:
         pulled = puller.pull(header, manifest, check_chunks=False)
-        p.bytes_pulled, p.chunk_retries = pulled.bytes_pulled, pulled.chunk_retries
+        p.bytes_pulled, p.chunk_retries, p.delta_base = pulled.bytes_pulled, pulled.chunk_retries, pulled.delta_base
         p.timings["pull_seconds"] = pulled.pull_seconds
         t0 = time.perf_counter()
         for attempt in range(2):  # the tensor check, and once more after a repair
@@ -122,6 +128,7 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
         if bad:
             raise DataLoss(f"refusing to apply version {p.version}: {describe_difference(*bad[0])}")
         p.tensors = tensors
+        puller.holds(manifest, header.version.manifest_digest)
     except WeightsyncError as e:
         p.error = e
         p.chunk_retries = puller.last_retries
@@ -194,7 +201,9 @@ def apply_prefetched(
     """Loads a prefetched version into `applier` (only bytes that verified; a prefetch that
     failed is reported, not applied) and sends the handshake. The pause is the apply, or
     from `blocked_since` (perf_counter) where the caller held the engine since then."""
-    result = SyncResult(p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries)
+    result = SyncResult(
+        p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries, delta_base=p.delta_base
+    )
     failure = ""
     try:
         if p.error is not None:

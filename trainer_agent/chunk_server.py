@@ -24,10 +24,30 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 
 @dataclass
 class SlotEntry:
+    """A served version: its chunks in the slot, then its delta chunks (fetch indices
+    len(chunks) + j) in `delta_bytes`."""
+
     version: int
     chunks: tuple[ChunkSpec, ...]
     total_bytes: int
     token: str = ""  # the version's access token (tcp reads)
+    delta_chunks: tuple[ChunkSpec, ...] = ()  # offsets in delta_bytes
+    delta_bytes: np.ndarray | None = None
+
+    @property
+    def fetchable(self) -> int:
+        return len(self.chunks) + len(self.delta_chunks)
+
+    def spec(self, index: int) -> ChunkSpec:
+        n = len(self.chunks)
+        return self.chunks[index] if index < n else self.delta_chunks[index - n]
+
+    def view(self, slot: np.ndarray, index: int) -> np.ndarray:
+        """The bytes of fetch index `index`: a chunk in the slot, or a delta chunk."""
+        c = self.spec(index)
+        src = slot if index < len(self.chunks) else self.delta_bytes
+        assert src is not None
+        return src[c.offset : c.offset + c.length]
 
 
 class SlotTable:
@@ -71,8 +91,11 @@ class SlotTable:
     def check_read(self, session: str, version: int, rank: int, indices: Sequence[int]) -> None:
         _, entry = self._find(session, version, rank)
         for i, index in enumerate(indices):
-            if index >= len(entry.chunks):
-                raise InvalidArgument(f"{index} >= chunk_count {len(entry.chunks)}", field=f"indices[{i}]")
+            if index >= entry.fetchable:
+                raise InvalidArgument(
+                    f"{index} >= {entry.fetchable} (chunk_count {len(entry.chunks)} + delta chunks)",
+                    field=f"indices[{i}]",
+                )
 
     def check_token(self, session: str, version: int, token: str) -> None:
         _, entry = self._find(session, version, self.rank)
@@ -80,7 +103,7 @@ class SlotTable:
 
     def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         _, entry = self._find(session, version, rank)
-        return sum(entry.chunks[i].length for i in indices)
+        return sum(entry.spec(i).length for i in indices)
 
     def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         """Sends the chunks from the mapped arena.
@@ -91,7 +114,7 @@ class SlotTable:
         even if the arena is reallocated meanwhile (`Arena._release`)."""
         slot, entry = self._find(session, version, rank)
         arena = self.arena.slot(slot)
-        views = [arena[c.offset : c.offset + c.length] for c in (entry.chunks[i] for i in indices)]
+        views = [entry.view(arena, i) for i in indices]
         if self.failpoints.fire("chunk_server.corrupt_chunk"):  # the first chunk leaves with one byte flipped
             views[0] = np.array(views[0])
             views[0][-1:] ^= 0xFF
@@ -99,10 +122,9 @@ class SlotTable:
 
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
         slot, entry = self._find(session, version, rank)
-        if index >= len(entry.chunks):
-            raise InvalidArgument(f"{index} >= chunk_count {len(entry.chunks)}", field="indices")
-        c = entry.chunks[index]
-        return c.offset, memoryview(self.arena.slot(slot)[c.offset : c.offset + c.length])
+        if index >= entry.fetchable:
+            raise InvalidArgument(f"{index} >= {entry.fetchable} (chunks + delta chunks)", field="indices")
+        return entry.spec(index).offset, memoryview(entry.view(self.arena.slot(slot), index))
 
 
 class TrainerAgentServicer:

@@ -21,11 +21,13 @@ from trainer_agent.chunk_server import (
     TrainerAgentServicer,
     add_trainer_agent_service,
 )
+from trainer_agent.delta import StagedDelta, pack_delta
 from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import Stager, plan_staging
-from trainer_agent.staging import stage_streamed
+from trainer_agent.stage_plan import StagePlan, Stager, plan_staging
+from trainer_agent.staging import Layout, stage_streamed
 from weightsync import native
+from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient
@@ -62,6 +64,8 @@ class PublishResult:
     stage_seconds: float
     publish_seconds: float
     slot: int
+    delta_bytes: int = 0  # bytes a rollout holding the base pulls (0: published without a delta)
+    delta_base: int = 0  # the base version of the delta
 
 
 class WeightPublisher:
@@ -95,6 +99,8 @@ class WeightPublisher:
         self.generation = 0
         self.fenced_by = 0  # the newer generation that fenced this publisher
         self._stager = Stager(settings)
+        self._layouts: dict[int, Layout] = {}  # slot -> layout of the version it holds (host path)
+        self._manifest_digests: dict[int, str] = {}  # versions this rank published -> their digest
         self._started = self._closed = False
         self._resources = contextlib.ExitStack()  # closes what start() opened, in reverse
 
@@ -270,11 +276,69 @@ class WeightPublisher:
         if self.arena.ensure_slot_bytes(layout.total_bytes):
             for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
                 self.table.set(other, None)
-        path, shard_specs, chunks = self._stager.stage(
-            plan, params, self.arena.buffer(), slot * self.arena.slot_bytes, self.arena.slot(slot)
-        )
+        base = self._delta_base(plan, slot, version)
+        delta = None
+        if base is None:
+            path, shard_specs, chunks = self._stager.stage(
+                plan, params, self.arena.buffer(), slot * self.arena.slot_bytes, self.arena.slot(slot)
+            )
+        else:
+            base_slot, base_version, base_digest = base
+            shard_specs, chunks, encodings = self._stager.stage_delta(
+                plan, self.arena.slot(slot), self.arena.slot(base_slot)
+            )
+            path = "native+delta"
+            delta = pack_delta(chunks, encodings, base_version, base_digest)
+            if delta.wire_bytes > self.settings.delta_max_ratio * layout.total_bytes:
+                log.info(
+                    "version %d without a delta: it would move %.1f%% of the bytes (delta_max_ratio %.2f)",
+                    version,
+                    100 * delta.wire_bytes / max(1, layout.total_bytes),
+                    self.settings.delta_max_ratio,
+                )
+                delta = None
+        self._layouts[slot] = layout
         stage_s = time.perf_counter() - started
-        return self._seal(version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path)
+        return self._seal(
+            version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path, delta
+        )
+
+    def _delta_base(self, plan: StagePlan, slot: int, version: int) -> tuple[int, int, str] | None:
+        """(slot, version, manifest digest) of the version to encode this one against: the
+        newest older one in another slot, staged with the same layout; None with the
+        reason logged when there is none or delta is off."""
+        if self.settings.delta == "off":
+            return None
+        why = plan.can_delta(self.settings.chunk_bytes)
+        if not why:
+            older = {s: e for s, e in self.table.entries().items() if s != slot and e.version < version}
+            if not older:
+                why = "no older version in the arena"
+            else:
+                base_slot, entry = max(older.items(), key=lambda kv: kv[1].version)
+                digest = self._manifest_digest(entry.version)
+                if self._layouts.get(base_slot) != plan.layout:
+                    why = f"version {entry.version} was staged with another layout"
+                elif not digest:
+                    why = f"version {entry.version} has no manifest digest (it never became READY)"
+                else:
+                    return base_slot, entry.version, digest
+        log.info("version %d without a delta: %s", version, why)
+        return None
+
+    def _manifest_digest(self, version: int) -> str:
+        """A version's manifest digest: from its publish when that made it READY, else asked."""
+        digest = self._manifest_digests.get(version, "")
+        if not digest:
+            try:
+                found = [v for v in self._client.status(self.session, 8).versions if v.version == version]
+            except WeightsyncError as e:
+                log.info("cannot learn version %d's manifest digest: %s", version, e)
+                return ""
+            digest = found[0].manifest_digest if found else ""
+            if digest:
+                self._manifest_digests[version] = digest
+        return digest
 
     def publish_stream(
         self,
@@ -305,6 +369,7 @@ class WeightPublisher:
             for other in range(self.arena.slots):
                 self.table.set(other, None)
         started = time.perf_counter()
+        self._layouts.pop(slot, None)  # staged in arrival order: never a delta base
         stream = device_stream(items, self.settings.weight_dtype, self.settings.d2h_window_bytes)
         staged, chunks = stage_streamed(self.arena.slot(slot), stream, self.settings.chunk_bytes)
         stage_s = time.perf_counter() - started
@@ -324,8 +389,12 @@ class WeightPublisher:
         total_bytes: int,
         stage_s: float,
         path: str,
+        delta: StagedDelta | None = None,
     ) -> PublishResult:
-        """Serves the staged slot (and writes it to the fs store) and streams its descriptors."""
+        """Serves the staged slot (and its delta, fetch indices after its chunks; the fs
+        store gets the full part only) and streams its descriptors. A delta the coordinator
+        refuses (its base unknown there, e.g. pruned) is dropped and the part published
+        without it."""
         self.last_path = path
         endpoint = dataclasses.replace(
             # Same-host rollouts may map this slot of the arena directly ("shm" transport).
@@ -340,7 +409,11 @@ class WeightPublisher:
             )
             endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=uri)
             self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
-        self.table.set(slot, SlotEntry(version, tuple(chunks), total_bytes, access_token(self._token_key, version)))
+        entry = SlotEntry(version, tuple(chunks), total_bytes, access_token(self._token_key, version))
+        if delta is not None:
+            entry.delta_chunks = tuple(c.as_chunk() for c in delta.part.chunks)
+            entry.delta_bytes = delta.data
+        self.table.set(slot, entry)
         self.metrics.observe_phase("stage", stage_s)
         self.metrics.add_bytes("staged", total_bytes)
         part = Part(
@@ -352,21 +425,31 @@ class WeightPublisher:
             chunks=tuple(chunks),
             endpoint=endpoint,
             stage_seconds=stage_s,
+            delta=delta.part if delta is not None else None,
         )
         t0 = time.perf_counter()
         try:
-            resp = self._client.publish_part(
-                self.session, generation=self.generation, version=version, idempotency_key=key, part=part
-            )
+            try:
+                resp = self._publish_part(version, key, part)
+            except FailedPrecondition as e:
+                if part.delta is None or not e.message.startswith("header.delta"):
+                    raise
+                log.warning("version %d: the delta was refused (%s); publishing it without one", version, e.message)
+                delta, part = None, dataclasses.replace(part, delta=None)
+                resp = self._publish_part(version, key, part)
         except WeightsyncError:
             self.table.set(slot, None)
             raise
+        if resp.version.manifest_digest:
+            self._manifest_digests = {v: d for v, d in self._manifest_digests.items() if v >= version - 4} | {
+                version: resp.version.manifest_digest
+            }
         publish_s = time.perf_counter() - t0
         self.metrics.observe_phase("publish", publish_s)
         self.metrics.current_version.labels(role="trainer", session=self.session).set(version)
         state = _tpb.VersionState.Name(resp.version.state)
         log.info(
-            "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d",
+            "published version=%d rank=%d bytes=%d path=%s stage_s=%.3f publish_s=%.3f state=%s slot=%d%s",
             version,
             self.rank,
             total_bytes,
@@ -375,8 +458,17 @@ class WeightPublisher:
             publish_s,
             state,
             slot,
+            f" delta_bytes={delta.wire_bytes} base={delta.part.base_version}" if delta is not None else "",
         )
-        return PublishResult(version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot)
+        return PublishResult(
+            version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot,
+            delta.wire_bytes if delta is not None else 0, delta.part.base_version if delta is not None else 0,
+        )  # fmt: skip
+
+    def _publish_part(self, version: int, key: str, part: Part) -> _cpb.PublishResponse:
+        return self._client.publish_part(
+            self.session, generation=self.generation, version=version, idempotency_key=key, part=part
+        )
 
     def _claim_slot(self, version: int) -> int:
         """A slot to stage into: an empty one, else the oldest whose version is released.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
 from weightsync.config import ServerConfig, check_bounds, option
 from weightsync.dtypes import dtype_info
@@ -67,6 +68,12 @@ class PublisherSettings(ServerConfig):
         "Device arrays (and casts): bytes of device-to-host copies in flight ahead of staging; host memory "
         "above the arena stays within about this.",
     )
+    delta: str = option(
+        "off",
+        "auto: also publish each version as a delta against the previous one (rollouts holding it pull only "
+        "the changed elements) when its bytes on the wire are at most delta_max_ratio of the part's; off.",
+    )
+    delta_max_ratio: float = option(0.5, "Largest delta worth publishing, as a fraction of the part's bytes.")
     timeout_s: float = option(30.0, "Deadline of each call to the coordinator.")
     slot_wait_s: float = option(60.0, "How long a publish waits for rollouts' leases to free the oldest slot.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
@@ -92,6 +99,10 @@ class PublisherSettings(ServerConfig):
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
         check_bounds(self, ("slots", "chunk_bytes", "d2h_window_bytes"), 1)
         check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s"), 0)
+        if self.delta not in DELTA_MODES:
+            raise InvalidArgument(f"{self.delta!r} is not one of {', '.join(DELTA_MODES)}", field="delta")
+        if not 0 < self.delta_max_ratio <= 1:
+            raise InvalidArgument(f"must be in (0, 1], got {self.delta_max_ratio}", field="delta_max_ratio")
         if not self.timeout_s > 0:
             raise InvalidArgument(f"must be > 0, got {self.timeout_s}", field="timeout_s")
         check_bounds(self, ("tcp_port",), 0, 65535)

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from trainer_agent.delta import CHUNK_CAP
 from trainer_agent.params import choose_staging_path, device_stream, host_shards, shard_metas
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.staging import HostShard, Layout, plan_layout, stage_batched, stage_shards
+from trainer_agent.staging import HostShard, Layout, plan_layout, stage_batched, stage_shards, stage_shards_delta
 from weightsync import native
 from weightsync.manifest import ChunkSpec, ShardSpec
 
@@ -23,6 +24,15 @@ class StagePlan:
     path: str  # "ffi", "host" or "device"
     layout: Layout
     shards: list[HostShard]
+
+    def can_delta(self, chunk_bytes: int) -> str:
+        """Why this plan cannot be staged with a delta ("" when it can): the host path with
+        the native shim only, and 16-bit words never straddle two chunks."""
+        if self.path != "host" or not native.available():
+            return f"the {self.path} path stages without a delta" if native.available() else native.missing_reason()
+        if any(n % 2 for _, n in self.layout.chunk_plan(chunk_bytes)):
+            return "a chunk has an odd length"
+        return ""
 
 
 def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> StagePlan:
@@ -48,10 +58,26 @@ def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> Stag
 
 @dataclass
 class Stager:
-    """Runs a StagePlan into an arena slot; keeps the FFI call compiled between publishes."""
+    """Runs a StagePlan into an arena slot; keeps the FFI call compiled and the delta
+    scratch buffer between publishes."""
 
     settings: PublisherSettings
     _ffi: Any = field(default=None, repr=False)
+    _scratch: np.ndarray | None = field(default=None, repr=False)
+
+    def stage_delta(
+        self, plan: StagePlan, slot: np.ndarray, base: np.ndarray
+    ) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+        """Stages a host plan (`can_delta`) into `slot` and encodes each chunk against
+        `base` (the previous version, same layout) in the same pass."""
+        need = int(plan.layout.total_bytes * CHUNK_CAP) + 1
+        if self._scratch is None or self._scratch.nbytes < need:
+            self._scratch = np.empty(need, np.uint8)
+        s = self.settings
+        return stage_shards_delta(
+            slot, plan.shards, plan.layout, s.chunk_bytes, base, self._scratch, cap=CHUNK_CAP,
+            threads=s.staging_threads,
+        )  # fmt: skip
 
     def stage(
         self, plan: StagePlan, params: Mapping[str, Any], arena: np.ndarray, slot_offset: int, slot: np.ndarray

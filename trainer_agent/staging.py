@@ -104,6 +104,15 @@ def stage_shards(
     return _stage_fused(slot, shards, layout, layout.chunk_plan(chunk_bytes), chunk_bytes, engine, threads)
 
 
+def native_sources(shards: Sequence[HostShard], layout: Layout) -> list[tuple[np.ndarray, int, int]]:
+    """(C-contiguous array, slot offset, dtype code) per shard: `native.stage`'s sources."""
+    sources = []
+    for s, off in zip(shards, layout.offsets):
+        arr = np.ascontiguousarray(s.data)
+        sources.append((arr, off, native_code(arr.dtype)))
+    return sources
+
+
 def _stage_fused(
     slot: np.ndarray,
     shards: Sequence[HostShard],
@@ -114,14 +123,40 @@ def _stage_fused(
     threads: int,
 ) -> tuple[list[ShardSpec], list[ChunkSpec]]:
     if engine == "native" or (engine == "auto" and native.available()):
-        sources = []
-        for s, off in zip(shards, layout.offsets):
-            arr = np.ascontiguousarray(s.data)
-            sources.append((arr, off, native_code(arr.dtype)))
         lengths = [n for _, n in chunks]
+        sources = native_sources(shards, layout)
         result = native.stage(slot, layout.total_bytes, lengths, chunk_bytes, sources, threads=threads)
         return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunks)
     return _stage_python(slot, shards, layout, chunks, chunk_bytes)
+
+
+def stage_shards_delta(
+    slot: np.ndarray,
+    shards: Sequence[HostShard],
+    layout: Layout,
+    chunk_bytes: int,
+    base: np.ndarray,
+    scratch: np.ndarray,
+    *,
+    cap: float,
+    threads: int = 0,
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """`stage_shards` (native) that also encodes each chunk against `base` (the previous
+    version, same layout, in another slot) in the same pass: (shard specs, chunk specs,
+    per chunk its encoding, None where it would pass `cap` x its length). `scratch` holds
+    the encodings while the pass runs (at least `cap` x total bytes; keep it between
+    publishes: fresh pages cost more than the encoding)."""
+    chunks = layout.chunk_plan(chunk_bytes)
+    lengths = [n for _, n in chunks]
+    sources = native_sources(shards, layout)
+    result = native.stage(
+        slot, layout.total_bytes, lengths, chunk_bytes, sources, base=base, delta_cap=cap, delta_out=scratch,
+        threads=threads,
+    )  # fmt: skip
+    specs, chunk_specs_ = specs_from_digests(
+        layout, result.span_digests, result.span_sums, result.chunk_digests, chunks
+    )
+    return specs, chunk_specs_, list(result.chunk_deltas or [])
 
 
 def stage_batched(

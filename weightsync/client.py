@@ -16,7 +16,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import DeadlineExceeded, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.security import Security
-from weightsync.wire import endpoint_to_proto, manifest_from_pieces, part_to_batches
+from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches
 
 log = logging.getLogger(__name__)
 TERMINAL_WAIT_STATES = tuple(sorted(version_states.FINAL))
@@ -120,6 +120,7 @@ class CoordinatorClient:
             chunk_count=len(part.chunks),
             endpoint=endpoint_to_proto(part.endpoint),
             stage_seconds=part.stage_seconds,
+            delta=delta_to_proto(part.delta),
         )
 
         def requests() -> Iterator[pb.PublishRequest]:

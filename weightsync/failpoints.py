@@ -40,6 +40,13 @@ class Failpoints:
                 raise InvalidArgument(f"{item!r} must be name=COUNT", field="failpoints")
             self._counts[name] = int(count)
 
+    def arm(self, name: str, count: int) -> None:
+        """Arms `name` for `count` more fires (tests that fault one phase of a run)."""
+        if name not in KNOWN:
+            raise InvalidArgument(f"unknown failpoint {name!r}; known: {', '.join(sorted(KNOWN))}", field="failpoints")
+        with self._lock:
+            self._counts[name] = count
+
     def armed(self, name: str) -> bool:
         """True when the failpoint was configured (spent or not)."""
         return name in self._counts

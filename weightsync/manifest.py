@@ -107,6 +107,74 @@ class ChunkSpec:
         return cls(d["index"], d["offset"], d["length"], int(d["xxh3"], 16))
 
 
+DELTA_ENCODINGS = ("delta16",)  # native/delta.cc: 16-bit words, LEB128 gap + step byte
+
+
+@dataclass(frozen=True)
+class DeltaChunkSpec:
+    """The encoded changes to full chunk `target` against the base version; fetched like a
+    chunk by `index` (the part's chunk count + its place among the delta chunks), from
+    `offset` in the part's delta bytes."""
+
+    index: int
+    target: int
+    offset: int
+    length: int
+    xxh3: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "target": self.target,
+            "offset": self.offset,
+            "length": self.length,
+            "xxh3": hex64(self.xxh3),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeltaChunkSpec:
+        return cls(d["index"], d["target"], d["offset"], d["length"], int(d["xxh3"], 16))
+
+    def as_chunk(self) -> ChunkSpec:
+        """The chunk a transport fetches: `offset` is in the delta bytes, not the part."""
+        return ChunkSpec(self.index, self.offset, self.length, self.xxh3)
+
+
+@dataclass(frozen=True)
+class PartDelta:
+    """A part as a delta against `base_version` (same layout): changed chunks encoded
+    (`chunks`) or fetched whole (`raw`, full chunk indices); every other chunk equals the
+    base's. The part's full descriptors stay the truth a rebuild is checked against."""
+
+    base_version: int
+    base_manifest_digest: str
+    total_bytes: int  # encoded bytes of every delta chunk, back to back
+    chunks: tuple[DeltaChunkSpec, ...]
+    raw: tuple[int, ...]
+    encoding: str = "delta16"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "base_version": self.base_version,
+            "base_manifest_digest": self.base_manifest_digest,
+            "encoding": self.encoding,
+            "total_bytes": self.total_bytes,
+            "chunks": [c.to_dict() for c in self.chunks],
+            "raw": list(self.raw),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PartDelta:
+        return cls(
+            d["base_version"],
+            d["base_manifest_digest"],
+            d["total_bytes"],
+            tuple(DeltaChunkSpec.from_dict(c) for c in d["chunks"]),
+            tuple(d["raw"]),
+            d["encoding"],
+        )
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where a rank's bytes are served."""
@@ -155,6 +223,13 @@ class Part:
     chunks: tuple[ChunkSpec, ...]
     endpoint: Endpoint = field(default_factory=Endpoint)
     stage_seconds: float = 0.0
+    delta: PartDelta | None = None
+
+    def wire_bytes(self, raw: bool) -> int:
+        """Bytes a pull of this part moves: the whole part, or (not `raw`) its delta."""
+        if raw or self.delta is None:
+            return self.total_bytes
+        return self.delta.total_bytes + sum(self.chunks[i].length for i in self.delta.raw)
 
     def content_dict(self) -> dict[str, Any]:
         """The digest-relevant content (where it is served and how long it took are not).
@@ -172,6 +247,8 @@ class Part:
                 "shards": [s.to_dict() for s in self.shards],
                 "chunks": [c.to_dict() for c in self.chunks],
             }
+            if self.delta is not None:  # absent otherwise: digests of full-only parts are unchanged
+                cached["delta"] = self.delta.to_dict()
             object.__setattr__(self, "_content", cached)
         return cached
 
@@ -200,6 +277,7 @@ class Part:
             chunks=tuple(ChunkSpec.from_dict(c) for c in d["chunks"]),
             endpoint=Endpoint.from_dict(d.get("endpoint", {})),
             stage_seconds=d.get("stage_seconds", 0.0),
+            delta=PartDelta.from_dict(d["delta"]) if d.get("delta") else None,
         )
 
 
@@ -234,6 +312,13 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(p.total_bytes for p in self.parts)
+
+    @property
+    def delta_base(self) -> tuple[int, str] | None:
+        """(base version, base manifest digest) when every part carries a delta against
+        the same base, else None (the version is pulled whole)."""
+        bases = {(p.delta.base_version, p.delta.base_manifest_digest) if p.delta else None for p in self.parts}
+        return next(iter(bases)) if len(bases) == 1 and None not in bases else None
 
     def shards_of(self) -> dict[str, list[tuple[int, ShardSpec]]]:
         """(rank, shard) lists per tensor name, in canonical order (by box start)."""

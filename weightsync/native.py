@@ -434,7 +434,7 @@ def delta16_encode(base: np.ndarray, now: np.ndarray, *, cap: int | None = None)
     return out[:n].tobytes(), int(changed[0])
 
 
-def delta16_decode(buf: np.ndarray, encoding: bytes) -> None:
+def delta16_decode(buf: np.ndarray, encoding: bytes | np.ndarray) -> None:
     """Applies a `delta16_encode` encoding to `buf` (the base version's 16-bit elements) in
     place. DataLoss for an encoding that is truncated, names an element past the end or a
     step of 0; `buf` may then hold part of the changes (rebuild from a clean base)."""

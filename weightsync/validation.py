@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument, ResourceExhausted
-from weightsync.manifest import Part, ShardSpec, TensorSpec
+from weightsync.manifest import DELTA_ENCODINGS, Part, ShardSpec, TensorSpec
 
 SESSION_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 AGENT_ID_RE = SESSION_NAME_RE
 TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/\-]{0,511}$")
+DIGEST_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,54 @@ def _check_chunks(part: Part) -> None:
         raise InvalidArgument(f"cover [0, {cursor}) but total_bytes is {part.total_bytes}", field="part.chunks")
 
 
+def _check_delta(part: Part) -> None:
+    """A delta's own bounds: a known encoding; delta chunks indexed after the part's
+    chunks, tiling the delta bytes in order, each smaller than the distinct chunk it
+    rebuilds; raw chunks ascending, none also rebuilt from a delta chunk."""
+    d = part.delta
+    assert d is not None
+    if d.encoding not in DELTA_ENCODINGS:
+        raise InvalidArgument(
+            f"{d.encoding!r} is not one of {', '.join(DELTA_ENCODINGS)}", field="header.delta.encoding"
+        )
+    if not d.base_version:
+        raise InvalidArgument("must name the base version (>= 1)", field="header.delta.base_version")
+    if not DIGEST_HEX_RE.match(d.base_manifest_digest):
+        raise InvalidArgument("must be a sha256 hex digest", field="header.delta.base_manifest_digest")
+    n = len(part.chunks)
+    cursor, last = 0, -1
+    for i, c in enumerate(d.chunks):
+        f = f"part.delta.chunks[{i}]"
+        if c.index != n + i:
+            raise InvalidArgument(f"expected {n + i} (chunk_count + {i}), got {c.index}", field=f"{f}.index")
+        if not last < c.target < n:
+            raise InvalidArgument(f"{c.target} must be ascending and < chunk_count {n}", field=f"{f}.target")
+        if c.offset != cursor:
+            raise InvalidArgument(
+                f"{c.offset}: delta chunks tile the delta bytes; expected {cursor}", field=f"{f}.offset"
+            )
+        if not 0 < c.length < part.chunks[c.target].length:
+            raise InvalidArgument(
+                f"{c.length} must be in (0, {part.chunks[c.target].length}): smaller than the chunk it rebuilds",
+                field=f"{f}.length",
+            )
+        cursor += c.length
+        last = c.target
+    if cursor != d.total_bytes:
+        raise InvalidArgument(
+            f"delta chunks cover {cursor} bytes, not {d.total_bytes}", field="header.delta.total_bytes"
+        )
+    targets = {c.target for c in d.chunks}
+    last = -1
+    for i, r in enumerate(d.raw):
+        if not last < r < n or r in targets:
+            raise InvalidArgument(
+                f"{r} must be ascending, < chunk_count {n} and not rebuilt from a delta chunk",
+                field=f"part.delta.raw[{i}]",
+            )
+        last = r
+
+
 def _check_shards(part: Part, specs: dict[str, TensorSpec]) -> None:
     by_tensor: dict[str, list[ShardSpec]] = {}
     for i, s in enumerate(part.shards):
@@ -201,6 +250,8 @@ def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LI
         specs[t.name] = t
     _check_shards(part, specs)
     _check_chunks(part)
+    if part.delta is not None:
+        _check_delta(part)
 
 
 def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -> None:

@@ -10,7 +10,7 @@ from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.dtypes import dtype_from_proto, dtype_info
 from weightsync.errors import DigestMismatch, InvalidArgument
-from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part, ShardSpec, TensorSpec
+from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Endpoint, Manifest, Part, PartDelta, ShardSpec, TensorSpec
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
 MAX_NAME_CHARS = 512  # as validation.TENSOR_NAME_RE allows; longer names are refused on arrival
@@ -79,47 +79,82 @@ def chunk_to_proto(c: ChunkSpec) -> _tpb.ChunkDescriptor:
     return _tpb.ChunkDescriptor(index=c.index, offset=c.offset, length=c.length, xxh3=c.xxh3)
 
 
+def delta_chunk_to_proto(c: DeltaChunkSpec) -> _tpb.DeltaChunkDescriptor:
+    return _tpb.DeltaChunkDescriptor(index=c.index, target=c.target, offset=c.offset, length=c.length, xxh3=c.xxh3)
+
+
+def delta_to_proto(d: PartDelta | None) -> _tpb.PartDelta | None:
+    """The delta's header (its descriptors travel in DescriptorBatches); None without one."""
+    if d is None:
+        return None
+    return _tpb.PartDelta(
+        base_version=d.base_version,
+        base_manifest_digest=d.base_manifest_digest,
+        encoding=d.encoding,
+        total_bytes=d.total_bytes,
+        chunk_count=len(d.chunks),
+        raw_count=len(d.raw),
+    )
+
+
 def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb.DescriptorBatch]:
     """Splits a part's descriptors into batches of at most batch_items each kind."""
-    n = max(len(part.tensors), len(part.shards), len(part.chunks))
+    delta_chunks = part.delta.chunks if part.delta else ()
+    raw = part.delta.raw if part.delta else ()
+    n = max(len(part.tensors), len(part.shards), len(part.chunks), len(delta_chunks), len(raw))
     for i in range(0, max(n, 1), batch_items):
         yield _tpb.DescriptorBatch(
             rank=part.rank,
             tensors=[tensor_to_proto(t) for t in part.tensors[i : i + batch_items]],
             shards=[shard_to_proto(s) for s in part.shards[i : i + batch_items]],
             chunks=[chunk_to_proto(c) for c in part.chunks[i : i + batch_items]],
+            delta_chunks=[delta_chunk_to_proto(c) for c in delta_chunks[i : i + batch_items]],
+            raw_chunks=raw[i : i + batch_items],
         )
 
 
 class PartBuilder:
     """Accumulates DescriptorBatches for one rank into a Part (used by both directions).
 
-    `max_counts` (tensors, shards, chunks), when given, are enforced as each batch arrives,
-    as is the length of every name: a stream that would exceed what its header announced
-    is refused at the batch that does, before the rest is read or kept.
+    `max_counts` (tensors, shards, chunks, delta chunks, raw chunks), when given, are
+    enforced as each batch arrives, as is the length of every name: a stream that would
+    exceed what its header announced is refused at the batch that does, before the rest
+    is read or kept.
     """
 
-    def __init__(self, rank: int, *, max_items: int, max_counts: tuple[int, int, int] | None = None) -> None:
+    KINDS = ("tensors", "shards", "chunks", "delta.chunks", "delta.raw")
+
+    def __init__(self, rank: int, *, max_items: int, max_counts: tuple[int, ...] | None = None) -> None:
         self.rank = rank
         self.max_items = max_items
         self.max_counts = max_counts
         self.tensors: list[TensorSpec] = []
         self.shards: list[ShardSpec] = []
         self.chunks: list[ChunkSpec] = []
+        self.delta_chunks: list[DeltaChunkSpec] = []
+        self.raw: list[int] = []
+
+    def counts(self) -> tuple[int, ...]:
+        """Descriptors received so far, per kind (`KINDS`)."""
+        return len(self.tensors), len(self.shards), len(self.chunks), len(self.delta_chunks), len(self.raw)
 
     def add(self, batch: _tpb.DescriptorBatch) -> None:
         if batch.rank != self.rank:
             raise InvalidArgument(f"{batch.rank} does not match the header's rank {self.rank}", field="batch.rank")
-        total = len(self.tensors) + len(self.shards) + len(self.chunks)
-        total += len(batch.tensors) + len(batch.shards) + len(batch.chunks)
-        if total > self.max_items:
+        have = self.counts()
+        adding = (
+            len(batch.tensors),
+            len(batch.shards),
+            len(batch.chunks),
+            len(batch.delta_chunks),
+            len(batch.raw_chunks),
+        )
+        if sum(have) + sum(adding) > self.max_items:
             raise InvalidArgument(
                 f"more than {self.max_items} descriptors; the header's counts were exceeded", field="batch"
             )
         if self.max_counts is not None:
-            have = (len(self.tensors), len(self.shards), len(self.chunks))
-            adding = (len(batch.tensors), len(batch.shards), len(batch.chunks))
-            for what, n, k, cap in zip(("tensors", "shards", "chunks"), have, adding, self.max_counts):
+            for what, n, k, cap in zip(self.KINDS, have, adding, self.max_counts):
                 if n + k > cap:
                     raise InvalidArgument(f"more than the {cap} the header announced", field=f"part.{what}")
         base = len(self.tensors)
@@ -134,8 +169,33 @@ class PartBuilder:
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
         self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)
+        self.delta_chunks.extend(
+            DeltaChunkSpec(c.index, c.target, c.offset, c.length, c.xxh3) for c in batch.delta_chunks
+        )
+        self.raw.extend(batch.raw_chunks)
 
-    def build(self, *, total_bytes: int, chunk_bytes: int, endpoint: Endpoint, stage_seconds: float) -> Part:
+    def build(
+        self,
+        *,
+        total_bytes: int,
+        chunk_bytes: int,
+        endpoint: Endpoint,
+        stage_seconds: float,
+        delta: _tpb.PartDelta | None = None,
+    ) -> Part:
+        """The Part; `delta` is the header's PartDelta (None: delta descriptors are refused)."""
+        part_delta = None
+        if delta is not None:
+            part_delta = PartDelta(
+                delta.base_version,
+                delta.base_manifest_digest,
+                delta.total_bytes,
+                tuple(self.delta_chunks),
+                tuple(self.raw),
+                delta.encoding,
+            )
+        elif self.delta_chunks or self.raw:
+            raise InvalidArgument("delta descriptors arrived but the header names no delta", field="header.delta")
         return Part(
             rank=self.rank,
             total_bytes=total_bytes,
@@ -145,6 +205,7 @@ class PartBuilder:
             chunks=tuple(self.chunks),
             endpoint=endpoint,
             stage_seconds=stage_seconds,
+            delta=part_delta,
         )
 
 
@@ -155,6 +216,7 @@ def part_to_proto(part: Part) -> _tpb.RankPart:
         chunk_count=len(part.chunks),
         endpoint=endpoint_to_proto(part.endpoint),
         stage_seconds=part.stage_seconds,
+        delta=delta_to_proto(part.delta),
     )
 
 
@@ -190,6 +252,7 @@ def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.Man
             chunk_bytes=header.chunk_bytes,
             endpoint=endpoint_from_proto(p.endpoint),
             stage_seconds=p.stage_seconds,
+            delta=p.delta if p.HasField("delta") else None,
         )
         for p in sorted(header.parts, key=lambda p: p.rank)
     )

@@ -105,7 +105,7 @@ class DeregisterAgentResponse(_message.Message):
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("session", "generation", "version", "rank", "idempotency_key", "total_bytes", "chunk_bytes", "tensor_count", "shard_count", "chunk_count", "endpoint", "stage_seconds")
+    __slots__ = ("session", "generation", "version", "rank", "idempotency_key", "total_bytes", "chunk_bytes", "tensor_count", "shard_count", "chunk_count", "endpoint", "stage_seconds", "delta")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class PublishHeader(_message.Message):
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     version: int
@@ -130,7 +131,8 @@ class PublishHeader(_message.Message):
     chunk_count: int
     endpoint: _types_pb2.Endpoint
     stage_seconds: float
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., shard_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
+    delta: _types_pb2.PartDelta
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., tensor_count: _Optional[int] = ..., shard_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ..., delta: _Optional[_Union[_types_pb2.PartDelta, _Mapping]] = ...) -> None: ...
 
 class PublishSeal(_message.Message):
     __slots__ = ("part_digest",)

@@ -119,17 +119,51 @@ class ChunkDescriptor(_message.Message):
     xxh3: int
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
+class DeltaChunkDescriptor(_message.Message):
+    __slots__ = ("index", "target", "offset", "length", "xxh3")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    target: int
+    offset: int
+    length: int
+    xxh3: int
+    def __init__(self, index: _Optional[int] = ..., target: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
+
+class PartDelta(_message.Message):
+    __slots__ = ("base_version", "base_manifest_digest", "encoding", "total_bytes", "chunk_count", "raw_count")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    base_manifest_digest: str
+    encoding: str
+    total_bytes: int
+    chunk_count: int
+    raw_count: int
+    def __init__(self, base_version: _Optional[int] = ..., base_manifest_digest: _Optional[str] = ..., encoding: _Optional[str] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., raw_count: _Optional[int] = ...) -> None: ...
+
 class DescriptorBatch(_message.Message):
-    __slots__ = ("rank", "tensors", "shards", "chunks")
+    __slots__ = ("rank", "tensors", "shards", "chunks", "delta_chunks", "raw_chunks")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RAW_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorDescriptor]
     shards: _containers.RepeatedCompositeFieldContainer[ShardDescriptor]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkDescriptor]
-    def __init__(self, rank: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkDescriptor, _Mapping]]] = ...) -> None: ...
+    delta_chunks: _containers.RepeatedCompositeFieldContainer[DeltaChunkDescriptor]
+    raw_chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDescriptor, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardDescriptor, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[ChunkDescriptor, _Mapping]]] = ..., delta_chunks: _Optional[_Iterable[_Union[DeltaChunkDescriptor, _Mapping]]] = ..., raw_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Aggregates(_message.Message):
     __slots__ = ("grand_total", "tensor_count", "element_count")
@@ -142,18 +176,20 @@ class Aggregates(_message.Message):
     def __init__(self, grand_total: _Optional[float] = ..., tensor_count: _Optional[int] = ..., element_count: _Optional[int] = ...) -> None: ...
 
 class RankPart(_message.Message):
-    __slots__ = ("rank", "total_bytes", "chunk_count", "endpoint", "stage_seconds")
+    __slots__ = ("rank", "total_bytes", "chunk_count", "endpoint", "stage_seconds", "delta")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     rank: int
     total_bytes: int
     chunk_count: int
     endpoint: Endpoint
     stage_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ...) -> None: ...
+    delta: PartDelta
+    def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ..., delta: _Optional[_Union[PartDelta, _Mapping]] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "reason", "leases", "stage_seconds", "created_at", "ready_at", "committed_at")
