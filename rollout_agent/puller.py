@@ -279,6 +279,8 @@ class WeightPuller:
         """The receive buffers hold `manifest`'s bytes, every tensor checked: a later
         version published as a delta against it may be rebuilt there."""
         self._holding = (manifest, manifest_digest)
+        if self.relay is not None:  # a rebuilt version's chunks are re-served from now on
+            self.relay.mark_whole(manifest.version)
 
     @property
     def holding(self) -> int:
@@ -293,8 +295,6 @@ class WeightPuller:
         if held is None or held[1] != base[1]:
             have = f"version {held[0].version}" if held else "no checked version"
             return f"its delta's base is version {base[0]}, the receive buffers hold {have}"
-        if self.relay is not None or plan.upstream is not None:
-            return "relays pull whole versions"
         layouts = {p.rank: [(c.offset, c.length) for c in p.chunks] for p in held[0].parts}
         for part in manifest.parts:
             if layouts.get(part.rank) != [(c.offset, c.length) for c in part.chunks]:
@@ -368,6 +368,12 @@ class WeightPuller:
         does not decode has its full chunk fetched instead. The caller checks every tensor
         (and `repair`s), as after a whole pull."""
         buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
+        scratch = {
+            p.rank: self._grow(self._delta_buffers, p.rank, p.delta.total_bytes) for p in manifest.parts if p.delta
+        }
+        relaying = self.relay is not None and plan.downstream  # raw chunks passed on are checked as they land
+        if self.relay is not None:
+            self.relay.begin(manifest, plan.token, buffers, scratch)
         lanes: list[_Lane] = []
         try:
             for part in manifest.parts:
@@ -375,16 +381,15 @@ class WeightPuller:
                 assert d is not None
                 raw = self._split(plan, part, list(d.raw))
                 for lane in raw:
-                    lane.check = False
+                    lane.check = relaying
                 # The delta chunks are fetched like chunks: by index, into the delta buffer.
                 fetchable = dataclasses.replace(part, chunks=part.chunks + tuple(c.as_chunk() for c in d.chunks))
                 encoded = self._split(plan, fetchable, [c.index for c in d.chunks])
                 lanes += raw + encoded
                 buf = buffers[part.rank]
-                scratch = self._grow(self._delta_buffers, part.rank, d.total_bytes)
                 self._run_lanes(plan, manifest, raw, buf, 0)
-                self._run_lanes(plan, manifest, encoded, scratch, 0)
-                broken = self._decode(part, buf, scratch)
+                self._run_lanes(plan, manifest, encoded, scratch[part.rank], 0)
+                broken = self._decode(part, buf, scratch[part.rank])
                 if broken:
                     log.warning(
                         "version %d rank %d: %d delta chunk(s) did not decode; fetching their chunks whole",
@@ -395,6 +400,10 @@ class WeightPuller:
                     whole = self._split(plan, part, broken)
                     lanes += whole
                     self._run_lanes(plan, manifest, whole, buf, 0)
+        except BaseException:
+            if self.relay is not None:
+                self.relay.fail(manifest.version)
+            raise
         finally:
             self.last_retries = sum(lane.retries for lane in lanes)
         base = manifest.delta_base

@@ -3,9 +3,11 @@
 The puller announces each version (`begin`) and each chunk it has verified (`mark`);
 the tcp server answers downstream rollouts from the same receive buffers, waiting for
 chunks not yet here, so a chain of rollouts pipelines one version and the trainer sends
-each chunk about once. Nothing here is trusted downstream: every chunk is verified by
-its reader against the manifest, and a reader whose relay fails or lags falls back to
-the trainer.
+each chunk about once. A version rebuilt from its delta is re-served both ways: its delta
+chunks (fetch indices after the part's chunks, from the puller's delta buffers) as they
+land, and every chunk of the rebuilt version once its tensors checked. Nothing here is
+trusted downstream: every chunk is verified by its reader against the manifest, and a
+reader whose relay fails or lags falls back to the trainer.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ class _Held:
 
     version: int
     token: str
-    chunks: dict[int, tuple[ChunkSpec, ...]]
+    chunks: dict[int, tuple[ChunkSpec, ...]]  # per rank: the part's chunks, then any delta chunks
     buffers: dict[int, np.ndarray]
     ready: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> bool per chunk
     failed: bool = False
+    whole: dict[int, int] = field(default_factory=dict)  # rank -> the part's chunk count
+    delta_buffers: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def view(self, rank: int, index: int) -> np.ndarray:
+        c = self.chunks[rank][index]
+        src = self.buffers if index < self.whole[rank] else self.delta_buffers
+        return src[rank][c.offset : c.offset + c.length]
 
 
 class RelaySource:
@@ -58,10 +67,22 @@ class RelaySource:
         self.bytes_served = 0
 
     # -- the puller's side ----------------------------------------------------------
-    def begin(self, manifest: Manifest, token: str, buffers: dict[int, np.ndarray]) -> None:
-        """A new version starts arriving in `buffers` (the old one is no longer served)."""
-        held = _Held(manifest.version, token, {p.rank: p.chunks for p in manifest.parts}, buffers)
-        held.ready = {p.rank: np.zeros(len(p.chunks), bool) for p in manifest.parts}
+    def begin(
+        self,
+        manifest: Manifest,
+        token: str,
+        buffers: dict[int, np.ndarray],
+        delta_buffers: dict[int, np.ndarray] | None = None,
+    ) -> None:
+        """A new version starts arriving in `buffers` (the old one is no longer served);
+        with `delta_buffers`, it is rebuilt from its delta, whose chunks land there."""
+        chunks = {
+            p.rank: p.chunks + tuple(c.as_chunk() for c in p.delta.chunks) if delta_buffers and p.delta else p.chunks
+            for p in manifest.parts
+        }
+        held = _Held(manifest.version, token, chunks, buffers, delta_buffers=delta_buffers or {})
+        held.whole = {p.rank: len(p.chunks) for p in manifest.parts}
+        held.ready = {rank: np.zeros(len(c), bool) for rank, c in chunks.items()}
         with self._cond:
             self._held = held
             self._cond.notify_all()
@@ -71,6 +92,14 @@ class RelaySource:
         with self._cond:
             if self._held is not None and self._held.version == version:
                 self._held.ready[rank][list(indices)] = True
+                self._cond.notify_all()
+
+    def mark_whole(self, version: int) -> None:
+        """Every chunk of the version is in place and checked (its tensors were)."""
+        with self._cond:
+            if self._held is not None and self._held.version == version:
+                for rank, n in self._held.whole.items():
+                    self._held.ready[rank][:n] = True
                 self._cond.notify_all()
 
     def fail(self, version: int) -> None:
@@ -108,7 +137,7 @@ class RelaySource:
         n = len(held.chunks[rank])
         for i, index in enumerate(indices):
             if index >= n:
-                raise InvalidArgument(f"{index} >= chunk_count {n}", field=f"indices[{i}]")
+                raise InvalidArgument(f"{index} >= the {n} chunks of rank {rank} held here", field=f"indices[{i}]")
 
     def chunk_lengths(self, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         chunks = self._version(session, version).chunks[rank]
@@ -117,7 +146,7 @@ class RelaySource:
     def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         """Sends each chunk as soon as it is verified here (pipelined), in request order."""
         held = self._version(session, version)
-        chunks, buf, ready = held.chunks[rank], held.buffers[rank], held.ready[rank]
+        ready = held.ready[rank]
         sent, pos = 0, 0
         while pos < len(indices):
             with self._cond:
@@ -130,7 +159,7 @@ class RelaySource:
                 if not self._failpoints.fire(STALL):
                     log.warning("failpoint %s: stalling this reply", STALL)
                     self.closed.wait()
-            views = [buf[chunks[i].offset : chunks[i].offset + chunks[i].length] for i in indices[pos:end]]
+            views = [held.view(rank, i) for i in indices[pos:end]]
             sent += native.send_views(sock_fd, views)
             pos = end
         return sent
@@ -141,8 +170,7 @@ class RelaySource:
         self.check_read(session, version, rank, [index])
         with self._cond:
             self._wait_ready(held, rank, index)
-        c = held.chunks[rank][index]
-        return c.offset, memoryview(held.buffers[rank][c.offset : c.offset + c.length])
+        return held.chunks[rank][index].offset, memoryview(held.view(rank, index))
 
     def _wait_ready(self, held: _Held, rank: int, index: int) -> None:
         """Waits (holding `_cond`) until chunk `index` is verified here, at most wait_s."""

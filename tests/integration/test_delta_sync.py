@@ -5,6 +5,7 @@ DATA_LOSS and nothing is applied; a rebuild on a wrong base is never applied."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,7 +16,8 @@ import pytest
 from rollout_agent.appliers import DictApplier
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import apply_prefetched, sync_version
+from rollout_agent.relay import Relay
+from rollout_agent.sync import SyncResult, apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -206,3 +208,61 @@ def test_what_auto_publishes(inprocess_coordinator: RunningServer, no_arena_leak
         pub._manifest_digests[1] = "0" * 64
         published = pub.publish(steps.step(), 2)
         assert published.delta_bytes == 0 and published.state == "READY"
+
+
+def test_relays_re_serve_the_delta_and_a_rollout_without_the_base_reads_the_rebuilt_version(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A chain of 4 relays: the trainer sends each delta byte once. r2 sits version 2 out
+    (r3, reading from it, gets the delta from the trainer instead), so for version 3 it
+    reads whole chunks from r1, which re-serves its rebuilt version once its tensors
+    checked; r3 asks r2 for the delta, which r2 did not pull, and reads it from the
+    trainer again."""
+    steps = _steps()
+    relays = [Relay("job", wait_s=2.0) for _ in range(4)]
+    client = CoordinatorClient(inprocess_coordinator.address)
+    pullers: list[WeightPuller] = []
+    try:
+        with _publisher(inprocess_coordinator.address, weight_sync_mode="relay", slots=3) as pub:
+            for i, relay in enumerate(relays):
+                endpoint = Endpoint(transports=("grpc", "relay"), tcp_address=relay.address)
+                client.register_agent("job", f"r{i}", trainer=False, endpoint=endpoint)
+                pullers.append(WeightPuller(client, "job", f"r{i}", relay=relay.source))
+            engines = [DictApplier() for _ in pullers]
+            served = 0
+            for v in (1, 2, 3):
+                params = steps.step()
+                published = pub.publish(params, v)
+                chain = [0, 1, 3] if v == 2 else [0, 1, 2, 3]
+                results = _sync_in_parallel([pullers[i] for i in chain], [engines[i] for i in chain], v)
+                for i, result in zip(chain, results):
+                    assert result.ok, (i, result.mismatch)
+                    assert _same(engines[i], params)
+                egress = pub._servicer.bytes_served - served
+                served = pub._servicer.bytes_served
+                if v == 1:
+                    assert egress == published.total_bytes
+                elif v == 2:
+                    assert [r.delta_base for r in results] == [1, 1, 1]
+                    assert egress == 2 * published.delta_bytes  # to r0, and to r3 past r2
+                else:
+                    assert [r.delta_base for r in results] == [2, 2, 0, 2]
+                    assert egress == 2 * published.delta_bytes  # r2 read whole chunks from r1
+                    assert relays[1].source.bytes_served >= published.total_bytes + published.delta_bytes
+    finally:
+        for closeable in [*pullers, *relays, client]:
+            closeable.close()
+
+
+def _sync_in_parallel(pullers: list[WeightPuller], engines: list[DictApplier], version: int) -> list[SyncResult]:
+    out: dict[int, SyncResult] = {}
+
+    def run(i: int) -> None:
+        out[i] = sync_version(pullers[i], engines[i], version)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(pullers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [out[i] for i in range(len(pullers))]
