@@ -46,9 +46,14 @@ class Bounds:
         receives the model once and someone sends it once per rollout: the trainer (tcp,
         grpc) or the trainer once and the relays the rest. shm: a rollout copies out of
         the mapped arena instead of receiving; fs: the trainer writes the files (a copy)
-        and each rollout reads them (a copy)."""
+        and each rollout reads them (a copy). A delta ("tcp+delta", "relay+delta"): the
+        trainer also reads the previous version while staging (a copy's worth of memory
+        traffic), every rollout still checks and applies the whole model; the few bytes
+        on the wire are left out."""
         stage = self.copy_s + self.hash_s
         check_apply = self.hash_s + self.copy_s
+        if mode.endswith("+delta"):
+            return {"trainer": stage + self.copy_s, "rollouts": rollouts * check_apply}
         if mode == "shm":
             return {"trainer": stage, "rollouts": rollouts * (self.copy_s + check_apply)}
         if mode == "fs":

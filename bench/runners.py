@@ -5,6 +5,7 @@ peer_worker.py). Each `round()` returns what one round measured."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
 import socket
@@ -23,6 +24,7 @@ from common import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
 from devtools.cluster import Cluster, Proc
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from trainer_agent.update_model import AdamSteps
 
 HERE = Path(__file__).resolve().parent
 # Between runners: this VM hands freed memory back to its host within 1-2 s, and pages
@@ -40,6 +42,9 @@ class Round:
     egress_bytes: int  # what the trainer (sender) sent
     stage: float = 0.0  # weightsync: the trainer's staging
     pull: float = 0.0  # weightsync: the slowest rollout's pull
+    wire_bytes: float = 0.0  # weightsync: bytes on the wire per rollout (mean of their pulls)
+    delta_bytes: int = 0  # weightsync: the published delta's bytes (0: published whole)
+    changed: float = 0.0  # weightsync with a delta: fraction of 16-bit elements that changed
 
     @property
     def cpu_total(self) -> float:
@@ -48,6 +53,16 @@ class Round:
 
 def model_bytes_of(params: dict) -> int:
     return sum(v.nbytes for v in params.values())
+
+
+def release_heap() -> None:
+    """Hands freed heap memory back to the OS: a model's many small tensors (under glibc's
+    mmap threshold) otherwise stay in this process after a runner closes (seen: 7 GB,
+    which the next row's processes then miss)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -62,7 +77,9 @@ class Peaks:
 
 class WeightsyncRun:
     """weightsync end to end in one mode: publish -> every rollout pulled, checked, applied,
-    handshakes COMMITTED."""
+    handshakes COMMITTED. A mode "<mode>+delta" publishes with delta="auto" a new version
+    of an RL update (`steps`: an AdamSteps) each round, so rollouts holding the previous
+    version rebuild it from its delta."""
 
     def __init__(
         self,
@@ -73,10 +90,15 @@ class WeightsyncRun:
         params: dict,
         chunk_bytes: int,
         apply_mode: str = "atomic",
+        steps: AdamSteps | None = None,
     ) -> None:
         self.cluster, self.coord, self.mode, self.n, self.params = cluster, coord, mode, n, params
-        self.session = f"{mode}-n{n}-{uuid.uuid4().hex[:6]}"
-        self.fs_root = tempfile.mkdtemp(prefix="wsbench-fs-", dir="/dev/shm") if mode == "fs" else ""
+        self.sync_mode, _, variant = mode.partition("+")
+        self.steps = steps if variant == "delta" else None
+        if variant and self.steps is None:
+            raise ValueError(f"mode {mode!r} needs an update model (steps)")
+        self.session = f"{self.sync_mode}-{variant or 'full'}-n{n}-{uuid.uuid4().hex[:6]}"
+        self.fs_root = tempfile.mkdtemp(prefix="wsbench-fs-", dir="/dev/shm") if self.sync_mode == "fs" else ""
         self.chunk_bytes = chunk_bytes
         self.apply_mode = apply_mode
         self.names = [f"{self.session}-r{i}" for i in range(n)]
@@ -85,7 +107,7 @@ class WeightsyncRun:
         self.version = 0
 
     def start(self) -> WeightsyncRun:
-        args = ["--weight-sync-mode", self.mode, "--apply-mode", self.apply_mode]
+        args = ["--weight-sync-mode", self.sync_mode, "--apply-mode", self.apply_mode]
         if self.fs_root:
             args += ["--fs-root", self.fs_root]
         self.procs = [self.cluster.start_rollout(name, self.coord.address, self.session, args) for name in self.names]
@@ -96,11 +118,12 @@ class WeightsyncRun:
             PublisherSettings(
                 coordinator=self.coord.address,
                 session=self.session,
-                weight_sync_mode=self.mode,
+                weight_sync_mode=self.sync_mode,
                 fs_root=self.fs_root,
                 min_rollouts=self.n,
                 chunk_bytes=self.chunk_bytes,
                 slot_wait_s=300,
+                delta="auto" if self.steps is not None else "off",
             )
         ).start()
         return self
@@ -117,6 +140,11 @@ class WeightsyncRun:
         assert pub is not None
         self.version += 1
         v = self.version
+        changed = 0.0
+        if self.steps is not None:  # the next RL step's weights, made before the clock starts
+            self.params = {}  # (the step releases the previous ones tensor by tensor)
+            self.params = self.steps.step()
+            changed = self.steps.changed
         served0 = pub._servicer.bytes_served
         cpu0 = self._cpu()
         t = time.perf_counter()
@@ -130,7 +158,7 @@ class WeightsyncRun:
             logs = "\n".join(p.log()[-1500:] for p in self.procs)
             raise RuntimeError(f"{self.mode} n={self.n}: version {v} ended {state} {why}\n{logs}")
         total = model_bytes_of(self.params)
-        egress = {"shm": 0, "fs": total}.get(self.mode, pub._servicer.bytes_served - served0)
+        egress = {"shm": 0, "fs": total}.get(self.sync_mode, pub._servicer.bytes_served - served0)
         return Round(
             seconds,
             {k: cpu1[k] - cpu0[k] for k in cpu0},
@@ -138,6 +166,9 @@ class WeightsyncRun:
             egress_bytes=egress,
             stage=result.stage_seconds,
             pull=max(h.timings.pull_seconds for h in handshakes),
+            wire_bytes=sum(h.bytes_pulled for h in handshakes) / len(handshakes),
+            delta_bytes=result.delta_bytes,
+            changed=changed,
         )
 
     def close(self) -> Peaks:
@@ -155,6 +186,9 @@ class WeightsyncRun:
                     self.cluster.stop(name)
             if self.fs_root:
                 shutil.rmtree(self.fs_root, ignore_errors=True)
+            self.steps = None
+            self.params = {}
+            release_heap()
             time.sleep(SETTLE_S)
         return peaks
 

@@ -5,6 +5,11 @@ One run, one table. For a Qwen3-shaped bf16 model (`--size`, default 0.6b, ~1.19
   plain loopback TCP socket moving them, each with its CPU seconds;
 - weightsync end to end (publish -> N rollout processes pulled, checked, applied,
   handshakes COMMITTED), per mode, N = 1, 2, 4;
+- weightsync with delta sync (`tcp+delta`, `relay+delta`, N = `--delta-rollouts`): each
+  round publishes the next step of an RL update (trainer_agent.update_model: fp32 master
+  weights, an Adam-style step at `--delta-lr`, served as bf16) with delta="auto", so the
+  rollouts, holding the previous version, pull only its delta; `wire_ratio` (bytes on the
+  wire per rollout / model bytes) and the fraction of elements that changed per step;
 - peers: safetensors save + load through tmpfs, Orbax (tensorstore) save + restore
   through tmpfs, torch.distributed gloo broadcast, jax.experimental.transfer pulls.
 
@@ -36,14 +41,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bounds as bounds_mod  # noqa: E402
+import ml_dtypes  # noqa: E402
 from bounds import Bounds  # noqa: E402
-from common import model  # noqa: E402
+from common import model, shapes  # noqa: E402
 from runners import Peaks, PeerRun, Round, WeightsyncRun, model_bytes_of  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
+from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODES = ("grpc", "tcp", "shm", "fs", "relay")
+MODES = ("grpc", "tcp", "shm", "fs", "relay", "tcp+delta", "relay+delta")
 PEERS = ("safetensors", "orbax", "gloo", "jax_transfer")
 PAIRED_PEER = "gloo"
 CORES = os.cpu_count() or 1
@@ -84,10 +91,18 @@ class Row:
     paired_ratio_to_gloo: float = 0.0
     paired_pause_ratio_to_gloo: float = 0.0
     paired_rounds: int = 0
+    # rows that could not run beside gloo (memory): median seconds over gloo's median at this N
+    ratio_to_gloo: float = 0.0
     # one warm copy of the model's bytes (an apply), measured just before the row's rounds,
     # and N such copies at once (N rollouts applying together on this one machine)
     copy_seconds: float = 0.0
     copies_at_once_seconds: float = 0.0
+    # bytes on the wire per rollout / model bytes (medians); with a delta, also the delta's
+    # bytes and the fraction of 16-bit elements that changed per step
+    wire_ratio: float = 0.0
+    delta_bytes: int = 0
+    changed_fraction: float = 0.0
+    egress_bytes: int = 0  # median per round
 
 
 def make_row(
@@ -133,6 +148,10 @@ def make_row(
         row.rollout_overhead_bytes = peaks.rollout_overhead
         row.cpu_min_roles = {k: round(v, 6) for k, v in bounds.cpu_min(mode.split("/")[0], n).items()}
         row.cpu_min_seconds = round(sum(row.cpu_min_roles.values()), 6)
+        row.wire_ratio = round(med(r.wire_bytes for r in rounds) / total, 4)
+        row.delta_bytes = int(med(r.delta_bytes for r in rounds))
+        row.egress_bytes = int(med(r.egress_bytes for r in rounds))
+        row.changed_fraction = round(med(r.changed for r in rounds), 4)
     if paired:
         row.paired_ratio_to_gloo = round(med(a.seconds / b.seconds for a, b in zip(rounds, paired)), 3)
         row.paired_pause_ratio_to_gloo = round(med(a.pause / b.seconds for a, b in zip(rounds, paired)), 3)
@@ -154,41 +173,76 @@ def run_paired(
     total = model_bytes_of(params)
     rows: list[Row] = []
     together = bounds_mod.concurrent_copy_s(total, n) if n > 1 else 0.0
+    # A +delta row holds the update model's fp32 master weights beside the arena's two
+    # slots; with gloo's N+1 processes and N rollouts up as well, N=4 exceeds this
+    # machine's 24 GB (the kernel's OOM killer ended such a run): those rows run after gloo
+    # closes and are compared with its rounds at this N unpaired.
+    later = [m for m in modes if m.endswith("+delta") and n > 2] if with_gloo else []
     gloo = PeerRun(PAIRED_PEER, n, args.size, params).start() if with_gloo else None
     gloo_rounds: list[Round] = []
     try:
         if gloo is not None:
             gloo.round()  # warm-up
         for mode in modes:
-            # the bounds again beside each row: this VM drifts within minutes
-            row_bounds = bounds_mod.measure(total, reps=3)
-            ws = WeightsyncRun(cluster, coord, mode, n, params, args.chunk_bytes).start()
-            ours: list[Round] = []
-            theirs: list[Round] = []
-            try:
-                ws.round()  # warm-up: receive buffers, mappings, connections
-                for _ in range(args.runs):
-                    ours.append(ws.round())
-                    if gloo is not None:
-                        theirs.append(gloo.round())
-            finally:
-                peaks = ws.close()
-            rows.append(make_row("weightsync", mode, n, ours, total, peaks, row_bounds, paired=theirs or None))
-            rows[-1].copies_at_once_seconds = round(together, 4)
-            gloo_rounds += theirs
-            r = rows[-1]
-            paired = f", {r.paired_ratio_to_gloo:.2f}x gloo paired" if theirs else ""
-            print(
-                f"  weightsync {mode} N={n}: {r.seconds:.3f}s pause {r.pause_seconds:.3f}s "
-                f"CPU {r.cpu_seconds:.2f} (min {r.cpu_min_seconds:.2f}){paired}",
-                flush=True,
-            )
+            if mode not in later:
+                rows += _mode_row(cluster, coord, mode, n, params, args, together, gloo, gloo_rounds)
     finally:
         gloo_peaks = gloo.close() if gloo is not None else None
     if gloo is not None and gloo_rounds:
         rows.append(make_row(PAIRED_PEER, "tcp", n, gloo_rounds, total, gloo_peaks or Peaks(), bounds))
         print(f"  {PAIRED_PEER} N={n}: {rows[-1].seconds:.3f}s ({len(gloo_rounds)} rounds)", flush=True)
+    for mode in later:
+        rows += _mode_row(cluster, coord, mode, n, params, args, together, None, [])
+        if gloo_rounds:
+            rows[-1].ratio_to_gloo = round(rows[-1].seconds / statistics.median(r.seconds for r in gloo_rounds), 3)
     return rows
+
+
+def _mode_row(
+    cluster: Cluster,
+    coord,  # noqa: ANN001
+    mode: str,
+    n: int,
+    params: dict,
+    args: argparse.Namespace,
+    together: float,
+    gloo: PeerRun | None,
+    gloo_rounds: list[Round],
+) -> list[Row]:
+    """One mode's row at N, its rounds interleaved with gloo's when it runs (appended to
+    `gloo_rounds`); none for a +delta mode at an N not asked for."""
+    steps = None
+    if mode.endswith("+delta"):
+        if n not in args.delta_ns:
+            return []
+        steps = AdamSteps(initial_weights(shapes(args.size), ml_dtypes.bfloat16), args.delta_lr, seed=1)
+    total = model_bytes_of(params)
+    # the bounds again beside each row: this VM drifts within minutes
+    row_bounds = bounds_mod.measure(total, reps=3)
+    # (with steps, every round publishes the next step: the warm-up round the first)
+    ws = WeightsyncRun(cluster, coord, mode, n, params, args.chunk_bytes, steps=steps).start()
+    steps = None  # the runner's now: released when it closes
+    ours: list[Round] = []
+    theirs: list[Round] = []
+    try:
+        ws.round()  # warm-up: receive buffers, mappings, connections
+        for _ in range(args.runs):
+            ours.append(ws.round())
+            if gloo is not None:
+                theirs.append(gloo.round())
+    finally:
+        peaks = ws.close()
+    r = make_row("weightsync", mode, n, ours, total, peaks, row_bounds, paired=theirs or None)
+    r.copies_at_once_seconds = round(together, 4)
+    gloo_rounds += theirs
+    paired = f", {r.paired_ratio_to_gloo:.2f}x gloo paired" if theirs else ""
+    wire = f", wire {r.wire_ratio:.4f}x model ({r.changed_fraction:.2%} changed)" if mode.endswith("+delta") else ""
+    print(
+        f"  weightsync {mode} N={n}: {r.seconds:.3f}s pause {r.pause_seconds:.3f}s "
+        f"CPU {r.cpu_seconds:.2f} (min {r.cpu_min_seconds:.2f}){paired}{wire}",
+        flush=True,
+    )
+    return [r]
 
 
 def run_alone(method: str, n: int, params: dict, args: argparse.Namespace, bounds: Bounds) -> Row:
@@ -245,6 +299,7 @@ COLUMNS = (
     "pause s",
     "CPU s",
     "CPU min s",
+    "wire/model",
     "egress/model",
     "peak RSS GB",
     "trainer RSS GB",
@@ -261,31 +316,37 @@ def _cells(r: Row) -> list[str]:
         f"{r.seconds:.3f}",
         f"{r.gbps:.2f}",
         f"{r.ratio_to_bound:.2f} {r.bound}",
-        f"{r.paired_ratio_to_gloo:.2f}" if r.paired_rounds else "",
+        f"{r.paired_ratio_to_gloo:.2f}" if r.paired_rounds else (f"{r.ratio_to_gloo:.2f}*" if r.ratio_to_gloo else ""),
         f"{r.stage_seconds:.3f}" if ours else "",
         f"{r.pull_seconds:.3f}" if ours else "",
         f"{r.pause_seconds:.3f}",
         f"{r.cpu_seconds:.2f}",
         f"{r.cpu_min_seconds:.2f}" if ours else "",
-        f"{r.egress_ratio:.2f}",
+        f"{r.wire_ratio:.4f}" if ours else "",
+        f"{r.egress_ratio:.4f}" if r.delta_bytes else f"{r.egress_ratio:.2f}",
         f"{r.peak_rss_bytes / 1e9:.2f}",
         f"{r.trainer_peak_rss_bytes / 1e9:.2f}",
     ]
 
 
-def header(total: int, b: Bounds) -> str:
+def header(total: int, b: Bounds, delta_lr: float = 0.0) -> str:
+    update = (
+        f" · +delta rows: fp32 master weights, Adam-style step lr {delta_lr:g} x N(0,1) per element, served bf16"
+        if delta_lr
+        else ""
+    )
     return (
         f"model {total / 1e9:.2f} GB bf16 · copy {b.copy_s:.3f} s ({b.memcpy_gbps:.1f} GB/s) · "
         f"xxh3 {b.hash_s:.3f} s · socket {b.socket_gbps:.2f} GB/s "
-        f"(send {b.send_cpu_s:.2f} + recv {b.recv_cpu_s:.2f} CPU s) · {CORES} cores"
+        f"(send {b.send_cpu_s:.2f} + recv {b.recv_cpu_s:.2f} CPU s) · {CORES} cores{update}"
     )
 
 
-def print_table(rows: list[Row], total: int, b: Bounds) -> None:
+def print_table(rows: list[Row], total: int, b: Bounds, delta_lr: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=header(total, b))
+    table = Table(title=header(total, b, delta_lr))
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
@@ -301,7 +362,65 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def verdicts(rows: list[Row], b: Bounds, vllm: dict | None, window: int, largest: int) -> list[str]:
+def delta_verdicts(by: dict[tuple[str, str, int], Row], lr: float) -> list[str]:
+    """Issue 15's targets, from the +delta rows beside the full rows and gloo's."""
+    out: list[str] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        out.append(f"{'MET ' if ok else 'MISS'} {name}: {detail}")
+
+    d1, full1 = by.get(("weightsync", "tcp+delta", 1)), by.get(("weightsync", "tcp", 1))
+    if d1 is not None:
+        check(
+            f"lr {lr:g}: delta bytes on the wire <= 5% of model bytes",
+            d1.wire_ratio <= 0.05,
+            f"{d1.wire_ratio:.2%} ({d1.delta_bytes / 1e6:.1f} MB per step; "
+            f"{d1.changed_fraction:.2%} of elements changed)",
+        )
+        if full1 is not None:
+            ratio = d1.stage_seconds / max(full1.stage_seconds, 1e-9)
+            check(
+                "staging with delta <= 1.3x staging without",
+                ratio <= 1.3,
+                f"{d1.stage_seconds:.3f} s vs {full1.stage_seconds:.3f} s = {ratio:.2f}x (bench-delta splits it up)",
+            )
+    for n in (1, 4):
+        d, full, gloo = (
+            by.get(("weightsync", "tcp+delta", n)),
+            by.get(("weightsync", "tcp", n)),
+            by.get(("gloo", "tcp", n)),
+        )
+        if d is None or not d.paired_rounds:
+            continue
+        floor = f"; least work {d.cpu_min_seconds:.2f} CPU s = {d.cpu_min_seconds / CORES:.3f} s on {CORES} cores"
+        check(
+            f"tcp+delta N={n} publish -> COMMITTED faster than gloo's full broadcast (paired)",
+            d.paired_ratio_to_gloo < 1.0,
+            f"{d.paired_ratio_to_gloo:.3f}x (ours {d.seconds:.3f} s, gloo {gloo.seconds if gloo else 0:.3f} s{floor})",
+        )
+        if full is not None and full.paired_rounds:
+            speedup = full.paired_ratio_to_gloo / max(d.paired_ratio_to_gloo, 1e-9)
+            check(
+                f"tcp+delta N={n} >= 3x faster than full tcp",
+                speedup >= 3.0,
+                f"{speedup:.2f}x (each paired with gloo: "
+                f"{full.paired_ratio_to_gloo:.3f} / {d.paired_ratio_to_gloo:.3f}; "
+                f"{full.seconds:.3f} s vs {d.seconds:.3f} s{floor})",
+            )
+    relay = by.get(("weightsync", "relay+delta", 4))
+    if relay is not None and relay.delta_bytes:
+        ratio = relay.egress_bytes / relay.delta_bytes
+        check(
+            "relay+delta N=4 trainer egress <= 1.25x the delta bytes",
+            ratio <= 1.25,
+            f"{ratio:.2f}x ({relay.egress_bytes / 1e6:.1f} MB sent per step, delta {relay.delta_bytes / 1e6:.1f} MB)",
+        )
+    return out
+
+
+def verdicts(
+    rows: list[Row], b: Bounds, vllm: dict | None, window: int, largest: int, delta_lr: float = 0.0
+) -> list[str]:
     """The targets (issue 14 and the standing ones), each with the figures it was judged on."""
     by = {(r.method, r.mode, r.rollouts): r for r in rows}
     out: list[str] = []
@@ -366,6 +485,7 @@ def verdicts(rows: list[Row], b: Bounds, vllm: dict | None, window: int, largest
     relay = by.get(("weightsync", "relay", 4))
     if relay:
         check("relay N=4 egress <= 1.25x model", relay.egress_ratio <= 1.25, f"{relay.egress_ratio:.2f}x")
+    out += delta_verdicts(by, delta_lr)
     for r in rows:
         if r.apply_mode == "streaming":
             bound = window + largest + (256 << 20)
@@ -435,12 +555,15 @@ def main() -> int:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--chunk-bytes", type=int, default=3 << 20)
     ap.add_argument("--streaming", default="tcp", help="modes also run with --apply-mode streaming at N=1 (RSS target)")
+    ap.add_argument("--delta-rollouts", default="1,4", help="N of the +delta rows")
+    ap.add_argument("--delta-lr", type=float, default=1e-6, help="learning rate of the +delta rows' update model")
     ap.add_argument("--vllm", default="small", help="the vLLM row's model preset ('' skips the row)")
     ap.add_argument("--vllm-versions", type=int, default=6)
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop rollouts, free the arena
     ns = [int(x) for x in args.rollouts.split(",") if x]
+    args.delta_ns = [int(x) for x in args.delta_rollouts.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     peers = [p for p in args.peers.split(",") if p]
     params = model(args.size)
@@ -466,8 +589,9 @@ def main() -> int:
                 print(f"  {method} N={n}: skipped ({e})", flush=True)
                 break
     vllm = run_vllm(args.vllm, args.vllm_versions) if args.vllm else None
-    print_table(rows, total, b)
-    lines = verdicts(rows, b, vllm, window, largest)
+    delta_lr = args.delta_lr if any(m.endswith("+delta") for m in modes) else 0.0
+    print_table(rows, total, b, delta_lr)
+    lines = verdicts(rows, b, vllm, window, largest, delta_lr)
     for line in lines:
         print(line)
     out = Path(args.out)
@@ -479,6 +603,7 @@ def main() -> int:
         "bounds": {**asdict(b), "memcpy_gbps": b.memcpy_gbps, "socket_gbps": b.socket_gbps},
         "chunk_bytes": args.chunk_bytes,
         "cores": CORES,
+        "delta_update_model": {"lr": args.delta_lr, "rollouts": args.delta_ns} if delta_lr else None,
         "vllm": vllm,
         "verdicts": lines,
     }
@@ -486,7 +611,12 @@ def main() -> int:
     out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     vllm_md = f"\nvLLM row: `{json.dumps(vllm)}`\n" if vllm else ""
     out.with_suffix(".md").write_text(
-        f"{header(total, b)}\n\n" + markdown_table(rows) + vllm_md + "\n" + "\n".join(f"- {v}" for v in lines) + "\n"
+        f"{header(total, b, delta_lr)}\n\n"
+        + markdown_table(rows)
+        + vllm_md
+        + "\n"
+        + "\n".join(f"- {v}" for v in lines)
+        + "\n"
     )
     png = out.with_suffix(".png")
     print(f"wrote {out}" + (f" and {png}" if plot(rows, png, b) else " (no matplotlib: no PNG)"))

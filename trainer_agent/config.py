@@ -24,6 +24,9 @@ class TrainerConfig(PublisherSettings):
     )
     model_size: str = option("small", "Synthetic model preset.", choices=sorted(PRESETS))
     seed: int = option(0, "Seed of the initial weights and of every step's update.")
+    lr: float = option(
+        1e-3, "Step size of the stand-in update (lr x N(0,1) per element); RL-like steps are 1e-6..1e-5."
+    )
     steps: int = option(5, "Training steps; each publishes version start_version + step - 1.")
     start_version: int = option(
         1, "Version number of the first published step (an attach whose start version is not new is refused)."
@@ -41,5 +44,7 @@ class TrainerConfig(PublisherSettings):
             super().__post_init__()
         except InvalidArgument as e:
             raise ValueError(e.message) from None
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.steps < 0 or self.start_version < 1:
             raise ValueError("steps must be >= 0 and start_version >= 1")

@@ -285,9 +285,9 @@ class WeightPublisher:
         else:
             base_slot, base_version, base_digest = base
             shard_specs, chunks, encodings = self._stager.stage_delta(
-                plan, self.arena.slot(slot), self.arena.slot(base_slot)
+                plan, params, self.arena.slot(slot), self.arena.slot(base_slot)
             )
-            path = "native+delta"
+            path = f"{plan.path}+delta"
             delta = pack_delta(chunks, encodings, base_version, base_digest)
             if delta.wire_bytes > self.settings.delta_max_ratio * layout.total_bytes:
                 log.info(

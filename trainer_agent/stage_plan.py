@@ -12,7 +12,16 @@ import numpy as np
 from trainer_agent.delta import CHUNK_CAP
 from trainer_agent.params import choose_staging_path, device_stream, host_shards, shard_metas
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.staging import HostShard, Layout, plan_layout, stage_batched, stage_shards, stage_shards_delta
+from trainer_agent.staging import (
+    DeltaTarget,
+    HostShard,
+    Layout,
+    plan_layout,
+    stage_batched,
+    stage_batched_delta,
+    stage_shards,
+    stage_shards_delta,
+)
 from weightsync import native
 from weightsync.manifest import ChunkSpec, ShardSpec
 
@@ -26,10 +35,10 @@ class StagePlan:
     shards: list[HostShard]
 
     def can_delta(self, chunk_bytes: int) -> str:
-        """Why this plan cannot be staged with a delta ("" when it can): the host path with
-        the native shim only, and 16-bit words never straddle two chunks."""
-        if self.path != "host" or not native.available():
-            return f"the {self.path} path stages without a delta" if native.available() else native.missing_reason()
+        """Why this plan cannot be staged with a delta ("" when it can): the host and device
+        paths with the native shim, and 16-bit words never straddle two chunks."""
+        if self.path == "ffi" or not native.available():
+            return "the ffi path stages without a delta" if native.available() else native.missing_reason()
         if any(n % 2 for _, n in self.layout.chunk_plan(chunk_bytes)):
             return "a chunk has an odd length"
         return ""
@@ -40,7 +49,8 @@ def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> Stag
     dtype = settings.weight_dtype
     path = choose_staging_path(
         list(params.values()),
-        settings.use_ffi,
+        # a delta is encoded in the host and device paths' staging pass, not in the FFI call
+        False if settings.delta == "auto" and settings.use_ffi is None else settings.use_ffi,
         ffi_built=native.ffi_available(),
         ffi_missing=native.ffi_missing_reason(),
         weight_dtype=dtype,
@@ -66,18 +76,22 @@ class Stager:
     _scratch: np.ndarray | None = field(default=None, repr=False)
 
     def stage_delta(
-        self, plan: StagePlan, slot: np.ndarray, base: np.ndarray
+        self, plan: StagePlan, params: Mapping[str, Any], slot: np.ndarray, base: np.ndarray
     ) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
-        """Stages a host plan (`can_delta`) into `slot` and encodes each chunk against
-        `base` (the previous version, same layout) in the same pass."""
+        """Stages a host or device plan (`can_delta`) into `slot` and encodes each chunk
+        against `base` (the previous version, same layout) in the same pass."""
         need = int(plan.layout.total_bytes * CHUNK_CAP) + 1
         if self._scratch is None or self._scratch.nbytes < need:
             self._scratch = np.empty(need, np.uint8)
         s = self.settings
-        return stage_shards_delta(
-            slot, plan.shards, plan.layout, s.chunk_bytes, base, self._scratch, cap=CHUNK_CAP,
-            threads=s.staging_threads,
-        )  # fmt: skip
+        delta = DeltaTarget(base, self._scratch, CHUNK_CAP)
+        if plan.path == "device":
+            half = max(1, s.d2h_window_bytes // 2)
+            stream = device_stream(params.items(), s.weight_dtype, half)
+            return stage_batched_delta(
+                slot, plan.layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
+            )
+        return stage_shards_delta(slot, plan.shards, plan.layout, s.chunk_bytes, delta, threads=s.staging_threads)
 
     def stage(
         self, plan: StagePlan, params: Mapping[str, Any], arena: np.ndarray, slot_offset: int, slot: np.ndarray

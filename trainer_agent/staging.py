@@ -101,7 +101,7 @@ def stage_shards(
     Alignment gaps are zeroed so chunk digests depend only on the data. `engine` is
     "native", "python" or "auto" (native when built).
     """
-    return _stage_fused(slot, shards, layout, layout.chunk_plan(chunk_bytes), chunk_bytes, engine, threads)
+    return _stage_fused(slot, shards, layout, layout.chunk_plan(chunk_bytes), chunk_bytes, engine, threads)[:2]
 
 
 def native_sources(shards: Sequence[HostShard], layout: Layout) -> list[tuple[np.ndarray, int, int]]:
@@ -113,6 +113,18 @@ def native_sources(shards: Sequence[HostShard], layout: Layout) -> list[tuple[np
     return sources
 
 
+@dataclass(frozen=True)
+class DeltaTarget:
+    """Encode each staged chunk against `base` (the previous version, same layout, in
+    another slot): encodings pass through `scratch` (at least `cap` x the bytes staged
+    at once; keep it between publishes, fresh pages cost more than the encoding), and a
+    chunk whose encoding would pass `cap` x its length goes raw."""
+
+    base: np.ndarray
+    scratch: np.ndarray
+    cap: float
+
+
 def _stage_fused(
     slot: np.ndarray,
     shards: Sequence[HostShard],
@@ -121,13 +133,19 @@ def _stage_fused(
     chunk_bytes: int,
     engine: str,
     threads: int,
-) -> tuple[list[ShardSpec], list[ChunkSpec]]:
-    if engine == "native" or (engine == "auto" and native.available()):
+    delta: DeltaTarget | None = None,
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """Shard and chunk specs, and with `delta` each chunk's encoding (None: raw)."""
+    if delta is not None or engine == "native" or (engine == "auto" and native.available()):
         lengths = [n for _, n in chunks]
         sources = native_sources(shards, layout)
-        result = native.stage(slot, layout.total_bytes, lengths, chunk_bytes, sources, threads=threads)
-        return specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunks)
-    return _stage_python(slot, shards, layout, chunks, chunk_bytes)
+        how: dict = {"threads": threads}
+        if delta is not None:
+            how.update(base=delta.base, delta_cap=delta.cap, delta_out=delta.scratch)
+        result = native.stage(slot, layout.total_bytes, lengths, chunk_bytes, sources, **how)
+        specs, cspecs = specs_from_digests(layout, result.span_digests, result.span_sums, result.chunk_digests, chunks)
+        return specs, cspecs, list(result.chunk_deltas or [])
+    return (*_stage_python(slot, shards, layout, chunks, chunk_bytes), [])
 
 
 def stage_shards_delta(
@@ -135,28 +153,13 @@ def stage_shards_delta(
     shards: Sequence[HostShard],
     layout: Layout,
     chunk_bytes: int,
-    base: np.ndarray,
-    scratch: np.ndarray,
+    delta: DeltaTarget,
     *,
-    cap: float,
     threads: int = 0,
 ) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
-    """`stage_shards` (native) that also encodes each chunk against `base` (the previous
-    version, same layout, in another slot) in the same pass: (shard specs, chunk specs,
-    per chunk its encoding, None where it would pass `cap` x its length). `scratch` holds
-    the encodings while the pass runs (at least `cap` x total bytes; keep it between
-    publishes: fresh pages cost more than the encoding)."""
-    chunks = layout.chunk_plan(chunk_bytes)
-    lengths = [n for _, n in chunks]
-    sources = native_sources(shards, layout)
-    result = native.stage(
-        slot, layout.total_bytes, lengths, chunk_bytes, sources, base=base, delta_cap=cap, delta_out=scratch,
-        threads=threads,
-    )  # fmt: skip
-    specs, chunk_specs_ = specs_from_digests(
-        layout, result.span_digests, result.span_sums, result.chunk_digests, chunks
-    )
-    return specs, chunk_specs_, list(result.chunk_deltas or [])
+    """`stage_shards` (native) that also encodes each chunk against `delta.base` in the
+    same pass: (shard specs, chunk specs, per chunk its encoding or None)."""
+    return _stage_fused(slot, shards, layout, layout.chunk_plan(chunk_bytes), chunk_bytes, "native", threads, delta)
 
 
 def stage_batched(
@@ -175,10 +178,30 @@ def stage_batched(
 
     Shards must come in layout order (InternalError otherwise).
     """
+    specs, chunk_specs_, _ = stage_batched_delta(
+        slot, layout, shards, chunk_bytes, None, batch_bytes=batch_bytes, engine=engine, threads=threads
+    )
+    return specs, chunk_specs_
+
+
+def stage_batched_delta(
+    slot: np.ndarray,
+    layout: Layout,
+    shards: Iterable[HostShard],
+    chunk_bytes: int,
+    delta: DeltaTarget | None,
+    *,
+    batch_bytes: int,
+    engine: str = "auto",
+    threads: int = 0,
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """`stage_batched`, each batch's chunks also encoded against the same bytes of
+    `delta.base` (when given; its scratch is reused batch after batch)."""
     chunks = layout.chunk_plan(chunk_bytes)
     starts = [off for off, _ in chunks] + [layout.total_bytes]
     shard_specs: list[ShardSpec] = []
     chunk_specs_: list[ChunkSpec] = []
+    encodings: list[bytes | None] = []
     batch: list[tuple[int, HostShard]] = []
     lo, held, last = 0, 0, len(layout.offsets) - 1
     for i, hs in enumerate(shards):
@@ -202,13 +225,17 @@ def stage_batched(
             )
             view = slot[lo:hi]
             view[end - lo :] = 0  # padding up to the chunk boundary (the next shard's alignment)
-            specs, cspecs = _stage_fused(view, [s for _, s in batch], sub, sub_chunks, chunk_bytes, engine, threads)
+            sub_delta = dataclasses.replace(delta, base=delta.base[lo:hi]) if delta is not None else None
+            specs, cspecs, encs = _stage_fused(
+                view, [s for _, s in batch], sub, sub_chunks, chunk_bytes, engine, threads, sub_delta
+            )
             shard_specs += [dataclasses.replace(s, offset=s.offset + lo) for s in specs]
             chunk_specs_ += [ChunkSpec(first + c.index, c.offset + lo, c.length, c.xxh3) for c in cspecs]
+            encodings += encs
             batch, held, lo = [], 0, hi
     if batch or lo != layout.total_bytes:
         raise InternalError(f"the stream ended after {len(shard_specs)} of {len(layout.offsets)} planned shards")
-    return shard_specs, chunk_specs_
+    return shard_specs, chunk_specs_, encodings
 
 
 def stage_one(

@@ -32,7 +32,8 @@ def initial_weights(shapes: Mapping[str, tuple[int, ...]], dtype: object, *, see
 class AdamSteps:
     """fp32 master weights (starting from `initial`'s values) and, per `step()`, an update
     of lr x N(0, 1) clipped at 3 per element; each step returns the master weights cast to
-    the served dtype (each tensor's own dtype in `initial`, round to nearest even)."""
+    the served dtype (each tensor's own dtype in `initial`, round to nearest even), and
+    `changed` says which fraction of the served elements' bit patterns it changed."""
 
     def __init__(self, initial: Mapping[str, np.ndarray], lr: float, *, seed: int = 0) -> None:
         if not lr > 0:
@@ -42,16 +43,32 @@ class AdamSteps:
         self._dtypes = {k: v.dtype for k, v in initial.items()}
         self.master = {k: np.asarray(v, np.float32).copy() for k, v in initial.items()}
         self.steps = 0
+        self.changed = 0.0
+        self._served: dict[str, np.ndarray] | None = None
 
     def step(self) -> dict[str, np.ndarray]:
-        """Applies one update to the master weights; returns the weights as served."""
-        for w in self.master.values():
+        """Applies one update to the master weights; returns the weights as served (the
+        previous step's served arrays are released tensor by tensor, so only one extra
+        tensor is held at a time: drop your reference to the previous dict first)."""
+        served, self._served = self._served or self.served(), None
+        changed = total = 0
+        for k, w in self.master.items():
             update = self._rng.standard_normal(w.shape, dtype=np.float32)
             np.clip(update, -3.0, 3.0, out=update)
             update *= self.lr
             w -= update
+            new = w.astype(self._dtypes[k])
+            old = served[k]
+            if old.dtype.itemsize == 2:
+                changed += int(np.count_nonzero(new.view(np.uint16) != old.view(np.uint16)))
+            else:
+                changed += int(np.count_nonzero(new != old))
+            total += new.size
+            served[k] = new
         self.steps += 1
-        return self.served()
+        self.changed = changed / max(1, total)
+        self._served = served
+        return dict(served)
 
     def served(self) -> dict[str, np.ndarray]:
         """The master weights cast to the served dtypes."""

@@ -82,3 +82,24 @@ def test_demo_interrupted_leaves_nothing_behind(tmp_path: Path, no_arena_leak: N
             subprocess.run(["pkill", "-KILL", "-f", str(workdir)], check=False)
     assert proc.returncode == 130, out[-3000:]
     assert not _our_processes(workdir)
+
+
+def test_demo_with_delta_pulls_only_the_changed_elements_after_the_first_step(
+    tmp_path: Path, no_arena_leak: None
+) -> None:
+    """`--delta`: real processes; the first version travels whole, every later one as a
+    delta (RL-sized steps, bf16), and each commits with both handshakes OK."""
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "devtools.demo", "--model-size", "small", "--steps", "4", "--delta"]
+        + ["--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["committed"] == 4 and summary["delta"] and summary["engine"] == "numpy"
+    wire = [s["wire_ratio"] for s in summary["per_step"]]
+    assert wire[0] >= 1.0 and all(0 < w < 0.1 for w in wire[1:]), wire
+    assert not _our_processes(workdir)

@@ -146,6 +146,7 @@ def test_the_update_model_moves_a_few_percent_of_bf16_elements_per_step() -> Non
         != after["model.layers.0.mlp.up_proj.weight"].view(np.uint16)
     )
     assert 0.05 < moved < 0.35  # ~15% at lr 1e-5 (README "Delta"); most values do not move
+    assert 0.05 < steps.changed < 0.35  # counted by the step itself, over every tensor
     with pytest.raises(ValueError, match="lr"):
         AdamSteps(initial, 0.0)
 

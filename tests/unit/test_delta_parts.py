@@ -18,7 +18,14 @@ from coordinator.store import SessionStore
 from rollout_agent.puller import WeightPuller
 from tests.unit.helpers import make_part
 from trainer_agent.delta import CHUNK_CAP, pack_delta
-from trainer_agent.staging import HostShard, plan_layout, stage_shards, stage_shards_delta
+from trainer_agent.staging import (
+    DeltaTarget,
+    HostShard,
+    plan_layout,
+    stage_batched_delta,
+    stage_shards,
+    stage_shards_delta,
+)
 from weightsync import native
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.manifest import Part
@@ -58,7 +65,9 @@ def _staged_pair(arrays: dict[str, np.ndarray], new: dict[str, np.ndarray], chun
     stage_shards(base, shards, layout, chunk_bytes)
     new_shards = [HostShard(n, a, a.shape, (0,) * a.ndim) for n, a in new.items()]
     scratch = np.empty(int(layout.total_bytes * CHUNK_CAP) + 1, np.uint8)
-    specs, chunks, encodings = stage_shards_delta(slot, new_shards, layout, chunk_bytes, base, scratch, cap=CHUNK_CAP)
+    specs, chunks, encodings = stage_shards_delta(
+        slot, new_shards, layout, chunk_bytes, DeltaTarget(base, scratch, CHUNK_CAP)
+    )
     part = Part(0, layout.total_bytes, chunk_bytes, layout.tensors, tuple(specs), tuple(chunks))
     return part, encodings, base[: layout.total_bytes], slot[: layout.total_bytes]
 
@@ -193,3 +202,26 @@ def test_the_coordinator_takes_a_delta_only_on_a_base_it_holds(tmp_path: Path) -
         assert stored.delta is not None and stored.delta.base_version == 1
     finally:
         store.close()
+
+
+def test_the_device_path_encodes_the_same_delta_batch_by_batch() -> None:
+    """`stage_batched_delta` (shards arriving one by one, staged in batches) yields the
+    bytes, specs and encodings of the one-pass host path."""
+    rng = np.random.default_rng(5)
+    arrays = {
+        f"t{i}": rng.standard_normal(n).astype(ml_dtypes.bfloat16) for i, n in enumerate((3000, 9000, 128, 20000))
+    }
+    new = {k: _changed(v, 0.02, rng, True) for k, v in arrays.items()}
+    pair = _staged_pair(arrays, new, 4096)
+    assert pair is not None
+    part, encodings, base, staged = pair
+    shards = [HostShard(n, a, a.shape, (0,) * a.ndim) for n, a in new.items()]
+    layout = plan_layout(shards)
+    slot = np.zeros(layout.total_bytes, np.uint8)
+    scratch = np.empty(int(layout.total_bytes * CHUNK_CAP) + 1, np.uint8)
+    specs, chunks, batched = stage_batched_delta(
+        slot, layout, iter(shards), 4096, DeltaTarget(base, scratch, CHUNK_CAP), batch_bytes=8192
+    )
+    assert slot.tobytes() == staged.tobytes()
+    assert [s.to_dict() for s in specs] == [s.to_dict() for s in part.shards]  # (NaN sums: as text)
+    assert tuple(chunks) == part.chunks and batched == encodings
