@@ -40,11 +40,19 @@ class Encoder {
         continue;
       }
       const uint64_t at = index_;
-      while (diff != 0) {  // two mask bits per word
-        const uint64_t k = static_cast<uint64_t>(__builtin_ctz(diff)) / 2;
-        index_ = at + k;
-        word(load(base + 2 * (w + k)), load(now + 2 * (w + k)));
-        diff &= ~(3u << (2 * k));
+      if (static_cast<uint64_t>(end_ - p_) >= 16 * kMaxRecord) {  // room for any 16 records: no checks
+        while (diff != 0) {  // two mask bits per word
+          const uint64_t k = static_cast<uint64_t>(__builtin_ctz(diff)) / 2;
+          put(at + k, load(base + 2 * (w + k)), load(now + 2 * (w + k)));
+          diff &= ~(3u << (2 * k));
+        }
+      } else {
+        while (diff != 0) {
+          const uint64_t k = static_cast<uint64_t>(__builtin_ctz(diff)) / 2;
+          index_ = at + k;
+          word(load(base + 2 * (w + k)), load(now + 2 * (w + k)));
+          diff &= ~(3u << (2 * k));
+        }
       }
       index_ = at + 16;
     }
@@ -67,6 +75,32 @@ class Encoder {
     uint16_t v;
     std::memcpy(&v, p, 2);
     return v;
+  }
+
+  // One record for a changed word at index i, written in place (the caller checked room).
+  void put(uint64_t i, uint16_t b, uint16_t n) {
+    uint64_t gap = i - last_;
+    uint8_t* q = p_;
+    if (__builtin_expect(gap < 0x80, 1)) {
+      *q++ = static_cast<uint8_t>(gap);
+    } else {
+      while (gap >= 0x80) {
+        *q++ = static_cast<uint8_t>(gap) | 0x80;
+        gap >>= 7;
+      }
+      *q++ = static_cast<uint8_t>(gap);
+    }
+    const int16_t step = static_cast<int16_t>(static_cast<uint16_t>(n - b));
+    if (__builtin_expect(step >= -127 && step <= 127, 1)) {
+      *q++ = static_cast<uint8_t>(static_cast<int8_t>(step));
+    } else {
+      *q++ = kEscape;
+      *q++ = static_cast<uint8_t>(n);
+      *q++ = static_cast<uint8_t>(n >> 8);
+    }
+    p_ = q;
+    last_ = i + 1;
+    ++changed_;
   }
 
   void word(uint16_t b, uint16_t n) {

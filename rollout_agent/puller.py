@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import socket
 import threading
@@ -356,6 +357,8 @@ class WeightPuller:
         if self.metrics is not None:
             self.metrics.observe_phase("pull", seconds)
             self.metrics.add_bytes("pulled", pulled)
+            kind = "delta" if delta_base else "whole"
+            self.metrics.pulls.labels(role=self.metrics.role, session=self.session, kind=kind).inc()
         return PulledVersion(header, manifest, buffers, pulled, self.last_retries, seconds, delta_base)
 
     def _pull_delta(
@@ -428,7 +431,7 @@ class WeightPuller:
                 return c.target
             return -1
 
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode") as pool:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="decode") as pool:
             return [t for t in pool.map(one, d.chunks) if t >= 0]
 
     def pull_chunks(

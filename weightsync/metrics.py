@@ -41,6 +41,7 @@ class Metrics:
     ready_to_commit_seconds: Histogram
     sync_failures: Counter
     chunk_retries: Counter
+    pulls: Counter
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
 
@@ -157,6 +158,12 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_chunk_retries_total",
             "Chunks fetched again after a failed digest or an unreachable source.",
             ["role", "session"],
+            registry=registry,
+        ),
+        pulls=Counter(
+            "weightsync_pulls_total",
+            "Versions pulled, by kind: whole, or delta (rebuilt from the version the receive buffer held).",
+            ["role", "session", "kind"],
             registry=registry,
         ),
         database_bytes=Gauge(

@@ -25,6 +25,7 @@ from trainer_agent.update_model import AdamSteps, initial_weights
 from weightsync.client import CoordinatorClient
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Endpoint
+from weightsync.metrics import build_metrics
 from weightsync.server import RunningServer
 
 SHAPES = {f"model.layers.{i}.mlp.up_proj.weight": (512, 256) for i in range(3)} | {"model.norm.weight": (256,)}
@@ -64,7 +65,11 @@ def test_a_rollout_holding_the_base_pulls_only_the_delta_and_rebuilds_bit_for_bi
     steps = _steps()
     with (
         _publisher(inprocess_coordinator.address) as pub,
-        _fleet(inprocess_coordinator.address, tcp={"mode": "tcp"}, grpc={"mode": "grpc"}) as (_, pullers),
+        _fleet(
+            inprocess_coordinator.address,
+            tcp={"mode": "tcp", "metrics": build_metrics("rollout")},
+            grpc={"mode": "grpc"},
+        ) as (_, pullers),
     ):
         engines = {name: DictApplier() for name in pullers}
         for v in range(1, 5):
@@ -81,6 +86,14 @@ def test_a_rollout_holding_the_base_pulls_only_the_delta_and_rebuilds_bit_for_bi
                     assert result.delta_base == v - 1 and result.bytes_pulled == published.delta_bytes
                     assert published.delta_bytes < 0.05 * published.total_bytes
             assert pub.wait_committed(v, 30) == "COMMITTED"
+        registry = pullers["tcp"].metrics.registry
+        pulls = {
+            kind: registry.get_sample_value(
+                "weightsync_pulls_total", {"role": "rollout", "session": "job", "kind": kind}
+            )
+            for kind in ("whole", "delta")
+        }
+        assert pulls == {"whole": 1.0, "delta": 3.0}
 
 
 def test_rollouts_without_the_base_pull_whole_and_a_mixed_fleet_commits(
