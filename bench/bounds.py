@@ -52,8 +52,9 @@ class Bounds:
         on the wire are left out."""
         stage = self.copy_s + self.hash_s
         check_apply = self.hash_s + self.copy_s
-        if mode.endswith("+delta"):
-            return {"trainer": stage + self.copy_s, "rollouts": rollouts * check_apply}
+        if mode.endswith("+delta"):  # (fs: the trainer also writes the part's files, a copy)
+            write = self.copy_s if mode.startswith("fs") else 0.0
+            return {"trainer": stage + self.copy_s + write, "rollouts": rollouts * check_apply}
         if mode == "shm":
             return {"trainer": stage, "rollouts": rollouts * (self.copy_s + check_apply)}
         if mode == "fs":

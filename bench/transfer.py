@@ -5,7 +5,7 @@ One run, one table. For a Qwen3-shaped bf16 model (`--size`, default 0.6b, ~1.19
   plain loopback TCP socket moving them, each with its CPU seconds;
 - weightsync end to end (publish -> N rollout processes pulled, checked, applied,
   handshakes COMMITTED), per mode, N = 1, 2, 4;
-- weightsync with delta sync (`tcp+delta`, `relay+delta`, N = `--delta-rollouts`): each
+- weightsync with delta sync (`tcp+delta`, `relay+delta`, `fs+delta`, N = `--delta-rollouts`): each
   round publishes the next step of an RL update (trainer_agent.update_model: fp32 master
   weights, an Adam-style step at `--delta-lr`, served as bf16) with delta="auto", so the
   rollouts, holding the previous version, pull only its delta; `wire_ratio` (bytes on the
@@ -40,6 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
 import bounds as bounds_mod  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
@@ -51,7 +54,7 @@ from devtools.cluster import Cluster  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODES = ("grpc", "tcp", "shm", "fs", "relay", "tcp+delta", "relay+delta")
+MODES = ("grpc", "tcp", "shm", "fs", "relay", "tcp+delta", "relay+delta", "fs+delta")
 PEERS = ("safetensors", "orbax", "gloo", "jax_transfer")
 PAIRED_PEER = "gloo"
 CORES = os.cpu_count() or 1
@@ -330,7 +333,7 @@ def _cells(r: Row) -> list[str]:
     ]
 
 
-def header(total: int, b: Bounds, delta_lr: float = 0.0) -> str:
+def header(total: int, b: Bounds, delta_lr: float = 0.0, link: str = "") -> str:
     update = (
         f" · +delta rows: fp32 master weights, Adam-style step lr {delta_lr:g} x N(0,1) per element, served bf16"
         if delta_lr
@@ -340,14 +343,15 @@ def header(total: int, b: Bounds, delta_lr: float = 0.0) -> str:
         f"model {total / 1e9:.2f} GB bf16 · copy {b.copy_s:.3f} s ({b.memcpy_gbps:.1f} GB/s) · "
         f"xxh3 {b.hash_s:.3f} s · socket {b.socket_gbps:.2f} GB/s "
         f"(send {b.send_cpu_s:.2f} + recv {b.recv_cpu_s:.2f} CPU s) · {CORES} cores{update}"
+        + (f" · every loopback byte through one {link} link (tc tbf on lo)" if link else "")
     )
 
 
-def print_table(rows: list[Row], total: int, b: Bounds, delta_lr: float) -> None:
+def print_table(rows: list[Row], total: int, b: Bounds, delta_lr: float, link: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=header(total, b, delta_lr))
+    table = Table(title=header(total, b, delta_lr, link))
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("method", "mode") else "left")
     for r in rows:
@@ -557,6 +561,21 @@ def plot(rows: list[Row], path: Path, b: Bounds) -> bool:
     return True
 
 
+@contextmanager
+def shaped_loopback(rate: str) -> Iterator[None]:
+    """Every loopback byte of the run through one link of `rate` (e.g. 10gbit): a token
+    bucket on `lo` (tc tbf; needs root), removed at the end. It stands in for the trainer's
+    network link: the methods' bytes, control messages included, all share it."""
+    add = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms"]
+    out = subprocess.run(add, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"--link {rate}: cannot shape loopback ({out.stderr.strip()}); needs root and tc")
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+
+
 def write_results(out: Path, rows: list[Row], meta: dict, b: Bounds, delta_lr: float) -> None:
     """latest.json (rows), .meta.json (bounds, verdicts), .md (the table and verdicts)."""
     total, vllm, lines = meta["model_bytes"], meta["vllm"], meta["verdicts"]
@@ -565,7 +584,7 @@ def write_results(out: Path, rows: list[Row], meta: dict, b: Bounds, delta_lr: f
     out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     vllm_md = f"\nvLLM row: `{json.dumps(vllm)}`\n" if vllm else ""
     out.with_suffix(".md").write_text(
-        f"{header(total, b, delta_lr)}\n\n"
+        f"{header(total, b, delta_lr, meta.get('link', ''))}\n\n"
         + markdown_table(rows)
         + vllm_md
         + "\n"
@@ -607,10 +626,24 @@ def main() -> int:
     ap.add_argument(
         "--rejudge", action="store_true", help="recompute the MET/MISS lines of the run in --out (no measuring)"
     )
+    ap.add_argument(
+        "--link",
+        default="",
+        help="run every row through one link of this rate (tc tbf on lo, e.g. 10gbit; needs root): "
+        "where the bytes on the wire, not this machine's 2 cores, bound a sync",
+    )
     args = ap.parse_args()
     if args.rejudge:
         return rejudge(Path(args.out), window=2 * 32 * args.chunk_bytes)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop rollouts, free the arena
+    if args.link:
+        with shaped_loopback(args.link):
+            return measure_all(args)
+    return measure_all(args)
+
+
+def measure_all(args: argparse.Namespace) -> int:
+    """Every row, the table, the verdicts and the result files."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop rollouts, free the arena, unshape lo
     ns = [int(x) for x in args.rollouts.split(",") if x]
     args.delta_ns = [int(x) for x in args.delta_rollouts.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
@@ -620,7 +653,7 @@ def main() -> int:
     largest = max(v.nbytes for v in params.values())
     window = 2 * 32 * args.chunk_bytes  # a streaming rollout's in-flight bytes at its defaults
     b = bounds_mod.measure(total)
-    print(f"bounds: {header(total, b)}", flush=True)
+    print(f"bounds: {header(total, b, link=args.link)}", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wsbench-") as tmp, Cluster(tmp) as cluster:
         coord = cluster.start_coordinator()
@@ -639,7 +672,7 @@ def main() -> int:
                 break
     vllm = run_vllm(args.vllm, args.vllm_versions) if args.vllm else None
     delta_lr = args.delta_lr if any(m.endswith("+delta") for m in modes) else 0.0
-    print_table(rows, total, b, delta_lr)
+    print_table(rows, total, b, delta_lr, args.link)
     lines = verdicts(rows, b, vllm, window, largest, delta_lr)
     for line in lines:
         print(line)
@@ -653,6 +686,7 @@ def main() -> int:
         "chunk_bytes": args.chunk_bytes,
         "cores": CORES,
         "delta_update_model": {"lr": args.delta_lr, "rollouts": args.delta_ns} if delta_lr else None,
+        "link": args.link,
         "vllm": vllm,
         "verdicts": lines,
     }

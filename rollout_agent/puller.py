@@ -301,7 +301,7 @@ class WeightPuller:
             if layouts.get(part.rank) != [(c.offset, c.length) for c in part.chunks]:
                 return f"rank {part.rank}'s chunks differ from the base's"
             mode = self.transport_for(part, plan.mode)
-            if mode not in ("tcp", "grpc"):
+            if mode not in ("tcp", "grpc", "fs"):
                 return f"rank {part.rank} is read over {mode}, which serves whole parts"
         return ""
 
@@ -554,6 +554,8 @@ class WeightPuller:
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
         chunks: tuple[ChunkSpec, ...] = lane.part.chunks
+        delta = lane.part.delta
+        chunk_count = delta.chunks[0].index if delta and delta.chunks else len(chunks)  # (delta chunks follow)
         received: set[int] = set()
         problem = ""
         transport = self._open_lane(lane)
@@ -561,7 +563,7 @@ class WeightPuller:
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
             request = FetchRequest(
-                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, plan.token
+                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, plan.token, chunk_count
             )
             try:
                 if transport.receives_in_place:

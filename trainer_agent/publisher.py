@@ -392,7 +392,7 @@ class WeightPublisher:
         delta: StagedDelta | None = None,
     ) -> PublishResult:
         """Serves the staged slot (and its delta, fetch indices after its chunks; the fs
-        store gets the full part only) and streams its descriptors. A delta the coordinator
+        store gets both) and streams its descriptors. A delta the coordinator
         refuses (its base unknown there, e.g. pruned) is dropped and the part published
         without it."""
         self.last_path = path
@@ -405,7 +405,11 @@ class WeightPublisher:
         if self.fs_store is not None:
             t_fs = time.perf_counter()
             uri = self.fs_store.write_part(
-                self.session, version, self.rank, memoryview(self.arena.slot(slot)[:total_bytes])
+                self.session,
+                version,
+                self.rank,
+                memoryview(self.arena.slot(slot)[:total_bytes]),
+                delta=memoryview(delta.data) if delta is not None else None,
             )
             endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=uri)
             self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -279,3 +280,26 @@ def _sync_in_parallel(pullers: list[WeightPuller], engines: list[DictApplier], v
     for t in threads:
         t.join(60)
     return [out[i] for i in range(len(pullers))]
+
+
+def test_the_fs_store_holds_the_delta_beside_the_part(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
+) -> None:
+    """fs mode: the trainer writes delta.bin beside part.bin; a rollout holding the base
+    range-reads only the delta from the store (no route to the trainer needed)."""
+    steps = _steps()
+    root = str(tmp_path / "store")
+    with (
+        _publisher(inprocess_coordinator.address, fs_root=root, weight_sync_mode="fs") as pub,
+        _fleet(inprocess_coordinator.address, r0={"mode": "fs", "fs_root": root}) as (_, pullers),
+    ):
+        engine = DictApplier()
+        for v in (1, 2, 3):
+            params = steps.step()
+            published = pub.publish(params, v)
+            result = sync_version(pullers["r0"], engine, v)
+            assert result.ok and _same(engine, params)
+            if v > 1:
+                assert result.delta_base == v - 1 and result.bytes_pulled == published.delta_bytes
+                assert (tmp_path / "store" / "job" / f"v{v}" / "r0" / "delta.bin").stat().st_size > 0
+        assert pub._servicer.bytes_served == 0  # every byte came from the store

@@ -26,6 +26,9 @@ class FetchRequest:
     timeout_s: float
     spans: Sequence[tuple[int, int]] = ()  # (offset, length) per index: for transports that read in place
     token: str = ""  # the version's access token (tcp and relay servers check it)
+    # the part's chunk count: indices from here on are its delta chunks, whose spans lie in
+    # the delta's bytes (a server knows this itself; the fs store keeps them in a file apart)
+    chunk_count: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """FsTransport and the checkpoint-style store: parts written through fsspec, read by range.
 
 Layout under a configured root (local path, `file://`, `memory://`, `gs://` via gcsfs):
-`<root>/<session>/v<version>/r<rank>/part.bin`, then `_SUCCESS` last. Readers need no
+`<root>/<session>/v<version>/r<rank>/part.bin` (and `delta.bin`, the encoded bytes of the
+part's delta, when it has one), then `_SUCCESS` last. Readers need no
 route to the trainer, only to the store. A manifest names a part by its path relative to
 the root, exactly `<session>/v<version>/r<rank>` (`part_path`; the coordinator refuses any
 other), and each reader resolves it under its own configured root: no scheme, no other
@@ -22,6 +23,7 @@ from weightsync.manifest import Endpoint
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
 
 PART_FILE = "part.bin"
+DELTA_FILE = "delta.bin"
 MARKER = "_SUCCESS"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -88,12 +90,16 @@ class FsStore:
     def uri_of(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path.lstrip('/')}"
 
-    def write_part(self, session: str, version: int, rank: int, data: Any) -> str:
-        """Writes part.bin, then the marker last; returns the part's path relative to the root."""
+    def write_part(self, session: str, version: int, rank: int, data: Any, delta: Any = None) -> str:
+        """Writes part.bin (and delta.bin: the delta's encoded bytes), then the marker last;
+        returns the part's path relative to the root."""
         d = self.part_dir(session, version, rank)
         self.fs.makedirs(d, exist_ok=True)
         with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
             f.write(data)
+        if delta is not None:
+            with self.fs.open(posixpath.join(d, DELTA_FILE), "wb") as f:
+                f.write(delta)
         self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         return part_path(session, version, rank)
 
@@ -140,8 +146,10 @@ class FsTransport(Transport):
             raise TransportUnavailable("not open; call open() first")
         if len(request.spans) != len(request.indices):
             raise InvalidArgument("the fs transport needs (offset, length) for every index", field="spans")
-        path = posixpath.join(self._dir, PART_FILE)
+        part = posixpath.join(self._dir, PART_FILE)
+        delta = posixpath.join(self._dir, DELTA_FILE)
         for index, (offset, length) in zip(request.indices, request.spans):
+            path = delta if request.chunk_count and index >= request.chunk_count else part
             data = self._store.fs.cat_file(path, start=offset, end=offset + length)
             yield ChunkPayload(index, offset, memoryview(data))
 
