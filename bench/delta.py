@@ -39,10 +39,9 @@ import ml_dtypes  # noqa: E402
 from common import shapes  # noqa: E402
 
 from trainer_agent.params import host_shards  # noqa: E402
-from trainer_agent.staging import plan_layout  # noqa: E402
+from trainer_agent.staging import native_sources, plan_layout  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 from weightsync import native  # noqa: E402
-from weightsync.dtypes import native_code  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 
@@ -67,11 +66,7 @@ class Slots:
         self.k = 0
 
     def _sources(self, params: dict[str, np.ndarray]) -> list[tuple[np.ndarray, int, int]]:
-        shards = [s for n, v in params.items() for s in host_shards(n, v)]
-        return [
-            (np.ascontiguousarray(s.data), off, native_code(s.data.dtype))
-            for s, off in zip(shards, self.layout.offsets)
-        ]
+        return native_sources([s for n, v in params.items() for s in host_shards(n, v)], self.layout)
 
     def stage_alone(self, params: dict[str, np.ndarray]) -> float:
         sources = self._sources(params)

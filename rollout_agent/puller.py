@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -9,7 +10,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -328,20 +329,27 @@ class WeightPuller:
             buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
             if self.relay is not None:
                 self.relay.begin(manifest, plan.token, buffers)
-            try:
+            with self._pulling(manifest, lanes):
                 with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
                     futures = [
                         pool.submit(self._run_lane, plan, manifest, lane, buffers[lane.part.rank]) for lane in lanes
                     ]
                     for future in futures:
                         future.result()
-            except BaseException:
-                if self.relay is not None:
-                    self.relay.fail(manifest.version)
-                raise
-            finally:
-                self.last_retries = sum(lane.retries for lane in lanes)
         return self._pulled(header, manifest, buffers, lanes, started)
+
+    @contextlib.contextmanager
+    def _pulling(self, manifest: Manifest, lanes: list[_Lane]) -> Iterator[None]:
+        """Around a pull: a failure tells the relay (its readers go elsewhere); the
+        re-fetches of `lanes` (appended to meanwhile) count in `last_retries` either way."""
+        try:
+            yield
+        except BaseException:
+            if self.relay is not None:
+                self.relay.fail(manifest.version)
+            raise
+        finally:
+            self.last_retries = sum(lane.retries for lane in lanes)
 
     def _pulled(
         self,
@@ -378,7 +386,7 @@ class WeightPuller:
         if self.relay is not None:
             self.relay.begin(manifest, plan.token, buffers, scratch)
         lanes: list[_Lane] = []
-        try:
+        with self._pulling(manifest, lanes):
             for part in manifest.parts:
                 d = part.delta
                 assert d is not None
@@ -403,12 +411,6 @@ class WeightPuller:
                     whole = self._split(plan, part, broken)
                     lanes += whole
                     self._run_lanes(plan, manifest, whole, buf, 0)
-        except BaseException:
-            if self.relay is not None:
-                self.relay.fail(manifest.version)
-            raise
-        finally:
-            self.last_retries = sum(lane.retries for lane in lanes)
         base = manifest.delta_base
         assert base is not None
         return self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])

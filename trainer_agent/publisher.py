@@ -99,7 +99,7 @@ class WeightPublisher:
         self.generation = 0
         self.fenced_by = 0  # the newer generation that fenced this publisher
         self._stager = Stager(settings)
-        self._layouts: dict[int, Layout] = {}  # slot -> layout of the version it holds (host path)
+        self._layouts: dict[int, Layout] = {}  # slot -> layout its version was staged with (`publish`)
         self._manifest_digests: dict[int, str] = {}  # versions this rank published -> their digest
         self._started = self._closed = False
         self._resources = contextlib.ExitStack()  # closes what start() opened, in reverse
@@ -316,13 +316,12 @@ class WeightPublisher:
                 why = "no older version in the arena"
             else:
                 base_slot, entry = max(older.items(), key=lambda kv: kv[1].version)
-                digest = self._manifest_digest(entry.version)
                 if self._layouts.get(base_slot) != plan.layout:
                     why = f"version {entry.version} was staged with another layout"
-                elif not digest:
-                    why = f"version {entry.version} has no manifest digest (it never became READY)"
-                else:
+                elif digest := self._manifest_digest(entry.version):
                     return base_slot, entry.version, digest
+                else:
+                    why = f"version {entry.version} has no manifest digest (it never became READY)"
         log.info("version %d without a delta: %s", version, why)
         return None
 
