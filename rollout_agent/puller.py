@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -50,11 +49,13 @@ class PulledVersion:
 
 
 class _Lane:
-    """One stream's share of one rank's chunks, the source it reads them from (the
-    trainer rank's endpoint, or an upstream relay's), bytes and retries."""
+    """One stream's share of one rank's chunks (indices into `chunks`: the part's, or its
+    `fetch_chunks` for delta chunks), the source it reads them from (the trainer rank's
+    endpoint, or an upstream relay's), bytes and retries."""
 
-    def __init__(self, part: Part, stream: int, indices: list[int]) -> None:
+    def __init__(self, part: Part, stream: int, indices: list[int], chunks: tuple[ChunkSpec, ...] = ()) -> None:
         self.part = part
+        self.chunks = chunks or part.chunks
         self.stream = stream
         self.indices = indices
         self.bytes = 0
@@ -394,8 +395,7 @@ class WeightPuller:
                 for lane in raw:
                     lane.check = relaying
                 # The delta chunks are fetched like chunks: by index, into the delta buffer.
-                fetchable = dataclasses.replace(part, chunks=part.chunks + tuple(c.as_chunk() for c in d.chunks))
-                encoded = self._split(plan, fetchable, [c.index for c in d.chunks])
+                encoded = self._split(plan, part, [c.index for c in d.chunks], part.fetch_chunks)
                 lanes += raw + encoded
                 buf = buffers[part.rank]
                 self._run_lanes(plan, manifest, raw, buf, 0)
@@ -447,10 +447,10 @@ class WeightPuller:
         self._run_lanes(plan, manifest, lanes, buf, base)
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)
 
-    def _split(self, plan: PullPlan, part: Part, indices: list[int]) -> list[_Lane]:
+    def _split(self, plan: PullPlan, part: Part, indices: list[int], chunks: tuple[ChunkSpec, ...] = ()) -> list[_Lane]:
         per = max(1, -(-len(indices) // self.streams))
         return self._route(
-            [_Lane(part, k, indices[i : i + per]) for k, i in enumerate(range(0, len(indices), per))], plan
+            [_Lane(part, k, indices[i : i + per], chunks) for k, i in enumerate(range(0, len(indices), per))], plan
         )
 
     def _run_lanes(
@@ -555,9 +555,8 @@ class WeightPuller:
         self, plan: PullPlan, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
     ) -> tuple[list[int], str]:
         """One pass over `indices`; returns (indices still to fetch, last problem)."""
-        chunks: tuple[ChunkSpec, ...] = lane.part.chunks
-        delta = lane.part.delta
-        chunk_count = delta.chunks[0].index if delta and delta.chunks else len(chunks)  # (delta chunks follow)
+        chunks = lane.chunks
+        chunk_count = len(lane.part.chunks)  # (delta chunks follow)
         received: set[int] = set()
         problem = ""
         transport = self._open_lane(lane)

@@ -76,10 +76,7 @@ class RelaySource:
     ) -> None:
         """A new version starts arriving in `buffers` (the old one is no longer served);
         with `delta_buffers`, it is rebuilt from its delta, whose chunks land there."""
-        chunks = {
-            p.rank: p.chunks + tuple(c.as_chunk() for c in p.delta.chunks) if delta_buffers and p.delta else p.chunks
-            for p in manifest.parts
-        }
+        chunks = {p.rank: p.fetch_chunks if delta_buffers else p.chunks for p in manifest.parts}
         held = _Held(manifest.version, token, chunks, buffers, delta_buffers=delta_buffers or {})
         held.whole = {p.rank: len(p.chunks) for p in manifest.parts}
         held.ready = {rank: np.zeros(len(c), bool) for rank, c in chunks.items()}

@@ -277,18 +277,17 @@ class WeightPublisher:
             for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
                 self.table.set(other, None)
         base = self._delta_base(plan, slot, version)
+        path, shard_specs, chunks, encodings = self._stager.stage(
+            plan,
+            params,
+            self.arena.buffer(),
+            slot * self.arena.slot_bytes,
+            self.arena.slot(slot),
+            base=self.arena.slot(base[0]) if base is not None else None,
+        )
         delta = None
-        if base is None:
-            path, shard_specs, chunks = self._stager.stage(
-                plan, params, self.arena.buffer(), slot * self.arena.slot_bytes, self.arena.slot(slot)
-            )
-        else:
-            base_slot, base_version, base_digest = base
-            shard_specs, chunks, encodings = self._stager.stage_delta(
-                plan, params, self.arena.slot(slot), self.arena.slot(base_slot)
-            )
-            path = f"{plan.path}+delta"
-            delta = pack_delta(chunks, encodings, base_version, base_digest)
+        if base is not None:
+            delta = pack_delta(chunks, encodings, base[1], base[2])
             if delta.wire_bytes > self.settings.delta_max_ratio * layout.total_bytes:
                 log.info(
                     "version %d without a delta: it would move %.1f%% of the bytes (delta_max_ratio %.2f)",

@@ -17,7 +17,6 @@ from trainer_agent.staging import (
     HostShard,
     Layout,
     plan_layout,
-    stage_batched,
     stage_batched_delta,
     stage_shards,
     stage_shards_delta,
@@ -75,47 +74,50 @@ class Stager:
     _ffi: Any = field(default=None, repr=False)
     _scratch: np.ndarray | None = field(default=None, repr=False)
 
-    def stage_delta(
-        self, plan: StagePlan, params: Mapping[str, Any], slot: np.ndarray, base: np.ndarray
-    ) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
-        """Stages a host or device plan (`can_delta`) into `slot` and encodes each chunk
-        against `base` (the previous version, same layout) in the same pass."""
-        need = int(plan.layout.total_bytes * CHUNK_CAP) + 1
-        if self._scratch is None or self._scratch.nbytes < need:
-            self._scratch = np.empty(need, np.uint8)
-        s = self.settings
-        delta = DeltaTarget(base, self._scratch, CHUNK_CAP)
-        if plan.path == "device":
-            half = max(1, s.d2h_window_bytes // 2)
-            stream = device_stream(params.items(), s.weight_dtype, half)
-            return stage_batched_delta(
-                slot, plan.layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
-            )
-        return stage_shards_delta(slot, plan.shards, plan.layout, s.chunk_bytes, delta, threads=s.staging_threads)
-
     def stage(
-        self, plan: StagePlan, params: Mapping[str, Any], arena: np.ndarray, slot_offset: int, slot: np.ndarray
-    ) -> tuple[str, list[ShardSpec], list[ChunkSpec]]:
-        """(the path as logged, shard specs, chunk specs) of staging `params` into `slot`
-        (at `slot_offset` of the whole `arena`, which the FFI call addresses)."""
+        self,
+        plan: StagePlan,
+        params: Mapping[str, Any],
+        arena: np.ndarray,
+        slot_offset: int,
+        slot: np.ndarray,
+        base: np.ndarray | None = None,
+    ) -> tuple[str, list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+        """(the path as logged, shard specs, chunk specs, per chunk its delta encoding) of
+        staging `params` into `slot` (at `slot_offset` of the whole `arena`, which the FFI
+        call addresses). With `base` (the previous version, same layout; a plan that
+        `can_delta`), each chunk is also encoded against it in the same pass (None: the
+        chunk goes raw); without, there are no encodings."""
         s = self.settings
         if plan.path == "ffi":
             specs, chunks = self._ffi_stager().stage(
                 arena, slot_offset, list(params.values()), plan.layout, s.chunk_bytes, s.weight_dtype
             )
-            return "ffi", specs, chunks
+            return "ffi", specs, chunks, []
+        delta = None
+        if base is not None:
+            need = int(plan.layout.total_bytes * CHUNK_CAP) + 1
+            if self._scratch is None or self._scratch.nbytes < need:
+                self._scratch = np.empty(need, np.uint8)
+            delta = DeltaTarget(base, self._scratch, CHUNK_CAP)
+        suffix = "+delta" if delta is not None else ""
         if plan.path == "device":  # half the window in flight, half landed and waiting for its fused pass
             half = max(1, s.d2h_window_bytes // 2)
             stream = device_stream(params.items(), s.weight_dtype, half)
-            specs, chunks = stage_batched(
-                slot, plan.layout, stream, s.chunk_bytes, batch_bytes=half, threads=s.staging_threads
+            specs, chunks, encodings = stage_batched_delta(
+                slot, plan.layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
             )
-            return "device", specs, chunks
+            return "device" + suffix, specs, chunks, encodings
+        if delta is not None:
+            specs, chunks, encodings = stage_shards_delta(
+                slot, plan.shards, plan.layout, s.chunk_bytes, delta, threads=s.staging_threads
+            )
+            return "host" + suffix, specs, chunks, encodings
         engine = "native" if native.available() else "python"
         specs, chunks = stage_shards(
             slot, plan.shards, plan.layout, s.chunk_bytes, engine=engine, threads=s.staging_threads
         )
-        return engine, specs, chunks
+        return engine, specs, chunks, []
 
     def _ffi_stager(self) -> Any:
         if self._ffi is None:

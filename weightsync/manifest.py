@@ -225,11 +225,13 @@ class Part:
     stage_seconds: float = 0.0
     delta: PartDelta | None = None
 
-    def wire_bytes(self, raw: bool) -> int:
-        """Bytes a pull of this part moves: the whole part, or (not `raw`) its delta."""
-        if raw or self.delta is None:
-            return self.total_bytes
-        return self.delta.total_bytes + sum(self.chunks[i].length for i in self.delta.raw)
+    @property
+    def fetch_chunks(self) -> tuple[ChunkSpec, ...]:
+        """What a transport fetches by index: the chunks, then the delta's chunks (indices
+        from the chunk count on; their offsets lie in the delta's bytes)."""
+        if self.delta is None:
+            return self.chunks
+        return self.chunks + tuple(c.as_chunk() for c in self.delta.chunks)
 
     def content_dict(self) -> dict[str, Any]:
         """The digest-relevant content (where it is served and how long it took are not).
