@@ -3,7 +3,8 @@
 Three rounds, all on loopback against `python -m coordinator` (default flags):
 
 1. fleet: N agents (default 1,000) each register, hold a WatchVersions stream and
-   heartbeat at the TTL-derived interval, on a connection of their own. A prober times
+   heartbeat at the TTL-derived interval (on a Heartbeats stream, as weightsync's agents
+   do; `--heartbeats unary` for unary calls), on a connection of their own. A prober times
    `GetStatus` of the fleet's session and of a quiet one. Midway the trainer publishes a
    version: every agent sees READY on its watch, takes a lease (`GetManifest`) at once
    and reports its handshake uniform(0, --pull-s) later, as a pull would take; we time
@@ -130,6 +131,7 @@ class Fleet:
     ttl_s: float
     pull_s: float
     report: pb.ReportAppliedRequest
+    unary_heartbeats: bool = False
     seen_ready: list[float] = field(default_factory=list)
     handshakes: list[float] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
@@ -185,15 +187,26 @@ class Fleet:
             beat.cancel()
 
     async def _heartbeat(self, stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
+        """Beats as weightsync.heartbeat does: on one Heartbeats stream (or unary calls)."""
         interval = heartbeat_interval_s(self.ttl_s)
+        request = pb.HeartbeatRequest(session=self.session, agent_id=agent_id)
         await asyncio.sleep(random.random() * interval)  # agents beat at random phases
+        call = None
         while True:
             t0 = time.perf_counter()
             try:
-                await stub.Heartbeat(pb.HeartbeatRequest(session=self.session, agent_id=agent_id), timeout=self.ttl_s)
+                if self.unary_heartbeats:
+                    await stub.Heartbeat(request, timeout=self.ttl_s)
+                else:
+                    call = call or stub.Heartbeats()
+                    await call.write(request)
+                    await asyncio.wait_for(call.read(), self.ttl_s)
                 self.heartbeats.append(time.perf_counter() - t0)
-            except grpc.aio.AioRpcError as e:
-                self._error(f"heartbeat {e.code().name}")
+            except (grpc.aio.AioRpcError, TimeoutError) as e:
+                self._error(f"heartbeat {e.code().name if isinstance(e, grpc.aio.AioRpcError) else 'TIMEOUT'}")
+                if call is not None:
+                    call.cancel()
+                call = None
             await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
 
     async def _handshake(self, stub: pb_grpc.CoordinatorStub, agent_id: str, version: int, digest: str) -> None:
@@ -221,7 +234,9 @@ def fleet_worker(args: argparse.Namespace) -> int:
     first, count = map(int, args.worker.split(":"))
     part = synthetic_part(8)
     report = good_report("fleet", 1, "", Manifest("fleet", 1, 1, part.chunk_bytes, (part,)))
-    fleet = Fleet(args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report)
+    fleet = Fleet(
+        args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report, args.heartbeats == "unary"
+    )
     asyncio.run(fleet.run())
     print(
         json.dumps(
@@ -240,7 +255,7 @@ def fleet_worker(args: argparse.Namespace) -> int:
 
 
 def fleet_round(
-    address: str, pid: int, agents: int, seconds: float, ttl_s: float, procs: int, pull_s: float
+    address: str, pid: int, agents: int, seconds: float, ttl_s: float, procs: int, pull_s: float, heartbeats: str
 ) -> dict[str, Any]:
     trainer = CoordinatorClient(address, timeout_s=60.0)
     opened = trainer.open_session("fleet", trainer=True, trainer_ranks=1, min_rollouts=1)
@@ -262,6 +277,8 @@ def fleet_round(
                     str(ttl_s),
                     "--pull-s",
                     str(pull_s),
+                    "--heartbeats",
+                    heartbeats,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -323,6 +340,7 @@ def fleet_round(
         "simulated_pull_s": pull_s,
         "register_all_s": round(setup_s, 2),
         "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
+        "heartbeats": heartbeats,
         "getstatus_fleet": percentiles([s for _, s in busy.samples]),
         "getstatus_quiet": percentiles([s for _, s in quiet.samples]),
         # steady: heartbeats and watches only; burst: from the publish on (leases, handshakes)
@@ -425,6 +443,12 @@ def main() -> int:
         default=2.0,
         help="each agent reports uniform(0, pull_s) after its GetManifest, as a pull takes; 0: all at once",
     )
+    ap.add_argument(
+        "--heartbeats",
+        choices=("stream", "unary"),
+        default="stream",
+        help="how agents beat: on a Heartbeats stream each (as weightsync's agents do) or unary calls",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -438,7 +462,14 @@ def main() -> int:
         if "fleet" in rounds:
             err.print(f"fleet: {args.agents} agents for {args.seconds:.0f} s …")
             out["fleet"] = fleet_round(
-                coord.address, coord.pid, args.agents, args.seconds, args.lease_ttl_s, args.fleet_procs, args.pull_s
+                coord.address,
+                coord.pid,
+                args.agents,
+                args.seconds,
+                args.lease_ttl_s,
+                args.fleet_procs,
+                args.pull_s,
+                args.heartbeats,
             )
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")

@@ -62,8 +62,24 @@ MIGRATIONS = (
     ("versions", "pruned_bytes", "INTEGER NOT NULL DEFAULT 0"),
     ("versions", "pruned_ranks", "INTEGER NOT NULL DEFAULT 0"),
     ("versions", "pruned_stage_seconds", "REAL NOT NULL DEFAULT 0"),
+    # A store-wide mark, larger for every report written (replaced ones too): readers that
+    # keep a version's reports ask for the newer ones (coordinator.status_view).
+    ("reports", "written", "INTEGER NOT NULL DEFAULT 0"),
+    # A part's size and staging time beside its body: every version record sums them, and
+    # reading them out of the body parsed all of its JSON (5 ms at 3,000 tensors; -1: not
+    # yet filled in from the body, `BACKFILLS`).
+    ("parts", "total_bytes", "INTEGER NOT NULL DEFAULT -1"),
+    ("parts", "stage_seconds", "REAL NOT NULL DEFAULT -1"),
 )
-READERS = 4  # read connections (reads run beside the writer in WAL mode)
+# Columns added above whose values older rows hold elsewhere: filled in once, on open.
+BACKFILLS = (
+    "UPDATE parts SET total_bytes=json_extract(body, '$.total_bytes'), "
+    "stage_seconds=COALESCE(json_extract(body, '$.stage_seconds'), 0.0) WHERE total_bytes<0",
+)
+# Read connections (reads run beside the writer in WAL mode). Status, manifest and watch
+# threads hold some while the event loop runs short reads on others: with 4, a fleet's
+# burst found none free on the loop half the time.
+READERS = 8
 
 
 class StoreBusy(Exception):
@@ -82,9 +98,10 @@ class Database:
     def __init__(self, db_path: str | Path) -> None:
         self.lock = threading.Lock()  # the writer's
         self._nowait = threading.local()  # set on a thread inside nonblocking()
-        # Called (on the releasing thread) each time a write lets go of the writer's lock:
-        # how an event loop waiting to run a short write on itself learns it may try again.
-        self.on_writer_free: Callable[[], None] | None = None
+        # Called (on the releasing thread) each time the writer's lock or a reader is let
+        # go: how an event loop waiting to run a short store call on itself (StoreBusy)
+        # learns it may try again.
+        self.on_free: Callable[[], None] | None = None
         self._lock_fd = -1
         try:
             self._open(db_path)
@@ -112,6 +129,8 @@ class Database:
         for table, column, decl in MIGRATIONS:  # databases from before the column existed
             if column not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        for statement in BACKFILLS:
+            db.execute(statement)
         # Reads (GetStatus, watches, manifests) use connections of their own: in WAL mode
         # they see the last commit without waiting for the writer's lock, so a fleet's
         # heartbeats and a big publish do not queue every status call behind them.
@@ -161,7 +180,7 @@ class Database:
 
     def release_writer(self) -> None:
         self.lock.release()
-        if (free := self.on_writer_free) is not None:
+        if (free := self.on_free) is not None:
             free()
 
     @contextmanager
@@ -179,7 +198,7 @@ class Database:
 
     def read(self) -> _Read | _Tx:
         """A read-only snapshot (a reader connection; the writer's for ":memory:")."""
-        return _Tx(self) if self.readers is None else _Read(self.readers, getattr(self._nowait, "on", False))
+        return _Tx(self) if self.readers is None else _Read(self, getattr(self._nowait, "on", False))
 
 
 def _lock_database(db_path: Path) -> int:
@@ -201,8 +220,10 @@ def _lock_database(db_path: Path) -> int:
 class _Read:
     """`with database.read() as db`: a reader connection from the pool, in one snapshot."""
 
-    def __init__(self, readers: queue.SimpleQueue[sqlite3.Connection], nowait: bool) -> None:
-        self._readers = readers
+    def __init__(self, database: Database, nowait: bool) -> None:
+        assert database.readers is not None
+        self._database = database
+        self._readers = database.readers
         self._nowait = nowait
         self._db: sqlite3.Connection | None = None
 
@@ -220,6 +241,8 @@ class _Read:
             self._db.execute("COMMIT")
         finally:
             self._readers.put(self._db)
+            if (free := self._database.on_free) is not None:
+                free()
 
 
 class _Tx:

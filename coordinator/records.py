@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from coordinator.states import VersionState
 from weightsync.manifest import Endpoint
@@ -50,8 +50,9 @@ class VersionRecord:
     stage_seconds: float
 
 
-@dataclass(frozen=True)
-class AgentRecord:
+class AgentRecord(NamedTuple):
+    """An agent row. A tuple, not a dataclass: a fleet's status builds 1,000 per call."""
+
     agent_id: str
     role: str
     endpoint: Endpoint
@@ -62,8 +63,9 @@ class AgentRecord:
     generation: int = 0  # trainers: the generation they registered with
 
 
-@dataclass(frozen=True)
-class ReportRecord:
+class ReportRecord(NamedTuple):
+    """A stored handshake (its verdict, timings and bytes; not the digests it carried)."""
+
     version: int
     agent_id: str
     ok: bool
@@ -71,6 +73,22 @@ class ReportRecord:
     timings: dict[str, float]
     bytes_pulled: int
     reported_at: float
+
+
+class ReportStamp(NamedTuple):
+    """`SessionStore.report_stamps`: a version's report count and newest `written` mark;
+    a new or replaced report raises the mark, a pruned one lowers the count."""
+
+    count: int
+    newest: int
+
+
+@dataclass(frozen=True)
+class ReportsSince:
+    """`SessionStore.reports_since`: the reports after a mark, and the stamp of them all."""
+
+    stamp: ReportStamp
+    reports: list[ReportRecord]
 
 
 @dataclass(frozen=True)

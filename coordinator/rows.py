@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.records import AgentRecord, FleetGauges, ReportRecord, VersionRecord
@@ -43,30 +43,19 @@ def _endpoint(text: str) -> Endpoint:
     return Endpoint.from_dict(json.loads(text))
 
 
-def agent_record(r: sqlite3.Row, now: float) -> AgentRecord:
-    return AgentRecord(
-        agent_id=r["agent_id"],
-        role=r["role"],
-        endpoint=_endpoint(r["endpoint"]),
-        rank=r["rank"],
-        lease_expires_at=r["lease_expires_at"],
-        current_version=r["current_version"],
-        alive=r["lease_expires_at"] >= now,
-        generation=r["generation"],
-    )
+AGENT_COLUMNS = "agent_id, role, endpoint, rank, lease_expires_at, current_version, generation"
+REPORT_COLUMNS = "version, agent_id, ok, mismatch, body, reported_at"
 
 
-def report_records(rows: Iterable[sqlite3.Row]) -> list[ReportRecord]:
-    out = []
-    for r in rows:
-        body = json.loads(r["body"])
-        out.append(
-            ReportRecord(
-                r["version"], r["agent_id"], bool(r["ok"]), r["mismatch"], body["timings"], body["bytes_pulled"],
-                r["reported_at"],
-            )
-        )  # fmt: skip
-    return out
+def agent_record(r: Sequence[Any], now: float) -> AgentRecord:
+    """A row of AGENT_COLUMNS (positional: a fleet's status reads 1,000 per call)."""
+    return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], r[4], r[5], r[4] >= now, r[6])
+
+
+def report_record(r: Sequence[Any]) -> ReportRecord:
+    """A row of REPORT_COLUMNS."""
+    body = json.loads(r[4])
+    return ReportRecord(r[0], r[1], bool(r[2]), r[3], body["timings"], body["bytes_pulled"], r[5])
 
 
 def fleet_gauges(db: sqlite3.Connection, now: float) -> list[FleetGauges]:

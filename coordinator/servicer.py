@@ -15,10 +15,11 @@ import grpc
 
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.fleet_metrics import FleetCollector
-from coordinator.messages import agent_info, applied_report, endpoint_proto, handshake_info, role_name, version_info
+from coordinator.messages import applied_report, endpoint_proto, role_name, version_info
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, VersionRecord
 from coordinator.states import VersionState
+from coordinator.status_view import StatusReplies
 from coordinator.store import SessionStore
 from coordinator.watch import EVENT_PAGE, EventFeed, WatchHub
 from weightsync._proto import coordinator_pb2 as pb
@@ -81,13 +82,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._status_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="status")
         self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
         self._bodies: Recent[tuple[str, int, str], _ManifestBody] = Recent(MANIFEST_BODIES)
+        self._status = StatusReplies(store)
         # Leases and handshakes come as a fleet-wide burst on every READY; at most this many
         # at a time, so heartbeats and watches never queue behind a thousand of them.
         self._burst = asyncio.Semaphore(BURST_CALLS)
         self._store_free = asyncio.Event()
         self._store_waiters = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        store.on_writer_free = self._writer_free
+        store.on_free = self._store_freed
         store.on_transition = self._count_transition
         metrics.registry.register(FleetCollector(store))
 
@@ -133,15 +135,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return await loop.run_in_executor(executor, fn, *args)
             self._store_waiters += 1
             self._loop = loop
-            try:  # woken when a write lets go of the lock; the timeout covers a missed wake
+            try:  # woken when a connection is let go (on_free); the timeout covers a missed wake
                 await asyncio.wait_for(self._store_free.wait(), min(left, 0.05))
             except TimeoutError:
                 pass
             finally:
                 self._store_waiters -= 1
 
-    def _writer_free(self) -> None:
-        """The store's on_writer_free, on whichever thread wrote."""
+    def _store_freed(self) -> None:
+        """The store's on_free, on whichever thread let go of the writer's lock or a reader."""
         if self._store_waiters and self._loop is not None:  # read off the loop: a stale
             self._loop.call_soon_threadsafe(self._store_free.set)  # 0 costs one timeout
 
@@ -202,6 +204,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DeregisterAgentResponse(removed=self._store.deregister_agent(request.session, request.agent_id))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        return await self._beat(request)
+
+    async def Heartbeats(
+        self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.HeartbeatResponse]:
+        # Each request was checked as it arrived (rpc.StatusInterceptor); an error ends the
+        # stream, and so does shutdown (the hub cancels it: it waits on its client).
+        task = asyncio.current_task()
+        if task is not None:
+            self._hub.end_on_close(task)
+        async for request in request_iterator:
+            yield await self._beat(request)
+
+    async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         # A fleet's commonest call: one short statement.
         generation = await self._soon(
             None, self._store.heartbeat, request.session, request.agent_id, request.current_version
@@ -383,29 +399,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         # On threads of its own, not the handler pool nor the executor manifests use: an
         # operator's status call does not queue behind a fleet's burst of handshakes.
-        return await asyncio.get_running_loop().run_in_executor(self._status_pool, self._status, request)
-
-    def _status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
-        s = self._store.session(request.session)
-        seq = self._store.latest_seq(s.name)  # read first: following from it misses nothing
-        limit = request.version_limit or 20
-        if limit > 1000:
-            raise InvalidArgument(f"{limit} exceeds 1000", field="version_limit")
-        versions = self._store.versions(s.name, limit)
-        agents = self._store.agents(s.name)
-        reports = self._store.reports(s.name, [v.version for v in versions])
-        parts = self._store.parts(s.name, versions[0].version) if versions else []
-        return pb.GetStatusResponse(
-            session=s.name,
-            generation=s.generation,
-            trainer_ranks=s.trainer_ranks,
-            min_rollouts=s.min_rollouts,
-            versions=[version_info(v) for v in versions],
-            agents=[agent_info(a) for a in agents],
-            handshakes=[handshake_info(r) for r in reports],
-            parts=[part_to_proto(p) for p in parts],
-            event_seq=seq,
-        )
+        return await asyncio.get_running_loop().run_in_executor(self._status_pool, self._status.reply, request)
 
     def AbortVersion(self, request: pb.AbortVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         rec = self._store.abort_version(

@@ -24,10 +24,19 @@ from coordinator.records import (
     EventListener,
     FleetGauges,
     ReportRecord,
+    ReportsSince,
+    ReportStamp,
     SessionRecord,
     VersionRecord,
 )
-from coordinator.rows import agent_record, fleet_gauges, report_records, version_record
+from coordinator.rows import (
+    AGENT_COLUMNS,
+    REPORT_COLUMNS,
+    agent_record,
+    fleet_gauges,
+    report_record,
+    version_record,
+)
 from coordinator.states import VersionState
 from coordinator.tokens import TokenKeys
 from coordinator.versions import VersionLifecycle, check_generation
@@ -87,6 +96,8 @@ class SessionStore(VersionLifecycle):
         self.db = Database(db_path)
         self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
+        with self._read() as db:
+            self._report_mark: int = db.execute("SELECT COALESCE(MAX(written), 0) FROM reports").fetchone()[0]
 
     def close(self) -> None:
         self.db.close()
@@ -106,13 +117,13 @@ class SessionStore(VersionLifecycle):
         return self.db.nonblocking()
 
     @property
-    def on_writer_free(self) -> Callable[[], None] | None:
-        """Called each time a write lets go of the writer's lock (`Database`)."""
-        return self.db.on_writer_free
+    def on_free(self) -> Callable[[], None] | None:
+        """Called each time the writer's lock or a reader is let go (`Database.on_free`)."""
+        return self.db.on_free
 
-    @on_writer_free.setter
-    def on_writer_free(self, fn: Callable[[], None] | None) -> None:
-        self.db.on_writer_free = fn
+    @on_free.setter
+    def on_free(self, fn: Callable[[], None] | None) -> None:
+        self.db.on_free = fn
 
     def _notify(self, session: str) -> None:
         if self._listener is not None:
@@ -308,7 +319,7 @@ class SessionStore(VersionLifecycle):
         with self._read() as db:
             self._session(db, session)
             rows = db.execute(  # filtered in SQL: GetManifest asks for it on every lease
-                "SELECT * FROM agents WHERE session=? AND role='ROLLOUT' AND lease_expires_at-?>=? "
+                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? AND role='ROLLOUT' AND lease_expires_at-?>=? "
                 "AND endpoint LIKE '%\"relay\"%' "  # the terms of the relay_candidates index
                 "AND EXISTS (SELECT 1 FROM json_each(endpoint, '$.transports') WHERE value='relay') "
                 "AND json_extract(endpoint, '$.tcp_address')!='' ORDER BY rank, agent_id",
@@ -397,7 +408,7 @@ class SessionStore(VersionLifecycle):
         with self._read() as db:
             self._session(db, session)
             found = db.execute(
-                "SELECT * FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
+                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
             ).fetchall()
             return [agent_record(r, now) for r in found]
 
@@ -407,12 +418,43 @@ class SessionStore(VersionLifecycle):
             return []
         with self._read() as db:
             marks = ",".join("?" * len(versions))
-            return report_records(
-                db.execute(
-                    f"SELECT * FROM reports WHERE session=? AND version IN ({marks}) ORDER BY version DESC, agent_id",
-                    (session, *versions),
-                )
+            rows = db.execute(
+                f"SELECT {REPORT_COLUMNS} FROM reports WHERE session=? AND version IN ({marks}) "
+                "ORDER BY version DESC, agent_id",
+                (session, *versions),
             )
+            return [report_record(r) for r in rows]
+
+    def report_stamps(self, session: str, versions: list[int]) -> dict[int, ReportStamp]:
+        """Per version with reports: (count, newest `written` mark), which any new, replaced
+        or pruned report changes."""
+        if not versions:
+            return {}
+        with self._read() as db:
+            return self._report_stamps(db, session, versions)
+
+    def reports_since(self, session: str, version: int, after_mark: int) -> ReportsSince:
+        """A version's reports written after mark `after_mark` (-1: all), and the stamp of
+        them all (one snapshot): a reader that kept the earlier ones tops them up."""
+        with self._read() as db:
+            stamp = self._report_stamps(db, session, [version]).get(version, ReportStamp(0, 0))
+            rows = db.execute(
+                f"SELECT {REPORT_COLUMNS} FROM reports WHERE session=? AND version=? AND written>?",
+                (session, version, after_mark),
+            ).fetchall()
+        return ReportsSince(stamp, [report_record(r) for r in rows])
+
+    @staticmethod
+    def _report_stamps(db: sqlite3.Connection, session: str, versions: list[int]) -> dict[int, ReportStamp]:
+        marks = ",".join("?" * len(versions))
+        return {
+            r[0]: ReportStamp(r[1], r[2])
+            for r in db.execute(
+                f"SELECT version, COUNT(*), MAX(written) FROM reports WHERE session=? AND version IN ({marks}) "
+                "GROUP BY version",
+                (session, *versions),
+            )
+        }
 
     def events_since(self, session: str, seq: int, limit: int = 256) -> list[Event]:
         """Version events after seq, oldest first (for WatchVersions replay)."""

@@ -73,6 +73,7 @@ class VersionLifecycle:
     _is_live_rollout: Callable[[sqlite3.Connection, str, str], bool]
     _lease_count: Callable[[sqlite3.Connection, str, int], int]
     _renew: Callable[[sqlite3.Connection, str, str], None]
+    _report_mark: int  # the newest reports.written
 
     def publish_part(
         self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
@@ -143,7 +144,9 @@ class VersionLifecycle:
                     (session, version, S.STAGING.value, generation, part.chunk_bytes, "", now, 0.0, 0.0, "", "[]"),
                 )
             db.execute(
-                "INSERT INTO parts VALUES (?,?,?,?,?,?)", (session, version, part.rank, idempotency_key, digest, body)
+                "INSERT INTO parts (session, version, rank, idempotency_key, part_digest, body, total_bytes, "
+                "stage_seconds) VALUES (?,?,?,?,?,?,?,?)",
+                (session, version, part.rank, idempotency_key, digest, body, part.total_bytes, part.stage_seconds),
             )
             if vrow is None:
                 self._event(db, session, version, S.STAGING)
@@ -283,16 +286,19 @@ class VersionLifecycle:
             if rec.state not in SERVABLE:
                 raise WrongState(f"version {version} is {rec.state.value}; handshakes are accepted for READY versions")
             mismatch = compare_report(self._manifest(db, rec), rec.manifest_digest, report)
+            self._report_mark += 1  # under the writer's lock; a rolled-back mark is skipped, never reused
             db.execute(
-                "INSERT OR REPLACE INTO reports VALUES (?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO reports (session, version, agent_id, ok, mismatch, body, reported_at, written) "
+                "VALUES (?,?,?,?,?,?,?,?)",
                 (
                     session,
                     version,
                     agent_id,
                     int(mismatch is None),
                     mismatch or "",
-                    json.dumps(report.to_dict()),
+                    json.dumps(report.stored()),
                     self._clock(),
+                    self._report_mark,
                 ),
             )
             db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))

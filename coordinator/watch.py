@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.records import Event
 
@@ -32,6 +33,21 @@ class WatchHub:
         self._ticks: dict[str, int] = {}
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = {}
         self._closed = False
+        self._calls: set[asyncio.Task[Any]] = set()
+
+    def end_on_close(self, task: asyncio.Task[Any]) -> None:
+        """A long-lived call that waits on its client, not on the hub (a heartbeat stream):
+        its task is cancelled when the hub closes, so shutdown does not wait out its grace."""
+        with self._lock:
+            if not self._closed:
+                self._calls.add(task)
+                task.add_done_callback(self._call_ended)
+                return
+        task.cancel()
+
+    def _call_ended(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._calls.discard(task)
 
     def notify(self, session: str) -> None:
         """Called by the store after a commit that may have appended events (any thread)."""
@@ -69,7 +85,12 @@ class WatchHub:
             self._closed = True
             waiters = {w for ws in self._waiters.values() for w in ws}
             self._waiters.clear()
+            calls, self._calls = self._calls, set()
         _wake(waiters)
+        for task in calls:
+            loop = task.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
 
 
 def _wake(waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import grpc
@@ -97,6 +97,14 @@ class CoordinatorClient:
     ) -> pb.HeartbeatResponse:
         req = pb.HeartbeatRequest(session=session, agent_id=agent_id, current_version=current_version)
         return rpc.unary(self._stub.Heartbeat, req, timeout_s=timeout_s or self.timeout_s)
+
+    def heartbeats(
+        self, requests: Iterator[pb.HeartbeatRequest]
+    ) -> tuple[Iterator[pb.HeartbeatResponse], Callable[[], None]]:
+        """Heartbeats on one call: (the answers, errors raised as weightsync errors; a
+        cancel function, safe from any thread). The call ends when `requests` does."""
+        call = self._stub.Heartbeats(requests)
+        return rpc.answers(call), call.cancel
 
     def deregister_agent(self, session: str, agent_id: str, *, timeout_s: float = 2.0) -> bool:
         """Ends the agent's lease now (graceful exit); short deadline, no retries."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from weightsync.digests import DIGEST_ALGORITHM, canonical_json, combine_shard_digests, hex64, sha256_hex
 from weightsync.dtypes import dtype_info
+
+T = TypeVar("T")
 
 
 def exact_sum(values: Iterable[float]) -> float:
@@ -302,14 +305,27 @@ class Manifest:
     chunk_bytes: int
     parts: tuple[Part, ...]  # sorted by rank
 
+    def _kept(self, key: str, build: Callable[[], T]) -> T:
+        """A value derived from the parts, built once: a manifest never changes, and the
+        coordinator checks a fleet's handshakes (1,000 per version) against one."""
+        value = self.__dict__.get(key)
+        if value is None:
+            value = build()
+            object.__setattr__(self, key, value)
+        return value
+
     @property
-    def tensors(self) -> dict[str, TensorSpec]:
-        """Global tensor specs by name, in first-seen order."""
-        out: dict[str, TensorSpec] = {}
-        for part in self.parts:
-            for t in part.tensors:
-                out.setdefault(t.name, t)
-        return out
+    def tensors(self) -> Mapping[str, TensorSpec]:
+        """Global tensor specs by name, in first-seen order (read-only)."""
+
+        def build() -> Mapping[str, TensorSpec]:
+            out: dict[str, TensorSpec] = {}
+            for part in self.parts:
+                for t in part.tensors:
+                    out.setdefault(t.name, t)
+            return MappingProxyType(out)
+
+        return self._kept("_tensors", build)
 
     @property
     def total_bytes(self) -> int:
@@ -334,28 +350,38 @@ class Manifest:
 
     def shards_of_name(self, name: str) -> list[tuple[int, ShardSpec]]:
         """(rank, shard) of one tensor in canonical order (cached index over all tensors)."""
-        index = self.__dict__.get("_shard_index")
-        if index is None:
-            index = self.shards_of()
-            object.__setattr__(self, "_shard_index", index)
-        return index[name]
+        return self._kept("_shard_index", self.shards_of)[name]
 
-    def tensor_digests(self) -> dict[str, int]:
-        """Per-tensor digests by the rule in `digests.combine_shard_digests`."""
-        return {name: combine_shard_digests(s.xxh3 for _, s in shards) for name, shards in self.shards_of().items()}
+    def tensor_digests(self) -> Mapping[str, int]:
+        """Per-tensor digests by the rule in `digests.combine_shard_digests` (read-only)."""
+        return self._kept(
+            "_tensor_digests",
+            lambda: MappingProxyType(
+                {name: combine_shard_digests(s.xxh3 for _, s in shards) for name, shards in self.shards_of().items()}
+            ),
+        )
 
-    def tensor_sums(self) -> dict[str, float]:
-        """Per-tensor float64 sums (sums of shard sums)."""
-        return {name: exact_sum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
+    def tensor_sums(self) -> Mapping[str, float]:
+        """Per-tensor float64 sums (sums of shard sums; read-only)."""
+        return self._kept(
+            "_tensor_sums",
+            lambda: MappingProxyType(
+                {name: exact_sum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
+            ),
+        )
 
     def aggregates(self) -> Aggregates:
         """grand_total, tensor_count and element_count over the source tensors."""
-        tensors = self.tensors
-        return Aggregates(
-            grand_total=exact_sum(self.tensor_sums().values()),
-            tensor_count=len(tensors),
-            element_count=sum(t.element_count for t in tensors.values()),
-        )
+
+        def build() -> Aggregates:
+            tensors = self.tensors
+            return Aggregates(
+                grand_total=exact_sum(self.tensor_sums().values()),
+                tensor_count=len(tensors),
+                element_count=sum(t.element_count for t in tensors.values()),
+            )
+
+        return self._kept("_aggregates", build)
 
     def digest(self) -> str:
         """sha256 hex of the canonical encoding of the whole manifest's content."""

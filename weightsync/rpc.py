@@ -135,10 +135,15 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _before(self, method: str, metadata: Any, request: Any) -> None:
-        if hasattr(request, "ListFields"):  # unary requests (streams check their headers)
+        if hasattr(request, "ListFields"):  # messages (client streams check their headers)
             check_int64_range(request)
         for check in self._checks:
             check(method, metadata, request)
+
+    async def _each_checked(self, method: str, metadata: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            self._before(method, metadata, request)
+            yield request
 
     def _status(self, error: Exception, method: str, started: float | None, context: Any) -> grpc.Status:
         if isinstance(error, grpc.aio.AbortError):
@@ -172,6 +177,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             async def agen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
                     self._before(method, metadata, request)
+                    if kind == "stream_stream":  # every message, as a unary request is
+                        request = self._each_checked(method, metadata, request)
                     async for item in fn(request, context):
                         yield item
                 except asyncio.CancelledError:
@@ -294,7 +301,11 @@ def stream(
     fn: Callable[..., Iterator[T]], request: Any, *, timeout_s: float | None, metadata: Any = None
 ) -> Iterator[T]:
     """Iterates a server-streaming call with a deadline, mapping errors as they arrive."""
-    call = fn(request, timeout=timeout_s, metadata=metadata)
+    yield from answers(fn(request, timeout=timeout_s, metadata=metadata))
+
+
+def answers(call: Iterator[T]) -> Iterator[T]:
+    """A streaming call's responses, errors mapped as they arrive; cancelled when left."""
     try:
         yield from call
     except grpc.RpcError as e:

@@ -50,7 +50,7 @@ ROLE_IN_REQUEST = ("/weightsync.v1.Coordinator/OpenSession", "/weightsync.v1.Coo
 # Methods whose request names an agent: an agent token may name only its own.
 AGENT_IN_REQUEST = tuple(
     f"/weightsync.v1.Coordinator/{m}"
-    for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "ReportApplied", "GetManifest")
+    for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "Heartbeats", "ReportApplied", "GetManifest")
 )
 AGENT_TOKEN_PREFIX = "wsagent:"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -235,7 +235,8 @@ class BearerAuth:
             asked = _ROLE_OF_ENUM.get(request.role)
             if asked is not None and asked != role:
                 raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
-        if bound and method in AGENT_IN_REQUEST and request.agent_id not in ("", bound):
+        # A stream's requests are checked one by one (`request` is first the iterator).
+        if bound and method in AGENT_IN_REQUEST and getattr(request, "agent_id", "") not in ("", bound):
             raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
 
 

@@ -128,13 +128,19 @@ def _call(
 ) -> grpc.StatusCode:
     ser, de = (lambda m: m.SerializeToString()), (lambda b: b)
     try:
-        if cstream:
+        if cstream and not sstream:
             reqs = [_fill(cls(), rng) for _ in range(rng.choice([0, 1, 2, 4]))]
             channel.stream_unary(path, request_serializer=ser, response_deserializer=de)(iter(reqs), timeout=10)
         elif sstream:
-            call = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(
-                _fill(cls(), rng), timeout=0.2
-            )
+            if cstream:  # a bidi stream (Heartbeats): a few requests, a few answers
+                reqs = [_fill(cls(), rng) for _ in range(rng.choice([0, 1, 2, 4]))]
+                call = channel.stream_stream(path, request_serializer=ser, response_deserializer=de)(
+                    iter(reqs), timeout=2
+                )
+            else:
+                call = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(
+                    _fill(cls(), rng), timeout=0.2
+                )
             # Belt and braces: a watch that outlives its deadline on the client side would
             # hang the test rather than fail it (seen once with a health Watch).
             timer = threading.Timer(3, call.cancel)

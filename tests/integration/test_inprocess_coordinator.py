@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from tests.integration.support import eventually
 from tests.unit.helpers import make_part, sample_arrays
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
@@ -109,14 +110,62 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
             registrations.append(1)
             return client.register_agent("job", "r0", trainer=False, endpoint=Endpoint()).lease_ttl_seconds
 
-        beat = Heartbeat(client, "job", "r0", current_version=lambda: 0, register=register).start()
+        beat = Heartbeat(client, "job", "r0", current_version=lambda: 7, register=register).start()
         try:
             assert beat.interval_s == heartbeat_interval_s(0.6) == 0.15
             time.sleep(1.5)  # 2.5 leases: alive only because beats came at the TTL's pace
-            assert [a.alive for a in client.status("job").agents] == [True]
+            (agent,) = client.status("job").agents
+            assert agent.alive and agent.current_version == 7
             assert registrations == [1]  # never lost the lease
+            # the beats travelled on one Heartbeats stream, not as unary calls
+            assert rpc_count(running, "Heartbeat") == 0 and rpc_count(running, "Heartbeats") == 0  # still open
+            client.deregister_agent("job", "r0")  # the coordinator forgets it: NOT_FOUND ends the stream
+            eventually(lambda: len(registrations) == 2, what="the agent to register again")
+            eventually(lambda: bool(client.status("job").agents), what="the agent listed again")
+            assert rpc_count(running, "Heartbeats") == 1  # the first stream ended; a new one beats
         finally:
             beat.stop()
+        assert rpc_count(running, "Heartbeats") == 2 and rpc_count(running, "Heartbeat") == 0
+
+
+def rpc_count(running: RunningServer, method: str) -> float:
+    return sum(
+        s.value
+        for m in running.metrics.registry.collect()
+        if m.name == "weightsync_rpc_requests"
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels.get("method") == method
+    )
+
+
+def test_heartbeats_fall_back_to_unary_calls_on_a_coordinator_without_the_stream(tmp_path) -> None:  # noqa: ANN001
+    """A coordinator from before Heartbeats (UNIMPLEMENTED) still renews the lease."""
+    from coordinator.servicer import CoordinatorServicer
+    from tests.conftest import coordinator_in_process
+    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+    from weightsync.heartbeat import Heartbeat
+
+    old = CoordinatorServicer.Heartbeats
+    CoordinatorServicer.Heartbeats = pb_grpc.CoordinatorServicer.Heartbeats  # the generated UNIMPLEMENTED
+    try:
+        with (
+            coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running,
+            CoordinatorClient(running.address) as client,
+        ):
+            client.open_session("job", trainer=False)
+
+            def register() -> float:
+                return client.register_agent("job", "r0", trainer=False, endpoint=Endpoint()).lease_ttl_seconds
+
+            beat = Heartbeat(client, "job", "r0", current_version=lambda: 0, register=register).start()
+            try:
+                time.sleep(1.5)
+                assert [a.alive for a in client.status("job").agents] == [True]
+                assert rpc_count(running, "Heartbeat") >= 5
+            finally:
+                beat.stop()
+    finally:
+        CoordinatorServicer.Heartbeats = old
 
 
 def test_reflection_answers_v1_and_streams_are_not_timed(inprocess_coordinator: RunningServer) -> None:

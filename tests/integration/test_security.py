@@ -26,6 +26,7 @@ from tests.conftest import coordinator_in_process
 from tests.integration.support import state_name
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
@@ -143,6 +144,13 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
             with pytest.raises(PermissionDenied) as exc:
                 call()
             assert exc.value.field == "agent_id"
+        # on the Heartbeats stream every message is checked: r0's beats answered, r1's ends it
+        beats = [pb.HeartbeatRequest(session="job", agent_id=a) for a in ("r0", "r0", "r1", "r0")]
+        answers, _ = c.heartbeats(iter(beats))
+        got = []
+        with pytest.raises(PermissionDenied) as exc:
+            got.extend(answers)
+        assert len(got) == 2 and exc.value.field == "agent_id"
         with pytest.raises(PermissionDenied):  # the role still binds: a rollout's token cannot attach as trainer
             c.open_session("job", trainer=True)
     forged = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token("x" * 24, "rollout", "r1"))

@@ -26,7 +26,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.errors import StaleGeneration
 
 TINY = ["--model-size", "tiny"]
-TTL = 2.0  # every lease in these tests; agents beat every 0.2 s
+TTL = 2.0  # every lease in these tests; agents beat every 0.5 s (weightsync.lease)
 
 
 def agents(client: CoordinatorClient, session: str = "job") -> dict[str, object]:
@@ -58,6 +58,32 @@ def test_a_rollout_paused_past_its_lease_registers_again_and_catches_up(cluster:
         assert time.monotonic() - t0 < 3 * TTL
         assert agents(client)["r0"].alive
     assert "registering again" in r0.log()
+
+
+def test_agents_notice_a_paused_coordinator_and_renew_their_leases_once_it_runs(cluster: Cluster) -> None:
+    """A coordinator frozen (SIGSTOP) past the lease keeps its connections open: the beats on
+    the open Heartbeats stream go unanswered, which ends the stream; once it runs again the
+    agent beats on a new one (registering again if its lease lapsed)."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    with CoordinatorClient(coord.address) as client:
+        eventually(lambda: agents(client).get("r0") is not None and agents(client)["r0"].alive, what="r0 registered")
+        coord.popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2 * TTL)
+        finally:
+            coord.popen.send_signal(signal.SIGCONT)
+        t0 = time.monotonic()
+        eventually(lambda: agents(client)["r0"].alive, what="r0's lease renewed", timeout_s=3 * TTL)
+        assert time.monotonic() - t0 < 3 * TTL
+        time.sleep(TTL)  # and it stays renewed
+        assert agents(client)["r0"].alive
+    assert "no answer to a heartbeat" in r0.log()
+    assert r0.alive()
+    # SIGTERM ends the agents' open heartbeat streams rather than waiting out the grace period
+    t0 = time.monotonic()
+    assert cluster.stop(coord.name) == 0
+    assert time.monotonic() - t0 < 3.0, "the coordinator waited for open heartbeat streams"
 
 
 def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster: Cluster) -> None:

@@ -569,3 +569,31 @@ def test_a_rollout_holds_only_its_newest_lease(store: SessionStore) -> None:
     assert (store.version("job", 1).leases, store.version("job", 2).leases) == (2, 1)
     store.manifest("job", 2, lease_for="r1")
     assert store.version("job", 1).leases == 1
+
+
+def test_a_database_from_before_the_newer_columns_opens_with_them_filled_in(tmp_path: Path, clock: Clock) -> None:
+    """Columns added since (parts' sizes, reports' marks) are added on open, and parts'
+    sizes are filled in from their bodies: version records add up as before."""
+    import sqlite3
+
+    db = tmp_path / "c.db"
+    store = SessionStore(db, lease_ttl_s=10, clock=clock)
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    part = dataclasses.replace(part, stage_seconds=0.25)
+    store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    store.close()
+    old = sqlite3.connect(db)
+    for table, column in (("parts", "total_bytes"), ("parts", "stage_seconds"), ("reports", "written")):
+        old.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    old.commit()
+    old.close()
+    store = SessionStore(db, lease_ttl_s=10, clock=clock)
+    try:
+        rec = store.version("job", 1)
+        assert (rec.total_bytes, rec.sealed_ranks, rec.stage_seconds) == (part.total_bytes, 1, 0.25)
+        assert [r.agent_id for r in store.reports("job", [1])] == ["r0"]
+        assert store.report_stamps("job", [1])[1].count == 1
+    finally:
+        store.close()

@@ -50,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Heartbeats = channel.stream_stream(
+                '/weightsync.v1.Coordinator/Heartbeats',
+                request_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.DeregisterAgent = channel.unary_unary(
                 '/weightsync.v1.Coordinator/DeregisterAgent',
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeregisterAgentRequest.SerializeToString,
@@ -112,6 +117,16 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Renews an agent lease; NOT_FOUND once it expired (register again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeats(self, request_iterator, context):
+        """Heartbeat on one long-lived call (as etcd's LeaseKeepAlive): a request per beat,
+        each answered as Heartbeat answers it; an error ends the stream with its status
+        (NOT_FOUND: register again and open a new one). What agents use: a message on an
+        open stream costs the coordinator a third of a unary call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -190,6 +205,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Heartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.Heartbeats,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -313,6 +333,33 @@ class Coordinator:
             request,
             target,
             '/weightsync.v1.Coordinator/Heartbeat',
+            weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/weightsync.v1.Coordinator/Heartbeats',
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.HeartbeatResponse.FromString,
             options,
