@@ -91,7 +91,7 @@ class VersionLifecycle:
         if len(idempotency_key) > 256:
             raise InvalidArgument("longer than 256 characters", field="header.idempotency_key")
         digest = part.digest()
-        body = json.dumps(part.to_dict())
+        body = part.to_json()
         # Validation runs before the store's lock is taken: a part of 10^5 tensors takes a
         # while, and every session's calls wait on that lock. The transaction then checks
         # that what the validation relied on still holds (the generation, the sealed ranks).

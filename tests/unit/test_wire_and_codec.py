@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,72 @@ def test_manifest_stream_round_trip_keeps_digest() -> None:
     header.version.manifest_digest = "0" * 64
     with pytest.raises(DigestMismatch, match="manifest of version 3"):
         manifest_from_pieces(manifest_to_pieces(header, m))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ranks=st.integers(1, 3),
+    session=st.from_regex(r"[a-z0-9]([a-z0-9._-]{0,20}[a-z0-9])?", fullmatch=True),
+    version=st.integers(1, 2**63 - 1),
+    stage_seconds=st.sampled_from([0.0, 0.25, 1e-9, 12345.678]),
+    address=st.sampled_from(["127.0.0.1:1", "[::1]:7001", "höst:9"]),
+)
+def test_digests_and_stored_json_made_from_canonical_parts_equal_the_whole_encoding(
+    ranks: int, session: str, version: int, stage_seconds: float, address: str
+) -> None:
+    """Manifest.digest splices each part's canonical encoding into the manifest's, and
+    Part.to_json builds the stored body around it: both equal encoding the whole again."""
+    import dataclasses
+    import json
+
+    from weightsync.digests import DIGEST_ALGORITHM, canonical_json, sha256_hex
+
+    arrays = sample_arrays(seed=version % 7)
+    parts = tuple(
+        dataclasses.replace(
+            make_part(row_shards(arrays, r, ranks), rank=r, address=address)[0], stage_seconds=stage_seconds
+        )
+        for r in range(ranks)
+    )
+    m = Manifest(session, version, 1, parts[0].chunk_bytes, parts)
+    whole = {
+        "session": session,
+        "version": version,
+        "chunk_bytes": m.chunk_bytes,
+        "digest_algorithm": DIGEST_ALGORITHM,
+        "parts": [p.content_dict() for p in parts],
+    }
+    assert m.digest() == sha256_hex(canonical_json(whole))
+    for p in parts:
+        assert json.loads(p.to_json()) == json.loads(json.dumps(p.to_dict()))
+
+
+JSON_LEAVES = st.one_of(st.integers(-(2**63), 2**64), st.floats(allow_nan=False), st.text(max_size=8), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    obj=st.dictionaries(
+        st.text(max_size=6),
+        st.one_of(JSON_LEAVES, st.lists(st.one_of(JSON_LEAVES, st.dictionaries(st.text(max_size=3), JSON_LEAVES)))),
+        max_size=6,
+    ),
+    items=st.integers(1, 4),
+)
+def test_canonical_json_sliced_equals_canonical_json(obj: dict, items: int, monkeypatch_module: None) -> None:
+    from weightsync import digests
+
+    digests.SLICE_ITEMS = items  # short slices: every list is cut at every boundary
+    assert digests.canonical_json_sliced(obj) == digests.canonical_json(obj)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[None]:
+    from weightsync import digests
+
+    kept = digests.SLICE_ITEMS
+    yield
+    digests.SLICE_ITEMS = kept
 
 
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
