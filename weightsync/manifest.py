@@ -22,6 +22,17 @@ from weightsync.dtypes import dtype_info
 T = TypeVar("T")
 
 
+def _kept(obj: object, key: str, build: Callable[[], T]) -> T:
+    """A value derived from a frozen record, built on first use and kept in its __dict__:
+    parts and manifests never change, and a publish or a fleet's handshakes (1,000 per
+    version) ask for the same derived values again and again."""
+    value = obj.__dict__.get(key)
+    if value is None:
+        value = build()
+        object.__setattr__(obj, key, value)
+    return value
+
+
 def exact_sum(values: Iterable[float]) -> float:
     """math.fsum, except that sums holding +inf and -inf are NaN (fsum raises on them):
     weights may hold any float, and their sums must still compare."""
@@ -249,9 +260,9 @@ class Part:
 
         Built once per Part (it is frozen): a publish of 10^5 tensors needs it for the seal,
         the stored body and the manifest digest, ~1 s each. Callers must not modify it."""
-        cached = self.__dict__.get("_content")
-        if cached is None:
-            cached = {
+
+        def build() -> dict[str, Any]:
+            content = {
                 "rank": self.rank,
                 "digest_algorithm": DIGEST_ALGORITHM,
                 "total_bytes": self.total_bytes,
@@ -261,26 +272,19 @@ class Part:
                 "chunks": [c.to_dict() for c in self.chunks],
             }
             if self.delta is not None:  # absent otherwise: digests of full-only parts are unchanged
-                cached["delta"] = self.delta.to_dict()
-            object.__setattr__(self, "_content", cached)
-        return cached
+                content["delta"] = self.delta.to_dict()
+            return content
+
+        return _kept(self, "_content", build)
 
     def canonical(self) -> bytes:
         """The canonical encoding of `content_dict()` (built once): the part's digest, the
         manifest digest and the stored body are all made from it."""
-        cached = self.__dict__.get("_canonical")
-        if cached is None:
-            cached = canonical_json_sliced(self.content_dict())
-            object.__setattr__(self, "_canonical", cached)
-        return cached
+        return _kept(self, "_canonical", lambda: canonical_json_sliced(self.content_dict()))
 
     def digest(self) -> str:
         """sha256 hex of the canonical encoding of this part's content (computed once)."""
-        cached = self.__dict__.get("_digest")
-        if cached is None:
-            cached = sha256_hex(self.canonical())
-            object.__setattr__(self, "_digest", cached)
-        return cached
+        return _kept(self, "_digest", lambda: sha256_hex(self.canonical()))
 
     def to_json(self) -> str:
         """`to_dict()` as JSON text, made around the canonical content rather than encoding
@@ -331,15 +335,6 @@ class Manifest:
     chunk_bytes: int
     parts: tuple[Part, ...]  # sorted by rank
 
-    def _kept(self, key: str, build: Callable[[], T]) -> T:
-        """A value derived from the parts, built once: a manifest never changes, and the
-        coordinator checks a fleet's handshakes (1,000 per version) against one."""
-        value = self.__dict__.get(key)
-        if value is None:
-            value = build()
-            object.__setattr__(self, key, value)
-        return value
-
     @property
     def tensors(self) -> Mapping[str, TensorSpec]:
         """Global tensor specs by name, in first-seen order (read-only)."""
@@ -351,7 +346,7 @@ class Manifest:
                     out.setdefault(t.name, t)
             return MappingProxyType(out)
 
-        return self._kept("_tensors", build)
+        return _kept(self, "_tensors", build)
 
     @property
     def total_bytes(self) -> int:
@@ -376,11 +371,12 @@ class Manifest:
 
     def shards_of_name(self, name: str) -> list[tuple[int, ShardSpec]]:
         """(rank, shard) of one tensor in canonical order (cached index over all tensors)."""
-        return self._kept("_shard_index", self.shards_of)[name]
+        return _kept(self, "_shard_index", self.shards_of)[name]
 
     def tensor_digests(self) -> Mapping[str, int]:
         """Per-tensor digests by the rule in `digests.combine_shard_digests` (read-only)."""
-        return self._kept(
+        return _kept(
+            self,
             "_tensor_digests",
             lambda: MappingProxyType(
                 {name: combine_shard_digests(s.xxh3 for _, s in shards) for name, shards in self.shards_of().items()}
@@ -389,7 +385,8 @@ class Manifest:
 
     def tensor_sums(self) -> Mapping[str, float]:
         """Per-tensor float64 sums (sums of shard sums; read-only)."""
-        return self._kept(
+        return _kept(
+            self,
             "_tensor_sums",
             lambda: MappingProxyType(
                 {name: exact_sum(s.sum for _, s in shards) for name, shards in self.shards_of().items()}
@@ -407,7 +404,7 @@ class Manifest:
                 element_count=sum(t.element_count for t in tensors.values()),
             )
 
-        return self._kept("_aggregates", build)
+        return _kept(self, "_aggregates", build)
 
     def digest(self) -> str:
         """sha256 hex of the canonical encoding of the whole manifest's content:
