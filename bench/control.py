@@ -82,40 +82,55 @@ def proc_threads(pid: int) -> int:
 
 
 class Prober:
-    """Times GetStatus of `session` every PROBE_INTERVAL_S on a thread of its own (sync client)."""
+    """Times GetStatus of `session` every PROBE_INTERVAL_S from a process of its own: in the
+    bench's process the prober would share a GIL with the load it generates (building a
+    100,000-tensor publish held it for 0.4 s at a time) and time that instead of the
+    coordinator. Samples are those started between construction and `close()`."""
 
     def __init__(self, address: str, session: str) -> None:
-        self._client = CoordinatorClient(address, timeout_s=30.0)
-        self._session = session
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--probe", session, "--address", address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if self._proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the prober failed to start")
+        self._from = time.time()
         self.samples: list[tuple[float, float]] = []  # (wall clock at start, seconds)
         self.errors = 0
-        self._stop = threading.Event()
-        self._recording = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(PROBE_INTERVAL_S):
-            at, t0 = time.time(), time.perf_counter()
-            try:
-                self._client.status(self._session)
-            except Exception:  # noqa: BLE001 - counted; the bench reports them
-                self.errors += 1
-                continue
-            if self._recording.is_set():
-                self.samples.append((at, time.perf_counter() - t0))
 
     def split(self, at: float) -> tuple[list[float], list[float]]:
         """Latencies of the calls started before and after wall clock `at`."""
         return [s for t, s in self.samples if t < at], [s for t, s in self.samples if t >= at]
 
-    def record(self, on: bool = True) -> None:
-        (self._recording.set if on else self._recording.clear)()
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._client.close()
+        until = time.time()
+        out, _ = self._proc.communicate("", timeout=60)
+        result = json.loads(out.strip().splitlines()[-1])
+        self.samples = [(t, s) for t, s in result["samples"] if self._from <= t <= until]
+        self.errors = result["errors"]
+
+
+def probe_worker(args: argparse.Namespace) -> int:
+    """`--probe SESSION`: GetStatus every PROBE_INTERVAL_S until stdin closes; samples as JSON."""
+    samples: list[tuple[float, float]] = []
+    errors = 0
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    with CoordinatorClient(args.address, timeout_s=30.0) as client:
+        client.status(args.probe)  # connected before the first timed call
+        print("ready", flush=True)
+        while not done.wait(PROBE_INTERVAL_S):
+            at, t0 = time.time(), time.perf_counter()
+            try:
+                client.status(args.probe)
+            except Exception:  # noqa: BLE001 - counted; the bench reports them
+                errors += 1
+                continue
+            samples.append((at, time.perf_counter() - t0))
+    print(json.dumps({"samples": samples, "errors": errors}), flush=True)
+    return 0
 
 
 @dataclass
@@ -302,8 +317,6 @@ def fleet_round(
     time.sleep(heartbeat_interval_s(ttl_s))  # every agent has beaten once
     c0, f0 = cpu_seconds([pid]), cpu_seconds([w.pid for w in workers])
     busy, quiet = Prober(address, "fleet"), Prober(address, "quiet")
-    busy.record()
-    quiet.record()
     time.sleep(seconds / 2)
     part = synthetic_part(8)
     published = time.time()
@@ -312,8 +325,8 @@ def fleet_round(
     while not committed and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(max(0.0, seconds / 2 - (time.time() - published)))
-    busy.record(False)
-    quiet.record(False)
+    busy.close()
+    quiet.close()
     window_s = seconds + max(0.0, time.time() - published - seconds / 2)
     coordinator_cores = (cpu_seconds([pid]) - c0) / window_s
     fleet_cores = (cpu_seconds([w.pid for w in workers]) - f0) / window_s
@@ -322,8 +335,6 @@ def fleet_round(
     for w in workers:
         out, _ = w.communicate("", timeout=120)
         results.append(json.loads(out.strip().splitlines()[-1]))
-    busy.close()
-    quiet.close()
     state = trainer.status("fleet").versions[0]
     trainer.close()
     seen = [t for r in results for t in r["seen_ready"]]
@@ -373,11 +384,9 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
     part = synthetic_part(tensors, seed=1)
     build_s = time.perf_counter() - t0
     other = Prober(address, "other")
-    other.record()
     t0 = time.perf_counter()
     client.publish_part("big", generation=opened.generation, version=1, idempotency_key="big", part=part)
     publish_s = time.perf_counter() - t0
-    other.record(False)
     other.close()
     stub = pb_grpc.CoordinatorStub(client._channel)
     t0 = time.perf_counter()
@@ -450,10 +459,13 @@ def main() -> int:
         help="how agents beat: on a Heartbeats stream each (as weightsync's agents do) or unary calls",
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return fleet_worker(args)
+    if args.probe:
+        return probe_worker(args)
     rounds = set(args.rounds.split(","))
     out: dict[str, Any] = {"bench": "control", "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="ws-bench-control-") as tmp, Cluster(tmp) as cluster:

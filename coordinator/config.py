@@ -19,6 +19,11 @@ class CoordinatorConfig(ServerConfig):
     retain_versions: int = option(
         50, "Per session, the newest versions kept whole; older RELEASED/FAILED ones keep a summary row only."
     )
+    gc_refresh_s: float = option(
+        900.0,
+        "Survivors of a full garbage collection are frozen (weightsync.gc_freeze); this often, "
+        "everything is collected once. 0 keeps CPython's collector as it is.",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,5 +31,7 @@ class CoordinatorConfig(ServerConfig):
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.retain_versions < 1:
             raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
+        if self.gc_refresh_s < 0:
+            raise ValueError(f"gc_refresh_s must be >= 0, got {self.gc_refresh_s}")
         if self.max_workers < 4:
             raise ValueError(f"max_workers must be >= 4, got {self.max_workers}")

@@ -113,3 +113,14 @@ class EventListener(Protocol):
     """Called (outside the store's lock) after events were appended: the watch fan-out."""
 
     def notify(self, session: str) -> None: ...
+
+
+class StatusSnapshot(NamedTuple):
+    """What a GetStatus reply lists, read in one snapshot of the store."""
+
+    session: SessionRecord
+    event_seq: int  # newest event: following from it misses nothing in this snapshot
+    versions: list[VersionRecord]  # newest first
+    agents: list[AgentRecord]
+    report_stamps: dict[int, ReportStamp]  # per listed version with reports
+    part_digests: list[tuple[int, str]]  # the newest version's parts: (rank, part_digest)

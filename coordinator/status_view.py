@@ -28,12 +28,14 @@ from coordinator.recent import Recent
 from coordinator.records import AgentRecord, ReportRecord, ReportStamp
 from coordinator.store import SessionStore
 from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Endpoint
 from weightsync.wire import part_to_proto, timestamp
 
 KEPT_VERSIONS = 64  # a status call lists 20 versions by default
 KEPT_SESSIONS = 16
+KEPT_PARTS = 1024  # newest versions' parts across sessions (a rank's summary is ~100 bytes)
 MAX_VERSION_LIMIT = 1000
 _NONE = ReportStamp(0, 0)
 _AGENTS = pb.GetStatusResponse.DESCRIPTOR.fields_by_name["agents"].number
@@ -83,28 +85,36 @@ class StatusReplies:
         self._store = store
         self._kept: Recent[tuple[str, int], _Kept] = Recent(keep)
         self._agents: Recent[str, dict[AgentRecord, bytes]] = Recent(KEPT_SESSIONS)
+        self._part_summaries: Recent[tuple[str, int, int, str], tpb.RankPart] = Recent(KEPT_PARTS)
 
     def reply(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
-        s = self._store.session(request.session)
-        seq = self._store.latest_seq(s.name)  # read first: following from it misses nothing
         limit = request.version_limit or 20
         if limit > MAX_VERSION_LIMIT:
             raise InvalidArgument(f"{limit} exceeds {MAX_VERSION_LIMIT}", field="version_limit")
-        versions = self._store.versions(s.name, limit)
-        agents = self._store.agents(s.name)
-        handshakes = self.handshakes(s.name, [v.version for v in versions])
-        parts = self._store.parts(s.name, versions[0].version) if versions else []
+        snap = self._store.status_snapshot(request.session, limit)
+        s, versions = snap.session, snap.versions
+        handshakes = self._handshakes(s.name, [v.version for v in versions], snap.report_stamps)
         reply = pb.GetStatusResponse(
             session=s.name,
             generation=s.generation,
             trainer_ranks=s.trainer_ranks,
             min_rollouts=s.min_rollouts,
             versions=[version_info(v) for v in versions],
-            parts=[part_to_proto(p) for p in parts],
-            event_seq=seq,
+            parts=self._parts(s.name, versions[0].version, snap.part_digests) if versions else [],
+            event_seq=snap.event_seq,
         )
-        reply.MergeFromString(self._agent_fields(s.name, agents) + handshakes)
+        reply.MergeFromString(self._agent_fields(s.name, snap.agents) + handshakes)
         return reply
+
+    def _parts(self, session: str, version: int, digests: list[tuple[int, str]]) -> list[tpb.RankPart]:
+        """The newest version's part summaries; a sealed part never changes, so each is
+        decoded once (a 100,000-tensor part's stored body takes most of a second)."""
+        keys = {rank: (session, version, rank, digest) for rank, digest in digests}
+        if any(k not in self._part_summaries for k in keys.values()):
+            for part in self._store.parts(session, version):  # a part sealed meanwhile waits a call
+                if (k := keys.get(part.rank)) is not None:
+                    self._part_summaries.put(k, part_to_proto(part))
+        return [p for k in keys.values() if (p := self._part_summaries.get(k)) is not None]
 
     def _agent_fields(self, session: str, agents: list[AgentRecord]) -> bytes:
         """The encoded agents field; keeps each agent's while its record is unchanged."""
@@ -113,9 +123,8 @@ class StatusReplies:
         self._agents.put(session, fresh)
         return b"".join(fresh.values())
 
-    def handshakes(self, session: str, versions: list[int]) -> bytes:
+    def _handshakes(self, session: str, versions: list[int], stamps: dict[int, ReportStamp]) -> bytes:
         """The encoded handshakes field of `versions`, in that order, each by agent id."""
-        stamps = self._store.report_stamps(session, versions)
         out = []
         for v in versions:
             kept = self._kept.get((session, v))

@@ -27,6 +27,7 @@ from coordinator.records import (
     ReportsSince,
     ReportStamp,
     SessionRecord,
+    StatusSnapshot,
     VersionRecord,
 )
 from coordinator.rows import (
@@ -63,6 +64,17 @@ S = VersionState
 DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
+
+
+# The newest versions with their part summaries and lease counts (index range scans each).
+NEWEST_VERSIONS_SQL = (
+    "SELECT v.*, "
+    "(SELECT COUNT(*) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS n, "
+    "(SELECT COALESCE(SUM(total_bytes), 0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS b, "
+    "(SELECT COALESCE(MAX(stage_seconds), 0.0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS st, "
+    "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases "
+    "FROM versions v WHERE v.session=? ORDER BY v.version DESC LIMIT ?"
+)
 
 
 class SessionStore(VersionLifecycle):
@@ -391,11 +403,38 @@ class SessionStore(VersionLifecycle):
         """Newest first."""
         check_session_name(session)
         with self._read() as db:
-            self._session(db, session)
-            rows = db.execute(
-                "SELECT version FROM versions WHERE session=? ORDER BY version DESC LIMIT ?", (session, limit)
+            return self._versions(db, self._session(db, session), limit)
+
+    @staticmethod
+    def _versions(db: sqlite3.Connection, s: SessionRecord, limit: int) -> list[VersionRecord]:
+        # One statement, not four per version: a status call lists 20.
+        rows = db.execute(NEWEST_VERSIONS_SQL, (s.name, limit)).fetchall()
+        return [version_record(r, r, s.trainer_ranks, r["leases"]) for r in rows]
+
+    def status_snapshot(self, session: str, version_limit: int) -> StatusSnapshot:
+        """Session, newest versions, agents, report stamps and the newest version's part
+        digests in one read: one consistent snapshot (a version listed is never newer
+        than the event seq), and one transaction for a call dashboards make every second."""
+        check_session_name(session)
+        now = self._clock()
+        with self._read() as db:
+            s = self._session(db, session)
+            seq = events.latest_seq(db, session)
+            versions = self._versions(db, s, version_limit)
+            agents = db.execute(
+                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
             ).fetchall()
-            return [self._version(db, session, r["version"]) for r in rows]
+            stamps = self._report_stamps(db, session, [v.version for v in versions]) if versions else {}
+            digests = (
+                db.execute(
+                    "SELECT rank, part_digest FROM parts WHERE session=? AND version=? ORDER BY rank",
+                    (session, versions[0].version),
+                ).fetchall()
+                if versions
+                else []
+            )
+        agent_records = [agent_record(r, now) for r in agents]
+        return StatusSnapshot(s, seq, versions, agent_records, stamps, [(d[0], d[1]) for d in digests])
 
     def parts(self, session: str, version: int) -> list[Part]:
         check_session_name(session)

@@ -19,6 +19,8 @@ from weightsync import __version__
 PHASE_BUCKETS_S = tuple(round(0.001 * 2.5**i, 6) for i in range(15))
 # RPCs are control-plane calls: 0.5 ms .. ~30 s.
 RPC_BUCKETS_S = tuple(round(0.0005 * 3**i, 6) for i in range(11))
+# Garbage-collector pauses: 0.1 ms .. ~2 s.
+GC_BUCKETS_S = tuple(round(0.0001 * 3**i, 7) for i in range(10))
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Metrics:
     pulls: Counter
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
+    gc_pause_seconds: Histogram
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
@@ -169,6 +172,13 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         database_bytes=Gauge(
             "weightsync_database_bytes",
             "Size of the coordinator's SQLite file (retention keeps it bounded).",
+            registry=registry,
+        ),
+        gc_pause_seconds=Histogram(
+            "weightsync_gc_pause_seconds",
+            "Python garbage collections by generation: every thread of the process waits this long.",
+            ["generation"],
+            buckets=GC_BUCKETS_S,
             registry=registry,
         ),
         fenced=Gauge(

@@ -4,6 +4,7 @@ Before the coordinator served streams from the event loop, each WatchVersions he
 its 64 handler threads: at ~64 watchers nothing else was answered. Here 300 agents (a
 connection each) register, watch and heartbeat; status calls are still answered, and a
 version published meanwhile reaches every watcher and commits once all report.
+Garbage collections are timed (the streams' objects outlive them: weightsync.gc_freeze).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.manifest import Manifest
+
+from .support import metric_value, scrape
 
 AGENTS = 300
 
@@ -87,3 +90,5 @@ def test_hundreds_of_watch_streams_leave_the_coordinator_answering(tmp_path) -> 
             with open(f"/proc/{coord.pid}/status") as f:
                 threads = int(next(line.split()[1] for line in f if line.startswith("Threads:")))
             assert threads < 60, f"{threads} threads for {AGENTS} streams: streams must not hold a thread each"
+            # The coordinator runs weightsync.gc_freeze's collector and times every collection.
+            assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_gc_pause_seconds_count")
