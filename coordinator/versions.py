@@ -161,6 +161,10 @@ class VersionLifecycle:
                 )
                 self._set_state(db, session, version, S.READY, "")
             outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
+        if checked.manifest is not None:
+            # The first reader would otherwise decode every rank's stored body: one
+            # json.loads of a 10^5-tensor part holds the GIL for most of a second.
+            self._manifests.put((session, version), checked.manifest)
         self._notify(session)
         return outcome
 
@@ -446,6 +450,7 @@ class _SealCheck:
 
     ranks: frozenset[int]
     manifest_digest: str
+    manifest: Manifest | None  # built to digest it: readers need not decode what was just sealed
 
     @classmethod
     def of(
@@ -454,11 +459,11 @@ class _SealCheck:
         others = [p for p in others if p.rank != part.rank]
         final = len(others) + 1 == trainer_ranks
         validate_against_parts(part, others, final=final)
-        digest = ""
+        manifest = None
         if final:
             parts = tuple(sorted([*others, part], key=lambda p: p.rank))
-            digest = Manifest(session, version, generation, part.chunk_bytes, parts).digest()
-        return cls(frozenset(p.rank for p in others), digest)
+            manifest = Manifest(session, version, generation, part.chunk_bytes, parts)
+        return cls(frozenset(p.rank for p in others), manifest.digest() if manifest else "", manifest)
 
 
 def check_generation(generation: int, s: SessionRecord) -> None:

@@ -508,6 +508,25 @@ def test_a_cold_manifest_is_never_built_on_the_event_loop(store: SessionStore) -
         assert store.manifest("job", 1, lease_for="r0")[0].leases == 1
 
 
+def test_the_sealing_publish_keeps_the_manifest_it_digested(store: SessionStore, monkeypatch) -> None:  # noqa: ANN001
+    # Its first reader would otherwise decode every rank's stored body on the spot: one
+    # json.loads of a 10^5-tensor part holds the GIL for most of a second.
+    from weightsync.manifest import Part
+
+    gen = attach(store, ranks=2)
+    arrays = sample_arrays()
+    for rank in (0, 1):
+        part, _ = make_part(row_shards(arrays, rank, 2), rank=rank)
+        store.publish_part("job", generation=gen, version=1, idempotency_key=f"k{rank}", part=part)
+    with monkeypatch.context() as m:
+        m.setattr(Part, "from_dict", classmethod(lambda cls, d: pytest.fail("decoded a stored body")))
+        with store.nonblocking():  # and so it is served from the event loop at once
+            rec, kept = store.manifest("job", 1)
+    assert kept.digest() == rec.manifest_digest
+    store._manifests.clear()
+    assert store.manifest("job", 1)[1] == kept  # what the stored bodies decode to
+
+
 @given(st.integers(1, 5), st.lists(st.tuples(st.sampled_from(["put", "discard"]), st.integers(0, 7)), max_size=40))
 def test_recent_keeps_the_last_puts_like_a_bounded_fifo(size: int, ops: list[tuple[str, int]]) -> None:
     from coordinator.recent import Recent
