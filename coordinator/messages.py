@@ -11,7 +11,7 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Aggregates, Endpoint
-from weightsync.validation import Limits, check_agent_id, check_tensor_name
+from weightsync.validation import Limits, check_agent_id, check_tensor_name, good_tensor_name
 from weightsync.wire import endpoint_to_proto, timestamp
 
 ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
@@ -91,14 +91,19 @@ def applied_report(request: pb.ReportAppliedRequest, limits: Limits) -> AppliedR
     check_agent_id(request.agent_id)
     if len(request.consumed_names) > limits.max_tensors:
         raise InvalidArgument(f"more than {limits.max_tensors} names", field="consumed_names")
-    for i, name in enumerate(request.consumed_names):
-        check_tensor_name(name, f"consumed_names[{i}]")
-    digests: dict[str, tuple[int, float]] = {}
-    for i, t in enumerate(request.tensors):
-        check_tensor_name(t.name, f"tensors[{i}].name")
-        if t.name in digests:
-            raise InvalidArgument(f"duplicate digest for {t.name!r}", field=f"tensors[{i}].name")
-        digests[t.name] = (t.xxh3, t.sum)
+    # Checked in bulk, and field by field only to name the first bad one: a fleet's
+    # handshakes carry a model's 300+ names twice each, a thousand times per version.
+    if not all(map(good_tensor_name, request.consumed_names)):
+        for i, name in enumerate(request.consumed_names):
+            check_tensor_name(name, f"consumed_names[{i}]")
+    digests = {t.name: (t.xxh3, t.sum) for t in request.tensors}
+    if len(digests) != len(request.tensors) or not all(map(good_tensor_name, digests)):
+        seen: set[str] = set()
+        for i, t in enumerate(request.tensors):
+            check_tensor_name(t.name, f"tensors[{i}].name")
+            if t.name in seen:
+                raise InvalidArgument(f"duplicate digest for {t.name!r}", field=f"tensors[{i}].name")
+            seen.add(t.name)
     return AppliedReport(
         manifest_digest=request.manifest_digest,
         tensor_digests=digests,

@@ -66,15 +66,24 @@ DEFAULT_RETAIN_VERSIONS = 50
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
-# The newest versions with their part summaries and lease counts (index range scans each).
-NEWEST_VERSIONS_SQL = (
-    "SELECT v.*, "
+# Version rows with their part summaries, lease counts and the session's trainer_ranks in
+# one statement (index range scans each), not four per record: leases, handshakes and
+# status calls read several records each, a fleet a thousand times a second.
+_VERSION_ROWS_SQL = (
+    "SELECT v.*, s.trainer_ranks AS trainer_ranks, "
     "(SELECT COUNT(*) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS n, "
     "(SELECT COALESCE(SUM(total_bytes), 0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS b, "
     "(SELECT COALESCE(MAX(stage_seconds), 0.0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS st, "
     "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases "
-    "FROM versions v WHERE v.session=? ORDER BY v.version DESC LIMIT ?"
+    "FROM versions v JOIN sessions s ON s.name=v.session WHERE v.session=? "
 )
+VERSION_SQL = _VERSION_ROWS_SQL + "AND v.version=?"
+NEWEST_VERSIONS_SQL = _VERSION_ROWS_SQL + "ORDER BY v.version DESC LIMIT ?"
+
+
+def _version_row_record(row: sqlite3.Row) -> VersionRecord:
+    # Leases held count even when the holder's own lease expired, until a sweep drops them.
+    return version_record(row, row, row["trainer_ranks"], row["leases"])
 
 
 class SessionStore(VersionLifecycle):
@@ -362,11 +371,6 @@ class SessionStore(VersionLifecycle):
         ).fetchall()
         return [Part.from_dict(json.loads(r["body"])) for r in rows]
 
-    def _lease_count(self, db: sqlite3.Connection, session: str, version: int) -> int:
-        """Leases held on the version: an index count (every VersionRecord carries it), so
-        a holder whose own lease expired counts until the next sweep drops its leases."""
-        return db.execute("SELECT COUNT(*) FROM leases WHERE session=? AND version=?", (session, version)).fetchone()[0]
-
     def prune(self) -> int:
         """Applies the retention window (see `coordinator.retention`); returns the number
         of versions summarized. Each call frees a bounded number of pages."""
@@ -392,12 +396,10 @@ class SessionStore(VersionLifecycle):
             return self._version(db, session, version)
 
     def _version(self, db: sqlite3.Connection, session: str, version: int) -> VersionRecord:
-        row = db.execute("SELECT * FROM versions WHERE session=? AND version=?", (session, version)).fetchone()
+        row = db.execute(VERSION_SQL, (session, version)).fetchone()
         if row is None:
             raise VersionNotFound(f"version {version} of session {session!r} not found")
-        parts = db.execute(retention.PART_SUMMARY_SQL, (session, version)).fetchone()
-        trainer_ranks = self._session(db, session).trainer_ranks
-        return version_record(row, parts, trainer_ranks, self._lease_count(db, session, version))
+        return _version_row_record(row)
 
     def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:
         """Newest first."""
@@ -407,9 +409,7 @@ class SessionStore(VersionLifecycle):
 
     @staticmethod
     def _versions(db: sqlite3.Connection, s: SessionRecord, limit: int) -> list[VersionRecord]:
-        # One statement, not four per version: a status call lists 20.
-        rows = db.execute(NEWEST_VERSIONS_SQL, (s.name, limit)).fetchall()
-        return [version_record(r, r, s.trainer_ranks, r["leases"]) for r in rows]
+        return [_version_row_record(r) for r in db.execute(NEWEST_VERSIONS_SQL, (s.name, limit))]
 
     def status_snapshot(self, session: str, version_limit: int) -> StatusSnapshot:
         """Session, newest versions, agents, report stamps and the newest version's part

@@ -71,7 +71,6 @@ class VersionLifecycle:
     _parts: Callable[[sqlite3.Connection, str, int], list[Part]]
     _live_agents: Callable[[sqlite3.Connection, str, str], list[str]]
     _is_live_rollout: Callable[[sqlite3.Connection, str, str], bool]
-    _lease_count: Callable[[sqlite3.Connection, str, int], int]
     _renew: Callable[[sqlite3.Connection, str, str], None]
     _report_mark: int  # the newest reports.written
 

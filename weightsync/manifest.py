@@ -393,6 +393,16 @@ class Manifest:
             ),
         )
 
+    def tensor_checks(self) -> Mapping[str, tuple[int, float, int]]:
+        """Per tensor in manifest order: (digest, sum, element count), what a handshake is
+        compared with (read-only; a fleet compares against it a thousand times)."""
+
+        def build() -> Mapping[str, tuple[int, float, int]]:
+            digests, sums = self.tensor_digests(), self.tensor_sums()
+            return MappingProxyType({n: (digests[n], sums[n], t.element_count) for n, t in self.tensors.items()})
+
+        return _kept(self, "_tensor_checks", build)
+
     def aggregates(self) -> Aggregates:
         """grand_total, tensor_count and element_count over the source tensors."""
 

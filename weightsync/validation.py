@@ -55,14 +55,15 @@ def check_agent_id(agent_id: str, field: str = "agent_id") -> str:
 
 def check_tensor_name(name: str, field: str) -> None:
     """HF-style tensor names: no empty, '..', leading separator or odd characters."""
-    if not _good_tensor_name(name):
+    if not good_tensor_name(name):
         raise InvalidArgument(
             f"tensor name {name!r} must match {TENSOR_NAME_RE.pattern} without '..' or '//'", field=field
         )
 
 
 @functools.lru_cache(maxsize=8192)  # a fleet's handshakes name one model's tensors 1,000 times
-def _good_tensor_name(name: str) -> bool:
+def good_tensor_name(name: str) -> bool:
+    """True for a name `check_tensor_name` accepts."""
     return bool(TENSOR_NAME_RE.match(name)) and ".." not in name and "//" not in name
 
 

@@ -189,3 +189,47 @@ def test_box_overlap_sweep_agrees_with_comparing_every_pair(boxes: list[tuple[in
     except InvalidArgument:
         found = True
     assert found == brute
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(["a.weight", "b.bias", "c", "bad..name", "/lead", "x//y", ""]), max_size=8),
+    consumed=st.lists(st.sampled_from(["a.weight", "b.bias", "bad..name", "c"]), max_size=6),
+)
+def test_a_handshake_names_its_first_bad_tensor_field(names: list[str], consumed: list[str]) -> None:
+    # The bulk check must refuse exactly what a field-by-field check refuses, naming the
+    # same (first) field.
+    from coordinator.messages import applied_report
+    from weightsync._proto import coordinator_pb2 as pb
+    from weightsync.validation import check_tensor_name
+
+    request = pb.ReportAppliedRequest(
+        agent_id="r0",
+        consumed_names=consumed,
+        tensors=[pb.TensorDigest(name=n, xxh3=i, sum=float(i)) for i, n in enumerate(names)],
+    )
+    expected = None
+    for i, n in enumerate(consumed):
+        try:
+            check_tensor_name(n, f"consumed_names[{i}]")
+        except InvalidArgument as e:
+            expected = e.field
+            break
+    if expected is None:
+        for i, n in enumerate(names):
+            try:
+                check_tensor_name(n, f"tensors[{i}].name")
+            except InvalidArgument as e:
+                expected = e.field
+                break
+            if n in names[:i]:
+                expected = f"tensors[{i}].name"
+                break
+    if expected is None:
+        report = applied_report(request, Limits())
+        assert report.tensor_digests == {n: (i, float(i)) for i, n in enumerate(names)}
+        assert report.consumed_names == tuple(consumed)
+    else:
+        with pytest.raises(InvalidArgument) as e:
+            applied_report(request, Limits())
+        assert e.value.field == expected
