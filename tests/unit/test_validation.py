@@ -208,23 +208,18 @@ def test_a_handshake_names_its_first_bad_tensor_field(names: list[str], consumed
         consumed_names=consumed,
         tensors=[pb.TensorDigest(name=n, xxh3=i, sum=float(i)) for i, n in enumerate(names)],
     )
-    expected = None
-    for i, n in enumerate(consumed):
-        try:
-            check_tensor_name(n, f"consumed_names[{i}]")
-        except InvalidArgument as e:
-            expected = e.field
-            break
-    if expected is None:
+
+    def first_bad(names: list[str], field: str, unique: bool = False) -> str | None:
         for i, n in enumerate(names):
             try:
-                check_tensor_name(n, f"tensors[{i}].name")
+                check_tensor_name(n, field.format(i))
             except InvalidArgument as e:
-                expected = e.field
-                break
-            if n in names[:i]:
-                expected = f"tensors[{i}].name"
-                break
+                return e.field
+            if unique and n in names[:i]:
+                return field.format(i)
+        return None
+
+    expected = first_bad(consumed, "consumed_names[{}]") or first_bad(names, "tensors[{}].name", unique=True)
     if expected is None:
         report = applied_report(request, Limits())
         assert report.tensor_digests == {n: (i, float(i)) for i, n in enumerate(names)}
