@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from coordinator.states import VersionState
 from weightsync.manifest import Endpoint
@@ -121,6 +121,6 @@ class StatusSnapshot(NamedTuple):
     session: SessionRecord
     event_seq: int  # newest event: following from it misses nothing in this snapshot
     versions: list[VersionRecord]  # newest first
-    agents: list[AgentRecord]
+    agent_rows: list[tuple[Any, ...]]  # AGENT_COLUMNS then alive (bool): `rows.agent_record_alive`
     report_stamps: dict[int, ReportStamp]  # per listed version with reports
     part_digests: list[tuple[int, str]]  # the newest version's parts: (rank, part_digest)

@@ -52,6 +52,11 @@ def agent_record(r: Sequence[Any], now: float) -> AgentRecord:
     return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], r[4], r[5], r[4] >= now, r[6])
 
 
+def agent_record_alive(r: Sequence[Any]) -> AgentRecord:
+    """A row of AGENT_COLUMNS followed by its lease's liveness, decided by the query."""
+    return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], r[4], r[5], bool(r[7]), r[6])
+
+
 def report_record(r: Sequence[Any]) -> ReportRecord:
     """A row of REPORT_COLUMNS."""
     body = json.loads(r[4])

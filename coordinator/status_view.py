@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.messages import agent_info, handshake_info, version_info
 from coordinator.recent import Recent
 from coordinator.records import AgentRecord, ReportRecord, ReportStamp
+from coordinator.rows import agent_record_alive
 from coordinator.store import SessionStore
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
@@ -84,7 +86,7 @@ class StatusReplies:
     def __init__(self, store: SessionStore, keep: int = KEPT_VERSIONS) -> None:
         self._store = store
         self._kept: Recent[tuple[str, int], _Kept] = Recent(keep)
-        self._agents: Recent[str, dict[AgentRecord, bytes]] = Recent(KEPT_SESSIONS)
+        self._agents: Recent[str, dict[tuple[Any, ...], bytes]] = Recent(KEPT_SESSIONS)
         self._part_summaries: Recent[tuple[str, int, int, str], tpb.RankPart] = Recent(KEPT_PARTS)
 
     def reply(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
@@ -103,7 +105,7 @@ class StatusReplies:
             parts=self._parts(s.name, versions[0].version, snap.part_digests) if versions else [],
             event_seq=snap.event_seq,
         )
-        reply.MergeFromString(self._agent_fields(s.name, snap.agents) + handshakes)
+        reply.MergeFromString(self._agent_fields(s.name, snap.agent_rows) + handshakes)
         return reply
 
     def _parts(self, session: str, version: int, digests: list[tuple[int, str]]) -> list[tpb.RankPart]:
@@ -116,10 +118,11 @@ class StatusReplies:
                     self._part_summaries.put(k, part_to_proto(part))
         return [p for k in keys.values() if (p := self._part_summaries.get(k)) is not None]
 
-    def _agent_fields(self, session: str, agents: list[AgentRecord]) -> bytes:
-        """The encoded agents field; keeps each agent's while its record is unchanged."""
+    def _agent_fields(self, session: str, rows: list[tuple[Any, ...]]) -> bytes:
+        """The encoded agents field; keeps each agent's while its row (and liveness) is
+        unchanged, keyed by the row itself: no record is built for a kept one."""
         kept = self._agents.get(session) or {}
-        fresh = {a: kept.get(a) or _agent_field(a) for a in agents}
+        fresh = {r: kept.get(r) or _agent_field(agent_record_alive(r)) for r in rows}
         self._agents.put(session, fresh)
         return b"".join(fresh.values())
 

@@ -421,8 +421,12 @@ class SessionStore(VersionLifecycle):
             s = self._session(db, session)
             seq = events.latest_seq(db, session)
             versions = self._versions(db, s, version_limit)
-            agents = db.execute(
-                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
+            cursor = db.cursor()
+            cursor.row_factory = None  # plain tuples: hashable, and a reply keeps each one's encoding
+            agents = cursor.execute(
+                f"SELECT {AGENT_COLUMNS}, lease_expires_at>=? FROM agents WHERE session=? "
+                "ORDER BY role, rank, agent_id",
+                (now, session),
             ).fetchall()
             stamps = self._report_stamps(db, session, [v.version for v in versions]) if versions else {}
             digests = (
@@ -433,8 +437,7 @@ class SessionStore(VersionLifecycle):
                 if versions
                 else []
             )
-        agent_records = [agent_record(r, now) for r in agents]
-        return StatusSnapshot(s, seq, versions, agent_records, stamps, [(d[0], d[1]) for d in digests])
+        return StatusSnapshot(s, seq, versions, agents, stamps, [(d[0], d[1]) for d in digests])
 
     def parts(self, session: str, version: int) -> list[Part]:
         check_session_name(session)
