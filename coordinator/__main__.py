@@ -59,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if store.prune():
             log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
         metrics.database_bytes.set(store.database_bytes())
-        if collector and collector.refresh_due():
-            collector.refresh()
+        if collector:
+            collector.flush()
+            if collector.refresh_due():
+                collector.refresh()
     hub.close()
     running.stop()
     servicer.close()

@@ -7,9 +7,10 @@ calls alone kept it half busy. Two things make it cheap:
 
 - A version's handshakes change only by new or replaced reports (each written with a
   larger store-wide mark) and by pruning, so each version's list is kept, encoded, with
-  its stamp (`SessionStore.report_stamps`: count, newest mark): an unchanged stamp serves
-  the kept bytes, reports past the kept mark top them up, and a count that then disagrees
-  (a report was pruned) rebuilds it.
+  its stamp (count, newest mark; read in the reply's one snapshot,
+  `SessionStore.status_snapshot`): an unchanged stamp serves the kept bytes, reports past
+  the kept mark top them up, and a count that then disagrees (a report was pruned)
+  rebuilds it.
 - An agent's AgentInfo is kept encoded while its row is unchanged (between two status
   calls a second apart, a heartbeat every 2.5 s has moved 40% of the leases; at 10 calls a
   second, 4%), and the part that heartbeats do not move is kept beside it.

@@ -19,6 +19,7 @@ are rare here: full collections of the coordinator under a fleet found 0-150 obj
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import threading
@@ -31,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class FreezingCollector:
-    """Installs the freeze-after-full-collection policy; `pauses` times every collection."""
+    """Installs the freeze-after-full-collection policy; `pauses` times every collection
+    (observed by `flush()`: a collection starts at any allocation, in any thread, maybe
+    one holding the histogram's own lock, so the callback only appends to a deque)."""
 
     def __init__(self, refresh_s: float, pauses: Histogram | None = None) -> None:
         if refresh_s <= 0:
@@ -41,6 +44,7 @@ class FreezingCollector:
         self._started: float | None = None
         self._last_refresh = time.monotonic()
         self._lock = threading.Lock()
+        self._timed: collections.deque[tuple[int, float]] = collections.deque(maxlen=100_000)
         self.freezes = 0
 
     def install(self) -> FreezingCollector:
@@ -59,14 +63,21 @@ class FreezingCollector:
         if phase == "start":
             self._started = time.perf_counter()
             return
-        if self._started is not None and self._pauses is not None:
-            self._pauses.labels(generation=str(info["generation"])).observe(time.perf_counter() - self._started)
+        if self._started is not None:
+            self._timed.append((info["generation"], time.perf_counter() - self._started))
         self._started = None
         if info["generation"] == 2:
             # The collection is over and the younger generations were merged into it:
             # what is tracked now is exactly what survived.
             gc.freeze()
             self.freezes += 1
+
+    def flush(self) -> None:
+        """Observes the collections timed since the last flush (never from a callback)."""
+        while self._timed:
+            generation, seconds = self._timed.popleft()
+            if self._pauses is not None:
+                self._pauses.labels(generation=str(generation)).observe(seconds)
 
     def refresh_due(self) -> bool:
         return time.monotonic() - self._last_refresh >= self.refresh_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -40,7 +41,29 @@ def test_a_full_collection_freezes_what_survived(collector: tuple[FreezingCollec
     assert c.freezes == freezes + 1
     assert gc.get_freeze_count() >= frozen + 1000  # the survivors are out of the collector's walk
     assert all(gc.is_tracked(n) for n in survivors)  # frozen, not untracked: refresh finds them again
+    c.flush()
     assert registry.get_sample_value("weightsync_gc_pause_seconds_count", {"generation": "2"}) >= 1
+
+
+def test_a_collection_inside_the_histograms_own_lock_does_not_deadlock() -> None:
+    # A collection starts at whatever allocation crosses the threshold: here, one made by
+    # a thread holding the pause histogram's (non-reentrant) lock, as a /metrics scrape does.
+    metrics = build_metrics("coordinator", CollectorRegistry())
+    c = FreezingCollector(refresh_s=3600.0, pauses=metrics.gc_pause_seconds).install()
+    try:
+        done = threading.Event()
+
+        def scrape_and_collect() -> None:
+            with metrics.gc_pause_seconds._lock:
+                gc.collect()
+            done.set()
+
+        threading.Thread(target=scrape_and_collect, daemon=True).start()
+        assert done.wait(10), "the collector's callback waited on a lock its own thread held"
+        c.flush()
+        assert metrics.registry.get_sample_value("weightsync_gc_pause_seconds_count", {"generation": "2"}) >= 1
+    finally:
+        c.uninstall()
 
 
 def test_a_cycle_that_dies_frozen_waits_for_refresh_and_no_longer(
