@@ -121,6 +121,7 @@ class StatusSnapshot(NamedTuple):
     session: SessionRecord
     event_seq: int  # newest event: following from it misses nothing in this snapshot
     versions: list[VersionRecord]  # newest first
-    agent_rows: list[tuple[Any, ...]]  # AGENT_COLUMNS then alive (bool): `rows.agent_record_alive`
+    agent_rows: list[tuple[Any, ...]]  # rows of AGENT_COLUMNS: `rows.agent_record(row, now)`
+    now: float  # the clock the rows' liveness is judged by
     report_stamps: dict[int, ReportStamp]  # per listed version with reports
     part_digests: list[tuple[int, str]]  # the newest version's parts: (rank, part_digest)

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import sqlite3
 
+from coordinator.rows import PART_SUMMARY_COLUMNS
 from coordinator.states import VersionState
 
 PRUNABLE = (VersionState.RELEASED.value, VersionState.FAILED.value)
-# What a version's parts add up to (ranks sealed, bytes, slowest staging): read live from
-# the parts while they exist, kept in the version row once they are pruned.
-PART_SUMMARY_SQL = (
-    "SELECT COUNT(*) AS n, COALESCE(SUM(total_bytes), 0) AS b, COALESCE(MAX(stage_seconds), 0.0) AS st "
-    "FROM parts WHERE session=? AND version=?"
-)
+PART_SUMMARY_SQL = f"SELECT {PART_SUMMARY_COLUMNS} FROM versions v WHERE v.session=? AND v.version=?"
 VACUUM_PAGES = 2048  # per sweep: 8 MiB of 4 KiB pages, so one sweep never holds the lock long
 
 

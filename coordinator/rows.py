@@ -12,10 +12,31 @@ from coordinator.records import AgentRecord, FleetGauges, ReportRecord, VersionR
 from coordinator.states import VersionState
 from weightsync.manifest import Endpoint
 
+# What a version's parts add up to (ranks sealed "n", bytes "b", slowest staging "st"), as
+# columns of a query over `versions v`: read live from the parts while they exist; a pruned
+# row keeps its own copy (`version_record`, `retention.prune`).
+PART_SUMMARY_COLUMNS = (
+    "(SELECT COUNT(*) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS n, "
+    "(SELECT COALESCE(SUM(total_bytes), 0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS b, "
+    "(SELECT COALESCE(MAX(stage_seconds), 0.0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS st"
+)
+# Version rows with their part summary, lease count and the session's trainer_ranks in one
+# statement (index range scans each), not four per record: leases, handshakes and status
+# calls read several records each, a fleet a thousand times a second. Leases held count
+# even when the holder's own lease expired, until a sweep drops them.
+_VERSION_ROWS_SQL = (
+    f"SELECT v.*, s.trainer_ranks AS trainer_ranks, {PART_SUMMARY_COLUMNS}, "
+    "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases "
+    "FROM versions v JOIN sessions s ON s.name=v.session WHERE v.session=? "
+)
+VERSION_SQL = _VERSION_ROWS_SQL + "AND v.version=?"
+NEWEST_VERSIONS_SQL = _VERSION_ROWS_SQL + "ORDER BY v.version DESC LIMIT ?"
 
-def version_record(row: sqlite3.Row, parts: Mapping[str, Any], trainer_ranks: int, leases: int) -> VersionRecord:
-    """A versions row; `parts` the part summary (bytes "b", ranks "n", stage seconds "st"),
-    replaced by the summary the row kept when its parts were pruned."""
+
+def version_record(row: sqlite3.Row) -> VersionRecord:
+    """A row of VERSION_SQL or NEWEST_VERSIONS_SQL; once its parts were pruned, the
+    summary the row kept stands for them."""
+    parts: Mapping[str, Any] = row
     if row["pruned"]:
         parts = {"b": row["pruned_bytes"], "n": row["pruned_ranks"], "st": row["pruned_stage_seconds"]}
     return VersionRecord(
@@ -31,8 +52,8 @@ def version_record(row: sqlite3.Row, parts: Mapping[str, Any], trainer_ranks: in
         reason=row["reason"],
         total_bytes=parts["b"],
         sealed_ranks=parts["n"],
-        trainer_ranks=trainer_ranks,
-        leases=leases,
+        trainer_ranks=row["trainer_ranks"],
+        leases=row["leases"],
         stage_seconds=parts["st"],
     )
 
@@ -44,17 +65,14 @@ def _endpoint(text: str) -> Endpoint:
 
 
 AGENT_COLUMNS = "agent_id, role, endpoint, rank, lease_expires_at, current_version, generation"
+LEASE_EXPIRES_AT = 4  # its index in a row of AGENT_COLUMNS
 REPORT_COLUMNS = "version, agent_id, ok, mismatch, body, reported_at"
 
 
 def agent_record(r: Sequence[Any], now: float) -> AgentRecord:
     """A row of AGENT_COLUMNS (positional: a fleet's status reads 1,000 per call)."""
-    return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], r[4], r[5], r[4] >= now, r[6])
-
-
-def agent_record_alive(r: Sequence[Any]) -> AgentRecord:
-    """A row of AGENT_COLUMNS followed by its lease's liveness, decided by the query."""
-    return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], r[4], r[5], bool(r[7]), r[6])
+    expires = r[LEASE_EXPIRES_AT]
+    return AgentRecord(r[0], r[1], _endpoint(r[2]), r[3], expires, r[5], expires >= now, r[6])
 
 
 def report_record(r: Sequence[Any]) -> ReportRecord:

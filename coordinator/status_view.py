@@ -28,7 +28,7 @@ from typing import Any
 from coordinator.messages import agent_info, handshake_info, version_info
 from coordinator.recent import Recent
 from coordinator.records import AgentRecord, ReportRecord, ReportStamp
-from coordinator.rows import agent_record_alive
+from coordinator.rows import LEASE_EXPIRES_AT, agent_record
 from coordinator.store import SessionStore
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
@@ -87,7 +87,7 @@ class StatusReplies:
     def __init__(self, store: SessionStore, keep: int = KEPT_VERSIONS) -> None:
         self._store = store
         self._kept: Recent[tuple[str, int], _Kept] = Recent(keep)
-        self._agents: Recent[str, dict[tuple[Any, ...], bytes]] = Recent(KEPT_SESSIONS)
+        self._agents: Recent[str, dict[tuple[tuple[Any, ...], bool], bytes]] = Recent(KEPT_SESSIONS)
         self._part_summaries: Recent[tuple[str, int, int, str], tpb.RankPart] = Recent(KEPT_PARTS)
 
     def reply(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
@@ -106,7 +106,7 @@ class StatusReplies:
             parts=self._parts(s.name, versions[0].version, snap.part_digests) if versions else [],
             event_seq=snap.event_seq,
         )
-        reply.MergeFromString(self._agent_fields(s.name, snap.agent_rows) + handshakes)
+        reply.MergeFromString(self._agent_fields(s.name, snap.agent_rows, snap.now) + handshakes)
         return reply
 
     def _parts(self, session: str, version: int, digests: list[tuple[int, str]]) -> list[tpb.RankPart]:
@@ -119,11 +119,14 @@ class StatusReplies:
                     self._part_summaries.put(k, part_to_proto(part))
         return [p for k in keys.values() if (p := self._part_summaries.get(k)) is not None]
 
-    def _agent_fields(self, session: str, rows: list[tuple[Any, ...]]) -> bytes:
-        """The encoded agents field; keeps each agent's while its row (and liveness) is
+    def _agent_fields(self, session: str, rows: list[tuple[Any, ...]], now: float) -> bytes:
+        """The encoded agents field; keeps each agent's while its row and liveness are
         unchanged, keyed by the row itself: no record is built for a kept one."""
         kept = self._agents.get(session) or {}
-        fresh = {r: kept.get(r) or _agent_field(agent_record_alive(r)) for r in rows}
+        fresh = {}
+        for r in rows:
+            key = (r, r[LEASE_EXPIRES_AT] >= now)
+            fresh[key] = kept.get(key) or _agent_field(agent_record(r, now))
         self._agents.put(session, fresh)
         return b"".join(fresh.values())
 

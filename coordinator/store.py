@@ -32,7 +32,9 @@ from coordinator.records import (
 )
 from coordinator.rows import (
     AGENT_COLUMNS,
+    NEWEST_VERSIONS_SQL,
     REPORT_COLUMNS,
+    VERSION_SQL,
     agent_record,
     fleet_gauges,
     report_record,
@@ -64,26 +66,6 @@ S = VersionState
 DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
-
-
-# Version rows with their part summaries, lease counts and the session's trainer_ranks in
-# one statement (index range scans each), not four per record: leases, handshakes and
-# status calls read several records each, a fleet a thousand times a second.
-_VERSION_ROWS_SQL = (
-    "SELECT v.*, s.trainer_ranks AS trainer_ranks, "
-    "(SELECT COUNT(*) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS n, "
-    "(SELECT COALESCE(SUM(total_bytes), 0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS b, "
-    "(SELECT COALESCE(MAX(stage_seconds), 0.0) FROM parts p WHERE p.session=v.session AND p.version=v.version) AS st, "
-    "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases "
-    "FROM versions v JOIN sessions s ON s.name=v.session WHERE v.session=? "
-)
-VERSION_SQL = _VERSION_ROWS_SQL + "AND v.version=?"
-NEWEST_VERSIONS_SQL = _VERSION_ROWS_SQL + "ORDER BY v.version DESC LIMIT ?"
-
-
-def _version_row_record(row: sqlite3.Row) -> VersionRecord:
-    # Leases held count even when the holder's own lease expired, until a sweep drops them.
-    return version_record(row, row, row["trainer_ranks"], row["leases"])
 
 
 class SessionStore(VersionLifecycle):
@@ -399,7 +381,7 @@ class SessionStore(VersionLifecycle):
         row = db.execute(VERSION_SQL, (session, version)).fetchone()
         if row is None:
             raise VersionNotFound(f"version {version} of session {session!r} not found")
-        return _version_row_record(row)
+        return version_record(row)
 
     def versions(self, session: str, limit: int = 20) -> list[VersionRecord]:
         """Newest first."""
@@ -409,7 +391,7 @@ class SessionStore(VersionLifecycle):
 
     @staticmethod
     def _versions(db: sqlite3.Connection, s: SessionRecord, limit: int) -> list[VersionRecord]:
-        return [_version_row_record(r) for r in db.execute(NEWEST_VERSIONS_SQL, (s.name, limit))]
+        return [version_record(r) for r in db.execute(NEWEST_VERSIONS_SQL, (s.name, limit))]
 
     def status_snapshot(self, session: str, version_limit: int) -> StatusSnapshot:
         """Session, newest versions, agents, report stamps and the newest version's part
@@ -424,9 +406,7 @@ class SessionStore(VersionLifecycle):
             cursor = db.cursor()
             cursor.row_factory = None  # plain tuples: hashable, and a reply keeps each one's encoding
             agents = cursor.execute(
-                f"SELECT {AGENT_COLUMNS}, lease_expires_at>=? FROM agents WHERE session=? "
-                "ORDER BY role, rank, agent_id",
-                (now, session),
+                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
             ).fetchall()
             stamps = self._report_stamps(db, session, [v.version for v in versions]) if versions else {}
             digests = (
@@ -437,7 +417,7 @@ class SessionStore(VersionLifecycle):
                 if versions
                 else []
             )
-        return StatusSnapshot(s, seq, versions, agents, stamps, [(d[0], d[1]) for d in digests])
+        return StatusSnapshot(s, seq, versions, agents, now, stamps, [(d[0], d[1]) for d in digests])
 
     def parts(self, session: str, version: int) -> list[Part]:
         check_session_name(session)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import threading
 import time
 from typing import Any
 
@@ -43,7 +42,6 @@ class FreezingCollector:
         self._pauses = pauses
         self._started: float | None = None
         self._last_refresh = time.monotonic()
-        self._lock = threading.Lock()
         self._timed: collections.deque[tuple[int, float]] = collections.deque(maxlen=100_000)
         self.freezes = 0
 
@@ -85,12 +83,11 @@ class FreezingCollector:
     def refresh(self) -> float:
         """Unfreezes, collects everything (reclaiming cycles that died frozen), freezes again;
         returns the seconds it took. Blocks every thread of the process for that long."""
-        with self._lock:
-            t0 = time.perf_counter()
-            gc.unfreeze()
-            gc.collect()  # its "stop" callback freezes the survivors
-            gc.freeze()  # (uninstalled meanwhile: no callback)
-            self._last_refresh = time.monotonic()
-            seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gc.unfreeze()
+        gc.collect()  # its "stop" callback freezes the survivors
+        gc.freeze()  # (uninstalled meanwhile: no callback)
+        self._last_refresh = time.monotonic()
+        seconds = time.perf_counter() - t0
         log.debug("gc refresh: %.1f ms", seconds * 1000)
         return seconds
