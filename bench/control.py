@@ -8,7 +8,9 @@ Three rounds, all on loopback against `python -m coordinator` (default flags):
    `GetStatus` of the fleet's session and of a quiet one. Midway the trainer publishes a
    version: every agent sees READY on its watch, takes a lease (`GetManifest`) at once
    and reports its handshake uniform(0, --pull-s) later, as a pull would take; we time
-   the fan-out and the commit after the last handshake.
+   the fan-out and the commit after the last handshake. Both calls travel on the agent's
+   Heartbeats stream as weightsync's rollouts carry them (`--calls rpc`: an RPC each, as
+   before they were carried; the two modes compare the burst's cost).
 2. big manifest: one rank of 100,000 tensors publishes while the prober times another
    session; then `GetManifest` of it streams (pieces counted, largest message size).
 3. retention: V versions (default 10,000) published and released; the database size is
@@ -34,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from weightsync._proto import types_pb2 as tpb  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.lease import heartbeat_interval_s  # noqa: E402
 from weightsync.manifest import Manifest  # noqa: E402
-from weightsync.rpc import CHANNEL_OPTIONS  # noqa: E402
+from weightsync.rpc import CHANNEL_OPTIONS, code_name  # noqa: E402
 
 TARGET_P99_MS = 50.0
 TARGET_COMMIT_S = 1.0
@@ -147,6 +150,7 @@ class Fleet:
     pull_s: float
     report: pb.ReportAppliedRequest
     unary_heartbeats: bool = False
+    carried_calls: bool = True
     seen_ready: list[float] = field(default_factory=list)
     handshakes: list[float] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
@@ -187,12 +191,13 @@ class Fleet:
             await c.close()
 
     async def _agent(self, stub: pb_grpc.CoordinatorStub, agent_id: str, stop: asyncio.Event) -> None:
-        beat = asyncio.create_task(self._heartbeat(stub, agent_id))
+        line: list[_Line] = []  # the agent's open Heartbeats stream, once there is one
+        beat = asyncio.create_task(self._heartbeat(stub, agent_id, line))
         try:
             async for ev in stub.WatchVersions(pb.WatchVersionsRequest(session=self.session)):
                 if ev.version.state == tpb.READY:
                     self.seen_ready.append(time.time())
-                    await self._handshake(stub, agent_id, ev.version.version, ev.version.manifest_digest)
+                    await self._handshake(stub, line, agent_id, ev.version.version, ev.version.manifest_digest)
         except asyncio.CancelledError:
             pass
         except grpc.aio.AioRpcError as e:
@@ -201,47 +206,98 @@ class Fleet:
         finally:
             beat.cancel()
 
-    async def _heartbeat(self, stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
+    async def _heartbeat(self, stub: pb_grpc.CoordinatorStub, agent_id: str, line: list[_Line]) -> None:
         """Beats as weightsync.heartbeat does: on one Heartbeats stream (or unary calls)."""
         interval = heartbeat_interval_s(self.ttl_s)
         request = pb.HeartbeatRequest(session=self.session, agent_id=agent_id)
         await asyncio.sleep(random.random() * interval)  # agents beat at random phases
-        call = None
         while True:
             t0 = time.perf_counter()
             try:
                 if self.unary_heartbeats:
                     await stub.Heartbeat(request, timeout=self.ttl_s)
                 else:
-                    call = call or stub.Heartbeats()
-                    await call.write(request)
-                    await asyncio.wait_for(call.read(), self.ttl_s)
+                    if not line:
+                        line.append(_Line(stub.Heartbeats()))
+                    await asyncio.wait_for(line[0].ask(request), self.ttl_s)
                 self.heartbeats.append(time.perf_counter() - t0)
             except (grpc.aio.AioRpcError, TimeoutError) as e:
                 self._error(f"heartbeat {e.code().name if isinstance(e, grpc.aio.AioRpcError) else 'TIMEOUT'}")
-                if call is not None:
-                    call.cancel()
-                call = None
+                if line:
+                    line.pop().call.cancel()
             await asyncio.sleep(max(0.0, interval - (time.perf_counter() - t0)))
 
-    async def _handshake(self, stub: pb_grpc.CoordinatorStub, agent_id: str, version: int, digest: str) -> None:
+    async def _handshake(
+        self, stub: pb_grpc.CoordinatorStub, line: list[_Line], agent_id: str, version: int, digest: str
+    ) -> None:
+        carried = self.carried_calls and not self.unary_heartbeats
         try:
             t0 = time.perf_counter()
-            async for _piece in stub.GetManifest(
-                pb.GetManifestRequest(session=self.session, version=version, agent_id=agent_id), timeout=60
-            ):
-                pass
+            lease = pb.GetManifestRequest(session=self.session, version=version, agent_id=agent_id)
+            if carried and line:
+                _answered(await line[0].ask(pb.HeartbeatRequest(call_id=1, get_manifest=lease)))
+            else:
+                async for _piece in stub.GetManifest(lease, timeout=60):
+                    pass
             self.leases.append(time.perf_counter() - t0)
             await asyncio.sleep(random.random() * self.pull_s)  # the pull and apply a rollout does here
             report = pb.ReportAppliedRequest()
             report.CopyFrom(self.report)
             report.version, report.agent_id, report.manifest_digest = version, agent_id, digest
             t0 = time.perf_counter()
-            await stub.ReportApplied(report, timeout=60)
+            if carried and line:
+                _answered(await line[0].ask(pb.HeartbeatRequest(call_id=2, report_applied=report)))
+            else:
+                await stub.ReportApplied(report, timeout=60)
             self.reports.append(time.perf_counter() - t0)
             self.handshakes.append(time.time())
         except grpc.aio.AioRpcError as e:
             self._error(f"handshake {e.code().name}")
+        except _CarriedError as e:
+            self._error(f"handshake {e}")
+
+
+class _CarriedError(Exception):
+    """A carried call answered with an error status (its code name)."""
+
+
+def _answered(answers: list[pb.HeartbeatResponse]) -> None:
+    if answers[-1].HasField("error"):
+        raise _CarriedError(code_name(answers[-1].error))
+
+
+class _Line:
+    """One agent's Heartbeats stream, shared by its beats and its carried calls. The
+    coordinator answers a stream's requests in order, so answers are matched first in,
+    first out: a beat takes one answer, a call those up to its `last`."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self._lock = asyncio.Lock()
+        self._waiting: deque[tuple[asyncio.Future[list[pb.HeartbeatResponse]], list[pb.HeartbeatResponse]]] = deque()
+        self._reader = asyncio.create_task(self._read())
+
+    async def ask(self, request: pb.HeartbeatRequest) -> list[pb.HeartbeatResponse]:
+        done: asyncio.Future[list[pb.HeartbeatResponse]] = asyncio.get_running_loop().create_future()
+        async with self._lock:
+            self._waiting.append((done, []))
+            await self.call.write(request)
+        return await done
+
+    async def _read(self) -> None:
+        try:
+            while (resp := await self.call.read()) is not grpc.aio.EOF:
+                done, answers = self._waiting[0]
+                answers.append(resp)
+                if not resp.call_id or resp.last:
+                    self._waiting.popleft()
+                    done.set_result(answers)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            for done, _ in self._waiting:
+                if not done.done():
+                    done.set_exception(e if isinstance(e, grpc.aio.AioRpcError) else TimeoutError())
+            self._waiting.clear()
 
 
 def fleet_worker(args: argparse.Namespace) -> int:
@@ -250,7 +306,15 @@ def fleet_worker(args: argparse.Namespace) -> int:
     part = synthetic_part(8)
     report = good_report("fleet", 1, "", Manifest("fleet", 1, 1, part.chunk_bytes, (part,)))
     fleet = Fleet(
-        args.address, "fleet", first, count, args.lease_ttl_s, args.pull_s, report, args.heartbeats == "unary"
+        args.address,
+        "fleet",
+        first,
+        count,
+        args.lease_ttl_s,
+        args.pull_s,
+        report,
+        args.heartbeats == "unary",
+        args.calls == "carried",
     )
     asyncio.run(fleet.run())
     print(
@@ -270,7 +334,15 @@ def fleet_worker(args: argparse.Namespace) -> int:
 
 
 def fleet_round(
-    address: str, pid: int, agents: int, seconds: float, ttl_s: float, procs: int, pull_s: float, heartbeats: str
+    address: str,
+    pid: int,
+    agents: int,
+    seconds: float,
+    ttl_s: float,
+    procs: int,
+    pull_s: float,
+    heartbeats: str,
+    calls: str,
 ) -> dict[str, Any]:
     trainer = CoordinatorClient(address, timeout_s=60.0)
     opened = trainer.open_session("fleet", trainer=True, trainer_ranks=1, min_rollouts=1)
@@ -294,6 +366,8 @@ def fleet_round(
                     str(pull_s),
                     "--heartbeats",
                     heartbeats,
+                    "--calls",
+                    calls,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -352,6 +426,7 @@ def fleet_round(
         "register_all_s": round(setup_s, 2),
         "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
         "heartbeats": heartbeats,
+        "calls": calls if heartbeats == "stream" else "rpc",
         "getstatus_fleet": percentiles([s for _, s in busy.samples]),
         "getstatus_quiet": percentiles([s for _, s in quiet.samples]),
         # steady: heartbeats and watches only; burst: from the publish on (leases, handshakes)
@@ -458,6 +533,12 @@ def main() -> int:
         default="stream",
         help="how agents beat: on a Heartbeats stream each (as weightsync's agents do) or unary calls",
     )
+    ap.add_argument(
+        "--calls",
+        choices=("carried", "rpc"),
+        default="carried",
+        help="how agents lease and report: on their Heartbeats stream (as weightsync's rollouts) or an RPC each",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
@@ -482,6 +563,7 @@ def main() -> int:
                 args.fleet_procs,
                 args.pull_s,
                 args.heartbeats,
+                args.calls,
             )
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")

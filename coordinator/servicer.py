@@ -25,11 +25,13 @@ from coordinator.watch import EVENT_PAGE, EventFeed, WatchHub
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
+from weightsync.carried_calls import carried_call
 from weightsync.digests import DIGEST_ALGORITHM
 from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
+from weightsync.event_loop import run_in_thread
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
-from weightsync.rpc import check_int64_range
+from weightsync.rpc import check_int64_range, code_name, status_for
 from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_session_name, check_version
@@ -215,7 +217,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if task is not None:
             self._hub.end_on_close(task)
         async for request in request_iterator:
-            yield await self._beat(request)
+            carried = carried_call(request)
+            if carried is None:
+                yield await self._beat(request)
+            else:
+                async for answer in self._carried(request.call_id, *carried):
+                    yield answer
+
+    async def _carried(self, call_id: int, method: str, request: Any) -> AsyncIterator[pb.HeartbeatResponse]:
+        """Answers a call carried on a Heartbeats stream as its own RPC would (see
+        weightsync.carried_calls); a failure is an answer, and the stream goes on."""
+        name = f"/{SERVICE_NAME}/Heartbeats.{method}"  # counted apart from the RPC itself
+        started = time.perf_counter()
+        try:
+            if method == "GetManifest":
+                answers = [pb.HeartbeatResponse(manifest_piece=p) for p in await self._leased_pieces(request)]
+            else:
+                answers = [pb.HeartbeatResponse(report_applied=await self._report(request))]
+        except Exception as e:  # noqa: BLE001 - mapped as rpc.StatusInterceptor maps the RPC's
+            status = status_for(e, name)
+            self._metrics.observe_rpc(name, code_name(status), time.perf_counter() - started)
+            yield pb.HeartbeatResponse(call_id=call_id, last=True, error=status)
+            return
+        self._metrics.observe_rpc(name, "OK", time.perf_counter() - started)
+        answers[-1].last = True
+        for answer in answers:
+            answer.call_id = call_id
+            yield answer
 
     async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         # A fleet's commonest call: one short statement.
@@ -224,7 +252,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         if self._sweep_due():
             await asyncio.to_thread(self.sweep)
-        return pb.HeartbeatResponse(generation=generation, lease_ttl_seconds=self._store.lease_ttl_s)
+        return pb.HeartbeatResponse(
+            generation=generation, lease_ttl_seconds=self._store.lease_ttl_s, carries_calls=True
+        )
 
     def PublishVersion(
         self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext
@@ -311,10 +341,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # A fleet takes its leases all at once on each READY: short store calls, so on the
         # loop when the store is free; the pieces then stream from the loop (a generator on
         # the handler pool costs a thread hop per piece).
-        async with self._burst:
-            pieces = await self._soon(self._manifest_pool, self._manifest_pieces, request)
-        for piece in pieces:
+        for piece in await self._leased_pieces(request):
             yield piece
+
+    async def _leased_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
+        async with self._burst:
+            return await self._soon(self._manifest_pool, self._manifest_pieces, request)
 
     def _manifest_pieces(self, request: pb.GetManifestRequest) -> list[pb.ManifestPiece]:
         rec, manifest = self._store.manifest(request.session, request.version, lease_for=request.agent_id)
@@ -366,6 +398,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def ReportApplied(
         self, request: pb.ReportAppliedRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportAppliedResponse:
+        return await self._report(request)
+
+    async def _report(self, request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
         async with self._burst:
             return await self._soon(None, self._report_applied, request)
 
@@ -399,7 +434,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         # On threads of its own, not the handler pool nor the executor manifests use: an
         # operator's status call does not queue behind a fleet's burst of handshakes.
-        return await asyncio.get_running_loop().run_in_executor(self._status_pool, self._status.reply, request)
+        # Resumed in the urgent lane when the reply is built (weightsync.event_loop).
+        return await run_in_thread(self._status_pool, self._status.reply, request)
 
     def AbortVersion(self, request: pb.AbortVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         rec = self._store.abort_version(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import secrets
 import sqlite3
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from coordinator import events, retention
@@ -95,6 +96,8 @@ class SessionStore(VersionLifecycle):
         self.limits = limits
         self._clock = clock
         self._listener = listener
+        self._appended: set[str] = set()  # sessions with committed events their watchers were not told of
+        self._tx_events = threading.local()  # .sessions: those the open transaction appended to
         self.on_transition: Callable[[VersionRecord], None] | None = None  # each version entering a state
         self.db = Database(db_path)
         self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
@@ -106,8 +109,20 @@ class SessionStore(VersionLifecycle):
         self.db.close()
 
     # -- transactions (coordinator.database) ---------------------------------------
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self.db.tx()
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._tx_events.sessions = appended = set()
+        try:
+            with self.db.tx() as db:
+                yield db
+        finally:
+            self._tx_events.sessions = None
+        self._appended.update(appended)  # committed: now the watchers may be told
+
+    def _appended_event(self, session: str) -> None:
+        """`_event` calls this for each event it writes (inside a transaction)."""
+        pending = getattr(self._tx_events, "sessions", None)
+        (self._appended if pending is None else pending).add(session)
 
     def _read(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.read()
@@ -129,6 +144,13 @@ class SessionStore(VersionLifecycle):
         self.db.on_free = fn
 
     def _notify(self, session: str) -> None:
+        """Wakes the session's watchers after a write, if it appended events: a handshake
+        that commits nothing must not wake a thousand watch streams (each handshake of a
+        fleet's burst did, and every watcher re-read the feed a thousand times over)."""
+        try:
+            self._appended.remove(session)  # atomic: of two writers, one notifies
+        except KeyError:
+            return
         if self._listener is not None:
             self._listener.notify(session)
 

@@ -62,6 +62,7 @@ class VersionLifecycle:
     _read: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _writer: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _notify: Callable[[str], None]
+    _appended_event: Callable[[str], None]
     on_transition: Callable[[VersionRecord], None] | None
     session: Callable[[str], SessionRecord]
     parts: Callable[[str, int], list[Part]]
@@ -438,6 +439,7 @@ class VersionLifecycle:
     def _event(self, db: sqlite3.Connection, session: str, version: int, state: VersionState) -> None:
         rec = self._version(db, session, version)
         events.append(db, rec, state, self._clock())
+        self._appended_event(session)  # _notify, after the commit, wakes the watchers
         if self.on_transition is not None:  # metrics: counted where every transition passes
             self.on_transition(rec)
 

@@ -150,6 +150,18 @@ class EventFeed:
             feed = self._feeds.setdefault(session, _SessionFeed(base=int(base)))  # type: ignore[call-overload]
         if seq < feed.base:  # a replay from further back than memory holds
             return await self._offload(self._read, session, seq, EVENT_PAGE)  # type: ignore[return-value]
+        if feed.tick != self._hub.tick(session):  # else up to date: no lock (a thousand watchers
+            await self._refresh(session, feed)  # would take it in turn, a loop turn each)
+        if seq < feed.base:  # fell out of the window while we read
+            return await self._offload(self._read, session, seq, EVENT_PAGE)  # type: ignore[return-value]
+        newer: list[Event] = []
+        for ev in reversed(feed.events):  # watchers are near the tail: walk only what is new
+            if ev.seq <= seq:
+                break
+            newer.append(ev)
+        return newer[::-1][:EVENT_PAGE]
+
+    async def _refresh(self, session: str, feed: _SessionFeed) -> None:
         async with feed.lock:
             tick = self._hub.tick(session)
             if feed.tick != tick:  # the first watcher to wake reads for everyone
@@ -162,11 +174,3 @@ class EventFeed:
                     if len(page) < EVENT_PAGE:
                         break
                 feed.tick = tick
-        if seq < feed.base:  # fell out of the window while we read
-            return await self._offload(self._read, session, seq, EVENT_PAGE)  # type: ignore[return-value]
-        newer: list[Event] = []
-        for ev in reversed(feed.events):  # watchers are near the tail: walk only what is new
-            if ev.seq <= seq:
-                break
-            newer.append(ev)
-        return newer[::-1][:EVENT_PAGE]

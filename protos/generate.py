@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from google.rpc import status_pb2
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,11 +25,13 @@ def generate(out_dir: Path) -> list[Path]:
     """Runs protoc into a temp dir, rewrites imports, copies into out_dir."""
     protos = sorted(PROTO_ROOT.glob("weightsync/v1/*.proto"))
     well_known = Path(protoc.__file__).parent / "_proto"
+    googleapis = Path(status_pb2.__file__).parents[2]  # google/rpc/status.proto (googleapis-common-protos)
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             "protoc",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
+            f"-I{googleapis}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",

@@ -60,10 +60,13 @@ class RolloutWiring:
         ).lease_ttl_seconds
 
     def heartbeat(self, current_version: Callable[[], int]) -> Heartbeat:
-        """A started lease keeper that registers (again) through `register`."""
-        return Heartbeat(
+        """A started lease keeper that registers (again) through `register`; the client
+        carries the rollout's leases and handshakes on its stream."""
+        beat = Heartbeat(
             self.client, self.settings.session, self.agent_id, current_version=current_version, register=self.register
         ).start()
+        self.client.carrier = beat
+        return beat
 
     def close_data_plane(self) -> None:
         """Stops the puller's connections and the relay (the client stays open for the

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import Any, Protocol
 
 import grpc
 
@@ -22,11 +23,19 @@ log = logging.getLogger(__name__)
 TERMINAL_WAIT_STATES = tuple(sorted(version_states.FINAL))
 
 
+class CallCarrier(Protocol):
+    """Sends a call on a stream already open (weightsync.heartbeat.Heartbeat.carry)."""
+
+    def carry(self, call: str, request: Any, timeout_s: float) -> list[pb.HeartbeatResponse] | None: ...
+
+
 class CoordinatorClient:
     """One channel to a coordinator. Every call has a deadline (`timeout_s`).
 
     Idempotent calls retry UNAVAILABLE `retries` times with backoff, which rides out a
-    coordinator restart of a few seconds.
+    coordinator restart of a few seconds. With a `carrier` (a rollout's heartbeat), the
+    leased GetManifest and ReportApplied travel on its stream while it carries calls, and
+    as RPCs otherwise (weightsync.carried_calls).
     """
 
     def __init__(
@@ -37,6 +46,7 @@ class CoordinatorClient:
         self.retries = retries
         self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.carrier: CallCarrier | None = None
 
     def close(self) -> None:
         self._channel.close()
@@ -149,7 +159,22 @@ class CoordinatorClient:
 
     def get_manifest(self, session: str, version: int = 0, *, agent_id: str = "") -> tuple[pb.ManifestHeader, Manifest]:
         req = pb.GetManifestRequest(session=session, version=version, agent_id=agent_id)
+        answers = self._carried("get_manifest", req) if agent_id else None
+        if answers is not None:
+            return manifest_from_pieces(a.manifest_piece for a in answers)
         return manifest_from_pieces(rpc.stream(self._stub.GetManifest, req, timeout_s=self.timeout_s))
+
+    def _carried(self, call: str, request: Any) -> list[pb.HeartbeatResponse] | None:
+        """The carrier's answers to `request`; None: make the RPC (no carrier, none carrying
+        now, or the stream ended before answering: both calls may be sent again)."""
+        carrier = self.carrier
+        if carrier is None:
+            return None
+        try:
+            return carrier.carry(call, request, self.timeout_s)
+        except TransportUnavailable as e:
+            log.info("%s: %s; calling the RPC instead", call, e.message)
+            return None
 
     def watch(self, session: str, since_seq: int = 0, *, timeout_s: float | None = None) -> Iterator[pb.VersionEvent]:
         """Version events after since_seq; runs until cancelled, the deadline, or an error."""
@@ -159,6 +184,9 @@ class CoordinatorClient:
     def report_applied(
         self, request: pb.ReportAppliedRequest, *, retries: int | None = None
     ) -> pb.ReportAppliedResponse:
+        answers = self._carried("report_applied", request)
+        if answers is not None:
+            return answers[-1].report_applied
         retries = self.retries if retries is None else retries
         return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=retries)
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, TransportUnavailable, WeightsyncError
+from weightsync.errors import AgentNotFound, DeadlineExceeded, TransportUnavailable, WeightsyncError
 from weightsync.lease import heartbeat_interval_s
+from weightsync.rpc import error_from_status
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +25,12 @@ class Heartbeat:
     Beats travel on one `Heartbeats` stream (a message per beat costs the coordinator a
     third of a unary call: 1,000 agents beat 400 times a second), reopened after any
     error; a coordinator without that method gets unary `Heartbeat` calls. A beat left
-    unanswered for two intervals (a stalled coordinator or a dead connection) ends the
-    stream and counts as a failed beat.
+    unanswered for two intervals (a stalled coordinator or a dead connection; answers to
+    carried calls count as signs of life) ends the stream and counts as a failed beat.
+
+    `carry()` sends a rollout's per-version calls on the same stream once the coordinator
+    said it answers them (`weightsync.carried_calls`); a `CoordinatorClient` whose
+    `carrier` is this object routes its leased GetManifest and ReportApplied through it.
 
     The interval derives from the lease TTL the coordinator returns with every
     registration and beat (`weightsync.lease`), so agents follow `--lease-ttl-s`.
@@ -57,6 +66,7 @@ class Heartbeat:
         self._failing = False
         self._streams = True  # False once the coordinator answered UNIMPLEMENTED
         self._cancel: Callable[[], None] | None = None
+        self._open: _OpenStream | None = None  # the stream beating now
 
     @property
     def interval_s(self) -> float:
@@ -70,7 +80,9 @@ class Heartbeat:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        cancel = self._cancel
+        cancel, open_stream = self._cancel, self._open
+        if open_stream is not None:
+            open_stream.outgoing.put(None)  # wakes the request iterator
         if cancel is not None:
             cancel()
         if self._thread.is_alive():
@@ -124,26 +136,54 @@ class Heartbeat:
         )
         self._answered(resp)
 
+    def carry(self, call: str, request: Any, timeout_s: float) -> list[pb.HeartbeatResponse] | None:
+        """The answers to `request` sent as the HeartbeatRequest field `call` on the open
+        stream; None when no open stream carries calls (make the RPC instead). Raises the
+        error the RPC would have (mapped from the answer's status), DeadlineExceeded after
+        `timeout_s`, TransportUnavailable when the stream ended first."""
+        open_stream = self._open
+        if open_stream is None or not open_stream.carries:
+            return None
+        pending = open_stream.submit(call, request)
+        if not pending.done.wait(timeout_s):
+            open_stream.forget(pending)
+            raise DeadlineExceeded(f"{call}: no answer on the heartbeat stream within {timeout_s:.1f}s")
+        if pending.error is not None:
+            raise pending.error
+        return pending.answers
+
     def _beat_on_stream(self) -> None:
         """Beats on one stream until stopped (returns) or an error (raises)."""
-        answered = threading.Event()
+        open_stream = _OpenStream(self._answer_within_s())
         unanswered = threading.Event()
 
-        def beats() -> Iterator[pb.HeartbeatRequest]:  # run by gRPC's request thread
-            while not self._stop.wait(self._interval_s):
-                answered.clear()
-                yield self._request()
-                if not answered.wait(self._answer_within_s()) and not self._stop.is_set():
+        def requests() -> Iterator[pb.HeartbeatRequest]:  # run by gRPC's request thread
+            next_beat = time.monotonic()  # the first answer says whether calls may be carried
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if open_stream.overdue(now):
                     unanswered.set()
                     cancel()
                     return
+                if now >= next_beat:
+                    open_stream.beat_sent(now)
+                    next_beat = now + self._interval_s
+                    yield self._request()
+                    continue
+                try:
+                    item = open_stream.outgoing.get(timeout=open_stream.wake_in(now, next_beat))
+                except queue.Empty:
+                    continue
+                if item is not None:
+                    yield item
 
-        responses, cancel = self._client.heartbeats(beats())
+        responses, cancel = self._client.heartbeats(requests())
         self._cancel = cancel
+        self._open = open_stream
         try:
             for resp in responses:
-                answered.set()
-                self._answered(resp)
+                if open_stream.answered(resp):
+                    self._answered(resp)
         except WeightsyncError:
             if unanswered.is_set():
                 raise TransportUnavailable(
@@ -152,6 +192,8 @@ class Heartbeat:
             raise
         finally:
             self._cancel = None
+            self._open = None
+            open_stream.close()
         if not self._stop.is_set():  # the coordinator ended the stream (shutting down)
             raise TransportUnavailable("the coordinator ended the heartbeat stream")
 
@@ -165,3 +207,90 @@ class Heartbeat:
         if self._failing:
             log.info("agent %s: lease renewed", self._agent_id)
             self._failing = False
+
+
+class _Pending:
+    """A carried call waiting for its answers."""
+
+    def __init__(self) -> None:
+        self.answers: list[pb.HeartbeatResponse] = []
+        self.error: WeightsyncError | None = None
+        self.done = threading.Event()
+
+
+class _OpenStream:
+    """One Heartbeats stream's bookkeeping, shared by the thread reading its answers, gRPC's
+    thread iterating its requests and the threads carrying calls on it."""
+
+    def __init__(self, answer_within_s: float) -> None:
+        self.outgoing: queue.SimpleQueue[pb.HeartbeatRequest | None] = queue.SimpleQueue()
+        self.carries = False
+        self._answer_within_s = answer_within_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._closed = False
+        self._beat_since: float | None = None  # a beat is unanswered since then
+        self._heard_at = 0.0  # the last answer of any kind
+
+    def submit(self, call: str, request: Any) -> _Pending:
+        pending = _Pending()
+        with self._lock:
+            if self._closed:
+                raise TransportUnavailable("the heartbeat stream ended", field="heartbeat")
+            call_id = next(self._ids)
+            self._pending[call_id] = pending
+        self.outgoing.put(pb.HeartbeatRequest(call_id=call_id, **{call: request}))
+        return pending
+
+    def forget(self, pending: _Pending) -> None:
+        with self._lock:
+            self._pending = {k: p for k, p in self._pending.items() if p is not pending}
+
+    def beat_sent(self, now: float) -> None:
+        with self._lock:
+            if self._beat_since is None:
+                self._beat_since = now
+
+    def overdue(self, now: float) -> bool:
+        """A beat went unanswered for answer_within_s, and nothing else was heard since."""
+        with self._lock:
+            since = self._beat_since
+            return since is not None and now - max(since, self._heard_at) > self._answer_within_s
+
+    def wake_in(self, now: float, next_beat: float) -> float:
+        """Seconds the request iterator may sleep: until the next beat or the overdue check."""
+        with self._lock:
+            check = self._beat_since
+        until = next_beat if check is None else min(next_beat, check + self._answer_within_s)
+        return max(0.01, until - now)
+
+    def answered(self, resp: pb.HeartbeatResponse) -> bool:
+        """Files one answer; True when it answers a beat."""
+        with self._lock:
+            self._heard_at = time.monotonic()
+            if not resp.call_id:
+                self._beat_since = None
+                self.carries = resp.carries_calls
+                return True
+            pending = self._pending.get(resp.call_id)
+            if pending is None:  # forgotten: its caller gave up waiting
+                return False
+            pending.answers.append(resp)
+            if not resp.last:
+                return False
+            del self._pending[resp.call_id]
+        if resp.HasField("error"):
+            pending.error = error_from_status(resp.error)
+        pending.done.set()
+        return False
+
+    def close(self) -> None:
+        """Fails every unanswered call: its caller makes the RPC instead."""
+        with self._lock:
+            self._closed = True
+            self.carries = False
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.error = TransportUnavailable("the heartbeat stream ended before the call was answered", field="heartbeat")
+            p.done.set()

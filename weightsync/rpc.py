@@ -21,6 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from weightsync import errors
+from weightsync.event_loop import URGENT
 from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,29 @@ def to_status(error: Exception) -> status_pb2.Status:
     return status
 
 
+def status_for(error: Exception, method: str) -> status_pb2.Status:
+    """`to_status(error)` for a call of `method` that failed with it; what none of our
+    errors describes is logged with its traceback (it answers INTERNAL)."""
+    if not isinstance(error, (errors.WeightsyncError, NotImplementedError)):
+        log.exception("unhandled error in %s", method, exc_info=error)
+    return to_status(error)
+
+
+def code_name(status: status_pb2.Status) -> str:
+    """The grpc.StatusCode member name of a google.rpc.Status ("DATA_LOSS")."""
+    return grpc.StatusCode(_code_tuple(status.code)).name
+
+
+# Calls answered in the event loop's urgent lane (weightsync.event_loop): an operator's or
+# a probe's, each cheap and rare, that must not queue behind a fleet's burst of messages.
+URGENT_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def is_urgent(method: str) -> bool:
+    """True for the methods served in the urgent lane: every service's GetStatus, health, reflection."""
+    return method.endswith("/GetStatus") or method.startswith(URGENT_METHOD_PREFIXES)
+
+
 class RequestCheck(Protocol):
     """Runs before a servicer method (the bearer-token check); raises `errors.*` to refuse.
     `request` is the request message, or the request iterator of a client stream."""
@@ -125,6 +149,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self._checks = tuple(checks)
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        # Runs in the call's own task: the lane set here is the one its handler runs in.
+        URGENT.set(is_urgent(details.method))
         handler = await continuation(details)
         if handler is None:
             return None
@@ -156,10 +182,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             # The client went away while we read its request stream: nothing to answer.
             self._observe(method, "CANCELLED", started)
             raise error
-        if not isinstance(error, (errors.WeightsyncError, NotImplementedError)):
-            log.exception("unhandled error in %s", method, exc_info=error)
-        status = to_status(error)
-        self._observe(method, grpc.StatusCode(_code_tuple(status.code)).name, started)
+        status = status_for(error, method)
+        self._observe(method, code_name(status), started)
         return rpc_status.to_status(status)
 
     def _observe(self, method: str, code: str, started: float | None) -> None:
@@ -248,26 +272,34 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.WeightsyncError:
     """The weightsync error for a failed call (the table applied in reverse)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     message = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    field = None
-    reason = ""
     try:
         status = rpc_status.from_call(exc)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a status without details is fine
         status = None
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                br = error_details_pb2.BadRequest()
-                detail.Unpack(br)
-                if br.field_violations:
-                    field = br.field_violations[0].field
-            elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                if info.domain == ERROR_DOMAIN:
-                    reason = info.reason
-    err = errors.error_for_status(code.name, message, field, reason)
-    err.grpc_code = code.name  # type: ignore[attr-defined]
+    return _error(code.name, message, status.details if status is not None else ())
+
+
+def error_from_status(status: status_pb2.Status) -> errors.WeightsyncError:
+    """The weightsync error for a status answered in a message (a carried call's `error`)."""
+    return _error(code_name(status), status.message, status.details)
+
+
+def _error(code: str, message: str, details: Sequence[any_pb2.Any]) -> errors.WeightsyncError:
+    field = None
+    reason = ""
+    for detail in details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            br = error_details_pb2.BadRequest()
+            detail.Unpack(br)
+            if br.field_violations:
+                field = br.field_violations[0].field
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                reason = info.reason
+    err = errors.error_for_status(code, message, field, reason)
+    err.grpc_code = code  # type: ignore[attr-defined]
     return err
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from weightsync._proto import types_pb2 as tpb
+from weightsync.carried_calls import carried_call
 from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsync.validation import check_agent_id
 
@@ -53,6 +54,7 @@ AGENT_IN_REQUEST = tuple(
     for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "Heartbeats", "ReportApplied", "GetManifest")
 )
 AGENT_TOKEN_PREFIX = "wsagent:"
+HEARTBEATS = "/weightsync.v1.Coordinator/Heartbeats"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 
@@ -238,6 +240,10 @@ class BearerAuth:
         # A stream's requests are checked one by one (`request` is first the iterator).
         if bound and method in AGENT_IN_REQUEST and getattr(request, "agent_id", "") not in ("", bound):
             raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
+        carried = carried_call(request) if method == HEARTBEATS and hasattr(request, "WhichOneof") else None
+        if carried is not None:  # authorized as the RPC it stands for
+            name, call = carried
+            self(f"/weightsync.v1.Coordinator/{name}", metadata, call)
 
 
 def agent_token(role_token: str, role: str, agent_id: str) -> str:

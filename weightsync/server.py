@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from prometheus_client import start_http_server
 
 from weightsync.config import is_loopback
+from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
 from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
@@ -38,6 +39,7 @@ class Service:
 
 # One event loop per process runs every grpc.aio server in it (grpc.aio objects belong to
 # the loop that made them; tests run coordinator, trainer and rollout servers in one process).
+# A LaneLoop: status calls and probes answer promptly under a fleet's burst (event_loop).
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 # Concurrent calls a server admits; watches and streams cost no thread, so this bounds
@@ -49,7 +51,7 @@ def _server_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _loop_lock:
         if _loop is None:
-            _loop = asyncio.new_event_loop()
+            _loop = LaneLoop()
             threading.Thread(target=_loop.run_forever, name="grpc-aio", daemon=True).start()
         return _loop
 
@@ -137,6 +139,9 @@ def start_server(
             bound = server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"could not bind {host}:{port}")
+        # The server's accept loop is a task made here: in the urgent lane, so a new call
+        # is taken on at once; the interceptor then puts each call in its method's lane.
+        URGENT.set(True)
         await server.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -165,6 +165,9 @@ def test_heartbeats_fall_back_to_unary_calls_on_a_coordinator_without_the_stream
                 time.sleep(1.5)
                 assert [a.alive for a in client.status("job").agents] == [True]
                 assert rpc_count(running, "Heartbeat") >= 5
+                from weightsync._proto import coordinator_pb2 as pb
+
+                assert beat.carry("get_manifest", pb.GetManifestRequest(session="job"), 1) is None  # the RPC
             finally:
                 beat.stop()
     finally:
@@ -222,3 +225,61 @@ def test_a_local_failure_is_answered_not_diagnosed_as_data_loss(inprocess_coordi
         )
         with pytest.raises(DataLoss, match="manifest digest"):
             client.report_applied(wrong)
+
+
+def test_a_rollout_carries_its_lease_and_handshake_on_its_heartbeat_stream(tmp_path) -> None:  # noqa: ANN001
+    """No new RPC per rollout per version: the leased GetManifest and ReportApplied travel
+    on the Heartbeats stream, are answered as the RPCs would be, and a refusal (DATA_LOSS,
+    NOT_FOUND) is an answer that leaves the stream beating."""
+    from devtools.synthetic import good_report
+    from tests.conftest import coordinator_in_process
+    from weightsync._proto import coordinator_pb2 as pb
+    from weightsync.errors import DigestMismatch, VersionNotFound
+    from weightsync.heartbeat import Heartbeat
+
+    with (
+        coordinator_in_process(tmp_path / "c.db", lease_ttl_s=2.0) as running,
+        CoordinatorClient(running.address) as trainer,
+        CoordinatorClient(running.address) as client,
+    ):
+        gen = trainer.open_session("job", trainer=True, incarnation="a", min_rollouts=2).generation
+        part, _ = make_part(sample_arrays())
+        trainer.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+        beats = {}
+        for agent in ("r0", "r1"):
+            client.register_agent("job", agent, trainer=False, endpoint=Endpoint())
+            beats[agent] = Heartbeat(client, "job", agent, current_version=lambda: 0, register=lambda: 2.0).start()
+        try:
+            eventually(lambda: beats["r0"].carry("get_manifest", pb.GetManifestRequest(session="job"), 5) is not None)
+            client.carrier = beats["r0"]
+            header, manifest = client.get_manifest("job", 1, agent_id="r0")
+            unary_header, unary_manifest = trainer.get_manifest("job", 1)  # no agent: not carried
+            assert manifest.digest() == unary_manifest.digest() == header.version.manifest_digest
+            assert header.access_token and unary_header.access_token == ""  # a leased read
+            assert trainer.status("job").versions[0].leases == 1
+            report = good_report("job", 1, header.version.manifest_digest, manifest)
+            report.agent_id = "r0"
+            assert client.report_applied(report).ok
+
+            client.carrier = beats["r1"]
+            header1, _ = client.get_manifest("job", 1, agent_id="r1")
+            wrong = good_report("job", 1, header1.version.manifest_digest, manifest)
+            wrong.agent_id = "r1"
+            wrong.tensors[0].xxh3 ^= 1
+            with pytest.raises(DigestMismatch, match=wrong.tensors[0].name):
+                client.report_applied(wrong)
+            with pytest.raises(VersionNotFound):
+                client.get_manifest("job", 99, agent_id="r1")
+            assert {a.agent_id for a in trainer.status("job").agents if a.alive} == {"r0", "r1"}
+            assert rpc_count(running, "Heartbeats") == 0  # both streams still open after the refusals
+            assert rpc_count(running, "Heartbeats.GetManifest") == 4  # the probe, r0, r1, version 99
+            assert rpc_count(running, "Heartbeats.ReportApplied") == 2
+            assert rpc_count(running, "GetManifest") == 1 and rpc_count(running, "ReportApplied") == 0
+            (v1,) = [h for h in trainer.status("job").handshakes if h.agent_id == "r1"]
+            assert not v1.ok and wrong.tensors[0].name in v1.mismatch
+        finally:
+            for beat in beats.values():
+                beat.stop()
+        client.carrier = beats["r0"]  # stopped: no stream carries, the RPC does
+        client.get_manifest("job", 1, agent_id="r0")
+        assert rpc_count(running, "GetManifest") == 2

@@ -116,6 +116,11 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
     assert "ReleaseVersion" in refused(
         _client_side(pki, "rollout"), PermissionDenied, lambda c: c.release_version("job", 1, generation=1)
     )
+    # nor does a trainer token report a handshake by carrying it on a heartbeat stream
+    report = pb.HeartbeatRequest(call_id=1, report_applied=pb.ReportAppliedRequest(session="job", version=1))
+    assert "ReportApplied" in refused(
+        _client_side(pki, "trainer"), PermissionDenied, lambda c: list(c.heartbeats(iter([report]))[0])
+    )
     with CoordinatorClient(addr, security=_client_side(pki, "rollout")) as rollout:
         rollout.open_session("job", trainer=False)
         rollout.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -151,6 +156,13 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
         with pytest.raises(PermissionDenied) as exc:
             got.extend(answers)
         assert len(got) == 2 and exc.value.field == "agent_id"
+        # a call carried on the stream is authorized as its own RPC: r0 may not lease for r1
+        carried = pb.HeartbeatRequest(call_id=1, get_manifest=pb.GetManifestRequest(session="job", agent_id="r1"))
+        answers, _ = c.heartbeats(iter([beats[0], carried]))
+        got = []
+        with pytest.raises(PermissionDenied) as exc:
+            got.extend(answers)
+        assert len(got) == 1 and got[0].carries_calls and exc.value.field == "agent_id"
         with pytest.raises(PermissionDenied):  # the role still binds: a rollout's token cannot attach as trainer
             c.open_session("job", trainer=True)
     forged = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token("x" * 24, "rollout", "r1"))

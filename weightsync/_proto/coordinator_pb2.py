@@ -23,72 +23,73 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 from weightsync._proto import types_pb2 as weightsync_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fweightsync/v1/coordinator.proto\x12\rweightsync.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19weightsync/v1/types.proto\"\xba\x01\n\x12OpenSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.weightsync.v1.Role\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x15\n\rtrainer_ranks\x18\x04 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x05 \x01(\r\x12\x18\n\x10weight_sync_mode\x18\x06 \x01(\t\x12\x14\n\x0cnext_version\x18\x07 \x01(\x04\"\xbd\x01\n\x13OpenSessionResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rtrainer_ranks\x18\x03 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x04 \x01(\r\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x08\x12\x16\n\x0elatest_version\x18\x06 \x01(\x04\x12\x18\n\x10weight_sync_mode\x18\x07 \x01(\t\x12\x11\n\ttoken_key\x18\x08 \x01(\t\"\xa9\x01\n\x14RegisterAgentRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.weightsync.v1.Role\x12)\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"F\n\x15RegisterAgentResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"N\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\"B\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\";\n\x16\x44\x65registerAgentRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"*\n\x17\x44\x65registerAgentResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xc1\x02\n\rPublishHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x08 \x01(\r\x12\x13\n\x0bshard_count\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\n \x01(\r\x12)\n\x08\x65ndpoint\x18\x0b \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x15\n\rstage_seconds\x18\x0c \x01(\x01\x12\'\n\x05\x64\x65lta\x18\r \x01(\x0b\x32\x18.weightsync.v1.PartDelta\"\"\n\x0bPublishSeal\x12\x13\n\x0bpart_digest\x18\x01 \x01(\t\"\xa5\x01\n\x0ePublishRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.PublishHeaderH\x00\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.DescriptorBatchH\x00\x12*\n\x04seal\x18\x03 \x01(\x0b\x32\x1a.weightsync.v1.PublishSealH\x00\x42\x06\n\x04item\"Q\n\x0fPublishResponse\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"H\n\x12GetManifestRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\"\xa2\x02\n\x0eManifestHeader\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10\x64igest_algorithm\x18\x03 \x01(\t\x12&\n\x05parts\x18\x04 \x03(\x0b\x32\x17.weightsync.v1.RankPart\x12-\n\naggregates\x18\x05 \x01(\x0b\x32\x19.weightsync.v1.Aggregates\x12\x18\n\x10weight_sync_mode\x18\x06 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x07 \x01(\t\x12-\n\x0brelay_chain\x18\x08 \x03(\x0b\x32\x18.weightsync.v1.RelayPeer\"H\n\tRelayPeer\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12)\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\"y\n\rManifestPiece\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.weightsync.v1.ManifestHeaderH\x00\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.DescriptorBatchH\x00\x42\x06\n\x04item\":\n\x14WatchVersionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\"H\n\x0cVersionEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\"7\n\x0cTensorDigest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04xxh3\x18\x02 \x01(\x06\x12\x0b\n\x03sum\x18\x03 \x01(\x01\"\x9e\x01\n\x07Timings\x12\x14\n\x0cpull_seconds\x18\x01 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x02 \x01(\x01\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12 \n\x18ready_to_serving_seconds\x18\x06 \x01(\x01\"\xac\x02\n\x14ReportAppliedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x17\n\x0fmanifest_digest\x18\x04 \x01(\t\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.weightsync.v1.TensorDigest\x12-\n\naggregates\x18\x06 \x01(\x0b\x32\x19.weightsync.v1.Aggregates\x12\x16\n\x0e\x63onsumed_names\x18\x07 \x03(\t\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x14\n\x0c\x62ytes_pulled\x18\t \x01(\x04\x12\x13\n\x0blocal_error\x18\n \x01(\t\"b\n\x15ReportAppliedResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x10\n\x08mismatch\x18\x03 \x01(\t\":\n\x10GetStatusRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rversion_limit\x18\x02 \x01(\r\"\xf1\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.weightsync.v1.Role\x12)\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x17\n\x0f\x63urrent_version\x18\x07 \x01(\x04\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampJ\x04\x08\x06\x10\x07\"\xc6\x01\n\rHandshakeInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x10\n\x08mismatch\x18\x04 \x01(\t\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x14\n\x0c\x62ytes_pulled\x18\x06 \x01(\x04\x12/\n\x0breported_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampJ\x04\x08\x07\x10\x08\"\xaa\x02\n\x11GetStatusResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rtrainer_ranks\x18\x03 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x04 \x01(\r\x12,\n\x08versions\x18\x05 \x03(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12(\n\x06\x61gents\x18\x06 \x03(\x0b\x32\x18.weightsync.v1.AgentInfo\x12\x30\n\nhandshakes\x18\x07 \x03(\x0b\x32\x1c.weightsync.v1.HandshakeInfo\x12&\n\x05parts\x18\x08 \x03(\x0b\x32\x17.weightsync.v1.RankPart\x12\x11\n\tevent_seq\x18\t \x01(\x04\"[\n\x13\x41\x62ortVersionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\\\n\x15ReleaseVersionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x32\x90\x08\n\x0b\x43oordinator\x12T\n\x0bOpenSession\x12!.weightsync.v1.OpenSessionRequest\x1a\".weightsync.v1.OpenSessionResponse\x12Z\n\rRegisterAgent\x12#.weightsync.v1.RegisterAgentRequest\x1a$.weightsync.v1.RegisterAgentResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12S\n\nHeartbeats\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse(\x01\x30\x01\x12`\n\x0f\x44\x65registerAgent\x12%.weightsync.v1.DeregisterAgentRequest\x1a&.weightsync.v1.DeregisterAgentResponse\x12Q\n\x0ePublishVersion\x12\x1d.weightsync.v1.PublishRequest\x1a\x1e.weightsync.v1.PublishResponse(\x01\x12P\n\x0bGetManifest\x12!.weightsync.v1.GetManifestRequest\x1a\x1c.weightsync.v1.ManifestPiece0\x01\x12S\n\rWatchVersions\x12#.weightsync.v1.WatchVersionsRequest\x1a\x1b.weightsync.v1.VersionEvent0\x01\x12Z\n\rReportApplied\x12#.weightsync.v1.ReportAppliedRequest\x1a$.weightsync.v1.ReportAppliedResponse\x12N\n\tGetStatus\x12\x1f.weightsync.v1.GetStatusRequest\x1a .weightsync.v1.GetStatusResponse\x12N\n\x0c\x41\x62ortVersion\x12\".weightsync.v1.AbortVersionRequest\x1a\x1a.weightsync.v1.VersionInfo\x12R\n\x0eReleaseVersion\x12$.weightsync.v1.ReleaseVersionRequest\x1a\x1a.weightsync.v1.VersionInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fweightsync/v1/coordinator.proto\x12\rweightsync.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\x1a\x19weightsync/v1/types.proto\"\xba\x01\n\x12OpenSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.weightsync.v1.Role\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x15\n\rtrainer_ranks\x18\x04 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x05 \x01(\r\x12\x18\n\x10weight_sync_mode\x18\x06 \x01(\t\x12\x14\n\x0cnext_version\x18\x07 \x01(\x04\"\xbd\x01\n\x13OpenSessionResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rtrainer_ranks\x18\x03 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x04 \x01(\r\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x08\x12\x16\n\x0elatest_version\x18\x06 \x01(\x04\x12\x18\n\x10weight_sync_mode\x18\x07 \x01(\t\x12\x11\n\ttoken_key\x18\x08 \x01(\t\"\xa9\x01\n\x14RegisterAgentRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.weightsync.v1.Role\x12)\n\x08\x65ndpoint\x18\x04 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"F\n\x15RegisterAgentResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\"\xe1\x01\n\x10HeartbeatRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\x04\x12\x39\n\x0cget_manifest\x18\x05 \x01(\x0b\x32!.weightsync.v1.GetManifestRequestH\x00\x12=\n\x0ereport_applied\x18\x06 \x01(\x0b\x32#.weightsync.v1.ReportAppliedRequestH\x00\x42\x06\n\x04\x63\x61ll\"\x9f\x02\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x01\x12\x15\n\rcarries_calls\x18\x03 \x01(\x08\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\x04\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x36\n\x0emanifest_piece\x18\x06 \x01(\x0b\x32\x1c.weightsync.v1.ManifestPieceH\x00\x12>\n\x0ereport_applied\x18\x07 \x01(\x0b\x32$.weightsync.v1.ReportAppliedResponseH\x00\x12#\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x08\n\x06\x61nswer\";\n\x16\x44\x65registerAgentRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\"*\n\x17\x44\x65registerAgentResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\xc1\x02\n\rPublishHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x08 \x01(\r\x12\x13\n\x0bshard_count\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\n \x01(\r\x12)\n\x08\x65ndpoint\x18\x0b \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x15\n\rstage_seconds\x18\x0c \x01(\x01\x12\'\n\x05\x64\x65lta\x18\r \x01(\x0b\x32\x18.weightsync.v1.PartDelta\"\"\n\x0bPublishSeal\x12\x13\n\x0bpart_digest\x18\x01 \x01(\t\"\xa5\x01\n\x0ePublishRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.weightsync.v1.PublishHeaderH\x00\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.DescriptorBatchH\x00\x12*\n\x04seal\x18\x03 \x01(\x0b\x32\x1a.weightsync.v1.PublishSealH\x00\x42\x06\n\x04item\"Q\n\x0fPublishResponse\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"H\n\x12GetManifestRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\"\xa2\x02\n\x0eManifestHeader\x12+\n\x07version\x18\x01 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10\x64igest_algorithm\x18\x03 \x01(\t\x12&\n\x05parts\x18\x04 \x03(\x0b\x32\x17.weightsync.v1.RankPart\x12-\n\naggregates\x18\x05 \x01(\x0b\x32\x19.weightsync.v1.Aggregates\x12\x18\n\x10weight_sync_mode\x18\x06 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x07 \x01(\t\x12-\n\x0brelay_chain\x18\x08 \x03(\x0b\x32\x18.weightsync.v1.RelayPeer\"H\n\tRelayPeer\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12)\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\"y\n\rManifestPiece\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.weightsync.v1.ManifestHeaderH\x00\x12/\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x1e.weightsync.v1.DescriptorBatchH\x00\x42\x06\n\x04item\":\n\x14WatchVersionsRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\"H\n\x0cVersionEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\"7\n\x0cTensorDigest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04xxh3\x18\x02 \x01(\x06\x12\x0b\n\x03sum\x18\x03 \x01(\x01\"\x9e\x01\n\x07Timings\x12\x14\n\x0cpull_seconds\x18\x01 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x02 \x01(\x01\x12\x15\n\rapply_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\x12\x15\n\rpause_seconds\x18\x05 \x01(\x01\x12 \n\x18ready_to_serving_seconds\x18\x06 \x01(\x01\"\xac\x02\n\x14ReportAppliedRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x03 \x01(\t\x12\x17\n\x0fmanifest_digest\x18\x04 \x01(\t\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.weightsync.v1.TensorDigest\x12-\n\naggregates\x18\x06 \x01(\x0b\x32\x19.weightsync.v1.Aggregates\x12\x16\n\x0e\x63onsumed_names\x18\x07 \x03(\t\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x14\n\x0c\x62ytes_pulled\x18\t \x01(\x04\x12\x13\n\x0blocal_error\x18\n \x01(\t\"b\n\x15ReportAppliedResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12+\n\x07version\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12\x10\n\x08mismatch\x18\x03 \x01(\t\":\n\x10GetStatusRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x15\n\rversion_limit\x18\x02 \x01(\r\"\xf1\x01\n\tAgentInfo\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.weightsync.v1.Role\x12)\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x17.weightsync.v1.Endpoint\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x17\n\x0f\x63urrent_version\x18\x07 \x01(\x04\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x34\n\x10lease_expires_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampJ\x04\x08\x06\x10\x07\"\xc6\x01\n\rHandshakeInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x10\n\x08mismatch\x18\x04 \x01(\t\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x14\n\x0c\x62ytes_pulled\x18\x06 \x01(\x04\x12/\n\x0breported_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampJ\x04\x08\x07\x10\x08\"\xaa\x02\n\x11GetStatusResponse\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rtrainer_ranks\x18\x03 \x01(\r\x12\x14\n\x0cmin_rollouts\x18\x04 \x01(\r\x12,\n\x08versions\x18\x05 \x03(\x0b\x32\x1a.weightsync.v1.VersionInfo\x12(\n\x06\x61gents\x18\x06 \x03(\x0b\x32\x18.weightsync.v1.AgentInfo\x12\x30\n\nhandshakes\x18\x07 \x03(\x0b\x32\x1c.weightsync.v1.HandshakeInfo\x12&\n\x05parts\x18\x08 \x03(\x0b\x32\x17.weightsync.v1.RankPart\x12\x11\n\tevent_seq\x18\t \x01(\x04\"[\n\x13\x41\x62ortVersionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\\\n\x15ReleaseVersionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x32\x90\x08\n\x0b\x43oordinator\x12T\n\x0bOpenSession\x12!.weightsync.v1.OpenSessionRequest\x1a\".weightsync.v1.OpenSessionResponse\x12Z\n\rRegisterAgent\x12#.weightsync.v1.RegisterAgentRequest\x1a$.weightsync.v1.RegisterAgentResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12S\n\nHeartbeats\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse(\x01\x30\x01\x12`\n\x0f\x44\x65registerAgent\x12%.weightsync.v1.DeregisterAgentRequest\x1a&.weightsync.v1.DeregisterAgentResponse\x12Q\n\x0ePublishVersion\x12\x1d.weightsync.v1.PublishRequest\x1a\x1e.weightsync.v1.PublishResponse(\x01\x12P\n\x0bGetManifest\x12!.weightsync.v1.GetManifestRequest\x1a\x1c.weightsync.v1.ManifestPiece0\x01\x12S\n\rWatchVersions\x12#.weightsync.v1.WatchVersionsRequest\x1a\x1b.weightsync.v1.VersionEvent0\x01\x12Z\n\rReportApplied\x12#.weightsync.v1.ReportAppliedRequest\x1a$.weightsync.v1.ReportAppliedResponse\x12N\n\tGetStatus\x12\x1f.weightsync.v1.GetStatusRequest\x1a .weightsync.v1.GetStatusResponse\x12N\n\x0c\x41\x62ortVersion\x12\".weightsync.v1.AbortVersionRequest\x1a\x1a.weightsync.v1.VersionInfo\x12R\n\x0eReleaseVersion\x12$.weightsync.v1.ReleaseVersionRequest\x1a\x1a.weightsync.v1.VersionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightsync.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPENSESSIONREQUEST']._serialized_start=111
-  _globals['_OPENSESSIONREQUEST']._serialized_end=297
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=300
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=489
-  _globals['_REGISTERAGENTREQUEST']._serialized_start=492
-  _globals['_REGISTERAGENTREQUEST']._serialized_end=661
-  _globals['_REGISTERAGENTRESPONSE']._serialized_start=663
-  _globals['_REGISTERAGENTRESPONSE']._serialized_end=733
-  _globals['_HEARTBEATREQUEST']._serialized_start=735
-  _globals['_HEARTBEATREQUEST']._serialized_end=813
-  _globals['_HEARTBEATRESPONSE']._serialized_start=815
-  _globals['_HEARTBEATRESPONSE']._serialized_end=881
-  _globals['_DEREGISTERAGENTREQUEST']._serialized_start=883
-  _globals['_DEREGISTERAGENTREQUEST']._serialized_end=942
-  _globals['_DEREGISTERAGENTRESPONSE']._serialized_start=944
-  _globals['_DEREGISTERAGENTRESPONSE']._serialized_end=986
-  _globals['_PUBLISHHEADER']._serialized_start=989
-  _globals['_PUBLISHHEADER']._serialized_end=1310
-  _globals['_PUBLISHSEAL']._serialized_start=1312
-  _globals['_PUBLISHSEAL']._serialized_end=1346
-  _globals['_PUBLISHREQUEST']._serialized_start=1349
-  _globals['_PUBLISHREQUEST']._serialized_end=1514
-  _globals['_PUBLISHRESPONSE']._serialized_start=1516
-  _globals['_PUBLISHRESPONSE']._serialized_end=1597
-  _globals['_GETMANIFESTREQUEST']._serialized_start=1599
-  _globals['_GETMANIFESTREQUEST']._serialized_end=1671
-  _globals['_MANIFESTHEADER']._serialized_start=1674
-  _globals['_MANIFESTHEADER']._serialized_end=1964
-  _globals['_RELAYPEER']._serialized_start=1966
-  _globals['_RELAYPEER']._serialized_end=2038
-  _globals['_MANIFESTPIECE']._serialized_start=2040
-  _globals['_MANIFESTPIECE']._serialized_end=2161
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=2163
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=2221
-  _globals['_VERSIONEVENT']._serialized_start=2223
-  _globals['_VERSIONEVENT']._serialized_end=2295
-  _globals['_TENSORDIGEST']._serialized_start=2297
-  _globals['_TENSORDIGEST']._serialized_end=2352
-  _globals['_TIMINGS']._serialized_start=2355
-  _globals['_TIMINGS']._serialized_end=2513
-  _globals['_REPORTAPPLIEDREQUEST']._serialized_start=2516
-  _globals['_REPORTAPPLIEDREQUEST']._serialized_end=2816
-  _globals['_REPORTAPPLIEDRESPONSE']._serialized_start=2818
-  _globals['_REPORTAPPLIEDRESPONSE']._serialized_end=2916
-  _globals['_GETSTATUSREQUEST']._serialized_start=2918
-  _globals['_GETSTATUSREQUEST']._serialized_end=2976
-  _globals['_AGENTINFO']._serialized_start=2979
-  _globals['_AGENTINFO']._serialized_end=3220
-  _globals['_HANDSHAKEINFO']._serialized_start=3223
-  _globals['_HANDSHAKEINFO']._serialized_end=3421
-  _globals['_GETSTATUSRESPONSE']._serialized_start=3424
-  _globals['_GETSTATUSRESPONSE']._serialized_end=3722
-  _globals['_ABORTVERSIONREQUEST']._serialized_start=3724
-  _globals['_ABORTVERSIONREQUEST']._serialized_end=3815
-  _globals['_RELEASEVERSIONREQUEST']._serialized_start=3817
-  _globals['_RELEASEVERSIONREQUEST']._serialized_end=3909
-  _globals['_COORDINATOR']._serialized_start=3912
-  _globals['_COORDINATOR']._serialized_end=4952
+  _globals['_OPENSESSIONREQUEST']._serialized_start=136
+  _globals['_OPENSESSIONREQUEST']._serialized_end=322
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=325
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=514
+  _globals['_REGISTERAGENTREQUEST']._serialized_start=517
+  _globals['_REGISTERAGENTREQUEST']._serialized_end=686
+  _globals['_REGISTERAGENTRESPONSE']._serialized_start=688
+  _globals['_REGISTERAGENTRESPONSE']._serialized_end=758
+  _globals['_HEARTBEATREQUEST']._serialized_start=761
+  _globals['_HEARTBEATREQUEST']._serialized_end=986
+  _globals['_HEARTBEATRESPONSE']._serialized_start=989
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1276
+  _globals['_DEREGISTERAGENTREQUEST']._serialized_start=1278
+  _globals['_DEREGISTERAGENTREQUEST']._serialized_end=1337
+  _globals['_DEREGISTERAGENTRESPONSE']._serialized_start=1339
+  _globals['_DEREGISTERAGENTRESPONSE']._serialized_end=1381
+  _globals['_PUBLISHHEADER']._serialized_start=1384
+  _globals['_PUBLISHHEADER']._serialized_end=1705
+  _globals['_PUBLISHSEAL']._serialized_start=1707
+  _globals['_PUBLISHSEAL']._serialized_end=1741
+  _globals['_PUBLISHREQUEST']._serialized_start=1744
+  _globals['_PUBLISHREQUEST']._serialized_end=1909
+  _globals['_PUBLISHRESPONSE']._serialized_start=1911
+  _globals['_PUBLISHRESPONSE']._serialized_end=1992
+  _globals['_GETMANIFESTREQUEST']._serialized_start=1994
+  _globals['_GETMANIFESTREQUEST']._serialized_end=2066
+  _globals['_MANIFESTHEADER']._serialized_start=2069
+  _globals['_MANIFESTHEADER']._serialized_end=2359
+  _globals['_RELAYPEER']._serialized_start=2361
+  _globals['_RELAYPEER']._serialized_end=2433
+  _globals['_MANIFESTPIECE']._serialized_start=2435
+  _globals['_MANIFESTPIECE']._serialized_end=2556
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=2558
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=2616
+  _globals['_VERSIONEVENT']._serialized_start=2618
+  _globals['_VERSIONEVENT']._serialized_end=2690
+  _globals['_TENSORDIGEST']._serialized_start=2692
+  _globals['_TENSORDIGEST']._serialized_end=2747
+  _globals['_TIMINGS']._serialized_start=2750
+  _globals['_TIMINGS']._serialized_end=2908
+  _globals['_REPORTAPPLIEDREQUEST']._serialized_start=2911
+  _globals['_REPORTAPPLIEDREQUEST']._serialized_end=3211
+  _globals['_REPORTAPPLIEDRESPONSE']._serialized_start=3213
+  _globals['_REPORTAPPLIEDRESPONSE']._serialized_end=3311
+  _globals['_GETSTATUSREQUEST']._serialized_start=3313
+  _globals['_GETSTATUSREQUEST']._serialized_end=3371
+  _globals['_AGENTINFO']._serialized_start=3374
+  _globals['_AGENTINFO']._serialized_end=3615
+  _globals['_HANDSHAKEINFO']._serialized_start=3618
+  _globals['_HANDSHAKEINFO']._serialized_end=3816
+  _globals['_GETSTATUSRESPONSE']._serialized_start=3819
+  _globals['_GETSTATUSRESPONSE']._serialized_end=4117
+  _globals['_ABORTVERSIONREQUEST']._serialized_start=4119
+  _globals['_ABORTVERSIONREQUEST']._serialized_end=4210
+  _globals['_RELEASEVERSIONREQUEST']._serialized_start=4212
+  _globals['_RELEASEVERSIONREQUEST']._serialized_end=4304
+  _globals['_COORDINATOR']._serialized_start=4307
+  _globals['_COORDINATOR']._serialized_end=5347
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.rpc import status_pb2 as _status_pb2
 from weightsync._proto import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -73,22 +74,40 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version")
+    __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    GET_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    REPORT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
+    call_id: int
+    get_manifest: GetManifestRequest
+    report_applied: ReportAppliedRequest
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., call_id: _Optional[int] = ..., get_manifest: _Optional[_Union[GetManifestRequest, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedRequest, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "lease_ttl_seconds")
+    __slots__ = ("generation", "lease_ttl_seconds", "carries_calls", "call_id", "last", "manifest_piece", "report_applied", "error")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CARRIES_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_PIECE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lease_ttl_seconds: float
-    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    carries_calls: bool
+    call_id: int
+    last: bool
+    manifest_piece: ManifestPiece
+    report_applied: ReportAppliedResponse
+    error: _status_pb2.Status
+    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., carries_calls: _Optional[bool] = ..., call_id: _Optional[int] = ..., last: _Optional[bool] = ..., manifest_piece: _Optional[_Union[ManifestPiece, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class DeregisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id")

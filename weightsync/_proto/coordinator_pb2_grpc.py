@@ -126,7 +126,12 @@ class CoordinatorServicer:
         """Heartbeat on one long-lived call (as etcd's LeaseKeepAlive): a request per beat,
         each answered as Heartbeat answers it; an error ends the stream with its status
         (NOT_FOUND: register again and open a new one). What agents use: a message on an
-        open stream costs the coordinator a third of a unary call.
+        open stream costs the coordinator a third of a unary call. A request may instead
+        carry one of the rollout's per-version calls (GetManifest with a lease,
+        ReportApplied): it is answered on the stream, tagged with its call_id, as that RPC
+        would answer it; its failure is an answer (`error`), not the end of the stream. A
+        fleet's calls on each READY then open no new RPC (grpc.aio accepts one new call per
+        event-loop turn, and an operator's GetStatus would queue behind thousands).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
