@@ -142,6 +142,8 @@ class Heartbeat:
         error the RPC would have (mapped from the answer's status), DeadlineExceeded after
         `timeout_s`, TransportUnavailable when the stream ended first."""
         open_stream = self._open
+        if open_stream is not None:  # a fresh stream's first beat says whether it carries
+            open_stream.carries_known.wait(min(timeout_s, self._answer_within_s()))
         if open_stream is None or not open_stream.carries:
             return None
         pending = open_stream.submit(call, request)
@@ -225,6 +227,7 @@ class _OpenStream:
     def __init__(self, answer_within_s: float) -> None:
         self.outgoing: queue.SimpleQueue[pb.HeartbeatRequest | None] = queue.SimpleQueue()
         self.carries = False
+        self.carries_known = threading.Event()  # a beat was answered
         self._answer_within_s = answer_within_s
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -272,6 +275,7 @@ class _OpenStream:
             if not resp.call_id:
                 self._beat_since = None
                 self.carries = resp.carries_calls
+                self.carries_known.set()
                 return True
             pending = self._pending.get(resp.call_id)
             if pending is None:  # forgotten: its caller gave up waiting
@@ -291,6 +295,7 @@ class _OpenStream:
             self._closed = True
             self.carries = False
             pending, self._pending = list(self._pending.values()), {}
+        self.carries_known.set()  # nobody waits for a stream that ended
         for p in pending:
             p.error = TransportUnavailable("the heartbeat stream ended before the call was answered", field="heartbeat")
             p.done.set()

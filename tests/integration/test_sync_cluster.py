@@ -49,6 +49,11 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
     assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_current_version", role="rollout") == 2
     assert metric_value(scrape(trainer.ready["metrics_port"]), "weightsync_phase_seconds_count", phase="stage") == 2
     assert metric_value(scrape(coord.ready["metrics_port"]), "weightsync_session_version", kind="committed") == 2
+    # the rollouts' leases and handshakes rode their heartbeat streams: no new call per version
+    calls = scrape(coord.ready["metrics_port"])
+    for method, carried in (("GetManifest", 4), ("ReportApplied", 4)):
+        assert metric_value(calls, "weightsync_rpc_requests_total", method=f"Heartbeats.{method}", code="OK") == carried
+        assert metric_value(calls, "weightsync_rpc_requests_total", method=method) == 0
 
     out = subprocess.run(
         [
