@@ -616,3 +616,28 @@ def test_a_database_from_before_the_newer_columns_opens_with_them_filled_in(tmp_
         assert store.report_stamps("job", [1])[1].count == 1
     finally:
         store.close()
+
+
+def test_only_writes_that_append_events_wake_the_watchers(tmp_path: Path, clock: Clock) -> None:
+    """A handshake that commits nothing must not wake a session's thousand watch streams;
+    the one that commits does, after its transaction committed."""
+    woken: list[tuple[str, list[str]]] = []
+
+    class Listener:
+        def notify(self, session: str) -> None:
+            woken.append((session, [s for _, _, s in store.event_states_since(session, 0)]))
+
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, listener=Listener())
+    try:
+        gen = attach(store, rollouts=("r0", "r1"))
+        woken.clear()
+        part, _ = make_part(sample_arrays())
+        store.publish_part("job", generation=gen, version=1, idempotency_key="k1", part=part)
+        assert woken == [("job", ["STAGING", "READY"])]  # what it wrote is readable when told
+        store.heartbeat("job", "r0", 0)
+        store.report_applied("job", 1, "r0", good_report(store, 1))  # r1 still required
+        assert len(woken) == 1
+        store.report_applied("job", 1, "r1", good_report(store, 1))
+        assert woken[-1] == ("job", ["STAGING", "READY", "COMMITTED"]) and len(woken) == 2
+    finally:
+        store.close()
