@@ -2,24 +2,25 @@
 
 On every READY a thousand rollouts lease, report and beat at once. grpc.aio completes each
 stream message as a callback on the one event loop, and asyncio runs callbacks first in,
-first out, polling I/O only between turns: a turn of 200 message callbacks took 60-230 ms,
-and a GetStatus, which waits for a few such callbacks (accept, read, reply), waited a full
-turn for each (p50 1.2 s during a burst, measured in bench/control.py).
+first out, polling I/O only between turns: a burst's turns held ~200 message callbacks
+(60-230 ms), and an operator's GetStatus, which waits for a few completions (accept,
+read, reply), waited behind them (p50 1.2 s, p99 2.1 s during a burst in bench/control.py;
+118-195 ms with this loop).
 
-`LaneLoop` keeps asyncio's order for everything else and adds two rules:
+`LaneLoop` keeps asyncio's order for everything else and adds three rules:
 
 1. Callbacks scheduled from a context where `URGENT` is set (operator and probe RPCs:
    `rpc.StatusInterceptor` sets it per method) and I/O callbacks (the grpc completion
    queue's socket) run before the rest of the turn, first in, first out among themselves.
 2. While many callbacks wait, I/O is polled every POLL_EVERY callbacks rather than once a
    turn, so a completion an urgent call waits for is seen within a few milliseconds.
-
 3. grpc.aio's completion queue wakes the loop with one byte per completion on a socket
    pair, and its reader consumes one byte per call. Once a few hundred completions wait,
    the socket is full: grpc's poller thread blocks writing, and completions reach the loop
    one per I/O poll (py-spy: the poller thread sat in write() 60% of a burst; a GetStatus
    waited 0.5-1.5 s to be accepted). Here the reader first takes every byte but one, so
-   each call delivers everything queued (`_drain_first`).
+   each call delivers everything queued (`_drain_first`). Of the three, this one moved
+   the burst's tail most.
 
 It builds on asyncio's selector loop internals (`_call_soon`, `_add_callback`, `_ready`,
 `_selector`, `_process_events`), unchanged from Python 3.8 to 3.13;
