@@ -120,9 +120,8 @@ class SessionStore(VersionLifecycle):
         self._appended.update(appended)  # committed: now the watchers may be told
 
     def _appended_event(self, session: str) -> None:
-        """`_event` calls this for each event it writes (inside a transaction)."""
-        pending = getattr(self._tx_events, "sessions", None)
-        (self._appended if pending is None else pending).add(session)
+        """`_event` calls this for each event it writes (always inside `_tx`)."""
+        self._tx_events.sessions.add(session)
 
     def _read(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.read()

@@ -214,7 +214,8 @@ class Heartbeat:
 class _Pending:
     """A carried call waiting for its answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_id: int) -> None:
+        self.call_id = call_id
         self.answers: list[pb.HeartbeatResponse] = []
         self.error: WeightsyncError | None = None
         self.done = threading.Event()
@@ -237,18 +238,17 @@ class _OpenStream:
         self._heard_at = 0.0  # the last answer of any kind
 
     def submit(self, call: str, request: Any) -> _Pending:
-        pending = _Pending()
         with self._lock:
             if self._closed:
                 raise TransportUnavailable("the heartbeat stream ended", field="heartbeat")
-            call_id = next(self._ids)
-            self._pending[call_id] = pending
-        self.outgoing.put(pb.HeartbeatRequest(call_id=call_id, **{call: request}))
+            pending = _Pending(next(self._ids))
+            self._pending[pending.call_id] = pending
+        self.outgoing.put(pb.HeartbeatRequest(call_id=pending.call_id, **{call: request}))
         return pending
 
     def forget(self, pending: _Pending) -> None:
         with self._lock:
-            self._pending = {k: p for k, p in self._pending.items() if p is not pending}
+            self._pending.pop(pending.call_id, None)
 
     def beat_sent(self, now: float) -> None:
         with self._lock:
