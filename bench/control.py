@@ -303,6 +303,8 @@ class _Line:
 def fleet_worker(args: argparse.Namespace) -> int:
     """`--worker FIRST:COUNT`: one process of the fleet; results as JSON on stdout."""
     first, count = map(int, args.worker.split(":"))
+    if args.fleet_nice:
+        os.nice(args.fleet_nice)
     part = synthetic_part(8)
     report = good_report("fleet", 1, "", Manifest("fleet", 1, 1, part.chunk_bytes, (part,)))
     fleet = Fleet(
@@ -343,6 +345,7 @@ def fleet_round(
     pull_s: float,
     heartbeats: str,
     calls: str,
+    nice: int,
 ) -> dict[str, Any]:
     trainer = CoordinatorClient(address, timeout_s=60.0)
     opened = trainer.open_session("fleet", trainer=True, trainer_ranks=1, min_rollouts=1)
@@ -368,6 +371,8 @@ def fleet_round(
                     heartbeats,
                     "--calls",
                     calls,
+                    "--fleet-nice",
+                    str(nice),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -422,6 +427,7 @@ def fleet_round(
     return {
         "agents": agents,
         "worker_processes": procs,
+        "fleet_nice": nice,
         "simulated_pull_s": pull_s,
         "register_all_s": round(setup_s, 2),
         "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
@@ -539,6 +545,13 @@ def main() -> int:
         default="carried",
         help="how agents lease and report: on their Heartbeats stream (as weightsync's rollouts) or an RPC each",
     )
+    ap.add_argument(
+        "--fleet-nice",
+        type=int,
+        default=0,
+        help="niceness of the fleet's processes: >0 gives the coordinator and probers the cores first, "
+        "as a coordinator whose rollouts run on other machines has them",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
@@ -564,6 +577,7 @@ def main() -> int:
                 args.pull_s,
                 args.heartbeats,
                 args.calls,
+                args.fleet_nice,
             )
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")

@@ -36,25 +36,24 @@ from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsync.validation import check_agent_id
 
 ROLES = ("trainer", "rollout", "admin")
+COORDINATOR = "/weightsync.v1.Coordinator/"  # the prefix of the coordinator's method paths
 # Methods only some roles may call (admin may call everything); unlisted: any role.
 ROLE_RULES: dict[str, frozenset[str]] = {
-    "/weightsync.v1.Coordinator/PublishVersion": frozenset({"trainer"}),
-    "/weightsync.v1.Coordinator/AbortVersion": frozenset({"trainer"}),
-    "/weightsync.v1.Coordinator/ReleaseVersion": frozenset({"trainer"}),
-    "/weightsync.v1.Coordinator/ReportApplied": frozenset({"rollout"}),
+    **{COORDINATOR + m: frozenset({"trainer"}) for m in ("PublishVersion", "AbortVersion", "ReleaseVersion")},
+    COORDINATOR + "ReportApplied": frozenset({"rollout"}),
     "/weightsync.v1.TrainerAgent/ReadChunks": frozenset({"rollout"}),
     "/weightsync.v1.RolloutAgent/Sync": frozenset({"trainer"}),
 }
 # Methods whose request names a role: it must be the caller's (a rollout token cannot
 # attach as the trainer and bump the generation).
-ROLE_IN_REQUEST = ("/weightsync.v1.Coordinator/OpenSession", "/weightsync.v1.Coordinator/RegisterAgent")
+ROLE_IN_REQUEST = (COORDINATOR + "OpenSession", COORDINATOR + "RegisterAgent")
 # Methods whose request names an agent: an agent token may name only its own.
 AGENT_IN_REQUEST = tuple(
-    f"/weightsync.v1.Coordinator/{m}"
+    COORDINATOR + m
     for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "Heartbeats", "ReportApplied", "GetManifest")
 )
 AGENT_TOKEN_PREFIX = "wsagent:"
-HEARTBEATS = "/weightsync.v1.Coordinator/Heartbeats"
+HEARTBEATS = COORDINATOR + "Heartbeats"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 
@@ -243,7 +242,7 @@ class BearerAuth:
         carried = carried_call(request) if method == HEARTBEATS and hasattr(request, "WhichOneof") else None
         if carried is not None:  # authorized as the RPC it stands for
             name, call = carried
-            self(f"/weightsync.v1.Coordinator/{name}", metadata, call)
+            self(COORDINATOR + name, metadata, call)
 
 
 def agent_token(role_token: str, role: str, agent_id: str) -> str:
