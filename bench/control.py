@@ -12,7 +12,9 @@ Three rounds, all on loopback against `python -m coordinator` (default flags):
    Heartbeats stream as weightsync's rollouts carry them (`--calls rpc`: an RPC each, as
    before they were carried; the two modes compare the burst's cost).
 2. big manifest: one rank of 100,000 tensors publishes while the prober times another
-   session; then `GetManifest` of it streams (pieces counted, largest message size).
+   session; then `GetManifest` of it streams (pieces counted, largest message size); then
+   the coordinator restarts and the first `GetManifest` (which decodes the stored part)
+   streams while the prober times the other session again.
 3. retention: V versions (default 10,000) published and released; the database size is
    sampled as it goes (it must stay within the retention window, not grow with V).
 
@@ -489,6 +491,26 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
     }
 
 
+def cold_manifest_round(address: str) -> dict[str, Any]:
+    """After a restart, the first `GetManifest` of the big version decodes its stored part
+    (no decoded manifest is kept yet) while the prober times another session."""
+    client = CoordinatorClient(address, timeout_s=120.0)
+    client.status("other")  # connected before the timed read
+    other = Prober(address, "other")
+    time.sleep(0.5)
+    stub = pb_grpc.CoordinatorStub(client._channel)
+    started, t0 = time.time(), time.perf_counter()
+    for _piece in stub.GetManifest(pb.GetManifestRequest(session="big", version=1), timeout=120):
+        pass
+    read_s, ended = time.perf_counter() - t0, time.time()
+    other.close()
+    client.close()
+    return {
+        "cold_get_manifest_s": round(read_s, 2),
+        "getstatus_other_session_cold_read": percentiles([s for t, s in other.samples if started <= t <= ended]),
+    }
+
+
 def database_bytes(db: Path) -> int:
     return sum(p.stat().st_size for p in (db, Path(f"{db}-wal")) if p.exists())
 
@@ -582,6 +604,9 @@ def main() -> int:
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")
             out["big_manifest"] = big_manifest_round(coord.address, coord.pid, args.tensors)
+            cluster.stop("coordinator")  # restarted on the same port and database: nothing decoded is kept
+            coord = cluster.start_coordinator(db_path=str(db), port=int(coord.address.rsplit(":", 1)[1]))
+            out["big_manifest"] |= cold_manifest_round(coord.address)
         if "retention" in rounds:
             err.print(f"retention: {args.versions} versions …")
             out["retention"] = retention_round(coord.address, db, args.versions)
