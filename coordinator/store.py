@@ -44,7 +44,6 @@ from coordinator.rows import (
 from coordinator.states import VersionState
 from coordinator.tokens import TokenKeys
 from coordinator.versions import VersionLifecycle, check_generation
-from weightsync.digests import loads_sliced
 from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
@@ -373,7 +372,7 @@ class SessionStore(VersionLifecycle):
         rows = db.execute(
             "SELECT body FROM parts WHERE session=? AND version=? ORDER BY rank", (session, version)
         ).fetchall()
-        return [Part.from_dict(loads_sliced(r["body"])) for r in rows]
+        return [Part.from_dict(json.loads(r["body"])) for r in rows]
 
     def prune(self) -> int:
         """Applies the retention window (see `coordinator.retention`); returns the number

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -101,64 +100,6 @@ def canonical_json_sliced(obj: dict[str, Any]) -> bytes:
             encoded = _canonical(value)
         fields.append(f"{_canonical(key)}:{encoded}")
     return ("{" + ",".join(fields) + "}").encode()
-
-
-_SCAN = json.JSONDecoder().scan_once  # one JSON value at an index: (value, end)
-_SPACE = re.compile(r"[ \t\n\r]*")
-
-
-def loads_sliced(text: str) -> Any:
-    """json.loads of an object whose lists may be long (a stored part's 10^5 descriptors),
-    each list decoded an item at a time. The same value; but json's C decoder holds the GIL
-    for the whole of one call (0.5 s for such a part), and between items other threads run."""
-
-    def skip(i: int) -> int:
-        return _SPACE.match(text, i).end() if text[i : i + 1].isspace() else i
-
-    def value(i: int) -> tuple[Any, int]:
-        try:
-            return _SCAN(text, i)
-        except StopIteration as e:
-            raise json.JSONDecodeError("expected a value", text, e.value) from None
-
-    def expect(i: int, sep: str, end: str) -> tuple[int, bool]:
-        """After an item: True at `end`; past `sep` to the next item otherwise."""
-        i = skip(i)
-        if text.startswith(end, i):
-            return i + 1, True
-        if not text.startswith(sep, i):
-            raise json.JSONDecodeError(f"expected {sep!r} or {end!r}", text, i)
-        return skip(i + 1), False
-
-    i = skip(0)
-    if not text.startswith("{", i):
-        return json.loads(text)
-    out: dict[str, Any] = {}
-    i, done = skip(i + 1), False
-    if text.startswith("}", i):
-        i, done = i + 1, True
-    while not done:
-        key, i = value(i)
-        i = skip(i)
-        if not isinstance(key, str) or not text.startswith(":", i):
-            raise json.JSONDecodeError("expected a key and ':'", text, i)
-        i = skip(i + 1)
-        if text.startswith("[", i):
-            items: list[Any] = []
-            i, ended = skip(i + 1), False
-            if text.startswith("]", i):
-                i, ended = i + 1, True
-            while not ended:
-                item, i = value(i)
-                items.append(item)
-                i, ended = expect(i, ",", "]")
-            out[key] = items
-        else:
-            out[key], i = value(i)
-        i, done = expect(i, ",", "}")
-    if skip(i) != len(text):
-        raise json.JSONDecodeError("extra data", text, i)
-    return out
 
 
 def sha256_hex(data: bytes) -> str:

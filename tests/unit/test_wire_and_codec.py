@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import filecmp
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,37 +137,6 @@ def test_canonical_json_sliced_equals_canonical_json(obj: dict, items: int, monk
 
     digests.SLICE_ITEMS = items  # short slices: every list is cut at every boundary
     assert digests.canonical_json_sliced(obj) == digests.canonical_json(obj)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    obj=st.one_of(
-        JSON_LEAVES,
-        st.dictionaries(
-            st.text(max_size=6),
-            st.one_of(JSON_LEAVES, st.lists(st.one_of(JSON_LEAVES, st.dictionaries(st.text(max_size=3), JSON_LEAVES)))),
-            max_size=6,
-        ),
-    ),
-    spaced=st.booleans(),
-)
-def test_loads_sliced_equals_json_loads(obj: object, spaced: bool) -> None:
-    from weightsync.digests import loads_sliced
-
-    text = json.dumps(obj, indent=1 if spaced else None)
-    assert json.dumps(loads_sliced(text)) == json.dumps(json.loads(text))
-
-
-@pytest.mark.parametrize(
-    "bad", ['{"a":[1 2]}', '{"a" 1}', '{"a":1} x', '{"a":[1,]}', '{"a":1,}', "{1:2}", '{"a":[1', "{"]
-)
-def test_loads_sliced_refuses_what_json_loads_refuses(bad: str) -> None:
-    from weightsync.digests import loads_sliced
-
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(bad)
-    with pytest.raises(json.JSONDecodeError):
-        loads_sliced(bad)
 
 
 @pytest.fixture(scope="module")
