@@ -471,13 +471,7 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
     client.publish_part("big", generation=opened.generation, version=1, idempotency_key="big", part=part)
     publish_s = time.perf_counter() - t0
     other.close()
-    stub = pb_grpc.CoordinatorStub(client._channel)
-    t0 = time.perf_counter()
-    pieces, largest = 0, 0
-    for piece in stub.GetManifest(pb.GetManifestRequest(session="big", version=1), timeout=120):
-        pieces += 1
-        largest = max(largest, piece.ByteSize())
-    manifest_s = time.perf_counter() - t0
+    manifest_s, pieces, largest = read_manifest(client, "big", 1)
     client.close()
     return {
         "tensors": tensors,
@@ -491,6 +485,17 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
     }
 
 
+def read_manifest(client: CoordinatorClient, session: str, version: int) -> tuple[float, int, int]:
+    """Streams a version's `GetManifest`: (seconds, pieces, largest piece's bytes)."""
+    stub = pb_grpc.CoordinatorStub(client._channel)
+    t0 = time.perf_counter()
+    pieces, largest = 0, 0
+    for piece in stub.GetManifest(pb.GetManifestRequest(session=session, version=version), timeout=120):
+        pieces += 1
+        largest = max(largest, piece.ByteSize())
+    return time.perf_counter() - t0, pieces, largest
+
+
 def cold_manifest_round(address: str) -> dict[str, Any]:
     """After a restart, the first `GetManifest` of the big version decodes its stored part
     (no decoded manifest is kept yet) while the prober times another session."""
@@ -498,11 +503,9 @@ def cold_manifest_round(address: str) -> dict[str, Any]:
     client.status("other")  # connected before the timed read
     other = Prober(address, "other")
     time.sleep(0.5)
-    stub = pb_grpc.CoordinatorStub(client._channel)
-    started, t0 = time.time(), time.perf_counter()
-    for _piece in stub.GetManifest(pb.GetManifestRequest(session="big", version=1), timeout=120):
-        pass
-    read_s, ended = time.perf_counter() - t0, time.time()
+    started = time.time()
+    read_s, _pieces, _largest = read_manifest(client, "big", 1)
+    ended = time.time()
     other.close()
     client.close()
     return {
@@ -587,6 +590,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ws-bench-control-") as tmp, Cluster(tmp) as cluster:
         db = Path(tmp) / "coordinator.db"
         coord = cluster.start_coordinator(db_path=str(db))
+        peak = 0  # the coordinators' peak RSS, over every round
         if "fleet" in rounds:
             err.print(f"fleet: {args.agents} agents for {args.seconds:.0f} s …")
             out["fleet"] = fleet_round(
@@ -604,13 +608,14 @@ def main() -> int:
         if "big" in rounds:
             err.print(f"big manifest: {args.tensors} tensors …")
             out["big_manifest"] = big_manifest_round(coord.address, coord.pid, args.tensors)
+            peak = max(peak, peak_rss_bytes(coord.pid))  # the restart starts a new process
             cluster.stop("coordinator")  # restarted on the same port and database: nothing decoded is kept
             coord = cluster.start_coordinator(db_path=str(db), port=int(coord.address.rsplit(":", 1)[1]))
             out["big_manifest"] |= cold_manifest_round(coord.address)
         if "retention" in rounds:
             err.print(f"retention: {args.versions} versions …")
             out["retention"] = retention_round(coord.address, db, args.versions)
-        out["coordinator_peak_rss_mib"] = round(peak_rss_bytes(coord.pid) / 2**20, 1)
+        out["coordinator_peak_rss_mib"] = round(max(peak, peak_rss_bytes(coord.pid)) / 2**20, 1)
     out["targets"] = targets(out)
     report(out)
     print(json.dumps(out, separators=(",", ":")))
