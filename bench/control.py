@@ -5,7 +5,9 @@ Three rounds, all on loopback against `python -m coordinator` (default flags):
 1. fleet: N agents (default 1,000) each register, hold a WatchVersions stream and
    heartbeat at the TTL-derived interval (on a Heartbeats stream, as weightsync's agents
    do; `--heartbeats unary` for unary calls), on a connection of their own. A prober times
-   `GetStatus` of the fleet's session and of a quiet one. Midway the trainer publishes a
+   `GetStatus` of the fleet's session and of a quiet one, and Health.Check of the
+   coordinator and of a bare grpc.aio server in a process of its own (the machine's floor
+   under the same load: what any gRPC server here would show). Midway the trainer publishes a
    version: every agent sees READY on its watch, takes a lease (`GetManifest`) at once
    and reports its handshake uniform(0, --pull-s) later, as a pull would take; we time
    the fan-out and the commit after the last handshake. Both calls travel on the agent's
@@ -38,12 +40,15 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -69,16 +74,33 @@ PROBE_INTERVAL_S = 0.1
 err = Console(stderr=True)
 
 
-def percentiles(samples_s: list[float]) -> dict[str, float]:
+def percentiles(samples_s: list[float], over_ms: float | None = None) -> dict[str, float]:
+    """p50/p99/max in ms; with `over_ms`, also how many samples took longer (with ~100
+    samples the p99 is the slowest call, the count says whether it was the only one)."""
     if not samples_s:
         return {"n": 0}
     ms = sorted(x * 1000 for x in samples_s)
-    return {
+    out = {
         "n": len(ms),
         "p50_ms": round(statistics.median(ms), 2),
         "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 2),
         "max_ms": round(ms[-1], 2),
     }
+    if over_ms is not None:
+        out[f"over_{over_ms:g}ms"] = sum(x > over_ms for x in ms)
+    return out
+
+
+def frozen_objects(metrics_port: int) -> int:
+    """The coordinator's `weightsync_gc_frozen_objects` (set every --lease-ttl-s / 2)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return next(
+        int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "weightsync_gc_frozen_objects"
+    )
 
 
 def proc_threads(pid: int) -> int:
@@ -87,14 +109,16 @@ def proc_threads(pid: int) -> int:
 
 
 class Prober:
-    """Times GetStatus of `session` every PROBE_INTERVAL_S from a process of its own: in the
-    bench's process the prober would share a GIL with the load it generates (building a
-    100,000-tensor publish held it for 0.4 s at a time) and time that instead of the
-    coordinator. Samples are those started between construction and `close()`."""
+    """Times a call every PROBE_INTERVAL_S from a process of its own: in the bench's process
+    the prober would share a GIL with the load it generates (building a 100,000-tensor
+    publish held it for 0.4 s at a time) and time that instead of the coordinator. `call`
+    is `status` (GetStatus of `session`) or `health` (Health.Check, no handler work: the
+    server's and the machine's own hops). Samples are those started between construction
+    and `close()`."""
 
-    def __init__(self, address: str, session: str) -> None:
+    def __init__(self, address: str, session: str, call: str = "status") -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, "--probe", session, "--address", address],
+            [sys.executable, __file__, "--probe", session, "--probe-call", call, "--address", address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -118,23 +142,62 @@ class Prober:
 
 
 def probe_worker(args: argparse.Namespace) -> int:
-    """`--probe SESSION`: GetStatus every PROBE_INTERVAL_S until stdin closes; samples as JSON."""
+    """`--probe SESSION`: a call every PROBE_INTERVAL_S until stdin closes; samples as JSON."""
     samples: list[tuple[float, float]] = []
     errors = 0
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     with CoordinatorClient(args.address, timeout_s=30.0) as client:
-        client.status(args.probe)  # connected before the first timed call
+        if args.probe_call == "health":
+            check = health_pb2_grpc.HealthStub(client._channel).Check
+            call = lambda: check(health_pb2.HealthCheckRequest(), timeout=30.0)  # noqa: E731
+        else:
+            call = lambda: client.status(args.probe)  # noqa: E731
+        call()  # connected before the first timed call
         print("ready", flush=True)
         while not done.wait(PROBE_INTERVAL_S):
             at, t0 = time.time(), time.perf_counter()
             try:
-                client.status(args.probe)
+                call()
             except Exception:  # noqa: BLE001 - counted; the bench reports them
                 errors += 1
                 continue
             samples.append((at, time.perf_counter() - t0))
     print(json.dumps({"samples": samples, "errors": errors}), flush=True)
+    return 0
+
+
+class FloorServer:
+    """A bare grpc.aio server (stock event loop, the standard health service, nothing else)
+    in a process of its own: probed beside the coordinator, its latency is what a gRPC call
+    costs on this machine under the same load, the floor any server here could reach."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, "--floor-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line = self._proc.stdout.readline().split()
+        if line[:1] != ["ready"]:
+            raise RuntimeError("the floor server failed to start")
+        self.address = f"127.0.0.1:{line[1]}"
+
+    def close(self) -> None:
+        self._proc.communicate("", timeout=30)
+
+
+def floor_server_worker() -> int:
+    """`--floor-server`: serves Health on a free loopback port until stdin closes."""
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print("ready", port, flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await server.stop(None)
+
+    asyncio.run(serve())
     return 0
 
 
@@ -340,6 +403,7 @@ def fleet_worker(args: argparse.Namespace) -> int:
 def fleet_round(
     address: str,
     pid: int,
+    metrics_port: int,
     agents: int,
     seconds: float,
     ttl_s: float,
@@ -352,6 +416,7 @@ def fleet_round(
     trainer = CoordinatorClient(address, timeout_s=60.0)
     opened = trainer.open_session("fleet", trainer=True, trainer_ranks=1, min_rollouts=1)
     trainer.open_session("quiet", trainer=True, trainer_ranks=1)
+    floor_server = FloorServer()  # exits when its stdin closes, with this process at the latest
     t0 = time.perf_counter()
     workers = []
     for w in range(procs):
@@ -397,7 +462,11 @@ def fleet_round(
     threading.Thread(target=observe, daemon=True).start()
     time.sleep(heartbeat_interval_s(ttl_s))  # every agent has beaten once
     c0, f0 = cpu_seconds([pid]), cpu_seconds([w.pid for w in workers])
+    frozen0 = frozen_objects(metrics_port)
     busy, quiet = Prober(address, "fleet"), Prober(address, "quiet")
+    # Beside GetStatus, over the same window: the coordinator's Health.Check (its hops without
+    # a handler's work) and a bare gRPC server's (the machine's floor under this load).
+    hops, floor = Prober(address, "-", "health"), Prober(floor_server.address, "-", "health")
     time.sleep(seconds / 2)
     part = synthetic_part(8)
     published = time.time()
@@ -406,12 +475,14 @@ def fleet_round(
     while not committed and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(max(0.0, seconds / 2 - (time.time() - published)))
-    busy.close()
-    quiet.close()
+    for prober in (busy, quiet, hops, floor):
+        prober.close()
+    floor_server.close()
     window_s = seconds + max(0.0, time.time() - published - seconds / 2)
     coordinator_cores = (cpu_seconds([pid]) - c0) / window_s
     fleet_cores = (cpu_seconds([w.pid for w in workers]) - f0) / window_s
     rss, hwm, threads = rss_bytes(pid), peak_rss_bytes(pid), proc_threads(pid)
+    frozen = (frozen0, frozen_objects(metrics_port))
     results = []
     for w in workers:
         out, _ = w.communicate("", timeout=120)
@@ -424,8 +495,8 @@ def fleet_round(
     for r in results:
         for k, n in r["errors"].items():
             errors[k] = errors.get(k, 0) + n
-    if busy.errors + quiet.errors:
-        errors["probe"] = busy.errors + quiet.errors
+    if probe_errors := sum(p.errors for p in (busy, quiet, hops, floor)):
+        errors["probe"] = probe_errors
     return {
         "agents": agents,
         "worker_processes": procs,
@@ -435,11 +506,15 @@ def fleet_round(
         "heartbeat_interval_s": heartbeat_interval_s(ttl_s),
         "heartbeats": heartbeats,
         "calls": calls if heartbeats == "stream" else "rpc",
-        "getstatus_fleet": percentiles([s for _, s in busy.samples]),
-        "getstatus_quiet": percentiles([s for _, s in quiet.samples]),
+        "getstatus_fleet": percentiles([s for _, s in busy.samples], TARGET_P99_MS),
+        "getstatus_quiet": percentiles([s for _, s in quiet.samples], TARGET_P99_MS),
         # steady: heartbeats and watches only; burst: from the publish on (leases, handshakes)
-        "getstatus_quiet_steady": percentiles(quiet.split(published)[0]),
-        "getstatus_quiet_burst": percentiles(quiet.split(published)[1]),
+        "getstatus_quiet_steady": percentiles(quiet.split(published)[0], TARGET_P99_MS),
+        "getstatus_quiet_burst": percentiles(quiet.split(published)[1], TARGET_P99_MS),
+        "health_coordinator_steady": percentiles(hops.split(published)[0], TARGET_P99_MS),
+        "health_coordinator_burst": percentiles(hops.split(published)[1], TARGET_P99_MS),
+        "health_floor_server_steady": percentiles(floor.split(published)[0], TARGET_P99_MS),
+        "health_floor_server_burst": percentiles(floor.split(published)[1], TARGET_P99_MS),
         "heartbeat": percentiles([x for r in results for x in r["heartbeats"]]),
         "get_manifest_leased": percentiles([x for r in results for x in r["leases"]]),
         "report_applied": percentiles([x for r in results for x in r["reports"]]),
@@ -456,6 +531,8 @@ def fleet_round(
         "coordinator_rss_mib": round(rss / 2**20, 1),
         "coordinator_peak_rss_mib": round(hwm / 2**20, 1),
         "coordinator_threads": threads,
+        # objects out of the collector's walk at the window's start and end (weightsync.gc_freeze)
+        "coordinator_gc_frozen_objects": frozen,
     }
 
 
@@ -477,7 +554,7 @@ def big_manifest_round(address: str, pid: int, tensors: int) -> dict[str, Any]:
         "tensors": tensors,
         "build_descriptors_s": round(build_s, 2),
         "publish_s": round(publish_s, 2),
-        "getstatus_other_session": percentiles([s for _, s in other.samples]),
+        "getstatus_other_session": percentiles([s for _, s in other.samples], TARGET_P99_MS),
         "get_manifest_s": round(manifest_s, 2),
         "get_manifest_pieces": pieces,
         "largest_piece_bytes": largest,
@@ -510,7 +587,9 @@ def cold_manifest_round(address: str) -> dict[str, Any]:
     client.close()
     return {
         "cold_get_manifest_s": round(read_s, 2),
-        "getstatus_other_session_cold_read": percentiles([s for t, s in other.samples if started <= t <= ended]),
+        "getstatus_other_session_cold_read": percentiles(
+            [s for t, s in other.samples if started <= t <= ended], TARGET_P99_MS
+        ),
     }
 
 
@@ -579,12 +658,16 @@ def main() -> int:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-call", choices=("status", "health"), default="status", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return fleet_worker(args)
     if args.probe:
         return probe_worker(args)
+    if args.floor_server:
+        return floor_server_worker()
     rounds = set(args.rounds.split(","))
     out: dict[str, Any] = {"bench": "control", "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="ws-bench-control-") as tmp, Cluster(tmp) as cluster:
@@ -596,6 +679,7 @@ def main() -> int:
             out["fleet"] = fleet_round(
                 coord.address,
                 coord.pid,
+                coord.ready["metrics_port"],
                 args.agents,
                 args.seconds,
                 args.lease_ttl_s,

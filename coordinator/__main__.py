@@ -51,7 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_workers=cfg.max_workers,
         security=cfg.security(),
     )
-    collector = FreezingCollector(cfg.gc_refresh_s, metrics.gc_pause_seconds).install() if cfg.gc_refresh_s else None
+    collector = (
+        FreezingCollector(cfg.gc_refresh_s, metrics.gc_pause_seconds, metrics.gc_frozen_objects).install()
+        if cfg.gc_refresh_s
+        else None
+    )
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
     while not stop.wait(cfg.lease_ttl_s / 2):

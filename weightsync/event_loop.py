@@ -13,7 +13,11 @@ read, reply), waited behind them (p50 1.2 s, p99 2.1 s during a burst in bench/c
    `rpc.StatusInterceptor` sets it per method) and I/O callbacks (the grpc completion
    queue's socket) run before the rest of the turn, first in, first out among themselves.
 2. While many callbacks wait, I/O is polled every POLL_EVERY callbacks rather than once a
-   turn, so a completion an urgent call waits for is seen within a few milliseconds.
+   turn, and after any callback that ends POLL_S or more after the last poll, so a
+   completion an urgent call waits for is seen within a few milliseconds. The count alone
+   did not bound the time: in a burst the loop runs leases and handshakes itself
+   (`CoordinatorServicer._soon`), and a traced run at 500 agents found 20-59 ms between
+   polls (15-65 callbacks), while a Health.Check waits for three completions.
 3. grpc.aio's completion queue wakes the loop with one byte per completion on a socket
    pair, and its reader consumes one byte per call. Once a few hundred completions wait,
    the socket is full: grpc's poller thread blocks writing, and completions reach the loop
@@ -33,6 +37,7 @@ import asyncio
 import contextvars
 import functools
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -41,6 +46,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 URGENT: contextvars.ContextVar[bool] = contextvars.ContextVar("weightsync_urgent", default=False)
 POLL_EVERY = 32  # callbacks between I/O polls while a turn is long
+POLL_S = 0.002  # and at most this long between polls while callbacks wait
 _PLAIN = contextvars.Context()  # the trampolines' own context: nothing to copy
 
 
@@ -51,6 +57,7 @@ class LaneLoop(asyncio.SelectorEventLoop):
         super().__init__()
         self._urgent: deque[asyncio.Handle] = deque()
         self._since_poll = 0
+        self._polled_at = time.monotonic()
         self._inline: list[asyncio.Handle] | None = None  # I/O callbacks found by a mid-turn poll
 
     def _call_soon(self, callback: Callable[..., Any], args: Any, context: contextvars.Context | None) -> Any:
@@ -59,12 +66,21 @@ class LaneLoop(asyncio.SelectorEventLoop):
             handle = asyncio.Handle(callback, args, self, context)
             self._queue_urgent(handle)
             return handle
-        handle = super()._call_soon(callback, args, context)  # type: ignore[misc]
+        handle = super()._call_soon(self._run_ordinary, (callback, *args), context)  # type: ignore[misc]
         self._since_poll += 1
         if self._since_poll >= POLL_EVERY and len(self._ready) > POLL_EVERY:  # type: ignore[attr-defined]
             self._since_poll = 0
             self._ready.append(asyncio.Handle(self._poll_io, (), self, _PLAIN))  # type: ignore[attr-defined]
         return handle
+
+    def _run_ordinary(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Runs an ordinary callback; if the turn has gone POLL_S since the last poll and
+        more callbacks wait, polls next. Checked as callbacks run, not as they are queued:
+        a burst's callbacks are mostly task steps that await grpc, and queue nothing."""
+        callback(*args)
+        if time.monotonic() - self._polled_at > POLL_S and self._ready:  # type: ignore[attr-defined]
+            self._polled_at = time.monotonic()  # one poll queued per lapse
+            self._ready.appendleft(asyncio.Handle(self._poll_io, (), self, _PLAIN))  # type: ignore[attr-defined]
 
     def add_reader(self, fd: Any, callback: Callable[..., Any], *args: Any) -> None:
         if _is_grpc_completion_reader(fd, callback):
@@ -91,6 +107,10 @@ class LaneLoop(asyncio.SelectorEventLoop):
         handle = self._urgent.popleft()
         if not handle.cancelled():
             handle._run()  # type: ignore[attr-defined]
+
+    def _process_events(self, event_list: Any) -> None:
+        self._polled_at = time.monotonic()  # after every poll: the turn's own and _poll_io's
+        super()._process_events(event_list)  # type: ignore[misc]
 
     def _poll_io(self) -> None:
         """Polls I/O without blocking and runs what is ready now, within the turn. Run

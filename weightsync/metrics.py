@@ -47,6 +47,7 @@ class Metrics:
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
+    gc_frozen_objects: Gauge
 
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
@@ -179,6 +180,12 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "Python garbage collections by generation: every thread of the process waits this long.",
             ["generation"],
             buckets=GC_BUCKETS_S,
+            registry=registry,
+        ),
+        gc_frozen_objects=Gauge(
+            "weightsync_gc_frozen_objects",
+            "Objects frozen out of Python's garbage collection (weightsync.gc_freeze); reference cycles "
+            "that died among them are reclaimed at the next --gc-refresh-s.",
             registry=registry,
         ),
         fenced=Gauge(

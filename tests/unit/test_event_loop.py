@@ -6,11 +6,12 @@ import asyncio
 import contextvars
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from weightsync.event_loop import POLL_EVERY, URGENT, LaneLoop, run_in_thread
+from weightsync.event_loop import POLL_EVERY, POLL_S, URGENT, LaneLoop, run_in_thread
 
 
 @pytest.fixture
@@ -93,6 +94,42 @@ def test_io_is_polled_within_a_long_turn(loop: LaneLoop) -> None:
     b.close()
     assert ran.index("io") < 3 * POLL_EVERY
     assert [x for x in ran if x != "io"] == [f"c{i}" for i in range(2000)]
+
+
+def test_io_is_polled_within_poll_s_when_callbacks_are_slow(loop: LaneLoop) -> None:
+    """Callbacks that each take a millisecond and queue nothing (task steps that run a store
+    call and await grpc, as in a burst): a reader that becomes ready is run within about
+    POLL_S of work, long before POLL_EVERY of them have passed."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    ran: list[str] = []
+    step_s = POLL_S / 2
+
+    def readable() -> None:
+        a.recv(16)
+        ran.append("io")
+        loop.remove_reader(a)
+
+    def callback(i: int) -> None:
+        ran.append(f"c{i}")
+        if i == 0:
+            b.send(b"x")
+        time.sleep(step_s)
+
+    loop.add_reader(a, readable)
+
+    def schedule() -> None:
+        for i in range(3 * POLL_EVERY):
+            loop.call_soon(callback, i)
+        loop.call_soon(loop.stop)
+
+    loop.call_soon(schedule)
+    loop.run_forever()
+    a.close()
+    b.close()
+    calls_before_io = [x for x in ran[: ran.index("io")] if x.startswith("c")]
+    assert len(calls_before_io) <= 6  # POLL_S is two of them; the count rule alone: 32
+    assert [x for x in ran if x.startswith("c")] == [f"c{i}" for i in range(3 * POLL_EVERY)]
 
 
 def test_run_in_thread_resumes_an_urgent_caller_urgently_and_carries_errors(loop: LaneLoop) -> None:
