@@ -65,6 +65,9 @@ MIGRATIONS = (
     # A store-wide mark, larger for every report written (replaced ones too): readers that
     # keep a version's reports ask for the newer ones (coordinator.status_view).
     ("reports", "written", "INTEGER NOT NULL DEFAULT 0"),
+    # The same for agents: every write of a row (register, heartbeat, renewal) takes a new
+    # mark, so a fleet's status reads only the rows changed since its last reply.
+    ("agents", "written", "INTEGER NOT NULL DEFAULT 0"),
     # A part's size and staging time beside its body: every version record sums them, and
     # reading them out of the body parsed all of its JSON (5 ms at 3,000 tensors; -1: not
     # yet filled in from the body, `BACKFILLS`).

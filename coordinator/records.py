@@ -75,9 +75,10 @@ class ReportRecord(NamedTuple):
     reported_at: float
 
 
-class ReportStamp(NamedTuple):
-    """`SessionStore.report_stamps`: a version's report count and newest `written` mark;
-    a new or replaced report raises the mark, a pruned one lowers the count."""
+class WrittenStamp(NamedTuple):
+    """Rows' count and newest `written` mark: a version's reports (`SessionStore.report_stamps`)
+    or a session's agents (`status_snapshot`). A new or rewritten row raises the mark, a
+    removed one lowers the count."""
 
     count: int
     newest: int
@@ -87,7 +88,7 @@ class ReportStamp(NamedTuple):
 class ReportsSince:
     """`SessionStore.reports_since`: the reports after a mark, and the stamp of them all."""
 
-    stamp: ReportStamp
+    stamp: WrittenStamp
     reports: list[ReportRecord]
 
 
@@ -121,7 +122,8 @@ class StatusSnapshot(NamedTuple):
     session: SessionRecord
     event_seq: int  # newest event: following from it misses nothing in this snapshot
     versions: list[VersionRecord]  # newest first
-    agent_rows: list[tuple[Any, ...]]  # rows of AGENT_COLUMNS: `rows.agent_record(row, now)`
+    agent_rows: list[tuple[Any, ...]]  # rows of AGENT_COLUMNS written after the mark asked for
+    agent_stamp: WrittenStamp  # all of the session's agents
     now: float  # the clock the rows' liveness is judged by
-    report_stamps: dict[int, ReportStamp]  # per listed version with reports
+    report_stamps: dict[int, WrittenStamp]  # per listed version with reports
     part_digests: list[tuple[int, str]]  # the newest version's parts: (rank, part_digest)

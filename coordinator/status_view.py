@@ -13,7 +13,10 @@ calls alone kept it half busy. Two things make it cheap:
   rebuilds it.
 - An agent's AgentInfo is kept encoded while its row is unchanged (between two status
   calls a second apart, a heartbeat every 2.5 s has moved 40% of the leases; at 10 calls a
-  second, 4%), and the part that heartbeats do not move is kept beside it.
+  second, 4%), and the part that heartbeats do not move is kept beside it. Only the rows
+  written since the kept ones are read (each write of an agent takes a store-wide mark,
+  like reports): sqlite3 hands the GIL over around every row it steps to, and 1,000 rows
+  read on a status thread beside a busy event loop took ten times as long as alone.
 
 The encoded repeated fields are merged into the reply (protobuf's wire format: a message
 followed by more fields of it parses as their merge, and repeated fields append).
@@ -27,7 +30,7 @@ from typing import Any
 
 from coordinator.messages import agent_info, handshake_info, version_info
 from coordinator.recent import Recent
-from coordinator.records import AgentRecord, ReportRecord, ReportStamp
+from coordinator.records import AgentRecord, ReportRecord, WrittenStamp
 from coordinator.rows import LEASE_EXPIRES_AT, agent_record
 from coordinator.store import SessionStore
 from weightsync._proto import coordinator_pb2 as pb
@@ -40,7 +43,7 @@ KEPT_VERSIONS = 64  # a status call lists 20 versions by default
 KEPT_SESSIONS = 16
 KEPT_PARTS = 1024  # newest versions' parts across sessions (a rank's summary is ~100 bytes)
 MAX_VERSION_LIMIT = 1000
-_NONE = ReportStamp(0, 0)
+_NONE = WrittenStamp(0, 0)
 _AGENTS = pb.GetStatusResponse.DESCRIPTOR.fields_by_name["agents"].number
 _HANDSHAKES = pb.GetStatusResponse.DESCRIPTOR.fields_by_name["handshakes"].number
 
@@ -67,6 +70,11 @@ def _agent_stable(agent_id: str, role: str, endpoint: Endpoint, rank: int, versi
     return agent_info(AgentRecord(agent_id, role, endpoint, rank, 0.0, version, False, generation)).SerializeToString()
 
 
+def _agent_order(row: tuple[Any, ...]) -> tuple[str, int, str]:
+    """Role, rank and id: the order GetStatus lists agents in."""
+    return row[1], row[3], row[0]
+
+
 def _agent_field(a: AgentRecord) -> bytes:
     info = _agent_stable(a.agent_id, a.role, a.endpoint, a.rank, a.current_version, a.generation)
     info += pb.AgentInfo(alive=a.alive, lease_expires_at=timestamp(a.lease_expires_at)).SerializeToString()
@@ -74,8 +82,15 @@ def _agent_field(a: AgentRecord) -> bytes:
 
 
 @dataclass(frozen=True)
+class _KeptAgents:
+    stamp: WrittenStamp  # of the session's agents when `entries` was read
+    entries: dict[str, tuple[tuple[Any, ...], bool | None, bytes]]  # agent -> (row, alive, field); never mutated
+    order: tuple[str, ...]  # agent ids by role, rank and id, as the reply lists them
+
+
+@dataclass(frozen=True)
 class _Kept:
-    stamp: ReportStamp
+    stamp: WrittenStamp
     by_agent: dict[str, bytes]  # agent -> its encoded handshakes field; never mutated once kept
     encoded: bytes  # the version's handshakes field, by agent id
 
@@ -87,14 +102,15 @@ class StatusReplies:
     def __init__(self, store: SessionStore, keep: int = KEPT_VERSIONS) -> None:
         self._store = store
         self._kept: Recent[tuple[str, int], _Kept] = Recent(keep)
-        self._agents: Recent[str, dict[tuple[tuple[Any, ...], bool], bytes]] = Recent(KEPT_SESSIONS)
+        self._agents: Recent[str, _KeptAgents] = Recent(KEPT_SESSIONS)
         self._part_summaries: Recent[tuple[str, int, int, str], tpb.RankPart] = Recent(KEPT_PARTS)
 
     def reply(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         limit = request.version_limit or 20
         if limit > MAX_VERSION_LIMIT:
             raise InvalidArgument(f"{limit} exceeds {MAX_VERSION_LIMIT}", field="version_limit")
-        snap = self._store.status_snapshot(request.session, limit)
+        kept = self._agents.get(request.session)
+        snap = self._store.status_snapshot(request.session, limit, kept.stamp.newest if kept else -1)
         s, versions = snap.session, snap.versions
         handshakes = self._handshakes(s.name, [v.version for v in versions], snap.report_stamps)
         reply = pb.GetStatusResponse(
@@ -106,7 +122,8 @@ class StatusReplies:
             parts=self._parts(s.name, versions[0].version, snap.part_digests) if versions else [],
             event_seq=snap.event_seq,
         )
-        reply.MergeFromString(self._agent_fields(s.name, snap.agent_rows, snap.now) + handshakes)
+        agents = self._agent_fields(s.name, kept, snap.agent_rows, snap.agent_stamp, snap.now)
+        reply.MergeFromString(agents + handshakes)
         return reply
 
     def _parts(self, session: str, version: int, digests: list[tuple[int, str]]) -> list[tpb.RankPart]:
@@ -119,18 +136,37 @@ class StatusReplies:
                     self._part_summaries.put(k, part_to_proto(part))
         return [p for k in keys.values() if (p := self._part_summaries.get(k)) is not None]
 
-    def _agent_fields(self, session: str, rows: list[tuple[Any, ...]], now: float) -> bytes:
-        """The encoded agents field; keeps each agent's while its row and liveness are
-        unchanged, keyed by the row itself: no record is built for a kept one."""
-        kept = self._agents.get(session) or {}
-        fresh = {}
-        for r in rows:
-            key = (r, r[LEASE_EXPIRES_AT] >= now)
-            fresh[key] = kept.get(key) or _agent_field(agent_record(r, now))
-        self._agents.put(session, fresh)
-        return b"".join(fresh.values())
+    def _agent_fields(
+        self,
+        session: str,
+        kept: _KeptAgents | None,
+        changed: list[tuple[Any, ...]],
+        stamp: WrittenStamp,
+        now: float,
+    ) -> bytes:
+        """The encoded agents field: the kept agents topped up with the rows written since
+        (`changed`); each agent's field is kept while its row and liveness are unchanged."""
+        entries = dict(kept.entries) if kept else {}
+        reorder = kept is None
+        for r in changed:
+            old = entries.get(r[0])
+            reorder = reorder or old is None or (old[0][1], old[0][3]) != (r[1], r[3])
+            entries[r[0]] = (r, None, b"")
+        if len(entries) != stamp.count:  # an agent left since: read them all
+            rows, stamp, now = self._store.agent_rows(session)
+            entries, reorder = {r[0]: (r, None, b"") for r in rows}, True
+        order = tuple(sorted(entries, key=lambda a: _agent_order(entries[a][0]))) if reorder else kept.order
+        out = []
+        for agent in order:
+            row, alive, field = entries[agent]
+            if (row[LEASE_EXPIRES_AT] >= now) is not alive:  # a new row, or its lease lapsed
+                field = _agent_field(agent_record(row, now))
+                entries[agent] = (row, row[LEASE_EXPIRES_AT] >= now, field)
+            out.append(field)
+        self._agents.put(session, _KeptAgents(stamp, entries, order))
+        return b"".join(out)
 
-    def _handshakes(self, session: str, versions: list[int], stamps: dict[int, ReportStamp]) -> bytes:
+    def _handshakes(self, session: str, versions: list[int], stamps: dict[int, WrittenStamp]) -> bytes:
         """The encoded handshakes field of `versions`, in that order, each by agent id."""
         out = []
         for v in versions:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 from coordinator import events, retention
 from coordinator.database import Database
@@ -26,10 +27,10 @@ from coordinator.records import (
     FleetGauges,
     ReportRecord,
     ReportsSince,
-    ReportStamp,
     SessionRecord,
     StatusSnapshot,
     VersionRecord,
+    WrittenStamp,
 )
 from coordinator.rows import (
     AGENT_COLUMNS,
@@ -104,6 +105,7 @@ class SessionStore(VersionLifecycle):
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
         with self._read() as db:
             self._report_mark: int = db.execute("SELECT COALESCE(MAX(written), 0) FROM reports").fetchone()[0]
+            self._agent_mark: int = db.execute("SELECT COALESCE(MAX(written), 0) FROM agents").fetchone()[0]
 
     def close(self) -> None:
         self.db.close()
@@ -262,8 +264,9 @@ class SessionStore(VersionLifecycle):
             if role == "TRAINER":
                 check_generation(generation or s.generation, s)
             db.execute(
-                "INSERT OR REPLACE INTO agents VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version FROM agents "
-                "WHERE session=? AND agent_id=?), 0),?)",
+                "INSERT OR REPLACE INTO agents (session, agent_id, role, endpoint, rank, lease_expires_at, "
+                "current_version, generation, written) VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version "
+                "FROM agents WHERE session=? AND agent_id=?), 0),?,?)",
                 (
                     session,
                     agent_id,
@@ -274,6 +277,7 @@ class SessionStore(VersionLifecycle):
                     session,
                     agent_id,
                     s.generation if role == "TRAINER" else 0,
+                    self._next_agent_mark(),
                 ),
             )
             return s
@@ -309,9 +313,9 @@ class SessionStore(VersionLifecycle):
         now = self._clock()
         with self._writer() as db:
             rows = db.execute(
-                "UPDATE agents SET lease_expires_at=?, current_version=? WHERE session=? AND agent_id=? "
+                "UPDATE agents SET lease_expires_at=?, current_version=?, written=? WHERE session=? AND agent_id=? "
                 "AND lease_expires_at>=? RETURNING (SELECT generation FROM sessions WHERE name=agents.session)",
-                (now + self.lease_ttl_s, current_version, session, agent_id, now),
+                (now + self.lease_ttl_s, current_version, self._next_agent_mark(), session, agent_id, now),
             ).fetchall()  # stepped to the end: the autocommit ends here, not when the cursor dies
         if rows:
             return int(rows[0][0])
@@ -324,10 +328,16 @@ class SessionStore(VersionLifecycle):
         taking a lease or reporting is plainly alive."""
         now = self._clock()
         db.execute(
-            "UPDATE agents SET lease_expires_at=MAX(lease_expires_at, ?) "
+            "UPDATE agents SET lease_expires_at=MAX(lease_expires_at, ?), written=? "
             "WHERE session=? AND agent_id=? AND lease_expires_at>=?",
-            (now + self.lease_ttl_s, session, agent_id, now),
+            (now + self.lease_ttl_s, self._next_agent_mark(), session, agent_id, now),
         ).fetchall()
+
+    def _next_agent_mark(self) -> int:
+        """A mark for an agent row being written; under the writer's lock, so marks commit in
+        order (one rolled back is skipped, never reused) and a snapshot holds a prefix of them."""
+        self._agent_mark += 1
+        return self._agent_mark
 
     def relay_chain(self, session: str) -> list[AgentRecord]:
         """Rollouts that re-serve versions (endpoint offers "relay"), in chain order.
@@ -414,21 +424,18 @@ class SessionStore(VersionLifecycle):
     def _versions(db: sqlite3.Connection, s: SessionRecord, limit: int) -> list[VersionRecord]:
         return [version_record(r) for r in db.execute(NEWEST_VERSIONS_SQL, (s.name, limit))]
 
-    def status_snapshot(self, session: str, version_limit: int) -> StatusSnapshot:
-        """Session, newest versions, agents, report stamps and the newest version's part
-        digests in one read: one consistent snapshot (a version listed is never newer
-        than the event seq), and one transaction for a call dashboards make every second."""
+    def status_snapshot(self, session: str, version_limit: int, agents_after: int = -1) -> StatusSnapshot:
+        """Session, newest versions, agents written after mark `agents_after` (-1: all) with
+        the agents' stamp, report stamps and the newest version's part digests in one read:
+        one consistent snapshot (a version listed is never newer than the event seq), and
+        one transaction for a call dashboards make every second."""
         check_session_name(session)
         now = self._clock()
         with self._read() as db:
             s = self._session(db, session)
             seq = events.latest_seq(db, session)
             versions = self._versions(db, s, version_limit)
-            cursor = db.cursor()
-            cursor.row_factory = None  # plain tuples: hashable, and a reply keeps each one's encoding
-            agents = cursor.execute(
-                f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? ORDER BY role, rank, agent_id", (session,)
-            ).fetchall()
+            agents, agent_stamp = self._agent_rows(db, session, agents_after)
             stamps = self._report_stamps(db, session, [v.version for v in versions]) if versions else {}
             digests = (
                 db.execute(
@@ -438,7 +445,31 @@ class SessionStore(VersionLifecycle):
                 if versions
                 else []
             )
-        return StatusSnapshot(s, seq, versions, agents, now, stamps, [(d[0], d[1]) for d in digests])
+        return StatusSnapshot(s, seq, versions, agents, agent_stamp, now, stamps, [(d[0], d[1]) for d in digests])
+
+    def agent_rows(self, session: str) -> tuple[list[tuple[Any, ...]], WrittenStamp, float]:
+        """All of a session's agent rows, their stamp and the clock, in one read."""
+        check_session_name(session)
+        now = self._clock()
+        with self._read() as db:
+            self._session(db, session)
+            rows, stamp = self._agent_rows(db, session, -1)
+        return rows, stamp, now
+
+    @staticmethod
+    def _agent_rows(db: sqlite3.Connection, session: str, after: int) -> tuple[list[tuple[Any, ...]], WrittenStamp]:
+        """Agent rows written after mark `after` and the session's (count, newest mark).
+        sqlite3 gives the GIL up around every row it steps to: read on a status thread
+        beside a busy event loop, 1,000 rows took 38 ms against 4 ms alone."""
+        cursor = db.cursor()
+        cursor.row_factory = None  # plain tuples: hashable, and a reply keeps each one's encoding
+        count, newest = cursor.execute(
+            "SELECT COUNT(*), COALESCE(MAX(written), 0) FROM agents WHERE session=?", (session,)
+        ).fetchone()
+        rows = cursor.execute(
+            f"SELECT {AGENT_COLUMNS} FROM agents WHERE session=? AND written>?", (session, after)
+        ).fetchall()
+        return rows, WrittenStamp(count, newest)
 
     def parts(self, session: str, version: int) -> list[Part]:
         check_session_name(session)
@@ -468,7 +499,7 @@ class SessionStore(VersionLifecycle):
             )
             return [report_record(r) for r in rows]
 
-    def report_stamps(self, session: str, versions: list[int]) -> dict[int, ReportStamp]:
+    def report_stamps(self, session: str, versions: list[int]) -> dict[int, WrittenStamp]:
         """Per version with reports: (count, newest `written` mark), which any new, replaced
         or pruned report changes."""
         if not versions:
@@ -480,7 +511,7 @@ class SessionStore(VersionLifecycle):
         """A version's reports written after mark `after_mark` (-1: all), and the stamp of
         them all (one snapshot): a reader that kept the earlier ones tops them up."""
         with self._read() as db:
-            stamp = self._report_stamps(db, session, [version]).get(version, ReportStamp(0, 0))
+            stamp = self._report_stamps(db, session, [version]).get(version, WrittenStamp(0, 0))
             rows = db.execute(
                 f"SELECT {REPORT_COLUMNS} FROM reports WHERE session=? AND version=? AND written>?",
                 (session, version, after_mark),
@@ -488,10 +519,10 @@ class SessionStore(VersionLifecycle):
         return ReportsSince(stamp, [report_record(r) for r in rows])
 
     @staticmethod
-    def _report_stamps(db: sqlite3.Connection, session: str, versions: list[int]) -> dict[int, ReportStamp]:
+    def _report_stamps(db: sqlite3.Connection, session: str, versions: list[int]) -> dict[int, WrittenStamp]:
         marks = ",".join("?" * len(versions))
         return {
-            r[0]: ReportStamp(r[1], r[2])
+            r[0]: WrittenStamp(r[1], r[2])
             for r in db.execute(
                 f"SELECT version, COUNT(*), MAX(written) FROM reports WHERE session=? AND version IN ({marks}) "
                 "GROUP BY version",

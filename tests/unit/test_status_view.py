@@ -1,6 +1,7 @@
 """StatusReplies: the kept, encoded GetStatus pieces equal a reply built message by
 message from the store, whatever happened in between (reports new and replaced, leases
-renewed and lapsed, versions published, released and pruned)."""
+renewed and lapsed, agents registered again, moved and gone, versions published, released
+and pruned)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("report"), st.integers(0, 3), st.integers(0, 2), st.booleans()),
         st.tuples(st.just("beat"), st.integers(0, 3), st.integers(0, 5)),
-        st.tuples(st.just("register"), st.integers(0, 3), st.integers(0, 1)),
+        st.tuples(st.just("register"), st.integers(0, 3), st.integers(0, 1), st.integers(0, 2)),
+        st.tuples(st.just("deregister"), st.integers(0, 3)),
+        st.tuples(st.just("trainer")),
         st.tuples(st.just("tick"), st.sampled_from([0.0, 0.0004, 0.3, 4.0, 11.0])),
         st.tuples(st.just("publish")),
         st.tuples(st.just("release_and_prune")),
@@ -94,7 +97,11 @@ def run(store: SessionStore, op: tuple, clock: Clock, part: object, generation: 
     elif kind == "beat":
         store.heartbeat("job", AGENTS[op[1]], op[2])
     elif kind == "register":
-        store.register_agent("job", AGENTS[op[1]], role="ROLLOUT", endpoint=ENDPOINTS[op[2]])
+        store.register_agent("job", AGENTS[op[1]], role="ROLLOUT", endpoint=ENDPOINTS[op[2]], rank=op[3])
+    elif kind == "deregister":
+        store.deregister_agent("job", AGENTS[op[1]])
+    elif kind == "trainer":
+        store.register_agent("job", "t0", role="TRAINER", endpoint=ENDPOINTS[1], generation=generation)
     elif kind == "tick":
         clock.t += op[1]
     elif kind == "publish":
@@ -131,8 +138,9 @@ def test_a_replaced_report_in_the_same_instant_is_seen(tmp_path: Path) -> None:
         store.close()
 
 
-def test_reports_of_a_database_from_before_the_mark_are_listed(tmp_path: Path) -> None:
-    """Rows written before reports had a `written` mark (0) are read on the first call."""
+def test_rows_of_a_database_from_before_the_marks_are_listed(tmp_path: Path) -> None:
+    """Rows written before reports and agents had a `written` mark (0) are read on the first
+    call, and the marks go on from the newest one stored after a restart."""
     clock = Clock()
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock)
     s, _ = store.open_session("job", trainer=True, incarnation="run-1", trainer_ranks=1)
@@ -140,13 +148,21 @@ def test_reports_of_a_database_from_before_the_mark_are_listed(tmp_path: Path) -
     part, _ = make_part(sample_arrays())
     store.publish_part("job", generation=s.generation, version=1, idempotency_key="k", part=part)
     store.report_applied("job", 1, "r0", good_report(store, 1))
+    store.register_agent("job", "r1", role="ROLLOUT", endpoint=Endpoint())
     with store.db.tx() as db:
         db.execute("UPDATE reports SET written=0")
+        db.execute("UPDATE agents SET written=0 WHERE agent_id='r0'")
     store.close()
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock)
     try:
         request = pb.GetStatusRequest(session="job")
-        reply = StatusReplies(store).reply(request)
+        replies = StatusReplies(store)
+        reply = replies.reply(request)
         assert [h.agent_id for h in reply.handshakes] == ["r0"] and reply == built_whole(store, request)
+        assert [a.agent_id for a in reply.agents] == ["r0", "r1"]
+        clock.t += 1
+        store.heartbeat("job", "r1", 1)  # a mark past the stored ones: the kept list sees it
+        assert [a.current_version for a in replies.reply(request).agents] == [0, 1]
+        assert replies.reply(request) == built_whole(store, request)
     finally:
         store.close()
