@@ -64,9 +64,10 @@ def test_a_task_in_the_urgent_lane_overtakes_a_long_queue(loop: LaneLoop) -> Non
     assert [x for x in order if x.startswith("busy")] == [f"busy{i}" for i in range(200)]
 
 
-def test_io_is_polled_within_a_long_turn(loop: LaneLoop) -> None:
-    """A reader becomes ready while thousands of callbacks wait: it runs within a few
-    dozen of them, not at the end of the turn."""
+def run_with_a_reader(loop: LaneLoop, callbacks: int, step_s: float) -> list[str]:
+    """Queues `callbacks` callbacks at once from one callback, as a burst of completions is;
+    each takes `step_s` and queues nothing, and the first makes a reader ready. Returns
+    what ran, in order ("io" for the reader)."""
     a, b = socket.socketpair()
     a.setblocking(False)
     ran: list[str] = []
@@ -80,11 +81,13 @@ def test_io_is_polled_within_a_long_turn(loop: LaneLoop) -> None:
         ran.append(f"c{i}")
         if i == 0:
             b.send(b"x")
+        if step_s:
+            time.sleep(step_s)
 
     loop.add_reader(a, readable)
 
-    def schedule() -> None:  # scheduled from a callback, as a burst of completions is
-        for i in range(2000):
+    def schedule() -> None:
+        for i in range(callbacks):
             loop.call_soon(callback, i)
         loop.call_soon(loop.stop)
 
@@ -92,44 +95,22 @@ def test_io_is_polled_within_a_long_turn(loop: LaneLoop) -> None:
     loop.run_forever()
     a.close()
     b.close()
-    assert ran.index("io") < 3 * POLL_EVERY
-    assert [x for x in ran if x != "io"] == [f"c{i}" for i in range(2000)]
+    assert [x for x in ran if x != "io"] == [f"c{i}" for i in range(callbacks)]
+    return ran
+
+
+def test_io_is_polled_within_a_long_turn(loop: LaneLoop) -> None:
+    """A reader becomes ready while thousands of callbacks wait: it runs within a few
+    dozen of them, not at the end of the turn."""
+    assert run_with_a_reader(loop, 2000, 0.0).index("io") < 3 * POLL_EVERY
 
 
 def test_io_is_polled_within_poll_s_when_callbacks_are_slow(loop: LaneLoop) -> None:
     """Callbacks that each take a millisecond and queue nothing (task steps that run a store
     call and await grpc, as in a burst): a reader that becomes ready is run within about
     POLL_S of work, long before POLL_EVERY of them have passed."""
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    ran: list[str] = []
-    step_s = POLL_S / 2
-
-    def readable() -> None:
-        a.recv(16)
-        ran.append("io")
-        loop.remove_reader(a)
-
-    def callback(i: int) -> None:
-        ran.append(f"c{i}")
-        if i == 0:
-            b.send(b"x")
-        time.sleep(step_s)
-
-    loop.add_reader(a, readable)
-
-    def schedule() -> None:
-        for i in range(3 * POLL_EVERY):
-            loop.call_soon(callback, i)
-        loop.call_soon(loop.stop)
-
-    loop.call_soon(schedule)
-    loop.run_forever()
-    a.close()
-    b.close()
-    calls_before_io = [x for x in ran[: ran.index("io")] if x.startswith("c")]
-    assert len(calls_before_io) <= 6  # POLL_S is two of them; the count rule alone: 32
-    assert [x for x in ran if x.startswith("c")] == [f"c{i}" for i in range(3 * POLL_EVERY)]
+    ran = run_with_a_reader(loop, 3 * POLL_EVERY, POLL_S / 2)
+    assert ran.index("io") <= 6  # POLL_S is two of them; the count rule alone: 32
 
 
 def test_run_in_thread_resumes_an_urgent_caller_urgently_and_carries_errors(loop: LaneLoop) -> None:
