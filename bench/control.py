@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -57,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, peak_rss_bytes, rss_bytes  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
+from devtools.scrape import metric_value, scrape  # noqa: E402
 from devtools.synthetic import good_report, synthetic_part  # noqa: E402
 from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
@@ -93,14 +92,7 @@ def percentiles(samples_s: list[float], over_ms: float | None = None) -> dict[st
 
 def frozen_objects(metrics_port: int) -> int:
     """The coordinator's `weightsync_gc_frozen_objects` (set every --lease-ttl-s / 2)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return next(
-        int(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "weightsync_gc_frozen_objects"
-    )
+    return int(metric_value(scrape(metrics_port), "weightsync_gc_frozen_objects"))
 
 
 def proc_threads(pid: int) -> int:

@@ -159,9 +159,9 @@ class StatusReplies:
         out = []
         for agent in order:
             row, alive, field = entries[agent]
-            if (row[LEASE_EXPIRES_AT] >= now) is not alive:  # a new row, or its lease lapsed
+            if (alive_now := row[LEASE_EXPIRES_AT] >= now) is not alive:  # a new row, or its lease lapsed
                 field = _agent_field(agent_record(row, now))
-                entries[agent] = (row, row[LEASE_EXPIRES_AT] >= now, field)
+                entries[agent] = (row, alive_now, field)
             out.append(field)
         self._agents.put(session, _KeptAgents(stamp, entries, order))
         return b"".join(out)

@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 
 from devtools.cluster import Cluster
-from tests.integration.support import metric_value, scrape, state_name
+from devtools.scrape import metric_value, scrape
+from tests.integration.support import state_name
 from weightsync.client import CoordinatorClient
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,9 +1,8 @@
-"""Helpers for process tests: polling, metrics scraping, reflection listing."""
+"""Helpers for process tests: polling, reflection listing (metrics scraping: devtools.scrape)."""
 
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -31,22 +30,6 @@ def eventually(fn: Callable[[], T], *, timeout_s: float = 60.0, interval_s: floa
             last = e
         time.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
-
-
-def scrape(metrics_port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-        return r.read().decode()
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def reflected_services(address: str) -> list[str]:

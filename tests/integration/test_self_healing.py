@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from devtools.cluster import Cluster
-from tests.integration.support import eventually, metric_value, rollout_status, scrape, state_name
+from devtools.scrape import metric_value, scrape
+from tests.integration.support import eventually, rollout_status, state_name
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.arena_files import owner_alive

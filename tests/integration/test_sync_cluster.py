@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from devtools.cluster import Cluster
-from tests.integration.support import eventually, metric_value, reflected_services, rollout_status, scrape, state_name
+from devtools.scrape import metric_value, scrape
+from tests.integration.support import eventually, reflected_services, rollout_status, state_name
 from trainer_agent import synthetic
 from weightsync.client import CoordinatorClient
 

@@ -14,6 +14,7 @@ import asyncio
 import grpc
 
 from devtools.cluster import Cluster
+from devtools.scrape import metric_value, scrape
 from devtools.synthetic import good_report, synthetic_part
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
@@ -21,7 +22,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.manifest import Manifest
 
-from .support import eventually, metric_value, scrape
+from .support import eventually
 
 AGENTS = 300
 
