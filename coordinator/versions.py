@@ -191,7 +191,10 @@ class VersionLifecycle:
                 field="header.delta.base_manifest_digest",
             )
         layout = [(c.offset, c.length) for c in part.chunks]
-        base_part = next((p for p in self.parts(session, d.base_version) if p.rank == part.rank), None)
+        # (the base is most often the version before, whose manifest is kept decoded)
+        kept = self._manifests.get((session, d.base_version))
+        base_parts = kept.parts if kept is not None else self.parts(session, d.base_version)
+        base_part = next((p for p in base_parts if p.rank == part.rank), None)
         if base_part is None or [(c.offset, c.length) for c in base_part.chunks] != layout:
             raise FailedPrecondition(
                 f"version {d.base_version}'s part of rank {part.rank} has another chunk layout than this one",

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "delta_decoder.h"
 #include "delta_encoder.h"
 
 namespace {
@@ -300,13 +302,25 @@ struct DeltaSink {
   int64_t* lengths;
 };
 
+// Where the rebuild pass (ws_rebuild_digest) reads each chunk's delta: chunk c's encoding
+// is enc[offsets[c], offsets[c] + lengths[c]), none where lengths[c] < 0; broken[c] = 1
+// when it did not decode.
+struct DecodePlan {
+  const uint8_t* enc;
+  const uint64_t* offsets;
+  const int64_t* lengths;
+  uint8_t* broken;
+};
+
 // Copies, zero-fills and hashes chunks [c_lo, c_hi) in blocks that stay in L2 between the
 // sum, the copy and the hash. Sums are additive, so each thread adds its part of every span
 // into partial_sums; span digests are derived from chunk digests afterwards. With a delta
 // sink, each block is also compared with the previous version's while it is in cache.
+// With a decode plan (bytes in place: every span's src is its place in dst), each block
+// first gets the changes its chunk's delta makes under it, then is hashed while in cache.
 void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chunk_off, uint8_t* dst,
                   const ws_span* spans, uint64_t n_spans, std::vector<double>& partial_sums, uint64_t* chunk_digests,
-                  const DeltaSink* delta) {
+                  const DeltaSink* delta, const DecodePlan* decode) {
   XXH3_state_t state;
   uint64_t s = std::lower_bound(spans, spans + n_spans, chunk_off[c_lo],
                                 [](const ws_span& sp, uint64_t v) { return sp.dst_offset + sp.nbytes <= v; }) -
@@ -316,12 +330,21 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
     uint64_t pos = chunk_off[c];
     const uint64_t end = chunk_off[c + 1];
     ws_delta::Encoder enc(delta ? delta->out + delta->out_off[c] : nullptr, delta ? delta->caps[c] : 0);
+    std::optional<ws_delta::Decoder> dec;
+    if (decode != nullptr && decode->lengths[c] >= 0)
+      dec.emplace(reinterpret_cast<uint16_t*>(dst + pos), (end - pos) / 2, decode->enc + decode->offsets[c],
+                  static_cast<uint64_t>(decode->lengths[c]));
+    const uint64_t first = pos;
+    auto rebuild_until = [&](uint64_t stop_byte) {  // every word with a byte below stop_byte
+      if (dec) dec->until((stop_byte - first + 1) / 2);
+    };
     while (pos < end) {
       while (s < n_spans && spans[s].dst_offset + spans[s].nbytes <= pos) ++s;
       if (s == n_spans || spans[s].dst_offset > pos) {  // a gap: zero it, hash the zeros
         const uint64_t gap_end = std::min(end, s < n_spans ? spans[s].dst_offset : end);
         for (; pos < gap_end;) {
           const uint64_t take = std::min<uint64_t>(gap_end - pos, kBlock);
+          rebuild_until(pos + take);
           std::memset(dst + pos, 0, take);
           XXH3_64bits_update(&state, kZeros, take);
           if (delta) enc.feed(delta->base + pos, kZeros, take);
@@ -335,6 +358,7 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
       const bool non_temporal = sp.nbytes >= kNonTemporalMin;
       while (pos < stop) {
         const uint64_t take = std::min(kBlock, stop - pos);
+        rebuild_until(pos + take);
         const uint64_t a = pos - sp.dst_offset;
         const bool whole_elements = a % item_size(sp.dtype) == 0;
         if (dst + pos == src + a || !non_temporal || !whole_elements ||
@@ -349,6 +373,7 @@ void stage_chunks(uint64_t c_lo, uint64_t c_hi, const std::vector<uint64_t>& chu
     }
     chunk_digests[c] = XXH3_64bits_digest(&state);
     if (delta) delta->lengths[c] = enc.overflow() ? -1 : static_cast<int64_t>(enc.size());
+    if (dec) decode->broken[c] = dec->until((end - first) / 2) != WS_OK;
   }
   store_fence();
 }
@@ -422,46 +447,29 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
   return WS_OK;
 }
 
-}  // namespace
-
-extern "C" {
-
-int ws_abi_version(void) { return 9; }
-
-int ws_default_threads(void) {
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
-}
-
-int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,
-             const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests,
-             int n_threads) {
-  return ws_stage_delta(dst, total, chunk_lengths, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums,
-                        chunk_digests, nullptr, nullptr, nullptr, nullptr, n_threads);
-}
-
-int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
-                   uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
-                   double* span_sums, uint64_t* chunk_digests, const uint8_t* base, uint8_t* delta_out,
-                   const uint64_t* delta_caps, int64_t* delta_lengths, int n_threads) {
-  if ((dst == nullptr && total > 0) || piece_bytes == 0 || (n_chunks > 0 && chunk_lengths == nullptr))
-    return WS_INVALID_ARGUMENT;
-  if (base != nullptr && (delta_caps == nullptr || delta_lengths == nullptr)) return WS_INVALID_ARGUMENT;
-  if (check_spans(spans, n_spans, total) != WS_OK) return WS_INVALID_ARGUMENT;
+// The chunk plan's offsets, or empty when the arguments every staging pass takes are bad.
+std::vector<uint64_t> checked_plan(const uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths,
+                                   uint64_t n_chunks, uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans) {
+  if ((dst == nullptr && total > 0) || piece_bytes == 0 || (n_chunks > 0 && chunk_lengths == nullptr)) return {};
+  if (check_spans(spans, n_spans, total) != WS_OK) return {};
   for (uint64_t i = 0; i < n_chunks; ++i)
-    if (chunk_lengths[i] == 0) return WS_INVALID_ARGUMENT;
-  const std::vector<uint64_t> off = prefix_offsets(chunk_lengths, n_chunks);
-  if (off[n_chunks] != total) return WS_INVALID_ARGUMENT;
-  std::vector<uint64_t> out_off;
-  DeltaSink sink{base, delta_out, nullptr, delta_caps, delta_lengths};
-  if (base != nullptr) {  // 16-bit words: every chunk starts and ends on a word
-    for (uint64_t i = 0; i < n_chunks; ++i)
-      if (chunk_lengths[i] % 2 != 0) return WS_INVALID_ARGUMENT;
-    out_off = prefix_offsets(delta_caps, n_chunks);
-    if (delta_out == nullptr && out_off[n_chunks] > 0) return WS_INVALID_ARGUMENT;
-    sink.out_off = out_off.data();
-  }
+    if (chunk_lengths[i] == 0) return {};
+  std::vector<uint64_t> off = prefix_offsets(chunk_lengths, n_chunks);
+  if (off[n_chunks] != total) return {};
+  return off;
+}
 
+bool whole_words(const uint64_t* chunk_lengths, uint64_t n_chunks) {
+  for (uint64_t i = 0; i < n_chunks; ++i)
+    if (chunk_lengths[i] % 2 != 0) return false;
+  return true;
+}
+
+// The staging pass over a checked plan (ws_stage_delta, ws_rebuild_digest).
+int stage_pass(uint8_t* dst, uint64_t total, const std::vector<uint64_t>& off, uint64_t n_chunks,
+               uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+               double* span_sums, uint64_t* chunk_digests, const DeltaSink* sink, const DecodePlan* decode,
+               int n_threads) {
   // Threads take runs of whole chunks holding about equal bytes.
   const int n = resolve_threads(n_threads, std::max<uint64_t>(1, n_chunks));
   std::vector<uint64_t> first(n + 1, n_chunks);
@@ -469,8 +477,7 @@ int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, 
   std::vector<std::vector<double>> partial(n, std::vector<double>(n_spans, 0.0));
   int rc = run_parallel(n, [&](int t) {
     if (first[t] < first[t + 1])
-      stage_chunks(first[t], first[t + 1], off, dst, spans, n_spans, partial[t], chunk_digests,
-                   base != nullptr ? &sink : nullptr);
+      stage_chunks(first[t], first[t + 1], off, dst, spans, n_spans, partial[t], chunk_digests, sink, decode);
   });
   if (rc != WS_OK) return rc;
   for (uint64_t i = 0; i < n_spans; ++i) {
@@ -500,6 +507,66 @@ int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, 
   for (uint64_t i = 0; i < n_spans; ++i)
     span_digests[i] = combine_pieces(pieces.data() + first_piece[i], first_piece[i + 1] - first_piece[i]);
   return WS_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ws_abi_version(void) { return 10; }
+
+int ws_default_threads(void) {
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,
+             const ws_span* spans, uint64_t n_spans, uint64_t* span_digests, double* span_sums, uint64_t* chunk_digests,
+             int n_threads) {
+  return ws_stage_delta(dst, total, chunk_lengths, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums,
+                        chunk_digests, nullptr, nullptr, nullptr, nullptr, n_threads);
+}
+
+int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                   uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                   double* span_sums, uint64_t* chunk_digests, const uint8_t* base, uint8_t* delta_out,
+                   const uint64_t* delta_caps, int64_t* delta_lengths, int n_threads) {
+  const std::vector<uint64_t> off = checked_plan(dst, total, chunk_lengths, n_chunks, piece_bytes, spans, n_spans);
+  if (off.empty()) return WS_INVALID_ARGUMENT;
+  if (base == nullptr)
+    return stage_pass(dst, total, off, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums, chunk_digests,
+                      nullptr, nullptr, n_threads);
+  // 16-bit words: every chunk starts and ends on a word
+  if (delta_caps == nullptr || delta_lengths == nullptr || !whole_words(chunk_lengths, n_chunks))
+    return WS_INVALID_ARGUMENT;
+  const std::vector<uint64_t> out_off = prefix_offsets(delta_caps, n_chunks);
+  if (delta_out == nullptr && out_off[n_chunks] > 0) return WS_INVALID_ARGUMENT;
+  const DeltaSink sink{base, delta_out, out_off.data(), delta_caps, delta_lengths};
+  return stage_pass(dst, total, off, n_chunks, piece_bytes, spans, n_spans, span_digests, span_sums, chunk_digests,
+                    &sink, nullptr, n_threads);
+}
+
+int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                      uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                      double* span_sums, uint64_t* chunk_digests, const uint8_t* enc, uint64_t enc_total,
+                      const uint64_t* enc_offsets, const int64_t* enc_lengths, uint8_t* broken, int n_threads) {
+  std::vector<ws_span> inplace(spans, spans + n_spans);
+  for (auto& sp : inplace) sp.src = buf + sp.dst_offset;
+  const std::vector<uint64_t> off =
+      checked_plan(buf, total, chunk_lengths, n_chunks, piece_bytes, inplace.data(), n_spans);
+  if (off.empty() || !whole_words(chunk_lengths, n_chunks)) return WS_INVALID_ARGUMENT;
+  if (n_chunks > 0 && (enc_offsets == nullptr || enc_lengths == nullptr || broken == nullptr))
+    return WS_INVALID_ARGUMENT;
+  for (uint64_t c = 0; c < n_chunks; ++c) {
+    broken[c] = 0;
+    if (enc_lengths[c] < 0) continue;
+    const uint64_t len = static_cast<uint64_t>(enc_lengths[c]);
+    if (enc_offsets[c] > enc_total || len > enc_total - enc_offsets[c] || (len > 0 && enc == nullptr))
+      return WS_INVALID_ARGUMENT;
+  }
+  const DecodePlan plan{enc, enc_offsets, enc_lengths, broken};
+  return stage_pass(buf, total, off, n_chunks, piece_bytes, inplace.data(), n_spans, span_digests, span_sums,
+                    chunk_digests, nullptr, &plan, n_threads);
 }
 
 int ws_digest_staged(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,

@@ -99,6 +99,17 @@ int ws_stage_delta(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, 
                    double* span_sums, uint64_t* chunk_digests, const uint8_t* base, uint8_t* delta_out,
                    const uint64_t* delta_caps, int64_t* delta_lengths, int n_threads);
 
+// A delta rebuilt and digested in one pass over a receive buffer that holds the base
+// version (the rollout side of ws_stage_delta): per chunk, the changes its encoding
+// enc[enc_offsets[c], + enc_lengths[c]) makes (none where enc_lengths[c] < 0) are applied
+// block by block, each block then summed and hashed in place while in cache, as
+// ws_digest_staged would (gaps zeroed). Every chunk length must be even. broken[c] = 1
+// where an encoding did not decode (WS_DATA_LOSS's cases; its chunk's digest then differs).
+int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
+                      uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
+                      double* span_sums, uint64_t* chunk_digests, const uint8_t* enc, uint64_t enc_total,
+                      const uint64_t* enc_offsets, const int64_t* enc_lengths, uint8_t* broken, int n_threads);
+
 int ws_abi_version(void);
 int ws_default_threads(void);
 

@@ -84,26 +84,32 @@ def tensor_digest(arr: np.ndarray, shards: list[ShardSpec], piece_bytes: int) ->
     return digest, float64_sum(arr)
 
 
-def digest_all(manifest: Manifest, tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float]]:
+def digest_all(
+    manifest: Manifest, tensors: Mapping[str, np.ndarray], known: Mapping[str, tuple[int, float]] | None = None
+) -> dict[str, tuple[int, float]]:
     """Per-tensor (xxh3, sum) over assembled tensors, in manifest order.
 
     Tensors held whole by one shard go through the native shim in one parallel pass
     (xxh3 and float64 sum per block while it is in cache); the rest through Python.
+    `known`: digests already made from the very bytes these tensors view (a delta's
+    rebuild pass digests what it rebuilt), taken as they are.
     """
     shards = manifest.shards_of()
+    known = known or {}
     whole = [
         name
         for name in manifest.tensors
-        if native.available()
+        if name not in known
+        and native.available()
         and len(shards[name]) == 1
         and tensors[name].flags.c_contiguous
         and _is_whole(manifest.tensors[name], shards[name][0][1])
     ]
-    out: dict[str, tuple[int, float]] = {}
+    out: dict[str, tuple[int, float]] = {n: known[n] for n in manifest.tensors if n in known}
     if whole:
         arrays = [(tensors[n], native_code(tensors[n].dtype)) for n in whole]
         digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes)
-        out = {n: (int(d), float(s)) for n, d, s in zip(whole, digests, sums)}
+        out.update((n, (int(d), float(s))) for n, d, s in zip(whole, digests, sums))
     for name in manifest.tensors:
         if name not in out:
             out[name] = tensor_digest(tensors[name], [s for _, s in shards[name]], manifest.chunk_bytes)

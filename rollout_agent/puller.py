@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,8 +19,9 @@ from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
-from weightsync.errors import TRANSIENT_ERRORS, DataLoss, DigestMismatch, TransportUnavailable, WeightsyncError
-from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Endpoint, Manifest, Part
+from weightsync.dtypes import dtype_info
+from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
@@ -46,6 +46,9 @@ class PulledVersion:
     chunk_retries: int
     pull_seconds: float
     delta_base: int = 0  # rebuilt from this version's bytes by a delta (0: pulled whole)
+    # (xxh3, sum) of the tensors a part holds whole, made from the rebuilt bytes in the
+    # rebuild's own pass (a delta pull; the tensor check digests only the rest)
+    digests: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 class _Lane:
@@ -376,9 +379,9 @@ class WeightPuller:
         """Rebuilds `manifest` in the receive buffers, which hold its delta's base: fetches
         each rank's raw chunks into place (unchecked: the tensor check covers them) and its
         delta chunks, each checked as it lands, into a delta buffer, then decodes each onto
-        the base bytes of the chunk it rebuilds. A delta chunk that passes its check yet
-        does not decode has its full chunk fetched instead. The caller checks every tensor
-        (and `repair`s), as after a whole pull."""
+        the base bytes of the chunk it rebuilds and digests the tensors in the same pass. A
+        delta chunk that passes its check yet does not decode has its full chunk fetched
+        instead. The caller checks every tensor (and `repair`s), as after a whole pull."""
         buffers = {p.rank: self._buffer(p.rank, p.total_bytes) for p in manifest.parts}
         scratch = {
             p.rank: self._grow(self._delta_buffers, p.rank, p.delta.total_bytes) for p in manifest.parts if p.delta
@@ -387,6 +390,7 @@ class WeightPuller:
         if self.relay is not None:
             self.relay.begin(manifest, plan.token, buffers, scratch)
         lanes: list[_Lane] = []
+        digests: dict[str, tuple[int, float]] = {}
         with self._pulling(manifest, lanes):
             for part in manifest.parts:
                 d = part.delta
@@ -400,8 +404,8 @@ class WeightPuller:
                 buf = buffers[part.rank]
                 self._run_lanes(plan, manifest, raw, buf, 0)
                 self._run_lanes(plan, manifest, encoded, scratch[part.rank], 0)
-                broken = self._decode(part, buf, scratch[part.rank])
-                if broken:
+                broken, rebuilt = self._rebuild(part, buf, scratch[part.rank], manifest.chunk_bytes)
+                if broken:  # (the tensor check digests this part's tensors again)
                     log.warning(
                         "version %d rank %d: %d delta chunk(s) did not decode; fetching their chunks whole",
                         manifest.version,
@@ -411,30 +415,41 @@ class WeightPuller:
                     whole = self._split(plan, part, broken)
                     lanes += whole
                     self._run_lanes(plan, manifest, whole, buf, 0)
+                else:
+                    digests.update(rebuilt)
         base = manifest.delta_base
         assert base is not None
-        return self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])
+        pulled = self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])
+        pulled.digests = digests
+        return pulled
 
     @staticmethod
-    def _decode(part: Part, buf: np.ndarray, scratch: np.ndarray) -> list[int]:
-        """Decodes each delta chunk of `part` onto its chunk in `buf`; returns the chunks
-        whose encoding did not decode (they may hold part of their changes)."""
+    def _rebuild(
+        part: Part, buf: np.ndarray, scratch: np.ndarray, piece_bytes: int
+    ) -> tuple[list[int], dict[str, tuple[int, float]]]:
+        """Decodes each delta chunk of `part` onto its chunk in `buf`, digesting every block
+        just after its changes land (`native.rebuild_digest`: one pass over the part, not a
+        decode and then the tensor check's read). Returns the chunks whose encoding did not
+        decode (they may hold part of their changes) and (xxh3, sum) of each tensor the part
+        holds whole, by the tensor check's rule (pieces of `piece_bytes`)."""
         d = part.delta
         assert d is not None
-
-        def one(c: DeltaChunkSpec) -> int:
-            target = part.chunks[c.target]
-            try:
-                native.delta16_decode(
-                    buf[target.offset : target.offset + target.length].view(np.uint16),
-                    scratch[c.offset : c.offset + c.length],
-                )
-            except DataLoss:
-                return c.target
-            return -1
-
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="decode") as pool:
-            return [t for t in pool.map(one, d.chunks) if t >= 0]
+        specs = {t.name: t for t in part.tensors}
+        shards = sorted(part.shards, key=lambda s: s.offset)
+        result = native.rebuild_digest(
+            buf,
+            [c.length for c in part.chunks],
+            piece_bytes,
+            [(s.offset, s.nbytes, dtype_info(specs[s.tensor_name].dtype).proto) for s in shards],
+            scratch,
+            [(c.target, c.offset, c.length) for c in d.chunks],
+        )
+        digests = {
+            s.tensor_name: (int(xxh), float(total))
+            for s, xxh, total in zip(shards, result.span_digests, result.span_sums)
+            if not any(s.start) and tuple(s.stop) == tuple(specs[s.tensor_name].shape)
+        }
+        return result.broken, digests
 
     def pull_chunks(
         self, plan: PullPlan, manifest: Manifest, part: Part, indices: list[int], buf: np.ndarray, base: int

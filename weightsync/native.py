@@ -20,7 +20,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -66,6 +66,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         ctypes.c_void_p,
         _U64P,
         _I64P,
+        ctypes.c_int,
+    ]
+    lib.ws_rebuild_digest.argtypes = [
+        *lib.ws_stage.argtypes[:-1],
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        _U64P,
+        _I64P,
+        ctypes.c_void_p,
         ctypes.c_int,
     ]
     lib.ws_digest_spans.argtypes = [
@@ -235,11 +244,7 @@ def stage(
         if not arr.flags.c_contiguous:
             raise InvalidArgument("array is not C-contiguous", field=f"sources[{i}]")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
-    lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
-    if int(lengths.sum()) != total or (lengths == 0).any():
-        raise InvalidArgument(
-            f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}", field="chunk_lengths"
-        )
+    lengths = _chunk_plan(chunk_lengths, total)
     digests = np.zeros(len(sources), np.uint64)
     sums = np.zeros(len(sources), np.float64)
     chunks = np.zeros(max(len(lengths), 1), np.uint64)
@@ -278,6 +283,90 @@ def stage(
     starts = np.concatenate([[0], np.cumsum(caps)])
     deltas = [None if n < 0 else out[int(a) : int(a) + int(n)].tobytes() for a, n in zip(starts, sizes[: len(lengths)])]
     return StageResult(digests, sums, chunks[: len(lengths)], deltas)
+
+
+@dataclass(frozen=True)
+class RebuildResult:
+    """Digests and sums of a buffer rebuilt from its chunks' deltas (`rebuild_digest`)."""
+
+    span_digests: np.ndarray  # uint64[n]
+    span_sums: np.ndarray  # float64[n]
+    chunk_digests: np.ndarray  # uint64[n_chunks]
+    broken: list[int]  # chunks whose encoding did not decode
+
+
+def _chunk_plan(chunk_lengths: Sequence[int], total: int) -> np.ndarray:
+    lengths = np.ascontiguousarray(chunk_lengths, np.uint64)
+    if int(lengths.sum()) != total or (lengths == 0).any():
+        raise InvalidArgument(
+            f"must be positive and tile [0, {total}); they sum to {int(lengths.sum())}", field="chunk_lengths"
+        )
+    return lengths
+
+
+def rebuild_digest(
+    buf: np.ndarray,
+    chunk_lengths: Sequence[int],
+    piece_bytes: int,
+    spans: Sequence[tuple[int, int, int]],
+    encodings: np.ndarray,
+    encoded: Sequence[tuple[int, int, int]],
+    *,
+    threads: int = 0,
+) -> RebuildResult:
+    """Rebuilds a part in `buf` (uint8, it holds the delta's base; the chunks tile it) and
+    digests it in the same pass: for each (chunk index, offset, length) in `encoded`, the
+    changes that encoding (`delta16_encode`'s format) at encodings[offset:offset + length]
+    makes are applied block by block, each block then summed and hashed while in cache.
+    `spans`: (offset, nbytes, dtype code) of each shard in the part, sorted, as `stage`
+    digests them: piecewise xxh3-64 and float64 sum per span, xxh3-64 per chunk. A chunk
+    whose encoding does not decode is listed in `broken` (its bytes hold part of it)."""
+    lib = _require()
+    total = buf.nbytes
+    if buf.dtype != np.uint8 or not buf.flags.c_contiguous:
+        raise InvalidArgument("needs a contiguous uint8 buffer", field="buf")
+    lengths = _chunk_plan(chunk_lengths, total)
+    if (lengths % 2).any():
+        raise InvalidArgument("a delta changes 16-bit words: every chunk length must be even", field="chunk_lengths")
+    enc = np.ascontiguousarray(encodings, np.uint8).reshape(-1)
+    offsets = np.zeros(max(len(lengths), 1), np.uint64)
+    sizes = np.full(max(len(lengths), 1), -1, np.int64)
+    for index, offset, length in encoded:
+        if not 0 <= index < len(lengths):
+            raise InvalidArgument(f"chunk {index} is not one of the {len(lengths)} chunks", field="encoded")
+        offsets[index], sizes[index] = offset, length
+    c_spans = (_Span * max(1, len(spans)))()
+    for i, (offset, nbytes, dtype) in enumerate(spans):
+        c_spans[i] = _Span(None, nbytes, offset, dtype, 0)
+    digests = np.zeros(max(len(spans), 1), np.uint64)
+    sums = np.zeros(max(len(spans), 1), np.float64)
+    chunks = np.zeros(max(len(lengths), 1), np.uint64)
+    broken = np.zeros(max(len(lengths), 1), np.uint8)
+    rc = lib.ws_rebuild_digest(
+        _ptr(buf) if total else None,
+        total,
+        lengths.ctypes.data_as(_U64P),
+        len(lengths),
+        piece_bytes,
+        c_spans,
+        len(spans),
+        digests.ctypes.data_as(_U64P),
+        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        chunks.ctypes.data_as(_U64P),
+        _ptr(enc) if enc.size else None,
+        enc.size,
+        offsets.ctypes.data_as(_U64P),
+        sizes.ctypes.data_as(_I64P),
+        _ptr(broken),
+        threads,
+    )
+    _check(rc, "ws_rebuild_digest")
+    return RebuildResult(
+        digests[: len(spans)],
+        sums[: len(spans)],
+        chunks[: len(lengths)],
+        [int(c) for c in np.flatnonzero(broken[: len(lengths)])],
+    )
 
 
 def digest_arrays(

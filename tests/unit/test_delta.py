@@ -3,6 +3,8 @@ whatever changed; a broken encoding is refused, never half-trusted."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -219,3 +221,109 @@ def test_staging_with_a_base_refuses_odd_chunks_and_a_short_base() -> None:
         native.stage(slot, 100, [100], 4096, [(a, 0, 3)], base=np.zeros(64, np.uint8))
     with pytest.raises(InvalidArgument, match="base"):  # the slot being staged cannot be its own base
         native.stage(slot, 100, [100], 4096, [(a, 0, 3)], base=slot)
+
+
+@dataclass
+class RebuildCase:
+    """A staged pair as a rollout gets it: the base slot (raw chunks already in place), the
+    new slot it must become, the encodings back to back, (chunk, offset, length) of each
+    encoded chunk, and the spans as the manifest describes them."""
+
+    chunk_lengths: list[int]
+    base: np.ndarray
+    new: np.ndarray
+    enc: np.ndarray
+    encoded: list[tuple[int, int, int]]
+    spans: list[tuple[int, int, int]]
+    staged: native.StageResult  # staging's digests of the new version
+
+    def rebuild(self) -> tuple[np.ndarray, native.RebuildResult]:
+        buf = self.base.copy()
+        return buf, native.rebuild_digest(buf, self.chunk_lengths, 4096, self.spans, self.enc, self.encoded)
+
+
+def _rebuild_case(case) -> RebuildCase:  # noqa: ANN001
+    tensors, chunk_lengths, total = case
+    code = {np.dtype(np.int8): 5}
+    old_slot, new_slot = np.zeros(total, np.uint8), np.zeros(total, np.uint8)
+    sources = lambda which: [(t[which], t[2], code.get(t[0].dtype, 3)) for t in tensors]  # noqa: E731
+    native.stage(old_slot, total, chunk_lengths, 4096, sources(0))
+    fused = native.stage(new_slot, total, chunk_lengths, 4096, sources(1), base=old_slot, delta_cap=1.0)
+    assert fused.chunk_deltas is not None
+    encoded, pieces, pos, start = [], [], 0, 0
+    for i, (enc, length) in enumerate(zip(fused.chunk_deltas, chunk_lengths)):
+        if enc is None:  # a raw chunk lands whole, as a rollout fetches it
+            old_slot[start : start + length] = new_slot[start : start + length]
+        start += length
+        if enc:
+            encoded.append((i, pos, len(enc)))
+            pieces.append(enc)
+            pos += len(enc)
+    spans = [(offset, arr.nbytes, dtype) for arr, offset, dtype in sources(0)]
+    enc = np.frombuffer(b"".join(pieces), np.uint8).copy()
+    return RebuildCase(chunk_lengths, old_slot, new_slot, enc, encoded, spans, fused)
+
+
+@settings(max_examples=150, deadline=None)
+@given(staged_versions())
+def test_a_rebuild_digests_what_staging_digested(case) -> None:  # noqa: ANN001
+    """The rollout's one pass (decode each block's changes, then sum and hash it) leaves the
+    new version's bytes and the digests and sums staging made of them."""
+    c = _rebuild_case(case)
+    buf, result = c.rebuild()
+    assert result.broken == []
+    assert buf.tobytes() == c.new.tobytes()
+    assert result.chunk_digests.tolist() == c.staged.chunk_digests.tolist()
+    assert result.span_digests.tolist() == c.staged.span_digests.tolist()
+    assert np.allclose(result.span_sums, c.staged.span_sums, equal_nan=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(staged_versions(), st.data())
+def test_a_corrupted_encoding_marks_its_chunk_broken_or_its_digest_differs(case, data) -> None:  # noqa: ANN001
+    """A flipped byte in one chunk's encoding never touches another chunk: that chunk is
+    reported broken, or its digest differs from staging's (the tensor check's catch), or
+    the flip happened to rebuild the same bytes."""
+    c = _rebuild_case(case)
+    if not c.encoded:
+        return
+    chunk, offset, length = c.encoded[data.draw(st.integers(0, len(c.encoded) - 1))]
+    c.enc[offset + data.draw(st.integers(0, length - 1))] ^= data.draw(st.integers(1, 255))
+    buf, result = c.rebuild()
+    bounds = np.concatenate([[0], np.cumsum(c.chunk_lengths)])
+    lo, hi = int(bounds[chunk]), int(bounds[chunk + 1])
+    assert buf[:lo].tobytes() == c.new[:lo].tobytes() and buf[hi:].tobytes() == c.new[hi:].tobytes()
+    assert set(result.broken) <= {chunk}
+    if not result.broken:
+        same = buf[lo:hi].tobytes() == c.new[lo:hi].tobytes()
+        assert same == (int(result.chunk_digests[chunk]) == int(c.staged.chunk_digests[chunk]))
+
+
+def test_a_rebuild_decodes_across_the_blocks_of_a_large_chunk() -> None:
+    """Changes at the edges of the pass's 256 KiB blocks land before each block is hashed."""
+    old = np.random.default_rng(3).integers(0, 2**16, 1 << 20, dtype=np.uint16)
+    new = old.copy()
+    block = (256 << 10) // 2
+    for i in (0, block - 1, block, 3 * block + 7, new.size - 1):
+        new[i] += 1
+    enc, _ = native.delta16_encode(old, new)
+    assert enc is not None
+    buf = old.view(np.uint8).copy()
+    spans = [(0, buf.nbytes, 3)]
+    result = native.rebuild_digest(
+        buf, [buf.nbytes], buf.nbytes, spans, np.frombuffer(enc, np.uint8), [(0, 0, len(enc))]
+    )
+    assert buf.tobytes() == new.tobytes() and result.broken == []
+    assert int(result.span_digests[0]) == int(native.digest_arrays([(new.view(np.uint8), 3)], buf.nbytes)[0][0])
+
+
+def test_rebuild_arguments_are_checked() -> None:
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(InvalidArgument, match="chunk_lengths"):
+        native.rebuild_digest(buf, [33, 31], 4096, [], np.zeros(4, np.uint8), [])
+    with pytest.raises(InvalidArgument, match="encoded"):
+        native.rebuild_digest(buf, [64], 4096, [], np.zeros(4, np.uint8), [(1, 0, 4)])
+    with pytest.raises(InvalidArgument):  # an encoding past the end of the encodings
+        native.rebuild_digest(buf, [64], 4096, [], np.zeros(4, np.uint8), [(0, 2, 4)])
+    with pytest.raises(InvalidArgument):  # spans overlap
+        native.rebuild_digest(buf, [64], 4096, [(0, 32, 3), (16, 32, 3)], np.zeros(4, np.uint8), [])

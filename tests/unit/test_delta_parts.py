@@ -29,7 +29,7 @@ from trainer_agent.staging import (
 from weightsync import native
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.manifest import Part
-from weightsync.validation import validate_part
+from weightsync.validation import validate_part, values_close
 from weightsync.wire import PartBuilder, delta_to_proto, part_to_batches
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the delta is encoded by the native shim")
@@ -103,8 +103,12 @@ def test_delta_rebuilds_the_staged_version_bit_for_bit(
     for i in delta.part.raw:
         c = part.chunks[i]
         buf[c.offset : c.offset + c.length] = staged[c.offset : c.offset + c.length]
-    assert WeightPuller._decode(part, buf, delta.data) == []
+    broken, digests = WeightPuller._rebuild(part, buf, delta.data, part.chunk_bytes)
+    assert broken == []
     assert buf.tobytes() == staged.tobytes()
+    for s in part.shards:  # each tensor's digest, made in the rebuild's pass, as staging made it
+        assert digests[s.tensor_name][0] == s.xxh3
+        assert values_close(digests[s.tensor_name][1], s.sum, int(np.prod(s.shape)))
     assert delta.wire_bytes <= part.total_bytes
 
 
