@@ -420,7 +420,9 @@ class WeightPuller:
         base = manifest.delta_base
         assert base is not None
         pulled = self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])
-        pulled.digests = digests
+        # a tensor's digest is its one shard's only when it has no other (an empty one included)
+        shards = manifest.shards_of()
+        pulled.digests = {name: d for name, d in digests.items() if len(shards[name]) == 1}
         return pulled
 
     @staticmethod
@@ -430,8 +432,8 @@ class WeightPuller:
         """Decodes each delta chunk of `part` onto its chunk in `buf`, digesting every block
         just after its changes land (`native.rebuild_digest`: one pass over the part, not a
         decode and then the tensor check's read). Returns the chunks whose encoding did not
-        decode (they may hold part of their changes) and (xxh3, sum) of each tensor the part
-        holds whole, by the tensor check's rule (pieces of `piece_bytes`)."""
+        decode (they may hold part of their changes) and (xxh3, sum) of each shard of the part
+        that covers its whole tensor, by the tensor check's rule (pieces of `piece_bytes`)."""
         d = part.delta
         assert d is not None
         specs = {t.name: t for t in part.tensors}

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 from rollout_agent.appliers import DictApplier
+from rollout_agent.assembly import assemble, digest_all, mismatched
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay
 from rollout_agent.sync import SyncResult, apply_prefetched, sync_version
 from tests.integration.support import eventually
+from trainer_agent.__main__ import rank_rows
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.update_model import AdamSteps, initial_weights
@@ -95,6 +97,42 @@ def test_a_rollout_holding_the_base_pulls_only_the_delta_and_rebuilds_bit_for_bi
             for kind in ("whole", "delta")
         }
         assert pulls == {"whole": 1.0, "delta": 3.0}
+
+
+def test_two_trainer_ranks_publish_deltas_and_a_rollout_rebuilds_both_parts(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """Each rank's part is rebuilt from its own delta and the rebuild's own pass digests the
+    tensors a part holds whole; a tensor split across the ranks (an empty shard included)
+    is checked after assembly, and the version applies bit for bit."""
+    shapes = SHAPES | {"model.embed_tokens.weight": (1, 256)}  # rank 0's rows of it: none
+    steps = AdamSteps(initial_weights(shapes, ml_dtypes.bfloat16), 1e-6, seed=3)
+    ranks = dict(world_size=2, incarnation="run-a")
+    with (
+        _publisher(inprocess_coordinator.address, rank=0, **ranks) as pub0,
+        _publisher(inprocess_coordinator.address, rank=1, **ranks) as pub1,
+        _fleet(inprocess_coordinator.address, r0={"mode": "tcp"}) as (_, pullers),
+    ):
+        puller, engine = pullers["r0"], DictApplier()
+        for v in range(1, 4):
+            params = steps.step()
+            split = {k: a for k, a in params.items() if k != "model.norm.weight"}
+            pub0.publish(rank_rows(split, 0, 2) | {"model.norm.weight": params["model.norm.weight"]}, v)
+            assert pub1.publish(rank_rows(split, 1, 2), v).delta_base == v - 1
+            if v < 3:
+                result = sync_version(puller, engine, v)
+                assert result.ok, result.mismatch
+                assert result.delta_base == v - 1 and result.chunk_retries == 0
+                assert _same(engine, params)
+                continue
+            header, manifest = puller.fetch_manifest(v)
+            pulled = puller.pull(header, manifest, check_chunks=False)
+            # the rebuild's digests: every tensor one shard holds whole, none other
+            whole = {n for n, sh in manifest.shards_of().items() if len(sh) == 1}
+            assert pulled.delta_base == 2 and set(pulled.digests) == whole == {"model.norm.weight"}
+            tensors = assemble(manifest, pulled.buffers)
+            assert mismatched(manifest, digest_all(manifest, tensors, pulled.digests)) == []
+            assert all(tensors[k].tobytes() == a.tobytes() for k, a in params.items())
 
 
 def test_rollouts_without_the_base_pull_whole_and_a_mixed_fleet_commits(
