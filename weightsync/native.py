@@ -245,24 +245,10 @@ def stage(
             raise InvalidArgument("array is not C-contiguous", field=f"sources[{i}]")
         spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
     lengths = _chunk_plan(chunk_lengths, total)
-    digests = np.zeros(len(sources), np.uint64)
-    sums = np.zeros(len(sources), np.float64)
-    chunks = np.zeros(max(len(lengths), 1), np.uint64)
-    args = [
-        _ptr(dst),
-        total,
-        lengths.ctypes.data_as(_U64P),
-        len(lengths),
-        piece_bytes,
-        spans,
-        len(sources),
-        digests.ctypes.data_as(_U64P),
-        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-        chunks.ctypes.data_as(_U64P),
-    ]
+    args, digests, sums, chunks = _pass_args(_ptr(dst), total, lengths, piece_bytes, spans, len(sources))
     if base is None:
         _check(lib.ws_stage(*args, threads), "ws_stage")
-        return StageResult(digests, sums, chunks[: len(lengths)])
+        return StageResult(digests[: len(sources)], sums[: len(sources)], chunks[: len(lengths)])
     if base.dtype != np.uint8 or base.nbytes < total or not base.flags.c_contiguous:
         raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {total} bytes", field="base")
     if _ptr(base) < _ptr(dst) + total and _ptr(dst) < _ptr(base) + total:
@@ -282,7 +268,7 @@ def stage(
     _check(rc, "ws_stage_delta")
     starts = np.concatenate([[0], np.cumsum(caps)])
     deltas = [None if n < 0 else out[int(a) : int(a) + int(n)].tobytes() for a, n in zip(starts, sizes[: len(lengths)])]
-    return StageResult(digests, sums, chunks[: len(lengths)], deltas)
+    return StageResult(digests[: len(sources)], sums[: len(sources)], chunks[: len(lengths)], deltas)
 
 
 @dataclass(frozen=True)
@@ -293,6 +279,29 @@ class RebuildResult:
     span_sums: np.ndarray  # float64[n]
     chunk_digests: np.ndarray  # uint64[n_chunks]
     broken: list[int]  # chunks whose encoding did not decode
+
+
+def _pass_args(
+    dst: int | None, total: int, lengths: np.ndarray, piece_bytes: int, spans: ctypes.Array, n_spans: int
+) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """The arguments every staging pass takes (ws_stage's, less the threads), and the span
+    digests, span sums and chunk digests they point at."""
+    digests = np.zeros(max(n_spans, 1), np.uint64)
+    sums = np.zeros(max(n_spans, 1), np.float64)
+    chunks = np.zeros(max(len(lengths), 1), np.uint64)
+    args = [
+        dst,
+        total,
+        lengths.ctypes.data_as(_U64P),
+        len(lengths),
+        piece_bytes,
+        spans,
+        n_spans,
+        digests.ctypes.data_as(_U64P),
+        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        chunks.ctypes.data_as(_U64P),
+    ]
+    return args, digests, sums, chunks
 
 
 def _chunk_plan(chunk_lengths: Sequence[int], total: int) -> np.ndarray:
@@ -338,21 +347,12 @@ def rebuild_digest(
     c_spans = (_Span * max(1, len(spans)))()
     for i, (offset, nbytes, dtype) in enumerate(spans):
         c_spans[i] = _Span(None, nbytes, offset, dtype, 0)
-    digests = np.zeros(max(len(spans), 1), np.uint64)
-    sums = np.zeros(max(len(spans), 1), np.float64)
-    chunks = np.zeros(max(len(lengths), 1), np.uint64)
+    args, digests, sums, chunks = _pass_args(
+        _ptr(buf) if total else None, total, lengths, piece_bytes, c_spans, len(spans)
+    )
     broken = np.zeros(max(len(lengths), 1), np.uint8)
     rc = lib.ws_rebuild_digest(
-        _ptr(buf) if total else None,
-        total,
-        lengths.ctypes.data_as(_U64P),
-        len(lengths),
-        piece_bytes,
-        c_spans,
-        len(spans),
-        digests.ctypes.data_as(_U64P),
-        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-        chunks.ctypes.data_as(_U64P),
+        *args,
         _ptr(enc) if enc.size else None,
         enc.size,
         offsets.ctypes.data_as(_U64P),
