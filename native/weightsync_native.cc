@@ -447,6 +447,13 @@ int check_spans(const ws_span* spans, uint64_t n_spans, uint64_t total) {
   return WS_OK;
 }
 
+// The spans with each one's source its own place in dst: a pass over bytes already in place.
+std::vector<ws_span> in_place(const ws_span* spans, uint64_t n_spans, uint8_t* dst) {
+  std::vector<ws_span> out(spans, spans + n_spans);
+  for (auto& sp : out) sp.src = dst + sp.dst_offset;
+  return out;
+}
+
 // The chunk plan's offsets, or empty when the arguments every staging pass takes are bad.
 std::vector<uint64_t> checked_plan(const uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths,
                                    uint64_t n_chunks, uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans) {
@@ -550,8 +557,7 @@ int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_length
                       uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
                       double* span_sums, uint64_t* chunk_digests, const uint8_t* enc, uint64_t enc_total,
                       const uint64_t* enc_offsets, const int64_t* enc_lengths, uint8_t* broken, int n_threads) {
-  std::vector<ws_span> inplace(spans, spans + n_spans);
-  for (auto& sp : inplace) sp.src = buf + sp.dst_offset;
+  const std::vector<ws_span> inplace = in_place(spans, n_spans, buf);
   const std::vector<uint64_t> off =
       checked_plan(buf, total, chunk_lengths, n_chunks, piece_bytes, inplace.data(), n_spans);
   if (off.empty() || !whole_words(chunk_lengths, n_chunks)) return WS_INVALID_ARGUMENT;
@@ -573,8 +579,7 @@ int ws_digest_staged(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths
                      uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
                      double* span_sums, uint64_t* chunk_digests, int n_threads) {
   // Same pass as ws_stage with every span's source being its own place in dst: no copy.
-  std::vector<ws_span> inplace(spans, spans + n_spans);
-  for (auto& sp : inplace) sp.src = dst + sp.dst_offset;
+  const std::vector<ws_span> inplace = in_place(spans, n_spans, dst);
   return ws_stage(dst, total, chunk_lengths, n_chunks, piece_bytes, inplace.data(), n_spans, span_digests, span_sums,
                   chunk_digests, n_threads);
 }

@@ -84,6 +84,17 @@ def tensor_digest(arr: np.ndarray, shards: list[ShardSpec], piece_bytes: int) ->
     return digest, float64_sum(arr)
 
 
+def held_whole(manifest: Manifest) -> set[str]:
+    """Names of the tensors one shard holds whole, with no other shard (an empty one in
+    another rank included): each assembles to a view of that shard's bytes, and its digest
+    is that shard's."""
+    return {
+        name
+        for name, shards in manifest.shards_of().items()
+        if len(shards) == 1 and _is_whole(manifest.tensors[name], shards[0][1])
+    }
+
+
 def digest_all(
     manifest: Manifest, tensors: Mapping[str, np.ndarray], known: Mapping[str, tuple[int, float]] | None = None
 ) -> dict[str, tuple[int, float]]:
@@ -96,14 +107,11 @@ def digest_all(
     """
     shards = manifest.shards_of()
     known = known or {}
+    one_shard = held_whole(manifest) if native.available() else set()
     whole = [
         name
         for name in manifest.tensors
-        if name not in known
-        and native.available()
-        and len(shards[name]) == 1
-        and tensors[name].flags.c_contiguous
-        and _is_whole(manifest.tensors[name], shards[name][0][1])
+        if name not in known and name in one_shard and tensors[name].flags.c_contiguous
     ]
     out: dict[str, tuple[int, float]] = {n: known[n] for n in manifest.tensors if n in known}
     if whole:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollout_agent.assembly import held_whole
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
@@ -391,6 +392,7 @@ class WeightPuller:
             self.relay.begin(manifest, plan.token, buffers, scratch)
         lanes: list[_Lane] = []
         digests: dict[str, tuple[int, float]] = {}
+        whole = held_whole(manifest)
         with self._pulling(manifest, lanes):
             for part in manifest.parts:
                 d = part.delta
@@ -404,7 +406,7 @@ class WeightPuller:
                 buf = buffers[part.rank]
                 self._run_lanes(plan, manifest, raw, buf, 0)
                 self._run_lanes(plan, manifest, encoded, scratch[part.rank], 0)
-                broken, rebuilt = self._rebuild(part, buf, scratch[part.rank], manifest.chunk_bytes)
+                broken, rebuilt = self._rebuild(part, buf, scratch[part.rank], manifest.chunk_bytes, whole)
                 if broken:  # (the tensor check digests this part's tensors again)
                     log.warning(
                         "version %d rank %d: %d delta chunk(s) did not decode; fetching their chunks whole",
@@ -420,20 +422,19 @@ class WeightPuller:
         base = manifest.delta_base
         assert base is not None
         pulled = self._pulled(header, manifest, buffers, lanes, started, delta_base=base[0])
-        # a tensor's digest is its one shard's only when it has no other (an empty one included)
-        shards = manifest.shards_of()
-        pulled.digests = {name: d for name, d in digests.items() if len(shards[name]) == 1}
+        pulled.digests = digests
         return pulled
 
     @staticmethod
     def _rebuild(
-        part: Part, buf: np.ndarray, scratch: np.ndarray, piece_bytes: int
+        part: Part, buf: np.ndarray, scratch: np.ndarray, piece_bytes: int, whole: set[str]
     ) -> tuple[list[int], dict[str, tuple[int, float]]]:
         """Decodes each delta chunk of `part` onto its chunk in `buf`, digesting every block
         just after its changes land (`native.rebuild_digest`: one pass over the part, not a
         decode and then the tensor check's read). Returns the chunks whose encoding did not
-        decode (they may hold part of their changes) and (xxh3, sum) of each shard of the part
-        that covers its whole tensor, by the tensor check's rule (pieces of `piece_bytes`)."""
+        decode (they may hold part of their changes) and (xxh3, sum) of each tensor named in
+        `whole` (`assembly.held_whole`) that this part holds, by the tensor check's rule
+        (pieces of `piece_bytes`)."""
         d = part.delta
         assert d is not None
         specs = {t.name: t for t in part.tensors}
@@ -449,7 +450,7 @@ class WeightPuller:
         digests = {
             s.tensor_name: (int(xxh), float(total))
             for s, xxh, total in zip(shards, result.span_digests, result.span_sums)
-            if not any(s.start) and tuple(s.stop) == tuple(specs[s.tensor_name].shape)
+            if s.tensor_name in whole
         }
         return result.broken, digests
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -272,13 +272,11 @@ def stage(
 
 
 @dataclass(frozen=True)
-class RebuildResult:
-    """Digests and sums of a buffer rebuilt from its chunks' deltas (`rebuild_digest`)."""
+class RebuildResult(StageResult):
+    """A staging pass's digests and sums of a buffer rebuilt from its chunks' deltas
+    (`rebuild_digest`), and the chunks whose encoding did not decode."""
 
-    span_digests: np.ndarray  # uint64[n]
-    span_sums: np.ndarray  # float64[n]
-    chunk_digests: np.ndarray  # uint64[n_chunks]
-    broken: list[int]  # chunks whose encoding did not decode
+    broken: list[int] = field(default_factory=list)
 
 
 def _pass_args(
@@ -365,7 +363,7 @@ def rebuild_digest(
         digests[: len(spans)],
         sums[: len(spans)],
         chunks[: len(lengths)],
-        [int(c) for c in np.flatnonzero(broken[: len(lengths)])],
+        broken=[int(c) for c in np.flatnonzero(broken[: len(lengths)])],
     )
 
 
