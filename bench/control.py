@@ -501,6 +501,8 @@ def fleet_round(
         "getstatus_fleet": percentiles([s for _, s in busy.samples], TARGET_P99_MS),
         "getstatus_quiet": percentiles([s for _, s in quiet.samples], TARGET_P99_MS),
         # steady: heartbeats and watches only; burst: from the publish on (leases, handshakes)
+        "getstatus_fleet_steady": percentiles(busy.split(published)[0], TARGET_P99_MS),
+        "getstatus_fleet_burst": percentiles(busy.split(published)[1], TARGET_P99_MS),
         "getstatus_quiet_steady": percentiles(quiet.split(published)[0], TARGET_P99_MS),
         "getstatus_quiet_burst": percentiles(quiet.split(published)[1], TARGET_P99_MS),
         "health_coordinator_steady": percentiles(hops.split(published)[0], TARGET_P99_MS),
