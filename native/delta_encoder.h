@@ -31,31 +31,40 @@ class Encoder {
     uint64_t w = 0;
     const uint64_t words = n / 2;
 #ifdef __AVX2__
-    for (; w + 16 <= words && !overflow_; w += 16) {  // 16 words per compare; equal blocks skipped whole
+    // The cursor lives in locals through the loop: a record's byte stores may alias any
+    // member, so members would be stored and loaded again around every vector.
+    uint64_t index = index_, last = last_, changed = changed_;
+    uint8_t* q = p_;
+    for (; w + 16 <= words; w += 16) {  // 16 words per compare; equal blocks skipped whole
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * w));
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(now + 2 * w));
       uint32_t diff = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, b)));
       if (diff == 0) {
-        index_ += 16;
+        index += 16;
         continue;
       }
-      const uint64_t at = index_;
-      if (static_cast<uint64_t>(end_ - p_) >= 16 * kMaxRecord) {  // room for any 16 records: no checks
+      if (static_cast<uint64_t>(end_ - q) >= 16 * kMaxRecord) {  // room for any 16 records: no checks
         while (diff != 0) {  // two mask bits per word
           const uint64_t k = static_cast<uint64_t>(__builtin_ctz(diff)) / 2;
-          put(at + k, load(base + 2 * (w + k)), load(now + 2 * (w + k)));
+          q = record(q, index + k - last, load(base + 2 * (w + k)), load(now + 2 * (w + k)));
+          last = index + k + 1;
+          ++changed;
           diff &= ~(3u << (2 * k));
         }
-      } else {
+      } else {  // near the cap: word by word, each record checked (members in step)
+        index_ = index, last_ = last, changed_ = changed, p_ = q;
         while (diff != 0) {
           const uint64_t k = static_cast<uint64_t>(__builtin_ctz(diff)) / 2;
-          index_ = at + k;
+          index_ = index + k;
           word(load(base + 2 * (w + k)), load(now + 2 * (w + k)));
           diff &= ~(3u << (2 * k));
         }
+        if (overflow_) return;
+        last = last_, changed = changed_, q = p_;
       }
-      index_ = at + 16;
+      index += 16;
     }
+    index_ = index, last_ = last, changed_ = changed, p_ = q;
 #endif
     for (; w < words && !overflow_; ++w) word(load(base + 2 * w), load(now + 2 * w));
     if (n % 2 == 1) {
@@ -77,10 +86,9 @@ class Encoder {
     return v;
   }
 
-  // One record for a changed word at index i, written in place (the caller checked room).
-  void put(uint64_t i, uint16_t b, uint16_t n) {
-    uint64_t gap = i - last_;
-    uint8_t* q = p_;
+  // One record (gap since the previous change, then the step or an escaped pattern) at q,
+  // which has room for kMaxRecord bytes; returns the byte after it.
+  static uint8_t* record(uint8_t* q, uint64_t gap, uint16_t b, uint16_t n) {
     if (__builtin_expect(gap < 0x80, 1)) {
       *q++ = static_cast<uint8_t>(gap);
     } else {
@@ -98,9 +106,7 @@ class Encoder {
       *q++ = static_cast<uint8_t>(n);
       *q++ = static_cast<uint8_t>(n >> 8);
     }
-    p_ = q;
-    last_ = i + 1;
-    ++changed_;
+    return q;
   }
 
   void word(uint16_t b, uint16_t n) {
@@ -110,22 +116,7 @@ class Encoder {
 
   void emit(uint16_t b, uint16_t n) {
     uint8_t tmp[kMaxRecord];
-    uint8_t* q = tmp;
-    uint64_t gap = index_ - last_;
-    while (gap >= 0x80) {
-      *q++ = static_cast<uint8_t>(gap) | 0x80;
-      gap >>= 7;
-    }
-    *q++ = static_cast<uint8_t>(gap);
-    const int16_t step = static_cast<int16_t>(static_cast<uint16_t>(n - b));
-    if (step >= -127 && step <= 127) {
-      *q++ = static_cast<uint8_t>(static_cast<int8_t>(step));
-    } else {
-      *q++ = kEscape;
-      *q++ = static_cast<uint8_t>(n);
-      *q++ = static_cast<uint8_t>(n >> 8);
-    }
-    const uint64_t len = static_cast<uint64_t>(q - tmp);
+    const uint64_t len = static_cast<uint64_t>(record(tmp, index_ - last_, b, n) - tmp);
     if (len > static_cast<uint64_t>(end_ - p_)) {
       overflow_ = true;
       return;
