@@ -16,12 +16,15 @@ One run, one table. For a Qwen3-shaped bf16 model (`--size`, default 0.6b, ~1.19
 This VM drifts by tens of percent within minutes, so every weightsync row runs its rounds
 interleaved with gloo's at the same N (ours, gloo, ours, gloo, ...; gloo's processes stay
 up for all of that N's rows): `paired_ratio_to_gloo` is the median of the per-round
-ratios, so drift hits both sides. Each row: median seconds of `--runs` rounds after one
-warm-up round, GB/s (model bytes over seconds: every rollout has the model), ratio to the
-bound (memcpy for shm, the socket for the rest), the engine's pause, CPU seconds of every
-process beside the least CPU the roles' work takes (`cpu_min_seconds`), trainer egress /
-model bytes, peak RSS above baseline. `--vllm PRESET` adds a real vLLM engine generating
-while versions arrive (bench/vllm_row.py). Writes bench/results/latest.json, .md, .png
+ratios, so drift hits both sides. A +delta row at N > 2 cannot run beside gloo (with the
+update model's fp32 weights too it passes 24 GB): it alternates `--alternations` blocks of
+`--runs` rounds with gloo's instead, each side's processes up only in its own blocks.
+Each row: median seconds of `--runs` rounds after one warm-up round, GB/s (model bytes
+over seconds: every rollout has the model), ratio to the bound (memcpy for shm, the socket
+for the rest), the engine's pause, CPU seconds of every process beside the least CPU the
+roles' work takes (`cpu_min_seconds`), trainer egress / model bytes, peak RSS above
+baseline. `--vllm PRESET` adds a real vLLM engine generating while versions arrive
+(bench/vllm_row.py). Writes bench/results/latest.json, .md, .png
 and latest.meta.json with the targets' MET/MISS lines.
 """
 
@@ -91,11 +94,13 @@ class Row:
     # engine waits for the apply alone); peers, the whole round (the engine waits for the
     # broadcast or the load).
     pause_seconds: float = 0.0
-    # medians of per-round ratios to gloo's round at the same N, rounds interleaved
+    # medians of per-round ratios to gloo's round at the same N, rounds interleaved, or for
+    # rows that cannot run beside gloo (memory) blocks of rounds alternated (`paired_by`)
     paired_ratio_to_gloo: float = 0.0
     paired_pause_ratio_to_gloo: float = 0.0
     paired_rounds: int = 0
-    # rows that could not run beside gloo (memory): median seconds over gloo's median at this N
+    paired_by: str = ""
+    # results from before the alternation (--rejudge): median seconds over gloo's median
     ratio_to_gloo: float = 0.0
     # one warm copy of the model's bytes (an apply), measured just before the row's rounds,
     # and N such copies at once (N rollouts applying together on this one machine)
@@ -160,6 +165,7 @@ def make_row(
         row.paired_ratio_to_gloo = round(med(a.seconds / b.seconds for a, b in zip(rounds, paired)), 3)
         row.paired_pause_ratio_to_gloo = round(med(a.pause / b.seconds for a, b in zip(rounds, paired)), 3)
         row.paired_rounds = len(paired)
+        row.paired_by = "rounds"
     return row
 
 
@@ -179,27 +185,64 @@ def run_paired(
     together = bounds_mod.concurrent_copy_s(total, n) if n > 1 else 0.0
     # A +delta row holds the update model's fp32 master weights beside the arena's two
     # slots; with gloo's N+1 processes and N rollouts up as well, N=4 exceeds this
-    # machine's 24 GB (the kernel's OOM killer ended such a run): those rows run after gloo
-    # closes and are compared with its rounds at this N unpaired.
-    later = [m for m in modes if m.endswith("+delta") and n > 2] if with_gloo else []
-    gloo = PeerRun(PAIRED_PEER, n, args.size, params).start() if with_gloo else None
+    # machine's 24 GB (the kernel's OOM killer ended such a run): those rows alternate with
+    # gloo instead, each side's processes up only in its own blocks (`_alternated_row`).
+    later = [m for m in modes if m.endswith("+delta") and n > 2 and n in args.delta_ns] if with_gloo else []
+    now = [m for m in modes if m not in later]
+    gloo = PeerRun(PAIRED_PEER, n, args.size, params).start() if with_gloo and now else None
     gloo_rounds: list[Round] = []
+    gloo_peaks = Peaks()
     try:
         if gloo is not None:
             gloo.round()  # warm-up
-        for mode in modes:
-            if mode not in later:
-                rows += _mode_row(cluster, coord, mode, n, params, args, together, gloo, gloo_rounds)
+        for mode in now:
+            rows += _mode_row(cluster, coord, mode, n, params, args, together, gloo, gloo_rounds)
     finally:
-        gloo_peaks = gloo.close() if gloo is not None else None
-    if gloo is not None and gloo_rounds:
-        rows.append(make_row(PAIRED_PEER, "tcp", n, gloo_rounds, total, gloo_peaks or Peaks(), bounds))
-        print(f"  {PAIRED_PEER} N={n}: {rows[-1].seconds:.3f}s ({len(gloo_rounds)} rounds)", flush=True)
+        if gloo is not None:
+            gloo_peaks = gloo.close()
     for mode in later:
-        rows += _mode_row(cluster, coord, mode, n, params, args, together, None, [])
-        if gloo_rounds:
-            rows[-1].ratio_to_gloo = round(rows[-1].seconds / statistics.median(r.seconds for r in gloo_rounds), 3)
+        got, gloo_peaks = _alternated_row(cluster, coord, mode, n, params, args, together, gloo_rounds, gloo_peaks)
+        rows += got
+    if gloo_rounds:
+        rows.append(make_row(PAIRED_PEER, "tcp", n, gloo_rounds, total, gloo_peaks, bounds))
+        print(f"  {PAIRED_PEER} N={n}: {rows[-1].seconds:.3f}s ({len(gloo_rounds)} rounds)", flush=True)
     return rows
+
+
+def _alternated_row(
+    cluster: Cluster,
+    coord,  # noqa: ANN001
+    mode: str,
+    n: int,
+    params: dict,
+    args: argparse.Namespace,
+    together: float,
+    gloo_rounds: list[Round],
+    gloo_peaks: Peaks,
+) -> tuple[list[Row], Peaks]:
+    """A +delta row whose processes cannot be up beside gloo's: `--alternations` blocks of
+    gloo's rounds, then ours, each side started and closed in its block, so every one of
+    our rounds is paired with a gloo round minutes apart at most (this machine drifts by
+    tens of percent within minutes; one block of each, run in turn, compared the drift)."""
+    ours: list[Round] = []
+    theirs: list[Round] = []
+    peaks = Peaks()
+    for _ in range(args.alternations):
+        got, p = _peer_rounds(PAIRED_PEER, n, params, args)
+        theirs += got
+        gloo_peaks = _higher(gloo_peaks, p)
+        got, block_peaks, row_bounds = _weightsync_rounds(cluster, coord, mode, n, params, args, None, [])
+        ours += got
+        peaks = _higher(peaks, block_peaks)
+    gloo_rounds += theirs
+    row = _report_row(mode, n, ours, params, peaks, row_bounds, theirs, together)
+    row.paired_by = f"blocks of {args.runs} rounds, {args.alternations} of each side in turn"
+    return [row], gloo_peaks
+
+
+def _higher(a: Peaks, b: Peaks) -> Peaks:
+    """The high-water marks of two runs (blocks of one row)."""
+    return Peaks(max(a.largest, b.largest), max(a.trainer, b.trainer), max(a.rollout_overhead, b.rollout_overhead))
 
 
 def _mode_row(
@@ -215,19 +258,36 @@ def _mode_row(
 ) -> list[Row]:
     """One mode's row at N, its rounds interleaved with gloo's when it runs (appended to
     `gloo_rounds`); none for a +delta mode at an N not asked for."""
+    if mode.endswith("+delta") and n not in args.delta_ns:
+        return []
+    theirs: list[Round] = []
+    ours, peaks, row_bounds = _weightsync_rounds(cluster, coord, mode, n, params, args, gloo, theirs)
+    gloo_rounds += theirs
+    return [_report_row(mode, n, ours, params, peaks, row_bounds, theirs, together)]
+
+
+def _weightsync_rounds(
+    cluster: Cluster,
+    coord,  # noqa: ANN001
+    mode: str,
+    n: int,
+    params: dict,
+    args: argparse.Namespace,
+    gloo: PeerRun | None,
+    theirs: list[Round],
+) -> tuple[list[Round], Peaks, Bounds]:
+    """One warm-up and --runs rounds of weightsync in `mode` at N (each followed by a round
+    of gloo's when it runs, appended to `theirs`), the runner's peaks and the bounds
+    measured just before."""
     steps = None
     if mode.endswith("+delta"):
-        if n not in args.delta_ns:
-            return []
         steps = AdamSteps(initial_weights(shapes(args.size), ml_dtypes.bfloat16), args.delta_lr, seed=1)
-    total = model_bytes_of(params)
     # the bounds again beside each row: this VM drifts within minutes
-    row_bounds = bounds_mod.measure(total, reps=3)
+    row_bounds = bounds_mod.measure(model_bytes_of(params), reps=3)
     # (with steps, every round publishes the next step: the warm-up round the first)
     ws = WeightsyncRun(cluster, coord, mode, n, params, args.chunk_bytes, steps=steps).start()
     steps = None  # the runner's now: released when it closes
     ours: list[Round] = []
-    theirs: list[Round] = []
     try:
         ws.round()  # warm-up: receive buffers, mappings, connections
         for _ in range(args.runs):
@@ -236,9 +296,22 @@ def _mode_row(
                 theirs.append(gloo.round())
     finally:
         peaks = ws.close()
-    r = make_row("weightsync", mode, n, ours, total, peaks, row_bounds, paired=theirs or None)
+    return ours, peaks, row_bounds
+
+
+def _report_row(
+    mode: str,
+    n: int,
+    ours: list[Round],
+    params: dict,
+    peaks: Peaks,
+    row_bounds: Bounds,
+    theirs: list[Round],
+    together: float,
+) -> Row:
+    """Our row from its rounds (paired with gloo's `theirs` when there are any), printed."""
+    r = make_row("weightsync", mode, n, ours, model_bytes_of(params), peaks, row_bounds, paired=theirs or None)
     r.copies_at_once_seconds = round(together, 4)
-    gloo_rounds += theirs
     paired = f", {r.paired_ratio_to_gloo:.2f}x gloo paired" if theirs else ""
     wire = f", wire {r.wire_ratio:.4f}x model ({r.changed_fraction:.2%} changed)" if mode.endswith("+delta") else ""
     print(
@@ -246,17 +319,24 @@ def _mode_row(
         f"CPU {r.cpu_seconds:.2f} (min {r.cpu_min_seconds:.2f}){paired}{wire}",
         flush=True,
     )
-    return [r]
+    return r
 
 
-def run_alone(method: str, n: int, params: dict, args: argparse.Namespace, bounds: Bounds) -> Row:
-    """A peer's row on its own: one warm-up round, then --runs rounds."""
+def _peer_rounds(method: str, n: int, params: dict, args: argparse.Namespace) -> tuple[list[Round], Peaks]:
+    """A peer's processes up for one warm-up and --runs rounds, then closed: the rounds and
+    the peaks."""
     runner = PeerRun(method, n, args.size, params).start()
     try:
         runner.round()
         rounds = [runner.round() for _ in range(args.runs)]
     finally:
         peaks = runner.close()
+    return rounds, peaks
+
+
+def run_alone(method: str, n: int, params: dict, args: argparse.Namespace, bounds: Bounds) -> Row:
+    """A peer's row on its own: one warm-up round, then --runs rounds."""
+    rounds, peaks = _peer_rounds(method, n, params, args)
     mode = "tmpfs" if method in ("safetensors", "orbax") else "tcp"
     return make_row(method, mode, n, rounds, model_bytes_of(params), peaks, bounds)
 
@@ -397,7 +477,11 @@ def delta_verdicts(by: dict[tuple[str, str, int], Row], lr: float) -> list[str]:
         )
         if d is None or gloo is None or not (d.paired_rounds or d.ratio_to_gloo):
             continue
-        how = "paired" if d.paired_rounds else "unpaired: it ran after gloo's processes closed (memory)"
+        how = (
+            ("paired" if d.paired_by == "rounds" else f"paired by {d.paired_by}")
+            if d.paired_rounds
+            else "unpaired: it ran after gloo's processes closed (memory)"
+        )
         vs_gloo = d.paired_ratio_to_gloo or d.ratio_to_gloo
         floor = (
             f"; the least work {d.cpu_min_seconds:.2f} CPU s needs {d.cpu_min_seconds / CORES:.3f} s on {CORES} "
@@ -619,6 +703,12 @@ def main() -> int:
     ap.add_argument("--chunk-bytes", type=int, default=3 << 20)
     ap.add_argument("--streaming", default="tcp", help="modes also run with --apply-mode streaming at N=1 (RSS target)")
     ap.add_argument("--delta-rollouts", default="1,4", help="N of the +delta rows")
+    ap.add_argument(
+        "--alternations",
+        type=int,
+        default=2,
+        help="blocks of gloo's rounds and ours in turn, for +delta rows that cannot run beside gloo (N > 2)",
+    )
     ap.add_argument("--delta-lr", type=float, default=1e-6, help="learning rate of the +delta rows' update model")
     ap.add_argument("--vllm", default="small", help="the vLLM row's model preset ('' skips the row)")
     ap.add_argument("--vllm-versions", type=int, default=6)

@@ -1,10 +1,15 @@
 // Fused copy + digest staging for weightsync; see weightsync_native.h for the contract.
 #include "weightsync_native.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -520,11 +525,46 @@ int stage_pass(uint8_t* dst, uint64_t total, const std::vector<uint64_t>& off, u
 
 extern "C" {
 
-int ws_abi_version(void) { return 10; }
+int ws_abi_version(void) { return 11; }
+
+int ws_cpu_limit(const char* cgroup_root) {
+  const std::string root = cgroup_root;
+  double quota = -1, period = 0;
+  char word[32] = {};
+  if (FILE* f = std::fopen((root + "/cpu.max").c_str(), "r")) {  // v2: "max 100000" or "200000 100000"
+    if (std::fscanf(f, "%31s %lf", word, &period) == 2 && std::strcmp(word, "max") != 0) quota = std::atof(word);
+    std::fclose(f);
+  } else {
+    for (const char* dir : {"/cpu/", "/cpu,cpuacct/"}) {  // v1: -1 is no quota
+      FILE* q = std::fopen((root + dir + "cpu.cfs_quota_us").c_str(), "r");
+      FILE* p = std::fopen((root + dir + "cpu.cfs_period_us").c_str(), "r");
+      const bool read = q && p && std::fscanf(q, "%lf", &quota) == 1 && std::fscanf(p, "%lf", &period) == 1;
+      if (q) std::fclose(q);
+      if (p) std::fclose(p);
+      if (read) break;
+      quota = -1;
+    }
+  }
+  if (quota <= 0 || period <= 0) return 0;
+  return std::max(1, static_cast<int>(quota / period + 0.999999));
+}
 
 int ws_default_threads(void) {
-  unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+  static const int n = [] {
+    if (const char* e = std::getenv("WEIGHTSYNC_NATIVE_THREADS")) {  // digits only, as native.py warns
+      const size_t len = std::strlen(e);
+      const bool digits = len > 0 && len <= 4 && std::all_of(e, e + len, [](char c) { return c >= '0' && c <= '9'; });
+      const int v = digits ? std::atoi(e) : 0;
+      if (v > 0 && v <= 4096) return v;
+    }
+    int cores = static_cast<int>(std::thread::hardware_concurrency());
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+    const int limit = ws_cpu_limit("/sys/fs/cgroup");
+    if (limit > 0) cores = std::min(cores, limit);
+    return std::max(1, cores);
+  }();
+  return n;
 }
 
 int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks, uint64_t piece_bytes,

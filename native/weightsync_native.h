@@ -36,7 +36,7 @@ typedef struct {
 // Copies spans (sorted by dst_offset, non-overlapping) into dst[0, total), zeroes every
 // gap, and computes in the same pass: xxh3-64 of each chunk (chunks tile [0, total) in
 // order with the given lengths), float64 sum per span, and each span's piecewise digest.
-// n_threads <= 0 uses every core.
+// n_threads <= 0 uses ws_default_threads().
 int ws_stage(uint8_t* dst, uint64_t total, const uint64_t* chunk_lengths, uint64_t n_chunks,
              uint64_t piece_bytes, const ws_span* spans, uint64_t n_spans, uint64_t* span_digests,
              double* span_sums, uint64_t* chunk_digests, int n_threads);
@@ -111,7 +111,15 @@ int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_length
                       const uint64_t* enc_offsets, const int64_t* enc_lengths, uint8_t* broken, int n_threads);
 
 int ws_abi_version(void);
+// Threads a pass given n_threads <= 0 runs on, decided once per process: the environment's
+// WEIGHTSYNC_NATIVE_THREADS when a positive integer, else the cores of the process's CPU
+// affinity capped by its cgroup's CPU quota, rounded up (a container's CPU limit: the
+// node's core count would start a thread per node core in a pod limited to 2 CPUs, and
+// the quota would throttle them).
 int ws_default_threads(void);
+// Whole cores of the CPU quota of the cgroup mounted at cgroup_root (v2 cpu.max, else v1
+// cpu.cfs_quota_us / cpu.cfs_period_us), rounded up; 0 where there is no quota.
+int ws_cpu_limit(const char* cgroup_root);
 
 #ifdef __cplusplus
 }

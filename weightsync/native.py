@@ -8,6 +8,7 @@ digests (`weightsync.digests`) when it was not. Status codes from C++ become
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -47,6 +48,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot load {_LIB_PATH}: {e}; {BUILD_HINT}"
     if lib.ws_abi_version() != _ABI_VERSION:
         return None, f"{_LIB_PATH.name} has ABI {lib.ws_abi_version()}, expected {_ABI_VERSION}; {BUILD_HINT}"
+    lib.ws_cpu_limit.argtypes = [ctypes.c_char_p]
     lib.ws_stage.argtypes = [
         ctypes.c_void_p,
         ctypes.c_uint64,
@@ -107,6 +109,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 
 _LIB, _MISSING = _load()
+THREADS_VARIABLE = "WEIGHTSYNC_NATIVE_THREADS"
+if (_threads := os.environ.get(THREADS_VARIABLE, "")) and not (_threads.isdigit() and 0 < int(_threads) <= 4096):
+    logging.getLogger(__name__).warning(
+        "%s=%r is not an integer in [1, 4096]: ignored, native passes use %d threads",
+        THREADS_VARIABLE,
+        _threads,
+        int(_LIB.ws_default_threads()) if _LIB is not None else 1,
+    )
 _CUDA_LIB_PATH = _NATIVE_DIR / "libweightsync_native_cuda.so"
 
 
@@ -176,7 +186,15 @@ def ffi_handler() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 
 def default_threads() -> int:
+    """Threads a native pass runs on unless told: `WEIGHTSYNC_NATIVE_THREADS`, else the
+    cores this process may run on (its CPU affinity, capped by its cgroup's CPU quota)."""
     return int(_LIB.ws_default_threads()) if _LIB is not None else 1
+
+
+def cpu_limit(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Whole cores of the CPU quota of the cgroup mounted at `cgroup_root`, rounded up;
+    0 where it sets none."""
+    return int(_require().ws_cpu_limit(str(cgroup_root).encode()))
 
 
 def _require() -> ctypes.CDLL:

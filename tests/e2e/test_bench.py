@@ -96,3 +96,24 @@ def test_vllm_row_generates_while_versions_prefetch_and_reports_the_pause(no_are
     assert row["tokens_per_s_idle"] > 0 and row["idle_seconds"] > 0.5
     assert row["prefetch_seconds"] > 0 and row["tokens_per_s_prefetch"] >= 0
     assert len(row["pause_s"]) == 2 and all(p >= a > 0 for p, a in zip(row["pause_s"], row["apply_s"]))
+
+
+def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Path, no_arena_leak: None) -> None:
+    """At N > 2 a +delta row's processes and gloo's take turns, block by block, and every
+    one of our rounds is paired with one of gloo's."""
+    out = tmp_path / "latest.json"
+    args = ["--size", "tiny", "--runs", "1", "--rollouts", "3", "--delta-rollouts", "3", "--modes", "tcp+delta"]
+    args += ["--peers", "gloo", "--streaming", "", "--vllm", "", "--alternations", "2", "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    by = {(r["method"], r["mode"], r["rollouts"]): r for r in json.loads(out.read_text())}
+    assert set(by) == {("weightsync", "tcp+delta", 3), ("gloo", "tcp", 3)}
+    delta, gloo = by[("weightsync", "tcp+delta", 3)], by[("gloo", "tcp", 3)]
+    assert len(delta["rounds"]) == len(gloo["rounds"]) == delta["paired_rounds"] == 2
+    assert delta["paired_by"].startswith("blocks of 1 rounds") and delta["paired_ratio_to_gloo"] > 0

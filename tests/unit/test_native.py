@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -233,3 +235,47 @@ def test_copy_digest_copies_and_hashes_in_one_pass(data: bytes) -> None:
     dst = np.full(len(data), 0xAB, np.uint8)
     assert native.copy_digest(dst, src) == xxhash.xxh3_64_intdigest(data)
     assert dst.tobytes() == data
+
+
+def _threads_in_child(env: dict[str, str], cpus: set[int] | None = None) -> int:
+    """native.default_threads() of a fresh process (it is decided once per process)."""
+    pin = f"os.sched_setaffinity(0, {sorted(cpus)!r}); " if cpus else ""
+    code = f"import os; {pin}from weightsync import native; print(native.default_threads())"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout)
+
+
+def test_default_threads_follow_the_affinity_and_the_override() -> None:
+    """A pod pinned to some cores (or limited by a quota, below) runs its passes on those,
+    not on every core of the node; WEIGHTSYNC_NATIVE_THREADS overrides both, a value that
+    is not a positive integer is ignored."""
+    plain = {"WEIGHTSYNC_NATIVE_THREADS": ""}
+    assert _threads_in_child(plain) == min(len(os.sched_getaffinity(0)), native.cpu_limit() or 10**6)
+    assert _threads_in_child(plain, {min(os.sched_getaffinity(0))}) == 1
+    assert _threads_in_child({"WEIGHTSYNC_NATIVE_THREADS": "3"}, {min(os.sched_getaffinity(0))}) == 3
+    for bad in ("0", "-2", "two", "3x", "+3", " 3", "99999"):
+        assert _threads_in_child({"WEIGHTSYNC_NATIVE_THREADS": bad}, {min(os.sched_getaffinity(0))}) == 1
+
+
+@pytest.mark.parametrize(
+    ("files", "cores"),
+    [
+        ({"cpu.max": "max 100000\n"}, 0),
+        ({"cpu.max": "200000 100000\n"}, 2),
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: two threads, each throttled a little
+        ({"cpu.max": "5000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+        ({"cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "300000\n"}, 0),  # no period: not a quota it can read
+        ({}, 0),
+    ],
+)
+def test_cpu_limit_reads_cgroup_v2_and_v1_quotas(tmp_path: Path, files: dict[str, str], cores: int) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert native.cpu_limit(str(tmp_path)) == cores
