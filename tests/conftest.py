@@ -18,7 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _arenas() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(ARENA_GLOB)}
+    """Arena files in /dev/shm, and hidden half-made ones (a maker that died mid-creation)."""
+    return {p.name for pattern in (ARENA_GLOB, f".{ARENA_GLOB}") for p in Path("/dev/shm").glob(pattern)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,6 +9,7 @@ which processes they started.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -21,6 +22,7 @@ SHM_DIR = Path("/dev/shm")
 ARENA_PREFIX = "weightsync-"
 ARENA_GLOB = f"{ARENA_PREFIX}*"
 ARENA_NAME = re.compile(r"^weightsync-[A-Za-z0-9._-]+$")
+CREATING_SUFFIX = ".creating"
 
 
 def new_arena_name(tag: str) -> str:
@@ -38,9 +40,36 @@ def owner_pid(name: str) -> int | None:
 
 def create_locked(path: Path, nbytes: int) -> int:
     """Creates the arena file at `path`, sized `nbytes`, and returns its fd holding the
-    owner's lock. The file is made under a hidden name and locked before it is renamed
-    into place, so no reclaimer ever sees an arena without its owner's lock."""
-    hidden = path.with_name(f".{path.name}.creating")
+    owner's lock. The file is made without a name (O_TMPFILE), locked and sized, then
+    linked into place: no reclaimer ever sees an arena without its owner's lock, and a
+    process that dies (or exits with the call on another thread) before the link leaves
+    nothing behind. Where the filesystem cannot make a nameless file, a hidden name is used
+    instead (`reclaim_orphans` removes those of dead processes)."""
+    try:
+        fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):  # EISDIR: a kernel without O_TMPFILE
+            raise
+        return _create_hidden(path, nbytes)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, nbytes)
+        # linkat(AT_SYMLINK_FOLLOW) of the fd's /proc link needs no privilege; os.link uses
+        # linkat (not link, which would link the symlink itself) when given a dir fd.
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=parent, follow_symlinks=True)
+        finally:
+            os.close(parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_hidden(path: Path, nbytes: int) -> int:
+    """create_locked under a hidden name renamed into place."""
+    hidden = path.with_name(f".{path.name}{CREATING_SUFFIX}")
     fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +98,8 @@ def owner_alive(path: Path) -> bool:
 
 
 def reclaim_orphans(directory: Path = SHM_DIR) -> list[Path]:
-    """Removes arenas whose owner is gone (killed without cleanup); returns them."""
+    """Removes arenas whose owner is gone (killed without cleanup), and hidden
+    half-created ones whose creator is (`_create_hidden`); returns them."""
     removed = []
     for path in sorted(directory.glob(ARENA_GLOB)):
         if not ARENA_NAME.match(path.name) or path.is_symlink() or owner_alive(path):
@@ -77,4 +107,25 @@ def reclaim_orphans(directory: Path = SHM_DIR) -> list[Path]:
         path.unlink(missing_ok=True)
         removed.append(path)
         log.warning("reclaimed arena %s: its owner (pid %s) is gone", path, owner_pid(path.name))
+    for path in sorted(directory.glob(f".{ARENA_GLOB}{CREATING_SUFFIX}")):
+        name = path.name[1 : -len(CREATING_SUFFIX)]
+        # Unlocked is not enough here: its creator locks it just after making it. The pid
+        # is only trusted to say "dead" (in another PID namespace it may name anyone).
+        if not ARENA_NAME.match(name) or path.is_symlink() or owner_alive(path) or _pid_alive(owner_pid(name)):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+        log.warning("removed half-created arena %s: its creator (pid %s) is gone", path, owner_pid(name))
     return removed
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return True  # nothing to go by: keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
