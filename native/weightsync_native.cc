@@ -546,7 +546,7 @@ int ws_cpu_limit(const char* cgroup_root) {
     }
   }
   if (quota <= 0 || period <= 0) return 0;
-  return std::max(1, static_cast<int>(quota / period + 0.999999));
+  return static_cast<int>(std::clamp(quota / period + 0.999999, 1.0, 4096.0));
 }
 
 int ws_default_threads(void) {

@@ -110,7 +110,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 _LIB, _MISSING = _load()
 THREADS_VARIABLE = "WEIGHTSYNC_NATIVE_THREADS"
-if (_threads := os.environ.get(THREADS_VARIABLE, "")) and not (_threads.isdigit() and 0 < int(_threads) <= 4096):
+_threads = os.environ.get(THREADS_VARIABLE, "")
+if _threads and not (_threads.isascii() and _threads.isdigit() and len(_threads) <= 4 and 0 < int(_threads) <= 4096):
     logging.getLogger(__name__).warning(
         "%s=%r is not an integer in [1, 4096]: ignored, native passes use %d threads",
         THREADS_VARIABLE,

@@ -256,7 +256,7 @@ def test_default_threads_follow_the_affinity_and_the_override() -> None:
     assert _threads_in_child(plain) == min(len(os.sched_getaffinity(0)), native.cpu_limit() or 10**6)
     assert _threads_in_child(plain, {min(os.sched_getaffinity(0))}) == 1
     assert _threads_in_child({"WEIGHTSYNC_NATIVE_THREADS": "3"}, {min(os.sched_getaffinity(0))}) == 3
-    for bad in ("0", "-2", "two", "3x", "+3", " 3", "99999"):
+    for bad in ("0", "-2", "two", "3x", "+3", " 3", "99999", "00003", "\u00b2"):
         assert _threads_in_child({"WEIGHTSYNC_NATIVE_THREADS": bad}, {min(os.sched_getaffinity(0))}) == 1
 
 
@@ -267,6 +267,7 @@ def test_default_threads_follow_the_affinity_and_the_override() -> None:
         ({"cpu.max": "200000 100000\n"}, 2),
         ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: two threads, each throttled a little
         ({"cpu.max": "5000 100000\n"}, 1),
+        ({"cpu.max": "9000000000000000000 1000\n"}, 4096),  # absurd quotas are capped
         ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0),
         ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
         ({"cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 1),
