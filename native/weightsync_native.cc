@@ -525,7 +525,7 @@ int stage_pass(uint8_t* dst, uint64_t total, const std::vector<uint64_t>& off, u
 
 extern "C" {
 
-int ws_abi_version(void) { return 11; }
+int ws_abi_version(void) { return 12; }
 
 int ws_cpu_limit(const char* cgroup_root) {
   const std::string root = cgroup_root;
@@ -549,14 +549,18 @@ int ws_cpu_limit(const char* cgroup_root) {
   return static_cast<int>(std::clamp(quota / period + 0.999999, 1.0, 4096.0));
 }
 
+int ws_threads_setting(void) {
+  const char* e = std::getenv("WEIGHTSYNC_NATIVE_THREADS");
+  if (e == nullptr) return 0;
+  const size_t len = std::strlen(e);
+  const bool digits = len > 0 && len <= 4 && std::all_of(e, e + len, [](char c) { return c >= '0' && c <= '9'; });
+  const int v = digits ? std::atoi(e) : 0;
+  return v > 0 && v <= 4096 ? v : 0;
+}
+
 int ws_default_threads(void) {
   static const int n = [] {
-    if (const char* e = std::getenv("WEIGHTSYNC_NATIVE_THREADS")) {  // digits only, as native.py warns
-      const size_t len = std::strlen(e);
-      const bool digits = len > 0 && len <= 4 && std::all_of(e, e + len, [](char c) { return c >= '0' && c <= '9'; });
-      const int v = digits ? std::atoi(e) : 0;
-      if (v > 0 && v <= 4096) return v;
-    }
+    if (const int v = ws_threads_setting()) return v;
     int cores = static_cast<int>(std::thread::hardware_concurrency());
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);

@@ -117,6 +117,9 @@ int ws_abi_version(void);
 // node's core count would start a thread per node core in a pod limited to 2 CPUs, and
 // the quota would throttle them).
 int ws_default_threads(void);
+// WEIGHTSYNC_NATIVE_THREADS as ws_default_threads reads it: 1..4096 written in at most four
+// ASCII digits, else 0 (unset or ignored).
+int ws_threads_setting(void);
 // Whole cores of the CPU quota of the cgroup mounted at cgroup_root (v2 cpu.max, else v1
 // cpu.cfs_quota_us / cpu.cfs_period_us), rounded up; 0 where there is no quota.
 int ws_cpu_limit(const char* cgroup_root);

@@ -21,7 +21,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -110,13 +110,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
 
 _LIB, _MISSING = _load()
 THREADS_VARIABLE = "WEIGHTSYNC_NATIVE_THREADS"
-_threads = os.environ.get(THREADS_VARIABLE, "")
-if _threads and not (_threads.isascii() and _threads.isdigit() and len(_threads) <= 4 and 0 < int(_threads) <= 4096):
-    logging.getLogger(__name__).warning(
+if (_threads := os.environ.get(THREADS_VARIABLE)) and _LIB is not None and not _LIB.ws_threads_setting():
+    logging.getLogger(__name__).warning(  # by the shim's own reading of it
         "%s=%r is not an integer in [1, 4096]: ignored, native passes use %d threads",
         THREADS_VARIABLE,
         _threads,
-        int(_LIB.ws_default_threads()) if _LIB is not None else 1,
+        int(_LIB.ws_default_threads()),
     )
 _CUDA_LIB_PATH = _NATIVE_DIR / "libweightsync_native_cuda.so"
 

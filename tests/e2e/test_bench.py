@@ -14,33 +14,34 @@ ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"method", "mode", "rollouts", "seconds", "gbps", "ratio_to_bound", "egress_ratio", "peak_rss_bytes"}
 
 
-def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena_leak: None) -> None:
-    out = tmp_path / "latest.json"
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs bench/<script> with `args` and asserts it exited 0 (its output tails if not)."""
     run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "transfer.py"),
-            "--size",
-            "tiny",
-            "--runs",
-            "1",
-            "--rollouts",
-            "1,2",
-            "--modes",
-            "tcp,relay",
-            "--peers",
-            "safetensors,gloo",
-            "--vllm",
-            "",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena_leak: None) -> None:
+    out = tmp_path / "latest.json"
+    run = _bench(
+        "transfer.py",
+        "--size",
+        "tiny",
+        "--runs",
+        "1",
+        "--rollouts",
+        "1,2",
+        "--modes",
+        "tcp,relay",
+        "--peers",
+        "safetensors,gloo",
+        "--vllm",
+        "",
+        "--out",
+        str(out),
+    )
     rows = json.loads(out.read_text())
     assert {(r["method"], r["mode"], r["rollouts"]) for r in rows} == {
         ("weightsync", "tcp", 1),
@@ -83,14 +84,7 @@ def test_transfer_bench_writes_rows_for_modes_and_peers(tmp_path: Path, no_arena
 
 def test_vllm_row_generates_while_versions_prefetch_and_reports_the_pause(no_arena_leak: None) -> None:
     pytest.importorskip("vllm")
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "vllm_row.py"), "--preset", "tiny", "--versions", "2", "--idle-s", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = _bench("vllm_row.py", "--preset", "tiny", "--versions", "2", "--idle-s", "1")
     row = json.loads(run.stdout.strip().splitlines()[-1])
     assert row["versions"] == 2 and row["all_ok"]
     assert row["tokens_per_s_idle"] > 0 and row["idle_seconds"] > 0.5
@@ -104,14 +98,7 @@ def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Pa
     out = tmp_path / "latest.json"
     args = ["--size", "tiny", "--runs", "1", "--rollouts", "3", "--delta-rollouts", "3", "--modes", "tcp+delta"]
     args += ["--peers", "gloo", "--streaming", "", "--vllm", "", "--alternations", "2", "--out", str(out)]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "transfer.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    _bench("transfer.py", *args)
     by = {(r["method"], r["mode"], r["rollouts"]): r for r in json.loads(out.read_text())}
     assert set(by) == {("weightsync", "tcp+delta", 3), ("gloo", "tcp", 3)}
     delta, gloo = by[("weightsync", "tcp+delta", 3)], by[("gloo", "tcp", 3)]
