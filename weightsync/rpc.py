@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -135,6 +136,38 @@ class RequestCheck(Protocol):
     def __call__(self, method: str, metadata: Any, request: Any) -> None: ...
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What a request message became when its bytes do not parse as the method's type.
+
+    grpc answers a request it cannot deserialize with UNKNOWN (unary) or hands the
+    exception to the handler (streams, where it surfaced as INTERNAL); the interceptor's
+    lenient deserializer returns this instead, and the call is refused as INVALID_ARGUMENT.
+    """
+
+    type_name: str
+    reason: str
+
+    def error(self) -> errors.InvalidArgument:
+        return errors.InvalidArgument(f"request: not a valid {self.type_name} message ({self.reason})", field="request")
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, returning an `Undecodable` where it would raise."""
+    if deserializer is None:
+        return None
+    message_class = getattr(deserializer, "__self__", None)  # pb.X.FromString is bound to X
+    type_name = getattr(getattr(message_class, "DESCRIPTOR", None), "full_name", "request")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - any failure to parse is the caller's bytes
+            return Undecodable(type_name, _clip(f"{type(e).__name__}: {e}"))
+
+    return parse
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps raised exceptions to statuses with the table in `errors`; observes every RPC;
     runs `checks` (authorization) before each servicer method.
@@ -157,17 +190,27 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             fn = getattr(handler, kind)
             if fn is not None:
-                return handler._replace(**{kind: self._wrap(fn, details.method, details.invocation_metadata, kind)})
+                return handler._replace(
+                    request_deserializer=lenient(handler.request_deserializer),
+                    **{kind: self._wrap(fn, details.method, details.invocation_metadata, kind)},
+                )
         return handler
 
     def _before(self, method: str, metadata: Any, request: Any) -> None:
-        if hasattr(request, "ListFields"):  # messages (client streams check their headers)
+        if isinstance(request, Undecodable):
+            raise request.error()
+        if hasattr(request, "ListFields"):  # messages (a client stream's iterator comes first)
             check_int64_range(request)
         for check in self._checks:
             check(method, metadata, request)
 
     async def _each_checked(self, method: str, metadata: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in requests:
+            self._before(method, metadata, request)
+            yield request
+
+    def _each_checked_sync(self, method: str, metadata: Any, requests: Iterator[Any]) -> Iterator[Any]:
+        for request in requests:
             self._before(method, metadata, request)
             yield request
 
@@ -221,6 +264,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 started = time.perf_counter() if timed else None
                 try:
                     self._before(method, metadata, request)
+                    if kind == "stream_unary":
+                        request = self._each_checked(method, metadata, request)
                     response = await fn(request, context)
                 except Exception as e:  # noqa: BLE001 - the single mapping point
                     s = self._status(e, method, started, context)
@@ -236,6 +281,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 started = time.perf_counter()
                 try:
                     self._before(method, metadata, request)
+                    if kind == "stream_unary":
+                        request = self._each_checked_sync(method, metadata, request)
                     response = fn(request, context)
                 except Exception as e:  # noqa: BLE001 - the single mapping point
                     _abort_sync(context, self._status(e, method, started, context))
@@ -247,6 +294,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 self._before(method, metadata, request)
+                if kind == "stream_stream":
+                    request = self._each_checked_sync(method, metadata, request)
                 yield from fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 _abort_sync(context, self._status(e, method, None, context))

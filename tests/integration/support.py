@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from weightsync._proto import rollout_agent_pb2 as rpb
@@ -41,6 +41,20 @@ def reflected_services(address: str) -> list[str]:
         for name in services:
             pool.FindServiceByName(name)  # `grpcurl describe` works: descriptors resolve
         return services
+
+
+def reflected_methods(channel: grpc.Channel) -> Iterator[tuple[str, Any, bool, bool]]:
+    """(path, request class, client streams, server streams) of every method a server
+    lists through reflection, grpcio-reflection's own servicer left out (fuzzing it is its
+    maintainers' job); request classes are built from the descriptors the server sent."""
+    db = ProtoReflectionDescriptorDatabase(channel)
+    pool = descriptor_pool.DescriptorPool(db)
+    for name in sorted(db.get_services()):
+        if name.startswith("grpc.reflection"):
+            continue
+        for m in pool.FindServiceByName(name).methods:
+            cls = message_factory.GetMessageClass(m.input_type)
+            yield f"/{name}/{m.name}", cls, m.client_streaming, m.server_streaming
 
 
 def rollout_status(address: str) -> rpb.RolloutStatus:

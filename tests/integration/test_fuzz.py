@@ -3,7 +3,9 @@
 The fuzzer knows nothing of our protos: it asks each server for its services through
 server reflection (as grpcurl does), builds request classes from the descriptors it gets,
 and fills random fields with extremes (2^64-1, -2^63, NaN, +-inf, 10^4-character and
-path-like strings, long repeats, unknown enum values, nested messages). Every answer must
+path-like strings, long repeats, unknown enum values, nested messages), and mangles one
+request in six at the byte level (cut short, a bit flipped, invalid UTF-8 or a malformed
+tag spliced in), as a byte-level fuzzer would. Every answer must
 carry a deliberate status; afterwards every server still answers and the session that was
 not named by any request is unchanged.
 """
@@ -15,17 +17,14 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import FieldDescriptor as F
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from devtools.cluster import Cluster
-from tests.integration.support import state_name
+from tests.integration.support import reflected_methods, state_name
 from weightsync.client import CoordinatorClient
 
 pytestmark = pytest.mark.slow
@@ -110,36 +109,41 @@ def _scalar(field: F, rng: random.Random) -> Any:
     return 0
 
 
-def _methods(channel: grpc.Channel) -> Iterator[tuple[str, Any, bool, bool]]:
-    """(path, request class, client streams, server streams) of every weightsync method."""
-    db = ProtoReflectionDescriptorDatabase(channel)
-    pool = descriptor_pool.DescriptorPool(db)
-    for name in sorted(db.get_services()):
-        service = pool.FindServiceByName(name)
-        for m in service.methods:
-            if name.startswith("grpc.reflection"):
-                continue  # grpcio-reflection's own servicer; fuzzing it is its maintainers' job
-            cls = message_factory.GetMessageClass(m.input_type)
-            yield f"/{name}/{m.name}", cls, m.client_streaming, m.server_streaming
+def _request(cls: Any, rng: random.Random) -> bytes:
+    """A filled request's bytes, one in six mangled as a byte-level fuzzer would: cut
+    short, a byte flipped, invalid UTF-8 or a malformed tag spliced in (most no longer
+    parse as the method's message, which must be INVALID_ARGUMENT, not grpc's UNKNOWN)."""
+    data = _fill(cls(), rng).SerializeToString()
+    if rng.random() >= 1 / 6:
+        return data
+    at = rng.randrange(len(data) + 1)
+    how = rng.randrange(4)
+    if how == 0:
+        return data[:at]
+    if how == 1 and data:
+        at = min(at, len(data) - 1)
+        return data[:at] + bytes([data[at] ^ (1 << rng.randrange(8))]) + data[at + 1 :]
+    splice = rng.choice([b"\x0a\x02\xff\xfe", b"\x12\x03\xed\xa0\x80", b"\xff", b"\x07", b"\x0b", b"\x0a\x7fab"])
+    return data[:at] + splice + data[at:]
 
 
 def _call(
     channel: grpc.Channel, path: str, cls: Any, cstream: bool, sstream: bool, rng: random.Random
 ) -> grpc.StatusCode:
-    ser, de = (lambda m: m.SerializeToString()), (lambda b: b)
+    ser = de = lambda b: b  # noqa: E731 - requests are serialized (and some mangled) beforehand
     try:
         if cstream and not sstream:
-            reqs = [_fill(cls(), rng) for _ in range(rng.choice([0, 1, 2, 4]))]
+            reqs = [_request(cls, rng) for _ in range(rng.choice([0, 1, 2, 4]))]
             channel.stream_unary(path, request_serializer=ser, response_deserializer=de)(iter(reqs), timeout=10)
         elif sstream:
             if cstream:  # a bidi stream (Heartbeats): a few requests, a few answers
-                reqs = [_fill(cls(), rng) for _ in range(rng.choice([0, 1, 2, 4]))]
+                reqs = [_request(cls, rng) for _ in range(rng.choice([0, 1, 2, 4]))]
                 call = channel.stream_stream(path, request_serializer=ser, response_deserializer=de)(
                     iter(reqs), timeout=2
                 )
             else:
                 call = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(
-                    _fill(cls(), rng), timeout=0.2
+                    _request(cls, rng), timeout=0.2
                 )
             # Belt and braces: a watch that outlives its deadline on the client side would
             # hang the test rather than fail it (seen once with a health Watch).
@@ -153,7 +157,7 @@ def _call(
             finally:
                 timer.cancel()
         else:
-            channel.unary_unary(path, request_serializer=ser, response_deserializer=de)(_fill(cls(), rng), timeout=10)
+            channel.unary_unary(path, request_serializer=ser, response_deserializer=de)(_request(cls, rng), timeout=10)
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
@@ -171,7 +175,7 @@ def test_reflection_fuzzer_finds_no_internal_error_on_any_server(cluster: Cluste
     for proc in (coord, trainer, rollout):
         codes: dict[str, dict[str, int]] = {}
         with grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-            methods = list(_methods(channel))
+            methods = list(reflected_methods(channel))
             assert methods, f"{proc.name}: reflection lists no methods"
             for i in range(CALLS):
                 path, cls, cstream, sstream = methods[i % len(methods)]

@@ -499,3 +499,55 @@ def test_health_list_is_answered_not_internal(inprocess_coordinator) -> None:  #
             assert e.code() == C.UNIMPLEMENTED, e.details()
         else:
             assert "weightsync.v1.Coordinator" in reply.statuses
+
+
+# Bytes that parse as no message at all: a truncated tag, wire type 7, an unterminated
+# group, a length past the end.
+UNDECODABLE = [b"\xff", b"\x07", b"\x0b", b"\x0a\x05ab"]
+
+
+def test_undecodable_request_bytes_are_invalid_argument_on_every_method(inprocess_coordinator) -> None:  # noqa: ANN001
+    """grpc answers bytes it cannot deserialize with UNKNOWN (unary calls) or hands the
+    DecodeError to the handler (client streams: INTERNAL); every method of every service
+    (ours, health, reflection v1) must refuse them as INVALID_ARGUMENT naming `request`,
+    also when they follow a good message on a stream, and the call must change nothing."""
+    from tests.integration.support import reflected_methods
+
+    def stored(client: CoordinatorClient) -> tuple:
+        s = client.status("job")
+        return (s.generation, list(s.versions), list(s.parts), s.event_seq, sorted(a.agent_id for a in s.agents))
+
+    raw = {"request_serializer": None, "response_deserializer": None}
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        gen = client.open_session("job", trainer=True).generation
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=make_part(sample_arrays())[0])
+        before = stored(client)
+    with grpc.insecure_channel(inprocess_coordinator.address) as channel:
+        methods = list(reflected_methods(channel))
+        assert {"/weightsync.v1.Coordinator/PublishVersion", "/grpc.health.v1.Health/Check"} <= {m[0] for m in methods}
+        methods.append(("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", None, True, True))
+        for path, _cls, cstream, sstream in methods:
+            good = {
+                "/weightsync.v1.Coordinator/Heartbeats": cpb.HeartbeatRequest(session="job", agent_id="r0"),
+                "/weightsync.v1.Coordinator/PublishVersion": cpb.PublishRequest(
+                    header=cpb.PublishHeader(session="job", generation=gen, version=2, idempotency_key="k2")
+                ),
+            }.get(path, cpb.HeartbeatRequest()).SerializeToString()
+            for payload in UNDECODABLE:
+                streams = [[payload], [good, payload]] if cstream else [[payload]]
+                for requests in streams:
+                    with pytest.raises(grpc.RpcError) as exc:
+                        if cstream and sstream:
+                            list(channel.stream_stream(path, **raw)(iter(requests), timeout=5))
+                        elif cstream:
+                            channel.stream_unary(path, **raw)(iter(requests), timeout=5)
+                        elif sstream:
+                            list(channel.unary_stream(path, **raw)(payload, timeout=5))
+                        else:
+                            channel.unary_unary(path, **raw)(payload, timeout=5)
+                    err = exc.value
+                    assert err.code() == C.INVALID_ARGUMENT, f"{path} {requests}: {err.code()} {err.details()}"
+                    assert err.details().startswith("request: not a valid "), f"{path}: {err.details()}"
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        assert stored(client) == before
