@@ -212,6 +212,10 @@ class RolloutAgent:
                 self.last_error = e.message
                 log.warning("sync of version %d skipped: %s", target, e.message)
                 tries[target] = self.AUTO_RETRIES + 1
+            except Exception as e:  # noqa: BLE001 - this thread keeps the engine current: it must outlive a bug
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.exception("sync of version %d failed unexpectedly; trying again", target)
+                tries[target] = tries.get(target, 0) + 1
             if transient or tries.get(target, 0):
                 # the wait ends early when a newer version arrives
                 self._wake.wait(backoff * (0.5 + random.random()))

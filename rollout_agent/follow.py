@@ -42,8 +42,11 @@ def follow_servable(
                     return
                 if ev.version.state in SERVABLE_STATES:
                     on_version(ev.version.version)
-        except WeightsyncError as e:
+        except Exception as e:  # noqa: BLE001 - how the agent learns of versions: it outlives a bug as an outage
             if not stop.is_set():
-                log.warning("watch interrupted (%s); reconnecting", e)
+                if isinstance(e, WeightsyncError):
+                    log.warning("watch interrupted (%s); reconnecting", e)
+                else:
+                    log.exception("watch failed unexpectedly; reconnecting")
                 seq = -1
                 stop.wait(0.5)

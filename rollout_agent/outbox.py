@@ -110,6 +110,10 @@ class ReportOutbox:
                 log.info("handshake for version %d still not delivered: %s", report.version, e.message)
                 backoff = min(self._max_backoff_s, backoff * 2)
                 continue
+            except Exception:  # noqa: BLE001 - the handshake waits here alone: keep it through a bug
+                log.exception("handshake for version %d: sending failed unexpectedly; trying again", report.version)
+                backoff = min(self._max_backoff_s, backoff * 2)
+                continue
             with self._lock:
                 if self._pending is report:
                     self._pending = None

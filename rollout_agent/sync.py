@@ -23,7 +23,14 @@ from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import TRANSIENT_ERRORS, DataLoss, DigestMismatch, InvalidArgument, WeightsyncError
+from weightsync.errors import (
+    TRANSIENT_ERRORS,
+    DataLoss,
+    DigestMismatch,
+    InternalError,
+    InvalidArgument,
+    WeightsyncError,
+)
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
@@ -184,10 +191,13 @@ def sync_version(
     result = SyncResult(p.version, ok=False)
     failure = ""
     try:
+        _engine_failpoint(failpoints)
         in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
         p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else in_flux
     except WeightsyncError as e:
         failure = _failed(e, p, result, puller, metrics)
+    except Exception as e:  # noqa: BLE001 - the applier's own failure (_local_failure)
+        failure = _failed(_local_failure(e, p.version), p, result, puller, metrics)
     p.bytes_pulled, p.chunk_retries = result.bytes_pulled, result.chunk_retries
     return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
 
@@ -213,6 +223,7 @@ def apply_prefetched(
         if p.error is not None:
             raise p.error
         t1 = time.perf_counter()
+        _engine_failpoint(failpoints)
         applier.begin_update(p.version, p.manifest.tensors)
         try:
             for group in layer_groups(p.manifest.tensors):
@@ -226,7 +237,23 @@ def apply_prefetched(
         p.timings["pause_seconds"] = now - (t1 if blocked_since is None else blocked_since)
     except WeightsyncError as e:
         failure = _failed(e, p, result, puller, metrics)
+    except Exception as e:  # noqa: BLE001 - the applier's own failure (_local_failure)
+        failure = _failed(_local_failure(e, p.version), p, result, puller, metrics)
     return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def _engine_failpoint(failpoints: Failpoints | None) -> None:
+    if failpoints is not None and failpoints.fire("applier.raise"):
+        raise RuntimeError("failpoint applier.raise: the engine failed to take the weights")
+
+
+def _local_failure(e: Exception, version: int) -> InternalError:
+    """An applier's own exception (the engine out of memory, a shape it does not take, a
+    full disk) as the round's local failure: reported in the handshake and the result, and
+    retried by a following agent. Raised on, it ended the agent's sync thread for good,
+    and the version waited on a handshake that never came."""
+    log.warning("version %d: the applier raised", version, exc_info=e)
+    return InternalError(f"applying version {version} failed: {type(e).__name__}: {e}")
 
 
 def _failed(

@@ -11,6 +11,7 @@ import threading
 from weightsync.errors import InvalidArgument
 
 KNOWN = {
+    "applier.raise": "the rollout's applier (its engine) raises while applying a version, N times",
     "chunk_server.corrupt_chunk": "flip one byte in the next N chunks sent over grpc or tcp (trainer side)",
     "puller.corrupt_assembled": (
         "flip one byte of the first tensor before its check, N checks (rollout side; a flip the check finds is "

@@ -114,7 +114,7 @@ class Heartbeat:
                     )
                     self._set_ttl(self._register())
                     self._renewed()
-            except WeightsyncError as e:
+            except Exception as e:  # noqa: BLE001 - the lease lives on this thread: it outlives a bug as an outage
                 if self._stop.is_set():
                     return
                 if self._streams and getattr(e, "grpc_code", "") == "UNIMPLEMENTED":
@@ -123,7 +123,11 @@ class Heartbeat:
                     continue
                 if not self._failing:  # once per outage, not every beat
                     log.warning(
-                        "agent %s: heartbeat failed (%s); retrying every %.2fs", self._agent_id, e, self._interval_s
+                        "agent %s: heartbeat failed (%s); retrying every %.2fs",
+                        self._agent_id,
+                        e,
+                        self._interval_s,
+                        exc_info=None if isinstance(e, WeightsyncError) else e,
                     )
                 self._failing = True
                 self._stop.wait(self._interval_s)

@@ -131,6 +131,35 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
         assert rpc_count(running, "Heartbeat") == 0
 
 
+def test_a_heartbeat_outlives_an_exception_of_its_own_callbacks(tmp_path) -> None:  # noqa: ANN001
+    """The lease lives on the heartbeat thread: an exception that is not a weightsync error
+    (here from registering again after the lease was lost) used to end it, and the agent
+    stayed unregistered while it went on as if it held a lease."""
+    from tests.conftest import coordinator_in_process
+    from weightsync.heartbeat import Heartbeat
+
+    registrations = []
+    with (
+        coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.6) as running,
+        CoordinatorClient(running.address) as client,
+    ):
+        client.open_session("job", trainer=False)
+
+        def register() -> float:
+            registrations.append(1)
+            if len(registrations) == 2:
+                raise RuntimeError("a bug in the agent's registration")
+            return client.register_agent("job", "r0", trainer=False, endpoint=Endpoint()).lease_ttl_seconds
+
+        beat = Heartbeat(client, "job", "r0", current_version=lambda: 7, register=register).start()
+        try:
+            client.deregister_agent("job", "r0")  # the coordinator forgets it: the beat registers again
+            eventually(lambda: len(registrations) >= 3, timeout_s=10, what="registering again after the exception")
+            eventually(lambda: [a.alive for a in client.status("job").agents] == [True], what="the agent listed again")
+        finally:
+            beat.stop()
+
+
 def rpc_count(running: RunningServer, method: str) -> float:
     return sum(
         s.value

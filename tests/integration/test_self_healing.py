@@ -105,6 +105,23 @@ def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster:
     assert "not delivered" in r0.log()
 
 
+def test_an_engine_that_fails_to_take_a_version_is_reported_and_the_rollout_tries_again(cluster: Cluster) -> None:
+    """The applier (the engine) raising its own exception, not a weightsync error, used to
+    end the rollout's sync thread: no handshake, heartbeats still going, so the version
+    waited on this rollout for as long as it lived. The round is a local failure now:
+    reported (the version goes PARTIAL) and retried, and the retry commits it."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--failpoints", "applier.raise=1"])
+    # the trainer serves on through the failed round (it would exit on a PARTIAL version)
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold", "--wait-commit", "false"])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, states=("COMMITTED",), timeout_s=60)) == "COMMITTED"
+        (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
+        assert hs.agent_id == "r0" and hs.ok
+    assert "applying version 1 failed: RuntimeError: failpoint applier.raise" in r0.log()
+    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+
+
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     cluster.start_rollout("r0", coord.address, "job")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import time
 
 import numpy as np
 import pytest
 
+from devtools.cluster import Cluster
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
@@ -224,3 +228,101 @@ def test_handshakes_carry_the_engines_pause_and_ready_to_serving(
         assert hs[2].timings.pause_seconds == pytest.approx(t["pause_seconds"])
         assert hs[1].timings.ready_to_serving_seconds > 0
     client.close()
+
+
+def _raw_request(header, manifest, indices: list[int]) -> bytes:  # noqa: ANN001
+    token, session = header.access_token.encode(), b"job"
+    head = REQUEST.pack(b"WST1", len(token), len(session), 1, 0, len(indices))
+    return head + token + session + np.asarray(indices, "<u4").tobytes()
+
+
+def test_tcp_server_reclaims_idle_and_stalled_connections_and_holds_its_limit(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A connection thread per client is only safe when nothing can hold one forever: an
+    idle client, one that stops mid-request or one that stops reading are dropped after
+    the server's timeouts, connections past the limit are refused with RESOURCE_EXHAUSTED,
+    and a client whose idle connection was reclaimed dials again without failing a fetch."""
+    big = {f"w{i}": np.full((2048, 2048), i, np.float32) for i in range(3)}  # 48 MiB: more than socket buffers hold
+    with (
+        CoordinatorClient(inprocess_coordinator.address) as client,
+        WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub,
+    ):
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish(big, 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        chunks = manifest.parts[0].chunks
+        server = pub.tcp_server
+        assert server is not None
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+
+        server.max_connections = 2
+        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2)]
+        eventually(lambda: server.connections == 2, timeout_s=5, what="two connections served")
+        with socket.create_connection((host, int(port)), timeout=5) as third:
+            _, code, mlen, _ = REPLY.unpack(third.recv(REPLY.size, socket.MSG_WAITALL))
+            assert code == 8 and b"connections" in third.recv(mlen, socket.MSG_WAITALL)  # RESOURCE_EXHAUSTED
+            assert third.recv(1) == b""
+        for s in held:
+            s.close()
+        eventually(lambda: server.connections == 0, timeout_s=5, what="closed connections released")
+        server.max_connections = 64
+
+        server.idle_timeout_s = server.stall_timeout_s = 0.5
+        t = TcpTransport()
+        t.open(pub.endpoint)
+        good = FetchRequest("job", 1, 0, [0], 10.0, [(chunks[0].offset, chunks[0].length)], header.access_token)
+        buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
+        assert t.fetch_into(good, buf, 0, [chunks[0].xxh3]).tolist() == [True]
+        eventually(lambda: server.connections == 0, timeout_s=5, what="the idle connection reclaimed")
+        assert t.fetch_into(good, buf, 0, [chunks[0].xxh3]).tolist() == [True]  # dialled again, no error
+        t.close()
+
+        with socket.create_connection((host, int(port)), timeout=5) as half:
+            half.sendall(_raw_request(header, manifest, [0])[:7])  # a header cut short, then nothing
+            eventually(lambda: server.connections == 0, timeout_s=5, what="the stalled request dropped")
+            assert half.recv(1) == b""
+        with socket.create_connection((host, int(port)), timeout=5) as deaf:
+            deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            deaf.sendall(_raw_request(header, manifest, list(range(len(chunks)))))  # and never reads the reply
+            eventually(lambda: server.connections == 0, timeout_s=10, what="the reader that stopped dropped")
+    client.close()
+
+
+def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(cluster: Cluster) -> None:
+    """Accepting past the process's descriptor limit fails (EMFILE); the accept loop used to
+    end there, leaving a trainer whose gRPC health said SERVING and whose tcp port took
+    connections nobody answered, for good. It waits and accepts again."""
+    coord = cluster.start_coordinator()
+    trainer = cluster.start_trainer("trainer", coord.address, "job", ["--model-size", "tiny", "--steps", "1", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 1, states=("READY", "COMMITTED"), timeout_s=120)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+    part = manifest.parts[0]
+    host, _, port = part.endpoint.tcp_address.rpartition(":")
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{trainer.pid}/fd"))
+
+    soft, hard = resource.prlimit(trainer.pid, resource.RLIMIT_NOFILE)
+    limit = open_fds() + 4
+    resource.prlimit(trainer.pid, resource.RLIMIT_NOFILE, (limit, hard))
+    flood: list[socket.socket] = []
+    try:
+        # past the limit, the rest wait in the listen backlog
+        flood += [socket.create_connection((host, int(port)), timeout=5) for _ in range(16)]
+        eventually(lambda: open_fds() >= limit, timeout_s=10, what="the trainer at its descriptor limit")
+        time.sleep(0.5)  # accept fails meanwhile
+    finally:
+        for s in flood:
+            s.close()
+        resource.prlimit(trainer.pid, resource.RLIMIT_NOFILE, (soft, hard))
+    t = TcpTransport()
+    t.open(part.endpoint)
+    first = part.chunks[0]
+    request = FetchRequest("job", 1, 0, [0], 10.0, [(first.offset, first.length)], header.access_token)
+    assert t.fetch_into(request, np.zeros(part.total_bytes, np.uint8), 0, [first.xxh3]).tolist() == [True]
+    t.close()
+    assert trainer.alive()
+    assert "accept failed ([Errno 24] Too many open files); retrying" in trainer.log()

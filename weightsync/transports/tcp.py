@@ -14,6 +14,10 @@ each chunk as it lands, both in the native shim with the GIL released.
 
 A refused request gets a status and a message naming the field; the connection stays
 usable. Connections are persistent: one per (endpoint, lane), reused across versions.
+The server closes a connection idle for `IDLE_TIMEOUT_S` or stalled mid-request (no
+byte moved either way) for `STALL_TIMEOUT_S`, refuses connections beyond its limit with
+`RESOURCE_EXHAUSTED`, and keeps accepting through transient accept errors (out of file
+descriptors); a client finds its idle connection closed before reusing it and dials again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import resource
 import socket
 import struct
 import threading
@@ -33,6 +38,7 @@ from weightsync import native
 from weightsync.errors import (
     InvalidArgument,
     PermissionDenied,
+    ResourceExhausted,
     TransportUnavailable,
     WeightsyncError,
     error_for_status,
@@ -51,6 +57,22 @@ REPLY_MAGIC = b"WSR1"
 MAX_TOKEN = 256
 MAX_SESSION = 128
 SOCKET_BUFFER = 4 << 20
+# A connection between versions waits for the next one (a training step: seconds to
+# minutes); past this the server reclaims its thread, and the client dials again.
+IDLE_TIMEOUT_S = 300.0
+# Once a request has begun, every read and send must move a byte within this (a stopped
+# or vanished peer otherwise holds a thread, and the arena mapping it reads from, forever).
+STALL_TIMEOUT_S = 30.0
+ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause after a failed accept
+
+
+def default_max_connections() -> int:
+    """Half of the file descriptors this process may open (the rest stay for the arena,
+    gRPC and logs), between 64 and 4,096: one thread and one descriptor per connection."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft // 2))
 
 
 def _code(name: str) -> int:
@@ -71,6 +93,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when an idle connection has been closed or reset by the other side (a
+    non-blocking peek: end of stream or an error; nothing waiting means it is open)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -87,7 +120,8 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 
 class TcpChunkServer:
-    """Serves chunk bytes from a ChunkSource on host:port; a thread per connection."""
+    """Serves chunk bytes from a ChunkSource on host:port; a thread per connection, at
+    most `max_connections` of them (default: `default_max_connections()`)."""
 
     def __init__(
         self,
@@ -97,42 +131,97 @@ class TcpChunkServer:
         port: int = 0,
         on_sent: Callable[[int], None] | None = None,  # bytes of each reply's payload
         failpoints: Failpoints | None = None,
+        max_connections: int | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         if not native.available():
             raise RuntimeError(f"the tcp transport needs the native shim: {native.missing_reason()}")
         self._source = source
         self._on_sent = on_sent
         self._failpoints = failpoints or Failpoints()
+        self.max_connections = max_connections or default_max_connections()
+        self.idle_timeout_s = idle_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self.address}", daemon=True)
         self._thread.start()
 
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
+
     def _accept_loop(self) -> None:
+        pause = 0.0
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # Out of descriptors or buffers, or a connection reset before it was
+                # taken: transient. Waiting lets what holds them go; returning would
+                # leave a listener nobody answers for as long as the process lives.
+                pause = min(ACCEPT_BACKOFF_S[1], max(ACCEPT_BACKOFF_S[0], pause * 2))
+                if pause == ACCEPT_BACKOFF_S[0]:  # once per outage
+                    log.warning("tcp %s: accept failed (%s); retrying with backoff", self.address, e)
+                self._stopped.wait(pause)
+                continue
+            pause = 0.0
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
-            _tune(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: as a full server would
+                log.warning("tcp %s: cannot start a connection thread (%s)", self.address, e)
+                with self._lock:
+                    self._conns.discard(conn)
+                self._refuse(conn)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Answers a connection over the limit once and closes it (never blocks the accept loop)."""
+        try:
+            conn.setblocking(False)
+            self._reply(
+                conn,
+                ResourceExhausted(
+                    f"connections: this server holds its limit of {self.max_connections}; retry later",
+                    field="connections",
+                ),
+            )
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            _tune(conn)
             while True:
+                _set_io_timeout(conn, self.idle_timeout_s)
                 try:
-                    head = _recv_exact(conn, REQUEST.size)
+                    first = conn.recv(REQUEST.size)
                 except OSError:
-                    return  # the client went away between requests
-                self._answer(conn, head)
+                    return  # the client went away, or stayed idle past the idle timeout
+                if not first:
+                    return
+                _set_io_timeout(conn, self.stall_timeout_s)
+                self._answer(conn, first + _recv_exact(conn, REQUEST.size - len(first)))
         except (OSError, WeightsyncError) as e:
             log.debug("tcp connection ended mid-reply: %s", e)
         finally:
@@ -183,6 +272,7 @@ class TcpChunkServer:
                 return
             self._closed = True
             conns = list(self._conns)
+        self._stopped.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -218,6 +308,8 @@ class TcpTransport(Transport):
         self._address = endpoint.tcp_address
 
     def _connect(self, timeout_s: float) -> socket.socket:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self.close()  # the server reclaimed it while idle: dial again, costing no attempt
         if self._sock is None:
             host, _, port = self._address.rpartition(":")
             try:
