@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from weightsync.errors import FailedPrecondition
+from weightsync.errors import FailedPrecondition, ResourceExhausted
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -83,6 +83,16 @@ BACKFILLS = (
 # threads hold some while the event loop runs short reads on others: with 4, a fleet's
 # burst found none free on the loop half the time.
 READERS = 8
+
+
+def _disk_full(error: BaseException | None) -> ResourceExhausted | None:
+    """The error a write that found the disk (or the database's page limit) full is
+    answered with: RESOURCE_EXHAUSTED naming `database`, not INTERNAL; None for others."""
+    if isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return ResourceExhausted(
+            f"the coordinator's disk is full ({error}); nothing was written: free space, then retry", field="database"
+        )
+    return None
 
 
 class StoreBusy(Exception):
@@ -192,6 +202,10 @@ class Database:
         self.acquire_writer()
         try:
             yield self.writer_db
+        except sqlite3.Error as e:
+            if (full := _disk_full(e)) is not None:
+                raise full from e
+            raise
         finally:
             self.release_writer()
 
@@ -264,7 +278,23 @@ class _Tx:
         return self._database.writer_db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        db = self._database.writer_db
+        commit_error: sqlite3.Error | None = None
         try:
-            self._database.writer_db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if exc_type is None:
+                try:
+                    db.execute("COMMIT")
+                except sqlite3.Error as e:
+                    commit_error = e
+            # After some errors (a full disk) SQLite has rolled the transaction back itself,
+            # and a ROLLBACK would fail and hide the error; after others (a failed COMMIT)
+            # it is still open, and every later BEGIN would fail until it ends.
+            if db.in_transaction:
+                db.execute("ROLLBACK")
         finally:
             self._database.release_writer()
+        failed = commit_error or exc
+        if (full := _disk_full(failed)) is not None:
+            raise full from failed
+        if commit_error is not None:
+            raise commit_error

@@ -17,7 +17,7 @@ from trainer_agent.config import TrainerConfig
 from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
-from weightsync.errors import TRANSIENT_ERRORS, SlotBusy, StaleGeneration
+from weightsync.errors import TRANSIENT_ERRORS, ResourceExhausted, SlotBusy, StaleGeneration
 from weightsync.logs import bind, setup_logging
 from weightsync.server import wait_for_signal, write_ready_file
 
@@ -46,8 +46,9 @@ def publish_retrying(
     for attempt in range(1, attempts + 1):
         try:
             return pub.publish(params, version)
-        except (*TRANSIENT_ERRORS, SlotBusy) as e:
-            if attempt == attempts:
+        except (*TRANSIENT_ERRORS, SlotBusy, ResourceExhausted) as e:
+            # the coordinator's disk full (field "database") may pass; a limit does not
+            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field != "database"):
                 raise
             log.warning(
                 "publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts

@@ -19,6 +19,7 @@ from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     SessionNotFound,
     StaleGeneration,
     VersionConflict,
@@ -172,6 +173,27 @@ def test_refused_requests_leave_state_unchanged(store: SessionStore, tmp_path: P
         with pytest.raises((InvalidArgument, StaleGeneration, SessionNotFound, VersionNotFound)):
             call()
     assert (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0)) == before
+
+
+def test_a_full_disk_is_resource_exhausted_and_changes_nothing(store: SessionStore) -> None:
+    """SQLite rolls a transaction back by itself when the disk fills (SQLITE_FULL); the
+    ROLLBACK after it failed ("no transaction is active") and hid the error as INTERNAL.
+    The database's page limit is SQLite's own way to the same error."""
+    gen = attach(store, rollouts=("r0",))
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=make_part(sample_arrays())[0])
+    before = (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0))
+    big, _ = make_part({f"model.layers.{i}.w": np.full((64, 64), i, np.float32) for i in range(200)})
+    db = store.db.writer_db
+    db.execute(f"PRAGMA max_page_count={db.execute('PRAGMA page_count').fetchone()[0]}")
+    with pytest.raises(ResourceExhausted, match="disk is full") as refused:
+        store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=big)
+    assert refused.value.field == "database"
+    assert not db.in_transaction
+    assert (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0)) == before
+    store.heartbeat("job", "r0", 1)  # what fits is still written
+    db.execute("PRAGMA max_page_count=1073741823")  # space freed
+    out = store.publish_part("job", generation=gen, version=2, idempotency_key="b", part=big)
+    assert out.version.state is S.READY
 
 
 def test_persistence_across_restart(tmp_path: Path, clock: Clock) -> None:
