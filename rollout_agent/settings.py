@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.config import PeerConfig, check_bounds, option
+from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.modes import normalize_mode
 from weightsync.validation import check_agent_id, check_session_name
@@ -90,6 +90,8 @@ class SyncSettings(PeerConfig):
             check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1)
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
+            check_bounds(self, ("relay_wait_s",), 0)
+            check_positive(self, ("timeout_s",))
             self.security()  # both halves of a key pair or neither
         except InvalidArgument as e:
             if not self.FIELD_PREFIX or e.field is None:

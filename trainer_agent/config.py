@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.synthetic import PRESETS
-from weightsync.config import option
+from weightsync.config import check_bounds, check_positive, option
 from weightsync.dtypes import ALLOWED
 from weightsync.errors import InvalidArgument
 
@@ -48,3 +48,8 @@ class TrainerConfig(PublisherSettings):
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.steps < 0 or self.start_version < 1:
             raise ValueError("steps must be >= 0 and start_version >= 1")
+        try:
+            check_bounds(self, ("step_interval_s",), 0)
+            check_positive(self, ("commit_timeout_s",))
+        except InvalidArgument as e:
+            raise ValueError(e.message) from None

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
-from weightsync.config import ServerConfig, check_bounds, option
+from weightsync.config import ServerConfig, check_bounds, check_positive, option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
-from weightsync.validation import check_agent_id, check_session_name
+from weightsync.validation import DEFAULT_LIMITS, check_agent_id, check_session_name
 
 
 @dataclass
@@ -97,12 +97,13 @@ class PublisherSettings(ServerConfig):
         check_bounds(self, ("world_size",), 1)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
-        check_bounds(self, ("slots", "chunk_bytes", "d2h_window_bytes"), 1)
+        check_bounds(self, ("slots", "d2h_window_bytes"), 1)
+        # what a coordinator on default limits accepts: refused here, not after staging
+        check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
         check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s"), 0)
         if self.delta not in DELTA_MODES:
             raise InvalidArgument(f"{self.delta!r} is not one of {', '.join(DELTA_MODES)}", field="delta")
         if not 0 < self.delta_max_ratio <= 1:
             raise InvalidArgument(f"must be in (0, 1], got {self.delta_max_ratio}", field="delta_max_ratio")
-        if not self.timeout_s > 0:
-            raise InvalidArgument(f"must be > 0, got {self.timeout_s}", field="timeout_s")
+        check_positive(self, ("timeout_s",))
         check_bounds(self, ("tcp_port",), 0, 65535)

@@ -203,6 +203,25 @@ def cmd_watch(client: CoordinatorClient, args: argparse.Namespace, console: Cons
 COMMANDS = {"status": cmd_status, "versions": cmd_versions, "manifest": cmd_manifest, "watch": cmd_watch}
 
 
+INT64_MAX = (1 << 63) - 1  # what the coordinator stores versions, counts and sequence numbers in
+
+
+def _number(low: float, convert: type = int) -> Any:
+    """An argparse type: a number in [low, 2^63-1], else a usage error rather than a
+    traceback from the request message."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value <= INT64_MAX:  # also false for nan and inf
+            raise argparse.ArgumentTypeError(f"expected a number in [{low}, 2^63-1], got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wsctl", description=__doc__)
     p.add_argument(
@@ -212,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call")
+    p.add_argument("--timeout-s", type=_number(0.001, float), default=10.0, help="deadline of each call")
     for name, what in (
         ("tls-ca-file", "PEM CA of the coordinator's certificate (TLS)"),
         ("tls-cert-file", "PEM client certificate (mTLS)"),
@@ -227,16 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="session, agents, versions, handshakes", parents=[json_after])
-    s.add_argument("--limit", type=int, default=10)
+    s.add_argument("--limit", type=_number(0), default=10)
     s = sub.add_parser("versions", help="versions, newest first", parents=[json_after])
-    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--limit", type=_number(0), default=20)
     s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)", parents=[json_after])
-    s.add_argument("version", type=int)
+    s.add_argument("version", type=_number(0))
     s = sub.add_parser("watch", help="follow version events live", parents=[json_after])
-    s.add_argument("--since", type=int, default=0, help="replay events after this sequence number")
-    s.add_argument("--count", type=int, default=0, help="exit after N events")
-    s.add_argument("--timeout", type=float, default=0, help="exit after N seconds")
-    s.add_argument("--limit", type=int, default=10)
+    s.add_argument("--since", type=_number(0), default=0, help="replay events after this sequence number")
+    s.add_argument("--count", type=_number(0), default=0, help="exit after N events")
+    s.add_argument("--timeout", type=_number(0, float), default=0, help="exit after N seconds")
+    s.add_argument("--limit", type=_number(0), default=10)
     s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))

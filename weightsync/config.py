@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 import sys
 import types
 import typing
@@ -35,14 +36,23 @@ def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors a
     return field(default=default, metadata={"help": help, **kw})
 
 
-def check_bounds(obj: Any, names: Sequence[str], low: int, high: int | None = None) -> None:
+def check_bounds(obj: Any, names: Sequence[str], low: float, high: float | None = None) -> None:
     """InvalidArgument naming the first of `names` whose value on `obj` is below `low`
-    (or above `high`): the settings classes' numeric checks."""
+    (or above `high`), or is not a finite number: the settings classes' numeric checks."""
     for name in names:
         value = getattr(obj, name)
-        if value < low or (high is not None and value > high):
+        if not low <= value <= (math.inf if high is None else high) or value == math.inf:  # nan compares false
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise InvalidArgument(f"must be {bound}, got {value}", field=name)
+            raise InvalidArgument(f"must be a finite number {bound}, got {value}", field=name)
+
+
+def check_positive(obj: Any, names: Sequence[str]) -> None:
+    """InvalidArgument naming the first of `names` whose value is not a finite number > 0
+    (deadlines and timeouts)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not 0 < value < math.inf:  # nan compares false
+            raise InvalidArgument(f"must be a finite number > 0, got {value}", field=name)
 
 
 @dataclass
@@ -150,6 +160,18 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "nan" and "inf" parse; no setting means either
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _converter(tp: Any) -> Any:
+    """What turns a flag's or variable's text into a field of type `tp`."""
+    return {bool: _parse_bool, float: _parse_float}.get(tp, tp)
+
+
 def build_parser(cls: type, prog: str, description: str = "") -> argparse.ArgumentParser:
     """An ArgumentParser with one --flag per dataclass field (defaults None = not given)."""
     parser = argparse.ArgumentParser(prog=prog, description=description or (cls.__doc__ or ""))
@@ -164,7 +186,8 @@ def build_parser(cls: type, prog: str, description: str = "") -> argparse.Argume
         if tp is bool:
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=tp, default=None, help=help_text, choices=f.metadata.get("choices"))
+            choices = f.metadata.get("choices")
+            parser.add_argument(flag, type=_converter(tp), default=None, help=help_text, choices=choices)
     return parser
 
 
@@ -191,7 +214,7 @@ def load_config(
             continue
         tp = _base_type(hints[name])
         try:
-            values[name] = _parse_bool(raw) if tp is bool else tp(raw)
+            values[name] = _converter(tp)(raw)
         except (ValueError, argparse.ArgumentTypeError) as e:
             parser.error(f"{key}={raw!r}: {e}")
     for name in names:

@@ -197,8 +197,11 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         (dict(weight_sync_mode="udp"), "weight_sync_mode"),
         (dict(slots=0), "slots"),
         (dict(chunk_bytes=0), "chunk_bytes"),
+        (dict(chunk_bytes=1024), "chunk_bytes"),  # below what the coordinator takes: refused before staging
+        (dict(chunk_bytes=128 << 20), "chunk_bytes"),
         (dict(min_rollouts=-1), "min_rollouts"),
         (dict(timeout_s=0.0), "timeout_s"),
+        (dict(slot_wait_s=-1.0), "slot_wait_s"),
         (dict(tcp_port=70000), "tcp_port"),
         (dict(agent_id="Trainer 0"), "agent_id"),
     ],
@@ -307,3 +310,50 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
 
     with pytest.raises(InvalidArgument, match="init_info.auth_token_file"):
         InitInfo(coordinator="c:1", session="s", auth_token_file=str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400"])
+def test_float_settings_are_finite_from_flags_env_and_code(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """ "nan" and "inf" parse as floats: a coordinator started with a NaN lease compared no
+    lease as expired, an infinite one died of an OverflowError at its first lease."""
+    from rollout_agent.settings import SyncSettings
+    from trainer_agent.settings import PublisherSettings
+
+    with pytest.raises(SystemExit):
+        load_config(CoordinatorConfig, "coordinator", [f"--lease-ttl-s={text}"], {})
+    assert "--lease-ttl-s: expected a finite number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config(CoordinatorConfig, "coordinator", [], {"WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": text})
+    assert "expected a finite number" in capsys.readouterr().err
+    for cls, name in (
+        (PublisherSettings, "slot_wait_s"),
+        (PublisherSettings, "timeout_s"),
+        (SyncSettings, "timeout_s"),
+    ):
+        with pytest.raises(InvalidArgument) as e:
+            cls(coordinator="127.0.0.1:1", session="job", **{name: float(text)})
+        assert e.value.field == name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--timeout-s", "nan", "status"],
+        ["--timeout-s", "0", "status"],
+        ["status", "--limit", "-5"],
+        ["manifest", "-3"],
+        ["manifest", str(1 << 64)],
+        ["watch", "--since", "-1"],
+        ["watch", "--timeout", "inf"],
+    ],
+)
+def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative limit or version used to end in a traceback (protobuf's "Value out of
+    range" building the request); a NaN deadline in DEADLINE_EXCEEDED."""
+    from weightsync.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "expected a number in" in capsys.readouterr().err
