@@ -147,6 +147,9 @@ class Prefetcher:
                 except WeightsyncError as e:  # no manifest (released, not yet servable): nothing leased
                     log.warning("prefetch of version %d: %s", version, e.message)
                     got = None
+                except Exception:  # noqa: BLE001 - a dead prefetch thread would make every update wait it out
+                    log.exception("prefetch of version %d failed unexpectedly; the update pulls it", version)
+                    got = None
                 with self._cond:
                     if got is not None:
                         self._ready = got

@@ -182,3 +182,35 @@ def test_a_newer_version_wins_and_frees_the_older_lease(
             prefetcher.close()
             puller.close()
             client.close()
+
+
+def test_the_prefetch_thread_outlives_an_unexpected_exception(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, monkeypatch
+) -> None:  # noqa: ANN001
+    """An exception that is not a weightsync error (an allocation, a bug) used to end the
+    prefetch thread: every later update then waited out `prefetch_wait_s` for nothing."""
+    import rollout_agent.prefetch as prefetch_module
+
+    real, calls = prefetch_module.prefetch, []
+
+    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("no receive buffer to be had")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch_module, "prefetch", flaky)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
+    with WeightPublisher(settings) as pub:
+        client = _setup(inprocess_coordinator.address, "r0")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller, follow=False)
+        try:
+            pub.publish(_params(1), 1)
+            assert not prefetcher.wait_ready(1, 10)  # its pull failed: the update pulls it
+            pub.publish(_params(2), 2)
+            assert prefetcher.wait_ready(2, 30)  # the same thread prefetches the next one
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
