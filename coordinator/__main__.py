@@ -58,11 +58,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
+    failing = False
     while not stop.wait(cfg.lease_ttl_s / 2):
-        servicer.sweep()
-        if store.prune():
-            log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
-        metrics.database_bytes.set(store.database_bytes())
+        try:
+            servicer.sweep()
+            if store.prune():
+                log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
+            metrics.database_bytes.set(store.database_bytes())
+        except Exception as e:  # noqa: BLE001 - a locked or full database passes; ending here ended the process
+            if not failing:  # once per outage
+                log.warning("housekeeping failed (%s); trying again every %.1fs", e, cfg.lease_ttl_s / 2, exc_info=e)
+            failing = True
+        else:
+            if failing:
+                log.info("housekeeping recovered")
+            failing = False
         if collector:
             collector.flush()
             if collector.refresh_due():

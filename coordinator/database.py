@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from weightsync.errors import FailedPrecondition, ResourceExhausted
+from weightsync.errors import FailedPrecondition, ResourceExhausted, TransportUnavailable, WeightsyncError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -85,12 +85,21 @@ BACKFILLS = (
 READERS = 8
 
 
-def _disk_full(error: BaseException | None) -> ResourceExhausted | None:
-    """The error a write that found the disk (or the database's page limit) full is
-    answered with: RESOURCE_EXHAUSTED naming `database`, not INTERNAL; None for others."""
-    if isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+def _storage_error(error: BaseException | None) -> WeightsyncError | None:
+    """What a write SQLite refused for a reason of the machine, not of the request, is
+    answered with (None for any other error): a full disk (or page limit) is
+    RESOURCE_EXHAUSTED, a database another process holds locked past the busy timeout
+    (an operator's sqlite3 shell, a backup) UNAVAILABLE; both name `database`. Raised
+    as they were, they came back INTERNAL and ended the coordinator's housekeeping."""
+    code = getattr(error, "sqlite_errorcode", None) if isinstance(error, sqlite3.Error) else None
+    if code == sqlite3.SQLITE_FULL:
         return ResourceExhausted(
             f"the coordinator's disk is full ({error}); nothing was written: free space, then retry", field="database"
+        )
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return TransportUnavailable(
+            f"another process holds the coordinator's database locked ({error}); nothing was written: retry",
+            field="database",
         )
     return None
 
@@ -203,8 +212,8 @@ class Database:
         try:
             yield self.writer_db
         except sqlite3.Error as e:
-            if (full := _disk_full(e)) is not None:
-                raise full from e
+            if (known := _storage_error(e)) is not None:
+                raise known from e
             raise
         finally:
             self.release_writer()
@@ -271,9 +280,11 @@ class _Tx:
     def __enter__(self) -> sqlite3.Connection:
         self._database.acquire_writer()
         try:
-            self._database.writer_db.execute("BEGIN IMMEDIATE")
-        except BaseException:
+            self._database.writer_db.execute("BEGIN IMMEDIATE")  # waits out another process's lock, 5 s
+        except BaseException as e:
             self._database.release_writer()
+            if (known := _storage_error(e)) is not None:
+                raise known from e
             raise
         return self._database.writer_db
 
@@ -294,7 +305,7 @@ class _Tx:
         finally:
             self._database.release_writer()
         failed = commit_error or exc
-        if (full := _disk_full(failed)) is not None:
-            raise full from failed
+        if (known := _storage_error(failed)) is not None:
+            raise known from failed
         if commit_error is not None:
             raise commit_error

@@ -25,6 +25,7 @@ from trainer_agent.settings import PublisherSettings
 from weightsync.arena_files import owner_alive
 from weightsync.client import CoordinatorClient
 from weightsync.errors import StaleGeneration
+from weightsync.manifest import Endpoint
 
 TINY = ["--model-size", "tiny"]
 TTL = 2.0  # every lease in these tests; agents beat every 0.5 s (weightsync.lease)
@@ -120,6 +121,36 @@ def test_an_engine_that_fails_to_take_a_version_is_reported_and_the_rollout_trie
         assert hs.agent_id == "r0" and hs.ok
     assert "applying version 1 failed: RuntimeError: failpoint applier.raise" in r0.log()
     eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+
+
+def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster: Cluster) -> None:
+    """An operator's sqlite3 shell or a backup holding the database's write lock past
+    SQLite's 5 s busy timeout made the coordinator's housekeeping raise, and the process
+    exited; the write RPCs meanwhile came back INTERNAL. Now they are UNAVAILABLE naming
+    `database` (retryable), and housekeeping tries again until the lock is gone."""
+    import sqlite3
+
+    from weightsync.errors import TransportUnavailable
+
+    db = str(cluster.workdir / "coordinator.db")
+    coord = cluster.start_coordinator(db_path=db, args=["--lease-ttl-s", str(TTL)])
+    with CoordinatorClient(coord.address, retries=0) as client:
+        client.open_session("job", trainer=False)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())  # and never beats again
+        other = sqlite3.connect(db, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(TransportUnavailable, match="database: another process holds") as refused:
+                client.register_agent("job", "r1", trainer=False, endpoint=Endpoint())
+            assert refused.value.field == "database"
+            eventually(lambda: "housekeeping failed" in coord.log(), timeout_s=20, what="a failed sweep")
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        eventually(lambda: "housekeeping recovered" in coord.log(), timeout_s=20, what="the sweeps again")
+        assert coord.alive()
+        assert not agents(client)["r0"].alive  # its lease was swept once the lock was gone
+        client.register_agent("job", "r1", trainer=False, endpoint=Endpoint())
 
 
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
