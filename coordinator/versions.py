@@ -25,6 +25,7 @@ from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
+    SessionNotFound,
     StaleGeneration,
     VersionConflict,
     VersionNotFound,
@@ -471,7 +472,16 @@ class _SealCheck:
 
 
 def check_generation(generation: int, s: SessionRecord) -> None:
-    """Writers must carry the session's current generation (fencing, DESIGN "Concepts")."""
+    """Writers must carry the session's current generation (fencing, DESIGN "Concepts").
+
+    An older one is a fenced writer (StaleGeneration). A newer one was never issued here:
+    this coordinator lost the state it gave it (a database gone with its volume), so the
+    writer's session is not known here, and the writer should open it again."""
+    if generation > s.generation:
+        raise SessionNotFound(
+            f"session {s.name!r} at generation {generation} is not known here: this coordinator holds generation "
+            f"{s.generation} (it lost its database?); open the session again"
+        )
     if generation != s.generation:
         raise StaleGeneration(
             f"generation {generation} is not the session's current generation {s.generation}; "

@@ -29,11 +29,15 @@ def follow_servable(
     """Calls `on_version` with the newest servable version on (re)connect, then with each
     new one, until `stop` is set; rides out coordinator outages by reconnecting."""
     seq = -1
+    failing = False
     while not stop.is_set():
         try:
             if seq < 0:  # (re)connect: no replay of history, just the newest version
                 st = client.status(session, 1)
                 seq = st.event_seq
+                if failing:
+                    log.info("watch reconnected")
+                    failing = False
                 if st.versions and st.versions[0].state in SERVABLE_STATES:
                     on_version(st.versions[0].version)
             for ev in client.watch(session, seq):
@@ -44,9 +48,10 @@ def follow_servable(
                     on_version(ev.version.version)
         except Exception as e:  # noqa: BLE001 - how the agent learns of versions: it outlives a bug as an outage
             if not stop.is_set():
-                if isinstance(e, WeightsyncError):
-                    log.warning("watch interrupted (%s); reconnecting", e)
-                else:
+                if not isinstance(e, WeightsyncError):
                     log.exception("watch failed unexpectedly; reconnecting")
+                elif not failing:  # once per outage, not twice a second
+                    log.warning("watch interrupted (%s); reconnecting", e)
+                failing = True
                 seq = -1
                 stop.wait(0.5)

@@ -36,6 +36,7 @@ from weightsync.digests import access_token
 from weightsync.errors import (
     FailedPrecondition,
     InvalidArgument,
+    SessionNotFound,
     SlotBusy,
     StaleGeneration,
     WeightsyncError,
@@ -127,17 +128,8 @@ class WeightPublisher:
         security = s.security()
         self._client = CoordinatorClient(s.coordinator, timeout_s=s.timeout_s, security=security)
         self._resources.callback(self._client.close)
-        opened = self._client.open_session(
-            s.session,
-            trainer=True,
-            incarnation=s.incarnation or uuid.uuid4().hex,
-            trainer_ranks=s.world_size,
-            min_rollouts=s.min_rollouts,
-            weight_sync_mode=s.weight_sync_mode,
-            next_version=next_version,
-        )
-        self.generation = opened.generation
-        self._token_key = opened.token_key
+        self._incarnation = s.incarnation or uuid.uuid4().hex
+        self._open_session(next_version)
         self.metrics.fenced.labels(session=s.session).set(0)
         reclaim_orphans()  # arenas of trainers killed on this host before they could clean up
         self.arena = Arena(f"{s.session}-r{s.rank}", slots=s.slots)
@@ -187,6 +179,32 @@ class WeightPublisher:
             self.server.address,
         )
 
+    def _open_session(self, next_version: int) -> None:
+        s = self.settings
+        opened = self._client.open_session(
+            s.session,
+            trainer=True,
+            incarnation=self._incarnation,
+            trainer_ranks=s.world_size,
+            min_rollouts=s.min_rollouts,
+            weight_sync_mode=s.weight_sync_mode,
+            next_version=next_version,
+        )
+        self.generation = opened.generation
+        self._token_key = opened.token_key
+
+    def _reattach(self, next_version: int) -> None:
+        """Opens the session again, as the same incarnation, where the coordinator no longer
+        knows it: it lost its database (a volume gone, a pod rescheduled with emptyDir). No
+        session can be deleted otherwise, so this fences nobody; the rollouts register again
+        once it exists, and versions go on from `next_version`."""
+        log.warning(
+            "the coordinator no longer knows session %s (its database was lost?); opening it again as incarnation %s",
+            self.session,
+            self._incarnation,
+        )
+        self._open_session(next_version)
+
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
         """Stops heartbeats and serving, deregisters, frees the arena; idempotent."""
@@ -218,15 +236,22 @@ class WeightPublisher:
 
     def _register(self) -> float:
         with self._refused_as_stale_means_fenced():
-            resp = self._client.register_agent(
-                self.session,
-                self.agent_id,
-                trainer=True,
-                endpoint=self.endpoint,
-                rank=self.rank,
-                generation=self.generation,
-            )
+            try:
+                resp = self._register_once()
+            except SessionNotFound:
+                self._reattach(self._latest_version() + 1)
+                resp = self._register_once()
         return resp.lease_ttl_seconds
+
+    def _register_once(self) -> _cpb.RegisterAgentResponse:
+        return self._client.register_agent(
+            self.session,
+            self.agent_id,
+            trainer=True,
+            endpoint=self.endpoint,
+            rank=self.rank,
+            generation=self.generation,
+        )
 
     @contextlib.contextmanager
     def _refused_as_stale_means_fenced(self) -> Iterator[None]:
@@ -468,9 +493,16 @@ class WeightPublisher:
         )  # fmt: skip
 
     def _publish_part(self, version: int, key: str, part: Part) -> _cpb.PublishResponse:
-        return self._client.publish_part(
-            self.session, generation=self.generation, version=version, idempotency_key=key, part=part
-        )
+        def once() -> _cpb.PublishResponse:  # with the generation of the moment
+            return self._client.publish_part(
+                self.session, generation=self.generation, version=version, idempotency_key=key, part=part
+            )
+
+        try:
+            return once()
+        except SessionNotFound:
+            self._reattach(version)
+            return once()
 
     def _claim_slot(self, version: int) -> int:
         """A slot to stage into: an empty one, else the oldest whose version is released.

@@ -12,7 +12,7 @@ from typing import Any
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, DeadlineExceeded, TransportUnavailable, WeightsyncError
+from weightsync.errors import AgentNotFound, DeadlineExceeded, SessionNotFound, TransportUnavailable, WeightsyncError
 from weightsync.lease import heartbeat_interval_s
 from weightsync.rpc import error_from_status
 
@@ -108,7 +108,7 @@ class Heartbeat:
                         self._beat_on_stream()
                     else:
                         self._beat_once()
-                except AgentNotFound:
+                except (AgentNotFound, SessionNotFound):  # the latter: a coordinator that lost its database
                     log.warning(
                         "agent %s: lease lost (expired or coordinator restarted); registering again", self._agent_id
                     )

@@ -271,9 +271,9 @@ CASES = [
         "header",
     ),
     Case(
-        "publish stale generation",
-        lambda w: publish(w, generation=w.gen - 1 if w.gen > 1 else w.gen + 5),
-        C.FAILED_PRECONDITION,
+        "publish a generation never issued (lost state)",
+        lambda w: publish(w, generation=w.gen + 5),
+        C.NOT_FOUND,
         None,
     ),
     Case("publish version 0", lambda w: publish(w, version=0), C.INVALID_ARGUMENT, "header.version"),
@@ -379,11 +379,11 @@ CASES = [
         "agent_id",
     ),
     Case(
-        "abort stale generation",
+        "abort with a generation never issued (lost state)",
         lambda w: w.stub.AbortVersion(
             cpb.AbortVersionRequest(session="job", generation=w.gen + 3, version=1), timeout=5
         ),
-        C.FAILED_PRECONDITION,
+        C.NOT_FOUND,
         None,
     ),
     Case(
@@ -401,19 +401,19 @@ CASES = [
         "generation",
     ),
     Case(
-        "release stale generation",
+        "release with a generation never issued (lost state)",
         lambda w: w.stub.ReleaseVersion(
             cpb.ReleaseVersionRequest(session="job", version=1, force=True, generation=w.gen + 3), timeout=5
         ),
-        C.FAILED_PRECONDITION,
+        C.NOT_FOUND,
         None,
     ),
     Case(
-        "register trainer stale generation",
+        "register a trainer with a generation never issued (lost state)",
         lambda w: w.stub.RegisterAgent(
             cpb.RegisterAgentRequest(session="job", agent_id="t9", role=tpb.TRAINER, generation=w.gen + 3), timeout=5
         ),
-        C.FAILED_PRECONDITION,
+        C.NOT_FOUND,
         None,
     ),
     Case(

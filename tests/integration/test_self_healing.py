@@ -153,6 +153,39 @@ def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster
         client.register_agent("job", "r1", trainer=False, endpoint=Endpoint())
 
 
+def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cluster: Cluster) -> None:
+    """A coordinator rescheduled without its volume (emptyDir) comes back knowing no
+    session: the trainer's next publish ended in SessionNotFound and the sidecar exited,
+    the rollouts waited for a session nobody opened. The trainer now opens it again as the
+    same incarnation, and the fleet goes on from its next version."""
+    db = cluster.workdir / "coordinator.db"
+    coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
+    port = int(coord.address.rsplit(":", 1)[1])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    trainer = cluster.start_trainer(
+        "t1",
+        coord.address,
+        "job",
+        [*TINY, "--steps", "200", "--step-interval-s", "0.5", "--wait-commit", "false", "--hold"],
+    )
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 2, states=("COMMITTED",), timeout_s=60)
+    cluster.kill("coordinator")
+    for f in cluster.workdir.glob("coordinator.db*"):
+        f.unlink()  # the database, its WAL and its lock: a new volume
+    cluster.start_coordinator(name="coordinator-2", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
+    with CoordinatorClient(coord.address) as client:
+        first = eventually(lambda: client.status("job").versions, timeout_s=30, what="a version in the new database")
+        later = first[-1].version + 1  # a rollout syncs the newest version: it may skip this one
+
+        def committed_since() -> bool:
+            return any(v.version >= later and state_name(v) == "COMMITTED" for v in client.status("job").versions)
+
+        eventually(committed_since, timeout_s=60, what=f"a version >= {later} committed")
+    eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new coordinator's versions")
+    assert trainer.alive() and "opening it again as incarnation" in trainer.log()
+
+
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     cluster.start_rollout("r0", coord.address, "job")

@@ -135,6 +135,9 @@ def test_generation_fencing(store: SessionStore) -> None:
         store.abort_version("job", generation=old, version=1, reason="x")
     with pytest.raises(FailedPrecondition):
         store.open_session("job", trainer=True, incarnation="run-2", trainer_ranks=3)
+    # A generation this store never issued: it lost the state that did (the writer opens the session again).
+    with pytest.raises(SessionNotFound, match="lost its database"):
+        store.publish_part("job", generation=new + 1, version=2, idempotency_key="b", part=p1)
 
 
 def test_multi_rank_staging_until_every_rank_sealed(store: SessionStore) -> None:
