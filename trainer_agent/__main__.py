@@ -47,8 +47,8 @@ def publish_retrying(
         try:
             return pub.publish(params, version)
         except (*TRANSIENT_ERRORS, SlotBusy, ResourceExhausted) as e:
-            # the coordinator's disk full (field "database") may pass; a limit does not
-            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field != "database"):
+            # a full disk (the coordinator's database, the fs store) may pass; a limit does not
+            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field not in ("database", "fs_root")):
                 raise
             log.warning(
                 "publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts

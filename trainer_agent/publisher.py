@@ -556,7 +556,10 @@ class WeightPublisher:
                     break
         self.table.set(slot, None)
         if self.fs_store is not None:
-            self.fs_store.remove_part(self.session, entry.version, self.rank)
+            try:
+                self.fs_store.remove_part(self.session, entry.version, self.rank)
+            except OSError as e:  # the store's trouble: an old part left behind costs space, not this publish
+                log.warning("version %d: its part was not removed from the fs store (%s)", entry.version, e)
         return slot
 
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:

@@ -188,3 +188,36 @@ def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: Runn
         assert puller.transport_for(manifest.parts[0], puller.plan(header).mode) == "shm"
         puller.close()
     client.close()
+
+
+def test_a_failing_fs_store_is_a_retryable_error_not_a_crash(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path
+) -> None:  # noqa: ANN001
+    """The store's own OSErrors (a full or broken disk, a part collected while a rollout
+    read it, a network store's hiccup) escaped as exceptions: a trainer's publish crashed
+    the sidecar instead of being retried. They are UNAVAILABLE (or RESOURCE_EXHAUSTED when
+    full) naming fs_root, and nothing half-written is ever read."""
+    from weightsync.errors import TransportUnavailable
+
+    root = tmp_path / "store"
+    params = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(
+        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, fs_root=str(root))
+    ) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        blocker = root / "job" / "v1"
+        blocker.parent.mkdir(parents=True)
+        blocker.write_bytes(b"")  # where the version's directory must go: every write under it fails
+        with pytest.raises(TransportUnavailable, match="cannot write") as refused:
+            pub.publish(params, 1)
+        assert refused.value.field == "fs_root"
+        blocker.unlink()
+        pub.publish(params, 1)  # the same version again, once the store works
+        puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=str(root))
+        (root / "job" / "v1" / "r0" / "part.bin").unlink()  # collected while its marker still says ready
+        gone = sync_version(puller, DictApplier(), 1)
+        assert not gone.ok and "fs_root: cannot read" in gone.mismatch
+        puller.close()
+    client.close()

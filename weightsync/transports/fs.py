@@ -11,6 +11,7 @@ bucket, no '..' can come in through a manifest.
 
 from __future__ import annotations
 
+import errno
 import posixpath
 import re
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import Any
 
 import fsspec
 
-from weightsync.errors import InvalidArgument, TransportUnavailable
+from weightsync.errors import InvalidArgument, ResourceExhausted, TransportUnavailable, WeightsyncError
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
 
@@ -94,13 +95,16 @@ class FsStore:
         """Writes part.bin (and delta.bin: the delta's encoded bytes), then the marker last;
         returns the part's path relative to the root."""
         d = self.part_dir(session, version, rank)
-        self.fs.makedirs(d, exist_ok=True)
-        with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
-            f.write(data)
-        if delta is not None:
-            with self.fs.open(posixpath.join(d, DELTA_FILE), "wb") as f:
-                f.write(delta)
-        self.fs.pipe_file(posixpath.join(d, MARKER), b"")
+        try:
+            self.fs.makedirs(d, exist_ok=True)
+            with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
+                f.write(data)
+            if delta is not None:
+                with self.fs.open(posixpath.join(d, DELTA_FILE), "wb") as f:
+                    f.write(delta)
+            self.fs.pipe_file(posixpath.join(d, MARKER), b"")
+        except OSError as e:  # no marker was written: readers never see the partial part
+            raise store_error(e, f"cannot write {self.uri_of(d)}") from e
         return part_path(session, version, rank)
 
     def remove_part(self, session: str, version: int, rank: int) -> None:
@@ -124,6 +128,14 @@ class FsStore:
         return sorted(out)
 
 
+def store_error(error: OSError, what: str) -> WeightsyncError:
+    """The store failing under a call, as an error naming `fs_root`: a full store is
+    RESOURCE_EXHAUSTED, anything else (a part collected while read, an I/O or network
+    error of the store) UNAVAILABLE, which callers retry, not an exception that ends them."""
+    cls = ResourceExhausted if error.errno in (errno.ENOSPC, errno.EDQUOT) else TransportUnavailable
+    return cls(f"{what}: {error}", field="fs_root")
+
+
 class FsTransport(Transport):
     """Reads chunk ranges of part.bin; refuses parts whose marker is not there yet."""
 
@@ -138,7 +150,11 @@ class FsTransport(Transport):
         if self._store is None:
             raise InvalidArgument("the fs transport needs the store root it may read (fs_root)", field="fs_root")
         self._dir = self._store.resolve(endpoint.fs_uri)
-        if not self._store.fs.exists(posixpath.join(self._dir, MARKER)):
+        try:
+            marked = self._store.fs.exists(posixpath.join(self._dir, MARKER))
+        except OSError as e:
+            raise store_error(e, f"cannot read {endpoint.fs_uri}") from e
+        if not marked:
             raise TransportUnavailable(f"{endpoint.fs_uri} has no {MARKER} marker yet")
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
@@ -150,7 +166,10 @@ class FsTransport(Transport):
         delta = posixpath.join(self._dir, DELTA_FILE)
         for index, (offset, length) in zip(request.indices, request.spans):
             path = delta if request.chunk_count and index >= request.chunk_count else part
-            data = self._store.fs.cat_file(path, start=offset, end=offset + length)
+            try:
+                data = self._store.fs.cat_file(path, start=offset, end=offset + length)
+            except OSError as e:
+                raise store_error(e, f"cannot read {path}") from e
             yield ChunkPayload(index, offset, memoryview(data))
 
     def close(self) -> None:
