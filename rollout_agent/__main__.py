@@ -17,7 +17,7 @@ from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config
 from weightsync.logs import bind, setup_logging
 from weightsync.metrics import build_metrics
-from weightsync.server import Service, start_server, wait_for_signal, write_ready_file
+from weightsync.server import SMALL_REQUEST_BYTES, Service, start_server, wait_for_signal, write_ready_file
 
 log = logging.getLogger("rollout_agent")
 
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics=metrics,
         metrics_port=cfg.metrics_port,
         security=cfg.security(),
+        max_request_bytes=SMALL_REQUEST_BYTES,
     )
     wiring.server_address = running.address
     agent.start(follow=cfg.follow)

@@ -47,7 +47,7 @@ from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
-from weightsync.server import RunningServer, Service, start_server
+from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore
 from weightsync.transports.tcp import TcpChunkServer
 
@@ -154,6 +154,7 @@ class WeightPublisher:
             metrics=self.metrics,
             metrics_port=s.metrics_port,
             security=security,
+            max_request_bytes=SMALL_REQUEST_BYTES,
         )
         self._resources.callback(self._stop_serving)
         self.endpoint = Endpoint(

@@ -39,9 +39,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 # The server must accept what CHANNEL_OPTIONS send: pings every 20 s, also without calls.
-# Otherwise it counts them as abuse and answers GOAWAY too_many_pings.
+# Otherwise it counts them as abuse and answers GOAWAY too_many_pings. Each server sets its
+# own largest request (`weightsync.server.start_server`).
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

@@ -21,7 +21,7 @@ from prometheus_client import start_http_server
 from weightsync.config import is_loopback
 from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
-from weightsync.rpc import SERVER_OPTIONS, StatusInterceptor
+from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ _loop: asyncio.AbstractEventLoop | None = None
 # Concurrent calls a server admits; watches and streams cost no thread, so this bounds
 # only memory (a fleet of 1,000 rollouts holds ~2,000: a watch and a heartbeat each).
 MAX_CONCURRENT_RPCS = 16_384
+# The trainer's and rollouts' servers take only small requests (a chunk read names at most
+# 4,096 indices, ~20 KB): 80 MiB requests from anyone who reaches them, a dozen at once,
+# took 3 GB beside a trainer's arena.
+SMALL_REQUEST_BYTES = 1 << 20
 
 
 def _server_loop() -> asyncio.AbstractEventLoop:
@@ -101,6 +105,7 @@ def start_server(
     metrics_port: int,
     max_workers: int = 32,
     security: Security | None = None,
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
 ) -> RunningServer:
     """Starts a grpc.aio server with health + reflection and a /metrics endpoint.
 
@@ -114,6 +119,10 @@ def start_server(
         max_workers: handler threads for the plain methods.
         security: TLS / mTLS and bearer-token checks (`weightsync.security`); plaintext
             and open without.
+        max_request_bytes: the largest request message accepted (grpc refuses larger ones
+            with RESOURCE_EXHAUSTED before buffering them). grpc holds each whole, so the
+            server's memory under concurrent large requests is this times their number:
+            servers whose requests are all small (`SMALL_REQUEST_BYTES`) say so.
     """
     security = security or PLAINTEXT
     credentials = security.server_credentials()
@@ -125,7 +134,7 @@ def start_server(
         server = grpc.aio.server(
             migration_thread_pool=pool,
             interceptors=[StatusInterceptor(metrics.observe_rpc, checks)],
-            options=SERVER_OPTIONS,
+            options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_request_bytes)],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         health_servicer = health.aio.HealthServicer()
