@@ -4,9 +4,12 @@ prefetch never reaches the engine; a newer version wins and frees the older leas
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +38,24 @@ def _setup(address: str, *agents: str) -> CoordinatorClient:
     for agent in agents:
         client.register_agent("job", agent, trainer=False, endpoint=Endpoint())
     return client
+
+
+@contextlib.contextmanager
+def _prefetching(
+    address: str, **settings: Any
+) -> Iterator[tuple[WeightPublisher, CoordinatorClient, WeightPuller, Prefetcher]]:
+    """A publisher and, for rollout r0, a client, a puller and a prefetcher that does not
+    follow the session by itself (the test asks for versions); all closed after."""
+    with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=16384, **settings)) as pub:
+        client = _setup(address, "r0")
+        puller = WeightPuller(client, "job", "r0")
+        prefetcher = Prefetcher(puller, follow=False)
+        try:
+            yield pub, client, puller, prefetcher
+        finally:
+            prefetcher.close()
+            puller.close()
+            client.close()
 
 
 def test_a_prefetched_version_applies_the_same_bytes_and_pauses_for_the_apply_alone(
@@ -153,35 +174,24 @@ def test_prefetch_threads_run_at_the_nice_value_asked_for(inprocess_coordinator:
 def test_a_newer_version_wins_and_frees_the_older_lease(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    settings = PublisherSettings(
-        coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384, slots=2, slot_wait_s=3.0
-    )
-    with WeightPublisher(settings) as pub:
-        client = _setup(inprocess_coordinator.address, "r0")
-        puller = WeightPuller(client, "job", "r0")
-        prefetcher = Prefetcher(puller, follow=False)
-        try:
-            pub.publish(_params(1), 1)
-            prefetcher.request(1)
-            eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
-            assert client.get_manifest("job", 1)[0].version.leases == 1  # held while it waits
-            pub.publish(_params(2), 2)
-            prefetcher.request(2)
-            eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 replaced version 1")
-            assert client.get_manifest("job", 1)[0].version.leases == 0  # abandoned: its slot is free
-            pub.publish(_params(3), 3)  # reuses version 1's slot without waiting for a lease
-            with prefetcher.hold(1) as ready:
-                # version 1 is gone: the caller pulls it itself into the buffer, so the waiting
-                # version 2 is dropped there and prefetched again after the block
-                assert ready is None
-            eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 prefetched again")
-            with prefetcher.hold(2) as ready:
-                assert ready is not None and ready.version == 2
-                assert apply_prefetched(ready, puller, DictApplier()).ok
-        finally:
-            prefetcher.close()
-            puller.close()
-            client.close()
+    with _prefetching(inprocess_coordinator.address, slots=2, slot_wait_s=3.0) as (pub, client, puller, prefetcher):
+        pub.publish(_params(1), 1)
+        prefetcher.request(1)
+        eventually(lambda: prefetcher.status()["ready"] == 1, what="version 1 prefetched")
+        assert client.get_manifest("job", 1)[0].version.leases == 1  # held while it waits
+        pub.publish(_params(2), 2)
+        prefetcher.request(2)
+        eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 replaced version 1")
+        assert client.get_manifest("job", 1)[0].version.leases == 0  # abandoned: its slot is free
+        pub.publish(_params(3), 3)  # reuses version 1's slot without waiting for a lease
+        with prefetcher.hold(1) as ready:
+            # version 1 is gone: the caller pulls it itself into the buffer, so the waiting
+            # version 2 is dropped there and prefetched again after the block
+            assert ready is None
+        eventually(lambda: prefetcher.status()["ready"] == 2, what="version 2 prefetched again")
+        with prefetcher.hold(2) as ready:
+            assert ready is not None and ready.version == 2
+            assert apply_prefetched(ready, puller, DictApplier()).ok
 
 
 def test_the_prefetch_thread_outlives_an_unexpected_exception(
@@ -200,17 +210,8 @@ def test_the_prefetch_thread_outlives_an_unexpected_exception(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(prefetch_module, "prefetch", flaky)
-    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=16384)
-    with WeightPublisher(settings) as pub:
-        client = _setup(inprocess_coordinator.address, "r0")
-        puller = WeightPuller(client, "job", "r0")
-        prefetcher = Prefetcher(puller, follow=False)
-        try:
-            pub.publish(_params(1), 1)
-            assert not prefetcher.wait_ready(1, 10)  # its pull failed: the update pulls it
-            pub.publish(_params(2), 2)
-            assert prefetcher.wait_ready(2, 30)  # the same thread prefetches the next one
-        finally:
-            prefetcher.close()
-            puller.close()
-            client.close()
+    with _prefetching(inprocess_coordinator.address) as (pub, _client, _puller, prefetcher):
+        pub.publish(_params(1), 1)
+        assert not prefetcher.wait_ready(1, 10)  # its pull failed: the update pulls it
+        pub.publish(_params(2), 2)
+        assert prefetcher.wait_ready(2, 30)  # the same thread prefetches the next one
