@@ -198,7 +198,10 @@ class WeightPublisher:
         """Opens the session again, as the same incarnation, where the coordinator no longer
         knows it: it lost its database (a volume gone, a pod rescheduled with emptyDir). No
         session can be deleted otherwise, so this fences nobody; the rollouts register again
-        once it exists, and versions go on from `next_version`."""
+        once it exists, and versions go on from `next_version`. A fenced publisher never does:
+        a newer incarnation may have opened the session there since."""
+        if self.fenced:
+            raise StaleGeneration(f"this publisher was fenced by generation {self.fenced_by}; it does not re-attach")
         log.warning(
             "the coordinator no longer knows session %s (its database was lost?); opening it again as incarnation %s",
             self.session,
