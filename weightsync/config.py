@@ -161,7 +161,10 @@ def _parse_bool(text: str) -> bool:
 
 
 def _parse_float(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):  # "nan" and "inf" parse; no setting means either
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value

@@ -312,6 +312,13 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
         InitInfo(coordinator="c:1", session="s", auth_token_file=str(tmp_path / "empty"))
 
 
+def test_a_float_flag_that_is_no_number_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, environ in ((["--lease-ttl-s=abc"], {}), ([], {"WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "abc"})):
+        with pytest.raises(SystemExit):
+            load_config(CoordinatorConfig, "coordinator", argv, environ)
+        assert "expected a number, got 'abc'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400"])
 def test_float_settings_are_finite_from_flags_env_and_code(text: str, capsys: pytest.CaptureFixture[str]) -> None:
     """ "nan" and "inf" parse as floats: a coordinator started with a NaN lease compared no
