@@ -42,14 +42,11 @@ class TrainerConfig(PublisherSettings):
     def __post_init__(self) -> None:
         try:
             super().__post_init__()
+            check_bounds(self, ("step_interval_s",), 0)
+            check_positive(self, ("commit_timeout_s",))
         except InvalidArgument as e:
             raise ValueError(e.message) from None
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.steps < 0 or self.start_version < 1:
             raise ValueError("steps must be >= 0 and start_version >= 1")
-        try:
-            check_bounds(self, ("step_interval_s",), 0)
-            check_positive(self, ("commit_timeout_s",))
-        except InvalidArgument as e:
-            raise ValueError(e.message) from None

@@ -20,6 +20,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
+from weightsync.rpc import INT64_MAX
 from weightsync.security import Security, agent_token, load_tokens
 from weightsync.wire import unix_seconds
 
@@ -201,9 +202,6 @@ def cmd_watch(client: CoordinatorClient, args: argparse.Namespace, console: Cons
 
 
 COMMANDS = {"status": cmd_status, "versions": cmd_versions, "manifest": cmd_manifest, "watch": cmd_watch}
-
-
-INT64_MAX = (1 << 63) - 1  # what the coordinator stores versions, counts and sequence numbers in
 
 
 def _number(low: float, convert: type = int) -> Any:

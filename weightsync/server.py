@@ -46,8 +46,8 @@ _loop: asyncio.AbstractEventLoop | None = None
 # only memory (a fleet of 1,000 rollouts holds ~2,000: a watch and a heartbeat each).
 MAX_CONCURRENT_RPCS = 16_384
 # The trainer's and rollouts' servers take only small requests (a chunk read names at most
-# 4,096 indices, ~20 KB): 80 MiB requests from anyone who reaches them, a dozen at once,
-# took 3 GB beside a trainer's arena.
+# 4,096 indices, ~20 KB): a dozen 70 MiB requests at once, from anyone who reaches it,
+# took a trainer's peak memory from 0.5 to 1.9 GB beside its arena.
 SMALL_REQUEST_BYTES = 1 << 20
 
 
