@@ -170,10 +170,21 @@ class Cluster:
         )
 
     def start_trainer(
-        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wait: bool = True
+        self,
+        name: str,
+        coordinator: str,
+        session: str,
+        args: Sequence[str] = (),
+        *,
+        wait: bool = True,
+        wrapper: Sequence[str] = (),
     ) -> Proc:
         return self.start(
-            name, trainer_pkg.__name__, ["--coordinator", coordinator, "--session", session, *args], wait=wait
+            name,
+            trainer_pkg.__name__,
+            ["--coordinator", coordinator, "--session", session, *args],
+            wait=wait,
+            wrapper=wrapper,
         )
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:

@@ -23,6 +23,7 @@ from weightsync.server import wait_for_signal, write_ready_file
 
 log = logging.getLogger("trainer_agent")
 EXIT_FENCED = 3  # a newer incarnation owns the session
+_FULL_DISK_FIELDS = ("database", "fs_root", "arena")
 
 
 def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -47,8 +48,8 @@ def publish_retrying(
         try:
             return pub.publish(params, version)
         except (*TRANSIENT_ERRORS, SlotBusy, ResourceExhausted) as e:
-            # a full disk (the coordinator's database, the fs store) may pass; a limit does not
-            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field not in ("database", "fs_root")):
+            # a full disk (the coordinator's database, the fs store, /dev/shm) may pass; a limit does not
+            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field not in _FULL_DISK_FIELDS):
                 raise
             log.warning(
                 "publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts

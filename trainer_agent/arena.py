@@ -6,6 +6,7 @@ then reused every step. Growing a slot reallocates the whole arena and says so.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -48,7 +49,12 @@ class Arena:
         return self.slots * self.slot_bytes
 
     def ensure_slot_bytes(self, needed: int) -> bool:
-        """Makes every slot hold at least `needed` bytes; True when it (re)allocated."""
+        """Makes every slot hold at least `needed` bytes; True when it (re)allocated.
+
+        Raises:
+            ResourceExhausted (field `arena`): no room for it in the directory; the arena
+                is then unallocated (a reallocation has released the old one).
+        """
         if self._mm is not None and needed <= self.slot_bytes:
             return False
         new_slot = align_up(max(needed, 1), _SLOT_ALIGN)
@@ -62,9 +68,13 @@ class Arena:
         self._release()
         self.slot_bytes = new_slot
         self.path = Path(self.directory) / new_arena_name(self.tag)
-        self._fd = create_locked(self.path, self.nbytes)
-        self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._populate()
+        try:
+            self._fd = create_locked(self.path, self.nbytes)
+            self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._populate()
+        except BaseException:
+            self.close()  # unallocated, as before the first call: the old slots are gone too
+            raise
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.allocations += 1
         log.info("arena %s: %d slots x %d bytes allocated and populated", self.path, self.slots, self.slot_bytes)
@@ -74,7 +84,10 @@ class Arena:
         assert self._mm is not None
         try:
             self._mm.madvise(_MADV_POPULATE_WRITE)
-        except OSError:  # older kernels: touch one byte per page instead
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # out of memory: touching pages would die of SIGBUS
+                raise
+            # a kernel before 5.14: touch one byte per page instead
             page = mmap.PAGESIZE
             view = memoryview(self._mm)
             for off in range(0, self.nbytes, page):

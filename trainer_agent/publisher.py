@@ -288,6 +288,8 @@ class WeightPublisher:
             InvalidArgument: bad names, dtypes or shapes (nothing is published).
             StaleGeneration: another incarnation attached since; this publisher is fenced.
             SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s.
+            ResourceExhausted: no room for the arena (field `arena`; it may pass, as other
+                files leave /dev/shm), or a limit exceeded.
         """
         with version_context(version):
             return self._publish(params, version, idempotency_key)
@@ -302,9 +304,7 @@ class WeightPublisher:
         claim_started = time.perf_counter()
         slot = self._claim_slot(version)  # may wait for leases: not staging time
         started += time.perf_counter() - claim_started
-        if self.arena.ensure_slot_bytes(layout.total_bytes):
-            for other in range(self.arena.slots):  # reallocated: every slot's bytes are gone
-                self.table.set(other, None)
+        self._fit_arena(layout.total_bytes)
         base = self._delta_base(plan, slot, version)
         path, shard_specs, chunks, encodings = self._stager.stage(
             plan,
@@ -330,6 +330,18 @@ class WeightPublisher:
         return self._seal(
             version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path, delta
         )
+
+    def _fit_arena(self, slot_bytes: int) -> None:
+        """Makes every arena slot hold `slot_bytes`. A reallocation, or one that failed (no
+        room: ResourceExhausted naming `arena`), leaves no slot's bytes: their versions are
+        forgotten, so no reader is served from an arena that is gone."""
+        reallocated = True
+        try:
+            reallocated = self.arena.ensure_slot_bytes(slot_bytes)
+        finally:
+            if reallocated:
+                for slot in range(self.arena.slots):
+                    self.table.set(slot, None)
 
     def _delta_base(self, plan: StagePlan, slot: int, version: int) -> tuple[int, int, str] | None:
         """(slot, version, manifest digest) of the version to encode this one against: the
@@ -392,9 +404,7 @@ class WeightPublisher:
     ) -> PublishResult:
         key = idempotency_key or f"{self.agent_id}:{version}"
         slot = self._claim_slot(version)
-        if self.arena.ensure_slot_bytes(capacity_bytes):
-            for other in range(self.arena.slots):
-                self.table.set(other, None)
+        self._fit_arena(capacity_bytes)
         started = time.perf_counter()
         self._layouts.pop(slot, None)  # staged in arrival order: never a delta base
         stream = device_stream(items, self.settings.weight_dtype, self.settings.d2h_window_bytes)

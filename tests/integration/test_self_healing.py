@@ -267,15 +267,20 @@ def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Clu
     assert "in use by another coordinator" in second.log()
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private /dev/shm")
-def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempts(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+def private_dev_shm(setup: str = "mount -t tmpfs tmpfs /dev/shm") -> list[str]:
+    """A command prefix running a process in its own mount namespace, where `setup` has
+    mounted a /dev/shm of its own (skips the test where no namespace can be made)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for a private /dev/shm")
     probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot create a mount namespace here: {probe.stderr.decode().strip()}")
+    return ["unshare", "--mount", "sh", "-c", f'{setup} && exec "$@"', "sh"]
+
+
+def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempts(cluster: Cluster) -> None:
+    private_shm = private_dev_shm()
     coord = cluster.start_coordinator()
-    private_shm = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
     r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", "shm"], wrapper=private_shm)
     cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
     with CoordinatorClient(coord.address) as client:
@@ -284,6 +289,26 @@ def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempt
     assert st.current_version == 1 and st.chunk_retries == 0
     assert "arena not mappable here" in r0.log() and "pulling over tcp" in r0.log()
     assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 0
+
+
+def test_a_dev_shm_without_room_for_the_arena_is_refused_and_retried_until_there_is(cluster: Cluster) -> None:
+    """A /dev/shm too small for the arena (a pod gets 64 MiB unless a memory emptyDir is
+    mounted; here 8 MiB, 6 of them taken, for a 4 MiB arena): the trainer used to map a
+    sparse file and die of SIGBUS at its first publish. It now says what it needs, tries
+    again, and publishes once room is made."""
+    small_shm = private_dev_shm(
+        "mount -t tmpfs -o size=8m tmpfs /dev/shm && head -c 6291456 /dev/zero > /dev/shm/ballast"
+    )
+    coord = cluster.start_coordinator()
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    t1 = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"], wrapper=small_shm)
+    eventually(lambda: "bytes do not fit in /dev/shm" in t1.log(), what="the arena refused for want of room")
+    eventually(lambda: "trying again" in t1.log(), what="the publish tried again")
+    assert t1.alive()
+    Path(f"/proc/{t1.pid}/root/dev/shm/ballast").unlink()  # the file, seen from inside its namespace
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+    assert rollout_status(r0.address).current_version == 1
 
 
 def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coordinator, no_arena_leak: None) -> None:  # noqa: ANN001
