@@ -223,15 +223,25 @@ class BearerAuth:
                         return role, ""
         raise Unauthenticated("authorization: missing or unknown bearer token")
 
+    def before_read(self, method: str, metadata: Any) -> None:
+        """The token, and its role's rule for `method`: all that needs no request."""
+        if not method.startswith(UNCHECKED_PREFIXES):
+            self._role_allowed(method, metadata)
+
+    def _role_allowed(self, method: str, metadata: Any) -> tuple[str, str]:
+        """(role, bound agent id) of the call's token, refused when its role may not call `method`."""
+        role, bound = self.identity_of(metadata)
+        allowed = ROLE_RULES.get(method)
+        if role != "admin" and allowed is not None and role not in allowed:
+            raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
+        return role, bound
+
     def __call__(self, method: str, metadata: Any, request: Any) -> None:
         if method.startswith(UNCHECKED_PREFIXES):
             return
-        role, bound = self.identity_of(metadata)
+        role, bound = self._role_allowed(method, metadata)
         if role == "admin":
             return
-        allowed = ROLE_RULES.get(method)
-        if allowed is not None and role not in allowed:
-            raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
         if method in ROLE_IN_REQUEST:
             asked = _ROLE_OF_ENUM.get(request.role)
             if asked is not None and asked != role:
