@@ -6,8 +6,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
+from coordinator.database import quarantine
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from coordinator.store import SessionStore
 from coordinator.watch import WatchHub
@@ -25,6 +27,9 @@ log = logging.getLogger("coordinator")
 # SQLite call: at CPython's 5 ms, another session's GetStatus p99 during such a publish was
 # 290-466 ms, at 0.5 ms 194-264 ms (three paired runs of bench/control.py each).
 GIL_SWITCH_INTERVAL_S = 0.0005
+# The database was found damaged while serving: the file is moved aside; a supervisor's
+# restart (Kubernetes, systemd) begins a new one, and agents and trainers attach again.
+EXIT_DATABASE_DAMAGED = 4
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     metrics = build_metrics("coordinator")
     stop = wait_for_signal()
+    store.db.on_corrupt = lambda _error: stop.set()
     servicer = CoordinatorServicer(store, hub, metrics)
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
@@ -81,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     running.stop()
     servicer.close()
     store.close()
+    if store.db.corrupt is not None and cfg.db_path != ":memory:":
+        kept = quarantine(Path(cfg.db_path))
+        log.error(
+            "stopped: the database was damaged (%s); moved to %s, a restart begins a new one", store.db.corrupt, kept
+        )
+        return EXIT_DATABASE_DAMAGED
     log.info("coordinator stopped")
     return 0
 

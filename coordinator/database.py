@@ -5,16 +5,20 @@ the writer), and the transactions the store runs on them."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from weightsync.errors import FailedPrecondition, ResourceExhausted, TransportUnavailable, WeightsyncError
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -85,13 +89,44 @@ BACKFILLS = (
 READERS = 8
 
 
+_CORRUPT_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """`PRAGMA quick_check` found the file damaged."""
+
+    sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+
+
+def is_corrupt(error: BaseException | None) -> bool:
+    """Whether SQLite found the database file damaged (a torn write, a bad disk, a file
+    that is no database)."""
+    return isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", None) in _CORRUPT_CODES
+
+
+def quarantine(db_path: Path) -> Path:
+    """Moves a damaged database (and its WAL and shared-memory files) aside, beside it, as
+    `<name>.corrupt-<UTC time>`; returns the new path of the database file."""
+    kept = db_path.with_name(f"{db_path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    for suffix in ("", "-wal", "-shm"):
+        source = Path(f"{db_path}{suffix}")
+        if source.exists():
+            source.rename(f"{kept}{suffix}")
+    return kept
+
+
 def _storage_error(error: BaseException | None) -> WeightsyncError | None:
-    """What a write SQLite refused for a reason of the machine, not of the request, is
+    """What a statement SQLite refused for a reason of the machine, not of the request, is
     answered with (None for any other error): a full disk (or page limit) is
     RESOURCE_EXHAUSTED, a database another process holds locked past the busy timeout
-    (an operator's sqlite3 shell, a backup) UNAVAILABLE; both name `database`. Raised
-    as they were, they came back INTERNAL and ended the coordinator's housekeeping."""
+    (an operator's sqlite3 shell, a backup) or a damaged file UNAVAILABLE; all name
+    `database`. Raised as they were, they came back INTERNAL and ended the coordinator's
+    housekeeping."""
     code = getattr(error, "sqlite_errorcode", None) if isinstance(error, sqlite3.Error) else None
+    if code in _CORRUPT_CODES:
+        return TransportUnavailable(
+            f"the coordinator's database is damaged ({error}): it restarts on a new one; retry", field="database"
+        )
     if code == sqlite3.SQLITE_FULL:
         return ResourceExhausted(
             f"the coordinator's disk is full ({error}); nothing was written: free space, then retry", field="database"
@@ -124,9 +159,26 @@ class Database:
         # go: how an event loop waiting to run a short store call on itself (StoreBusy)
         # learns it may try again.
         self.on_free: Callable[[], None] | None = None
+        # Called (once, on the thread that met it) when a statement finds the file damaged:
+        # the coordinator then stops, and its next start moves the file aside.
+        self.on_corrupt: Callable[[BaseException], None] | None = None
+        self.corrupt: BaseException | None = None
         self._lock_fd = -1
         try:
-            self._open(db_path)
+            if str(db_path) != ":memory:":
+                Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = _lock_database(Path(db_path))
+            try:
+                self._open(db_path)
+            except sqlite3.DatabaseError as e:
+                if not is_corrupt(e) or str(db_path) == ":memory:":
+                    raise
+                # Lost state heals (agents register again, the trainer opens its session
+                # again: DESIGN "Faults heal by themselves"); a coordinator that refused to
+                # start would wait for a person. The damaged file is kept for one.
+                kept = quarantine(Path(db_path))
+                log.error("the database %s is damaged (%s): moved to %s; starting with a new one", db_path, e, kept)
+                self._open(db_path)
         except (OSError, sqlite3.Error) as e:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
@@ -137,11 +189,23 @@ class Database:
             ) from e
 
     def _open(self, db_path: str | Path) -> None:
-        if str(db_path) != ":memory:":
-            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _lock_database(Path(db_path))
         self.writer_db = db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        try:
+            self._prepare(db, db_path)
+        except BaseException:
+            db.close()
+            while self.readers is not None and not self.readers.empty():
+                self.readers.get().close()
+            raise
+
+    def _prepare(self, db: sqlite3.Connection, db_path: str | Path) -> None:
+        self.readers: queue.SimpleQueue[sqlite3.Connection] | None = None
         db.row_factory = sqlite3.Row
+        # A damaged page surfaces here rather than as a failed request later. The window of
+        # versions the database keeps (retention) bounds what this reads: milliseconds.
+        problem = db.execute("PRAGMA quick_check(1)").fetchone()[0]
+        if problem != "ok":
+            raise _Corrupt(f"quick_check: {problem}")
         # WAL + synchronous=NORMAL: a committed transaction survives a killed process
         # (the WAL is in the OS page cache); only a host crash may lose the last commits.
         db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file only
@@ -156,7 +220,6 @@ class Database:
         # Reads (GetStatus, watches, manifests) use connections of their own: in WAL mode
         # they see the last commit without waiting for the writer's lock, so a fleet's
         # heartbeats and a big publish do not queue every status call behind them.
-        self.readers: queue.SimpleQueue[sqlite3.Connection] | None = None
         if str(db_path) != ":memory:":
             self.readers = queue.SimpleQueue()
             for _ in range(READERS):
@@ -212,11 +275,21 @@ class Database:
         try:
             yield self.writer_db
         except sqlite3.Error as e:
-            if (known := _storage_error(e)) is not None:
+            if (known := self.storage_error(e)) is not None:
                 raise known from e
             raise
         finally:
             self.release_writer()
+
+    def storage_error(self, error: BaseException | None) -> WeightsyncError | None:
+        """`_storage_error`, noting a damaged file (`corrupt`, `on_corrupt`) the first time."""
+        if is_corrupt(error) and self.corrupt is None:
+            assert error is not None
+            self.corrupt = error
+            log.error("the database is damaged: %s", error)
+            if (react := self.on_corrupt) is not None:
+                react(error)
+        return _storage_error(error)
 
     def tx(self) -> _Tx:
         """A write transaction (BEGIN IMMEDIATE under the writer's lock)."""
@@ -262,13 +335,25 @@ class _Read:
         return self._db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        assert self._db is not None
+        db = self._db
+        assert db is not None
+        commit_error: sqlite3.Error | None = None
         try:
-            self._db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error as e:
+                commit_error = e
+                if db.in_transaction:  # else BEGIN fails on this connection for good
+                    db.execute("ROLLBACK")
         finally:
-            self._readers.put(self._db)
+            self._readers.put(db)
             if (free := self._database.on_free) is not None:
                 free()
+        failed = exc or commit_error  # the body's error is the one to tell
+        if (known := self._database.storage_error(failed)) is not None:
+            raise known from failed
+        if commit_error is not None and exc is None:
+            raise commit_error
 
 
 class _Tx:
@@ -283,7 +368,7 @@ class _Tx:
             self._database.writer_db.execute("BEGIN IMMEDIATE")  # waits out another process's lock, 5 s
         except BaseException as e:
             self._database.release_writer()
-            if (known := _storage_error(e)) is not None:
+            if (known := self._database.storage_error(e)) is not None:
                 raise known from e
             raise
         return self._database.writer_db
@@ -305,7 +390,7 @@ class _Tx:
         finally:
             self._database.release_writer()
         failed = commit_error or exc
-        if (known := _storage_error(failed)) is not None:
+        if (known := self._database.storage_error(failed)) is not None:
             raise known from failed
         if commit_error is not None:
             raise commit_error

@@ -20,6 +20,7 @@ import pytest
 from devtools.cluster import Cluster
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, rollout_status, state_name
+from tests.unit.helpers import damage
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.arena_files import owner_alive
@@ -184,6 +185,41 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
         eventually(committed_since, timeout_s=60, what=f"a version >= {later} committed")
     eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new coordinator's versions")
     assert trainer.alive() and "opening it again as incarnation" in trainer.log()
+
+
+def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_goes_on(cluster: Cluster) -> None:
+    """A database damaged under a running coordinator (a torn write, a bad disk): every
+    request that touched it came back INTERNAL, for as long as the process lived, while its
+    health said SERVING. It now answers UNAVAILABLE naming `database`, moves the file aside
+    and exits 4; restarted (as Kubernetes would), it begins a new database and the fleet
+    attaches again, as after a lost volume."""
+    db = cluster.workdir / "coordinator.db"
+    coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
+    port = int(coord.address.rsplit(":", 1)[1])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    trainer = cluster.start_trainer(
+        "t1",
+        coord.address,
+        "job",
+        [*TINY, "--steps", "200", "--step-interval-s", "0.5", "--wait-commit", "false", "--hold"],
+    )
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 2, states=("COMMITTED",), timeout_s=60)
+    damage(db)
+    assert cluster.wait_exit("coordinator", 30) == 4  # the next heartbeat's write meets it
+    assert "the database is damaged" in coord.log() and "INTERNAL" not in coord.log()
+    assert len(list(cluster.workdir.glob("coordinator.db.corrupt-*"))) >= 1
+    cluster.start_coordinator(name="coordinator-2", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
+    with CoordinatorClient(coord.address) as client:
+        first = eventually(lambda: client.status("job").versions, timeout_s=30, what="a version in the new database")
+        later = first[-1].version + 1
+        eventually(
+            lambda: any(v.version >= later and state_name(v) == "COMMITTED" for v in client.status("job").versions),
+            timeout_s=60,
+            what=f"a version >= {later} committed",
+        )
+    eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new database's versions")
+    assert trainer.alive()
 
 
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:

@@ -1,8 +1,11 @@
-"""Builders for manifests and parts used across unit tests (no sockets)."""
+"""Builders for manifests and parts used across unit tests (no sockets), and a database damager."""
 
 from __future__ import annotations
 
+import os
+import sqlite3
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -49,3 +52,16 @@ def sample_arrays(seed: int = 0) -> dict[str, np.ndarray]:
         "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((32, 16)).astype(np.float16),
         "model.norm.weight": rng.standard_normal((16,)).astype(np.float32),
     }
+
+
+def damage(db_path: Path) -> None:
+    """Overwrites every page but the header's with noise, as a torn write or a bad disk
+    would (after moving what the WAL holds into the file)."""
+    other = sqlite3.connect(db_path)
+    other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    other.close()
+    size = db_path.stat().st_size
+    with open(db_path, "r+b") as f:
+        for page in range(1, size // 4096):
+            f.seek(page * 4096)
+            f.write(os.urandom(4096))

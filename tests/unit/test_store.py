@@ -14,7 +14,7 @@ from coordinator.database import READERS, NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
 from coordinator.states import TRANSITIONS, VersionState, check_transition
 from coordinator.store import SessionStore
-from tests.unit.helpers import make_part, row_shards, sample_arrays
+from tests.unit.helpers import damage, make_part, row_shards, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
@@ -22,6 +22,7 @@ from weightsync.errors import (
     ResourceExhausted,
     SessionNotFound,
     StaleGeneration,
+    TransportUnavailable,
     VersionConflict,
     VersionNotFound,
     WrongState,
@@ -596,6 +597,40 @@ def test_a_database_that_cannot_be_opened_names_its_path(tmp_path: Path) -> None
     with pytest.raises(FailedPrecondition, match=f"cannot open the database {blocker}/sub/c.db") as e:
         SessionStore(str(blocker / "sub" / "c.db"))
     assert e.value.field == "db_path"
+
+
+def test_a_damaged_database_is_moved_aside_and_a_new_one_begun(tmp_path: Path, clock: Clock) -> None:
+    """Found while serving: the first statement that meets the damage answers UNAVAILABLE
+    naming `database` (it was INTERNAL, as was every later one) and calls `on_corrupt`, once;
+    found at start (a file that is no database, or a damaged page): moved aside, not a
+    coordinator that starts and fails every request or refuses to start at all."""
+    db = tmp_path / "c.db"
+    s1 = SessionStore(db, clock=clock)
+    met: list[BaseException] = []
+    s1.db.on_corrupt = met.append
+    for i in range(40):
+        s1.open_session(f"job-{i:02d}-{'x' * 50}", trainer=False)
+    damage(db)
+    for call in (lambda: s1.session("job-01-" + "x" * 50), lambda: s1.open_session("job-new", trainer=True)):
+        with pytest.raises(TransportUnavailable, match="database is damaged") as refused:
+            call()
+        assert refused.value.field == "database"
+    assert len(met) == 1 and s1.db.corrupt is met[0]
+    s1.close()
+    s2 = SessionStore(db, clock=clock)  # the damage is found at start
+    try:
+        kept = [p.name for p in tmp_path.glob("c.db.corrupt-*")]
+        assert len(kept) == 1 and not kept[0].endswith(("-wal", "-shm"))
+        assert s2.db.corrupt is None
+        with pytest.raises(SessionNotFound):
+            s2.session("job-01-" + "x" * 50)
+        assert attach(s2) == 1
+    finally:
+        s2.close()
+    not_a_database = tmp_path / "other.db"
+    not_a_database.write_bytes(b"no database" * 1000)
+    SessionStore(not_a_database, clock=clock).close()
+    assert [p.name for p in tmp_path.glob("other.db.corrupt-*")]
 
 
 def test_a_rollout_holds_only_its_newest_lease(store: SessionStore) -> None:
