@@ -70,6 +70,16 @@ DEFAULT_RETAIN_VERSIONS = 50
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
+def steady_wall_clock() -> Callable[[], float]:
+    """Seconds since the epoch that advance with the monotonic clock. Leases and timestamps
+    in the database stay comparable across restarts (each start reads the wall clock once),
+    while a step of the wall clock (NTP, an operator's `date -s`) under a running coordinator
+    neither expires every lease at once (forward) nor keeps a dead agent's lease for as long
+    as the step (backward), as `time.time` did."""
+    wall, mono = time.time(), time.monotonic()
+    return lambda: wall + (time.monotonic() - mono)
+
+
 class SessionStore(VersionLifecycle):
     """The coordinator's persistent state. Thread-safe; raises `weightsync.errors`.
 
@@ -83,19 +93,20 @@ class SessionStore(VersionLifecycle):
         *,
         lease_ttl_s: float = 10.0,
         limits: Limits = DEFAULT_LIMITS,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         listener: EventListener | None = None,
         retain_versions: int = DEFAULT_RETAIN_VERSIONS,
     ) -> None:
         """`retain_versions`: per session, the newest versions whose descriptors and
         handshakes are kept; older RELEASED / FAILED ones keep a summary row
-        (`coordinator.retention`)."""
+        (`coordinator.retention`). `clock`: seconds since the epoch, `steady_wall_clock()`
+        unless given."""
         if retain_versions < 1:
             raise InvalidArgument(f"must be >= 1, got {retain_versions}", field="retain_versions")
         self.retain_versions = retain_versions
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
-        self._clock = clock
+        self._clock = clock or steady_wall_clock()
         self._listener = listener
         self._appended: set[str] = set()  # sessions with committed events their watchers were not told of
         self._tx_events = threading.local()  # .sessions: those the open transaction appended to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -338,6 +339,22 @@ def test_expired_required_rollout_does_not_block_commit(store: SessionStore, clo
     clock.t += 6  # r1 never heartbeats: expired
     store.sweep()
     assert store.version("job", 1).state is S.COMMITTED
+
+
+def test_leases_ignore_steps_of_the_wall_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NTP stepping the clock under a running coordinator: an hour forward expired every
+    lease at once; an hour back kept a dead agent's lease for an hour."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=0.5)  # the default clock
+    try:
+        attach(store, rollouts=("r0",))
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)
+        assert [a.alive for a in store.agents("job")] == [True]
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)
+        time.sleep(0.6)  # r0 never beats again
+        assert [a.alive for a in store.agents("job")] == [False]
+    finally:
+        store.close()
 
 
 def test_abort_and_release(store: SessionStore) -> None:
