@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "agent-token":
             return cmd_agent_token(args)
         security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
+        security.check_files()
     except WeightsyncError as e:
         print(f"wsctl: {e.message}", file=sys.stderr)
         return 2

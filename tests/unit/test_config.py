@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -364,3 +365,14 @@ def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and "expected a number in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--tls-ca-file", "--tls-cert-file"])
+def test_wsctl_names_a_tls_file_it_cannot_read(flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing CA file ended wsctl in a traceback when it built its channel."""
+    from weightsync.cli import main
+
+    extra = ["--tls-key-file", str(tmp_path / "k")] if flag == "--tls-cert-file" else []
+    assert main([flag, str(tmp_path / "missing.pem"), *extra, "status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wsctl: tls_") and "missing.pem" in err and "No such file" in err
