@@ -34,6 +34,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
 from weightsync.digests import access_token
 from weightsync.errors import (
+    TRANSIENT_ERRORS,
     FailedPrecondition,
     InvalidArgument,
     SessionNotFound,
@@ -129,7 +130,7 @@ class WeightPublisher:
         self._client = CoordinatorClient(s.coordinator, timeout_s=s.timeout_s, security=security)
         self._resources.callback(self._client.close)
         self._incarnation = s.incarnation or uuid.uuid4().hex
-        self._open_session(next_version)
+        self._attach_waiting(next_version)
         self.metrics.fenced.labels(session=s.session).set(0)
         reclaim_orphans()  # arenas of trainers killed on this host before they could clean up
         self.arena = Arena(f"{s.session}-r{s.rank}", slots=s.slots)
@@ -179,6 +180,31 @@ class WeightPublisher:
             self.generation,
             self.server.address,
         )
+
+    def _attach_waiting(self, next_version: int) -> None:
+        """Opens the session, waiting up to `attach_wait_s` for a coordinator that is not
+        reachable yet: pods start in any order, and a trainer that gave up after the
+        client's few retries (~9 s) ended its sidecar before the coordinator was up. The
+        incarnation makes the attach idempotent, so trying it again bumps nothing twice."""
+        deadline = time.monotonic() + self.settings.attach_wait_s
+        delay = 0.5
+        while True:
+            try:
+                self._open_session(next_version)
+                return
+            except TRANSIENT_ERRORS as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if delay == 0.5:
+                    log.warning(
+                        "coordinator %s not reachable (%s); waiting up to %.0fs for it",
+                        self.settings.coordinator,
+                        e.message,
+                        left,
+                    )
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 5.0)
 
     def _open_session(self, next_version: int) -> None:
         s = self.settings

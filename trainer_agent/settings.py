@@ -75,6 +75,9 @@ class PublisherSettings(ServerConfig):
     )
     delta_max_ratio: float = option(0.5, "Largest delta worth publishing, as a fraction of the part's bytes.")
     timeout_s: float = option(30.0, "Deadline of each call to the coordinator.")
+    attach_wait_s: float = option(
+        120.0, "How long start() waits for a coordinator that is not reachable yet (pods start in any order)."
+    )
     slot_wait_s: float = option(60.0, "How long a publish waits for rollouts' leases to free the oldest slot.")
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
 
@@ -100,7 +103,7 @@ class PublisherSettings(ServerConfig):
         check_bounds(self, ("slots", "d2h_window_bytes"), 1)
         # what a coordinator on default limits accepts: refused here, not after staging
         check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
-        check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s"), 0)
+        check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s", "attach_wait_s"), 0)
         if self.delta not in DELTA_MODES:
             raise InvalidArgument(f"{self.delta!r} is not one of {', '.join(DELTA_MODES)}", field="delta")
         if not 0 < self.delta_max_ratio <= 1:

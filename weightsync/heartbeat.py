@@ -12,7 +12,14 @@ from typing import Any
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import AgentNotFound, DeadlineExceeded, SessionNotFound, TransportUnavailable, WeightsyncError
+from weightsync.errors import (
+    TRANSIENT_ERRORS,
+    AgentNotFound,
+    DeadlineExceeded,
+    SessionNotFound,
+    TransportUnavailable,
+    WeightsyncError,
+)
 from weightsync.lease import heartbeat_interval_s
 from weightsync.rpc import error_from_status
 
@@ -73,8 +80,15 @@ class Heartbeat:
         return self._interval_s
 
     def start(self) -> Heartbeat:
-        """Registers (raises what registration raises) and starts beating."""
-        self._set_ttl(self._register())
+        """Registers and starts beating. Raises what registration raises, except a
+        coordinator not reachable yet (pods start in any order): the beats then find the
+        agent unknown and register it once the coordinator answers. (An agent that raised
+        it ended its process when the coordinator came up ~9 s after it.)"""
+        try:
+            self._set_ttl(self._register())
+        except TRANSIENT_ERRORS as e:
+            log.warning("agent %s: coordinator not reachable (%s); registering once it answers", self._agent_id, e)
+            self._failing = True
         self._thread.start()
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -64,3 +65,10 @@ def rollout_status(address: str) -> rpb.RolloutStatus:
 
 def state_name(v: tpb.VersionInfo) -> str:
     return tpb.VersionState.Name(v.state)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (for a server started later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

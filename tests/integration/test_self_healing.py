@@ -19,7 +19,7 @@ import pytest
 
 from devtools.cluster import Cluster
 from devtools.scrape import metric_value, scrape
-from tests.integration.support import eventually, rollout_status, state_name
+from tests.integration.support import eventually, free_port, rollout_status, state_name
 from tests.unit.helpers import damage
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -220,6 +220,25 @@ def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_go
         )
     eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new database's versions")
     assert trainer.alive()
+
+
+def test_agents_started_before_their_coordinator_wait_for_it(cluster: Cluster) -> None:
+    """Pods start in any order. A trainer or rollout whose coordinator was not up yet gave
+    up after the client's retries (~9 s) with a traceback. The trainer now waits up to
+    `attach_wait_s` (120 s) to open its session; a rollout's beats register it once the
+    coordinator answers."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    trainer = cluster.start_trainer("t1", address, "job", [*TINY, "--steps", "1", "--hold"], wait=False)
+    r0 = cluster.start_rollout("r0", address, "job")
+    eventually(lambda: "not reachable" in trainer.log(), what="the trainer waiting for its coordinator")
+    time.sleep(12)  # past the old give-up
+    assert trainer.alive() and r0.alive()
+    cluster.start_coordinator(port=port)
+    with CoordinatorClient(address) as client:
+        eventually(lambda: client.status("job"), what="the session opened")
+        assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+    assert rollout_status(r0.address).current_version == 1
 
 
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:

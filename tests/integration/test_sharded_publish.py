@@ -7,7 +7,6 @@ tree converts while it streams."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.sharded_publisher import MESH_TREE, global_value
+from tests.integration.support import free_port
 from weightsync.client import CoordinatorClient
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
@@ -27,12 +27,6 @@ from weightsync.server import RunningServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("sharded_publisher.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(spec: dict) -> subprocess.Popen[str]:
@@ -100,7 +94,7 @@ def test_two_hosts_publish_their_own_shards_and_rollouts_assemble_every_tensor(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     base = dict(
-        coordinator=inprocess_coordinator.address, session="job", processes=2, devices=4, jax_port=_free_port(),
+        coordinator=inprocess_coordinator.address, session="job", processes=2, devices=4, jax_port=free_port(),
         use_ffi=None, weight_dtype="bfloat16", window_bytes=16 << 10, model="mesh",
     )  # fmt: skip
     weights, lines = _sync_and_finish(inprocess_coordinator.address, [{**base, "process_id": i} for i in range(2)])
