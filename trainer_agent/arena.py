@@ -48,6 +48,10 @@ class Arena:
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
+    def fits(self, needed: int) -> bool:
+        """Whether every slot already holds `needed` bytes (no reallocation)."""
+        return self._mm is not None and needed <= self.slot_bytes
+
     def ensure_slot_bytes(self, needed: int) -> bool:
         """Makes every slot hold at least `needed` bytes; True when it (re)allocated.
 
@@ -55,7 +59,7 @@ class Arena:
             ResourceExhausted (field `arena`): no room for it in the directory; the arena
                 is then unallocated (a reallocation has released the old one).
         """
-        if self._mm is not None and needed <= self.slot_bytes:
+        if self.fits(needed):
             return False
         new_slot = align_up(max(needed, 1), _SLOT_ALIGN)
         if self._mm is not None:

@@ -358,16 +358,16 @@ class WeightPublisher:
         )
 
     def _fit_arena(self, slot_bytes: int) -> None:
-        """Makes every arena slot hold `slot_bytes`. A reallocation, or one that failed (no
-        room: ResourceExhausted naming `arena`), leaves no slot's bytes: their versions are
-        forgotten, so no reader is served from an arena that is gone."""
-        reallocated = True
-        try:
-            reallocated = self.arena.ensure_slot_bytes(slot_bytes)
-        finally:
-            if reallocated:
-                for slot in range(self.arena.slots):
-                    self.table.set(slot, None)
+        """Makes every arena slot hold `slot_bytes`. A reallocation leaves no slot's bytes,
+        so their versions are forgotten first: a reader then finds the version gone
+        (NOT_FOUND) or holds a view of the old mapping, which outlives it; never a slot of an
+        arena being made (that was INTERNAL) or of the new one. Raises ResourceExhausted
+        (`arena`) when there is no room."""
+        if self.arena.fits(slot_bytes):
+            return
+        for slot in range(self.arena.slots):
+            self.table.set(slot, None)
+        self.arena.ensure_slot_bytes(slot_bytes)
 
     def _delta_base(self, plan: StagePlan, slot: int, version: int) -> tuple[int, int, str] | None:
         """(slot, version, manifest digest) of the version to encode this one against: the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import threading
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
-from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, VersionNotFound
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 from weightsync.transports import FetchRequest
@@ -326,3 +327,46 @@ def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(clust
     t.close()
     assert trainer.alive()
     assert "accept failed ([Errno 24] Too many open files); retrying" in trainer.log()
+
+
+def test_a_reader_during_an_arena_reallocation_finds_its_version_or_not_found(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A publish whose layout outgrows the arena reallocates it. A chunk read between the
+    old arena's release and the slot table's clearing came back INTERNAL ("arena is not
+    allocated") while the new arena was made, or served the new arena's bytes under the old
+    version; entries are now forgotten before the release, and a view is taken with its
+    entry under the table's lock."""
+    small = {"model.norm.weight": np.arange(1024, dtype=np.float32)}
+    with WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub:
+        pub.publish(small, 1)
+        offset, first = pub.table.chunk_view("job", 1, 0, 0)
+        expected = bytes(first)
+        del first
+        seen: dict[str, int] = {}
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    _, view = pub.table.chunk_view("job", 1, 0, 0)
+                    key = "same" if bytes(view) == expected else "other bytes"
+                except VersionNotFound:
+                    key = "not found"
+                except Exception as e:  # noqa: BLE001 - what the test looks for
+                    key = f"{type(e).__name__}: {e}"
+                seen[key] = seen.get(key, 0) + 1
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            big = {
+                "model.embed_tokens.weight": np.ones((64 << 20) // 4, np.float32)
+            }  # 64 MiB: populating takes a while
+            pub.publish(big, 2)
+        finally:
+            stop.set()
+            reader.join()
+        assert pub.arena.allocations == 2
+        assert set(seen) <= {"same", "not found"}, seen
+        assert seen.get("not found", 0) > 0
