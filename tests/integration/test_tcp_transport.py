@@ -19,7 +19,14 @@ from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
-from weightsync.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, VersionNotFound
+from weightsync.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    TransportUnavailable,
+    VersionNotFound,
+)
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 from weightsync.transports import FetchRequest
@@ -370,3 +377,27 @@ def test_a_reader_during_an_arena_reallocation_finds_its_version_or_not_found(
         assert pub.arena.allocations == 2
         assert set(seen) <= {"same", "not found"}, seen
         assert seen.get("not found", 0) > 0
+
+
+def test_a_peer_claiming_a_huge_error_message_is_refused_from_the_header() -> None:
+    """A peer (a relay is another rollout) whose reply header claims a 2 GiB error message:
+    the client read on until that many bytes came or its deadline passed, buffering them."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(REPLY.pack(b"WSR1", 13, 1 << 31, 0) + b"x" * 65536)
+                time.sleep(3)
+
+        server = threading.Thread(target=answer)
+        server.start()
+        t = TcpTransport()
+        t.open(Endpoint(tcp_address=f"127.0.0.1:{listener.getsockname()[1]}"))
+        started = time.monotonic()
+        with pytest.raises(TransportUnavailable, match="not a weightsync tcp server"):
+            t.fetch_into(FetchRequest("job", 1, 0, [0], 30.0, [(0, 8)], "t" * 32), np.zeros(8, np.uint8), 0, None)
+        assert time.monotonic() - started < 2
+        t.close()
+        server.join()

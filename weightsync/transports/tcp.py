@@ -56,6 +56,7 @@ REQUEST_MAGIC = b"WST1"
 REPLY_MAGIC = b"WSR1"
 MAX_TOKEN = 256
 MAX_SESSION = 128
+MAX_REPLY_MESSAGE = 4096  # an error reply's message; a peer claiming more is no weightsync server
 SOCKET_BUFFER = 4 << 20
 # A connection between versions waits for the next one (a training step: seconds to
 # minutes); past this the server reclaims its thread, and the client dials again.
@@ -262,7 +263,7 @@ class TcpChunkServer:
 
     @staticmethod
     def _reply(conn: socket.socket, error: WeightsyncError) -> None:
-        message = error.message.encode()[:4096]
+        message = error.message.encode()[:MAX_REPLY_MESSAGE]
         conn.sendall(REPLY.pack(REPLY_MAGIC, _code(status_name_for(error)), len(message), 0) + message)
 
     def close(self) -> None:
@@ -332,13 +333,13 @@ class TcpTransport(Transport):
         try:
             sock.sendall(head + token + session + np.asarray(request.indices, "<u4").tobytes())
             magic, code, message_len, payload = REPLY.unpack(_recv_exact(sock, REPLY.size))
+            if magic != REPLY_MAGIC or message_len > MAX_REPLY_MESSAGE:  # read no further: it could say 4 GiB
+                self.close()
+                raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
             message = _recv_exact(sock, message_len).decode("utf-8", "replace") if message_len else ""
         except OSError as e:
             self.close()
             raise TransportUnavailable(f"tcp {self._address}: {e}") from None
-        if magic != REPLY_MAGIC:
-            self.close()
-            raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
         if code != 0:
             raise error_for_status(_NAME_BY_CODE.get(code, "INTERNAL"), message)
         return sock, payload
