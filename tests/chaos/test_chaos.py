@@ -229,9 +229,15 @@ def expected_weights(versions: set[int]) -> dict[int, dict[str, np.ndarray]]:
     return out
 
 
+SECONDS = float(os.environ.get("CHAOS_SECONDS", "40"))
+
+
+# The schedule, then up to ~2 minutes of checks (the run's own pytest timeout, 300 s, ended
+# every `make chaos` at its default length before it could check anything).
+@pytest.mark.timeout(SECONDS + 300)
 def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or DEFAULT_SEED)
-    seconds = float(os.environ.get("CHAOS_SECONDS", "40"))
+    seconds = SECONDS
     print(f"chaos seed={seed} seconds={seconds}", flush=True)
     chaos = Chaos(cluster, seed, random.Random(seed), str(cluster.workdir / "coordinator.db"))
     chaos.start_coordinator()
