@@ -17,7 +17,7 @@ from trainer_agent.config import TrainerConfig
 from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
-from weightsync.errors import TRANSIENT_ERRORS, ResourceExhausted, SlotBusy, StaleGeneration
+from weightsync.errors import TRANSIENT_ERRORS, ResourceExhausted, SlotBusy, StaleGeneration, WeightsyncError
 from weightsync.logs import bind, setup_logging
 from weightsync.server import wait_for_signal, write_ready_file
 
@@ -65,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("stopped by signal; arena released")
         return 0
+    except WeightsyncError as e:  # what the operator must change (or an outage past the retries): said in one line
+        log.error("stopped: %s", e)
+        return 1
 
 
 def _run(argv: Sequence[str] | None) -> int:

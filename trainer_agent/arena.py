@@ -71,9 +71,10 @@ class Arena:
             )
         self._release()
         self.slot_bytes = new_slot
-        self.path = Path(self.directory) / new_arena_name(self.tag)
+        path = Path(self.directory) / new_arena_name(self.tag)
         try:
-            self._fd = create_locked(self.path, self.nbytes)
+            self._fd = create_locked(path, self.nbytes)
+            self.path = path  # made: _release removes it
             self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._populate()
         except BaseException:

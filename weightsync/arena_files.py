@@ -17,7 +17,7 @@ import re
 import uuid
 from pathlib import Path
 
-from weightsync.errors import ResourceExhausted
+from weightsync.errors import FailedPrecondition, ResourceExhausted
 
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
@@ -50,12 +50,13 @@ def create_locked(path: Path, nbytes: int) -> int:
 
     Raises:
         ResourceExhausted (field `arena`): the filesystem has no room for `nbytes`.
+        FailedPrecondition (field `arena`): no file can be made there (read-only, missing).
     """
     try:
         fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR, 0o600)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR):  # EISDIR: a kernel without O_TMPFILE
-            raise
+            raise _unwritable(path.parent, e) from e
         return _create_hidden(path, nbytes)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -76,7 +77,10 @@ def create_locked(path: Path, nbytes: int) -> int:
 def _create_hidden(path: Path, nbytes: int) -> int:
     """create_locked under a hidden name renamed into place."""
     hidden = path.with_name(f".{path.name}{CREATING_SUFFIX}")
-    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise _unwritable(path.parent, e) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         _reserve(fd, nbytes, path.parent)
@@ -86,6 +90,15 @@ def _create_hidden(path: Path, nbytes: int) -> int:
         hidden.unlink(missing_ok=True)
         raise
     return fd
+
+
+def _unwritable(directory: Path, error: OSError) -> FailedPrecondition:
+    """The error for a directory where no arena can be made (read-only, missing, not ours)."""
+    return FailedPrecondition(
+        f"arena: cannot create a file in {directory}: {error.strerror} (the trainer needs it writable: in"
+        " Kubernetes, an emptyDir with medium: Memory mounted there)",
+        field="arena",
+    )
 
 
 def _reserve(fd: int, nbytes: int, directory: Path) -> None:

@@ -366,6 +366,17 @@ def test_a_dev_shm_without_room_for_the_arena_is_refused_and_retried_until_there
     assert rollout_status(r0.address).current_version == 1
 
 
+def test_a_trainer_without_a_writable_dev_shm_says_so_in_one_line(cluster: Cluster) -> None:
+    """A read-only (or missing) /dev/shm: the sidecar ended in an OSError traceback at its
+    first publish. It now names the directory, the reason and the fix, and exits 1."""
+    read_only = private_dev_shm("mount -t tmpfs -o ro tmpfs /dev/shm")
+    coord = cluster.start_coordinator()
+    t1 = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1"], wait=False, wrapper=read_only)
+    assert cluster.wait_exit("t1", 60) == 1
+    assert "arena: cannot create a file in /dev/shm: Read-only file system" in t1.log()
+    assert "Traceback" not in t1.log()
+
+
 def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coordinator, no_arena_leak: None) -> None:  # noqa: ANN001
     """Another process toggling an arena byte while the trainer stages and a rollout reads
     over shm: a round may fail, but every round that says ok applied exactly the trainer's
