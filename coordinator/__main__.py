@@ -48,15 +48,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = wait_for_signal()
     store.db.on_corrupt = lambda _error: stop.set()
     servicer = CoordinatorServicer(store, hub, metrics)
-    running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
-        host=cfg.host,
-        port=cfg.port,
-        metrics=metrics,
-        metrics_port=cfg.metrics_port,
-        max_workers=cfg.max_workers,
-        security=cfg.security(),
-    )
+    try:
+        running = start_server(
+            [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+            host=cfg.host,
+            port=cfg.port,
+            metrics=metrics,
+            metrics_port=cfg.metrics_port,
+            max_workers=cfg.max_workers,
+            security=cfg.security(),
+        )
+    except WeightsyncError as e:  # a port taken
+        log.error("cannot start: %s", e.message)
+        servicer.close()
+        store.close()
+        return 2
     collector = (
         FreezingCollector(cfg.gc_refresh_s, metrics.gc_pause_seconds, metrics.gc_frozen_objects).install()
         if cfg.gc_refresh_s

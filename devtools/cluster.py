@@ -160,12 +160,20 @@ class Cluster:
         return self.start(name, coordinator_pkg.__name__, ["--db-path", db, "--port", str(port), *args])
 
     def start_rollout(
-        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), *, wrapper: Sequence[str] = ()
+        self,
+        name: str,
+        coordinator: str,
+        session: str,
+        args: Sequence[str] = (),
+        *,
+        wait: bool = True,
+        wrapper: Sequence[str] = (),
     ) -> Proc:
         return self.start(
             name,
             rollout_pkg.__name__,
             ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
+            wait=wait,
             wrapper=wrapper,
         )
 

@@ -15,6 +15,7 @@ from rollout_agent.sync import sync_version
 from rollout_agent.wiring import wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config
+from weightsync.errors import WeightsyncError
 from weightsync.logs import bind, setup_logging
 from weightsync.metrics import build_metrics
 from weightsync.server import SMALL_REQUEST_BYTES, Service, start_server, wait_for_signal, write_ready_file
@@ -25,6 +26,14 @@ log = logging.getLogger("rollout_agent")
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(RolloutConfig, "rollout", argv, os.environ, prog="weightsync-rollout")
     setup_logging(cfg.log_level, cfg.log_format)
+    try:
+        return _run(cfg)
+    except WeightsyncError as e:  # a start-up error (a port taken): one line naming the flag
+        log.error("cannot start: %s", e)
+        return 2
+
+
+def _run(cfg: RolloutConfig) -> int:
     stop = wait_for_signal()
     agent_id = cfg.agent_id or f"rollout-{os.getpid()}"
     bind(session=cfg.session, agent_id=agent_id)

@@ -125,6 +125,15 @@ class InternalError(WeightsyncError):
     """An unexpected failure; see the server log."""
 
 
+def cannot_listen(field: str, address: str, reason: object) -> FailedPrecondition:
+    """The error for a server that cannot bind its port (taken by another process, or an
+    address this host does not have): a start-up error naming the flag, not a traceback."""
+    return FailedPrecondition(
+        f"cannot listen on {address}: {reason} (another process holds the port, or the host has no such address)",
+        field=field,
+    )
+
+
 # Failures that may pass by themselves (a peer unreachable or slow): worth another try.
 TRANSIENT_ERRORS: tuple[type[WeightsyncError], ...] = (TransportUnavailable, DeadlineExceeded)
 

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from prometheus_client import start_http_server
 
 from weightsync.config import is_loopback
+from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
 from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, StatusInterceptor
@@ -142,12 +143,15 @@ def start_server(
         for svc in services:
             svc.add(svc.servicer, server)
         _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
+        try:
+            if credentials is None:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = server.add_secure_port(f"{host}:{port}", credentials)
+        except RuntimeError as e:  # grpc's "Failed to bind to address"
+            raise cannot_listen("port", f"{host}:{port}", "the bind failed") from e
         if bound == 0:
-            raise OSError(f"could not bind {host}:{port}")
+            raise cannot_listen("port", f"{host}:{port}", "the bind failed")
         # The server's accept loop is a task made here: in the urgent lane, so a new call
         # is taken on at once; the interceptor then puts each call in its method's lane.
         URGENT.set(True)
@@ -164,7 +168,12 @@ def start_server(
     httpd = None
     mport = -1
     if metrics_port >= 0:
-        httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+        try:
+            httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+        except OSError as e:
+            run_on_server_loop(server.stop(0))
+            pool.shutdown(wait=False)
+            raise cannot_listen("metrics_port", f"{host}:{metrics_port}", e.strerror) from None
         mport = httpd.server_port
     address = f"{host}:{bound}"
     if credentials is None and not security.tokens_file and not is_loopback(host):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -311,6 +312,29 @@ def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) ->
         cluster.stop("t1")
         cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--hold"])
         assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"  # r1 is not waited for
+
+
+@pytest.mark.parametrize(
+    ("role", "flag", "code"),
+    [("coordinator", "--port", 2), ("rollout", "--metrics-port", 2), ("trainer", "--tcp-port", 1)],
+)
+def test_a_port_taken_is_one_line_naming_the_flag(cluster: Cluster, role: str, flag: str, code: int) -> None:
+    """Every sidecar ended in a traceback (grpc's RuntimeError "Failed to bind", an OSError
+    from the metrics or tcp listener); a coordinator whose metrics port was taken left its
+    gRPC server running inside the failed start."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        if role == "coordinator":
+            proc = cluster.start("coordinator", "coordinator", ["--db-path", ":memory:", flag, str(port)], wait=False)
+        else:
+            coord = cluster.start_coordinator()
+            start = cluster.start_rollout if role == "rollout" else cluster.start_trainer
+            proc = start(role, coord.address, "job", [flag, str(port)], wait=False)
+        assert cluster.wait_exit(role, 60) == code
+    field = flag.removeprefix("--").replace("-", "_")
+    assert f"{field}: cannot listen on 127.0.0.1:{port}" in proc.log() and "Traceback" not in proc.log()
 
 
 def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Cluster) -> None:

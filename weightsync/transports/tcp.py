@@ -41,6 +41,7 @@ from weightsync.errors import (
     ResourceExhausted,
     TransportUnavailable,
     WeightsyncError,
+    cannot_listen,
     error_for_status,
     status_name_for,
 )
@@ -144,7 +145,10 @@ class TcpChunkServer:
         self.max_connections = max_connections or default_max_connections()
         self.idle_timeout_s = idle_timeout_s
         self.stall_timeout_s = stall_timeout_s
-        self._listener = socket.create_server((host, port), backlog=128)
+        try:
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as e:
+            raise cannot_listen("tcp_port", f"{host}:{port}", e.strerror) from None
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
