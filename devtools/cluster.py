@@ -160,39 +160,18 @@ class Cluster:
         return self.start(name, coordinator_pkg.__name__, ["--db-path", db, "--port", str(port), *args])
 
     def start_rollout(
-        self,
-        name: str,
-        coordinator: str,
-        session: str,
-        args: Sequence[str] = (),
-        *,
-        wait: bool = True,
-        wrapper: Sequence[str] = (),
+        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), **options: Any
     ) -> Proc:
-        return self.start(
-            name,
-            rollout_pkg.__name__,
-            ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args],
-            wait=wait,
-            wrapper=wrapper,
-        )
+        """A rollout sidecar named `name` (its agent id); `options` as `start` takes them."""
+        args = ["--coordinator", coordinator, "--session", session, "--agent-id", name, *args]
+        return self.start(name, rollout_pkg.__name__, args, **options)
 
     def start_trainer(
-        self,
-        name: str,
-        coordinator: str,
-        session: str,
-        args: Sequence[str] = (),
-        *,
-        wait: bool = True,
-        wrapper: Sequence[str] = (),
+        self, name: str, coordinator: str, session: str, args: Sequence[str] = (), **options: Any
     ) -> Proc:
+        """A trainer sidecar; `options` as `start` takes them."""
         return self.start(
-            name,
-            trainer_pkg.__name__,
-            ["--coordinator", coordinator, "--session", session, *args],
-            wait=wait,
-            wrapper=wrapper,
+            name, trainer_pkg.__name__, ["--coordinator", coordinator, "--session", session, *args], **options
         )
 
     def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from devtools.cluster import Cluster
+from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, free_port, rollout_status, state_name
 from tests.unit.helpers import damage
@@ -155,14 +155,11 @@ def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster
         client.register_agent("job", "r1", trainer=False, endpoint=Endpoint())
 
 
-def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cluster: Cluster) -> None:
-    """A coordinator rescheduled without its volume (emptyDir) comes back knowing no
-    session: the trainer's next publish ended in SessionNotFound and the sidecar exited,
-    the rollouts waited for a session nobody opened. The trainer now opens it again as the
-    same incarnation, and the fleet goes on from its next version."""
+def _publishing_fleet(cluster: Cluster) -> tuple[Path, Proc, Proc, Proc]:
+    """(database, coordinator, rollout r0, trainer): a trainer publishing every 0.5 s to
+    one rollout, once version 2 has committed."""
     db = cluster.workdir / "coordinator.db"
     coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
-    port = int(coord.address.rsplit(":", 1)[1])
     r0 = cluster.start_rollout("r0", coord.address, "job")
     trainer = cluster.start_trainer(
         "t1",
@@ -172,9 +169,13 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
     )
     with CoordinatorClient(coord.address) as client:
         client.wait_for_version("job", 2, states=("COMMITTED",), timeout_s=60)
-    cluster.kill("coordinator")
-    for f in cluster.workdir.glob("coordinator.db*"):
-        f.unlink()  # the database, its WAL and its lock: a new volume
+    return db, coord, r0, trainer
+
+
+def _restart_on_a_new_database_and_go_on(cluster: Cluster, db: Path, coord: Proc, r0: Proc) -> None:
+    """Starts a coordinator where `coord` was and waits until a version published since
+    commits and reaches r0."""
+    port = int(coord.address.rsplit(":", 1)[1])
     cluster.start_coordinator(name="coordinator-2", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
     with CoordinatorClient(coord.address) as client:
         first = eventually(lambda: client.status("job").versions, timeout_s=30, what="a version in the new database")
@@ -185,6 +186,18 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
 
         eventually(committed_since, timeout_s=60, what=f"a version >= {later} committed")
     eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new coordinator's versions")
+
+
+def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cluster: Cluster) -> None:
+    """A coordinator rescheduled without its volume (emptyDir) comes back knowing no
+    session: the trainer's next publish ended in SessionNotFound and the sidecar exited,
+    the rollouts waited for a session nobody opened. The trainer now opens it again as the
+    same incarnation, and the fleet goes on from its next version."""
+    db, coord, r0, trainer = _publishing_fleet(cluster)
+    cluster.kill("coordinator")
+    for f in cluster.workdir.glob("coordinator.db*"):
+        f.unlink()  # the database, its WAL and its lock: a new volume
+    _restart_on_a_new_database_and_go_on(cluster, db, coord, r0)
     assert trainer.alive() and "opening it again as incarnation" in trainer.log()
 
 
@@ -194,32 +207,12 @@ def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_go
     health said SERVING. It now answers UNAVAILABLE naming `database`, moves the file aside
     and exits 4; restarted (as Kubernetes would), it begins a new database and the fleet
     attaches again, as after a lost volume."""
-    db = cluster.workdir / "coordinator.db"
-    coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
-    port = int(coord.address.rsplit(":", 1)[1])
-    r0 = cluster.start_rollout("r0", coord.address, "job")
-    trainer = cluster.start_trainer(
-        "t1",
-        coord.address,
-        "job",
-        [*TINY, "--steps", "200", "--step-interval-s", "0.5", "--wait-commit", "false", "--hold"],
-    )
-    with CoordinatorClient(coord.address) as client:
-        client.wait_for_version("job", 2, states=("COMMITTED",), timeout_s=60)
+    db, coord, r0, trainer = _publishing_fleet(cluster)
     damage(db)
     assert cluster.wait_exit("coordinator", 30) == 4  # the next heartbeat's write meets it
     assert "the database is damaged" in coord.log() and "INTERNAL" not in coord.log()
     assert len(list(cluster.workdir.glob("coordinator.db.corrupt-*"))) >= 1
-    cluster.start_coordinator(name="coordinator-2", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
-    with CoordinatorClient(coord.address) as client:
-        first = eventually(lambda: client.status("job").versions, timeout_s=30, what="a version in the new database")
-        later = first[-1].version + 1
-        eventually(
-            lambda: any(v.version >= later and state_name(v) == "COMMITTED" for v in client.status("job").versions),
-            timeout_s=60,
-            what=f"a version >= {later} committed",
-        )
-    eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on the new database's versions")
+    _restart_on_a_new_database_and_go_on(cluster, db, coord, r0)
     assert trainer.alive()
 
 
