@@ -56,8 +56,9 @@ class Arena:
         """Makes every slot hold at least `needed` bytes; True when it (re)allocated.
 
         Raises:
-            ResourceExhausted (field `arena`): no room for it in the directory; the arena
-                is then unallocated (a reallocation has released the old one).
+            ResourceExhausted (field `arena`): no room for it in the directory;
+            FailedPrecondition (field `arena`): no file can be made there. Either way the
+                arena is then unallocated (a reallocation has released the old one).
         """
         if self.fits(needed):
             return False
