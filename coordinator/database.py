@@ -163,6 +163,7 @@ class Database:
         # the coordinator then stops, and its next start moves the file aside.
         self.on_corrupt: Callable[[BaseException], None] | None = None
         self.corrupt: BaseException | None = None
+        self.closed = False
         self._lock_fd = -1
         try:
             if str(db_path) != ":memory:":
@@ -235,6 +236,10 @@ class Database:
             return str(db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
 
     def close(self) -> None:
+        """Closes every connection. A call still running (a handler the server's stop left
+        behind) then gets UNAVAILABLE, not a closed connection's ProgrammingError (INTERNAL)
+        or a wait for a reader that never comes back."""
+        self.closed = True
         with self.lock:
             while self.readers is not None and not self.readers.empty():
                 self.readers.get().close()
@@ -262,6 +267,9 @@ class Database:
     def acquire_writer(self) -> None:
         if not self.lock.acquire(blocking=not getattr(self._nowait, "on", False)):
             raise StoreBusy
+        if self.closed:
+            self.lock.release()
+            raise _stopping()
 
     def release_writer(self) -> None:
         self.lock.release()
@@ -300,6 +308,10 @@ class Database:
         return _Tx(self) if self.readers is None else _Read(self, getattr(self._nowait, "on", False))
 
 
+def _stopping() -> TransportUnavailable:
+    return TransportUnavailable("the coordinator is stopping; retry", field="database")
+
+
 def _lock_database(db_path: Path) -> int:
     """Takes `<db>.lock` exclusively for this store's lifetime: two coordinators writing
     one database would each believe their own leases and generations."""
@@ -327,10 +339,15 @@ class _Read:
         self._db: sqlite3.Connection | None = None
 
     def __enter__(self) -> sqlite3.Connection:
-        try:
-            self._db = self._readers.get(block=not self._nowait)
-        except queue.Empty:
-            raise StoreBusy from None
+        while True:
+            if self._database.closed:
+                raise _stopping()
+            try:  # waits in steps: a reader never comes back once the database is closed
+                self._db = self._readers.get(block=not self._nowait, timeout=0.5)
+                break
+            except queue.Empty:
+                if self._nowait:
+                    raise StoreBusy from None
         self._db.execute("BEGIN")
         return self._db
 
@@ -346,7 +363,10 @@ class _Read:
                 if db.in_transaction:  # else BEGIN fails on this connection for good
                     db.execute("ROLLBACK")
         finally:
-            self._readers.put(db)
+            if self._database.closed:
+                db.close()  # out while close() closed the others
+            else:
+                self._readers.put(db)
             if (free := self._database.on_free) is not None:
                 free()
         failed = exc or commit_error  # the body's error is the one to tell

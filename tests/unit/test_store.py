@@ -650,6 +650,19 @@ def test_a_damaged_database_is_moved_aside_and_a_new_one_begun(tmp_path: Path, c
     assert [p.name for p in tmp_path.glob("other.db.corrupt-*")]
 
 
+def test_calls_after_close_are_unavailable_not_internal(tmp_path: Path, clock: Clock) -> None:
+    """A handler the server's stop left running met a closed store: a write raised
+    sqlite3.ProgrammingError (INTERNAL, a traceback in the log at every shutdown) and a
+    read waited for a reader that never came back."""
+    store = SessionStore(tmp_path / "c.db", clock=clock)
+    attach(store)
+    store.close()
+    for call in (lambda: store.session("job"), lambda: store.open_session("other", trainer=False)):
+        with pytest.raises(TransportUnavailable, match="stopping") as refused:
+            call()
+        assert refused.value.field == "database"
+
+
 def test_a_rollout_holds_only_its_newest_lease(store: SessionStore) -> None:
     # A prefetch abandoned for a newer version must not hold the trainer's slot while the
     # rollout lives: leasing the newer version ends the older lease.
