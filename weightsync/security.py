@@ -23,6 +23,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +59,7 @@ AGENT_TOKEN_PREFIX = "wsagent:"
 HEARTBEATS = COORDINATOR + "Heartbeats"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
+log = logging.getLogger(__name__)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -128,15 +132,14 @@ class Security:
         """TLS (mTLS with require_client_cert) for a server; None serves plaintext."""
         if not self.cert_file:
             return None
-        pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
-        roots = _read(self.ca_file, "tls_ca_file") if self.require_client_cert else None
-        return grpc.ssl_server_credentials(
-            [pair], root_certificates=roots, require_client_auth=self.require_client_cert
+        served = _ServedCertificate(self.key_file, self.cert_file, self.ca_file if self.require_client_cert else "")
+        return grpc.dynamic_ssl_server_credentials(
+            served.configuration(), served.renewed, require_client_authentication=self.require_client_cert
         )
 
     def request_checks(self) -> list[BearerAuth]:
         """The bearer-token check, when this server has a tokens file."""
-        return [BearerAuth(load_tokens(self.tokens_file))] if self.tokens_file else []
+        return [BearerAuth(load_tokens(self.tokens_file), path=self.tokens_file)] if self.tokens_file else []
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
         """A channel to `address`: TLS when a CA is set (with this process's certificate
@@ -154,6 +157,49 @@ class Security:
 
 
 PLAINTEXT = Security()
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    """What changes when a file is replaced or rewritten (a Secret volume swaps its files)."""
+    st = os.stat(path)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class _ServedCertificate:
+    """A server's certificate files, read again when they change. cert-manager renews a
+    mounted Secret in place (Kubernetes swaps the files together); a server that kept its
+    first read served the old certificate until restarted, and every new connection failed
+    once it expired. grpc asks `renewed` at each new connection's handshake."""
+
+    def __init__(self, key_file: str, cert_file: str, ca_file: str) -> None:
+        self._files = ((key_file, "tls_key_file"), (cert_file, "tls_cert_file"), (ca_file, "tls_ca_file"))
+        self._stamp = self._stamps()
+        self._failing = False
+
+    def _stamps(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(_stamp(path) for path, _ in self._files if path)
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        (key, _), (cert, _), (ca, _) = self._files
+        pair = (_read(key, "tls_key_file"), _read(cert, "tls_cert_file"))
+        return grpc.ssl_server_certificate_configuration([pair], _read(ca, "tls_ca_file") if ca else None)
+
+    def renewed(self) -> grpc.ServerCertificateConfiguration | None:
+        """The files' new configuration when they changed since the last read, else None
+        (grpc keeps the current one; also while the files cannot be read)."""
+        try:
+            stamp = self._stamps()
+            if stamp == self._stamp:
+                return None
+            config = self.configuration()
+        except (OSError, InvalidArgument) as e:
+            if not self._failing:
+                log.warning("TLS files cannot be read (%s); serving the certificate read before", e)
+            self._failing = True
+            return None
+        self._stamp, self._failing = stamp, False
+        log.info("TLS certificate files changed: new connections get the new certificate")
+        return config
 
 
 class _BearerToken(
@@ -204,21 +250,44 @@ class BearerAuth:
     for the agent id it names: calls that name another agent are PERMISSION_DENIED.
     """
 
-    def __init__(self, tokens: Mapping[str, str]) -> None:
+    def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
+        """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
+        is swapped in place; servers kept the tokens they read at start)."""
         self._tokens = dict(tokens)
+        self._path = path
+        self._stamp = _stamp(path) if path else None
+        self._checked_at = time.monotonic()
+        self._failing = False
+
+    def _current(self) -> dict[str, str]:
+        """The tokens, looking at the file at most once a second."""
+        if self._path and time.monotonic() - self._checked_at >= 1.0:
+            self._checked_at = time.monotonic()
+            try:
+                stamp = _stamp(self._path)
+                if stamp != self._stamp:
+                    self._tokens, self._stamp = load_tokens(self._path), stamp
+                    log.info("bearer tokens file changed: read again")
+                self._failing = False
+            except (OSError, InvalidArgument) as e:  # half-written, or gone for a moment
+                if not self._failing:
+                    log.warning("bearer tokens file cannot be read (%s); keeping the tokens read before", e)
+                self._failing = True
+        return self._tokens
 
     def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
         """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""
+        tokens = self._current()
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
             if token.startswith(AGENT_TOKEN_PREFIX):
                 _, role, agent_id, mac = (token.split(":", 3) + ["", "", ""])[:4]
-                known = self._tokens.get(role)
+                known = tokens.get(role)
                 if known is not None and hmac.compare_digest(_agent_mac(known, role, agent_id), mac):
                     return role, agent_id
             else:
-                for role, known in self._tokens.items():
+                for role, known in tokens.items():
                     if hmac.compare_digest(known.encode(), token.encode()):
                         return role, ""
         raise Unauthenticated("authorization: missing or unknown bearer token")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
+import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -24,7 +27,7 @@ from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.conftest import coordinator_in_process
-from tests.integration.support import state_name
+from tests.integration.support import eventually, state_name
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as pb
@@ -160,6 +163,58 @@ def test_a_refused_caller_s_request_is_never_read(secure_coordinator: RunningSer
     release = pb.ReleaseVersionRequest(session=too_big, version=1, generation=1)
     assert code("rollout", lambda s: s.ReleaseVersion(release, timeout=30)) == grpc.StatusCode.PERMISSION_DENIED
     assert code("trainer", status) == grpc.StatusCode.RESOURCE_EXHAUSTED  # admitted: read, and over the limit
+
+
+def _served_serial(address: str, pki: dict[str, str]) -> int:
+    """The serial number of the certificate a TLS handshake with `address` is given."""
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    ctx.load_cert_chain(pki["crt"], pki["key"])
+    ctx.set_alpn_protocols(["h2"])
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
+) -> None:
+    """cert-manager renews the mounted Secret in place; servers kept the certificate they
+    read at start, so every new connection failed once it expired."""
+    before = _served_serial(secure_coordinator.address, pki)
+    ca_key = serialization.load_pem_private_key(Path(pki["ca"]).with_suffix(".key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    issuer = x509.load_pem_x509_certificate(Path(pki["ca"]).read_bytes()).subject
+    key = ec.generate_private_key(ec.SECP256R1())
+    renewed = _cert("node", key, issuer, ca_key, False)
+    crt_path, key_path = _write(tmp_path / "renewed", key, renewed)
+    os.replace(key_path, pki["key"])  # swapped in place, as a Secret volume's files are
+    os.replace(crt_path, pki["crt"])
+    assert _served_serial(secure_coordinator.address, pki) == renewed.serial_number != before
+    with CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "trainer")) as trainer:
+        assert trainer.open_session("job", trainer=True).generation == 1
+
+
+def test_rotated_bearer_tokens_are_read_again_without_a_restart(
+    secure_coordinator: RunningServer, pki: dict[str, str]
+) -> None:
+    """A rotated tokens Secret is swapped in place; servers kept the tokens they read at
+    start, so agents given the new ones were refused until a restart."""
+    rotated = {role: token.upper() for role, token in TOKENS.items()}
+    staged = Path(pki["tokens"]).with_suffix(".new")
+    staged.write_text(json.dumps(rotated))
+    os.replace(staged, pki["tokens"])
+
+    def status(token: str) -> object:
+        security = Security(pki["crt"], pki["key"], pki["ca"], token=token)
+        with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=security) as c:
+            return c.open_session("job", trainer=False)
+
+    eventually(lambda: status(rotated["rollout"]), timeout_s=10, what="the rotated rollout token accepted")
+    with pytest.raises(Unauthenticated):
+        status(TOKENS["rollout"])
 
 
 def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
