@@ -70,7 +70,7 @@ class PeerConfig:
     )
     auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
     auth_token_file: str = option(
-        "", "File holding that token (e.g. a mounted Secret; read at start); instead of --auth-token."
+        "", "File holding that token (e.g. a mounted Secret; read again when it changes); instead of --auth-token."
     )
 
     def token(self) -> str:
@@ -81,7 +81,9 @@ class PeerConfig:
 
     def security(self) -> Security:
         """TLS / mTLS and the bearer token for this process's channels."""
-        return Security(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.token())
+        return Security(
+            self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.token(), token_file=self.auth_token_file
+        )
 
 
 @dataclass
@@ -130,6 +132,7 @@ class ServerConfig(PeerConfig):
             require_client_cert=self.tls_require_client_cert,
             token=self.token(),
             tokens_file=self.auth_tokens_file,
+            token_file=self.auth_token_file,
         )
 
 

@@ -107,6 +107,7 @@ class Security:
     require_client_cert: bool = False
     token: str = ""
     tokens_file: str = ""
+    token_file: str = ""  # where `token` came from: channels read it again when it changes
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -153,7 +154,9 @@ class Security:
             channel = grpc.secure_channel(address, creds, options=list(options))
         else:
             channel = grpc.insecure_channel(address, options=list(options))
-        return grpc.intercept_channel(channel, _BearerToken(self.token)) if self.token else channel
+        if not self.token:
+            return channel
+        return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
 
 
 PLAINTEXT = Security()
@@ -208,13 +211,30 @@ class _BearerToken(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds `authorization: Bearer <token>` to every call."""
+    """Adds `authorization: Bearer <token>` to every call; with `path`, the token is read
+    again (at most once a second) when the file changes, so a long-lived channel follows a
+    rotated Secret."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, *, path: str = "") -> None:
         self._header = ("authorization", f"Bearer {token}")
+        self._path = path
+        self._stamp = _stamp(path) if path else None
+        self._checked_at = time.monotonic()
+
+    def _current(self) -> tuple[str, str]:
+        if self._path and time.monotonic() - self._checked_at >= 1.0:
+            self._checked_at = time.monotonic()
+            try:
+                stamp = _stamp(self._path)
+                if stamp != self._stamp:
+                    self._header, self._stamp = ("authorization", f"Bearer {read_token(self._path)}"), stamp
+                    log.info("bearer token file changed: read again")
+            except (OSError, InvalidArgument) as e:  # half-written, or gone for a moment
+                log.debug("bearer token file cannot be read (%s); sending the token read before", e)
+        return self._header
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), self._header]
+        metadata = [*(details.metadata or ()), self._current()]
         return _CallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
         )

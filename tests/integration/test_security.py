@@ -198,23 +198,32 @@ def test_a_renewed_certificate_is_served_without_a_restart(
 
 
 def test_rotated_bearer_tokens_are_read_again_without_a_restart(
-    secure_coordinator: RunningServer, pki: dict[str, str]
+    secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
 ) -> None:
     """A rotated tokens Secret is swapped in place; servers kept the tokens they read at
-    start, so agents given the new ones were refused until a restart."""
-    rotated = {role: token.upper() for role, token in TOKENS.items()}
-    staged = Path(pki["tokens"]).with_suffix(".new")
-    staged.write_text(json.dumps(rotated))
-    os.replace(staged, pki["tokens"])
+    start, so agents given the new ones were refused until a restart, and an agent kept
+    sending the token its channel was made with."""
+    token_file = tmp_path / "rollout.token"
+    token_file.write_text(TOKENS["rollout"])
+    security = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["rollout"], token_file=str(token_file))
+    with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=security) as agent:
+        agent.open_session("job", trainer=False)
+        rotated = {role: token.upper() for role, token in TOKENS.items()}
+        for path, text in ((Path(pki["tokens"]), json.dumps(rotated)), (token_file, rotated["rollout"])):
+            path.with_suffix(".new").write_text(text)
+            os.replace(path.with_suffix(".new"), path)  # swapped in place, as a Secret volume's files are
+        old = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["rollout"])
+        with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=old) as stale:
 
-    def status(token: str) -> object:
-        security = Security(pki["crt"], pki["key"], pki["ca"], token=token)
-        with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=security) as c:
-            return c.open_session("job", trainer=False)
+            def refused() -> bool:
+                try:
+                    stale.status("job")
+                except Unauthenticated:
+                    return True
+                return False
 
-    eventually(lambda: status(rotated["rollout"]), timeout_s=10, what="the rotated rollout token accepted")
-    with pytest.raises(Unauthenticated):
-        status(TOKENS["rollout"])
+            eventually(refused, timeout_s=10, what="the old token refused")
+        eventually(lambda: agent.status("job"), timeout_s=10, what="the same channel, with the rotated token")
 
 
 def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
