@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from weightsync.addresses import join_host_port, split_host_port
 from weightsync.errors import InvalidArgument
 from weightsync.security import Security, read_token
 
@@ -28,7 +29,7 @@ def advertised(address: str, advertise_host: str) -> str:
     """host:port as other agents should dial it: the port bound, the advertised host."""
     if not advertise_host:
         return address
-    return f"{advertise_host}:{address.rpartition(':')[2]}"
+    return join_host_port(advertise_host, split_host_port(address)[1])
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
@@ -138,7 +139,7 @@ class ServerConfig(PeerConfig):
 
 def is_loopback(host: str) -> bool:
     """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    host = host.strip("[]")
+    host = host.removeprefix("[").removesuffix("]")
     if host == "localhost":
         return True
     try:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
+from weightsync.addresses import join_host_port
 from weightsync.config import is_loopback
 from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
@@ -145,13 +146,13 @@ def start_server(
         _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         try:
             if credentials is None:
-                bound = server.add_insecure_port(f"{host}:{port}")
+                bound = server.add_insecure_port(join_host_port(host, port))
             else:
-                bound = server.add_secure_port(f"{host}:{port}", credentials)
+                bound = server.add_secure_port(join_host_port(host, port), credentials)
         except RuntimeError as e:  # grpc's "Failed to bind to address"
-            raise cannot_listen("port", f"{host}:{port}", "the bind failed") from e
+            raise cannot_listen("port", join_host_port(host, port), "the bind failed") from e
         if bound == 0:
-            raise cannot_listen("port", f"{host}:{port}", "the bind failed")
+            raise cannot_listen("port", join_host_port(host, port), "the bind failed")
         # The server's accept loop is a task made here: in the urgent lane, so a new call
         # is taken on at once; the interceptor then puts each call in its method's lane.
         URGENT.set(True)
@@ -173,9 +174,9 @@ def start_server(
         except OSError as e:
             run_on_server_loop(server.stop(0))
             pool.shutdown(wait=False)
-            raise cannot_listen("metrics_port", f"{host}:{metrics_port}", e.strerror) from None
+            raise cannot_listen("metrics_port", join_host_port(host, metrics_port), e.strerror) from None
         mport = httpd.server_port
-    address = f"{host}:{bound}"
+    address = join_host_port(host, bound)
     if credentials is None and not security.tokens_file and not is_loopback(host):
         log.warning(
             "INSECURE: %s serves plaintext without bearer tokens on %s; any client that reaches it may fence the "

@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightsync.addresses import split_host_port
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument, ResourceExhausted
 from weightsync.manifest import DELTA_ENCODINGS, Part, ShardSpec, TensorSpec
@@ -75,9 +76,10 @@ def check_version(version: int, field: str = "version") -> int:
 
 
 def check_address(address: str, field: str) -> None:
-    """host:port with a numeric port."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    """host:port (an IPv6 literal in brackets) with a numeric port."""
+    host, port = split_host_port(address)
+    bare_v6 = ":" in host and not address.startswith("[")  # "::1:80": which colon ends the host?
+    if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
         raise InvalidArgument(f"{address!r} is not host:port", field=field)
 
 

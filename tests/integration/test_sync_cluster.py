@@ -277,3 +277,25 @@ def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: 
         assert served == model_bytes
     for proc in rollouts.values():
         assert rollout_status(proc.address).current_version == 2
+
+
+@pytest.mark.parametrize("mode", ["tcp", "relay"])
+def test_every_server_listens_and_syncs_on_ipv6(cluster: Cluster, mode: str) -> None:
+    """IPv6-only and dual-stack clusters: `--host ::1` made `::1:0`, which gRPC read as
+    `[::0.1.0.0]:443` (the coordinator could not start), and the tcp data plane cannot bind
+    an IPv6 address on an IPv4 socket. Addresses are now `[::1]:port`."""
+    v6 = ["--host", "::1"]
+    coord = cluster.start_coordinator(args=v6)
+    assert coord.address.startswith("[::1]:")
+    r0 = cluster.start_rollout("r0", coord.address, "job", [*v6, "--weight-sync-mode", mode])
+    r1 = cluster.start_rollout("r1", coord.address, "job", [*v6, "--weight-sync-mode", mode])
+    cluster.start_trainer(
+        "trainer", coord.address, "job", [*TINY, *v6, "--weight-sync-mode", mode, "--min-rollouts", "2", "--hold"]
+    )
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+        endpoints = [a.endpoint for a in client.status("job").agents]
+    assert all(e.address.startswith("[::1]:") for e in endpoints)
+    assert all(e.tcp_address.startswith("[::1]:") for e in endpoints if e.tcp_address)
+    assert any(e.tcp_address for e in endpoints)  # the native data plane served
+    assert rollout_status(r0.address).current_version == rollout_status(r1.address).current_version == 1

@@ -228,3 +228,17 @@ def test_a_handshake_names_its_first_bad_tensor_field(names: list[str], consumed
         with pytest.raises(InvalidArgument) as e:
             applied_report(request, Limits())
         assert e.value.field == expected
+
+
+def test_addresses_with_ipv6_literals_round_trip_and_validate() -> None:
+    from weightsync.addresses import join_host_port, split_host_port
+    from weightsync.validation import check_address
+
+    for host in ("127.0.0.1", "trainer-0.trainer", "::1", "fd00::7", "[::1]"):
+        joined = join_host_port(host, 50051)
+        assert split_host_port(joined) == (host.strip("[]"), "50051")
+        check_address(joined, "endpoint.address")
+    assert join_host_port("::1", 1) == "[::1]:1"
+    for bad in ("::1", "[::1]", "host:", ":80", "host:0", "host:65536"):
+        with pytest.raises(InvalidArgument, match="host:port"):
+            check_address(bad, "endpoint.address")

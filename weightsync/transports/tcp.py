@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from weightsync import native
+from weightsync.addresses import join_host_port, listening_socket, split_host_port
 from weightsync.errors import (
     InvalidArgument,
     PermissionDenied,
@@ -146,10 +147,10 @@ class TcpChunkServer:
         self.idle_timeout_s = idle_timeout_s
         self.stall_timeout_s = stall_timeout_s
         try:
-            self._listener = socket.create_server((host, port), backlog=128)
+            self._listener = listening_socket(host, port)
         except OSError as e:
-            raise cannot_listen("tcp_port", f"{host}:{port}", e.strerror) from None
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+            raise cannot_listen("tcp_port", join_host_port(host, port), e.strerror) from None
+        self.address = join_host_port(host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
@@ -316,7 +317,7 @@ class TcpTransport(Transport):
         if self._sock is not None and _closed_by_peer(self._sock):
             self.close()  # the server reclaimed it while idle: dial again, costing no attempt
         if self._sock is None:
-            host, _, port = self._address.rpartition(":")
+            host, port = split_host_port(self._address)
             try:
                 sock = socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0))
             except OSError as e:
