@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -60,6 +60,7 @@ HEARTBEATS = COORDINATOR + "Heartbeats"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _read(path: str, what: str) -> bytes:
@@ -162,6 +163,33 @@ class Security:
 PLAINTEXT = Security()
 
 
+class _FileValue(Generic[T]):
+    """A value read from a file (`path`; "" for none), read again at most once a second
+    when the file changes: a Secret volume swaps its files in place. While the file cannot
+    be read (half-written, gone for a moment) the last value stays, with a warning once."""
+
+    def __init__(self, value: T, path: str, read: Callable[[str], T], what: str) -> None:
+        self._value, self._path, self._read, self._what = value, path, read, what
+        self._stamp = _stamp(path) if path else None
+        self._checked_at = time.monotonic()
+        self._failing = False
+
+    def get(self) -> T:
+        if self._path and time.monotonic() - self._checked_at >= 1.0:
+            self._checked_at = time.monotonic()
+            try:
+                stamp = _stamp(self._path)
+                if stamp != self._stamp:
+                    self._value, self._stamp = self._read(self._path), stamp
+                    log.info("%s changed: read again", self._what)
+                self._failing = False
+            except (OSError, InvalidArgument) as e:
+                if not self._failing:
+                    log.warning("%s cannot be read (%s); keeping what was read before", self._what, e)
+                self._failing = True
+        return self._value
+
+
 def _stamp(path: str) -> tuple[int, int, int]:
     """What changes when a file is replaced or rewritten (a Secret volume swaps its files)."""
     st = os.stat(path)
@@ -216,22 +244,10 @@ class _BearerToken(
     rotated Secret."""
 
     def __init__(self, token: str, *, path: str = "") -> None:
-        self._header = ("authorization", f"Bearer {token}")
-        self._path = path
-        self._stamp = _stamp(path) if path else None
-        self._checked_at = time.monotonic()
+        self._token = _FileValue(token, path, read_token, "bearer token file")
 
     def _current(self) -> tuple[str, str]:
-        if self._path and time.monotonic() - self._checked_at >= 1.0:
-            self._checked_at = time.monotonic()
-            try:
-                stamp = _stamp(self._path)
-                if stamp != self._stamp:
-                    self._header, self._stamp = ("authorization", f"Bearer {read_token(self._path)}"), stamp
-                    log.info("bearer token file changed: read again")
-            except (OSError, InvalidArgument) as e:  # half-written, or gone for a moment
-                log.debug("bearer token file cannot be read (%s); sending the token read before", e)
-        return self._header
+        return ("authorization", f"Bearer {self._token.get()}")
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [*(details.metadata or ()), self._current()]
@@ -273,31 +289,11 @@ class BearerAuth:
     def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
         """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
         is swapped in place; servers kept the tokens they read at start)."""
-        self._tokens = dict(tokens)
-        self._path = path
-        self._stamp = _stamp(path) if path else None
-        self._checked_at = time.monotonic()
-        self._failing = False
-
-    def _current(self) -> dict[str, str]:
-        """The tokens, looking at the file at most once a second."""
-        if self._path and time.monotonic() - self._checked_at >= 1.0:
-            self._checked_at = time.monotonic()
-            try:
-                stamp = _stamp(self._path)
-                if stamp != self._stamp:
-                    self._tokens, self._stamp = load_tokens(self._path), stamp
-                    log.info("bearer tokens file changed: read again")
-                self._failing = False
-            except (OSError, InvalidArgument) as e:  # half-written, or gone for a moment
-                if not self._failing:
-                    log.warning("bearer tokens file cannot be read (%s); keeping the tokens read before", e)
-                self._failing = True
-        return self._tokens
+        self._tokens = _FileValue(dict(tokens), path, load_tokens, "bearer tokens file")
 
     def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
         """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""
-        tokens = self._current()
+        tokens = self._tokens.get()
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
