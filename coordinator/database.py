@@ -289,6 +289,16 @@ class Database:
         finally:
             self.release_writer()
 
+    def raise_failure(self, body_error: BaseException | None, commit_error: sqlite3.Error | None) -> None:
+        """Raises what ending a transaction says (at most one of the two is set: a body
+        that failed is not committed): a machine's refusal as `storage_error` maps it, a
+        failed COMMIT as it is. A body's other errors propagate from `__exit__` as they were."""
+        failed = body_error or commit_error
+        if (known := self.storage_error(failed)) is not None:
+            raise known from failed
+        if commit_error is not None:
+            raise commit_error
+
     def storage_error(self, error: BaseException | None) -> WeightsyncError | None:
         """`_storage_error`, noting a damaged file (`corrupt`, `on_corrupt`) the first time."""
         if is_corrupt(error) and self.corrupt is None:
@@ -354,14 +364,8 @@ class _Read:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         db = self._db
         assert db is not None
-        commit_error: sqlite3.Error | None = None
         try:
-            try:
-                db.execute("COMMIT")
-            except sqlite3.Error as e:
-                commit_error = e
-                if db.in_transaction:  # else BEGIN fails on this connection for good
-                    db.execute("ROLLBACK")
+            commit_error = _end_transaction(db, exc_type is None)
         finally:
             if self._database.closed:
                 db.close()  # out while close() closed the others
@@ -369,11 +373,7 @@ class _Read:
                 self._readers.put(db)
             if (free := self._database.on_free) is not None:
                 free()
-        failed = exc or commit_error  # the body's error is the one to tell
-        if (known := self._database.storage_error(failed)) is not None:
-            raise known from failed
-        if commit_error is not None and exc is None:
-            raise commit_error
+        self._database.raise_failure(exc, commit_error)
 
 
 class _Tx:
@@ -394,23 +394,24 @@ class _Tx:
         return self._database.writer_db
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        db = self._database.writer_db
-        commit_error: sqlite3.Error | None = None
         try:
-            if exc_type is None:
-                try:
-                    db.execute("COMMIT")
-                except sqlite3.Error as e:
-                    commit_error = e
-            # After some errors (a full disk) SQLite has rolled the transaction back itself,
-            # and a ROLLBACK would fail and hide the error; after others (a failed COMMIT)
-            # it is still open, and every later BEGIN would fail until it ends.
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            commit_error = _end_transaction(self._database.writer_db, exc_type is None)
         finally:
             self._database.release_writer()
-        failed = commit_error or exc
-        if (known := self._database.storage_error(failed)) is not None:
-            raise known from failed
-        if commit_error is not None:
-            raise commit_error
+        self._database.raise_failure(exc, commit_error)
+
+
+def _end_transaction(db: sqlite3.Connection, ok: bool) -> sqlite3.Error | None:
+    """Commits `db`'s transaction when its body succeeded, else rolls it back; returns the
+    COMMIT's error. After some errors (a full disk) SQLite has rolled the transaction back
+    itself, and a ROLLBACK would fail and hide the error; after others (a failed COMMIT) it
+    is still open, and every later BEGIN on the connection would fail until it ends."""
+    commit_error = None
+    if ok:
+        try:
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            commit_error = e
+    if db.in_transaction:
+        db.execute("ROLLBACK")
+    return commit_error

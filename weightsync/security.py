@@ -134,9 +134,15 @@ class Security:
         """TLS (mTLS with require_client_cert) for a server; None serves plaintext."""
         if not self.cert_file:
             return None
-        served = _ServedCertificate(self.key_file, self.cert_file, self.ca_file if self.require_client_cert else "")
+        # Read again when the files change (cert-manager renews a mounted Secret in place): a
+        # server that kept its first read served the old certificate until restarted, and
+        # every new connection failed once it expired. grpc asks at each new handshake.
+        files = (self.key_file, self.cert_file, self.ca_file if self.require_client_cert else "")
+        served = _FileValue(_certificate(*files), files, lambda: _certificate(*files), "TLS certificate files", 0.0)
         return grpc.dynamic_ssl_server_credentials(
-            served.configuration(), served.renewed, require_client_authentication=self.require_client_cert
+            served.value,
+            lambda: served.value if served.refresh() else None,  # None: keep the current one
+            require_client_authentication=self.require_client_cert,
         )
 
     def request_checks(self) -> list[BearerAuth]:
@@ -164,73 +170,49 @@ PLAINTEXT = Security()
 
 
 class _FileValue(Generic[T]):
-    """A value read from a file (`path`; "" for none), read again at most once a second
-    when the file changes: a Secret volume swaps its files in place. While the file cannot
-    be read (half-written, gone for a moment) the last value stays, with a warning once."""
+    """A value read from files (`paths`; none for a value that came from no file), read
+    again when any of them changes (looking at most every `every_s`): a Secret volume
+    swaps its files in place. While they cannot be read (half-written, gone for a moment)
+    the last value stays, with a warning once."""
 
-    def __init__(self, value: T, path: str, read: Callable[[str], T], what: str) -> None:
-        self._value, self._path, self._read, self._what = value, path, read, what
-        self._stamp = _stamp(path) if path else None
+    def __init__(self, value: T, paths: Sequence[str], read: Callable[[], T], what: str, every_s: float) -> None:
+        self.value, self._read, self._what, self._every_s = value, read, what, every_s
+        self._paths = tuple(p for p in paths if p)
+        self._stamp = self._stamps()
         self._checked_at = time.monotonic()
         self._failing = False
 
-    def get(self) -> T:
-        if self._path and time.monotonic() - self._checked_at >= 1.0:
-            self._checked_at = time.monotonic()
-            try:
-                stamp = _stamp(self._path)
-                if stamp != self._stamp:
-                    self._value, self._stamp = self._read(self._path), stamp
-                    log.info("%s changed: read again", self._what)
-                self._failing = False
-            except (OSError, InvalidArgument) as e:
-                if not self._failing:
-                    log.warning("%s cannot be read (%s); keeping what was read before", self._what, e)
-                self._failing = True
-        return self._value
-
-
-def _stamp(path: str) -> tuple[int, int, int]:
-    """What changes when a file is replaced or rewritten (a Secret volume swaps its files)."""
-    st = os.stat(path)
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-class _ServedCertificate:
-    """A server's certificate files, read again when they change. cert-manager renews a
-    mounted Secret in place (Kubernetes swaps the files together); a server that kept its
-    first read served the old certificate until restarted, and every new connection failed
-    once it expired. grpc asks `renewed` at each new connection's handshake."""
-
-    def __init__(self, key_file: str, cert_file: str, ca_file: str) -> None:
-        self._files = ((key_file, "tls_key_file"), (cert_file, "tls_cert_file"), (ca_file, "tls_ca_file"))
-        self._stamp = self._stamps()
-        self._failing = False
-
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
-        return tuple(_stamp(path) for path, _ in self._files if path)
+        # what changes when a file is replaced or rewritten
+        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, self._paths))
 
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        (key, _), (cert, _), (ca, _) = self._files
-        pair = (_read(key, "tls_key_file"), _read(cert, "tls_cert_file"))
-        return grpc.ssl_server_certificate_configuration([pair], _read(ca, "tls_ca_file") if ca else None)
-
-    def renewed(self) -> grpc.ServerCertificateConfiguration | None:
-        """The files' new configuration when they changed since the last read, else None
-        (grpc keeps the current one; also while the files cannot be read)."""
+    def refresh(self) -> bool:
+        """Reads the files again if they changed since the last read; True when it did."""
+        if not self._paths or time.monotonic() - self._checked_at < self._every_s:
+            return False
+        self._checked_at = time.monotonic()
         try:
             stamp = self._stamps()
-            if stamp == self._stamp:
-                return None
-            config = self.configuration()
+            changed = stamp != self._stamp
+            if changed:
+                self.value, self._stamp = self._read(), stamp
+                log.info("%s changed: read again", self._what)
         except (OSError, InvalidArgument) as e:
             if not self._failing:
-                log.warning("TLS files cannot be read (%s); serving the certificate read before", e)
+                log.warning("%s cannot be read (%s); keeping what was read before", self._what, e)
             self._failing = True
-            return None
-        self._stamp, self._failing = stamp, False
-        log.info("TLS certificate files changed: new connections get the new certificate")
-        return config
+            return False
+        self._failing = False
+        return changed
+
+    def get(self) -> T:
+        self.refresh()
+        return self.value
+
+
+def _certificate(key_file: str, cert_file: str, ca_file: str) -> grpc.ServerCertificateConfiguration:
+    pair = (_read(key_file, "tls_key_file"), _read(cert_file, "tls_cert_file"))
+    return grpc.ssl_server_certificate_configuration([pair], _read(ca_file, "tls_ca_file") if ca_file else None)
 
 
 class _BearerToken(
@@ -244,7 +226,7 @@ class _BearerToken(
     rotated Secret."""
 
     def __init__(self, token: str, *, path: str = "") -> None:
-        self._token = _FileValue(token, path, read_token, "bearer token file")
+        self._token = _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
 
     def _current(self) -> tuple[str, str]:
         return ("authorization", f"Bearer {self._token.get()}")
@@ -289,7 +271,7 @@ class BearerAuth:
     def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
         """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
         is swapped in place; servers kept the tokens they read at start)."""
-        self._tokens = _FileValue(dict(tokens), path, load_tokens, "bearer tokens file")
+        self._tokens = _FileValue(dict(tokens), (path,), lambda: load_tokens(path), "bearer tokens file", 1.0)
 
     def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
         """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""

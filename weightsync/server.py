@@ -144,15 +144,16 @@ def start_server(
         for svc in services:
             svc.add(svc.servicer, server)
         _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        listen = join_host_port(host, port)
         try:
             if credentials is None:
-                bound = server.add_insecure_port(join_host_port(host, port))
+                bound = server.add_insecure_port(listen)
             else:
-                bound = server.add_secure_port(join_host_port(host, port), credentials)
+                bound = server.add_secure_port(listen, credentials)
         except RuntimeError as e:  # grpc's "Failed to bind to address"
-            raise cannot_listen("port", join_host_port(host, port), "the bind failed") from e
+            raise cannot_listen("port", listen, "the bind failed") from e
         if bound == 0:
-            raise cannot_listen("port", join_host_port(host, port), "the bind failed")
+            raise cannot_listen("port", listen, "the bind failed")
         # The server's accept loop is a task made here: in the urgent lane, so a new call
         # is taken on at once; the interceptor then puts each call in its method's lane.
         URGENT.set(True)
