@@ -36,6 +36,11 @@ class Applier(ABC):
     atomic applier never sees bytes of a bad version.
     """
 
+    def check(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        """Refuses a version the engine cannot take (`InvalidArgument` naming
+        `manifest.tensors`) from its manifest alone, before a byte of it is pulled.
+        The default takes any; `begin_update` must refuse the same versions."""
+
     @abstractmethod
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         """Starts an update round."""

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from rollout_agent.appliers import Applier
 from rollout_agent.follow import follow_servable
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import Prefetched, prefetch
@@ -35,9 +36,16 @@ class Prefetcher:
     """
 
     def __init__(
-        self, puller: WeightPuller, *, failpoints: Failpoints | None = None, follow: bool = True, nice: int = 0
+        self,
+        puller: WeightPuller,
+        *,
+        applier: Applier | None = None,
+        failpoints: Failpoints | None = None,
+        follow: bool = True,
+        nice: int = 0,
     ) -> None:
         self._puller = puller
+        self._applier = applier  # refuses another model's versions before they are pulled
         self._nice = nice
         self._failpoints = failpoints
         self._pull = threading.Lock()  # whoever holds it owns the receive buffer
@@ -143,7 +151,7 @@ class Prefetcher:
                     self._ready = None  # a newer version replaces a waiting older one
                 try:
                     with version_context(version):
-                        got: Prefetched | None = prefetch(self._puller, version, self._failpoints)
+                        got: Prefetched | None = prefetch(self._puller, version, self._failpoints, self._applier)
                 except WeightsyncError as e:  # no manifest (released, not yet servable): nothing leased
                     log.warning("prefetch of version %d: %s", version, e.message)
                     got = None

@@ -94,9 +94,13 @@ class Prefetched:
         return self.manifest.version
 
 
-def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | None = None) -> Prefetched:
+def prefetch(
+    puller: WeightPuller, version: int = 0, failpoints: Failpoints | None = None, applier: Applier | None = None
+) -> Prefetched:
     """Fetches `version`'s manifest (0 = newest servable; the lease is taken), pulls every
-    chunk and checks every assembled tensor; the live weights are not touched.
+    chunk and checks every assembled tensor; the live weights are not touched. A version
+    `applier` refuses from its manifest (`Applier.check`: another model's names or shapes)
+    fails before a byte of it is pulled or a receive buffer sized for it.
 
     One hash pass per byte: the chunks land unchecked (relays excepted) and the tensor
     check covers them, since a tensor's digest is made of its chunks' digests. A tensor
@@ -115,6 +119,8 @@ def prefetch(puller: WeightPuller, version: int = 0, failpoints: Failpoints | No
     header, manifest = puller.fetch_manifest(version)
     p = Prefetched(header, manifest, started=started)
     try:
+        if applier is not None:
+            applier.check(p.version, manifest.tensors)
         pulled = puller.pull(header, manifest, check_chunks=False)
         p.bytes_pulled, p.chunk_retries, p.delta_base = pulled.bytes_pulled, pulled.chunk_retries, pulled.delta_base
         p.timings["pull_seconds"] = pulled.pull_seconds
@@ -181,7 +187,7 @@ def sync_version(
         raise InvalidArgument(f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}", field="apply_mode")
     started = time.perf_counter()
     if apply_mode == "atomic":
-        p = prefetch(puller, version, failpoints)
+        p = prefetch(puller, version, failpoints, applier)
         return apply_prefetched(
             p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints,
             blocked_since=started if engine_blocked else None,

@@ -49,6 +49,26 @@ def expected_checkpoint_names(model: Any) -> set[str]:
     return names
 
 
+def replicated_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Checkpoint shapes the model takes exactly: parameters neither fused nor split
+    across tensor-parallel ranks (norms, q/k norms), which vLLM's `default_weight_loader`
+    copies only when the shapes are equal. Read from the shapes vLLM recorded before its
+    kernels repacked the weights (on CPU a linear weight's live shape is (0,)); empty on a
+    vLLM that records none."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    packed = set(getattr(model, "packed_modules_mapping", {}) or {})
+    shapes = {}
+    for prefix, module in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is None or packed.intersection(prefix.split(".")):
+            continue
+        for name, meta in info.restore_metadata[0].items():
+            if not hasattr(meta, "output_dim") and not hasattr(meta, "input_dim"):
+                shapes[f"{prefix}.{name}" if prefix else name] = tuple(meta.shape)
+    return shapes
+
+
 class VllmApplier(Applier):
     """Applies one version to a vLLM model (worker side). Not thread-safe: one round at a time."""
 
@@ -56,10 +76,11 @@ class VllmApplier(Applier):
         self.model = model
         self.model_config = model_config
         self._expected = expected_checkpoint_names(model)
+        self._shapes = replicated_shapes(model)
         self._consumed: list[str] = []
         self._open = False
 
-    def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+    def check(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         missing = sorted(self._expected - set(tensors))
         unknown = sorted(set(tensors) - self._expected)
         if missing:
@@ -72,6 +93,16 @@ class VllmApplier(Applier):
                 f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}",
                 field="manifest.tensors",
             )
+        for name, shape in self._shapes.items():
+            if name in tensors and tensors[name].shape != shape:
+                raise InvalidArgument(
+                    f"version {version}'s {name!r} has shape {list(tensors[name].shape)}, the model's is "
+                    f"{list(shape)} (a trainer of another model?)",
+                    field="manifest.tensors",
+                )
+
+    def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        self.check(version, tensors)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)

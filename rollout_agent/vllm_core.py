@@ -65,7 +65,9 @@ class VllmRollout:
         # an update then only applies. Streaming applies hold no whole version to keep.
         self.prefetcher: Prefetcher | None = None
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
-            self.prefetcher = Prefetcher(self.wiring.puller, failpoints=self.wiring.failpoints, nice=info.prefetch_nice)
+            self.prefetcher = Prefetcher(
+                self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice
+            )
         _IN_PROCESS[agent_id] = self
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -195,20 +196,34 @@ def test_corrupted_byte_leaves_engine_untouched_and_next_version_applies(
     assert_matches(vllm_run(engine), transformers_run(model_dir, w))
 
 
-def test_manifest_missing_a_fused_part_is_refused_before_any_change(
-    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int]
+def _without_v_proj(w: dict[str, np.ndarray]) -> str:
+    del w["model.layers.0.self_attn.v_proj.weight"]
+    return "model.layers.0.self_attn.v_proj.weight"
+
+
+def _wider_norm(w: dict[str, np.ndarray]) -> str:
+    """Another model's norm: same names, a wider hidden size (Qwen3-0.6B against 1.7B)."""
+    w["model.norm.weight"] = np.ones(2 * w["model.norm.weight"].shape[0], np.float32)
+    return "'model.norm.weight' has shape [128]"
+
+
+@pytest.mark.parametrize("spoil", [_without_v_proj, _wider_norm])
+def test_another_models_manifest_is_refused_before_a_byte_is_pulled(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int], spoil: Any
 ) -> None:
+    """Names and the shapes vLLM loads only when equal are checked against the model from
+    the manifest: the version was pulled whole before its load refused it."""
     before = vllm_run(engine)
     v = next(versions)
     w = weights_for(model_dir, 31)
-    del w["model.layers.0.self_attn.v_proj.weight"]
+    said = spoil(w)
     publisher.publish(w, v)
-    with pytest.raises(Exception, match="v_proj"):
+    with pytest.raises(Exception, match=re.escape(said)):
         sync_native(engine, v)
     engine.reset_prefix_cache()
     assert vllm_run(engine) == before
     hs, _ = handshake(coordinator, v, "eng-a")
-    assert not hs.ok and "model.layers.0.self_attn.v_proj.weight" in hs.mismatch
+    assert not hs.ok and said in hs.mismatch and hs.bytes_pulled == 0
 
 
 # Before the tests that start a second engine in this process: its shutdown tears down

@@ -8,12 +8,12 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import DictApplier
+from rollout_agent.appliers import Applier, DictApplier
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import apply_prefetched, sync_version
@@ -21,8 +21,9 @@ from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
+from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
-from weightsync.manifest import Endpoint
+from weightsync.manifest import Endpoint, TensorSpec
 from weightsync.server import RunningServer
 
 
@@ -42,14 +43,14 @@ def _setup(address: str, *agents: str) -> CoordinatorClient:
 
 @contextlib.contextmanager
 def _prefetching(
-    address: str, **settings: Any
+    address: str, applier: Applier | None = None, **settings: Any
 ) -> Iterator[tuple[WeightPublisher, CoordinatorClient, WeightPuller, Prefetcher]]:
     """A publisher and, for rollout r0, a client, a puller and a prefetcher that does not
     follow the session by itself (the test asks for versions); all closed after."""
     with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=16384, **settings)) as pub:
         client = _setup(address, "r0")
         puller = WeightPuller(client, "job", "r0")
-        prefetcher = Prefetcher(puller, follow=False)
+        prefetcher = Prefetcher(puller, applier=applier, follow=False)
         try:
             yield pub, client, puller, prefetcher
         finally:
@@ -215,3 +216,32 @@ def test_the_prefetch_thread_outlives_an_unexpected_exception(
         assert not prefetcher.wait_ready(1, 10)  # its pull failed: the update pulls it
         pub.publish(_params(2), 2)
         assert prefetcher.wait_ready(2, 30)  # the same thread prefetches the next one
+
+
+class _ModelOfOneShape(DictApplier):
+    """An engine whose model takes (256, 128) weights only, as vLLM's takes its norms."""
+
+    def check(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        for spec in tensors.values():
+            if spec.shape != (256, 128):
+                raise InvalidArgument(f"version {version}'s {spec.name!r} is not (256, 128)", field="manifest.tensors")
+
+
+def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A trainer of another model (same names, wider) used to have its whole version pulled
+    into a receive buffer sized for it, and refused only by the engine's load."""
+    engine = _ModelOfOneShape()
+    with _prefetching(inprocess_coordinator.address, applier=engine) as (pub, client, puller, prefetcher):
+        pub.publish({k: np.zeros((1024, 512), np.float32) for k in _params(1)}, 1)
+        assert prefetcher.wait_ready(1, 30)
+        with prefetcher.hold(1) as ready:
+            assert ready is not None and ready.bytes_pulled == 0 and "is not (256, 128)" in ready.error.message
+            refused = apply_prefetched(ready, puller, engine)
+        assert not refused.ok and engine.weights == {}
+        (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
+        assert not hs.ok and hs.bytes_pulled == 0 and "is not (256, 128)" in hs.mismatch
+        assert puller._buffers == {}  # no receive buffer was sized for it
+        pub.publish(_params(2), 2)
+        assert sync_version(puller, engine, 2).ok  # the same check passes the right model's
