@@ -40,6 +40,7 @@ class Applier(ABC):
         """Refuses a version the engine cannot take (`InvalidArgument` naming
         `manifest.tensors`) from its manifest alone, before a byte of it is pulled.
         The default takes any; `begin_update` must refuse the same versions."""
+        return None
 
     @abstractmethod
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
