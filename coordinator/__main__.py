@@ -39,7 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     hub = WatchHub()
     try:
         store = SessionStore(
-            cfg.db_path, lease_ttl_s=cfg.lease_ttl_s, listener=hub, retain_versions=cfg.retain_versions
+            cfg.db_path,
+            lease_ttl_s=cfg.lease_ttl_s,
+            listener=hub,
+            retain_versions=cfg.retain_versions,
+            forget_agents_after_s=cfg.forget_agents_after_s,
         )
     except WeightsyncError as e:
         log.error("cannot start: %s", e.message)
@@ -76,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             servicer.sweep()
             if store.prune():
                 log.info("retention: older versions summarized; database %d bytes", store.database_bytes())
+            if forgotten := store.forget_agents():
+                log.info(
+                    "retention: %d agent(s) expired over %.0fs ago forgotten", forgotten, cfg.forget_agents_after_s
+                )
             metrics.database_bytes.set(store.database_bytes())
         except Exception as e:  # noqa: BLE001 - a locked or full database passes; ending here ended the process
             if not failing:  # once per outage

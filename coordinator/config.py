@@ -19,6 +19,11 @@ class CoordinatorConfig(ServerConfig):
     retain_versions: int = option(
         50, "Per session, the newest versions kept whole; older RELEASED/FAILED ones keep a summary row only."
     )
+    forget_agents_after_s: float = option(
+        3600.0,
+        "An agent whose lease lapsed this long ago is forgotten: no longer listed by GetStatus, its row deleted "
+        "(pods that come and go under new names leave no trail forever). It registers again if it comes back.",
+    )
     gc_refresh_s: float = option(
         900.0,
         "Survivors of a full garbage collection are frozen (weightsync.gc_freeze); this often, "
@@ -31,6 +36,8 @@ class CoordinatorConfig(ServerConfig):
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.retain_versions < 1:
             raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
+        if not self.forget_agents_after_s >= 0:
+            raise ValueError(f"forget_agents_after_s must be >= 0, got {self.forget_agents_after_s}")
         if self.gc_refresh_s < 0:
             raise ValueError(f"gc_refresh_s must be >= 0, got {self.gc_refresh_s}")
         if self.max_workers < 4:

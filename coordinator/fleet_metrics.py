@@ -43,7 +43,7 @@ class FleetCollector(Collector):
         return (
             GaugeMetricFamily(
                 AGENTS,
-                "Registered agents by role and lease state (alive or expired).",
+                "Registered agents by role and lease state (alive, or expired and not yet forgotten).",
                 labels=["session", "role", "state"],
             ),
             GaugeMetricFamily(LEASES, "Version leases held by live rollouts.", labels=["session"]),

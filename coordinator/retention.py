@@ -6,6 +6,10 @@ beyond the newest `retain` that are RELEASED or FAILED (never one still servable
 their parts, handshakes, leases and events; the version row stays, with the bytes, ranks
 and staging time it had, so history reads the same and no COMMITTED record is lost.
 Pages freed go back to the file system through SQLite's incremental vacuum.
+
+Agents whose lease lapsed long ago are forgotten the same way: rollout pods come and go
+under new names (a Deployment's pods, preemptible nodes), and each left its row in every
+GetStatus reply and in the database for good.
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ def prune(db: sqlite3.Connection, retain: int) -> int:
                 db.execute(f"DELETE FROM {table} WHERE session=? AND version=?", (session, version))
             pruned += 1
     return pruned
+
+
+def forget_agents(db: sqlite3.Connection, expired_before: float) -> int:
+    """Deletes the agents whose lease ended before `expired_before` (seconds since the
+    epoch; their version leases were dropped when it ended); returns how many. Handshakes
+    they sent stay with their versions."""
+    return db.execute("DELETE FROM agents WHERE lease_expires_at<?", (expired_before,)).rowcount
 
 
 def vacuum(db: sqlite3.Connection) -> None:

@@ -67,6 +67,7 @@ S = VersionState
 # a rank without it, or a rollout without the native shim, is read over grpc).
 DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
+DEFAULT_FORGET_AGENTS_AFTER_S = 3600.0
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
@@ -96,14 +97,19 @@ class SessionStore(VersionLifecycle):
         clock: Callable[[], float] | None = None,
         listener: EventListener | None = None,
         retain_versions: int = DEFAULT_RETAIN_VERSIONS,
+        forget_agents_after_s: float = DEFAULT_FORGET_AGENTS_AFTER_S,
     ) -> None:
         """`retain_versions`: per session, the newest versions whose descriptors and
         handshakes are kept; older RELEASED / FAILED ones keep a summary row
-        (`coordinator.retention`). `clock`: seconds since the epoch, `steady_wall_clock()`
+        (`coordinator.retention`). `forget_agents_after_s`: how long an agent whose lease
+        lapsed is still listed. `clock`: seconds since the epoch, `steady_wall_clock()`
         unless given."""
         if retain_versions < 1:
             raise InvalidArgument(f"must be >= 1, got {retain_versions}", field="retain_versions")
+        if not forget_agents_after_s >= 0:
+            raise InvalidArgument(f"must be >= 0, got {forget_agents_after_s}", field="forget_agents_after_s")
         self.retain_versions = retain_versions
+        self.forget_agents_after_s = forget_agents_after_s
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
         self._clock = clock or steady_wall_clock()
@@ -403,6 +409,12 @@ class SessionStore(VersionLifecycle):
         with self._writer() as db:  # incremental_vacuum cannot run inside a transaction
             retention.vacuum(db)
         return pruned
+
+    def forget_agents(self) -> int:
+        """Forgets agents whose lease lapsed more than `forget_agents_after_s` ago (see
+        `coordinator.retention`); returns how many. One that comes back registers again."""
+        with self._tx() as db:
+            return retention.forget_agents(db, self._clock() - self.forget_agents_after_s)
 
     def database_bytes(self) -> int:
         with self._writer() as db:

@@ -339,6 +339,20 @@ def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Clu
     assert "in use by another coordinator" in second.log()
 
 
+def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers_again(cluster: Cluster) -> None:
+    """Rollout pods that come and go under new names each stayed in every status reply."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL), "--forget-agents-after-s", "1"])
+    with CoordinatorClient(coord.address) as client:
+        client.open_session("job", trainer=True, incarnation="x")
+        for i in range(50):
+            client.register_agent("job", f"pod-{i}", trainer=False, endpoint=Endpoint())
+        assert len(agents(client)) == 50
+        eventually(lambda: agents(client) == {}, timeout_s=TTL + 10, what="expired agents forgotten")
+        assert "agent(s) expired over 1s ago forgotten" in coord.log()
+        client.register_agent("job", "pod-7", trainer=False, endpoint=Endpoint())
+        assert list(agents(client)) == ["pod-7"]
+
+
 def private_dev_shm(setup: str = "mount -t tmpfs tmpfs /dev/shm") -> list[str]:
     """A command prefix running a process in its own mount namespace, where `setup` has
     mounted a /dev/shm of its own (skips the test where no namespace can be made)."""

@@ -1,6 +1,6 @@
 """StatusReplies: the kept, encoded GetStatus pieces equal a reply built message by
 message from the store, whatever happened in between (reports new and replaced, leases
-renewed and lapsed, agents registered again, moved and gone, versions published, released
+renewed and lapsed, agents registered again, moved, gone and forgotten, versions published, released
 and pruned)."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ OPS = st.lists(
         st.tuples(st.just("publish")),
         st.tuples(st.just("release_and_prune")),
         st.tuples(st.just("sweep")),
+        st.tuples(st.just("forget")),
     ),
     max_size=30,
 )
@@ -66,7 +67,9 @@ OPS = st.lists(
 def test_kept_reply_equals_the_reply_built_whole(ops: list[tuple], limit: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clock = Clock()
-        store = SessionStore(Path(tmp) / "c.db", lease_ttl_s=10, clock=clock, retain_versions=1)
+        store = SessionStore(
+            Path(tmp) / "c.db", lease_ttl_s=10, clock=clock, retain_versions=1, forget_agents_after_s=5
+        )
         try:
             replies = StatusReplies(store)
             s, _ = store.open_session("job", trainer=True, incarnation="run-1", trainer_ranks=1)
@@ -113,6 +116,8 @@ def run(store: SessionStore, op: tuple, clock: Clock, part: object, generation: 
         store.prune()
     elif kind == "sweep":
         store.sweep()
+    elif kind == "forget":
+        store.forget_agents()
 
 
 def test_a_replaced_report_in_the_same_instant_is_seen(tmp_path: Path) -> None:

@@ -536,6 +536,32 @@ def test_retention_summarizes_old_versions_and_bounds_the_database(tmp_path: Pat
         store.close()
 
 
+def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp_path: Path, clock: Clock) -> None:
+    """Pods that come and go under new names each left a row in every status reply for good."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60)
+    try:
+        gen = attach(store, rollouts=("r0", "r1", "r2"))
+        part, _ = make_part(sample_arrays())
+        store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+        store.report_applied("job", 1, "r1", good_report(store, 1))
+        clock.t += 9
+        store.heartbeat("job", "r0")
+        clock.t += 60  # r1 and r2 expired 59 s ago: still listed
+        assert store.forget_agents() == 0 and [a.agent_id for a in store.agents("job")] == ["r0", "r1", "r2"]
+        clock.t += 2  # r1 and r2 expired 61 s ago, r0 52 s ago
+        assert store.forget_agents() == 2
+        assert [a.agent_id for a in store.agents("job")] == ["r0"]
+        assert [r.agent_id for r in store.reports("job", [1])] == ["r1"]  # its handshake stays with the version
+        with pytest.raises(AgentNotFound):
+            store.heartbeat("job", "r1")
+        store.register_agent("job", "r1", role="ROLLOUT", endpoint=Endpoint())
+        assert [a.agent_id for a in store.agents("job")] == ["r0", "r1"]
+    finally:
+        store.close()
+    with pytest.raises(InvalidArgument, match="forget_agents_after_s|>= 0"):
+        SessionStore(tmp_path / "d.db", forget_agents_after_s=float("nan"))
+
+
 def test_a_cold_manifest_is_never_built_on_the_event_loop(store: SessionStore) -> None:
     # Decoding a large model's descriptors takes seconds: inside nonblocking() a manifest
     # not yet built raises NotOnLoop (run it on a thread) before any lease is written.
