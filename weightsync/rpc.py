@@ -375,7 +375,9 @@ def _error(code: str, message: str, details: Sequence[any_pb2.Any]) -> errors.We
             detail.Unpack(info)
             if info.domain == ERROR_DOMAIN:
                 reason = info.reason
-    err = errors.error_for_status(code, message, field, reason)
+    # A call cancelled under its caller (its channel closed for a renewed one, a server
+    # stopping) is tried again like a server out of reach, not taken for a server's bug.
+    err = errors.error_for_status("UNAVAILABLE" if code == "CANCELLED" else code, message, field, reason)
     err.grpc_code = code  # type: ignore[attr-defined]
     return err
 

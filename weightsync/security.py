@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,18 +153,24 @@ class Security:
     def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
         """A channel to `address`: TLS when a CA is set (with this process's certificate
         for servers that demand one), carrying the bearer token when one is set."""
-        if self.ca_file:
+        if not self.ca_file:
+            channel = grpc.insecure_channel(address, options=list(options))
+            if not self.token:
+                return channel
+            return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
+
+        def secure() -> grpc.Channel:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.ca_file, "tls_ca_file"),
                 private_key=_read(self.key_file, "tls_key_file") if self.key_file else None,
                 certificate_chain=_read(self.cert_file, "tls_cert_file") if self.cert_file else None,
             )
-            channel = grpc.secure_channel(address, creds, options=list(options))
-        else:
-            channel = grpc.insecure_channel(address, options=list(options))
-        if not self.token:
-            return channel
-        return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
+            return grpc.secure_channel(address, creds, options=list(options))
+
+        # The interceptor asks the renewing channel for a callable at every call, so each
+        # call goes out on the channel made from the files as they are now.
+        renewing = _RenewingChannel(secure, (self.cert_file, self.key_file, self.ca_file))
+        return grpc.intercept_channel(renewing, _BearerToken(self.token, path=self.token_file))
 
 
 PLAINTEXT = Security()
@@ -210,6 +217,64 @@ class _FileValue(Generic[T]):
         return self.value
 
 
+class _RenewingChannel(grpc.Channel):
+    """A TLS channel made again from its files when they change (looked at, at most once a
+    second, as a call starts): grpc reads a client's certificate, key and CA only when the
+    channel is made, so an agent kept the certificate it started with, and once it expired
+    or its CA was rotated out (cert-manager, SPIFFE: hours) every new connection failed
+    until a restart. Calls in flight finish on the channel they started on; a replaced
+    channel is closed `RETIRED_CHANNEL_S` later (streams still on it end as cancelled, and
+    their callers open them again, as after a server restart)."""
+
+    RETIRED_CHANNEL_S = 600.0  # longer than any unary call's deadline
+
+    def __init__(self, make: Callable[[], grpc.Channel], paths: Sequence[str]) -> None:
+        self._channel = _FileValue(make(), paths, make, "TLS client files", 1.0)
+        self._retired: list[tuple[float, grpc.Channel]] = []
+        self._lock = threading.Lock()
+
+    def current(self) -> grpc.Channel:
+        """The channel made from the files as they are now."""
+        with self._lock:
+            before = self._channel.value
+            if self._channel.refresh():
+                self._retired.append((time.monotonic(), before))
+            while self._retired and time.monotonic() - self._retired[0][0] > self.RETIRED_CHANNEL_S:
+                self._retired.pop(0)[1].close()
+            return self._channel.value
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.current().unary_unary(method, *args, **kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.current().unary_stream(method, *args, **kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.current().stream_unary(method, *args, **kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.current().stream_stream(method, *args, **kwargs)
+
+    def subscribe(self, callback: Callable[..., Any], try_to_connect: bool = False) -> None:
+        self.current().subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback: Callable[..., Any]) -> None:
+        self.current().unsubscribe(callback)
+
+    def close(self) -> None:
+        with self._lock:
+            for _, channel in self._retired:
+                channel.close()
+            self._retired.clear()
+            self._channel.value.close()
+
+    def __enter__(self) -> _RenewingChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _certificate(key_file: str, cert_file: str, ca_file: str) -> grpc.ServerCertificateConfiguration:
     pair = (_read(key_file, "tls_key_file"), _read(cert_file, "tls_cert_file"))
     return grpc.ssl_server_certificate_configuration([pair], _read(ca_file, "tls_ca_file") if ca_file else None)
@@ -221,18 +286,18 @@ class _BearerToken(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds `authorization: Bearer <token>` to every call; with `path`, the token is read
-    again (at most once a second) when the file changes, so a long-lived channel follows a
-    rotated Secret."""
+    """Adds `authorization: Bearer <token>` to every call (none when `token` is empty); with
+    `path`, the token is read again (at most once a second) when the file changes, so a
+    long-lived channel follows a rotated Secret."""
 
     def __init__(self, token: str, *, path: str = "") -> None:
         self._token = _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
 
-    def _current(self) -> tuple[str, str]:
-        return ("authorization", f"Bearer {self._token.get()}")
-
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = [*(details.metadata or ()), self._current()]
+        token = self._token.get()
+        if not token:  # a TLS channel without a token: the interceptor only renews the channel
+            return details
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {token}")]
         return _CallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
         )

@@ -10,6 +10,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -424,3 +425,48 @@ def test_processes_started_with_tls_flags_sync_over_mtls_with_tokens(
             failed = [p for p in cluster.procs.values() if not p.alive()]
             for proc in failed:
                 print(f"===== {proc.name} =====\n{proc.log()[-4000:]}")
+
+
+def test_an_agent_presents_its_renewed_client_certificate_without_a_restart(
+    tmp_path: Path, no_arena_leak: None
+) -> None:
+    """A CA rotated under mTLS: the rollout's certificate is renewed by the next CA in place
+    (cert-manager, SPIFFE), then the coordinator, restarted, trusts the next CA alone. The
+    rollout's channel kept the certificate it was made with, so every new connection failed
+    and the rollout never registered again until it was restarted itself."""
+    ca, crt, key = _pki(tmp_path, "first")
+    next_ca, next_crt, next_key = _pki(tmp_path, "next")
+    trusted = tmp_path / "trusted-clients.crt"  # the coordinator's client CAs: both while rotating
+    trusted.write_bytes(Path(ca).read_bytes() + Path(next_ca).read_bytes())
+    mine = {"crt": str(tmp_path / "rollout.crt"), "key": str(tmp_path / "rollout.key")}
+    for src, dst in ((crt, mine["crt"]), (key, mine["key"])):
+        Path(dst).write_bytes(Path(src).read_bytes())
+    server = ["--tls-cert-file", crt, "--tls-key-file", key, "--tls-ca-file", str(trusted), "--tls-require-client-cert"]
+    admin = Security(
+        next_crt, next_key, ca
+    )  # trusted before and after; verifies the coordinator's (first CA) certificate
+    with Cluster(tmp_path / "procs", security=admin) as cluster:
+        coord = cluster.start_coordinator(args=[*server, "--lease-ttl-s", "2"])
+        port = int(coord.address.rpartition(":")[2])
+        with CoordinatorClient(coord.address, security=admin) as client:
+            client.open_session("job", trainer=True, incarnation="x")
+        rollout_tls = ["--tls-cert-file", mine["crt"], "--tls-key-file", mine["key"], "--tls-ca-file", ca]
+        cluster.start_rollout("r0", coord.address, "job", rollout_tls)
+
+        def alive() -> bool:
+            with CoordinatorClient(coord.address, security=admin, timeout_s=3, retries=0) as client:
+                return any(a.agent_id == "r0" and a.alive for a in client.status("job").agents)
+
+        eventually(alive, timeout_s=30, what="r0 registered")
+        for src, dst in ((next_key, mine["key"]), (next_crt, mine["crt"])):
+            Path(dst + ".new").write_bytes(Path(src).read_bytes())
+            os.replace(dst + ".new", dst)  # swapped in place, as a Secret volume's files are
+        trusted.with_suffix(".new").write_bytes(Path(next_ca).read_bytes())
+        os.replace(trusted.with_suffix(".new"), trusted)
+        cluster.kill("coordinator")
+        time.sleep(3)  # past r0's lease: it must register again, on a new connection
+        coord = cluster.start_coordinator(
+            port=port, db_path=coord.ready["db_path"], args=[*server, "--lease-ttl-s", "2"]
+        )
+        eventually(alive, timeout_s=30, what="r0 registered again with its renewed certificate")
+        assert cluster.procs["r0"].alive()
