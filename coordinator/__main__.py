@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             listener=hub,
             retain_versions=cfg.retain_versions,
             forget_agents_after_s=cfg.forget_agents_after_s,
+            max_sessions=cfg.max_sessions,
         )
     except WeightsyncError as e:
         log.error("cannot start: %s", e.message)

@@ -24,6 +24,9 @@ class CoordinatorConfig(ServerConfig):
         "An agent whose lease lapsed this long ago is forgotten: no longer listed by GetStatus, its row deleted "
         "(pods that come and go under new names leave no trail forever). It registers again if it comes back.",
     )
+    max_sessions: int = option(
+        1000, "Sessions that may exist at once; a new one past it is refused (wsctl delete-session frees room)."
+    )
     gc_refresh_s: float = option(
         900.0,
         "Survivors of a full garbage collection are frozen (weightsync.gc_freeze); this often, "
@@ -38,6 +41,8 @@ class CoordinatorConfig(ServerConfig):
             raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
         if not self.forget_agents_after_s >= 0:
             raise ValueError(f"forget_agents_after_s must be >= 0, got {self.forget_agents_after_s}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.gc_refresh_s < 0:
             raise ValueError(f"gc_refresh_s must be >= 0, got {self.gc_refresh_s}")
         if self.max_workers < 4:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -42,6 +42,12 @@ class Recent(Generic[K, V]):
     def discard(self, key: K) -> None:
         with self._lock:
             self._items.pop(key, None)
+
+    def discard_where(self, doomed: Callable[[K], bool]) -> None:
+        """Drops every entry whose key `doomed` accepts (a deleted session's)."""
+        with self._lock:
+            for key in [k for k in self._items if doomed(k)]:
+                del self._items[key]
 
     def clear(self) -> None:
         with self._lock:

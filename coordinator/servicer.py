@@ -443,6 +443,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
         return version_info(rec)
 
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSessionResponse:
+        versions, agents = await asyncio.to_thread(self._store.delete_session, request.session, force=request.force)
+        # What was kept of it must not outlive it: a session made again under the name
+        # starts from nothing (its event seqs go on from the store's, never reused).
+        self._feed.forget(request.session)
+        self._status.forget(request.session)
+        log.info("session %r deleted: %d version(s), %d agent(s)", request.session, versions, agents)
+        return pb.DeleteSessionResponse(versions=versions, agents=agents)
+
     def ReleaseVersion(self, request: pb.ReleaseVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         if not request.generation:
             raise InvalidArgument(

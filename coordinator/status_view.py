@@ -105,6 +105,12 @@ class StatusReplies:
         self._agents: Recent[str, _KeptAgents] = Recent(KEPT_SESSIONS)
         self._part_summaries: Recent[tuple[str, int, int, str], tpb.RankPart] = Recent(KEPT_PARTS)
 
+    def forget(self, session: str) -> None:
+        """Drops what is kept of `session` (deleted)."""
+        self._agents.discard(session)
+        self._kept.discard_where(lambda key: key[0] == session)
+        self._part_summaries.discard_where(lambda key: key[0] == session)
+
     def reply(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
         limit = request.version_limit or 20
         if limit > MAX_VERSION_LIMIT:

@@ -49,6 +49,7 @@ from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     SessionNotFound,
     VersionNotFound,
 )
@@ -68,6 +69,8 @@ S = VersionState
 DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
 DEFAULT_FORGET_AGENTS_AFTER_S = 3600.0
+DEFAULT_MAX_SESSIONS = 1000
+SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
@@ -98,18 +101,23 @@ class SessionStore(VersionLifecycle):
         listener: EventListener | None = None,
         retain_versions: int = DEFAULT_RETAIN_VERSIONS,
         forget_agents_after_s: float = DEFAULT_FORGET_AGENTS_AFTER_S,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         """`retain_versions`: per session, the newest versions whose descriptors and
         handshakes are kept; older RELEASED / FAILED ones keep a summary row
         (`coordinator.retention`). `forget_agents_after_s`: how long an agent whose lease
-        lapsed is still listed. `clock`: seconds since the epoch, `steady_wall_clock()`
-        unless given."""
+        lapsed is still listed. `max_sessions`: sessions that may exist at once (a new one
+        past it is RESOURCE_EXHAUSTED; `delete_session` frees room). `clock`: seconds since
+        the epoch, `steady_wall_clock()` unless given."""
         if retain_versions < 1:
             raise InvalidArgument(f"must be >= 1, got {retain_versions}", field="retain_versions")
         if not forget_agents_after_s >= 0:
             raise InvalidArgument(f"must be >= 0, got {forget_agents_after_s}", field="forget_agents_after_s")
         self.retain_versions = retain_versions
         self.forget_agents_after_s = forget_agents_after_s
+        if max_sessions < 1:
+            raise InvalidArgument(f"must be >= 1, got {max_sessions}", field="max_sessions")
+        self.max_sessions = max_sessions
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
         self._clock = clock or steady_wall_clock()
@@ -202,6 +210,12 @@ class SessionStore(VersionLifecycle):
             row = db.execute("SELECT * FROM sessions WHERE name=?", (name,)).fetchone()
             created = row is None
             if created:
+                if db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] >= self.max_sessions:
+                    raise ResourceExhausted(
+                        f"{name!r} would exceed the limit of {self.max_sessions} sessions (--max-sessions); "
+                        "delete finished ones (wsctl delete-session)",
+                        field="session",
+                    )
                 gen = 1 if trainer else 0
                 db.execute(
                     "INSERT INTO sessions VALUES (?,?,?,?,?,?,?)",
@@ -260,6 +274,27 @@ class SessionStore(VersionLifecycle):
         if row is None:
             raise SessionNotFound(f"session {name!r} not found; open it with OpenSession first")
         return SessionRecord(**dict(row))
+
+    def delete_session(self, name: str, *, force: bool = False) -> tuple[int, int]:
+        """Deletes a session and every row stored for it; returns (versions, agents)
+        deleted. FailedPrecondition while an agent holds a live lease, unless `force` (a
+        live trainer would open it again at its next beat: stop the job first)."""
+        check_session_name(name)
+        with self._tx() as db:
+            self._session(db, name)
+            live = self._live_agents(db, name, "TRAINER") + self._live_agents(db, name, "ROLLOUT")
+            if live and not force:
+                raise FailedPrecondition(
+                    f"session {name!r} has {len(live)} agent(s) with a live lease, first {live[0]!r}: stop them "
+                    "(or wait out their leases), or force",
+                    field="force",
+                )
+            counts = {t: db.execute(f"DELETE FROM {t} WHERE session=?", (name,)).rowcount for t in SESSION_TABLES}
+            db.execute("DELETE FROM sessions WHERE name=?", (name,))
+        self._manifests.discard_where(lambda key: key[0] == name)
+        if self._listener is not None:  # its watchers wake, find it gone and end
+            self._listener.notify(name)
+        return counts["versions"], counts["agents"]
 
     # -- agents -------------------------------------------------------------------
     def register_agent(

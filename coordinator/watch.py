@@ -142,6 +142,11 @@ class EventFeed:
         self._offload = offload
         self._feeds: dict[str, _SessionFeed] = {}
 
+    def forget(self, session: str) -> None:
+        """Drops the events kept for `session` (deleted: a new one under its name starts
+        from the store). Called on the event loop."""
+        self._feeds.pop(session, None)
+
     async def after(self, session: str, seq: int) -> list[Event]:
         """Up to EVENT_PAGE events of `session` after `seq`, oldest first."""
         feed = self._feeds.get(session)

@@ -201,7 +201,27 @@ def cmd_watch(client: CoordinatorClient, args: argparse.Namespace, console: Cons
             live.stop()
 
 
-COMMANDS = {"status": cmd_status, "versions": cmd_versions, "manifest": cmd_manifest, "watch": cmd_watch}
+def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    """A finished job's session and all stored for it; named in full (never the default)."""
+    deleted = client.delete_session(args.name, force=args.force)
+    if args.json:
+        print(
+            json.dumps(
+                MessageToDict(deleted, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            )
+        )
+    else:
+        console.print(f"deleted session {args.name!r}: {deleted.versions} version(s), {deleted.agents} agent(s)")
+    return 0
+
+
+COMMANDS = {
+    "status": cmd_status,
+    "versions": cmd_versions,
+    "manifest": cmd_manifest,
+    "watch": cmd_watch,
+    "delete-session": cmd_delete_session,
+}
 
 
 def _number(low: float, convert: type = int) -> Any:
@@ -254,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=_number(0), default=0, help="exit after N events")
     s.add_argument("--timeout", type=_number(0, float), default=0, help="exit after N seconds")
     s.add_argument("--limit", type=_number(0), default=10)
+    s = sub.add_parser(
+        "delete-session", help="delete a finished job's session and all stored for it (admin)", parents=[json_after]
+    )
+    s.add_argument("name", help="the session, in full (--session is not used here)")
+    s.add_argument("--force", action="store_true", help="even while agents hold live leases")
     s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))

@@ -202,6 +202,12 @@ class CoordinatorClient:
         req = pb.ReleaseVersionRequest(session=session, version=version, force=force, generation=generation)
         return rpc.unary(self._stub.ReleaseVersion, req, timeout_s=self.timeout_s, retries=self.retries)
 
+    def delete_session(self, session: str, *, force: bool = False) -> pb.DeleteSessionResponse:
+        """Deletes a session and all stored for it (admin); see the RPC. Not retried: a
+        retry after a lost answer would be NOT_FOUND."""
+        req = pb.DeleteSessionRequest(session=session, force=force)
+        return rpc.unary(self._stub.DeleteSession, req, timeout_s=self.timeout_s)
+
     def wait_for_version(
         self, session: str, version: int, *, states: tuple[str, ...] = TERMINAL_WAIT_STATES, timeout_s: float = 60.0
     ) -> tpb.VersionInfo:

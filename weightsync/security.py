@@ -47,6 +47,7 @@ ROLE_RULES: dict[str, frozenset[str]] = {
     COORDINATOR + "ReportApplied": frozenset({"rollout"}),
     "/weightsync.v1.TrainerAgent/ReadChunks": frozenset({"rollout"}),
     "/weightsync.v1.RolloutAgent/Sync": frozenset({"trainer"}),
+    COORDINATOR + "DeleteSession": frozenset(),  # admin only
 }
 # Methods whose request names a role: it must be the caller's (a rollout token cannot
 # attach as the trainer and bump the generation).

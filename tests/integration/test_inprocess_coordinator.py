@@ -312,3 +312,41 @@ def test_a_rollout_carries_its_lease_and_handshake_on_its_heartbeat_stream(tmp_p
         client.carrier = beats["r0"]  # stopped: no stream carries, the RPC does
         client.get_manifest("job", 1, agent_id="r0")
         assert rpc_count(running, "GetManifest") == 2
+
+
+def test_a_deleted_session_ends_its_watches_and_its_name_starts_afresh(inprocess_coordinator: RunningServer) -> None:
+    """A finished job's session kept its 50 retained versions and every handshake for good."""
+    address = inprocess_coordinator.address
+    with CoordinatorClient(address) as client:
+        gen = client.open_session("job", trainer=True, incarnation="a").generation
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        part, _ = make_part(sample_arrays())
+        client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+        assert [v.version for v in client.status("job").versions] == [1]
+        ended: list[BaseException] = []
+
+        def watch() -> None:
+            try:
+                for _ in client.watch("job", 0, timeout_s=30):
+                    pass
+            except BaseException as e:  # noqa: BLE001 - what ended the stream is the check
+                ended.append(e)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with pytest.raises(FailedPrecondition, match="live lease, first 'r0'"):
+            client.delete_session("job")
+        assert [v.version for v in client.status("job").versions] == [1]  # refused: nothing changed
+        base = [sys.executable, "-m", "weightsync.cli", "--coordinator", address, "--json"]
+        out = subprocess.run([*base, "delete-session", "job", "--force"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"versions": "1", "agents": 1}
+        watcher.join(10)
+        assert not watcher.is_alive() and isinstance(ended[0], NotFound)
+        with pytest.raises(NotFound):
+            client.status("job")
+        again = subprocess.run([*base, "delete-session", "job"], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 2 and "NOT_FOUND" in again.stderr
+        gen = client.open_session("job", trainer=True, incarnation="b").generation
+        st = client.status("job")
+        assert gen == 1 and list(st.versions) == [] and list(st.agents) == [] and list(st.handshakes) == []

@@ -131,6 +131,14 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
         rollout.open_session("job", trainer=False)
         rollout.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         assert rollout.status("job").generation == 1  # the trainer was not fenced
+    # deleting a session is an admin's call
+    for role in ("trainer", "rollout"):
+        assert "DeleteSession" in refused(
+            _client_side(pki, role), PermissionDenied, lambda c: c.delete_session("job", force=True)
+        )
+    with CoordinatorClient(addr, security=_client_side(pki, "admin")) as admin:
+        admin.open_session("finished", trainer=False)
+        assert admin.delete_session("finished").agents == 0
     # health answers without a token (probes), over TLS
     channel = _client_side(pki, None).channel(addr, CHANNEL_OPTIONS)
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)

@@ -562,6 +562,47 @@ def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp
         SessionStore(tmp_path / "d.db", forget_agents_after_s=float("nan"))
 
 
+def test_a_deleted_session_leaves_nothing_and_its_name_starts_afresh(store: SessionStore, clock: Clock) -> None:
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+    store.manifest("job", 1, lease_for="r0")  # kept decoded, and leased
+    store.report_applied("job", 1, "r0", good_report(store, 1))
+    with pytest.raises(FailedPrecondition, match="live lease, first 'r0'") as refused:
+        store.delete_session("job")
+    assert refused.value.field == "force" and store.version("job", 1).state is S.COMMITTED  # nothing changed
+    clock.t += 11  # r0's lease lapsed
+    assert store.delete_session("job") == (1, 1)
+    with pytest.raises(SessionNotFound):
+        store.session("job")
+    for table in ("sessions", "agents", "versions", "parts", "reports", "leases", "events"):
+        with store._read() as db:
+            column = "name" if table == "sessions" else "session"
+            assert db.execute(f"SELECT COUNT(*) FROM {table} WHERE {column}='job'").fetchone()[0] == 0, table
+    with pytest.raises(SessionNotFound):
+        store.delete_session("job")
+    gen = attach(store)  # the name again: a new session, generation 1, no versions
+    assert gen == 1 and store.versions("job", 10) == []
+    other, _ = make_part(sample_arrays(seed=9))
+    store.publish_part("job", generation=gen, version=1, idempotency_key="k", part=other)
+    assert store.manifest("job", 1)[1].parts == (other,)  # not the deleted session's, kept decoded
+
+
+def test_sessions_past_the_limit_are_refused_until_one_is_deleted(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "c.db", max_sessions=2)
+    try:
+        for name in ("a", "b"):
+            store.open_session(name, trainer=False)
+        with pytest.raises(ResourceExhausted, match="limit of 2 sessions") as refused:
+            store.open_session("c", trainer=True, incarnation="x")
+        assert refused.value.field == "session"
+        store.open_session("a", trainer=True, incarnation="x")  # opening one that exists is fine
+        store.delete_session("b", force=True)
+        store.open_session("c", trainer=False)
+    finally:
+        store.close()
+
+
 def test_a_cold_manifest_is_never_built_on_the_event_loop(store: SessionStore) -> None:
     # Decoding a large model's descriptors takes seconds: inside nonblocking() a manifest
     # not yet built raises NotOnLoop (run it on a thread) before any lease is written.

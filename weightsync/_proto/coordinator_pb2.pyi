@@ -123,6 +123,22 @@ class DeregisterAgentResponse(_message.Message):
     removed: bool
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
 
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session", "force")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    force: bool
+    def __init__(self, session: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("versions", "agents")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    versions: int
+    agents: int
+    def __init__(self, versions: _Optional[int] = ..., agents: _Optional[int] = ...) -> None: ...
+
 class PublishHeader(_message.Message):
     __slots__ = ("session", "generation", "version", "rank", "idempotency_key", "total_bytes", "chunk_bytes", "tensor_count", "shard_count", "chunk_count", "endpoint", "stage_seconds", "delta")
     SESSION_FIELD_NUMBER: _ClassVar[int]

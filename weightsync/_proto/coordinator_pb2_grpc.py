@@ -95,6 +95,11 @@ class CoordinatorStub:
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.ReleaseVersionRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_types__pb2.VersionInfo.FromString,
                 _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/weightsync.v1.Coordinator/DeleteSession',
+                request_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -195,6 +200,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteSession(self, request, context):
+        """Deletes a session and everything stored for it (an admin's call, for a finished
+        job); FAILED_PRECONDITION while an agent holds a live lease unless forced. Its
+        watch streams end with NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +271,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReleaseVersion,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.ReleaseVersionRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_types__pb2.VersionInfo.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -583,6 +602,33 @@ class Coordinator:
             '/weightsync.v1.Coordinator/ReleaseVersion',
             weightsync_dot_v1_dot_coordinator__pb2.ReleaseVersionRequest.SerializeToString,
             weightsync_dot_v1_dot_types__pb2.VersionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Coordinator/DeleteSession',
+            weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
+            weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
