@@ -98,10 +98,18 @@ class _Corrupt(sqlite3.DatabaseError):
     sqlite_errorcode = sqlite3.SQLITE_CORRUPT
 
 
+def _primary_code(error: BaseException | None) -> int | None:
+    """SQLite's primary result code of an error: Python reports the extended one
+    (SQLITE_IOERR_WRITE, SQLITE_CORRUPT_INDEX, SQLITE_BUSY_SNAPSHOT...), whose low byte
+    is the primary code."""
+    code = getattr(error, "sqlite_errorcode", None) if isinstance(error, sqlite3.Error) else None
+    return None if code is None else code & 0xFF
+
+
 def is_corrupt(error: BaseException | None) -> bool:
     """Whether SQLite found the database file damaged (a torn write, a bad disk, a file
     that is no database)."""
-    return isinstance(error, sqlite3.Error) and getattr(error, "sqlite_errorcode", None) in _CORRUPT_CODES
+    return _primary_code(error) in _CORRUPT_CODES
 
 
 def quarantine(db_path: Path) -> Path:
@@ -119,10 +127,11 @@ def _storage_error(error: BaseException | None) -> WeightsyncError | None:
     """What a statement SQLite refused for a reason of the machine, not of the request, is
     answered with (None for any other error): a full disk (or page limit) is
     RESOURCE_EXHAUSTED, a database another process holds locked past the busy timeout
-    (an operator's sqlite3 shell, a backup) or a damaged file UNAVAILABLE; all name
-    `database`. Raised as they were, they came back INTERNAL and ended the coordinator's
-    housekeeping."""
-    code = getattr(error, "sqlite_errorcode", None) if isinstance(error, sqlite3.Error) else None
+    (an operator's sqlite3 shell, a backup), a damaged file or a disk that fails its reads
+    or writes (an I/O error, a file system remounted read-only, a file-size limit)
+    UNAVAILABLE; all name `database`. Raised as they were, they came back INTERNAL and
+    ended the coordinator's housekeeping."""
+    code = _primary_code(error)
     if code in _CORRUPT_CODES:
         return TransportUnavailable(
             f"the coordinator's database is damaged ({error}): it restarts on a new one; retry", field="database"
@@ -134,6 +143,12 @@ def _storage_error(error: BaseException | None) -> WeightsyncError | None:
     if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return TransportUnavailable(
             f"another process holds the coordinator's database locked ({error}); nothing was written: retry",
+            field="database",
+        )
+    if code in (sqlite3.SQLITE_IOERR, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN):
+        return TransportUnavailable(
+            f"the coordinator's disk failed the database ({error}, {getattr(error, 'sqlite_errorname', '')}); "
+            "nothing was written: retry",
             field="database",
         )
     return None

@@ -155,6 +155,32 @@ def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster
         client.register_agent("job", "r1", trainer=False, endpoint=Endpoint())
 
 
+def test_a_disk_that_fails_the_database_is_unavailable_and_the_fleet_goes_on_once_it_heals(cluster: Cluster) -> None:
+    """A disk failing the database's writes (an I/O error, a file system remounted
+    read-only, a quota; here a file-size limit the WAL runs into) made every write INTERNAL,
+    a traceback each, the trainer's publishes among them. Now they are UNAVAILABLE naming
+    `database`: agents and the trainer try again, and go on once the disk does."""
+    db, coord, r0, _trainer = _publishing_fleet(cluster)
+    largest = max(f.stat().st_size for f in cluster.workdir.glob("coordinator.db*"))
+    limit = ["prlimit", "--pid", str(coord.pid)]
+    subprocess.run([*limit, f"--fsize={largest + (64 << 10)}:unlimited"], check=True)
+    with CoordinatorClient(coord.address) as client:
+        eventually(
+            lambda: "the coordinator's disk failed the database" in cluster.procs["t1"].log() + r0.log(),
+            timeout_s=60,
+            what="a write refused by the disk",
+        )
+        subprocess.run([*limit, "--fsize=unlimited:unlimited"], check=True)
+        later = client.status("job").versions[0].version + 1
+
+        def committed_since() -> bool:
+            return any(v.version >= later and state_name(v) == "COMMITTED" for v in client.status("job").versions)
+
+        eventually(committed_since, timeout_s=60, what=f"a version >= {later} committed")
+    eventually(lambda: rollout_status(r0.address).current_version >= later, what="r0 on versions since")
+    assert coord.alive() and "Traceback" not in coord.log() and "INTERNAL" not in coord.log()
+
+
 def _publishing_fleet(cluster: Cluster) -> tuple[Path, Proc, Proc, Proc]:
     """(database, coordinator, rollout r0, trainer): a trainer publishing every 0.5 s to
     one rollout, once version 2 has committed."""

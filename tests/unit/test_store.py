@@ -201,6 +201,22 @@ def test_a_full_disk_is_resource_exhausted_and_changes_nothing(store: SessionSto
     assert out.version.state is S.READY
 
 
+def test_a_database_the_disk_will_not_write_is_unavailable_and_changes_nothing(store: SessionStore) -> None:
+    """A file system remounted read-only (SQLITE_READONLY; query_only is SQLite's own way to
+    it) or an I/O error: writes came back INTERNAL. Reads go on."""
+    gen = attach(store, rollouts=("r0",))
+    before = store.versions("job")
+    store.db.writer_db.execute("PRAGMA query_only=1")
+    with pytest.raises(TransportUnavailable, match="disk failed the database .*SQLITE_READONLY") as refused:
+        store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=make_part(sample_arrays())[0])
+    assert refused.value.field == "database" and not store.db.writer_db.in_transaction
+    with pytest.raises(TransportUnavailable, match="SQLITE_READONLY"):
+        store.heartbeat("job", "r0", 1)
+    assert store.versions("job") == before and store.session("job").generation == gen
+    store.db.writer_db.execute("PRAGMA query_only=0")  # the disk back
+    store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=make_part(sample_arrays())[0])
+
+
 def test_persistence_across_restart(tmp_path: Path, clock: Clock) -> None:
     db = tmp_path / "c.db"
     s1 = SessionStore(db, clock=clock)
