@@ -359,6 +359,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             parts=body.parts,
             aggregates=body.aggregates,
             weight_sync_mode=self._store.session(request.session).weight_sync_mode,
+            ready_age_seconds=max(0.0, self._store.now() - rec.ready_at) if rec.ready_at else 0.0,
         )
         if request.agent_id:  # leased readers only: they may read chunks over tcp / relays
             header.access_token = self._store.tokens.access_token(request.session, rec.version)

@@ -135,6 +135,10 @@ class SessionStore(VersionLifecycle):
     def close(self) -> None:
         self.db.close()
 
+    def now(self) -> float:
+        """The store's clock: seconds since the epoch, as its timestamps are written."""
+        return self._clock()
+
     # -- transactions (coordinator.database) ---------------------------------------
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -34,7 +34,6 @@ from weightsync.errors import (
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
-from weightsync.wire import unix_seconds
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,7 @@ class Prefetched:
     chunk_retries: int = 0
     error: WeightsyncError | None = None
     started: float = field(default_factory=time.perf_counter)
+    fetched: float = field(default_factory=time.perf_counter)  # the manifest's header came (made right after)
     delta_base: int = 0  # rebuilt from this version's bytes by its delta (0: pulled whole)
 
     @property
@@ -296,7 +296,10 @@ def _report(
     else:
         report.consumed_names.extend(p.progress.consumed)
         if p.header.version.HasField("ready_at"):
-            timings["ready_to_serving_seconds"] = max(0.0, time.time() - unix_seconds(p.header.version.ready_at))
+            # the header's age of READY on the coordinator's clock, then this process's own
+            # clock: two hosts' wall clocks differ by any skew (and the coordinator's by
+            # any step since it started: weightsync's steady wall clock)
+            timings["ready_to_serving_seconds"] = p.header.ready_age_seconds + time.perf_counter() - p.fetched
     report.tensors.extend(tpb_digest(name, d) for name, d in p.progress.digests.items())
     report.aggregates.CopyFrom(
         tpb.Aggregates(

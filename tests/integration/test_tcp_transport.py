@@ -238,6 +238,26 @@ def test_handshakes_carry_the_engines_pause_and_ready_to_serving(
     client.close()
 
 
+def test_ready_to_serving_does_not_compare_two_hosts_clocks(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was the rollout's wall clock minus the coordinator's READY time: a rollout host
+    whose clock ran an hour ahead reported an hour (one behind: 0)."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    with WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0")
+        pub.publish(_params(1), 1)
+        time.sleep(1.0)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)  # this (the rollout's) host only
+        result = sync_version(puller, DictApplier(), 1)
+        monkeypatch.undo()
+        puller.close()
+        assert result.ok and 1.0 <= result.timings["ready_to_serving_seconds"] < 30
+    client.close()
+
+
 def _raw_request(header, manifest, indices: list[int]) -> bytes:  # noqa: ANN001
     token, session = header.access_token.encode(), b"job"
     head = REQUEST.pack(b"WST1", len(token), len(session), 1, 0, len(indices))

@@ -204,7 +204,7 @@ class GetManifestRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
 
 class ManifestHeader(_message.Message):
-    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode", "access_token", "relay_chain")
+    __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode", "access_token", "relay_chain", "ready_age_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class ManifestHeader(_message.Message):
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RELAY_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    READY_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: _types_pb2.VersionInfo
     chunk_bytes: int
     digest_algorithm: str
@@ -221,7 +222,8 @@ class ManifestHeader(_message.Message):
     weight_sync_mode: str
     access_token: str
     relay_chain: _containers.RepeatedCompositeFieldContainer[RelayPeer]
-    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., weight_sync_mode: _Optional[str] = ..., access_token: _Optional[str] = ..., relay_chain: _Optional[_Iterable[_Union[RelayPeer, _Mapping]]] = ...) -> None: ...
+    ready_age_seconds: float
+    def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., chunk_bytes: _Optional[int] = ..., digest_algorithm: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., weight_sync_mode: _Optional[str] = ..., access_token: _Optional[str] = ..., relay_chain: _Optional[_Iterable[_Union[RelayPeer, _Mapping]]] = ..., ready_age_seconds: _Optional[float] = ...) -> None: ...
 
 class RelayPeer(_message.Message):
     __slots__ = ("agent_id", "endpoint")
