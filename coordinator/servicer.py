@@ -104,7 +104,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._metrics.versions_total.labels(session=rec.session, state=rec.state.value).inc()
         if rec.state in (VersionState.COMMITTED, VersionState.PARTIAL) and rec.ready_at:
             self._metrics.ready_to_commit_seconds.labels(session=rec.session).observe(
-                max(0.0, (rec.committed_at or time.time()) - rec.ready_at)
+                max(0.0, (rec.committed_at or self._store.now()) - rec.ready_at)  # one clock: the store's
             )
 
     def close(self) -> None:
