@@ -375,6 +375,8 @@ def _error(code: str, message: str, details: Sequence[any_pb2.Any]) -> errors.We
             detail.Unpack(info)
             if info.domain == ERROR_DOMAIN:
                 reason = info.reason
+    if code == "UNIMPLEMENTED":  # grpc says only "Method not found!"
+        message = f"the server at this address does not serve this call ({message}): is it the weightsync server meant?"
     # A call cancelled under its caller (its channel closed for a renewed one, a server
     # stopping) is tried again like a server out of reach, not taken for a server's bug.
     err = errors.error_for_status("UNAVAILABLE" if code == "CANCELLED" else code, message, field, reason)
