@@ -452,6 +452,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # starts from nothing (its event seqs go on from the store's, never reused).
         self._feed.forget(request.session)
         self._status.forget(request.session)
+        self._metrics.forget_session(request.session)
         log.info("session %r deleted: %d version(s), %d agent(s)", request.session, versions, agents)
         return pb.DeleteSessionResponse(versions=versions, agents=agents)
 

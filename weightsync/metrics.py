@@ -49,6 +49,22 @@ class Metrics:
     gc_pause_seconds: Histogram
     gc_frozen_objects: Gauge
 
+    def forget_session(self, session: str) -> None:
+        """Drops every series labelled with `session` (deleted: a platform that makes a
+        session per job and deletes it after would otherwise keep each one's series)."""
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", ())  # the order `remove` takes values in
+            if "session" not in names:
+                continue
+            doomed = {
+                tuple(sample.labels[n] for n in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("session") == session
+            }
+            for values in doomed:
+                metric.remove(*values)
+
     def observe_rpc(self, method: str, code: str, seconds: float | None) -> None:
         """RpcObserver hook for `rpc.StatusInterceptor` (seconds None: a response stream,
         counted but not timed)."""

@@ -147,3 +147,20 @@ def test_fs_store_confines_every_uri_to_its_root(tmp_path) -> None:  # noqa: ANN
     ):
         with pytest.raises(InvalidArgument):
             store.confine(bad)
+
+
+def test_a_deleted_sessions_series_are_dropped_and_others_kept() -> None:
+    from prometheus_client import generate_latest
+
+    from weightsync.metrics import build_metrics
+
+    m = build_metrics("coordinator")
+    for session in ("gone", "kept"):
+        m.handshakes.labels(session=session, outcome="ok").inc()
+        m.versions_total.labels(session=session, state="READY").inc()
+        m.pause_seconds.labels(session=session).observe(0.2)
+        m.digest_failures.labels(role="coordinator", session=session).inc()
+    m.forget_session("gone")
+    text = generate_latest(m.registry).decode()
+    assert 'session="gone"' not in text
+    assert text.count('session="kept"') >= 4  # each metric's series of the other session stay
