@@ -290,8 +290,11 @@ def test_every_server_listens_and_syncs_on_ipv6(cluster: Cluster, mode: str) -> 
     r0 = cluster.start_rollout("r0", coord.address, "job", [*v6, "--weight-sync-mode", mode])
     r1 = cluster.start_rollout("r1", coord.address, "job", [*v6, "--weight-sync-mode", mode])
     cluster.start_trainer(
-        "trainer", coord.address, "job", [*TINY, *v6, "--weight-sync-mode", mode, "--min-rollouts", "2", "--hold"]
-    )
+        "trainer",
+        coord.address,
+        "job",
+        [*TINY, *v6, "--weight-sync-mode", mode, "--min-rollouts", "2", "--steps", "1", "--hold"],
+    )  # one version: with more, a rollout may be on the next one when asked
     with CoordinatorClient(coord.address) as client:
         assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
         endpoints = [a.endpoint for a in client.status("job").agents]
