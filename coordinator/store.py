@@ -113,10 +113,10 @@ class SessionStore(VersionLifecycle):
             raise InvalidArgument(f"must be >= 1, got {retain_versions}", field="retain_versions")
         if not forget_agents_after_s >= 0:
             raise InvalidArgument(f"must be >= 0, got {forget_agents_after_s}", field="forget_agents_after_s")
-        self.retain_versions = retain_versions
-        self.forget_agents_after_s = forget_agents_after_s
         if max_sessions < 1:
             raise InvalidArgument(f"must be >= 1, got {max_sessions}", field="max_sessions")
+        self.retain_versions = retain_versions
+        self.forget_agents_after_s = forget_agents_after_s
         self.max_sessions = max_sessions
         self.lease_ttl_s = lease_ttl_s
         self.limits = limits
