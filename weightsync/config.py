@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from weightsync.addresses import join_host_port, split_host_port
+from weightsync.addresses import bare_host, join_host_port, split_host_port
 from weightsync.errors import InvalidArgument
 from weightsync.security import Security, read_token
 
@@ -139,7 +139,7 @@ class ServerConfig(PeerConfig):
 
 def is_loopback(host: str) -> bool:
     """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    host = host.removeprefix("[").removesuffix("]")
+    host = bare_host(host)
     if host == "localhost":
         return True
     try:
