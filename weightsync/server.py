@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
-from prometheus_client import start_http_server
 
 from weightsync.addresses import join_host_port
 from weightsync.config import is_loopback
 from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
+from weightsync.metrics_http import MetricsServer
 from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
 
@@ -77,7 +77,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     service_names: list[str]
     metrics: Metrics | None = None
-    _httpd: Any = None
+    _httpd: MetricsServer | None = None
     _pool: futures.ThreadPoolExecutor | None = None
     _stopped: bool = field(default=False)
 
@@ -94,8 +94,7 @@ class RunningServer:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            self._httpd.stop()
 
 
 def start_server(
@@ -171,7 +170,7 @@ def start_server(
     mport = -1
     if metrics_port >= 0:
         try:
-            httpd, _thread = start_http_server(metrics_port, addr=host, registry=metrics.registry)
+            httpd = MetricsServer(host, metrics_port, metrics.registry)
         except OSError as e:
             run_on_server_loop(server.stop(0))
             pool.shutdown(wait=False)
