@@ -298,7 +298,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         ):
             if n > cap:  # refused before a single descriptor is read or kept
                 raise ResourceExhausted(f"header.{what}: {n} exceed the limit of {cap}", field=f"header.{what}")
-        builder = PartBuilder(h.rank, max_items=sum(announced), max_counts=announced)
+        builder = PartBuilder(
+            h.rank, max_items=sum(announced), max_counts=announced, max_name_chars=limits.max_name_chars
+        )
         seal = None
         for msg in request_iterator:
             if msg.HasField("header"):

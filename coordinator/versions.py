@@ -136,7 +136,7 @@ class VersionLifecycle:
             }
             if checked is None or ranks != checked.ranks:  # another rank sealed meanwhile (rare): check again
                 checked = _SealCheck.of(
-                    self._parts(db, session, version), session, version, generation, part, s.trainer_ranks
+                    self._parts(db, session, version), session, version, generation, part, s.trainer_ranks, self.limits
                 )
             if vrow is None:
                 db.execute(
@@ -210,7 +210,7 @@ class VersionLifecycle:
         sealed = self.parts(session, version)
         if any(p.rank == part.rank for p in sealed):
             return None
-        return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks)
+        return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks, self.limits)
 
     def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
         """A servable version's manifest (0 = newest servable); optionally takes a lease.
@@ -459,11 +459,18 @@ class _SealCheck:
 
     @classmethod
     def of(
-        cls, others: list[Part], session: str, version: int, generation: int, part: Part, trainer_ranks: int
+        cls,
+        others: list[Part],
+        session: str,
+        version: int,
+        generation: int,
+        part: Part,
+        trainer_ranks: int,
+        limits: Limits,
     ) -> _SealCheck:
         others = [p for p in others if p.rank != part.rank]
         final = len(others) + 1 == trainer_ranks
-        validate_against_parts(part, others, final=final)
+        validate_against_parts(part, others, final=final, limits=limits)
         manifest = None
         if final:
             parts = tuple(sorted([*others, part], key=lambda p: p.rank))

@@ -31,9 +31,34 @@ class Limits:
     min_chunk_bytes: int = 4096
     max_chunk_bytes: int = 64 << 20
     max_trainer_ranks: int = 4096
+    # Characters of a version's tensor names, all ranks together. A rollout's handshake
+    # names every tensor twice (its digest, and the names the engine consumed), so with
+    # `max_tensors` this keeps one inside a gRPC message (`handshake_bound_bytes`): 200,000
+    # names of 500 characters were accepted, pulled and applied, and their 205 MB handshake
+    # could never be sent, so the version waited for good.
+    max_name_chars: int = 32 << 20
 
 
 DEFAULT_LIMITS = Limits()
+# A handshake's bytes per tensor besides its names: a TensorDigest's tags, lengths, xxh3 and
+# sum, and the consumed name's tag and length (protobuf varints of names up to 512 bytes).
+HANDSHAKE_BYTES_PER_TENSOR = 32
+
+
+def handshake_bound_bytes(limits: Limits) -> int:
+    """The largest handshake a version within `limits` makes a rollout send (besides its
+    fixed fields): what the message size limit must hold."""
+    return 2 * limits.max_name_chars + HANDSHAKE_BYTES_PER_TENSOR * limits.max_tensors
+
+
+def check_name_chars(total: int, limits: Limits, field: str) -> None:
+    """ResourceExhausted when tensor names of `total` characters pass the limit."""
+    if total > limits.max_name_chars:
+        raise ResourceExhausted(
+            f"tensor names of {total} characters exceed the limit of {limits.max_name_chars} "
+            "(a rollout's handshake names each)",
+            field=field,
+        )
 
 
 def check_session_name(name: str, field: str = "session") -> str:
@@ -251,6 +276,7 @@ def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LI
             field="header.chunk_bytes",
         )
     _check_counts(part, limits)
+    check_name_chars(sum(len(t.name) for t in part.tensors), limits, "part.tensors")
     specs: dict[str, TensorSpec] = {}
     for i, t in enumerate(part.tensors):
         _check_tensor(t, f"part.tensors[{i}]", limits)
@@ -263,11 +289,13 @@ def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LI
         _check_delta(part)
 
 
-def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -> None:
+def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool, limits: Limits = DEFAULT_LIMITS) -> None:
     """Cross-rank checks of a new part against the parts already sealed.
 
-    Tensor specs must agree and shard boxes must not overlap; when `final` (this part
-    completes the version) every tensor's boxes must tile its global shape exactly.
+    Tensor specs must agree and shard boxes must not overlap; the version's tensors (each
+    name once, whichever ranks hold its shards) stay within the count and name limits;
+    when `final` (this part completes the version) every tensor's boxes must tile its
+    global shape exactly.
     """
     specs: dict[str, TensorSpec] = {}
     shards: dict[str, list[ShardSpec]] = {}
@@ -288,6 +316,13 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool) -
                 field=f"part.tensors[{i}]",
             )
         specs[t.name] = t
+    if len(specs) > limits.max_tensors:
+        raise ResourceExhausted(
+            f"the version's tensors, all ranks together: {len(specs)} exceed the limit of {limits.max_tensors}",
+            field="part.tensors",
+        )
+    if others:
+        check_name_chars(sum(map(len, specs)), limits, "part.tensors")
     for s in part.shards:
         shards.setdefault(s.tensor_name, []).append(s)
     for name, group in shards.items():

@@ -9,7 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.dtypes import dtype_from_proto, dtype_info
-from weightsync.errors import DigestMismatch, InvalidArgument
+from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
 from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Endpoint, Manifest, Part, PartDelta, ShardSpec, TensorSpec
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
@@ -117,17 +117,26 @@ class PartBuilder:
     """Accumulates DescriptorBatches for one rank into a Part (used by both directions).
 
     `max_counts` (tensors, shards, chunks, delta chunks, raw chunks), when given, are
-    enforced as each batch arrives, as is the length of every name: a stream that would
-    exceed what its header announced is refused at the batch that does, before the rest
-    is read or kept.
+    enforced as each batch arrives, as are the length of every name and `max_name_chars`
+    (the part's tensor names together): a stream that would exceed what its header
+    announced, or a limit, is refused at the batch that does, before the rest is read or kept.
     """
 
     KINDS = ("tensors", "shards", "chunks", "delta.chunks", "delta.raw")
 
-    def __init__(self, rank: int, *, max_items: int, max_counts: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        *,
+        max_items: int,
+        max_counts: tuple[int, ...] | None = None,
+        max_name_chars: int | None = None,
+    ) -> None:
         self.rank = rank
         self.max_items = max_items
         self.max_counts = max_counts
+        self.max_name_chars = max_name_chars
+        self.name_chars = 0  # of the tensors received so far
         self.tensors: list[TensorSpec] = []
         self.shards: list[ShardSpec] = []
         self.chunks: list[ChunkSpec] = []
@@ -166,6 +175,12 @@ class PartBuilder:
                     else ("shards", len(self.shards) + i - len(batch.tensors))
                 )
                 raise InvalidArgument(f"{len(name)} characters exceed {MAX_NAME_CHARS}", field=f"part.{kind}[{j}].name")
+        self.name_chars += sum(len(t.name) for t in batch.tensors)
+        if self.max_name_chars is not None and self.name_chars > self.max_name_chars:
+            raise ResourceExhausted(
+                f"tensor names of more than {self.max_name_chars} characters (a rollout's handshake names each)",
+                field="part.tensors",
+            )
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
         self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)

@@ -111,6 +111,21 @@ class World:
     long_name = [tpb.DescriptorBatch(rank=0, tensors=[tpb.TensorDescriptor(name="x" * (1 << 20), dtype=1, shape=[1])])]
 
     @property
+    def long_names(self) -> list[tpb.DescriptorBatch]:
+        """70,000 tensors of 500-character names: each name allowed, together more than a
+        rollout's handshake has room for (Limits.max_name_chars)."""
+        return [
+            tpb.DescriptorBatch(
+                rank=0,
+                tensors=[
+                    tpb.TensorDescriptor(name=f"t{i:07d}".ljust(500, "x"), dtype=1, shape=[1])
+                    for i in range(start, min(start + 2048, 70_000))
+                ],
+            )
+            for start in range(0, 70_000, 2048)
+        ]
+
+    @property
     def huge(self) -> list[tpb.DescriptorBatch]:
         t = self.part.tensors[0]
         return [
@@ -317,6 +332,17 @@ CASES = [
         ),
         C.INVALID_ARGUMENT,
         "part.tensors[0].name",
+    ),
+    Case(
+        "publish tensor names past the handshake's room",
+        lambda w: publish(
+            w,
+            batches=w.long_names,
+            seal="0",
+            header_overrides={"tensor_count": 70_000, "shard_count": 0, "chunk_count": 0},
+        ),
+        C.RESOURCE_EXHAUSTED,
+        "part.tensors",
     ),
     Case("publish wrong seal", lambda w: publish(w, seal="00"), C.INVALID_ARGUMENT, "seal.part_digest"),
     Case(

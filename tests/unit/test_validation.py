@@ -10,10 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.helpers import make_part, row_shards, sample_arrays
+from weightsync._proto import coordinator_pb2 as cpb
 from weightsync.errors import InvalidArgument, ResourceExhausted
 from weightsync.layout import plan_chunks
 from weightsync.manifest import ChunkSpec, Part, ShardSpec, TensorSpec
-from weightsync.validation import Limits, validate_against_parts, validate_part
+from weightsync.rpc import MAX_MESSAGE_BYTES
+from weightsync.validation import (
+    DEFAULT_LIMITS,
+    Limits,
+    handshake_bound_bytes,
+    validate_against_parts,
+    validate_part,
+)
+from weightsync.wire import PartBuilder, part_to_batches
 
 
 def good_part() -> Part:
@@ -105,6 +114,58 @@ def test_limits_give_resource_exhausted() -> None:
     with pytest.raises(ResourceExhausted) as exc:
         validate_part(good_part(), trainer_ranks=1, limits=Limits(max_chunks=1))
     assert exc.value.field == "part.chunks"
+
+
+def test_tensor_names_are_bounded_per_part_across_ranks_and_on_arrival() -> None:
+    arrays = sample_arrays()
+    p0, _ = make_part(row_shards(arrays, 0, 2), rank=0)
+    p1, _ = make_part(row_shards(arrays, 1, 2), rank=1)
+    chars = sum(len(t.name) for t in p0.tensors)  # both ranks hold a shard of every tensor
+    fits = Limits(max_name_chars=chars)
+    validate_part(p0, trainer_ranks=2, limits=fits)
+    validate_against_parts(p1, [p0], final=True, limits=fits)  # a name on two ranks counts once
+    with pytest.raises(ResourceExhausted) as exc:
+        validate_part(p0, trainer_ranks=2, limits=Limits(max_name_chars=chars - 1))
+    assert exc.value.field == "part.tensors"
+    # ranks with names of their own: each fits, together they do not
+    q0, _ = make_part({f"a.{k}": v for k, v in arrays.items()}, rank=0)
+    q1, _ = make_part({f"b.{k}": v for k, v in arrays.items()}, rank=1)
+    own = Limits(max_name_chars=sum(len(t.name) for t in q0.tensors) + 10)
+    validate_part(q1, trainer_ranks=2, limits=own)
+    with pytest.raises(ResourceExhausted, match="exceed the limit") as exc:
+        validate_against_parts(q1, [q0], final=True, limits=own)
+    assert exc.value.field == "part.tensors"
+    with pytest.raises(ResourceExhausted, match="all ranks together"):
+        validate_against_parts(q1, [q0], final=True, limits=Limits(max_tensors=len(q0.tensors) + 1))
+    builder = PartBuilder(0, max_items=1 << 20, max_name_chars=chars - 1)
+    with pytest.raises(ResourceExhausted) as exc:
+        for batch in part_to_batches(p0, batch_items=2):
+            builder.add(batch)
+    assert exc.value.field == "part.tensors"
+
+
+def test_the_largest_handshake_the_limits_allow_fits_in_a_message() -> None:
+    """A version within the limits makes a handshake a rollout can send: max_tensors
+    tensors whose names take max_name_chars, each named in a digest and as consumed."""
+    limits = DEFAULT_LIMITS
+    n = limits.max_tensors
+    width = limits.max_name_chars // n
+    names = [f"{i:07d}".ljust(width if i >= limits.max_name_chars % n else width + 1, "x") for i in range(n)]
+    assert sum(map(len, names)) == limits.max_name_chars
+    report = cpb.ReportAppliedRequest(
+        session="s" * 63,
+        version=(1 << 63) - 1,
+        agent_id="a" * 63,
+        manifest_digest="f" * 64,
+        tensors=[cpb.TensorDigest(name=name, xxh3=(1 << 64) - 1, sum=-1.5e300) for name in names],
+        consumed_names=names,
+        local_error="",
+    )
+    size = cpb.HeartbeatRequest(
+        session="s" * 63, agent_id="a" * 63, call_id=(1 << 64) - 1, report_applied=report
+    ).ByteSize()
+    assert handshake_bound_bytes(limits) - (1 << 20) <= size <= handshake_bound_bytes(limits) + 1024
+    assert handshake_bound_bytes(limits) <= MAX_MESSAGE_BYTES - (1 << 20)
 
 
 def test_cross_rank_overlap_mismatch_and_coverage() -> None:
