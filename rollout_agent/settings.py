@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.modes import normalize_mode
-from weightsync.validation import check_agent_id, check_session_name
+from weightsync.validation import check_address, check_agent_id, check_session_name
 
 APPLY_MODES = ("atomic", "streaming")
 
@@ -79,6 +79,7 @@ class SyncSettings(PeerConfig):
         try:
             if not self.coordinator:
                 raise InvalidArgument("must name the coordinator (host:port)", field="coordinator")
+            check_address(self.coordinator, "coordinator")
             check_session_name(self.session, "session")
             if self.agent_id:
                 check_agent_id(self.agent_id, "agent_id")

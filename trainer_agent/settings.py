@@ -16,7 +16,7 @@ from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
-from weightsync.validation import DEFAULT_LIMITS, check_agent_id, check_session_name
+from weightsync.validation import DEFAULT_LIMITS, check_address, check_agent_id, check_session_name
 
 
 @dataclass
@@ -89,6 +89,7 @@ class PublisherSettings(ServerConfig):
         """InvalidArgument naming the first bad field; normalizes the mode's aliases."""
         if not self.coordinator:
             raise InvalidArgument("must name the coordinator (host:port)", field="coordinator")
+        check_address(self.coordinator, "coordinator")
         check_session_name(self.session, "session")
         if self.agent_id:
             check_agent_id(self.agent_id, "agent_id")

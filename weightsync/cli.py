@@ -22,6 +22,7 @@ from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
 from weightsync.rpc import INT64_MAX
 from weightsync.security import Security, agent_token, load_tokens
+from weightsync.validation import check_address
 from weightsync.wire import unix_seconds
 
 STATE_STYLE = {
@@ -224,17 +225,21 @@ COMMANDS = {
 }
 
 
-def _number(low: float, convert: type = int) -> Any:
-    """An argparse type: a number in [low, 2^63-1], else a usage error rather than a
-    traceback from the request message."""
+UINT32_MAX = (1 << 32) - 1  # GetStatusRequest.version_limit
+
+
+def _number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:
+    """An argparse type: a number in [low, high] (2^63-1 unless given), else a usage error
+    rather than a traceback from the request message."""
 
     def parse(text: str) -> Any:
         try:
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low <= value <= INT64_MAX:  # also false for nan and inf
-            raise argparse.ArgumentTypeError(f"expected a number in [{low}, 2^63-1], got {text!r}")
+        if not low <= value <= high:  # also false for nan and inf
+            top = "2^63-1" if high == INT64_MAX else str(high)
+            raise argparse.ArgumentTypeError(f"expected a number in [{low}, {top}], got {text!r}")
         return value
 
     return parse
@@ -264,16 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="session, agents, versions, handshakes", parents=[json_after])
-    s.add_argument("--limit", type=_number(0), default=10)
+    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=10)
     s = sub.add_parser("versions", help="versions, newest first", parents=[json_after])
-    s.add_argument("--limit", type=_number(0), default=20)
+    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=20)
     s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)", parents=[json_after])
     s.add_argument("version", type=_number(0))
     s = sub.add_parser("watch", help="follow version events live", parents=[json_after])
     s.add_argument("--since", type=_number(0), default=0, help="replay events after this sequence number")
     s.add_argument("--count", type=_number(0), default=0, help="exit after N events")
     s.add_argument("--timeout", type=_number(0, float), default=0, help="exit after N seconds")
-    s.add_argument("--limit", type=_number(0), default=10)
+    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=10)
     s = sub.add_parser(
         "delete-session", help="delete a finished job's session and all stored for it (admin)", parents=[json_after]
     )
@@ -304,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "agent-token":
             return cmd_agent_token(args)
+        check_address(args.coordinator, "coordinator")
         security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
         security.check_files()
     except WeightsyncError as e:

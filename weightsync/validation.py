@@ -104,8 +104,10 @@ def check_address(address: str, field: str) -> None:
     """host:port (an IPv6 literal in brackets) with a numeric port."""
     host, port = split_host_port(address)
     bare_v6 = ":" in host and not address.startswith("[")  # "::1:80": which colon ends the host?
-    if not host or bare_v6 or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or bare_v6 or not port.isdigit():
         raise InvalidArgument(f"{address!r} is not host:port", field=field)
+    if not 0 < int(port) < 65536:  # gRPC would take 99999 as 34463 (the port modulo 2^16)
+        raise InvalidArgument(f"{address!r}: port {port} is not in [1, 65535]", field=field)
 
 
 def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:

@@ -184,6 +184,8 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         InitInfo()
     with pytest.raises(InvalidArgument, match="init_info.session"):
         InitInfo(coordinator="c:1")
+    with pytest.raises(InvalidArgument, match="init_info.coordinator.*port 65536"):
+        InitInfo(coordinator="c:65536", session="s")
 
 
 @pytest.mark.parametrize(
@@ -191,6 +193,8 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
     [
         (dict(session="Bad Name"), "session"),
         (dict(coordinator=""), "coordinator"),
+        (dict(coordinator="127.0.0.1:99999"), "coordinator"),  # gRPC would dial port 34463
+        (dict(coordinator="coordinator"), "coordinator"),  # gRPC would dial port 443
         (dict(rank=2, world_size=2), "rank"),
         (dict(world_size=0), "world_size"),
         (dict(weight_dtype="float8"), "weight_dtype"),
@@ -349,6 +353,7 @@ def test_float_settings_are_finite_from_flags_env_and_code(text: str, capsys: py
         ["--timeout-s", "nan", "status"],
         ["--timeout-s", "0", "status"],
         ["status", "--limit", "-5"],
+        ["versions", "--limit", str(1 << 32)],  # GetStatusRequest.version_limit is a uint32
         ["manifest", "-3"],
         ["manifest", str(1 << 64)],
         ["watch", "--since", "-1"],
@@ -365,6 +370,21 @@ def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and "expected a number in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("address", "why"), [("127.0.0.1:99999", "port 99999 is not in [1, 65535]"), ("coordinator", "is not host:port")]
+)
+def test_wsctl_refuses_a_coordinator_address_grpc_would_read_as_another(
+    address: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC dials 127.0.0.1:99999 as port 34463 (the port modulo 2^16), and a host without a
+    port as port 443: wsctl talked to whatever listened there."""
+    from weightsync.cli import main
+
+    assert main(["--coordinator", address, "status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wsctl: coordinator: ") and why in err
 
 
 @pytest.mark.parametrize("flag", ["--tls-ca-file", "--tls-cert-file"])
