@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -129,6 +130,7 @@ class Security:
         ):
             if path:
                 _read(path, what)
+        _check_pem(self.cert_file, self.key_file, self.ca_file)
         if self.tokens_file:
             load_tokens(self.tokens_file)
 
@@ -161,6 +163,7 @@ class Security:
             return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
 
         def secure() -> grpc.Channel:
+            _check_pem(self.cert_file, self.key_file, self.ca_file)  # a bad renewal keeps the last channel
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.ca_file, "tls_ca_file"),
                 private_key=_read(self.key_file, "tls_key_file") if self.key_file else None,
@@ -276,7 +279,36 @@ class _RenewingChannel(grpc.Channel):
         self.close()
 
 
+def _no_passphrase() -> bytes:
+    # grpc takes no passphrase: an encrypted key is refused here, not prompted for on a TTY
+    return b""
+
+
+def _check_pem(cert_file: str, key_file: str, ca_file: str) -> None:
+    """InvalidArgument unless the certificate and key are PEM and belong together and the CA
+    file holds PEM certificates. grpc takes any bytes and fails later: a server then says
+    only that its port could not be bound, a client that it could not connect."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cert_file and key_file:
+        try:
+            context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        except ssl.SSLError as e:
+            raise InvalidArgument(
+                f"{cert_file!r} and {key_file!r} are not a PEM certificate and its unencrypted private key "
+                f"({e.reason or 'not PEM'})",
+                field="tls_cert_file",
+            ) from None
+    if ca_file:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except ssl.SSLError as e:
+            raise InvalidArgument(
+                f"{ca_file!r} holds no PEM certificate ({e.reason or 'not PEM'})", field="tls_ca_file"
+            ) from None
+
+
 def _certificate(key_file: str, cert_file: str, ca_file: str) -> grpc.ServerCertificateConfiguration:
+    _check_pem(cert_file, key_file, ca_file)  # a bad renewal keeps the last certificate
     pair = (_read(key_file, "tls_key_file"), _read(cert_file, "tls_cert_file"))
     return grpc.ssl_server_certificate_configuration([pair], _read(ca_file, "tls_ca_file") if ca_file else None)
 

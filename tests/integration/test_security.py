@@ -187,6 +187,12 @@ def _served_serial(address: str, pki: dict[str, str]) -> int:
     return x509.load_der_x509_certificate(der).serial_number
 
 
+def _kept(tmp_path: Path, pem: bytes) -> str:
+    path = tmp_path / "kept.key"
+    path.write_bytes(pem)
+    return str(path)
+
+
 def test_a_renewed_certificate_is_served_without_a_restart(
     secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
 ) -> None:
@@ -199,11 +205,39 @@ def test_a_renewed_certificate_is_served_without_a_restart(
     key = ec.generate_private_key(ec.SECP256R1())
     renewed = _cert("node", key, issuer, ca_key, False)
     crt_path, key_path = _write(tmp_path / "renewed", key, renewed)
-    os.replace(key_path, pki["key"])  # swapped in place, as a Secret volume's files are
-    os.replace(crt_path, pki["crt"])
+    old_key = Path(pki["key"]).read_bytes()
+    os.replace(key_path, pki["key"])  # the new key beside the old certificate: no pair yet
+    time.sleep(0.1)
+    # the last pair is served meanwhile (a handshake with the mismatched pair would fail)
+    assert _served_serial(secure_coordinator.address, {**pki, "key": _kept(tmp_path, old_key)}) == before
+    os.replace(crt_path, pki["crt"])  # swapped in place, as a Secret volume's files are
     assert _served_serial(secure_coordinator.address, pki) == renewed.serial_number != before
     with CoordinatorClient(secure_coordinator.address, security=_client_side(pki, "trainer")) as trainer:
         assert trainer.open_session("job", trainer=True).generation == 1
+
+
+def test_a_client_keeps_its_channel_while_its_renewed_files_are_no_pem_pair(
+    secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
+) -> None:
+    """A client's TLS files half-renewed (the next certificate's key beside this one, a CA
+    file cut short) were taken as they were, and no handshake succeeded until the files were
+    whole again; the client keeps the channel it has meanwhile."""
+    mine = {k: str(tmp_path / f"client-{k}.pem") for k in ("crt", "key", "ca")}
+    for k, path in mine.items():
+        Path(path).write_bytes(Path(pki[k]).read_bytes())
+    security = Security(mine["crt"], mine["key"], mine["ca"], token=TOKENS["trainer"])
+    with CoordinatorClient(secure_coordinator.address, security=security, retries=1, timeout_s=5) as client:
+        assert client.open_session("job", trainer=True).generation == 1
+        cut = tmp_path / "cut.pem"
+        cut.write_bytes(Path(pki["ca"]).read_bytes()[:100])
+        os.replace(cut, mine["ca"])
+        os.replace(pki["rogue_key"], mine["key"])
+        time.sleep(1.2)  # past the client's look at its files (once a second)
+        assert client.status("job").generation == 1
+        for k in ("key", "ca"):  # whole again
+            Path(mine[k]).write_bytes(Path(pki[k]).read_bytes())
+        time.sleep(1.2)
+        assert client.status("job").generation == 1
 
 
 def test_rotated_bearer_tokens_are_read_again_without_a_restart(
@@ -351,6 +385,39 @@ def test_security_settings_are_checked(tmp_path: Path, pki: dict[str, str]) -> N
         with pytest.raises(InvalidArgument, match=why):
             load_tokens(str(bad))
     assert load_tokens(pki["tokens"]) == TOKENS
+
+
+def test_tls_files_that_are_no_pem_pair_are_named_at_start(tmp_path: Path, pki: dict[str, str]) -> None:
+    """grpc takes any bytes as a certificate: a coordinator given a key that is not its
+    certificate's said only that it could not bind its port, a client that it could not
+    connect. Each is refused at start now, naming the flag."""
+    Security(cert_file=pki["crt"], key_file=pki["key"], ca_file=pki["ca"]).check_files()
+    for files, field, why in (
+        ({"cert_file": pki["crt"], "key_file": pki["rogue_key"]}, "tls_cert_file", "KEY_VALUES_MISMATCH"),
+        ({"cert_file": pki["key"], "key_file": pki["key"]}, "tls_cert_file", "not PEM"),
+        ({"ca_file": pki["tokens"]}, "tls_ca_file", "no PEM certificate"),
+    ):
+        with pytest.raises(InvalidArgument, match=why) as e:
+            Security(**files).check_files()
+        assert e.value.field == field
+    db = tmp_path / "c.db"
+    flags = ["--tls-cert-file", pki["crt"], "--tls-key-file", pki["rogue_key"], "--db-path", str(db), "--port", "0"]
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 2
+    assert "tls_cert_file:" in run.stderr and "KEY_VALUES_MISMATCH" in run.stderr and "bind" not in run.stderr
+    wsctl = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "--tls-ca-file", pki["tokens"], "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wsctl.returncode == 2 and wsctl.stderr.startswith("wsctl: tls_ca_file:")
 
 
 def test_processes_started_with_tls_flags_sync_over_mtls_with_tokens(
