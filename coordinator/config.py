@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.config import ServerConfig, option
+from weightsync.config import ServerConfig, check_bounds, option
+from weightsync.errors import InvalidArgument
+
+MAX_SECONDS = 365 * 86400.0  # a year: durations past it are a typo, and overflow clocks near 1e20
+MAX_COUNT = 1 << 31
 
 
 @dataclass
@@ -35,15 +39,13 @@ class CoordinatorConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
-        if self.retain_versions < 1:
-            raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
-        if not self.forget_agents_after_s >= 0:
-            raise ValueError(f"forget_agents_after_s must be >= 0, got {self.forget_agents_after_s}")
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
-        if self.gc_refresh_s < 0:
-            raise ValueError(f"gc_refresh_s must be >= 0, got {self.gc_refresh_s}")
-        if self.max_workers < 4:
-            raise ValueError(f"max_workers must be >= 4, got {self.max_workers}")
+        try:
+            # Upper bounds keep every value inside what SQLite and the clock take: a
+            # retain_versions past 2^63 ended the housekeeping loop in an OverflowError at
+            # its first prune, a lease of 1e20 s the first registration.
+            check_bounds(self, ("lease_ttl_s",), 0.001, MAX_SECONDS)
+            check_bounds(self, ("forget_agents_after_s", "gc_refresh_s"), 0, MAX_SECONDS)
+            check_bounds(self, ("retain_versions", "max_sessions"), 1, MAX_COUNT)
+            check_bounds(self, ("max_workers",), 4, 1024)
+        except InvalidArgument as e:
+            raise ValueError(e.message) from None

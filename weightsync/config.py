@@ -87,6 +87,9 @@ class PeerConfig:
         )
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 @dataclass
 class ServerConfig(PeerConfig):
     """Fields every server shares."""
@@ -110,6 +113,8 @@ class ServerConfig(PeerConfig):
     )
 
     def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if not 0 <= self.port < 65536:

@@ -317,6 +317,25 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
         InitInfo(coordinator="c:1", session="s", auth_token_file=str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--retain-versions", str(1 << 64)], "retain_versions"),  # OverflowError at the first prune
+        (["--max-sessions", str(1 << 64)], "max_sessions"),
+        (["--lease-ttl-s", "1e20"], "lease_ttl_s"),  # OverflowError at the first lease
+        (["--forget-agents-after-s", "1e300"], "forget_agents_after_s"),
+        (["--max-workers", "100000000"], "max_workers"),
+        (["--log-level", "verbose"], "log_level"),  # taken as INFO, silently
+    ],
+)
+def test_coordinator_settings_past_what_it_can_hold_are_refused(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        load_config(CoordinatorConfig, "coordinator", argv, {})
+    assert why in capsys.readouterr().err
+
+
 def test_a_float_flag_that_is_no_number_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, environ in ((["--lease-ttl-s=abc"], {}), ([], {"WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "abc"})):
         with pytest.raises(SystemExit):
