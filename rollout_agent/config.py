@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_agent.settings import SyncSettings
-from weightsync.config import ServerConfig, option
+from weightsync.config import ServerConfig, check_bounds, option
 from weightsync.errors import InvalidArgument
 
 
@@ -27,6 +27,7 @@ class RolloutConfig(SyncSettings, ServerConfig):
         ServerConfig.__post_init__(self)
         try:
             self.check()
+            check_bounds(self, ("kv_cache_bytes",), 1)
         except InvalidArgument as e:
             raise ValueError(e.message) from None
         if self.engine == "vllm" and not self.model:

@@ -336,6 +336,12 @@ def test_coordinator_settings_past_what_it_can_hold_are_refused(
     assert why in capsys.readouterr().err
 
 
+def test_a_negative_kv_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_config(RolloutConfig, "rollout", ["--kv-cache-bytes", "-1"], {})
+    assert "kv_cache_bytes" in capsys.readouterr().err
+
+
 def test_a_float_flag_that_is_no_number_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, environ in ((["--lease-ttl-s=abc"], {}), ([], {"WEIGHTSYNC_COORDINATOR_LEASE_TTL_S": "abc"})):
         with pytest.raises(SystemExit):
