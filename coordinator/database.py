@@ -77,6 +77,8 @@ MIGRATIONS = (
     # yet filled in from the body, `BACKFILLS`).
     ("parts", "total_bytes", "INTEGER NOT NULL DEFAULT -1"),
     ("parts", "stage_seconds", "REAL NOT NULL DEFAULT -1"),
+    # The process a rollout's row belongs to (RegisterAgentRequest.instance; '' unknown).
+    ("agents", "instance", "TEXT NOT NULL DEFAULT ''"),
 )
 # Columns added above whose values older rows hold elsewhere: filled in once, on open.
 BACKFILLS = (

@@ -197,6 +197,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             endpoint=endpoint_from_proto(request.endpoint),
             rank=request.rank,
             generation=request.generation,
+            instance=request.instance,
         )
         return pb.RegisterAgentResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
 

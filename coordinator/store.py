@@ -47,6 +47,7 @@ from coordinator.tokens import TokenKeys
 from coordinator.versions import VersionLifecycle, check_generation
 from weightsync.errors import (
     AgentNotFound,
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -71,6 +72,7 @@ DEFAULT_RETAIN_VERSIONS = 50
 DEFAULT_FORGET_AGENTS_AFTER_S = 3600.0
 DEFAULT_MAX_SESSIONS = 1000
 SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
+MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a process draws at start
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
@@ -302,27 +304,41 @@ class SessionStore(VersionLifecycle):
 
     # -- agents -------------------------------------------------------------------
     def register_agent(
-        self, session: str, agent_id: str, *, role: str, endpoint: Endpoint, rank: int = 0, generation: int = 0
+        self,
+        session: str,
+        agent_id: str,
+        *,
+        role: str,
+        endpoint: Endpoint,
+        rank: int = 0,
+        generation: int = 0,
+        instance: str = "",
     ) -> SessionRecord:
         """Registers (or re-registers) an agent and grants a lease of lease_ttl_s.
 
         A trainer's `generation` (0: the current one) is stored with it; an older one is
-        StaleGeneration, so a fenced trainer cannot come back.
+        StaleGeneration, so a fenced trainer cannot come back. A rollout's `instance` (its
+        process; "" unknown) is stored too: while the id's lease is live under another
+        instance, AlreadyExists naming agent_id.
         """
         check_session_name(session)
         check_agent_id(agent_id)
         if role not in ("TRAINER", "ROLLOUT"):
             raise InvalidArgument(f"must be TRAINER or ROLLOUT, got {role!r}", field="role")
+        if len(instance) > MAX_INSTANCE_CHARS:
+            raise InvalidArgument(f"longer than {MAX_INSTANCE_CHARS} characters", field="instance")
         with self._tx() as db:
             s = self._session(db, session)
             if role == "TRAINER" and not 0 <= rank < s.trainer_ranks:
                 raise InvalidArgument(f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})", field="rank")
             if role == "TRAINER":
                 check_generation(generation or s.generation, s)
+            if role == "ROLLOUT" and instance:
+                self._check_instance(db, session, agent_id, instance)
             db.execute(
                 "INSERT OR REPLACE INTO agents (session, agent_id, role, endpoint, rank, lease_expires_at, "
-                "current_version, generation, written) VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version "
-                "FROM agents WHERE session=? AND agent_id=?), 0),?,?)",
+                "current_version, generation, written, instance) VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version "
+                "FROM agents WHERE session=? AND agent_id=?), 0),?,?,?)",
                 (
                     session,
                     agent_id,
@@ -334,9 +350,27 @@ class SessionStore(VersionLifecycle):
                     agent_id,
                     s.generation if role == "TRAINER" else 0,
                     self._next_agent_mark(),
+                    instance,
                 ),
             )
             return s
+
+    def _check_instance(self, db: sqlite3.Connection, session: str, agent_id: str, instance: str) -> None:
+        """AlreadyExists when the id's lease is live under another rollout process."""
+        row = db.execute(
+            "SELECT instance, endpoint, lease_expires_at FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT'",
+            (session, agent_id),
+        ).fetchone()
+        left = row["lease_expires_at"] - self._clock() if row is not None else -1.0
+        if left < 0 or not row["instance"] or row["instance"] == instance:
+            return
+        held = json.loads(row["endpoint"])
+        where = ", ".join(x for x in (held.get("host_id", ""), held.get("address", "")) if x) or "no address"
+        raise AlreadyExists(
+            f"{agent_id!r} is registered by another live process ({where}) for {left:.1f}s more unless it beats; "
+            "agent ids must be unique (one per rollout process)",
+            field="agent_id",
+        )
 
     def deregister_agent(self, session: str, agent_id: str) -> bool:
         """Ends an agent's lease now (graceful exit); False when it was not registered.

@@ -9,9 +9,12 @@ has one owner.
 
 from __future__ import annotations
 
+import logging
+import secrets
 import socket
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
@@ -19,12 +22,18 @@ from rollout_agent.relay import Relay
 from rollout_agent.settings import SyncSettings
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
+from weightsync.errors import AlreadyExists
 from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
 
-Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch) of a late handshake
+log = logging.getLogger(__name__)
+Verdict = Callable[[int, bool, str], None]
+# How long a rollout waits for another process's live lease on its agent id: past a lease
+# at the default TTL (10 s), so a container restarted after `kill -9` gets its id back.
+ID_HELD_WAIT_S = 30.0
+ID_HELD_RETRY_S = 1.0  # (version, ok, mismatch) of a late handshake
 
 
 @dataclass
@@ -39,6 +48,9 @@ class RolloutWiring:
     outbox: ReportOutbox | None
     failpoints: Failpoints
     server_address: str = ""
+    # This process, to the coordinator: a second process under the same agent id is refused
+    # while this one's lease is live (it would beat this lease and answer for its handshakes).
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def endpoint(self) -> Endpoint:
         """What the coordinator hands to trainers and downstream relays: addresses as
@@ -53,11 +65,29 @@ class RolloutWiring:
         )
 
     def register(self) -> float:
-        """Opens the session (creating it if needed) and registers; returns the lease TTL."""
+        """Opens the session (creating it if needed) and registers; returns the lease TTL.
+
+        While another process holds this agent id's live lease (AlreadyExists), waits up to
+        `ID_HELD_WAIT_S` for it to lapse (this pod's previous container, killed without
+        deregistering), then raises: two live processes under one id is a misconfiguration."""
         self.client.open_session(self.settings.session, trainer=False)
-        return self.client.register_agent(
-            self.settings.session, self.agent_id, trainer=False, endpoint=self.endpoint()
-        ).lease_ttl_seconds
+        deadline, warned = time.monotonic() + ID_HELD_WAIT_S, False
+        while True:
+            try:
+                return self.client.register_agent(
+                    self.settings.session,
+                    self.agent_id,
+                    trainer=False,
+                    endpoint=self.endpoint(),
+                    instance=self.instance,
+                ).lease_ttl_seconds
+            except AlreadyExists as e:
+                if e.field != "agent_id" or time.monotonic() >= deadline:
+                    raise
+                if not warned:
+                    log.warning("%s; waiting up to %.0fs for its lease to lapse", e.message, ID_HELD_WAIT_S)
+                    warned = True
+                time.sleep(ID_HELD_RETRY_S)
 
     def heartbeat(self, current_version: Callable[[], int]) -> Heartbeat:
         """A started lease keeper that registers (again) through `register`; the client

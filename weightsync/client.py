@@ -90,8 +90,18 @@ class CoordinatorClient:
         return rpc.unary(self._stub.OpenSession, req, timeout_s=self.timeout_s, retries=retries)
 
     def register_agent(
-        self, session: str, agent_id: str, *, trainer: bool, endpoint: Endpoint, rank: int = 0, generation: int = 0
+        self,
+        session: str,
+        agent_id: str,
+        *,
+        trainer: bool,
+        endpoint: Endpoint,
+        rank: int = 0,
+        generation: int = 0,
+        instance: str = "",
     ) -> pb.RegisterAgentResponse:
+        """`instance`: a rollout process's own token (AlreadyExists while another instance
+        holds the id's live lease)."""
         req = pb.RegisterAgentRequest(
             session=session,
             agent_id=agent_id,
@@ -99,6 +109,7 @@ class CoordinatorClient:
             endpoint=endpoint_to_proto(endpoint),
             rank=rank,
             generation=generation,
+            instance=instance,
         )
         return rpc.unary(self._stub.RegisterAgent, req, timeout_s=self.timeout_s, retries=self.retries)
 

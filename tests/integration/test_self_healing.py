@@ -379,6 +379,30 @@ def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers
         assert list(agents(client)) == ["pod-7"]
 
 
+def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets_it_back(cluster: Cluster) -> None:
+    """Two rollout processes under one agent id (a Deployment whose template sets it) beat
+    one lease and answer for each other: a version counted one's handshake for both, and
+    the coordinator listed one endpoint. The second is refused while the first's lease is
+    live, and exits once it has waited longer than a lease; a container restarted after
+    `kill -9` under the same id waits out its old lease and syncs."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+    twin = cluster.start_rollout("twin", coord.address, "job", ["--agent-id", "r0"], wait=False)
+    with CoordinatorClient(coord.address) as client:
+        assert cluster.wait_exit("twin", timeout_s=60) == 2
+        assert "agent ids must be unique" in twin.log() and "waiting up to 30s" in twin.log()
+        (a,) = [x for x in client.status("job").agents if x.agent_id == "r0"]
+        assert a.agent_id == "r0" and a.alive and a.endpoint.address == r0.address
+        assert r0.alive()
+        cluster.kill("r0")
+        again = cluster.start_rollout("again", coord.address, "job", ["--agent-id", "r0"])
+        eventually(lambda: rollout_status(again.address).current_version == 1, what="the restarted r0 at version 1")
+        (a,) = [x for x in client.status("job").agents if x.agent_id == "r0"]
+        assert a.alive and a.endpoint.address == again.address
+
+
 def private_dev_shm(setup: str = "mount -t tmpfs tmpfs /dev/shm") -> list[str]:
     """A command prefix running a process in its own mount namespace, where `setup` has
     mounted a /dev/shm of its own (skips the test where no namespace can be made)."""

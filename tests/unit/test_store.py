@@ -18,6 +18,7 @@ from coordinator.store import SessionStore
 from tests.unit.helpers import damage, make_part, row_shards, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -355,6 +356,27 @@ def test_expired_required_rollout_does_not_block_commit(store: SessionStore, clo
     clock.t += 6  # r1 never heartbeats: expired
     store.sweep()
     assert store.version("job", 1).state is S.COMMITTED
+
+
+def test_a_live_rollout_id_is_refused_to_another_process(store: SessionStore, clock: Clock) -> None:
+    store.open_session("job", trainer=False)
+    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7", host_id="pod-a"), instance="a")
+    with pytest.raises(AlreadyExists, match="pod-a, 10.0.0.1:7") as e:
+        store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"), instance="b")
+    assert e.value.field == "agent_id"
+    assert endpoint_of(store, "r0") == "10.0.0.1:7"  # nothing changed
+    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"), instance="a")  # itself again
+    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"))  # a client that names none
+    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"), instance="a")
+    clock.t += 11  # a's lease lapsed: b may take the id
+    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"), instance="b")
+    assert endpoint_of(store, "r0") == "10.0.0.2:7"
+    with pytest.raises(InvalidArgument, match="instance"):
+        store.register_agent("job", "r1", role="ROLLOUT", endpoint=Endpoint(), instance="x" * 65)
+
+
+def endpoint_of(store: SessionStore, agent_id: str) -> str:
+    return next(a.endpoint.address for a in store.agents("job") if a.agent_id == agent_id)
 
 
 def test_leases_ignore_steps_of_the_wall_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

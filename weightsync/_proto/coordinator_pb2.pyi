@@ -50,20 +50,22 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation")
+    __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     role: _types_pb2.Role
     endpoint: _types_pb2.Endpoint
     rank: int
     generation: int
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("generation", "lease_ttl_seconds")
