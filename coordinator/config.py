@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync.config import ServerConfig, check_bounds, option
+from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, option
 from weightsync.errors import InvalidArgument
 
-MAX_SECONDS = 365 * 86400.0  # a year: durations past it are a typo, and overflow clocks near 1e20
 MAX_COUNT = 1 << 31
 
 

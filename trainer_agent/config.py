@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.synthetic import PRESETS
-from weightsync.config import check_bounds, check_positive, option
+from weightsync.config import MAX_SECONDS, check_bounds, check_positive, option
 from weightsync.dtypes import ALLOWED
 from weightsync.errors import InvalidArgument
 
@@ -42,8 +42,11 @@ class TrainerConfig(PublisherSettings):
     def __post_init__(self) -> None:
         try:
             super().__post_init__()
-            check_bounds(self, ("step_interval_s",), 0)
+            check_bounds(self, ("step_interval_s",), 0, MAX_SECONDS)
             check_positive(self, ("commit_timeout_s",))
+            check_bounds(self, ("seed",), 0, (1 << 32) - 1)
+            check_bounds(self, ("start_version",), 1, (1 << 63) - 1)  # SQLite INTEGER
+            check_bounds(self, ("lr",), 0, 1)
         except InvalidArgument as e:
             raise ValueError(e.message) from None
         if not self.lr > 0:

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
-from weightsync.config import ServerConfig, check_bounds, check_positive, option
+from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
+from weightsync.failpoints import Failpoints
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
 from weightsync.validation import DEFAULT_LIMITS, check_address, check_agent_id, check_session_name
+
+MAX_SLOTS = 64  # each a whole version in shared memory; 2 double-buffer, more only hold older ones
+UINT32_MAX = (1 << 32) - 1
 
 
 @dataclass
@@ -98,13 +102,17 @@ class PublisherSettings(ServerConfig):
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
         if self.weight_sync_mode == "fs" and not self.fs_root:
             raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
-        check_bounds(self, ("world_size",), 1)
+        # what a coordinator on default limits accepts: refused here, not after staging
+        check_bounds(self, ("world_size",), 1, DEFAULT_LIMITS.max_trainer_ranks)
         if not 0 <= self.rank < self.world_size:
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
-        check_bounds(self, ("slots", "d2h_window_bytes"), 1)
-        # what a coordinator on default limits accepts: refused here, not after staging
+        check_bounds(self, ("slots",), 1, MAX_SLOTS)
+        check_bounds(self, ("d2h_window_bytes",), 1, 1 << 62)
         check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
-        check_bounds(self, ("min_rollouts", "staging_threads", "slot_wait_s", "attach_wait_s"), 0)
+        check_bounds(self, ("min_rollouts",), 0, UINT32_MAX)  # OpenSessionRequest.min_rollouts
+        check_bounds(self, ("staging_threads",), 0, 1024)
+        check_bounds(self, ("slot_wait_s", "attach_wait_s"), 0, MAX_SECONDS)
+        Failpoints(self.failpoints)  # refused at start, not once the session is attached
         if self.delta not in DELTA_MODES:
             raise InvalidArgument(f"{self.delta!r} is not one of {', '.join(DELTA_MODES)}", field="delta")
         if not 0 < self.delta_max_ratio <= 1:

@@ -37,6 +37,10 @@ def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors a
     return field(default=default, metadata={"help": help, **kw})
 
 
+# Durations past a year are a typo; near 1e20 s they overflow clocks and deadlines.
+MAX_SECONDS = 365 * 86400.0
+
+
 def check_bounds(obj: Any, names: Sequence[str], low: float, high: float | None = None) -> None:
     """InvalidArgument naming the first of `names` whose value on `obj` is below `low`
     (or above `high`), or is not a finite number: the settings classes' numeric checks."""
@@ -48,12 +52,12 @@ def check_bounds(obj: Any, names: Sequence[str], low: float, high: float | None 
 
 
 def check_positive(obj: Any, names: Sequence[str]) -> None:
-    """InvalidArgument naming the first of `names` whose value is not a finite number > 0
-    (deadlines and timeouts)."""
+    """InvalidArgument naming the first of `names` whose value is not a number in
+    (0, MAX_SECONDS] (deadlines and timeouts: 1e20 s overflowed the first deadline made)."""
     for name in names:
         value = getattr(obj, name)
-        if not 0 < value < math.inf:  # nan compares false
-            raise InvalidArgument(f"must be a finite number > 0, got {value}", field=name)
+        if not 0 < value <= MAX_SECONDS:  # nan compares false
+            raise InvalidArgument(f"must be a number in (0, {MAX_SECONDS:.0f}], got {value}", field=name)
 
 
 @dataclass

@@ -209,6 +209,12 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         (dict(slot_wait_s=-1.0), "slot_wait_s"),
         (dict(tcp_port=70000), "tcp_port"),
         (dict(agent_id="Trainer 0"), "agent_id"),
+        # past what the request or the coordinator takes: tracebacks at the first publish before
+        (dict(world_size=5000), "world_size"),
+        (dict(slots=65), "slots"),
+        (dict(min_rollouts=1 << 32), "min_rollouts"),
+        (dict(timeout_s=1e20), "timeout_s"),
+        (dict(failpoints="x"), "failpoints"),  # refused only after the session was attached
     ],
 )
 def test_publisher_settings_name_the_bad_field_for_library_and_entry_point(kwargs: dict, field: str) -> None:
@@ -333,6 +339,24 @@ def test_coordinator_settings_past_what_it_can_hold_are_refused(
 ) -> None:
     with pytest.raises(SystemExit):
         load_config(CoordinatorConfig, "coordinator", argv, {})
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--seed", str(1 << 64)], "seed"),
+        (["--seed", "-1"], "seed"),
+        (["--start-version", str(1 << 63)], "start_version"),
+    ],
+)
+def test_trainer_settings_past_what_it_can_use_are_refused(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainer_agent.config import TrainerConfig
+
+    with pytest.raises(SystemExit):
+        load_config(TrainerConfig, "trainer", argv, {})
     assert why in capsys.readouterr().err
 
 
