@@ -59,6 +59,7 @@ from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.modes import normalize_mode
 from weightsync.validation import (
     DEFAULT_LIMITS,
+    MAX_INSTANCE_CHARS,
     Limits,
     check_agent_id,
     check_session_name,
@@ -72,7 +73,6 @@ DEFAULT_RETAIN_VERSIONS = 50
 DEFAULT_FORGET_AGENTS_AFTER_S = 3600.0
 DEFAULT_MAX_SESSIONS = 1000
 SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
-MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a process draws at start
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 

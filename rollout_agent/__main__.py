@@ -42,10 +42,13 @@ def _run(cfg: RolloutConfig) -> int:
         from rollout_agent.vllm_engine import VllmEngineSyncer
 
         # The engine's weightsync backend pulls, applies and reports (same settings, same
-        # agent id); this process follows the session and drives its update API.
+        # agent id, same instance); this process follows the session and drives its update API.
         wiring = wire_rollout(cfg, agent_id, on_verdict=None, server_host=cfg.host)
         engine = VllmEngineSyncer(
-            cfg.model, cfg.init_info(agent_id=agent_id), dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes
+            cfg.model,
+            cfg.init_info(agent_id=agent_id, instance=wiring.instance),
+            dtype=cfg.dtype,
+            kv_cache_bytes=cfg.kv_cache_bytes,
         )
         agent = RolloutAgent(wiring, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
         closers = [engine.close]

@@ -16,7 +16,7 @@ from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.modes import normalize_mode
-from weightsync.validation import check_address, check_agent_id, check_session_name
+from weightsync.validation import MAX_INSTANCE_CHARS, check_address, check_agent_id, check_session_name
 
 APPLY_MODES = ("atomic", "streaming")
 
@@ -31,6 +31,12 @@ class SyncSettings(PeerConfig):
     session: str = option("demo", "Session name.")
     agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>).")
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
+    instance: str = option(
+        "",
+        "The token this rollout registers its agent id with (while its lease is live, another process under the "
+        "id is refused); empty draws one. A sidecar hands its own to the vLLM engine it drives, which registers "
+        "under the same id.",
+    )
     weight_sync_mode: str = option(
         "",
         "grpc | tcp (native bulk path) | shm (map a same-host trainer's arena) | fs, alias filesystem or gcs "
@@ -84,6 +90,8 @@ class SyncSettings(PeerConfig):
             check_session_name(self.session, "session")
             if self.agent_id:
                 check_agent_id(self.agent_id, "agent_id")
+            if len(self.instance) > MAX_INSTANCE_CHARS:
+                raise InvalidArgument(f"longer than {MAX_INSTANCE_CHARS} characters", field="instance")
             if self.apply_mode not in APPLY_MODES:
                 raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="apply_mode")
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)

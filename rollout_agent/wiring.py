@@ -14,7 +14,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
@@ -48,9 +48,9 @@ class RolloutWiring:
     outbox: ReportOutbox | None
     failpoints: Failpoints
     server_address: str = ""
-    # This process, to the coordinator: a second process under the same agent id is refused
+    # This rollout, to the coordinator: another process under the same agent id is refused
     # while this one's lease is live (it would beat this lease and answer for its handshakes).
-    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    instance: str = ""
 
     def endpoint(self) -> Endpoint:
         """What the coordinator hands to trainers and downstream relays: addresses as
@@ -122,8 +122,9 @@ def wire_rollout(
     security = settings.security()
     failpoints = Failpoints(settings.failpoints)
     client = CoordinatorClient(settings.coordinator, security=security)
+    instance = settings.instance or secrets.token_hex(8)
     if on_verdict is None:
-        return RolloutWiring(settings, agent_id, client, None, None, None, failpoints)
+        return RolloutWiring(settings, agent_id, client, None, None, None, failpoints, instance=instance)
     relay = None
     if settings.wants_relay():
         relay = Relay(
@@ -149,4 +150,4 @@ def wire_rollout(
         security=security,
     )
     outbox = ReportOutbox(client, on_verdict)
-    return RolloutWiring(settings, agent_id, client, puller, relay, outbox, failpoints)
+    return RolloutWiring(settings, agent_id, client, puller, relay, outbox, failpoints, instance=instance)

@@ -17,6 +17,7 @@ SESSION_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 AGENT_ID_RE = SESSION_NAME_RE
 TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/\-]{0,511}$")
 DIGEST_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a rollout process draws at start
 
 
 @dataclass(frozen=True)
