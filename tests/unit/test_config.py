@@ -324,46 +324,29 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
 
 
 @pytest.mark.parametrize(
-    ("argv", "why"),
+    ("component", "argv", "why"),
     [
-        (["--retain-versions", str(1 << 64)], "retain_versions"),  # OverflowError at the first prune
-        (["--max-sessions", str(1 << 64)], "max_sessions"),
-        (["--lease-ttl-s", "1e20"], "lease_ttl_s"),  # OverflowError at the first lease
-        (["--forget-agents-after-s", "1e300"], "forget_agents_after_s"),
-        (["--max-workers", "100000000"], "max_workers"),
-        (["--log-level", "verbose"], "log_level"),  # taken as INFO, silently
+        ("coordinator", ["--retain-versions", str(1 << 64)], "retain_versions"),  # OverflowError at each prune
+        ("coordinator", ["--max-sessions", str(1 << 64)], "max_sessions"),
+        ("coordinator", ["--lease-ttl-s", "1e20"], "lease_ttl_s"),  # OverflowError at the first lease
+        ("coordinator", ["--forget-agents-after-s", "1e300"], "forget_agents_after_s"),
+        ("coordinator", ["--max-workers", "100000000"], "max_workers"),
+        ("coordinator", ["--log-level", "verbose"], "log_level"),  # taken as INFO, silently
+        ("trainer", ["--seed", str(1 << 64)], "seed"),
+        ("trainer", ["--seed", "-1"], "seed"),
+        ("trainer", ["--start-version", str(1 << 63)], "start_version"),
+        ("rollout", ["--kv-cache-bytes", "-1"], "kv_cache_bytes"),
     ],
 )
-def test_coordinator_settings_past_what_it_can_hold_are_refused(
-    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit):
-        load_config(CoordinatorConfig, "coordinator", argv, {})
-    assert why in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "why"),
-    [
-        (["--seed", str(1 << 64)], "seed"),
-        (["--seed", "-1"], "seed"),
-        (["--start-version", str(1 << 63)], "start_version"),
-    ],
-)
-def test_trainer_settings_past_what_it_can_use_are_refused(
-    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+def test_settings_past_what_a_process_can_use_are_refused_at_start(
+    component: str, argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from trainer_agent.config import TrainerConfig
 
+    cls = {"coordinator": CoordinatorConfig, "trainer": TrainerConfig, "rollout": RolloutConfig}[component]
     with pytest.raises(SystemExit):
-        load_config(TrainerConfig, "trainer", argv, {})
+        load_config(cls, component, argv, {})  # type: ignore[type-var]
     assert why in capsys.readouterr().err
-
-
-def test_a_negative_kv_cache_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        load_config(RolloutConfig, "rollout", ["--kv-cache-bytes", "-1"], {})
-    assert "kv_cache_bytes" in capsys.readouterr().err
 
 
 def test_a_float_flag_that_is_no_number_says_so(capsys: pytest.CaptureFixture[str]) -> None:
