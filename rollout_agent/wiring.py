@@ -29,11 +29,11 @@ from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
-Verdict = Callable[[int, bool, str], None]
+Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch) of a late handshake
 # How long a rollout waits for another process's live lease on its agent id: past a lease
 # at the default TTL (10 s), so a container restarted after `kill -9` gets its id back.
 ID_HELD_WAIT_S = 30.0
-ID_HELD_RETRY_S = 1.0  # (version, ok, mismatch) of a late handshake
+ID_HELD_RETRY_S = 1.0
 
 
 @dataclass
