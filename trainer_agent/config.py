@@ -9,6 +9,7 @@ from trainer_agent.synthetic import PRESETS
 from weightsync.config import MAX_SECONDS, check_bounds, check_positive, option
 from weightsync.dtypes import ALLOWED
 from weightsync.errors import InvalidArgument
+from weightsync.validation import INT64_MAX, UINT32_MAX
 
 
 @dataclass
@@ -44,8 +45,8 @@ class TrainerConfig(PublisherSettings):
             super().__post_init__()
             check_bounds(self, ("step_interval_s",), 0, MAX_SECONDS)
             check_positive(self, ("commit_timeout_s",))
-            check_bounds(self, ("seed",), 0, (1 << 32) - 1)
-            check_bounds(self, ("start_version",), 1, (1 << 63) - 1)  # SQLite INTEGER
+            check_bounds(self, ("seed",), 0, UINT32_MAX)
+            check_bounds(self, ("start_version",), 1, INT64_MAX)
             check_bounds(self, ("lr",), 0, 1)
         except InvalidArgument as e:
             raise ValueError(e.message) from None

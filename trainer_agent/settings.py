@@ -17,10 +17,9 @@ from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
-from weightsync.validation import DEFAULT_LIMITS, check_address, check_agent_id, check_session_name
+from weightsync.validation import DEFAULT_LIMITS, UINT32_MAX, check_address, check_agent_id, check_session_name
 
 MAX_SLOTS = 64  # each a whole version in shared memory; 2 double-buffer, more only hold older ones
-UINT32_MAX = (1 << 32) - 1
 
 
 @dataclass

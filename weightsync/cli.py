@@ -20,9 +20,8 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
-from weightsync.rpc import INT64_MAX
 from weightsync.security import Security, agent_token, load_tokens
-from weightsync.validation import check_address
+from weightsync.validation import INT64_MAX, UINT32_MAX, check_address
 from weightsync.wire import unix_seconds
 
 STATE_STYLE = {
@@ -223,9 +222,6 @@ COMMANDS = {
     "watch": cmd_watch,
     "delete-session": cmd_delete_session,
 }
-
-
-UINT32_MAX = (1 << 32) - 1  # GetStatusRequest.version_limit
 
 
 def _number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:

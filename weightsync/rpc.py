@@ -24,6 +24,7 @@ from grpc_status import rpc_status
 from weightsync import errors
 from weightsync.event_loop import URGENT
 from weightsync.security import PLAINTEXT, Security
+from weightsync.validation import INT64_MAX
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ SERVER_OPTIONS = [
 ]
 
 T = TypeVar("T")
-INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
 # Messages and details travel in trailing metadata (8 KiB by default): an error that
 # quoted a 1 MiB name whole would come back as RESOURCE_EXHAUSTED about metadata instead.
 MAX_ERROR_CHARS = 1024

@@ -17,6 +17,8 @@ SESSION_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 AGENT_ID_RE = SESSION_NAME_RE
 TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/\-]{0,511}$")
 DIGEST_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
+UINT32_MAX = (1 << 32) - 1  # a uint32 request field (min_rollouts, version_limit)
 MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a rollout process draws at start
 
 
@@ -52,11 +54,12 @@ def handshake_bound_bytes(limits: Limits) -> int:
     return 2 * limits.max_name_chars + HANDSHAKE_BYTES_PER_TENSOR * limits.max_tensors
 
 
-def check_name_chars(total: int, limits: Limits, field: str) -> None:
-    """ResourceExhausted when tensor names of `total` characters pass the limit."""
-    if total > limits.max_name_chars:
+def check_name_chars(total: int, max_name_chars: int, field: str) -> None:
+    """ResourceExhausted when tensor names of `total` characters pass `max_name_chars`
+    (`Limits.max_name_chars`; also checked as a publish stream arrives, `wire.PartBuilder`)."""
+    if total > max_name_chars:
         raise ResourceExhausted(
-            f"tensor names of {total} characters exceed the limit of {limits.max_name_chars} "
+            f"tensor names of {total} characters exceed the limit of {max_name_chars} "
             "(a rollout's handshake names each)",
             field=field,
         )
@@ -279,7 +282,7 @@ def validate_part(part: Part, *, trainer_ranks: int, limits: Limits = DEFAULT_LI
             field="header.chunk_bytes",
         )
     _check_counts(part, limits)
-    check_name_chars(sum(len(t.name) for t in part.tensors), limits, "part.tensors")
+    check_name_chars(sum(len(t.name) for t in part.tensors), limits.max_name_chars, "part.tensors")
     specs: dict[str, TensorSpec] = {}
     for i, t in enumerate(part.tensors):
         _check_tensor(t, f"part.tensors[{i}]", limits)
@@ -325,7 +328,7 @@ def validate_against_parts(part: Part, others: Sequence[Part], *, final: bool, l
             field="part.tensors",
         )
     if others:
-        check_name_chars(sum(map(len, specs)), limits, "part.tensors")
+        check_name_chars(sum(map(len, specs)), limits.max_name_chars, "part.tensors")
     for s in part.shards:
         shards.setdefault(s.tensor_name, []).append(s)
     for name, group in shards.items():

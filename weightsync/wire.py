@@ -9,8 +9,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.dtypes import dtype_from_proto, dtype_info
-from weightsync.errors import DigestMismatch, InvalidArgument, ResourceExhausted
+from weightsync.errors import DigestMismatch, InvalidArgument
 from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Endpoint, Manifest, Part, PartDelta, ShardSpec, TensorSpec
+from weightsync.validation import check_name_chars
 
 BATCH_ITEMS = 2048  # descriptors per DescriptorBatch: ~100 KB messages
 MAX_NAME_CHARS = 512  # as validation.TENSOR_NAME_RE allows; longer names are refused on arrival
@@ -176,11 +177,8 @@ class PartBuilder:
                 )
                 raise InvalidArgument(f"{len(name)} characters exceed {MAX_NAME_CHARS}", field=f"part.{kind}[{j}].name")
         self.name_chars += sum(len(t.name) for t in batch.tensors)
-        if self.max_name_chars is not None and self.name_chars > self.max_name_chars:
-            raise ResourceExhausted(
-                f"tensor names of more than {self.max_name_chars} characters (a rollout's handshake names each)",
-                field="part.tensors",
-            )
+        if self.max_name_chars is not None:
+            check_name_chars(self.name_chars, self.max_name_chars, "part.tensors")
         self.tensors.extend(tensor_from_proto(t, f"part.tensors[{base + i}]") for i, t in enumerate(batch.tensors))
         self.shards.extend(shard_from_proto(s) for s in batch.shards)
         self.chunks.extend(chunk_from_proto(c) for c in batch.chunks)
