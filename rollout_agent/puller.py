@@ -11,11 +11,11 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rollout_agent.assembly import held_whole
+from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RelaySource, relay_stall_s
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
@@ -28,9 +28,6 @@ from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
 from weightsync.wire import endpoint_from_proto
-
-if TYPE_CHECKING:
-    from rollout_agent.relay import RelaySource
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +120,7 @@ class WeightPuller:
         window_chunks: int = 32,
         max_attempts: int = 3,
         timeout_s: float = 120.0,
+        relay_stall_s: float = relay_stall_s(DEFAULT_RELAY_WAIT_S),
         metrics: Metrics | None = None,
         relay: RelaySource | None = None,
         security: Security | None = None,
@@ -146,6 +144,10 @@ class WeightPuller:
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
+        # A read from a relay gives it this long to move a byte (it answers within its own
+        # wait or gives up): a relay frozen or cut off is left for the trainer in seconds,
+        # not after the data-plane deadline.
+        self.relay_stall_s = min(timeout_s, relay_stall_s)
         self.metrics = metrics
         self.security = security  # for gRPC reads from trainer agents
         self._buffers: dict[int, np.ndarray] = {}
@@ -581,8 +583,9 @@ class WeightPuller:
         for w in range(0, len(indices), self.window_chunks):
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
+            timeout_s = self.relay_stall_s if lane.relayed else self.timeout_s
             request = FetchRequest(
-                self.session, manifest.version, lane.part.rank, window, self.timeout_s, spans, plan.token, chunk_count
+                self.session, manifest.version, lane.part.rank, window, timeout_s, spans, plan.token, chunk_count
             )
             try:
                 if transport.receives_in_place:

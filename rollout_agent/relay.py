@@ -28,6 +28,16 @@ from weightsync.transports.tcp import TcpChunkServer, check_token
 
 log = logging.getLogger(__name__)
 STALL = "relay.stall_after_chunks"
+DEFAULT_RELAY_WAIT_S = 10.0
+# A reader's allowance beyond a relay's wait for a chunk (scheduling, a busy host).
+RELAY_STALL_MARGIN_S = 5.0
+
+
+def relay_stall_s(wait_s: float) -> float:
+    """How long a reader waits for a relay's next byte. A working relay sends one within
+    its `wait_s` (a chunk arrives, or it gives up and the connection ends); one silent for
+    longer is frozen (SIGSTOP, a swap storm) or cut off, and its readers go to the trainer."""
+    return wait_s + RELAY_STALL_MARGIN_S
 
 
 @dataclass
@@ -57,7 +67,9 @@ class RelaySource:
     (mid-reply) and goes to the trainer instead.
     """
 
-    def __init__(self, session: str, *, wait_s: float = 10.0, failpoints: Failpoints | None = None) -> None:
+    def __init__(
+        self, session: str, *, wait_s: float = DEFAULT_RELAY_WAIT_S, failpoints: Failpoints | None = None
+    ) -> None:
         self.session = session
         self.wait_s = wait_s
         self._failpoints = failpoints or Failpoints()
@@ -192,7 +204,7 @@ class Relay:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        wait_s: float = 10.0,
+        wait_s: float = DEFAULT_RELAY_WAIT_S,
         failpoints: Failpoints | None = None,
     ) -> None:
         self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints)

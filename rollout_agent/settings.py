@@ -51,7 +51,9 @@ class SyncSettings(PeerConfig):
     )
     relay_port: int = option(0, "relay: port of that chunk server; 0 picks a free one.")
     relay_wait_s: float = option(
-        10.0, "relay: how long a downstream read waits for a chunk here before it is sent to the trainer."
+        10.0,
+        "relay: how long a downstream read waits for a chunk here before it is sent to the trainer; a read "
+        "from a relay silent for this plus 5 s (frozen, cut off) goes to the trainer too.",
     )
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import Relay
+from rollout_agent.relay import Relay, relay_stall_s
 from rollout_agent.settings import SyncSettings
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
@@ -145,6 +145,7 @@ def wire_rollout(
         window_chunks=settings.window_chunks,
         max_attempts=settings.max_attempts,
         timeout_s=settings.timeout_s,
+        relay_stall_s=relay_stall_s(settings.relay_wait_s),
         metrics=metrics,
         relay=relay.source if relay else None,
         security=security,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from devtools.cluster import Cluster
+from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, reflected_services, rollout_status, state_name
 from trainer_agent import synthetic
@@ -209,34 +210,44 @@ def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: C
     eventually(lambda: rollout_status(r0.address).current_version == 2, what="rollout at version 2")
 
 
-def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: Cluster) -> None:
+RELAY_TRAINER = ["--model-size", "small", "--steps", "1", "--chunk-bytes", "65536", "--weight-sync-mode", "relay"]
+
+
+def _relay_chain_with_r1_stalled(cluster: Cluster, rollout_args: list[str]) -> tuple[str, dict[str, Proc], Proc]:
+    """Coordinator, relays r0 -> r1 -> r2 -> r3 and a trainer publishing version 1, once r1
+    has stalled mid-reply to r2 (a failpoint): (coordinator address, r0/r2/r3, trainer)."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "2"])
-    relay = ["--weight-sync-mode", "relay", "--window-chunks", "4"]
+    relay = ["--weight-sync-mode", "relay", "--window-chunks", "4", *rollout_args]
     rollouts = {name: cluster.start_rollout(name, coord.address, "job", relay) for name in ("r0", "r2", "r3")}
     cluster.start_rollout("r1", coord.address, "job", [*relay, "--failpoints", "relay.stall_after_chunks=5"])
-    trainer = cluster.start_trainer(
-        "trainer",
-        coord.address,
-        "job",
-        [
-            "--model-size",
-            "small",
-            "--steps",
-            "1",
-            "--chunk-bytes",
-            "65536",
-            "--weight-sync-mode",
-            "relay",
-            "--min-rollouts",
-            "3",
-            "--hold",
-        ],
-    )
+    trainer = cluster.start_trainer("trainer", coord.address, "job", [*RELAY_TRAINER, "--min-rollouts", "3", "--hold"])
     eventually(
         lambda: "stalling this reply" in cluster.procs["r1"].log(), what="r1 to stall mid-transfer", timeout_s=120
     )
+    return coord.address, rollouts, trainer
+
+
+def test_a_frozen_relays_child_reads_from_the_trainer_within_the_relay_wait(cluster: Cluster) -> None:
+    """A relay frozen (SIGSTOP) mid-reply keeps its connection open and sends nothing: its
+    child waited out the data-plane deadline (120 s) before it went to the trainer. A read
+    from a relay now gives it `--relay-wait-s` + 5 s of silence (a working relay sends a
+    byte or gives up within its wait)."""
+    coordinator, rollouts, _ = _relay_chain_with_r1_stalled(cluster, ["--relay-wait-s", "2"])
+    cluster.procs["r1"].popen.send_signal(signal.SIGSTOP)
+    try:
+        with CoordinatorClient(coordinator) as client:
+            assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+            hs = {h.agent_id: h.ok for h in client.status("job").handshakes if h.version == 1}
+            assert all(hs[name] for name in rollouts), hs
+        assert "no byte moved for 7s): pulling the rest from the trainer" in cluster.procs["r2"].log()
+    finally:
+        cluster.procs["r1"].popen.send_signal(signal.SIGCONT)
+
+
+def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: Cluster) -> None:
+    coordinator, rollouts, trainer = _relay_chain_with_r1_stalled(cluster, [])
     cluster.kill("r1")  # SIGKILL while r2 is reading from it
-    with CoordinatorClient(coord.address) as client:
+    with CoordinatorClient(coordinator) as client:
         assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
         hs = {h.agent_id: h.ok for h in client.status("job").handshakes if h.version == 1}
         assert all(hs[name] for name in rollouts), hs
@@ -253,22 +264,7 @@ def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: 
         )
         cluster.stop("trainer")
         trainer2 = cluster.start_trainer(
-            "trainer2",
-            coord.address,
-            "job",
-            [
-                "--model-size",
-                "small",
-                "--steps",
-                "1",
-                "--start-version",
-                "2",
-                "--chunk-bytes",
-                "65536",
-                "--weight-sync-mode",
-                "relay",
-                "--hold",
-            ],
+            "trainer2", coordinator, "job", [*RELAY_TRAINER, "--start-version", "2", "--hold"]
         )
         assert state_name(client.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
         served = metric_value(

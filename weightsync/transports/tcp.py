@@ -23,6 +23,7 @@ descriptors); a client finds its idle connection closed before reusing it and di
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hmac
 import logging
 import resource
@@ -327,6 +328,15 @@ class TcpTransport(Transport):
         _set_io_timeout(self._sock, timeout_s)
         return self._sock
 
+    def _failed(self, e: OSError, request: FetchRequest) -> TransportUnavailable:
+        """A socket error as the retryable error it is; a receive timeout says what timed
+        out (no byte moved either way for the call's timeout: the server or relay is stopped,
+        frozen or cut off)."""
+        self.close()
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            return TransportUnavailable(f"tcp {self._address}: no byte moved for {request.timeout_s:g}s")
+        return TransportUnavailable(f"tcp {self._address}: {e}")
+
     def _request(self, request: FetchRequest) -> tuple[socket.socket, int]:
         """Sends one request and reads the reply header; returns (socket, payload bytes)."""
         token = request.token.encode()
@@ -343,8 +353,7 @@ class TcpTransport(Transport):
                 raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
             message = _recv_exact(sock, message_len).decode("utf-8", "replace") if message_len else ""
         except OSError as e:
-            self.close()
-            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
+            raise self._failed(e, request) from None
         if code != 0:
             raise error_for_status(_NAME_BY_CODE.get(code, "INTERNAL"), message)
         return sock, payload
@@ -363,8 +372,7 @@ class TcpTransport(Transport):
         try:
             return native.recv_verify(sock.fileno(), buf, spans, digests)
         except OSError as e:
-            self.close()
-            raise TransportUnavailable(f"tcp {self._address}: {e}") from None
+            raise self._failed(e, request) from None
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
         """Receives into a scratch buffer (for callers that want payloads, e.g. tests);
