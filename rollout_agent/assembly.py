@@ -62,13 +62,17 @@ def assemble_tensor(
 def assemble(
     manifest: Manifest, buffers: Mapping[int, np.ndarray], reuse: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """Every tensor of the manifest as an array of its global shape (see assemble_tensor)."""
+    """Every tensor of the manifest as an array of its global shape (see assemble_tensor).
+    Arrays in `reuse` this manifest no longer splits across ranks are dropped from it."""
     reuse = reuse if reuse is not None else {}
     tensors = manifest.tensors
-    return {
+    out = {
         name: assemble_tensor(tensors[name], shards, buffers, None, reuse)
         for name, shards in manifest.shards_of().items()
     }
+    for name in [n for n, arr in reuse.items() if out.get(n) is not arr]:
+        del reuse[name]  # a tensor renamed, or held whole by one rank now
+    return out
 
 
 def tensor_digest(arr: np.ndarray, shards: list[ShardSpec], piece_bytes: int) -> tuple[int, float]:

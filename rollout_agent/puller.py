@@ -248,6 +248,37 @@ class WeightPuller:
         if transport is not None:
             transport.close()
 
+    def _close_unused(self, manifest: Manifest, plan: PullPlan) -> None:
+        """Closes the open transports to sources `manifest` is not read from: a trainer
+        restarted at a new address, a relay no longer before this rollout in the chain.
+        Each held a socket, a channel or, for shm, a mapping of an arena its trainer
+        unlinked, whose pages stay in memory for as long as a mapping does."""
+        sources = {a for p in manifest.parts for a in (p.endpoint.address, p.endpoint.tcp_address) if a}
+        if plan.upstream is not None:
+            sources.add(plan.upstream.tcp_address)
+        with self._transports_lock:
+            gone = [key for key in self._transports if key[1] not in sources]
+            unused = [self._transports.pop(key) for key in gone]
+        for transport in unused:
+            transport.close()
+
+    def _drop_other_ranks(self, manifest: Manifest) -> None:
+        """Lets go of receive and delta buffers of ranks `manifest` does not have (a trainer
+        restarted with fewer ranks): each held its part for as long as this rollout lived."""
+        ranks = {p.rank for p in manifest.parts}
+        for buffers in (self._buffers, self._delta_buffers):
+            for rank in [r for r in buffers if r not in ranks]:
+                del buffers[rank]
+
+    def note_held(self) -> None:
+        """Sets `weightsync_held_bytes` from the buffers kept between versions."""
+        if self.metrics is None:
+            return
+        kinds = {"receive": self._buffers, "delta": self._delta_buffers, "assembly": self.assembly_buffers}
+        for kind, buffers in kinds.items():
+            held = sum(b.nbytes for b in buffers.values())
+            self.metrics.held_bytes.labels(role=self.metrics.role, session=self.session, kind=kind).set(held)
+
     def close(self) -> None:
         """Closes every open transport."""
         with self._transports_lock:
@@ -321,6 +352,8 @@ class WeightPuller:
         started = time.perf_counter()
         plan = self.plan(header)
         with self._lock:
+            self._close_unused(manifest, plan)
+            self._drop_other_ranks(manifest)
             held, self._holding = self._holding, None  # overwritten from here on
             why = self._why_not_delta(manifest, plan, held)
             if not why:
@@ -463,6 +496,7 @@ class WeightPuller:
         the part) as `plan` says; returns (bytes pulled, chunks re-fetched). For streaming
         apply."""
         self._holding = None  # a streamed pull reuses no receive buffer
+        self._close_unused(manifest, plan)
         lanes = self._split(plan, part, indices)
         self._run_lanes(plan, manifest, lanes, buf, base)
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)

@@ -149,6 +149,7 @@ def prefetch(
     except WeightsyncError as e:
         p.error = e
         p.chunk_retries = puller.last_retries
+    puller.note_held()
     return p
 
 

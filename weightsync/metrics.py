@@ -44,6 +44,7 @@ class Metrics:
     sync_failures: Counter
     chunk_retries: Counter
     pulls: Counter
+    held_bytes: Gauge
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
@@ -183,6 +184,13 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         pulls=Counter(
             "weightsync_pulls_total",
             "Versions pulled, by kind: whole, or delta (rebuilt from the version the receive buffer held).",
+            ["role", "session", "kind"],
+            registry=registry,
+        ),
+        held_bytes=Gauge(
+            "weightsync_held_bytes",
+            "Bytes a rollout keeps between versions, by kind: receive (its copy of each rank's part), delta "
+            "(encoded delta chunks), assembly (tensors split across trainer ranks, joined).",
             ["role", "session", "kind"],
             registry=registry,
         ),

@@ -317,6 +317,75 @@ def test_a_killed_trainers_arena_is_reclaimed_and_a_refused_restart_bumps_nothin
         assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
 
 
+def _sources_held(pid: int) -> tuple[int, list[str]]:
+    """A process's open sockets and the weightsync arenas it maps."""
+    fds = Path(f"/proc/{pid}/fd")
+    sockets = sum(1 for fd in fds.iterdir() if _link(fd).startswith("socket:"))
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sockets, sorted({line.split(None, 5)[-1] for line in maps if "/dev/shm/weightsync-" in line})
+
+
+def _link(path: Path) -> str:
+    try:
+        return str(path.readlink())
+    except OSError:  # closed meanwhile
+        return ""
+
+
+@pytest.mark.parametrize("mode", ["tcp", "shm"])
+def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster, mode: str) -> None:
+    """Each trainer incarnation serves at a new address. The rollout kept its connection
+    to every old one open for as long as it lived: a socket per lane per restart (tcp),
+    and in shm the mapping of the old arena, whose pages (two slots of the model) stayed
+    in memory after the arena was unlinked. A version now closes what it does not read."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", mode])
+    held = []
+    with CoordinatorClient(coord.address) as client:
+        for version in (1, 2, 3, 4):
+            name = f"t{version}"
+            trainer = cluster.start_trainer(
+                name, coord.address, "job", [*TINY, "--steps", "1", "--start-version", str(version), "--hold"]
+            )
+            assert state_name(client.wait_for_version("job", version, timeout_s=60)) == "COMMITTED"
+            eventually(lambda v=version: rollout_status(r0.address).current_version == v, what=f"r0 at {version}")
+            sockets, arenas = _sources_held(r0.pid)
+            held.append(sockets)
+            if mode == "shm":  # the arena of this version's trainer, none of the killed ones'
+                assert [Path(a).name.split("-")[3] for a in arenas] == [str(trainer.pid)], arenas
+            cluster.kill(name)
+    assert held[3] <= held[1], held  # (the first version's count can be one short: a channel still connecting)
+
+
+def test_a_trainer_restarted_with_fewer_ranks_leaves_no_buffers_of_the_old_ones(cluster: Cluster) -> None:
+    """A rollout kept a receive buffer per rank and an array per tensor split across ranks
+    for as long as it lived: after a 2-rank trainer came back as 1 rank it held rank 1's
+    half and a joined copy of every tensor on top of the new part (382 MiB for a 255 MiB
+    model). `weightsync_held_bytes` says what it keeps."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    fp32 = [*TINY, "--weight-dtype", "float32", "--steps", "1", "--hold"]
+
+    def held(kind: str) -> float:
+        return metric_value(scrape(r0.ready["metrics_port"]), "weightsync_held_bytes", kind=kind)
+
+    with CoordinatorClient(coord.address) as client:
+        two = [*fp32, "--world-size", "2", "--incarnation", "two", "--wait-commit", "false"]
+        for rank in (0, 1):
+            cluster.start_trainer(f"rank{rank}", coord.address, "job", [*two, "--rank", str(rank)])
+        assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+        model_bytes = sum(p.total_bytes for p in client.get_manifest("job", 1)[1].parts)
+        eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+        assert held("receive") == model_bytes and held("assembly") > 0.9 * model_bytes  # nearly all split by rows
+        cluster.kill("rank0")
+        cluster.kill("rank1")
+        cluster.start_trainer("one", coord.address, "job", [*fp32, "--start-version", "2"])
+        assert state_name(client.wait_for_version("job", 2, timeout_s=120)) == "COMMITTED"
+        eventually(lambda: rollout_status(r0.address).current_version == 2, what="r0 at version 2")
+        part_bytes = client.get_manifest("job", 2)[1].parts[0].total_bytes
+        assert (held("receive"), held("assembly")) == (part_bytes, 0)
+
+
 def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "30"])  # a long lease: only deregistering ends it soon
     cluster.start_rollout("r0", coord.address, "job")
