@@ -182,6 +182,7 @@ class RolloutAgent:
             target = self._wanted
             if target != last_target:
                 backoff, last_target = 0.5, target
+                tries = {v: n for v, n in tries.items() if v >= target}  # one entry per failed version, for good
             done = (
                 target <= self.current_version
                 or target == self._handshake_waiting()
