@@ -105,6 +105,7 @@ class SyncSettings(PeerConfig):
             check_bounds(self, ("prefetch_nice",), 0, 19)
             check_bounds(self, ("relay_wait_s",), 0)
             check_positive(self, ("timeout_s",))
+            self.check_peer()
             self.security()  # both halves of a key pair or neither
         except InvalidArgument as e:
             if not self.FIELD_PREFIX or e.field is None:

@@ -142,7 +142,7 @@ def reclaim_orphans(directory: Path = SHM_DIR) -> list[Path]:
     half-created ones whose creator is (`_create_hidden`); returns them."""
     removed = []
     for path in sorted(directory.glob(ARENA_GLOB)):
-        if not ARENA_NAME.match(path.name) or path.is_symlink() or owner_alive(path):
+        if not ARENA_NAME.fullmatch(path.name) or path.is_symlink() or owner_alive(path):
             continue
         path.unlink(missing_ok=True)
         removed.append(path)
@@ -151,7 +151,7 @@ def reclaim_orphans(directory: Path = SHM_DIR) -> list[Path]:
         name = path.name[1 : -len(CREATING_SUFFIX)]
         # Unlocked is not enough here: its creator locks it just after making it. The pid
         # is only trusted to say "dead" (in another PID namespace it may name anyone).
-        if not ARENA_NAME.match(name) or path.is_symlink() or owner_alive(path) or _pid_alive(owner_pid(name)):
+        if not ARENA_NAME.fullmatch(name) or path.is_symlink() or owner_alive(path) or _pid_alive(owner_pid(name)):
             continue
         path.unlink(missing_ok=True)
         removed.append(path)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from weightsync.addresses import bare_host, join_host_port, split_host_port
 from weightsync.errors import InvalidArgument
 from weightsync.security import Security, read_token
+from weightsync.validation import check_host
 
 C = TypeVar("C")
 
@@ -78,6 +79,11 @@ class PeerConfig:
         "", "File holding that token (e.g. a mounted Secret; read again when it changes); instead of --auth-token."
     )
 
+    def check_peer(self) -> None:
+        """InvalidArgument for an advertised host other agents could not dial."""
+        if self.advertise_host:
+            check_host(self.advertise_host, "advertise_host")
+
     def token(self) -> str:
         """The bearer token: --auth-token, else the contents of --auth-token-file."""
         if self.auth_token and self.auth_token_file:
@@ -124,6 +130,7 @@ class ServerConfig(PeerConfig):
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         try:
+            self.check_peer()
             self.security().check_files()
         except InvalidArgument as e:
             raise ValueError(e.message) from None

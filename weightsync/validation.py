@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import math
 import re
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ SESSION_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 AGENT_ID_RE = SESSION_NAME_RE
 TENSOR_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/\-]{0,511}$")
 DIGEST_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# A DNS label (RFC 1123; underscores too, which Docker's service names use).
+HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
 UINT32_MAX = (1 << 32) - 1  # a uint32 request field (min_rollouts, version_limit)
 MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a rollout process draws at start
@@ -69,7 +72,7 @@ def check_session_name(name: str, field: str = "session") -> str:
     """A DNS-label-like session name (lowercase, digits, '.', '_', '-', max 63)."""
     if not name:
         raise InvalidArgument("must not be empty", field=field)
-    if not SESSION_NAME_RE.match(name):
+    if not SESSION_NAME_RE.fullmatch(name):
         raise InvalidArgument(f"{name!r} must match {SESSION_NAME_RE.pattern}", field=field)
     return name
 
@@ -78,7 +81,7 @@ def check_agent_id(agent_id: str, field: str = "agent_id") -> str:
     """Agent ids follow the session-name rules."""
     if not agent_id:
         raise InvalidArgument("must not be empty", field=field)
-    if not AGENT_ID_RE.match(agent_id):
+    if not AGENT_ID_RE.fullmatch(agent_id):
         raise InvalidArgument(f"{agent_id!r} must match {AGENT_ID_RE.pattern}", field=field)
     return agent_id
 
@@ -94,7 +97,7 @@ def check_tensor_name(name: str, field: str) -> None:
 @functools.lru_cache(maxsize=8192)  # a fleet's handshakes name one model's tensors 1,000 times
 def good_tensor_name(name: str) -> bool:
     """True for a name `check_tensor_name` accepts."""
-    return bool(TENSOR_NAME_RE.match(name)) and ".." not in name and "//" not in name
+    return bool(TENSOR_NAME_RE.fullmatch(name)) and ".." not in name and "//" not in name
 
 
 def check_version(version: int, field: str = "version") -> int:
@@ -104,14 +107,31 @@ def check_version(version: int, field: str = "version") -> int:
     return version
 
 
+def check_host(host: str, field: str) -> None:
+    """An IP address (IPv6 with or without brackets) or a host name: DNS labels of letters,
+    digits, '-' and '_', not starting or ending with '-', 253 characters at most."""
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        return
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host  # a fully qualified name's root
+    if not name or len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in name.split(".")):
+        raise InvalidArgument(f"{host!r} is neither an IP address nor a host name", field=field)
+
+
 def check_address(address: str, field: str) -> None:
-    """host:port (an IPv6 literal in brackets) with a numeric port."""
+    """host:port (an IPv6 literal in brackets) with a numeric port and a host `check_host` takes."""
     host, port = split_host_port(address)
     bare_v6 = ":" in host and not address.startswith("[")  # "::1:80": which colon ends the host?
     if not host or bare_v6 or not port.isdigit():
         raise InvalidArgument(f"{address!r} is not host:port", field=field)
     if not 0 < int(port) < 65536:  # gRPC would take 99999 as 34463 (the port modulo 2^16)
         raise InvalidArgument(f"{address!r}: port {port} is not in [1, 65535]", field=field)
+    try:
+        check_host(host, field)
+    except InvalidArgument as e:  # other agents would dial it and fail, version after version
+        raise InvalidArgument(f"{address!r}: {e.message.partition(': ')[2]}", field=field) from None
 
 
 def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:
@@ -174,7 +194,7 @@ def _check_delta(part: Part) -> None:
         )
     if not d.base_version:
         raise InvalidArgument("must name the base version (>= 1)", field="header.delta.base_version")
-    if not DIGEST_HEX_RE.match(d.base_manifest_digest):
+    if not DIGEST_HEX_RE.fullmatch(d.base_manifest_digest):
         raise InvalidArgument("must be a sha256 hex digest", field="header.delta.base_manifest_digest")
     n = len(part.chunks)
     cursor, last = 0, -1

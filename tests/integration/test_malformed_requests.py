@@ -196,6 +196,49 @@ CASES = [
         C.INVALID_ARGUMENT,
         "endpoint.address",
     ),
+    # names are matched whole: `$` also matches before a final newline, and "job\n" was
+    # taken as a session of its own (a name that splits log lines and fs store paths)
+    Case(
+        "session name ending in a newline",
+        lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="job\n", role=tpb.ROLLOUT), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session",
+    ),
+    Case(
+        "agent id ending in a newline",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="job", agent_id="r0\n", role=tpb.ROLLOUT), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "agent_id",
+    ),
+    Case(
+        "consumed tensor name ending in a newline",
+        lambda w: w.stub.ReportApplied(
+            cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["w\n"]), timeout=5
+        ),
+        C.INVALID_ARGUMENT,
+        "consumed_names[0]",
+    ),
+    # an address no other agent can dial (--advertise-host -1): its relay's children and
+    # its trainer's rollouts failed to connect, version after version
+    Case(
+        "register an address whose host is no host name",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(
+                session="job", agent_id="a", role=tpb.ROLLOUT, endpoint=tpb.Endpoint(address="-1:5000")
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "endpoint.address",
+    ),
+    Case(
+        "publish a tcp address whose host is no host name",
+        lambda w: publish(w, header_overrides={"endpoint": tpb.Endpoint(address="127.0.0.1:1", tcp_address="a b:1")}),
+        C.INVALID_ARGUMENT,
+        "header.endpoint.tcp_address",
+    ),
     Case(
         "register bad agent id",
         lambda w: w.stub.RegisterAgent(

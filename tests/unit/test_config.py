@@ -186,6 +186,8 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         InitInfo(coordinator="c:1")
     with pytest.raises(InvalidArgument, match="init_info.coordinator.*port 65536"):
         InitInfo(coordinator="c:65536", session="s")
+    with pytest.raises(InvalidArgument, match="init_info.advertise_host"):
+        InitInfo(coordinator="c:1", session="s", advertise_host="-1")
 
 
 @pytest.mark.parametrize(
@@ -336,6 +338,9 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
         ("trainer", ["--seed", "-1"], "seed"),
         ("trainer", ["--start-version", str(1 << 63)], "start_version"),
         ("rollout", ["--kv-cache-bytes", "-1"], "kv_cache_bytes"),
+        # registered as the address other agents dial: they failed to, version after version
+        ("rollout", ["--advertise-host=-1"], "advertise_host"),
+        ("trainer", ["--advertise-host", "pod ip"], "advertise_host"),
     ],
 )
 def test_settings_past_what_a_process_can_use_are_refused_at_start(

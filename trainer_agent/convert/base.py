@@ -149,7 +149,7 @@ def convert(
     for path in list(flat):
         norm = normalise(path)
         dotted = ".".join(norm)
-        if norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.match(norm[1])):
+        if norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.fullmatch(norm[1])):
             leaf = flat.pop(path)
             yield from _convert_layer_leaf(norm[1:], _leaf(leaf), spec, layer_by_key, dims, opts, dotted)
             del leaf
@@ -189,11 +189,13 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
     for path, leaf in flat.items():
         norm = normalise(path)
         dotted = ".".join(norm)
-        if not (norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.match(norm[1]))):
+        if not (
+            norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.fullmatch(norm[1]))
+        ):
             global_keys.add(".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted)
             continue
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
-        m = _LAYER_N.match(norm[1])
+        m = _LAYER_N.fullmatch(norm[1])
         if m:  # unscanned: layers_<i>.<key>
             i, key, layer_shape = int(m.group(1)), ".".join(norm[2:]), shape
             if i >= dims.layers:
@@ -205,7 +207,7 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
             if not -len(shape) <= axis < len(shape):
                 raise ValueError(f"param_scan_axis={axis} is not an axis of {dotted!r} (shape {shape})")
             if c > 1:
-                if not body or not (_SLOT.match(body[0]) or body[0] in ("local_layers", "global_layer")):
+                if not body or not (_SLOT.fullmatch(body[0]) or body[0] in ("local_layers", "global_layer")):
                     raise ValueError(
                         f"key {dotted!r} has no slot prefix: with inhomogeneous_layer_cycle_interval={c} "
                         f"every layer key needs 'layer_<slot>.' (0..{c - 1}) or 'local_layers.' / "
@@ -263,7 +265,7 @@ def _convert_layer_leaf(
 ) -> Iterator[tuple[str, Array]]:
     """One source leaf under decoder.layers*: every physical layer's outputs from it."""
     head = rel[0]
-    m = _LAYER_N.match(head)
+    m = _LAYER_N.fullmatch(head)
     if m:  # unscanned: layers_{i}.<key>
         yield from _emit_layer(int(m.group(1)), rel[1:], leaf, spec, rules, dims, opts, dotted)
         return
@@ -281,7 +283,7 @@ def _convert_layer_leaf(
                         r * c + slot, body[1:], xp.take(per_repeat, slot, axis=axis), spec, rules, dims, opts, dotted
                     )
             return
-        slot = c - 1 if body[0] == "global_layer" else int(_SLOT.match(body[0]).group(1))  # type: ignore[union-attr]
+        slot = c - 1 if body[0] == "global_layer" else int(_SLOT.fullmatch(body[0]).group(1))  # type: ignore[union-attr]
         for r in range(repeats):
             yield from _emit_layer(r * c + slot, body[1:], xp.take(leaf, r, axis=axis), spec, rules, dims, opts, dotted)
         return

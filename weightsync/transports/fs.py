@@ -122,7 +122,7 @@ class FsStore:
             return []
         out = []
         for entry in self.fs.ls(d, detail=False):
-            m = _VERSION_DIR.match(posixpath.basename(entry.rstrip("/")))
+            m = _VERSION_DIR.fullmatch(posixpath.basename(entry.rstrip("/")))
             if m:
                 out.append(int(m.group(1)))
         return sorted(out)

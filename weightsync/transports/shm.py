@@ -24,7 +24,7 @@ from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
 def check_arena_path(path: str) -> Path:
     """The arena file, if `path` names one (no '..', symlinks or other directories)."""
     p = Path(path)
-    if not p.is_absolute() or p.parent != SHM_DIR or not ARENA_NAME.match(p.name) or ".." in p.parts:
+    if not p.is_absolute() or p.parent != SHM_DIR or not ARENA_NAME.fullmatch(p.name) or ".." in p.parts:
         raise InvalidArgument(f"{path!r} is not a weightsync arena under {SHM_DIR}", field="endpoint.shm_path")
     return p
 
