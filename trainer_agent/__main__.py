@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,16 +13,15 @@ import numpy as np
 
 from trainer_agent import synthetic
 from trainer_agent.config import TrainerConfig
-from trainer_agent.publisher import PublishResult, WeightPublisher
+from trainer_agent.publisher import WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
-from weightsync.errors import TRANSIENT_ERRORS, ResourceExhausted, SlotBusy, StaleGeneration, WeightsyncError
+from weightsync.errors import StaleGeneration, WeightsyncError
 from weightsync.logs import bind, setup_logging
 from weightsync.server import wait_for_signal, write_ready_file
 
 log = logging.getLogger("trainer_agent")
 EXIT_FENCED = 3  # a newer incarnation owns the session
-_FULL_DISK_FIELDS = ("database", "fs_root", "arena")
 
 
 def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -37,26 +35,6 @@ def rank_rows(params: Mapping[str, Any], rank: int, world_size: int) -> dict[str
         lo, hi = rank * n // world_size, (rank + 1) * n // world_size
         out[name] = HostShard(name, arr[lo:hi], tuple(arr.shape), (lo,) + (0,) * (arr.ndim - 1))
     return out
-
-
-def publish_retrying(
-    pub: WeightPublisher, params: Mapping[str, Any], version: int, stop: threading.Event, attempts: int = 20
-) -> PublishResult | None:
-    """Publishes, riding out a coordinator that is down or slow to free a slot: the same
-    version is published again (same idempotency key) with backoff. None when stopped."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return pub.publish(params, version)
-        except (*TRANSIENT_ERRORS, SlotBusy, ResourceExhausted) as e:
-            # a full disk (the coordinator's database, the fs store, /dev/shm) may pass; a limit does not
-            if attempt == attempts or (isinstance(e, ResourceExhausted) and e.field not in _FULL_DISK_FIELDS):
-                raise
-            log.warning(
-                "publishing version %d failed (%s); trying again (%d/%d)", version, e.message, attempt, attempts
-            )
-            if stop.wait(min(5.0, 0.25 * 2**attempt)):
-                return None
-    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,14 +63,12 @@ def _run(argv: Sequence[str] | None) -> int:
                 break
             # JAX dispatches asynchronously: finish the step so staging time is staging alone.
             params = jax.block_until_ready(synthetic.train_step(params, step, cfg.seed, cfg.lr))
-            try:
-                result = publish_retrying(pub, rank_rows(params, cfg.rank, cfg.world_size), step, stop)
+            try:  # an outage or a full disk is ridden out inside, for --publish-wait-s
+                result = pub.publish(rank_rows(params, cfg.rank, cfg.world_size), step)
             except StaleGeneration as e:
                 log.error("version %d not published: %s", step, e.message)
                 if not cfg.stay_fenced:
                     return EXIT_FENCED
-                break
-            if result is None:  # stopped while retrying
                 break
             if cfg.wait_commit:
                 state = pub.wait_committed(step, cfg.commit_timeout_s)

@@ -8,10 +8,10 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from trainer_agent.arena import Arena
 from trainer_agent.chunk_server import (
@@ -37,6 +37,7 @@ from weightsync.errors import (
     TRANSIENT_ERRORS,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     SessionNotFound,
     SlotBusy,
     StaleGeneration,
@@ -53,6 +54,7 @@ from weightsync.transports.fs import FsStore
 from weightsync.transports.tcp import TcpChunkServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,40 @@ class PublishResult:
     slot: int
     delta_bytes: int = 0  # bytes a rollout holding the base pulls (0: published without a delta)
     delta_base: int = 0  # the base version of the delta
+
+
+# Fields of a ResourceExhausted that space freed elsewhere may end.
+FULL_DISK_FIELDS = ("database", "fs_root", "arena")
+
+
+def _may_pass(e: WeightsyncError) -> bool:
+    """Whether a publish that failed with `e` may succeed later unchanged."""
+    if isinstance(e, ResourceExhausted):
+        return e.field in FULL_DISK_FIELDS
+    return isinstance(e, (*TRANSIENT_ERRORS, SlotBusy))
+
+
+def _ride_out(what: str, wait_s: float, call: Callable[[], T], may_pass: Callable[[WeightsyncError], bool]) -> T:
+    """`call()`, tried again with backoff (0.5 s doubling to 5 s) while it fails with an
+    error `may_pass` accepts, for up to `wait_s`; one warning per outage, one line once
+    it went through."""
+    deadline, delay, failed_at = time.monotonic() + wait_s, 0.5, 0.0
+    while True:
+        try:
+            result = call()
+        except WeightsyncError as e:
+            left = deadline - time.monotonic()
+            if left <= 0 or not may_pass(e):
+                raise
+            if not failed_at:
+                failed_at = time.monotonic()
+                log.warning("%s failed (%s); trying again for up to %.0fs", what, e.message, left)
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 5.0)
+            continue
+        if failed_at:
+            log.info("%s went through after %.1fs", what, time.monotonic() - failed_at)
+        return result
 
 
 class WeightPublisher:
@@ -186,25 +222,12 @@ class WeightPublisher:
         reachable yet: pods start in any order, and a trainer that gave up after the
         client's few retries (~9 s) ended its sidecar before the coordinator was up. The
         incarnation makes the attach idempotent, so trying it again bumps nothing twice."""
-        deadline = time.monotonic() + self.settings.attach_wait_s
-        delay = 0.5
-        while True:
-            try:
-                self._open_session(next_version)
-                return
-            except TRANSIENT_ERRORS as e:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                if delay == 0.5:
-                    log.warning(
-                        "coordinator %s not reachable (%s); waiting up to %.0fs for it",
-                        self.settings.coordinator,
-                        e.message,
-                        left,
-                    )
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 5.0)
+        _ride_out(
+            f"attaching to coordinator {self.settings.coordinator}",
+            self.settings.attach_wait_s,
+            lambda: self._open_session(next_version),
+            lambda e: isinstance(e, TRANSIENT_ERRORS),
+        )
 
     def _open_session(self, next_version: int) -> None:
         s = self.settings
@@ -310,15 +333,29 @@ class WeightPublisher:
 
         Re-publishing the same version with the same key returns the first result.
 
+        A failure that may pass by itself is tried again, with backoff, for up to
+        `publish_wait_s` (the same version and key: nothing is published twice): the
+        coordinator unreachable (restarting, rescheduled: before session 23 a training
+        loop written as in the README ended at an outage of ~10 s), a full disk (its
+        database, the fs store, /dev/shm) or every slot leased past `slot_wait_s`.
+
         Raises:
             InvalidArgument: bad names, dtypes or shapes (nothing is published).
             StaleGeneration: another incarnation attached since; this publisher is fenced.
-            SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s.
-            ResourceExhausted: no room for the arena (field `arena`; it may pass, as other
-                files leave /dev/shm), or a limit exceeded.
+            SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s, still
+                after publish_wait_s.
+            ResourceExhausted: no room for the arena (field `arena`), still after
+                publish_wait_s, or a limit exceeded.
+            TransportUnavailable, DeadlineExceeded: the coordinator stayed unreachable
+                for publish_wait_s.
         """
         with version_context(version):
-            return self._publish(params, version, idempotency_key)
+            return _ride_out(
+                f"publishing version {version}",
+                self.settings.publish_wait_s,
+                lambda: self._publish(params, version, idempotency_key),
+                _may_pass,
+            )
 
     def _publish(self, params: Mapping[str, Any], version: int, idempotency_key: str | None) -> PublishResult:
         if not params:

@@ -82,6 +82,11 @@ class PublisherSettings(ServerConfig):
         120.0, "How long start() waits for a coordinator that is not reachable yet (pods start in any order)."
     )
     slot_wait_s: float = option(60.0, "How long a publish waits for rollouts' leases to free the oldest slot.")
+    publish_wait_s: float = option(
+        120.0,
+        "How long a publish keeps trying while its failure may pass by itself (the coordinator unreachable, "
+        "a full disk, every slot leased past slot_wait_s) before it raises; 0 raises at once.",
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. chunk_server.corrupt_chunk=2.")
 
     def __post_init__(self) -> None:
@@ -110,7 +115,7 @@ class PublisherSettings(ServerConfig):
         check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
         check_bounds(self, ("min_rollouts",), 0, UINT32_MAX)  # OpenSessionRequest.min_rollouts
         check_bounds(self, ("staging_threads",), 0, 1024)
-        check_bounds(self, ("slot_wait_s", "attach_wait_s"), 0, MAX_SECONDS)
+        check_bounds(self, ("slot_wait_s", "attach_wait_s", "publish_wait_s"), 0, MAX_SECONDS)
         Failpoints(self.failpoints)  # refused at start, not once the session is attached
         if self.delta not in DELTA_MODES:
             raise InvalidArgument(f"{self.delta!r} is not one of {', '.join(DELTA_MODES)}", field="delta")

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -225,6 +226,31 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
         f.unlink()  # the database, its WAL and its lock: a new volume
     _restart_on_a_new_database_and_go_on(cluster, db, coord, r0)
     assert trainer.alive() and "opening it again as incarnation" in trainer.log()
+
+
+def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> None:
+    """A training loop as the README writes it (`pub.publish(params, version=step)`) got
+    TransportUnavailable 11 s into a coordinator restart (the client's own retries) and
+    ended; only the sidecar's loop tried again. `publish` now does, for `publish_wait_s`."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    port = int(coord.address.rsplit(":", 1)[1])
+    cluster.start_rollout("r0", coord.address, "job")
+    settings = PublisherSettings(coordinator=coord.address, session="job", weight_dtype="float32")
+    weights = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
+    with WeightPublisher(settings) as pub:
+        pub.publish(weights, version=1)
+        assert pub.wait_committed(1, 60) == "COMMITTED"
+        cluster.kill("coordinator")
+        outage_s = 15.0  # past the client's retries
+        back = threading.Timer(outage_s, lambda: cluster.start_coordinator(port=port, args=["--lease-ttl-s", str(TTL)]))
+        back.start()
+        started = time.monotonic()
+        try:
+            pub.publish({"w": weights["w"] + 1}, version=2)
+        finally:
+            back.join()
+        assert time.monotonic() - started >= outage_s - 1
+        assert pub.wait_committed(2, 60) == "COMMITTED"
 
 
 def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_goes_on(cluster: Cluster) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -164,3 +165,33 @@ def test_a_deleted_sessions_series_are_dropped_and_others_kept() -> None:
     text = generate_latest(m.registry).decode()
     assert 'session="gone"' not in text
     assert text.count('session="kept"') >= 4  # each metric's series of the other session stay
+
+
+def test_a_publish_tries_again_only_what_may_pass_and_only_for_its_wait() -> None:
+    from trainer_agent.publisher import _may_pass, _ride_out
+
+    calls: list[int] = []
+
+    def flaky(failures: int, error: errors.WeightsyncError) -> Callable[[], str]:
+        def call() -> str:
+            calls.append(1)
+            if len(calls) <= failures:
+                raise error
+            return "published"
+
+        return call
+
+    assert _ride_out("x", 10.0, flaky(1, errors.TransportUnavailable("down")), _may_pass) == "published"
+    assert len(calls) == 2
+    for error, wait_s in (
+        (errors.TransportUnavailable("down"), 0.0),  # publish_wait_s 0: raised at once
+        (errors.ResourceExhausted("too many", field="part.tensors"), 10.0),  # a limit does not pass
+        (errors.StaleGeneration("fenced"), 10.0),
+        (errors.InvalidArgument("bad", field="params"), 10.0),
+    ):
+        calls.clear()
+        with pytest.raises(type(error)):
+            _ride_out("x", wait_s, flaky(1, error), _may_pass)
+        assert len(calls) == 1, error
+    assert _may_pass(errors.ResourceExhausted("full", field="arena"))
+    assert _may_pass(errors.SlotBusy("leased"))
