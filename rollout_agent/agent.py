@@ -16,7 +16,7 @@ from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
-from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, FailedPrecondition, WeightsyncError
 from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
 from weightsync.metrics import Metrics
@@ -66,6 +66,7 @@ class RolloutAgent:
         self.recent_completions: dict[int, str] = {}
         self.metrics = metrics
         self.current_version = 0
+        self._applied = 0  # the version the engine holds (its handshake's verdict may be pending)
         # From the start, so a rollout that never syncs shows as version 0 (alerts see it behind).
         metrics.current_version.labels(role=metrics.role, session=self.session).set(0)
         self.syncs_ok = 0
@@ -79,9 +80,11 @@ class RolloutAgent:
         self._wake = threading.Event()
         self._heartbeat: Heartbeat | None = None
         self._threads: list[threading.Thread] = []
+        self.follows = False
 
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads."""
+        self.follows = follow
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         if follow:
             self._threads = [
@@ -108,10 +111,22 @@ class RolloutAgent:
             log.info("deregistering %s: %s (its lease ends by itself)", self.agent_id, e)
 
     def sync(self, version: int = 0) -> SyncResult:
-        """Syncs a version (0 = newest servable); one at a time."""
+        """Syncs a version (0 = newest servable); one at a time. A following rollout does not
+        go back: a version older than the applied one is FailedPrecondition (the follow loop
+        would apply the newest again at once). Without following, it is applied and becomes
+        the current version."""
         with self._sync_lock:
             if version == 0:
                 version = newest_servable(self.client, self.session)
+            applied = max(self.current_version, self._applied)
+            if self.follows and version < applied:
+                # Applying it left the engine on an older version while current_version, the
+                # heartbeats and the coordinator still said the newer one, for good.
+                raise FailedPrecondition(
+                    f"{version} is older than the applied version {applied}: a following rollout does not go "
+                    "back (start it with --follow false to choose its versions)",
+                    field="version",
+                )
             try:
                 with version_context(version):
                     result = self.syncer(version)
@@ -124,6 +139,7 @@ class RolloutAgent:
             if result.failure:
                 self._count_failure(result.failure)
             if result.ok:
+                self._applied = result.version
                 self.on_verdict(result.version, True, "")
                 log.info(
                     "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
@@ -134,6 +150,7 @@ class RolloutAgent:
                     result.chunk_retries,
                 )
             elif result.handshake_pending:
+                self._applied = result.version
                 log.warning("version %d applied; its handshake waits for the coordinator", result.version)
             else:
                 self.on_verdict(result.version, False, result.mismatch)
@@ -143,11 +160,13 @@ class RolloutAgent:
         self.metrics.sync_failures.labels(role=self.metrics.role, session=self.session, reason=reason).inc()
 
     def on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
-        """The coordinator's answer to a handshake (now, or later through the outbox)."""
+        """The coordinator's answer to a handshake (now, or later through the outbox). An OK
+        makes `version` current only while the engine holds it: a verdict that arrives after
+        another version was applied changes nothing."""
         if ok:
             with self._state_lock:
                 self.syncs_ok += 1
-                if version <= self.current_version:
+                if version == self.current_version or version != self._applied:
                     return
             if self.completion_fn is not None:  # before current_version: readers poll on it
                 completion = self.completion_fn()
@@ -157,7 +176,7 @@ class RolloutAgent:
                     for old in sorted(self.recent_completions)[:-16]:
                         del self.recent_completions[old]
             with self._state_lock:
-                self.current_version = max(self.current_version, version)
+                self.current_version = version
             self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(self.current_version)
         else:
             with self._state_lock:

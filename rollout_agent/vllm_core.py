@@ -59,6 +59,7 @@ class VllmRollout:
         self.agent_id = agent_id
         self.applier = VllmApplier(model, model_config)
         self.current_version = 0
+        self._applied = 0  # the version the engine holds (its handshake's verdict may be pending)
         self.last: SyncResult | None = None
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         # Pulls and checks each new version while the engine serves (a thread of this worker):
@@ -72,7 +73,8 @@ class VllmRollout:
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
-            self.current_version = max(self.current_version, version)
+            if version == self._applied:  # not when another version was applied since
+                self.current_version = version
             log.info("weightsync version %d: handshake delivered late, ok", version)
         else:
             log.error("weightsync version %d: handshake delivered late, refused: %s", version, mismatch)
@@ -100,6 +102,8 @@ class VllmRollout:
                     outbox=w.outbox, engine_blocked=True,
                 )  # fmt: skip
         self.last = result
+        if result.ok or result.handshake_pending:
+            self._applied = result.version
         if result.ok:
             self.current_version = result.version
             log.info("weightsync applied version %d (%d bytes)", result.version, result.bytes_pulled)

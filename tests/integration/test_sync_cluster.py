@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import grpc
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -15,6 +16,8 @@ from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, reflected_services, rollout_status, state_name
 from trainer_agent import synthetic
+from weightsync._proto import rollout_agent_pb2 as rpb
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync.client import CoordinatorClient
 
 pytestmark = pytest.mark.slow
@@ -119,6 +122,34 @@ def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal
     for name, value in expected.items():
         ref = np.asarray(value)
         assert got[name].dtype == ref.dtype and np.array_equal(got[name], ref), name
+
+
+def test_a_following_rollout_refuses_to_go_back_and_one_that_does_not_follow_says_where_it_went(
+    cluster: Cluster,
+) -> None:
+    """`Sync(version=1)` on a rollout following at version 2 applied version 1 while its
+    status, its heartbeats and the coordinator went on saying 2, and the follow loop, at
+    "2", never moved it back: the engine served the older weights for good."""
+    coord = cluster.start_coordinator()
+    follower = cluster.start_rollout("r0", coord.address, "job")
+    chooser = cluster.start_rollout("r1", coord.address, "job", ["--follow", "false"])
+    cluster.start_trainer(
+        "trainer", coord.address, "job", [*TINY, "--steps", "2", "--slots", "3", "--wait-commit", "false", "--hold"]
+    )
+    eventually(lambda: rollout_status(follower.address).current_version == 2, what="r0 at version 2")
+
+    def sync(proc: Proc, version: int) -> rpb.SyncResponse:
+        with grpc.insecure_channel(proc.address) as channel:
+            return rpb_grpc.RolloutAgentStub(channel).Sync(rpb.SyncRequest(version=version), timeout=60)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        sync(follower, 1)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().startswith("version: 1 is older than the applied version 2")
+    assert rollout_status(follower.address).current_version == 2
+    assert sync(follower, 2).ok  # the same version again: allowed
+    assert sync(chooser, 2).ok and rollout_status(chooser.address).current_version == 2
+    assert sync(chooser, 1).ok and rollout_status(chooser.address).current_version == 1
 
 
 @pytest.mark.parametrize("mode", ["grpc", "tcp"])
