@@ -79,11 +79,15 @@ MIGRATIONS = (
     ("parts", "stage_seconds", "REAL NOT NULL DEFAULT -1"),
     # The process a rollout's row belongs to (RegisterAgentRequest.instance; '' unknown).
     ("agents", "instance", "TEXT NOT NULL DEFAULT ''"),
+    # A session's identity, drawn at its creation (RegisterAgentResponse.session_uid): a
+    # session deleted and made again under its name, or after a lost database, has another.
+    ("sessions", "uid", "TEXT NOT NULL DEFAULT ''"),
 )
 # Columns added above whose values older rows hold elsewhere: filled in once, on open.
 BACKFILLS = (
     "UPDATE parts SET total_bytes=json_extract(body, '$.total_bytes'), "
     "stage_seconds=COALESCE(json_extract(body, '$.stage_seconds'), 0.0) WHERE total_bytes<0",
+    "UPDATE sessions SET uid=lower(hex(randomblob(8))) WHERE uid=''",
 )
 # Read connections (reads run beside the writer in WAL mode). Status, manifest and watch
 # threads hold some while the event loop runs short reads on others: with 4, a fleet's

@@ -29,6 +29,7 @@ class SessionRecord:
     min_rollouts: int
     created_at: float
     weight_sync_mode: str = "grpc"
+    uid: str = ""
 
 
 @dataclass(frozen=True)

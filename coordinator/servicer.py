@@ -199,7 +199,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             generation=request.generation,
             instance=request.instance,
         )
-        return pb.RegisterAgentResponse(generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s)
+        return pb.RegisterAgentResponse(
+            generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s, session_uid=s.uid
+        )
 
     def DeregisterAgent(
         self, request: pb.DeregisterAgentRequest, context: grpc.ServicerContext

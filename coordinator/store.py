@@ -224,7 +224,8 @@ class SessionStore(VersionLifecycle):
                     )
                 gen = 1 if trainer else 0
                 db.execute(
-                    "INSERT INTO sessions VALUES (?,?,?,?,?,?,?)",
+                    "INSERT INTO sessions (name, generation, incarnation, trainer_ranks, min_rollouts, created_at, "
+                    "weight_sync_mode, uid) VALUES (?,?,?,?,?,?,?,?)",
                     (
                         name,
                         gen,
@@ -233,6 +234,7 @@ class SessionStore(VersionLifecycle):
                         max(min_rollouts, 0) or 1,
                         now,
                         mode or DEFAULT_MODE,
+                        secrets.token_hex(8),
                     ),
                 )
             elif trainer:

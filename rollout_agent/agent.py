@@ -16,7 +16,13 @@ from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
-from weightsync.errors import TRANSIENT_ERRORS, AgentNotFound, FailedPrecondition, WeightsyncError
+from weightsync.errors import (
+    TRANSIENT_ERRORS,
+    AgentNotFound,
+    FailedPrecondition,
+    VersionNotFound,
+    WeightsyncError,
+)
 from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
 from weightsync.metrics import Metrics
@@ -77,6 +83,7 @@ class RolloutAgent:
         self._state_lock = threading.Lock()
         self._stop = threading.Event()
         self._wanted = 0  # newest servable version the watch has seen
+        self._rebase = threading.Event()  # the session was made again: ask for its newest
         self._wake = threading.Event()
         self._heartbeat: Heartbeat | None = None
         self._threads: list[threading.Thread] = []
@@ -85,6 +92,7 @@ class RolloutAgent:
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads."""
         self.follows = follow
+        self.wiring.on_new_session.append(self._session_made_again)
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         if follow:
             self._threads = [
@@ -184,6 +192,16 @@ class RolloutAgent:
                 self.last_error = mismatch
             log.error("version %d handshake failed: %s", version, mismatch)
 
+    def _session_made_again(self) -> None:
+        """Its version numbers start over: what the engine holds is no version of it (0,
+        and the coordinator sees this rollout behind), and the follow loop asks for the
+        newest servable one (the watch may have announced it before this registration)."""
+        with self._state_lock:
+            self.current_version = self._applied = self._wanted = 0
+        self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
+        self._rebase.set()
+        self._wake.set()
+
     def _want(self, version: int) -> None:
         if version > self._wanted:
             self._wanted = version
@@ -198,6 +216,17 @@ class RolloutAgent:
         tries: dict[int, int] = {}  # version -> failed tries whose bytes did not verify
         backoff, last_target = 0.5, 0
         while not self._stop.is_set():
+            if self._rebase.is_set():
+                tries.clear()
+                try:
+                    self._want(newest_servable(self.client, self.session))
+                    self._rebase.clear()
+                except VersionNotFound:  # none yet: the watch announces the first
+                    self._rebase.clear()
+                except WeightsyncError as e:
+                    log.warning("asking for the newest version: %s; retrying", e.message)
+                    self._wake.wait(1.0)
+                    continue
             target = self._wanted
             if target != last_target:
                 backoff, last_target = 0.5, target

@@ -86,6 +86,13 @@ class ReportOutbox:
                 log.info("handshake for version %d superseded by version %d", self._pending.version, version)
                 self._pending = None
 
+    def discard(self) -> None:
+        """The session was made again: an undelivered handshake names a version of the old one."""
+        with self._lock:
+            if self._pending is not None:
+                log.info("handshake for version %d dropped: its session is gone", self._pending.version)
+                self._pending = None
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()

@@ -113,6 +113,15 @@ class Prefetcher:
                     return False
                 self._cond.wait(min(remaining, 1.0))
 
+    def forget_versions(self) -> None:
+        """The session was made again (`RolloutWiring.on_new_session`): its version numbers
+        start over, so none asked for or done counts, and a version waiting verified is of
+        the old session (it would apply as the new one's version of the same number)."""
+        with self._cond:
+            self._wanted = self._done = 0
+            self._ready = None
+            self._cond.notify_all()
+
     def status(self) -> dict[str, int]:
         """The newest version asked for, and the one waiting verified (0: none)."""
         with self._cond:

@@ -322,6 +322,11 @@ class WeightPuller:
         if self.relay is not None:  # a rebuilt version's chunks are re-served from now on
             self.relay.mark_whole(manifest.version)
 
+    def forget_versions(self) -> None:
+        """The session was made again: the version the receive buffers hold is of the old
+        one and is no delta's base."""
+        self._holding = None  # (no lock: a pull holds it for its whole length)
+
     @property
     def holding(self) -> int:
         """The version a delta may be rebuilt from (0: none)."""

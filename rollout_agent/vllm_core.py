@@ -69,7 +69,14 @@ class VllmRollout:
             self.prefetcher = Prefetcher(
                 self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice
             )
+        self.wiring.on_new_session.append(self._session_made_again)
         _IN_PROCESS[agent_id] = self
+
+    def _session_made_again(self) -> None:
+        """Its version numbers start over: the engine holds no version of it."""
+        self.current_version = self._applied = 0
+        if self.prefetcher is not None:
+            self.prefetcher.forget_versions()
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:

@@ -14,7 +14,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
@@ -51,6 +51,10 @@ class RolloutWiring:
     # This rollout, to the coordinator: another process under the same agent id is refused
     # while this one's lease is live (it would beat this lease and answer for its handshakes).
     instance: str = ""
+    # The session's identity at the last registration, and what to call when a registration
+    # finds another (the session deleted and made again, a coordinator's database lost).
+    session_uid: str = ""
+    on_new_session: list[Callable[[], None]] = field(default_factory=list)
 
     def endpoint(self) -> Endpoint:
         """What the coordinator hands to trainers and downstream relays: addresses as
@@ -74,13 +78,15 @@ class RolloutWiring:
         deadline, warned = time.monotonic() + ID_HELD_WAIT_S, False
         while True:
             try:
-                return self.client.register_agent(
+                registered = self.client.register_agent(
                     self.settings.session,
                     self.agent_id,
                     trainer=False,
                     endpoint=self.endpoint(),
                     instance=self.instance,
-                ).lease_ttl_seconds
+                )
+                self._note_session(registered.session_uid)
+                return registered.lease_ttl_seconds
             except AlreadyExists as e:
                 if e.field != "agent_id" or time.monotonic() >= deadline:
                     raise
@@ -88,6 +94,26 @@ class RolloutWiring:
                     log.warning("%s; waiting up to %.0fs for its lease to lapse", e.message, ID_HELD_WAIT_S)
                     warned = True
                 time.sleep(ID_HELD_RETRY_S)
+
+    def _note_session(self, uid: str) -> None:
+        """Version numbers belong to one session: when the coordinator names another under
+        the same name, what this rollout applied, leased or reported is of the old one.
+        Before session 23 a rollout at version N of a deleted session waited for the new
+        one's version N + 1 and held every version before it from committing."""
+        previous, self.session_uid = self.session_uid, uid or self.session_uid
+        if not previous or not uid or uid == previous:
+            return
+        log.warning(
+            "session %r was made again (deleted, or the coordinator lost its database): its versions start over; "
+            "syncing its newest",
+            self.settings.session,
+        )
+        if self.outbox is not None:
+            self.outbox.discard()
+        if self.puller is not None:
+            self.puller.forget_versions()
+        for react in self.on_new_session:
+            react()
 
     def heartbeat(self, current_version: Callable[[], int]) -> Heartbeat:
         """A started lease keeper that registers (again) through `register`; the client

@@ -253,6 +253,35 @@ def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> 
         assert pub.wait_committed(2, 60) == "COMMITTED"
 
 
+@pytest.mark.parametrize("how", ["deleted", "database lost"])
+def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluster, how: str) -> None:
+    """A new job on a session deleted and made again (or on a coordinator that lost its
+    database) publishes from version 1. A rollout at version 3 of the old session took 1
+    and 2 for versions it had passed: it stayed on the old weights and its status said 3,
+    and the new versions waited READY for its handshake. Registering again, it now finds
+    the session's identity changed and syncs the newest version of the new one."""
+    db = cluster.workdir / "coordinator.db"
+    coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_trainer("old", coord.address, "job", [*TINY, "--steps", "3", "--hold"])
+    eventually(lambda: rollout_status(r0.address).current_version == 3, what="r0 at the old job's version 3")
+    cluster.kill("old")
+    if how == "deleted":
+        with CoordinatorClient(coord.address) as client:
+            client.delete_session("job", force=True)
+    else:
+        cluster.kill("coordinator")
+        for f in cluster.workdir.glob("coordinator.db*"):
+            f.unlink()
+        port = int(coord.address.rsplit(":", 1)[1])
+        cluster.start_coordinator(name="again", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
+    eventually(lambda: "was made again" in r0.log(), what="r0 to register with the new session")
+    cluster.start_trainer("new", coord.address, "job", [*TINY, "--steps", "2", "--seed", "7", "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
+    eventually(lambda: rollout_status(r0.address).current_version == 2, what="r0 at the new job's version 2")
+
+
 def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_goes_on(cluster: Cluster) -> None:
     """A database damaged under a running coordinator (a torn write, a bad disk): every
     request that touched it came back INTERNAL, for as long as the process lived, while its

@@ -68,12 +68,14 @@ class RegisterAgentRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
-    __slots__ = ("generation", "lease_ttl_seconds")
+    __slots__ = ("generation", "lease_ttl_seconds", "session_uid")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_UID_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lease_ttl_seconds: float
-    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    session_uid: str
+    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., session_uid: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied")
