@@ -225,12 +225,12 @@ class RolloutAgent:
                     self._rebase.clear()
                 except WeightsyncError as e:
                     log.warning("asking for the newest version: %s; retrying", e.message)
-                    self._wake.wait(1.0)
+                    self._stop.wait(1.0)
                     continue
             target = self._wanted
             if target != last_target:
                 backoff, last_target = 0.5, target
-                tries = {v: n for v, n in tries.items() if v >= target}  # one entry per failed version, for good
+                tries = {v: n for v, n in tries.items() if v >= target}  # else one entry per failed version piles up
             done = (
                 target <= self.current_version
                 or target == self._handshake_waiting()

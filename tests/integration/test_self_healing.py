@@ -306,7 +306,7 @@ def test_agents_started_before_their_coordinator_wait_for_it(cluster: Cluster) -
     address = f"127.0.0.1:{port}"
     trainer = cluster.start_trainer("t1", address, "job", [*TINY, "--steps", "1", "--hold"], wait=False)
     r0 = cluster.start_rollout("r0", address, "job")
-    eventually(lambda: "not reachable" in trainer.log(), what="the trainer waiting for its coordinator")
+    eventually(lambda: "attaching to coordinator" in trainer.log(), what="the trainer waiting for its coordinator")
     time.sleep(12)  # past the old give-up
     assert trainer.alive() and r0.alive()
     cluster.start_coordinator(port=port)
