@@ -203,9 +203,14 @@ def test_a_failing_fs_store_is_a_retryable_error_not_a_crash(
     params = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    with WeightPublisher(
-        PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, fs_root=str(root))
-    ) as pub:
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address,
+        session="job",
+        chunk_bytes=8192,
+        fs_root=str(root),
+        publish_wait_s=0,  # the error itself, not `publish` riding it out
+    )
+    with WeightPublisher(settings) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         blocker = root / "job" / "v1"
         blocker.parent.mkdir(parents=True)
