@@ -107,16 +107,21 @@ def check_version(version: int, field: str = "version") -> int:
     return version
 
 
-def check_host(host: str, field: str) -> None:
+def _is_host(host: str) -> bool:
     """An IP address (IPv6 with or without brackets) or a host name: DNS labels of letters,
     digits, '-' and '_', not starting or ending with '-', 253 characters at most."""
     try:
         ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-        return
+        return True
     except ValueError:
         pass
     name = host[:-1] if host.endswith(".") else host  # a fully qualified name's root
-    if not name or len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in name.split(".")):
+    return bool(name) and len(name) <= 253 and all(HOST_LABEL_RE.fullmatch(label) for label in name.split("."))
+
+
+def check_host(host: str, field: str) -> None:
+    """InvalidArgument unless `host` is an IP address or a host name (`_is_host`)."""
+    if not _is_host(host):
         raise InvalidArgument(f"{host!r} is neither an IP address nor a host name", field=field)
 
 
@@ -128,10 +133,8 @@ def check_address(address: str, field: str) -> None:
         raise InvalidArgument(f"{address!r} is not host:port", field=field)
     if not 0 < int(port) < 65536:  # gRPC would take 99999 as 34463 (the port modulo 2^16)
         raise InvalidArgument(f"{address!r}: port {port} is not in [1, 65535]", field=field)
-    try:
-        check_host(host, field)
-    except InvalidArgument as e:  # other agents would dial it and fail, version after version
-        raise InvalidArgument(f"{address!r}: {e.message.partition(': ')[2]}", field=field) from None
+    if not _is_host(host):  # other agents would dial it and fail, version after version
+        raise InvalidArgument(f"{address!r}: {host!r} is neither an IP address nor a host name", field=field)
 
 
 def _check_tensor(t: TensorSpec, field: str, limits: Limits) -> None:
