@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.follow import follow_servable, newest_servable
+from rollout_agent.follow import NewestAnnounced, follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
@@ -83,6 +83,7 @@ class RolloutAgent:
         self._state_lock = threading.Lock()
         self._stop = threading.Event()
         self._wanted = 0  # newest servable version the watch has seen
+        self._announced = NewestAnnounced()  # and its generation: abandons a pull it made stale
         self._rebase = threading.Event()  # the session was made again: ask for its newest
         self._wake = threading.Event()
         self._heartbeat: Heartbeat | None = None
@@ -93,6 +94,8 @@ class RolloutAgent:
         """Registers, starts heartbeats and, when following, the watch and sync threads."""
         self.follows = follow
         self.wiring.on_new_session.append(self._session_made_again)
+        if follow and self.wiring.puller is not None:
+            self.wiring.puller.stale_rules.append(self._announced.stale)
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         if follow:
             self._threads = [
@@ -160,7 +163,7 @@ class RolloutAgent:
             elif result.handshake_pending:
                 self._applied = result.version
                 log.warning("version %d applied; its handshake waits for the coordinator", result.version)
-            else:
+            elif result.failure != "abandoned":  # (abandoned: no handshake was sent, nothing failed)
                 self.on_verdict(result.version, False, result.mismatch)
             return result
 
@@ -198,14 +201,18 @@ class RolloutAgent:
         newest servable one (the watch may have announced it before this registration)."""
         with self._state_lock:
             self.current_version = self._applied = self._wanted = 0
+        self._announced.forget()
         self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
         self._rebase.set()
         self._wake.set()
 
-    def _want(self, version: int) -> None:
+    def _want(self, version: int, generation: int = 0) -> None:
+        self._announced.note(version, generation)
         if version > self._wanted:
             self._wanted = version
             self._wake.set()
+            if self.wiring.puller is not None:
+                self.wiring.puller.recheck()
 
     def _watch_loop(self) -> None:
         """Learns of servable versions: the newest on (re)connect, then each new one."""

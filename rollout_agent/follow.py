@@ -23,11 +23,47 @@ def newest_servable(client: CoordinatorClient, session: str) -> int:
     raise VersionNotFound(f"session {session!r} has no READY version yet")
 
 
+class NewestAnnounced:
+    """The newest servable version a watch announced and the trainer generation that
+    published it. As a puller's stale rule (`WeightPuller.stale_rules`): a pull of an
+    older version published by an older generation is abandoned. Its trainer was
+    replaced, frozen or cut off as likely as not (a pull from one waited `timeout_s` per
+    read, three reads: six minutes at the defaults), and the newer version is what the
+    rollout syncs next either way. A pull of the same generation finishes: a fleet that
+    pulls slower than its trainer publishes would otherwise never apply a version."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.version = 0
+        self.generation = 0
+
+    def note(self, version: int, generation: int) -> None:
+        with self._lock:
+            if version > self.version:
+                self.version, self.generation = version, generation
+
+    def forget(self) -> None:
+        """The session was made again: its versions and generations start over."""
+        with self._lock:
+            self.version = self.generation = 0
+
+    def stale(self, version: int, generation: int) -> str:
+        with self._lock:
+            newest, newer_generation = self.version, self.generation
+        if version < newest and generation < newer_generation:
+            return (
+                f"version {newest} is servable from trainer generation {newer_generation} "
+                f"(version {version}'s, {generation}, was replaced)"
+            )
+        return ""
+
+
 def follow_servable(
-    client: CoordinatorClient, session: str, on_version: Callable[[int], None], stop: threading.Event
+    client: CoordinatorClient, session: str, on_version: Callable[[int, int], None], stop: threading.Event
 ) -> None:
-    """Calls `on_version` with the newest servable version on (re)connect, then with each
-    new one, until `stop` is set; rides out coordinator outages by reconnecting."""
+    """Calls `on_version(version, generation)` with the newest servable version on
+    (re)connect, then with each new one, until `stop` is set; rides out coordinator
+    outages by reconnecting."""
     seq = -1
     failing = False
     while not stop.is_set():
@@ -39,13 +75,13 @@ def follow_servable(
                     log.info("watch reconnected")
                     failing = False
                 if st.versions and st.versions[0].state in SERVABLE_STATES:
-                    on_version(st.versions[0].version)
+                    on_version(st.versions[0].version, st.versions[0].generation)
             for ev in client.watch(session, seq):
                 seq = ev.seq
                 if stop.is_set():
                     return
                 if ev.version.state in SERVABLE_STATES:
-                    on_version(ev.version.version)
+                    on_version(ev.version.version, ev.version.generation)
         except Exception as e:  # noqa: BLE001 - how the agent learns of versions: it outlives a bug as an outage
             if not stop.is_set():
                 if not isinstance(e, WeightsyncError):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from rollout_agent.appliers import Applier
-from rollout_agent.follow import follow_servable
+from rollout_agent.follow import NewestAnnounced, follow_servable
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import Prefetched, prefetch
 from weightsync.errors import WeightsyncError
@@ -54,6 +54,10 @@ class Prefetcher:
         self._done = 0  # newest version applied (or tried) through `hold`
         self._ready: Prefetched | None = None  # pulled and checked, waiting for its apply
         self._held = False
+        self._update_waits = 0  # the version an update (`hold`) waits for: an older pull is stale
+        self._announced = NewestAnnounced()
+        self._rules = [self._announced.stale, self._stale_for_update]
+        puller.stale_rules += self._rules
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, name="prefetch", daemon=True)]
         if follow:
@@ -68,12 +72,20 @@ class Prefetcher:
         for t in self._threads:
             t.start()
 
-    def request(self, version: int) -> None:
-        """Prefetch `version` (ignored unless newer than every version asked for so far)."""
+    def request(self, version: int, generation: int = 0) -> None:
+        """Prefetch `version` (ignored unless newer than every version asked for so far);
+        `generation`, the trainer generation that published it (as the watch says), makes
+        a pull in progress of an older generation's version stale (`NewestAnnounced`)."""
+        self._announced.note(version, generation)
         with self._cond:
             if version > max(self._wanted, self._done):
                 self._wanted = version
                 self._cond.notify_all()
+        self._puller.recheck()
+
+    def _stale_for_update(self, version: int, generation: int) -> str:
+        waits = self._update_waits
+        return f"an update waits for version {waits}" if version < waits else ""
 
     @contextlib.contextmanager
     def hold(self, version: int) -> Iterator[Prefetched | None]:
@@ -81,6 +93,8 @@ class Prefetcher:
         (a pull of it in progress is waited for). None: pull it directly, inside the block."""
         with self._cond:
             self._held = True
+            self._update_waits = version
+        self._puller.recheck()  # a prefetch of an older version is abandoned, not waited out
         try:
             with self._pull:  # waits for a pull in progress, most likely of this version
                 with self._cond:  # the caller's now: a waiting other version would be overwritten
@@ -95,6 +109,7 @@ class Prefetcher:
         finally:
             with self._cond:
                 self._held = False
+                self._update_waits = 0
                 self._cond.notify_all()
 
     def wait_ready(self, version: int, timeout_s: float) -> bool:
@@ -117,6 +132,7 @@ class Prefetcher:
         """The session was made again (`RolloutWiring.on_new_session`): its version numbers
         start over, so none asked for or done counts, and a version waiting verified is of
         the old session (it would apply as the new one's version of the same number)."""
+        self._announced.forget()
         with self._cond:
             self._wanted = self._done = 0
             self._ready = None
@@ -134,6 +150,8 @@ class Prefetcher:
         with self._cond:
             self._cond.notify_all()
         self._threads[0].join(timeout=30)
+        for rule in self._rules:
+            self._puller.stale_rules.remove(rule)
 
     def _next(self) -> int:
         """The version to prefetch now; 0 when stopped (blocks while there is none)."""

@@ -8,7 +8,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,7 +21,7 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info
-from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, TransportUnavailable, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, PullAbandoned, TransportUnavailable, WeightsyncError
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
@@ -30,6 +30,8 @@ from weightsync.transports import FetchRequest, Transport, available_transports,
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
+# (version, trainer generation) of a pull in progress -> why it is stale ("": it is not)
+StaleRule = Callable[[int, int], str]
 
 
 @dataclass
@@ -162,6 +164,13 @@ class WeightPuller:
         self._fallbacks_logged: set[tuple[int, str]] = set()  # (rank, reason), logged once
         self._transports_lock = threading.Lock()
         self.last_retries = 0  # chunks re-fetched by the last pull, also when it failed
+        # Abandoning a stale pull (`stale_rules`, `recheck`): the (version, generation) a
+        # pull is fetching, and why it was abandoned ("" while it goes on).
+        self.stale_rules: list[StaleRule] = []
+        self._flight_lock = threading.Lock()
+        self._in_flight: tuple[int, int] | None = None
+        self._abandoned = ""
+        self._interrupted: list[Transport] = []
 
     def transport_for(self, part: Part, mode: str = "") -> str:
         """The transport for one rank's part under `mode` (default: this puller's, else
@@ -232,6 +241,8 @@ class WeightPuller:
     def _transport(self, lane: _Lane) -> Transport:
         key = self._key(lane)
         with self._transports_lock:
+            if self._abandoned:  # (a lane between its check and here)
+                raise TransportUnavailable("the pull was abandoned")
             transport = self._transports.get(key)
             if transport is None:
                 options = {"fs": {"root": self.fs_root}, "grpc": {"security": self.security}}.get(key[0], {})
@@ -278,6 +289,50 @@ class WeightPuller:
         for kind, buffers in kinds.items():
             held = sum(b.nbytes for b in buffers.values())
             self.metrics.held_bytes.labels(role=self.metrics.role, session=self.session, kind=kind).set(held)
+
+    def recheck(self) -> None:
+        """Abandons the pull in progress if a rule in `stale_rules` now calls its version
+        stale: its reads stop at once (a read waiting on a frozen or cut-off source ends
+        now, not after `timeout_s` per attempt) and the pull raises PullAbandoned. Call it
+        after whatever a rule reads changed (a newer version wanted, an update waiting)."""
+        with self._flight_lock:
+            if self._in_flight is None or self._abandoned:
+                return
+            why = self._stale(*self._in_flight)
+            if not why:
+                return
+            self._abandoned = why
+        # Out of the table, so no lane takes one again (`_transport` refuses new ones from
+        # here on); closed by the pull once its lanes are done with them.
+        with self._transports_lock:
+            self._interrupted, self._transports = list(self._transports.values()), {}
+        for transport in self._interrupted:
+            transport.interrupt()
+
+    def _stale(self, version: int, generation: int) -> str:
+        return next((why for rule in self.stale_rules if (why := rule(version, generation))), "")
+
+    @contextlib.contextmanager
+    def pulling(self, header: pb.ManifestHeader) -> Iterator[None]:
+        """Marks a pull of `header`'s version as in progress for `recheck` (`pull` does; a
+        streamed round wraps its `pull_chunks` calls in it); raises PullAbandoned at once
+        when the version is stale already (it became so before the pull began)."""
+        v = header.version
+        with self._flight_lock:
+            self._in_flight, self._abandoned = (v.version, v.generation), self._stale(v.version, v.generation)
+        try:
+            self._check_abandoned(v.version)
+            yield
+        finally:
+            with self._flight_lock:
+                self._in_flight, self._abandoned = None, ""
+            interrupted, self._interrupted = self._interrupted, []
+            for transport in interrupted:
+                transport.close()
+
+    def _check_abandoned(self, version: int) -> None:
+        if why := self._abandoned:
+            raise PullAbandoned(f"pull of version {version} abandoned: {why}", field="version")
 
     def close(self) -> None:
         """Closes every open transport."""
@@ -356,7 +411,7 @@ class WeightPuller:
         verified all the same."""
         started = time.perf_counter()
         plan = self.plan(header)
-        with self._lock:
+        with self._lock, self.pulling(header):
             self._close_unused(manifest, plan)
             self._drop_other_ranks(manifest)
             held, self._holding = self._holding, None  # overwritten from here on
@@ -575,6 +630,7 @@ class WeightPuller:
         for attempt in range(first_attempt, self.max_attempts + 1):
             if not pending:
                 return
+            self._check_abandoned(manifest.version)
             if attempt > 1:
                 lane.retries += len(pending)
                 log.warning(
@@ -592,13 +648,18 @@ class WeightPuller:
             try:
                 pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 while pending and lane.relayed:  # a relay's failure costs no attempt
+                    self._check_abandoned(manifest.version)
                     self._from_trainer(lane, last_error, plan)
                     lane.retries += len(pending)
                     pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 unreachable = bool(pending) and lane.digest_failures == failures_before
             except TRANSIENT_ERRORS as e:
                 last_error, unreachable = e.message, True
+            except WeightsyncError:
+                self._check_abandoned(manifest.version)  # an interrupted read may fail in any way
+                raise
         if pending:
+            self._check_abandoned(manifest.version)
             what = (
                 f"version {manifest.version} rank {lane.part.rank}: chunk {pending[0]} (and {len(pending) - 1} more) "
                 f"failed after {self.max_attempts} attempts: {last_error}"
@@ -620,6 +681,8 @@ class WeightPuller:
         problem = ""
         transport = self._open_lane(lane)
         for w in range(0, len(indices), self.window_chunks):
+            if self._abandoned:
+                break
             window = list(indices[w : w + self.window_chunks])
             spans = [(chunks[i].offset, chunks[i].length) for i in window]
             timeout_s = self.relay_stall_s if lane.relayed else self.timeout_s

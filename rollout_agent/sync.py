@@ -29,6 +29,7 @@ from weightsync.errors import (
     DigestMismatch,
     InternalError,
     InvalidArgument,
+    PullAbandoned,
     WeightsyncError,
 )
 from weightsync.failpoints import Failpoints
@@ -55,7 +56,7 @@ class SyncResult:
     # the verdict comes later (ok stays False here).
     handshake_pending: bool = False
     # Why a finished round did not apply (weightsync_sync_failures_total's reason): data_loss,
-    # transient, local, mismatch or refused; empty when ok or the verdict is pending.
+    # transient, local, mismatch, refused or abandoned; empty when ok or the verdict is pending.
     failure: str = ""
     delta_base: int = 0  # the version rebuilt from by a delta (0: pulled whole)
 
@@ -199,7 +200,8 @@ def sync_version(
     failure = ""
     try:
         _engine_failpoint(failpoints)
-        in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
+        with puller.pulling(header):
+            in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
         p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else in_flux
     except WeightsyncError as e:
         failure = _failed(e, p, result, puller, metrics)
@@ -272,6 +274,9 @@ def _failed(
     if isinstance(e, DataLoss) and not isinstance(e, DigestMismatch) and metrics is not None:
         # an assembled tensor differed (the puller counts the chunks that did)
         metrics.digest_failures.labels(role=metrics.role, session=puller.session).inc()
+    if isinstance(e, PullAbandoned):  # nothing failed: another version made it stale
+        log.warning("version %d not applied: %s", p.version, e.message, extra={"version": p.version})
+        return "abandoned"
     log.error("version %d not applied: %s", p.version, e.message, extra={"version": p.version})
     return "data_loss" if isinstance(e, DataLoss) else "transient" if result.transient else "local"
 
@@ -289,6 +294,11 @@ def _report(
     """The handshake of a finished round: digests of what was handed to the engine,
     timings, and the verdict (or its place in the outbox)."""
     v, timings = p.version, p.timings
+    if isinstance(p.error, PullAbandoned):
+        # Nothing failed here: the version was left for a newer one, so no handshake (a
+        # failed one would make it PARTIAL and page someone for a version nobody wants).
+        result.failure, result.mismatch, result.timings = "abandoned", p.error.message, timings
+        return result
     report = pb.ReportAppliedRequest(
         session=puller.session, version=v, agent_id=puller.agent_id, manifest_digest=p.header.version.manifest_digest
     )

@@ -93,6 +93,11 @@ class SlotBusy(FailedPrecondition):
     """No arena slot could be freed in time (rollouts still lease the versions in them)."""
 
 
+class PullAbandoned(FailedPrecondition):
+    """A rollout stopped pulling a version another made stale (an update waits for a newer
+    one, or a newer trainer generation published one)."""
+
+
 class DataLoss(WeightsyncError):
     """Bytes or checksums differ from the source."""
 

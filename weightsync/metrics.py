@@ -157,7 +157,8 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_sync_failures_total",
             "Sync rounds that did not apply a version, by reason: data_loss (bytes did not verify), "
             "transient (a source or the coordinator unreachable), local (this process failed to apply), "
-            "mismatch (the coordinator's digests differ), refused (the handshake was refused).",
+            "mismatch (the coordinator's digests differ), refused (the handshake was refused), "
+            "abandoned (a newer version made the pull stale).",
             ["role", "session", "reason"],
             registry=registry,
         ),

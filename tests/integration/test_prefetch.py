@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from devtools.cluster import Cluster
 from rollout_agent.appliers import Applier, DictApplier
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
@@ -245,3 +247,34 @@ def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
         assert puller._buffers == {}  # no receive buffer was sized for it
         pub.publish(_params(2), 2)
         assert sync_version(puller, engine, 2).ok  # the same check passes the right model's
+
+
+def test_an_update_abandons_an_older_prefetch_stuck_on_a_frozen_trainer(cluster: Cluster) -> None:
+    """DESIGN: a newer version abandons an older prefetch. An update (`hold`) of version 2
+    waited for the prefetch of version 1 in progress to end; from a trainer frozen
+    mid-transfer that was `timeout_s` per read, three reads, with the engine held."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # r0 beats no lease here
+    trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", "tcp", "--hold"]
+    t1 = cluster.start_trainer("t1", coord.address, "job", trainer)
+    client = _setup(coord.address, "r0")
+    puller = WeightPuller(client, "job", "r0", mode="tcp")
+    prefetcher = Prefetcher(puller, follow=False)  # told of no version 2: only the update asks for it
+    try:
+        client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
+        t1.popen.send_signal(signal.SIGSTOP)
+        prefetcher.request(1)
+        eventually(lambda: client.status("job").versions[0].leases == 1, what="version 1 prefetching")
+        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
+        client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
+        t0 = time.monotonic()
+        with prefetcher.hold(2) as ready:
+            waited = time.monotonic() - t0
+            assert ready is None  # the caller pulls version 2 itself
+            result = sync_version(puller, DictApplier(), 2)
+        assert waited < 10, f"the update waited {waited:.1f}s for the stuck prefetch"
+        assert result.ok, result.mismatch
+    finally:
+        t1.popen.send_signal(signal.SIGCONT)
+        prefetcher.close()
+        puller.close()
+        client.close()

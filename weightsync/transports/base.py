@@ -104,6 +104,12 @@ class Transport(ABC):
     def close(self) -> None:
         """Releases connections; idempotent."""
 
+    def interrupt(self) -> None:
+        """Ends a read in progress on another thread now (it raises TransportUnavailable);
+        the owner closes the transport after. Safe from any thread. By default nothing:
+        reads that wait on no peer (a mapped arena, a file) end by themselves."""
+        return None
+
     def __enter__(self) -> Transport:
         return self
 

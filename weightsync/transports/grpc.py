@@ -129,6 +129,7 @@ class GrpcTransport(Transport):
         self._security = security
         self._channel: grpc.Channel | None = None
         self._read: Any = None
+        self._interrupted = False
 
     def open(self, endpoint: Endpoint) -> None:
         self.close()
@@ -140,6 +141,8 @@ class GrpcTransport(Transport):
         )
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
+        if self._interrupted:
+            raise TransportUnavailable("interrupted")
         if self._read is None:
             raise TransportUnavailable("not open; call open() first")
         req = _pb.ReadChunksRequest(
@@ -149,11 +152,22 @@ class GrpcTransport(Transport):
             indices=list(request.indices),
             access_token=request.token,
         )
-        for raw in rpc.stream(self._read, req, timeout_s=request.timeout_s):
-            yield decode_chunk(raw)
+        try:
+            for raw in rpc.stream(self._read, req, timeout_s=request.timeout_s):
+                yield decode_chunk(raw)
+        except ValueError:  # "Cannot invoke RPC on closed channel!": interrupted meanwhile
+            if not self._interrupted:
+                raise
+            raise TransportUnavailable("interrupted") from None
 
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
         self._channel = None
         self._read = None
+
+    def interrupt(self) -> None:
+        self._interrupted = True
+        channel = self._channel
+        if channel is not None:
+            channel.close()  # cancels the stream in progress (grpc's close is thread-safe)

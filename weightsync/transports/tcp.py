@@ -305,6 +305,7 @@ class TcpTransport(Transport):
             raise TransportUnavailable(f"the tcp transport needs the native shim: {native.missing_reason()}")
         self._sock: socket.socket | None = None
         self._address = ""
+        self._interrupted = False
 
     def open(self, endpoint: Endpoint) -> None:
         if not endpoint.tcp_address:
@@ -315,6 +316,8 @@ class TcpTransport(Transport):
         self._address = endpoint.tcp_address
 
     def _connect(self, timeout_s: float) -> socket.socket:
+        if self._interrupted:
+            raise TransportUnavailable(f"tcp {self._address}: interrupted")
         if self._sock is not None and _closed_by_peer(self._sock):
             self.close()  # the server reclaimed it while idle: dial again, costing no attempt
         if self._sock is None:
@@ -393,6 +396,17 @@ class TcpTransport(Transport):
             except OSError:
                 pass
         self._sock = None
+
+    def interrupt(self) -> None:
+        # shutdown, not close: the reading thread still holds the descriptor, which a close
+        # would free for reuse under it
+        self._interrupted = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def check_token(expected: str | None, token: str, version: int) -> None:

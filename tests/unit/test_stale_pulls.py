@@ -1,0 +1,61 @@
+"""Abandoning a stale pull: which pulls a newer version makes stale, and a tcp read that
+waits on a silent peer ended from another thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout_agent.follow import NewestAnnounced
+from weightsync import native
+from weightsync.errors import TransportUnavailable
+from weightsync.manifest import Endpoint
+from weightsync.transports import FetchRequest
+from weightsync.transports.tcp import TcpTransport
+
+
+def test_only_an_older_generations_older_version_is_stale() -> None:
+    announced = NewestAnnounced()
+    assert announced.stale(1, 1) == ""  # nothing announced yet
+    announced.note(3, 1)
+    assert announced.stale(2, 1) == ""  # the same trainer: the pull finishes (no starving a slow fleet)
+    announced.note(4, 2)
+    announced.note(2, 1)  # an older announcement changes nothing
+    assert "version 4 is servable from trainer generation 2" in announced.stale(3, 1)
+    assert announced.stale(4, 1) == "" and announced.stale(5, 1) == ""  # not older
+    announced.forget()  # the session was made again
+    assert announced.stale(3, 1) == ""
+
+
+@pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
+def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupted() -> None:
+    """A peer that accepts and never answers (a frozen trainer: the kernel completes the
+    connection for it) held the read for its whole timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        transport = TcpTransport()
+        transport.open(Endpoint(address, ("tcp",), "h", tcp_address=address))
+        request = FetchRequest("job", 1, 0, [0], 60.0, [(0, 16)], "token")
+        outcome: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                transport.fetch_into(request, np.zeros(16, np.uint8), 0, None)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                outcome.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.3)  # the request is sent; the reply never comes
+        t0 = time.monotonic()
+        transport.interrupt()
+        reader.join(timeout=10)
+        assert not reader.is_alive() and time.monotonic() - t0 < 2
+        assert isinstance(outcome[0], TransportUnavailable)
+        with pytest.raises(TransportUnavailable, match="interrupted"):  # no new connection after it
+            transport.fetch_into(request, np.zeros(16, np.uint8), 0, None)
+        transport.close()
