@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import NewestAnnounced, follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
@@ -71,8 +72,7 @@ class RolloutAgent:
         self.last_completion = ""
         self.recent_completions: dict[int, str] = {}
         self.metrics = metrics
-        self.current_version = 0
-        self._applied = 0  # the version the engine holds (its handshake's verdict may be pending)
+        self.engine = EngineVersion()
         # From the start, so a rollout that never syncs shows as version 0 (alerts see it behind).
         metrics.current_version.labels(role=metrics.role, session=self.session).set(0)
         self.syncs_ok = 0
@@ -105,6 +105,11 @@ class RolloutAgent:
             for t in self._threads:
                 t.start()
 
+    @property
+    def current_version(self) -> int:
+        """The version this rollout says it serves (`EngineVersion.current`)."""
+        return self.engine.current
+
     def stop(self) -> None:
         """Stops following and heartbeats, then ends the lease at the coordinator (so the
         rollout stops counting as required at once, not when its lease runs out)."""
@@ -129,7 +134,7 @@ class RolloutAgent:
         with self._sync_lock:
             if version == 0:
                 version = newest_servable(self.client, self.session)
-            applied = max(self.current_version, self._applied)
+            applied = self.engine.newest
             if self.follows and version < applied:
                 # Applying it left the engine on an older version while current_version, the
                 # heartbeats and the coordinator still said the newer one, for good.
@@ -149,8 +154,8 @@ class RolloutAgent:
             self.metrics.chunk_retries.labels(role=self.metrics.role, session=self.session).inc(result.chunk_retries)
             if result.failure:
                 self._count_failure(result.failure)
+            self.engine.after_round(result)
             if result.ok:
-                self._applied = result.version
                 self.on_verdict(result.version, True, "")
                 log.info(
                     "applied version=%d bytes=%d pull_s=%.3f apply_s=%.3f retries=%d",
@@ -161,7 +166,6 @@ class RolloutAgent:
                     result.chunk_retries,
                 )
             elif result.handshake_pending:
-                self._applied = result.version
                 log.warning("version %d applied; its handshake waits for the coordinator", result.version)
             elif result.failure != "abandoned":  # (abandoned: no handshake was sent, nothing failed)
                 self.on_verdict(result.version, False, result.mismatch)
@@ -177,8 +181,8 @@ class RolloutAgent:
         if ok:
             with self._state_lock:
                 self.syncs_ok += 1
-                if version == self.current_version or version != self._applied:
-                    return
+            if not self.engine.confirmable(version):
+                return
             if self.completion_fn is not None:  # before current_version: readers poll on it
                 completion = self.completion_fn()
                 with self._state_lock:
@@ -186,9 +190,8 @@ class RolloutAgent:
                     self.recent_completions[version] = completion
                     for old in sorted(self.recent_completions)[:-16]:
                         del self.recent_completions[old]
-            with self._state_lock:
-                self.current_version = version
-            self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(self.current_version)
+            if self.engine.confirm(version):
+                self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(version)
         else:
             with self._state_lock:
                 self.syncs_failed += 1
@@ -199,8 +202,9 @@ class RolloutAgent:
         """Its version numbers start over: what the engine holds is no version of it (0,
         and the coordinator sees this rollout behind), and the follow loop asks for the
         newest servable one (the watch may have announced it before this registration)."""
+        self.engine.forget()
         with self._state_lock:
-            self.current_version = self._applied = self._wanted = 0
+            self._wanted = 0
         self._announced.forget()
         self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
         self._rebase.set()

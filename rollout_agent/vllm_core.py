@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
+from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import newest_servable
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
@@ -58,8 +59,7 @@ class VllmRollout:
         self.wiring = wire_rollout(info, agent_id, on_verdict=self._on_verdict)
         self.agent_id = agent_id
         self.applier = VllmApplier(model, model_config)
-        self.current_version = 0
-        self._applied = 0  # the version the engine holds (its handshake's verdict may be pending)
+        self.engine = EngineVersion()
         self.last: SyncResult | None = None
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         # Pulls and checks each new version while the engine serves (a thread of this worker):
@@ -72,16 +72,20 @@ class VllmRollout:
         self.wiring.on_new_session.append(self._session_made_again)
         _IN_PROCESS[agent_id] = self
 
+    @property
+    def current_version(self) -> int:
+        """The version this worker says it serves (`EngineVersion.current`)."""
+        return self.engine.current
+
     def _session_made_again(self) -> None:
         """Its version numbers start over: the engine holds no version of it."""
-        self.current_version = self._applied = 0
+        self.engine.forget()
         if self.prefetcher is not None:
             self.prefetcher.forget_versions()
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
-            if version == self._applied:  # not when another version was applied since
-                self.current_version = version
+            self.engine.confirm(version)  # not when another version was applied since
             log.info("weightsync version %d: handshake delivered late, ok", version)
         else:
             log.error("weightsync version %d: handshake delivered late, refused: %s", version, mismatch)
@@ -109,10 +113,9 @@ class VllmRollout:
                     outbox=w.outbox, engine_blocked=True,
                 )  # fmt: skip
         self.last = result
-        if result.ok or result.handshake_pending:
-            self._applied = result.version
+        self.engine.after_round(result)
         if result.ok:
-            self.current_version = result.version
+            self.engine.confirm(result.version)
             log.info("weightsync applied version %d (%d bytes)", result.version, result.bytes_pulled)
         else:
             log.error("weightsync version %d not applied: %s", result.version, result.mismatch)

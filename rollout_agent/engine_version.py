@@ -1,0 +1,52 @@
+"""Which version a rollout's engine holds, and which of it the coordinator confirmed: the
+one rule for the sidecar (`RolloutAgent`) and the vLLM worker (`VllmRollout`)."""
+
+from __future__ import annotations
+
+import threading
+
+from rollout_agent.sync import SyncResult
+
+
+class EngineVersion:
+    """`applied`: the version the engine holds (its handshake's verdict may be pending).
+    `current`: the version this rollout says it serves (status, heartbeats, metrics), set
+    by an OK verdict only while the engine holds that version: a verdict that arrives late,
+    after another version was applied, changes nothing (before session 23 it took the
+    newer of the two, and a rollout could say a version it no longer served). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = 0
+        self.applied = 0
+
+    def after_round(self, result: SyncResult) -> None:
+        """The engine holds a round's version once it applied (OK, or its verdict pending)."""
+        if result.ok or result.handshake_pending:
+            with self._lock:
+                self.applied = result.version
+
+    def confirmable(self, version: int) -> bool:
+        """Whether an OK verdict for `version` would make it current (the engine holds it
+        and it is not current already)."""
+        with self._lock:
+            return version == self.applied and version != self.current
+
+    def confirm(self, version: int) -> bool:
+        """An OK verdict for `version`; True when it became current."""
+        with self._lock:
+            if version != self.applied or version == self.current:
+                return False
+            self.current = version
+            return True
+
+    @property
+    def newest(self) -> int:
+        """The newer of the two: a following rollout never goes back past it."""
+        with self._lock:
+            return max(self.current, self.applied)
+
+    def forget(self) -> None:
+        """The session was made again: the engine holds no version of it."""
+        with self._lock:
+            self.current = self.applied = 0
