@@ -150,6 +150,9 @@ def prefetch(
     except WeightsyncError as e:
         p.error = e
         p.chunk_retries = puller.last_retries
+    except Exception as e:  # noqa: BLE001 - this process's own failure (out of memory, a bug): reported, not lost
+        p.error = _local_failure(e, p.version, "pulling")
+        p.chunk_retries = puller.last_retries
     puller.note_held()
     return p
 
@@ -256,13 +259,15 @@ def _engine_failpoint(failpoints: Failpoints | None) -> None:
         raise RuntimeError("failpoint applier.raise: the engine failed to take the weights")
 
 
-def _local_failure(e: Exception, version: int) -> InternalError:
-    """An applier's own exception (the engine out of memory, a shape it does not take, a
-    full disk) as the round's local failure: reported in the handshake and the result, and
-    retried by a following agent. Raised on, it ended the agent's sync thread for good,
-    and the version waited on a handshake that never came."""
-    log.warning("version %d: the applier raised", version, exc_info=e)
-    return InternalError(f"applying version {version} failed: {type(e).__name__}: {e}")
+def _local_failure(e: Exception, version: int, doing: str = "applying") -> InternalError:
+    """This process's own exception while `doing` the version (the engine out of memory, a
+    shape it does not take, a full disk; a receive buffer that cannot be allocated) as the
+    round's local failure: reported in the handshake and the result, and retried by a
+    following agent. Raised on, it ended the agent's sync thread for good (an applier's,
+    before session 19), or left the version waiting on a handshake that never came, this
+    rollout still required (a pull's, before session 24)."""
+    log.warning("version %d: %s it raised", version, doing, exc_info=e)
+    return InternalError(f"{doing} version {version} failed: {type(e).__name__}: {e}")
 
 
 def _failed(

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -25,6 +26,8 @@ from tests.integration.support import eventually, free_port, rollout_status, sta
 from tests.unit.helpers import damage
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from weightsync._proto import rollout_agent_pb2 as rpb
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync.arena_files import owner_alive
 from weightsync.client import CoordinatorClient
 from weightsync.errors import StaleGeneration
@@ -489,6 +492,34 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
     assert "pull of version 1 abandoned: version 2 is servable from trainer generation 2" in r0.log()
     failures = scrape(r0.ready["metrics_port"])
     assert metric_value(failures, "weightsync_sync_failures_total", reason="abandoned") == 1
+
+
+def _vm_size(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+
+
+def test_a_rollout_that_cannot_allocate_its_receive_buffer_reports_it_and_syncs_once_it_can(cluster: Cluster) -> None:
+    """A receive buffer that could not be allocated (`MemoryError`: a host short of
+    memory, an address-space limit) escaped the round: no handshake, and the version
+    waited `READY` for good on a rollout alive and required (it gave up after three
+    tries). It is the round's local failure now, as an engine's own is: reported (the
+    version goes `PARTIAL`, naming it), and a later sync commits it."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", "tcp"])
+    # room for the process's threads, not for the 255 MiB model (the soft limit only: any
+    # process may raise it back to the hard one)
+    subprocess.run(["prlimit", f"--pid={r0.pid}", f"--as={_vm_size(r0.pid) + 150 * 2**20}:"], check=True)
+    medium = ["--model-size", "medium", "--steps", "1", "--weight-sync-mode", "tcp", "--wait-commit", "false"]
+    cluster.start_trainer("t1", coord.address, "job", [*medium, "--hold"])
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=120)) == "PARTIAL"
+        (first, *_) = [h for h in client.status("job").handshakes if h.version == 1]
+        assert not first.ok and "pulling version 1 failed: MemoryError" in first.mismatch
+        subprocess.run(["prlimit", f"--pid={r0.pid}", "--as=unlimited:"], check=True)
+        with grpc.insecure_channel(r0.address) as channel:
+            assert rpb_grpc.RolloutAgentStub(channel).Sync(rpb.SyncRequest(version=1), timeout=60).ok
+        assert state_name(client.wait_for_version("job", 1, states=("COMMITTED",), timeout_s=30)) == "COMMITTED"
+    assert rollout_status(r0.address).current_version == 1
 
 
 def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) -> None:
