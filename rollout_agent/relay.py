@@ -208,7 +208,9 @@ class Relay:
         failpoints: Failpoints | None = None,
     ) -> None:
         self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints)
-        self.server = TcpChunkServer(self.source, host=host, port=port, on_sent=self.source.count_served)
+        self.server = TcpChunkServer(
+            self.source, host=host, port=port, on_sent=self.source.count_served, port_field="relay_port"
+        )
         self.address = self.server.address
 
     def close(self) -> None:

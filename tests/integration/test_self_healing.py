@@ -540,7 +540,12 @@ def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) ->
 
 @pytest.mark.parametrize(
     ("role", "flag", "code"),
-    [("coordinator", "--port", 2), ("rollout", "--metrics-port", 2), ("trainer", "--tcp-port", 1)],
+    [
+        ("coordinator", "--port", 2),
+        ("rollout", "--metrics-port", 2),
+        ("rollout", "--relay-port", 2),  # it said tcp_port before session 24
+        ("trainer", "--tcp-port", 1),
+    ],
 )
 def test_a_port_taken_is_one_line_naming_the_flag(cluster: Cluster, role: str, flag: str, code: int) -> None:
     """Every sidecar ended in a traceback (grpc's RuntimeError "Failed to bind", an OSError
@@ -555,7 +560,8 @@ def test_a_port_taken_is_one_line_naming_the_flag(cluster: Cluster, role: str, f
         else:
             coord = cluster.start_coordinator()
             start = cluster.start_rollout if role == "rollout" else cluster.start_trainer
-            proc = start(role, coord.address, "job", [flag, str(port)], wait=False)
+            relay = ["--weight-sync-mode", "relay"] if flag == "--relay-port" else []
+            proc = start(role, coord.address, "job", [*relay, flag, str(port)], wait=False)
         assert cluster.wait_exit(role, 60) == code
     field = flag.removeprefix("--").replace("-", "_")
     assert f"{field}: cannot listen on 127.0.0.1:{port}" in proc.log() and "Traceback" not in proc.log()

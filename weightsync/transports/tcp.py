@@ -138,6 +138,7 @@ class TcpChunkServer:
         max_connections: int | None = None,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        port_field: str = "tcp_port",  # the flag that set `port`, named when it cannot be had
     ) -> None:
         if not native.available():
             raise RuntimeError(f"the tcp transport needs the native shim: {native.missing_reason()}")
@@ -150,7 +151,7 @@ class TcpChunkServer:
         try:
             self._listener = listening_socket(host, port)
         except OSError as e:
-            raise cannot_listen("tcp_port", join_host_port(host, port), e.strerror) from None
+            raise cannot_listen(port_field, join_host_port(host, port), e.strerror) from None
         self.address = join_host_port(host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
