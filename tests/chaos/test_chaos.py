@@ -50,7 +50,15 @@ TRAINER_ARGS = [
     "--failpoints",
     "tcp_server.drop_mid_reply=2",
 ]
-FAULTS = ("kill_coordinator", "kill_rollout", "pause_rollout", "kill_trainer", "flip_arena_byte", "racing_writer")
+FAULTS = (
+    "kill_coordinator",
+    "kill_rollout",
+    "pause_rollout",
+    "kill_trainer",
+    "freeze_trainer",
+    "flip_arena_byte",
+    "racing_writer",
+)
 EXIT_WITHIN_S = 5.0
 DEFAULT_SEED = 2
 RETAIN_VERSIONS = 20
@@ -140,6 +148,22 @@ class Chaos:
             self.note("kill -9 trainer, restart as a new incarnation")
             self.kill("trainer")
             self.start_trainer()
+        elif fault == "freeze_trainer":
+            # a hung trainer host, mid-transfer as likely as not: resumed, or replaced by a
+            # new incarnation while it is still frozen (its readers' connections stay open)
+            replace = self.rng.random() < 0.5
+            self.note(f"SIGSTOP trainer for {1.5 * TTL:.1f}s, then {'replace it' if replace else 'SIGCONT'}")
+            proc = self.cluster.procs["trainer"]
+            proc.popen.send_signal(signal.SIGSTOP)
+            time.sleep(1.5 * TTL)
+            if not replace:
+                proc.popen.send_signal(signal.SIGCONT)
+                return
+            frozen = f"frozen-trainer-{self.trainer_gen}"
+            self.cluster.procs[frozen] = self.cluster.procs.pop("trainer")
+            self.start_trainer()
+            self.kill(frozen)  # (SIGKILL ends a stopped process too)
+            del self.cluster.procs[frozen]  # gone on purpose: not one that "exited on its own"
         elif fault == "flip_arena_byte":
             with self.arena() as view:
                 if view is not None:
