@@ -266,7 +266,7 @@ def _local_failure(e: Exception, version: int, doing: str = "applying") -> Inter
     following agent. Raised on, it ended the agent's sync thread for good (an applier's,
     before session 19), or left the version waiting on a handshake that never came, this
     rollout still required (a pull's, before session 24)."""
-    log.warning("version %d: %s it raised", version, doing, exc_info=e)
+    log.warning("version %d: an exception while %s it", version, doing, exc_info=e)
     return InternalError(f"{doing} version {version} failed: {type(e).__name__}: {e}")
 
 
