@@ -460,38 +460,50 @@ def _leases(client: CoordinatorClient, version: int) -> int:
     return next((v.leases for v in client.status("job").versions if v.version == version), 0)
 
 
-@pytest.mark.parametrize(("mode", "apply"), [("tcp", "atomic"), ("grpc", "atomic"), ("tcp", "streaming")])
+@pytest.mark.parametrize(
+    ("mode", "apply", "rollouts"),
+    [("tcp", "atomic", 1), ("grpc", "atomic", 1), ("tcp", "streaming", 1), ("relay", "atomic", 2)],
+)
 def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
-    cluster: Cluster, mode: str, apply: str
+    cluster: Cluster, mode: str, apply: str, rollouts: int
 ) -> None:
     """A trainer frozen (or its host cut off) mid-transfer keeps its connections open and
     sends nothing: its rollout waited `--timeout-s` per read, three reads (six minutes at
     the defaults), before it took the version the trainer's replacement published. A
     newer version from a newer trainer generation now abandons the pull at once; no
-    handshake is sent for the abandoned version (nothing failed: it is not PARTIAL)."""
+    handshake is sent for the abandoned version (nothing failed: it is not PARTIAL). In a
+    relay chain the relay's child, left by its relay, leaves the frozen trainer too."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
-    r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", mode, "--apply-mode", apply])
-    r0.popen.send_signal(signal.SIGSTOP)  # so that it pulls version 1 from a frozen trainer
+    args = ["--weight-sync-mode", mode, "--apply-mode", apply]
+    procs = [cluster.start_rollout(f"r{i}", coord.address, "job", args) for i in range(rollouts)]
+    for proc in procs:  # so that they pull version 1 from a frozen trainer
+        proc.popen.send_signal(signal.SIGSTOP)
     trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", mode, "--hold"]
     t1 = cluster.start_trainer("t1", coord.address, "job", trainer)
     with CoordinatorClient(coord.address) as client:
         client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
         t1.popen.send_signal(signal.SIGSTOP)
         try:
-            r0.popen.send_signal(signal.SIGCONT)
-            eventually(lambda: _leases(client, 1) == 1, what="r0 pulling version 1 from the frozen trainer")
+            for proc in procs:
+                proc.popen.send_signal(signal.SIGCONT)
+            eventually(lambda: _leases(client, 1) == rollouts, what="the rollouts pulling version 1, frozen")
             t0 = time.monotonic()
             cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
-            eventually(lambda: rollout_status(r0.address).current_version == 2, what="r0 at 2", timeout_s=60)
+            eventually(
+                lambda: all(rollout_status(p.address).current_version == 2 for p in procs),
+                what="every rollout at 2",
+                timeout_s=60,
+            )
             assert time.monotonic() - t0 < 60  # the old reads' deadline alone was 120 s
             st = client.status("job")
             assert [(v.version, state_name(v)) for v in st.versions] == [(2, "COMMITTED"), (1, "READY")]
-            assert [h.version for h in st.handshakes] == [2]
+            assert [h.version for h in st.handshakes] == [2] * rollouts
         finally:
             t1.popen.send_signal(signal.SIGCONT)
-    assert "pull of version 1 abandoned: version 2 is servable from trainer generation 2" in r0.log()
-    failures = scrape(r0.ready["metrics_port"])
-    assert metric_value(failures, "weightsync_sync_failures_total", reason="abandoned") == 1
+    for proc in procs:
+        assert "pull of version 1 abandoned: version 2 is servable from trainer generation 2" in proc.log()
+        failures = scrape(proc.ready["metrics_port"])
+        assert metric_value(failures, "weightsync_sync_failures_total", reason="abandoned") == 1
 
 
 def _vm_size(pid: int) -> int:
