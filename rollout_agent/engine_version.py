@@ -30,15 +30,18 @@ class EngineVersion:
         """Whether an OK verdict for `version` would make it current (the engine holds it
         and it is not current already)."""
         with self._lock:
-            return version == self.applied and version != self.current
+            return self._confirmable(version)
 
     def confirm(self, version: int) -> bool:
         """An OK verdict for `version`; True when it became current."""
         with self._lock:
-            if version != self.applied or version == self.current:
+            if not self._confirmable(version):
                 return False
             self.current = version
             return True
+
+    def _confirmable(self, version: int) -> bool:  # (the lock held)
+        return version == self.applied and version != self.current
 
     @property
     def newest(self) -> int:
