@@ -180,6 +180,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             latest_version=latest[0].version if latest else 0,
             weight_sync_mode=s.weight_sync_mode,
             token_key=self._store.tokens.session_key(s.name) if role == "TRAINER" else "",
+            lease_ttl_seconds=self._store.lease_ttl_s,
         )
 
     def RegisterAgent(

@@ -30,8 +30,11 @@ from weightsync.metrics import Metrics
 
 log = logging.getLogger(__name__)
 Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch) of a late handshake
-# How long a rollout waits for another process's live lease on its agent id: past a lease
-# at the default TTL (10 s), so a container restarted after `kill -9` gets its id back.
+# How long a rollout waits for another process's live lease on its agent id, in lease
+# TTLs (the coordinator's, from OpenSession): past the old container's last beat, so a
+# container restarted after `kill -9` gets its id back; 30 s where a coordinator does not
+# say its TTL.
+ID_HELD_WAIT_LEASES = 3.0
 ID_HELD_WAIT_S = 30.0
 ID_HELD_RETRY_S = 1.0
 
@@ -72,10 +75,12 @@ class RolloutWiring:
         """Opens the session (creating it if needed) and registers; returns the lease TTL.
 
         While another process holds this agent id's live lease (AlreadyExists), waits up to
-        `ID_HELD_WAIT_S` for it to lapse (this pod's previous container, killed without
-        deregistering), then raises: two live processes under one id is a misconfiguration."""
-        self.client.open_session(self.settings.session, trainer=False)
-        deadline, warned = time.monotonic() + ID_HELD_WAIT_S, False
+        `ID_HELD_WAIT_LEASES` lease TTLs for it to lapse (this pod's previous container,
+        killed without deregistering), then raises: two live processes under one id is a
+        misconfiguration."""
+        opened = self.client.open_session(self.settings.session, trainer=False)
+        wait_s = ID_HELD_WAIT_LEASES * opened.lease_ttl_seconds or ID_HELD_WAIT_S
+        deadline, warned = time.monotonic() + wait_s, False
         while True:
             try:
                 registered = self.client.register_agent(
@@ -91,7 +96,7 @@ class RolloutWiring:
                 if e.field != "agent_id" or time.monotonic() >= deadline:
                     raise
                 if not warned:
-                    log.warning("%s; waiting up to %.0fs for its lease to lapse", e.message, ID_HELD_WAIT_S)
+                    log.warning("%s; waiting up to %.0fs for its lease to lapse", e.message, wait_s)
                     warned = True
                 time.sleep(ID_HELD_RETRY_S)
 

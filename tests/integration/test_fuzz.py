@@ -171,9 +171,31 @@ def test_reflection_fuzzer_finds_no_internal_error_on_any_server(cluster: Cluste
         client.wait_for_version("job", 1, timeout_s=120)
         client.open_session("fuzz", trainer=True, trainer_ranks=1)  # a session the fuzzer may name
         before = [(v.version, state_name(v), v.manifest_digest, v.generation) for v in client.status("job").versions]
-    rng = random.Random(SEED)
+    # the three servers at once, each with its own stream of requests (a watch's wait
+    # overlaps the other servers' calls)
+    failures: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_fuzz_server, args=(proc, random.Random(f"{SEED}/{proc.name}"), failures))
+        for proc in (coord, trainer, rollout)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
     for proc in (coord, trainer, rollout):
-        codes: dict[str, dict[str, int]] = {}
+        assert proc.alive(), f"{proc.name} died under fuzzing"
+    with CoordinatorClient(coord.address) as client:
+        after = [(v.version, state_name(v), v.manifest_digest, v.generation) for v in client.status("job").versions]
+    assert after == before
+
+
+def _fuzz_server(proc: Any, rng: random.Random, failures: list[BaseException]) -> None:
+    """`CALLS` requests to every method `proc` lists through reflection, in turn; the first
+    forbidden status (or a call past its deadline) goes to `failures`."""
+    codes: dict[str, dict[str, int]] = {}
+    try:
         with grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
             methods = list(reflected_methods(channel))
             assert methods, f"{proc.name}: reflection lists no methods"
@@ -185,7 +207,5 @@ def test_reflection_fuzzer_finds_no_internal_error_on_any_server(cluster: Cluste
                 codes.setdefault(path, {}).setdefault(code.name, 0)
                 codes[path][code.name] += 1
                 assert code not in FORBIDDEN, f"{proc.name} {path}: {code.name} (seed {SEED}, call {i}); so far {codes}"
-        assert proc.alive(), f"{proc.name} died under fuzzing"
-    with CoordinatorClient(coord.address) as client:
-        after = [(v.version, state_name(v), v.manifest_digest, v.generation) for v in client.status("job").versions]
-    assert after == before
+    except BaseException as e:  # noqa: BLE001 - handed to the test's thread, which raises it
+        failures.append(e)

@@ -256,33 +256,37 @@ def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> 
         assert pub.wait_committed(2, 60) == "COMMITTED"
 
 
-@pytest.mark.parametrize("how", ["deleted", "database lost"])
-def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluster, how: str) -> None:
+def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluster) -> None:
     """A new job on a session deleted and made again (or on a coordinator that lost its
     database) publishes from version 1. A rollout at version 3 of the old session took 1
     and 2 for versions it had passed: it stayed on the old weights and its status said 3,
     and the new versions waited READY for its handshake. Registering again, it now finds
-    the session's identity changed and syncs the newest version of the new one."""
+    the session's identity changed and syncs the newest version of the new one. Both ways
+    in turn: deleted (3 -> the new job's 2), then the database lost (2 -> a third job's 1)."""
     db = cluster.workdir / "coordinator.db"
     coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
     cluster.start_trainer("old", coord.address, "job", [*TINY, "--steps", "3", "--hold"])
     eventually(lambda: rollout_status(r0.address).current_version == 3, what="r0 at the old job's version 3")
-    cluster.kill("old")
-    if how == "deleted":
+    port = int(coord.address.rsplit(":", 1)[1])
+    for how, job, steps in (("deleted", "new", 2), ("database lost", "third", 1)):
+        cluster.kill("old" if how == "deleted" else "new")
+        if how == "deleted":
+            with CoordinatorClient(coord.address) as client:
+                client.delete_session("job", force=True)
+        else:
+            cluster.kill("coordinator")
+            for f in cluster.workdir.glob("coordinator.db*"):
+                f.unlink()
+            cluster.start_coordinator(name="again", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
+        made_again = r0.log().count("was made again")
+        eventually(lambda n=made_again: r0.log().count("was made again") > n, what=f"r0 to register anew ({how})")
+        cluster.start_trainer(job, coord.address, "job", [*TINY, "--steps", str(steps), "--seed", "7", "--hold"])
         with CoordinatorClient(coord.address) as client:
-            client.delete_session("job", force=True)
-    else:
-        cluster.kill("coordinator")
-        for f in cluster.workdir.glob("coordinator.db*"):
-            f.unlink()
-        port = int(coord.address.rsplit(":", 1)[1])
-        cluster.start_coordinator(name="again", db_path=str(db), port=port, args=["--lease-ttl-s", str(TTL)])
-    eventually(lambda: "was made again" in r0.log(), what="r0 to register with the new session")
-    cluster.start_trainer("new", coord.address, "job", [*TINY, "--steps", "2", "--seed", "7", "--hold"])
-    with CoordinatorClient(coord.address) as client:
-        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
-    eventually(lambda: rollout_status(r0.address).current_version == 2, what="r0 at the new job's version 2")
+            assert state_name(client.wait_for_version("job", steps, timeout_s=60)) == "COMMITTED", how
+        eventually(
+            lambda v=steps: rollout_status(r0.address).current_version == v, what=f"r0 at {job} job's version {steps}"
+        )
 
 
 def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_goes_on(cluster: Cluster) -> None:
@@ -401,14 +405,14 @@ def _arenas_mapped(pid: int) -> list[str]:
     return sorted({Path(line.split(None, 5)[-1]).name.split("-")[3] for line in maps if "/dev/shm/weightsync-" in line})
 
 
-@pytest.mark.parametrize("mode", ["tcp", "shm"])
-def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster, mode: str) -> None:
+def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster) -> None:
     """Each trainer incarnation serves at a new address. The rollout kept its connection
     to every old one open for as long as it lived: a socket per lane per restart (tcp),
     and in shm the mapping of the old arena, whose pages (two slots of the model) stayed
     in memory after the arena was unlinked. A version now closes what it does not read."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
-    r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", mode])
+    by_tcp = cluster.start_rollout("by_tcp", coord.address, "job", ["--weight-sync-mode", "tcp"])
+    by_shm = cluster.start_rollout("by_shm", coord.address, "job", ["--weight-sync-mode", "shm"])
     killed: set[int] = set()  # the data ports of the trainers killed so far
     with CoordinatorClient(coord.address) as client:
         for version in (1, 2, 3):
@@ -417,11 +421,13 @@ def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster,
                 name, coord.address, "job", [*TINY, "--steps", "1", "--start-version", str(version), "--hold"]
             )
             assert state_name(client.wait_for_version("job", version, timeout_s=60)) == "COMMITTED"
-            eventually(lambda v=version: rollout_status(r0.address).current_version == v, what=f"r0 at {version}")
-            if mode == "tcp":
-                assert not killed & _peer_ports(r0.pid), "a socket to a killed trainer is still open"
-            else:  # the arena of this version's trainer, none of the killed ones'
-                assert _arenas_mapped(r0.pid) == [str(trainer.pid)]
+            for r in (by_tcp, by_shm):
+                eventually(
+                    lambda r=r, v=version: rollout_status(r.address).current_version == v, what=f"{r.name} at {version}"
+                )
+            assert not killed & _peer_ports(by_tcp.pid), "a socket to a killed trainer is still open"
+            # the arena of this version's trainer, none of the killed ones'
+            assert _arenas_mapped(by_shm.pid) == [str(trainer.pid)]
             endpoint = client.get_manifest("job", version)[1].parts[0].endpoint
             killed.add(int(endpoint.tcp_address.rsplit(":", 1)[1]))
             cluster.kill(name)
@@ -461,21 +467,26 @@ def _leases(client: CoordinatorClient, version: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("mode", "apply", "rollouts"),
-    [("tcp", "atomic", 1), ("grpc", "atomic", 1), ("tcp", "streaming", 1), ("relay", "atomic", 2)],
+    ("mode", "applies"),
+    [("tcp", ("atomic", "streaming")), ("grpc", ("atomic",)), ("relay", ("atomic", "atomic"))],
+    ids=["tcp", "grpc", "relay"],
 )
 def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
-    cluster: Cluster, mode: str, apply: str, rollouts: int
+    cluster: Cluster, mode: str, applies: tuple[str, ...]
 ) -> None:
     """A trainer frozen (or its host cut off) mid-transfer keeps its connections open and
     sends nothing: its rollout waited `--timeout-s` per read, three reads (six minutes at
     the defaults), before it took the version the trainer's replacement published. A
     newer version from a newer trainer generation now abandons the pull at once; no
     handshake is sent for the abandoned version (nothing failed: it is not PARTIAL). In a
-    relay chain the relay's child, left by its relay, leaves the frozen trainer too."""
+    relay chain the relay's child, left by its relay, leaves the frozen trainer too. One
+    rollout per apply mode in `applies` (a streaming apply pulls in its own rounds)."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
-    args = ["--weight-sync-mode", mode, "--apply-mode", apply]
-    procs = [cluster.start_rollout(f"r{i}", coord.address, "job", args) for i in range(rollouts)]
+    procs = [
+        cluster.start_rollout(f"r{i}", coord.address, "job", ["--weight-sync-mode", mode, "--apply-mode", apply])
+        for i, apply in enumerate(applies)
+    ]
+    rollouts = len(procs)
     for proc in procs:  # so that they pull version 1 from a frozen trainer
         proc.popen.send_signal(signal.SIGSTOP)
     trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", mode, "--hold"]
@@ -606,7 +617,8 @@ def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets
     """Two rollout processes under one agent id (a Deployment whose template sets it) beat
     one lease and answer for each other: a version counted one's handshake for both, and
     the coordinator listed one endpoint. The second is refused while the first's lease is
-    live, and exits once it has waited longer than a lease; a container restarted after
+    live, and exits once it has waited three lease TTLs (the coordinator's; the wait was
+    30 s whatever the TTL, too short for a 60 s lease); a container restarted after
     `kill -9` under the same id waits out its old lease and syncs."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
@@ -614,8 +626,8 @@ def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets
     eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
     twin = cluster.start_rollout("twin", coord.address, "job", ["--agent-id", "r0"], wait=False)
     with CoordinatorClient(coord.address) as client:
-        assert cluster.wait_exit("twin", timeout_s=60) == 2
-        assert "agent ids must be unique" in twin.log() and "waiting up to 30s" in twin.log()
+        assert cluster.wait_exit("twin", timeout_s=30) == 2
+        assert "agent ids must be unique" in twin.log() and f"waiting up to {3 * TTL:.0f}s" in twin.log()
         (a,) = [x for x in client.status("job").agents if x.agent_id == "r0"]
         assert a.agent_id == "r0" and a.alive and a.endpoint.address == r0.address
         assert r0.alive()

@@ -30,7 +30,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class OpenSessionResponse(_message.Message):
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -47,7 +48,8 @@ class OpenSessionResponse(_message.Message):
     latest_version: int
     weight_sync_mode: str
     token_key: str
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance")
