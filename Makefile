@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta clean check-deploy deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta clean check-deploy deploy-tools deploy-rules
 
 setup: $(STAMP)
 
@@ -70,9 +70,12 @@ $(DEPLOY_VENV)/.installed:
 	$(DEPLOY_VENV)/bin/pip install --quiet 'checkov==3.3.30' 'kubernetes-validate==1.37.0'
 	touch $@
 
-check-deploy: setup $(DEPLOY_VENV)/.installed
+# The deploy checks' tools alone (no main venv needed): .ci/run installs them beside `setup`.
+deploy-tools: $(DEPLOY_VENV)/.installed
 	@command -v promtool >/dev/null || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }; }
+
+check-deploy: setup deploy-tools
 	$(PY) -m devtools.check_deploy --tools $(DEPLOY_VENV)/bin
 	$(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_monitoring.py
 
