@@ -7,6 +7,7 @@ fresh noise), deterministically from (preset, seed, step).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import jax
@@ -34,24 +35,26 @@ def _normal(key: jax.Array, n: int) -> jax.Array:
     return jax.random.normal(key, (n,), jnp.float32)
 
 
+def _split(noise: jax.Array, shapes: Iterable[tuple[int, ...]]) -> Iterator[jax.Array]:
+    """Consecutive slices of `noise`, one per shape, each reshaped to it (traced in a jit)."""
+    at = 0
+    for shp in shapes:
+        size = math.prod(shp)
+        yield noise[at : at + size].reshape(shp)
+        at += size
+
+
 @partial(jax.jit, static_argnums=0)
 def _initial(shapes: tuple[tuple[str, tuple[int, ...]], ...], noise: jax.Array) -> dict[str, jax.Array]:
-    out, at = {}, 0
-    for name, shp in shapes:
-        x = noise[at : at + math.prod(shp)].reshape(shp)
-        at += math.prod(shp)
-        out[name] = 1.0 + 0.1 * x if len(shp) == 1 else 0.02 * x
-    return out
+    draws = _split(noise, (shp for _, shp in shapes))
+    return {name: 1.0 + 0.1 * x if len(shp) == 1 else 0.02 * x for (name, shp), x in zip(shapes, draws)}
 
 
 @jax.jit
 def _sgd(params: dict[str, jax.Array], noise: jax.Array, lr: float) -> dict[str, jax.Array]:
     leaves, tree = jax.tree_util.tree_flatten(params)
-    new, at = [], 0
-    for p in leaves:
-        new.append(p - lr * noise[at : at + p.size].reshape(p.shape))
-        at += p.size
-    return jax.tree_util.tree_unflatten(tree, new)
+    draws = _split(noise, (p.shape for p in leaves))
+    return jax.tree_util.tree_unflatten(tree, [p - lr * x for p, x in zip(leaves, draws)])
 
 
 def train_step(params: dict[str, jax.Array], step: int, seed: int = 0, lr: float = 1e-3) -> dict[str, jax.Array]:

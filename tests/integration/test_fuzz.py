@@ -17,13 +17,14 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 
-from devtools.cluster import Cluster
+from devtools.cluster import Cluster, Proc
 from tests.integration.support import reflected_methods, state_name
 from weightsync.client import CoordinatorClient
 
@@ -172,40 +173,29 @@ def test_reflection_fuzzer_finds_no_internal_error_on_any_server(cluster: Cluste
         client.open_session("fuzz", trainer=True, trainer_ranks=1)  # a session the fuzzer may name
         before = [(v.version, state_name(v), v.manifest_digest, v.generation) for v in client.status("job").versions]
     # the three servers at once, each with its own stream of requests (a watch's wait
-    # overlaps the other servers' calls)
-    failures: list[BaseException] = []
-    threads = [
-        threading.Thread(target=_fuzz_server, args=(proc, random.Random(f"{SEED}/{proc.name}"), failures))
-        for proc in (coord, trainer, rollout)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        raise failures[0]
-    for proc in (coord, trainer, rollout):
+    # overlaps the other servers' calls); the first failure is raised here
+    servers = (coord, trainer, rollout)
+    with ThreadPoolExecutor(len(servers)) as pool:
+        list(pool.map(lambda proc: _fuzz_server(proc, random.Random(f"{SEED}/{proc.name}")), servers))
+    for proc in servers:
         assert proc.alive(), f"{proc.name} died under fuzzing"
     with CoordinatorClient(coord.address) as client:
         after = [(v.version, state_name(v), v.manifest_digest, v.generation) for v in client.status("job").versions]
     assert after == before
 
 
-def _fuzz_server(proc: Any, rng: random.Random, failures: list[BaseException]) -> None:
-    """`CALLS` requests to every method `proc` lists through reflection, in turn; the first
-    forbidden status (or a call past its deadline) goes to `failures`."""
+def _fuzz_server(proc: Proc, rng: random.Random) -> None:
+    """`CALLS` requests to every method `proc` lists through reflection, in turn; raises
+    at the first forbidden status or a call past its deadline."""
     codes: dict[str, dict[str, int]] = {}
-    try:
-        with grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-            methods = list(reflected_methods(channel))
-            assert methods, f"{proc.name}: reflection lists no methods"
-            for i in range(CALLS):
-                path, cls, cstream, sstream = methods[i % len(methods)]
-                t0 = time.monotonic()
-                code = _call(channel, path, cls, cstream, sstream, rng)
-                assert time.monotonic() - t0 < 30, f"{proc.name} {path}: no answer within its deadline (call {i})"
-                codes.setdefault(path, {}).setdefault(code.name, 0)
-                codes[path][code.name] += 1
-                assert code not in FORBIDDEN, f"{proc.name} {path}: {code.name} (seed {SEED}, call {i}); so far {codes}"
-    except BaseException as e:  # noqa: BLE001 - handed to the test's thread, which raises it
-        failures.append(e)
+    with grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        methods = list(reflected_methods(channel))
+        assert methods, f"{proc.name}: reflection lists no methods"
+        for i in range(CALLS):
+            path, cls, cstream, sstream = methods[i % len(methods)]
+            t0 = time.monotonic()
+            code = _call(channel, path, cls, cstream, sstream, rng)
+            assert time.monotonic() - t0 < 30, f"{proc.name} {path}: no answer within its deadline (call {i})"
+            codes.setdefault(path, {}).setdefault(code.name, 0)
+            codes[path][code.name] += 1
+            assert code not in FORBIDDEN, f"{proc.name} {path}: {code.name} (seed {SEED}, call {i}); so far {codes}"

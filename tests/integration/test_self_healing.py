@@ -269,8 +269,8 @@ def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluste
     cluster.start_trainer("old", coord.address, "job", [*TINY, "--steps", "3", "--hold"])
     eventually(lambda: rollout_status(r0.address).current_version == 3, what="r0 at the old job's version 3")
     port = int(coord.address.rsplit(":", 1)[1])
-    for how, job, steps in (("deleted", "new", 2), ("database lost", "third", 1)):
-        cluster.kill("old" if how == "deleted" else "new")
+    for how, previous, job, steps in (("deleted", "old", "new", 2), ("database lost", "new", "third", 1)):
+        cluster.kill(previous)
         if how == "deleted":
             with CoordinatorClient(coord.address) as client:
                 client.delete_session("job", force=True)
