@@ -60,6 +60,7 @@ from devtools.synthetic import good_report, synthetic_part  # noqa: E402
 from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
+from weightsync.cli import bounded_number  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.lease import heartbeat_interval_s  # noqa: E402
 from weightsync.manifest import Manifest  # noqa: E402
@@ -618,13 +619,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--agents", type=int, default=1000)
-    ap.add_argument("--seconds", type=float, default=20.0, help="fleet measuring window")
-    ap.add_argument("--tensors", type=int, default=100_000)
-    ap.add_argument("--versions", type=int, default=10_000)
-    ap.add_argument("--lease-ttl-s", type=float, default=10.0, help="the coordinator's default")
+    ap.add_argument("--agents", type=bounded_number(1), default=1000)
+    ap.add_argument("--seconds", type=bounded_number(0.001, float), default=20.0, help="fleet measuring window")
+    ap.add_argument("--tensors", type=bounded_number(1), default=100_000)
+    ap.add_argument("--versions", type=bounded_number(1), default=10_000)
+    ap.add_argument("--lease-ttl-s", type=bounded_number(0.001, float), default=10.0, help="the coordinator's default")
     ap.add_argument("--rounds", default="fleet,big,retention")
-    ap.add_argument("--fleet-procs", type=int, default=2, help="processes the fleet's agents run in")
+    ap.add_argument("--fleet-procs", type=bounded_number(1), default=2, help="processes the fleet's agents run in")
     ap.add_argument(
         "--pull-s",
         type=float,

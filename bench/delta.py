@@ -42,7 +42,9 @@ from trainer_agent.params import host_shards  # noqa: E402
 from trainer_agent.staging import native_sources, plan_layout  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 from weightsync import native  # noqa: E402
+from weightsync.cli import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
+from weightsync.model_shapes import PRESETS  # noqa: E402
 
 
 def gap_value_bytes(base: np.ndarray, now: np.ndarray) -> int:
@@ -108,9 +110,9 @@ def rebuild(lengths: list[int], deltas: list[bytes | None], base: np.ndarray, ne
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="0.6b")
+    ap.add_argument("--size", default="0.6b", choices=list(PRESETS))
     ap.add_argument("--lrs", default="1e-6,1e-5")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=bounded_number(1), default=3)
     ap.add_argument("--zlib", action=argparse.BooleanOptionalAction, default=True, help="also XOR + zlib level 1")
     args = ap.parse_args()
     if not native.available():

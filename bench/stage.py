@@ -40,7 +40,9 @@ from trainer_agent.params import host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
+from weightsync.cli import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
+from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 
 
 class RssPeak:
@@ -246,13 +248,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model-size", default="0.6b", choices=sorted(PRESETS))
     p.add_argument("--dtype", default="bfloat16", help="dtype of the JAX params (staged as is)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="staging threads (0 = every core)")
-    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="the publisher's default")
+    p.add_argument("--repeats", type=bounded_number(1), default=5)
+    p.add_argument("--threads", type=bounded_number(0), default=0, help="staging threads (0 = every core)")
+    p.add_argument(
+        "--chunk-bytes",
+        type=bounded_number(DEFAULT_LIMITS.min_chunk_bytes, high=DEFAULT_LIMITS.max_chunk_bytes),
+        default=DEFAULT_CHUNK_BYTES,
+        help="the publisher's default",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--maxtext", action="store_true", help="also convert + stage a MaxText fp32 tree (streaming)")
-    p.add_argument("--devices", type=int, default=0, help="stage a model sharded over N devices (device path)")
-    p.add_argument("--window-bytes", type=int, default=256 << 20, help="device path: D2H bytes in flight")
+    p.add_argument(
+        "--devices", type=bounded_number(0), default=0, help="stage a model sharded over N devices (device path)"
+    )
+    p.add_argument("--window-bytes", type=bounded_number(1), default=256 << 20, help="device path: D2H bytes in flight")
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")

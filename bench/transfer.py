@@ -55,6 +55,9 @@ from runners import Peaks, PeerRun, Round, WeightsyncRun, model_bytes_of  # noqa
 
 from devtools.cluster import Cluster  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
+from weightsync.cli import bounded_number  # noqa: E402
+from weightsync.model_shapes import PRESETS  # noqa: E402
+from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODES = ("grpc", "tcp", "shm", "fs", "relay", "tcp+delta", "relay+delta", "fs+delta")
@@ -695,12 +698,16 @@ def rejudge(out: Path, window: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="0.6b", help="model preset: tiny | small | medium | 0.6b")
-    ap.add_argument("--runs", type=int, default=3, help="measured rounds per row (after one warm-up)")
+    ap.add_argument("--size", default="0.6b", choices=list(PRESETS), help="model preset: tiny | small | medium | 0.6b")
+    ap.add_argument("--runs", type=bounded_number(1), default=3, help="measured rounds per row (after one warm-up)")
     ap.add_argument("--rollouts", default="1,2,4")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--chunk-bytes", type=int, default=3 << 20)
+    ap.add_argument(
+        "--chunk-bytes",
+        type=bounded_number(DEFAULT_LIMITS.min_chunk_bytes, high=DEFAULT_LIMITS.max_chunk_bytes),
+        default=3 << 20,
+    )
     ap.add_argument("--streaming", default="tcp", help="modes also run with --apply-mode streaming at N=1 (RSS target)")
     ap.add_argument("--delta-rollouts", default="1,4", help="N of the +delta rows")
     ap.add_argument(
@@ -709,9 +716,11 @@ def main() -> int:
         default=2,
         help="blocks of gloo's rounds and ours in turn, for +delta rows that cannot run beside gloo (N > 2)",
     )
-    ap.add_argument("--delta-lr", type=float, default=1e-6, help="learning rate of the +delta rows' update model")
+    ap.add_argument(
+        "--delta-lr", type=bounded_number(0, float), default=1e-6, help="learning rate of the +delta rows' update model"
+    )
     ap.add_argument("--vllm", default="small", help="the vLLM row's model preset ('' skips the row)")
-    ap.add_argument("--vllm-versions", type=int, default=6)
+    ap.add_argument("--vllm-versions", type=bounded_number(1), default=6)
     ap.add_argument("--out", default=str(HERE / "results" / "latest.json"))
     ap.add_argument(
         "--rejudge", action="store_true", help="recompute the MET/MISS lines of the run in --out (no measuring)"

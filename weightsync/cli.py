@@ -224,7 +224,7 @@ COMMANDS = {
 }
 
 
-def _number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:
+def bounded_number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:
     """An argparse type: a number in [low, high] (2^63-1 unless given), else a usage error
     rather than a traceback from the request message."""
 
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout-s", type=_number(0.001, float), default=10.0, help="deadline of each call")
+    p.add_argument("--timeout-s", type=bounded_number(0.001, float), default=10.0, help="deadline of each call")
     for name, what in (
         ("tls-ca-file", "PEM CA of the coordinator's certificate (TLS)"),
         ("tls-cert-file", "PEM client certificate (mTLS)"),
@@ -265,16 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
     json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="session, agents, versions, handshakes", parents=[json_after])
-    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=10)
+    s.add_argument("--limit", type=bounded_number(0, high=UINT32_MAX), default=10)
     s = sub.add_parser("versions", help="versions, newest first", parents=[json_after])
-    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=20)
+    s.add_argument("--limit", type=bounded_number(0, high=UINT32_MAX), default=20)
     s = sub.add_parser("manifest", help="one version's manifest (0 = newest servable)", parents=[json_after])
-    s.add_argument("version", type=_number(0))
+    s.add_argument("version", type=bounded_number(0))
     s = sub.add_parser("watch", help="follow version events live", parents=[json_after])
-    s.add_argument("--since", type=_number(0), default=0, help="replay events after this sequence number")
-    s.add_argument("--count", type=_number(0), default=0, help="exit after N events")
-    s.add_argument("--timeout", type=_number(0, float), default=0, help="exit after N seconds")
-    s.add_argument("--limit", type=_number(0, high=UINT32_MAX), default=10)
+    s.add_argument("--since", type=bounded_number(0), default=0, help="replay events after this sequence number")
+    s.add_argument("--count", type=bounded_number(0), default=0, help="exit after N events")
+    s.add_argument("--timeout", type=bounded_number(0, float), default=0, help="exit after N seconds")
+    s.add_argument("--limit", type=bounded_number(0, high=UINT32_MAX), default=10)
     s = sub.add_parser(
         "delete-session", help="delete a finished job's session and all stored for it (admin)", parents=[json_after]
     )

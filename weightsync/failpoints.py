@@ -17,6 +17,7 @@ KNOWN = {
         "flip one byte of the first tensor before its check, N checks (rollout side; a flip the check finds is "
         "repaired by re-fetching its chunk and checked again, so N=2 makes a version fail)"
     ),
+    "puller.unchecked_manifest": "a rollout takes the next N manifests it fetches as not checking (a corrupt manifest)",
     "relay.stall_after_chunks": "a relaying rollout sends N chunks, then stalls every reply (a hung relay)",
     "tcp_server.drop_mid_reply": (
         "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)"

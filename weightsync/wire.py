@@ -246,14 +246,33 @@ def manifest_batches(manifest: Manifest) -> Iterator[_cpb.ManifestPiece]:
             yield _cpb.ManifestPiece(batch=batch)
 
 
+class ManifestUnchecked(DigestMismatch):
+    """A manifest whose header came but whose body does not check (its digest, a batch
+    that does not build); `header` says which version, so a rollout can report it failed."""
+
+    def __init__(self, message: str, *, field: str | None = None, header: _cpb.ManifestHeader | None = None) -> None:
+        super().__init__(message, field=field)
+        self.header = header if header is not None else _cpb.ManifestHeader()
+
+
 def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.ManifestHeader, Manifest]:
-    """Rebuilds a Manifest from GetManifest's stream; DigestMismatch unless it hashes to the
-    digest its header claims (so every reader, `wsctl` included, gets a checked manifest)."""
+    """Rebuilds a Manifest from GetManifest's stream; ManifestUnchecked (DATA_LOSS) unless
+    it builds and hashes to the digest its header claims (so every reader, `wsctl`
+    included, gets a checked manifest)."""
     it = iter(pieces)
     first = next(it, None)
     if first is None or not first.HasField("header"):
         raise InvalidArgument("stream did not start with a header", field="manifest")
     header = first.header
+    try:
+        return header, _body(header, it)
+    except (InvalidArgument, DigestMismatch) as e:
+        raise ManifestUnchecked(
+            f"manifest of version {header.version.version} does not check: {e.message}", header=header
+        ) from e
+
+
+def _body(header: _cpb.ManifestHeader, it: Iterator[_cpb.ManifestPiece]) -> Manifest:
     builders: dict[int, PartBuilder] = {p.rank: PartBuilder(p.rank, max_items=1 << 40) for p in header.parts}
     for piece in it:
         if piece.batch.rank not in builders:
@@ -272,8 +291,5 @@ def manifest_from_pieces(pieces: Iterable[_cpb.ManifestPiece]) -> tuple[_cpb.Man
     v = header.version
     manifest = Manifest(v.session, v.version, v.generation, header.chunk_bytes, parts)
     if manifest.digest() != v.manifest_digest:
-        raise DigestMismatch(
-            f"manifest of version {v.version} hashes to {manifest.digest()[:16]}…, "
-            f"its header says {v.manifest_digest[:16]}…"
-        )
-    return header, manifest
+        raise DigestMismatch(f"it hashes to {manifest.digest()[:16]}…, its header says {v.manifest_digest[:16]}…")
+    return manifest

@@ -211,6 +211,30 @@ def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: 
     assert rollout_status(bad.address).current_version == 2
 
 
+def test_a_manifest_that_does_not_check_is_reported_failed_and_the_retry_commits(cluster: Cluster) -> None:
+    """A manifest whose body did not check (its digest, a batch that does not build) was
+    raised on before the round began: no handshake, and the follow loop gave the version
+    up, so it waited READY on a rollout that would never report it. It is now the round's
+    failure: the version goes PARTIAL naming the rollout, and the retry commits it."""
+    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.settings import PublisherSettings
+
+    coord = cluster.start_coordinator()
+    r0 = cluster.start_rollout("r0", coord.address, "job", ["--failpoints", "puller.unchecked_manifest=1"])
+    weights = {"model.norm.weight": np.arange(64, dtype=np.float32)}
+    events = []
+    with WeightPublisher(PublisherSettings(coordinator=coord.address, session="job")) as pub:
+        pub.publish(weights, version=1)
+        for e in pub.client.watch("job", 0, timeout_s=30):
+            events.append((state_name(e.version), e.version.reason))
+            if events[-1][0] == "COMMITTED":
+                break
+    assert events == [("STAGING", ""), ("READY", ""), ("PARTIAL", "handshake failed for r0"), ("COMMITTED", "")]
+    metrics = scrape(r0.ready["metrics_port"])
+    assert metric_value(metrics, "weightsync_sync_failures_total", reason="data_loss") == 1
+    assert "does not check: failpoint puller.unchecked_manifest" in r0.log()
+
+
 def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: Cluster) -> None:
     from trainer_agent.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings

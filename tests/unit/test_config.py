@@ -410,6 +410,30 @@ def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
 
 
 @pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--rollouts", "0"], "--rollouts"),
+        (["--rollouts", "100000"], "--rollouts"),
+        (["--steps", "0"], "--steps"),
+        (["--model-size", "huge"], "--model-size"),
+        (["--session", "Demo/1"], "--session"),
+        (["--lr", "nan"], "--lr"),
+        (["--timeout-s", "-1"], "--timeout-s"),
+    ],
+)
+def test_the_demo_refuses_what_it_cannot_run_before_starting_anything(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--rollouts 0` waited out --timeout-s (900 s) for a handshake nobody would send; a
+    bad model size or session failed in the trainer after the engines had started."""
+    from devtools.demo import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("address", "why"), [("127.0.0.1:99999", "port 99999 is not in [1, 65535]"), ("coordinator", "is not host:port")]
 )
 def test_wsctl_refuses_a_coordinator_address_grpc_would_read_as_another(

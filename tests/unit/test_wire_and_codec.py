@@ -18,7 +18,7 @@ from weightsync._proto import trainer_agent_pb2 as tpb
 from weightsync.errors import DataLoss, DigestMismatch
 from weightsync.manifest import Manifest
 from weightsync.transports.grpc import decode_chunk, encode_chunk
-from weightsync.wire import manifest_from_pieces, manifest_to_pieces, part_to_proto
+from weightsync.wire import ManifestUnchecked, manifest_from_pieces, manifest_to_pieces, part_to_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,8 +78,14 @@ def test_manifest_stream_round_trip_keeps_digest() -> None:
     assert back.tensor_digests() == m.tensor_digests()
     # a stream whose descriptors do not hash to the header's digest is refused where it is read
     header.version.manifest_digest = "0" * 64
-    with pytest.raises(DigestMismatch, match="manifest of version 3"):
+    with pytest.raises(ManifestUnchecked, match="manifest of version 3 does not check: it hashes to") as e:
         manifest_from_pieces(manifest_to_pieces(header, m))
+    assert isinstance(e.value, DigestMismatch) and e.value.header.version.version == 3  # a rollout reports it
+    # so is one whose body does not build: it names the version its header gave
+    pieces = list(manifest_to_pieces(header, m))
+    pieces[1].batch.rank = 7
+    with pytest.raises(ManifestUnchecked, match="version 3 does not check: manifest.batch.rank: unknown rank 7"):
+        manifest_from_pieces(pieces)
 
 
 @settings(max_examples=40, deadline=None)
