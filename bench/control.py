@@ -60,8 +60,8 @@ from devtools.synthetic import good_report, synthetic_part  # noqa: E402
 from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
-from weightsync.cli import bounded_number  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
+from weightsync.config import bounded_number  # noqa: E402
 from weightsync.lease import heartbeat_interval_s  # noqa: E402
 from weightsync.manifest import Manifest  # noqa: E402
 from weightsync.rpc import CHANNEL_OPTIONS, code_name  # noqa: E402

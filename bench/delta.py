@@ -42,7 +42,7 @@ from trainer_agent.params import host_shards  # noqa: E402
 from trainer_agent.staging import native_sources, plan_layout  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 from weightsync import native  # noqa: E402
-from weightsync.cli import bounded_number  # noqa: E402
+from weightsync.config import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 

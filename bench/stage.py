@@ -40,7 +40,7 @@ from trainer_agent.params import host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
-from weightsync.cli import bounded_number  # noqa: E402
+from weightsync.config import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 

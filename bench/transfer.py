@@ -55,7 +55,7 @@ from runners import Peaks, PeerRun, Round, WeightsyncRun, model_bytes_of  # noqa
 
 from devtools.cluster import Cluster  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
-from weightsync.cli import bounded_number  # noqa: E402
+from weightsync.config import bounded_number  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 

@@ -27,8 +27,8 @@ from weightsync import rpc, version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
-from weightsync.cli import bounded_number
 from weightsync.client import CoordinatorClient
+from weightsync.config import bounded_number
 from weightsync.errors import DeadlineExceeded, InvalidArgument
 from weightsync.model_shapes import PRESETS
 from weightsync.modes import MODES

@@ -21,13 +21,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # start (about sixty): a tiny trainer's first init and step compile for 2-2.5 s, read
 # back from the cache in 0.3-0.5 s (measured here). Set before anything imports JAX; a
 # partly written entry another process reads is a warning and a compile (jax's cache).
-_JAX_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="weightsync-test-jax-cache-"))
+# A developer's own JAX_COMPILATION_CACHE_DIR is used as it is and kept.
+_OWN_JAX_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="weightsync-jax-")
+if _OWN_JAX_CACHE is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_JAX_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if Path(_JAX_CACHE).name.startswith("weightsync-test-jax-cache-"):  # ours, not a developer's own
-        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+    if _OWN_JAX_CACHE is not None:
+        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
 
 
 def _arenas() -> set[str]:

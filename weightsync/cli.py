@@ -18,10 +18,11 @@ from rich.table import Table
 
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
+from weightsync.config import bounded_number
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
 from weightsync.security import Security, agent_token, load_tokens
-from weightsync.validation import INT64_MAX, UINT32_MAX, check_address
+from weightsync.validation import UINT32_MAX, check_address
 from weightsync.wire import unix_seconds
 
 STATE_STYLE = {
@@ -222,23 +223,6 @@ COMMANDS = {
     "watch": cmd_watch,
     "delete-session": cmd_delete_session,
 }
-
-
-def bounded_number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:
-    """An argparse type: a number in [low, high] (2^63-1 unless given), else a usage error
-    rather than a traceback from the request message."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low <= value <= high:  # also false for nan and inf
-            top = "2^63-1" if high == INT64_MAX else str(high)
-            raise argparse.ArgumentTypeError(f"expected a number in [{low}, {top}], got {text!r}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from weightsync.addresses import bare_host, join_host_port, split_host_port
 from weightsync.errors import InvalidArgument
 from weightsync.security import Security, read_token
-from weightsync.validation import check_host
+from weightsync.validation import INT64_MAX, check_host
 
 C = TypeVar("C")
 
@@ -188,6 +188,23 @@ def _parse_float(text: str) -> float:
     if not math.isfinite(value):  # "nan" and "inf" parse; no setting means either
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def bounded_number(low: float, convert: type = int, high: int = INT64_MAX) -> Any:
+    """An argparse type: a number in [low, high] (2^63-1 unless given), else a usage error
+    rather than a traceback from the request message."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value <= high:  # also false for nan and inf
+            top = "2^63-1" if high == INT64_MAX else str(high)
+            raise argparse.ArgumentTypeError(f"expected a number in [{low}, {top}], got {text!r}")
+        return value
+
+    return parse
 
 
 def _converter(tp: Any) -> Any:
