@@ -215,8 +215,8 @@ class RolloutAgent:
         if version > self._wanted:
             self._wanted = version
             self._wake.set()
-            if self.wiring.puller is not None:
-                self.wiring.puller.recheck()
+        if self.wiring.puller is not None:  # (also when only the version's generation became known)
+            self.wiring.puller.recheck()
 
     def _watch_loop(self) -> None:
         """Learns of servable versions: the newest on (re)connect, then each new one."""

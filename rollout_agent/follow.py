@@ -38,8 +38,12 @@ class NewestAnnounced:
         self.generation = 0
 
     def note(self, version: int, generation: int) -> None:
+        """Records an announcement; generation 0: not known (a caller that asked for the
+        newest version by number). The watch's later event for that version brings its
+        generation, which is taken then: it was ignored as "not newer", and a pull the
+        version made stale went on."""
         with self._lock:
-            if version > self.version:
+            if (version, generation) > (self.version, self.generation):
                 self.version, self.generation = version, generation
 
     def forget(self) -> None:

@@ -302,11 +302,14 @@ class WeightPuller:
             if not why:
                 return
             self._abandoned = why
-        # Out of the table, so no lane takes one again (`_transport` refuses new ones from
-        # here on); closed by the pull once its lanes are done with them.
-        with self._transports_lock:
-            self._interrupted, self._transports = list(self._transports.values()), {}
-        for transport in self._interrupted:
+            # Out of the table, so no lane takes one again (`_transport` refuses new ones
+            # from here on); closed by the pull once its lanes are done with them. Under the
+            # flight lock: a pull that ended meanwhile would leave them to the next pull,
+            # whose new transports this took and interrupted.
+            with self._transports_lock:
+                interrupted, self._transports = list(self._transports.values()), {}
+            self._interrupted += interrupted
+        for transport in interrupted:
             transport.interrupt()
 
     def _stale(self, version: int, generation: int) -> str:
@@ -326,7 +329,7 @@ class WeightPuller:
         finally:
             with self._flight_lock:
                 self._in_flight, self._abandoned = None, ""
-            interrupted, self._interrupted = self._interrupted, []
+                interrupted, self._interrupted = self._interrupted, []
             for transport in interrupted:
                 transport.close()
 

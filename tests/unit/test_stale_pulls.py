@@ -29,6 +29,10 @@ def test_only_an_older_generations_older_version_is_stale() -> None:
     assert announced.stale(4, 1) == "" and announced.stale(5, 1) == ""  # not older
     announced.forget()  # the session was made again
     assert announced.stale(3, 1) == ""
+    announced.note(4, 0)  # asked for by number (a rebase, a prefetch request): generation not known
+    assert announced.stale(3, 1) == ""
+    announced.note(4, 2)  # the watch's event for it
+    assert "version 4 is servable from trainer generation 2" in announced.stale(3, 1)
 
 
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
@@ -58,4 +62,30 @@ def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupte
         assert isinstance(outcome[0], TransportUnavailable)
         with pytest.raises(TransportUnavailable, match="interrupted"):  # no new connection after it
             transport.fetch_into(request, np.zeros(16, np.uint8), 0, None)
+        transport.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
+def test_an_interrupt_that_comes_while_the_transport_connects_ends_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`interrupt` found no socket to shut down while `_connect` was making one (a relay's
+    child falling back to a frozen trainer as a newer version was announced): the read
+    then waited its whole timeout on the frozen peer, and the stale pull with it."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        transport = TcpTransport()
+        transport.open(Endpoint(address, ("tcp",), "h", tcp_address=address))
+        connect = socket.create_connection
+
+        def connect_then_interrupted(*args: object, **kwargs: object) -> socket.socket:
+            sock = connect(*args, **kwargs)  # type: ignore[arg-type]
+            transport.interrupt()  # after `_connect`'s first look at the flag, before `_sock` is set
+            return sock
+
+        monkeypatch.setattr(socket, "create_connection", connect_then_interrupted)
+        t0 = time.monotonic()
+        with pytest.raises(TransportUnavailable, match="interrupted"):
+            transport.fetch_into(
+                FetchRequest("job", 1, 0, [0], 30.0, [(0, 16)], "token"), np.zeros(16, np.uint8), 0, None
+            )
+        assert time.monotonic() - t0 < 2
         transport.close()

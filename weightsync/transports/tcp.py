@@ -329,6 +329,12 @@ class TcpTransport(Transport):
                 raise TransportUnavailable(f"cannot connect to tcp {self._address}: {e}") from None
             _tune(sock)
             self._sock = sock
+            # `interrupt` sets the flag, then shuts down `_sock`: one made after its look at
+            # `_sock` (it came while this connected) is seen here by its flag, not missed (the
+            # read then waited `timeout_s` on a frozen peer)
+            if self._interrupted:
+                self.close()
+                raise TransportUnavailable(f"tcp {self._address}: interrupted")
         _set_io_timeout(self._sock, timeout_s)
         return self._sock
 
