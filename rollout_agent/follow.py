@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from weightsync import version_states
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import VersionNotFound, WeightsyncError
+
+if TYPE_CHECKING:
+    from rollout_agent.puller import WeightPuller
 
 log = logging.getLogger(__name__)
 SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)
@@ -95,3 +99,35 @@ def follow_servable(
                 failing = True
                 seq = -1
                 stop.wait(0.5)
+
+
+class StaleWatch:
+    """Follows a session only to abandon a pull its announcements make stale
+    (`NewestAnnounced`), for a puller whose versions a caller chooses: a vLLM worker
+    without prefetch, whose update pulled from a frozen trainer with the engine held for
+    `timeout_s` per read, three reads, while its replacement's version was servable. (A
+    following rollout and a prefetcher watch the session for their own reasons and do
+    this themselves.)"""
+
+    def __init__(self, puller: WeightPuller) -> None:
+        self.announced = NewestAnnounced()
+        self._puller = puller
+        puller.stale_rules.append(self.announced.stale)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=follow_servable,
+            args=(puller.client, puller.session, self._announce, self._stop),
+            name="stale-watch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _announce(self, version: int, generation: int) -> None:
+        self.announced.note(version, generation)
+        self._puller.recheck()
+
+    def close(self) -> None:
+        """Stops following. The thread, a daemon blocked on its stream, ends when the
+        caller closes the client."""
+        self._stop.set()
+        self._puller.stale_rules.remove(self.announced.stale)

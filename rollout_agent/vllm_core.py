@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import newest_servable
+from rollout_agent.follow import StaleWatch, newest_servable
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
@@ -65,10 +65,13 @@ class VllmRollout:
         # Pulls and checks each new version while the engine serves (a thread of this worker):
         # an update then only applies. Streaming applies hold no whole version to keep.
         self.prefetcher: Prefetcher | None = None
+        self._stale_watch: StaleWatch | None = None  # (a prefetcher abandons stale pulls itself)
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(
                 self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice
             )
+        elif self.wiring.puller is not None:
+            self._stale_watch = StaleWatch(self.wiring.puller)
         self.wiring.on_new_session.append(self._session_made_again)
         _IN_PROCESS[agent_id] = self
 
@@ -82,6 +85,8 @@ class VllmRollout:
         self.engine.forget()
         if self.prefetcher is not None:
             self.prefetcher.forget_versions()
+        if self._stale_watch is not None:
+            self._stale_watch.announced.forget()
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
@@ -144,6 +149,8 @@ class VllmRollout:
             del _IN_PROCESS[self.agent_id]
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self._stale_watch is not None:
+            self._stale_watch.close()
         self._heartbeat.stop()
         if w.outbox is not None:
             w.outbox.close()

@@ -517,6 +517,53 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
         assert metric_value(failures, "weightsync_sync_failures_total", reason="abandoned") == 1
 
 
+@pytest.mark.parametrize("apply_mode", ["atomic", "streaming"])
+def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_replacement_publishes(
+    cluster: Cluster, apply_mode: str
+) -> None:
+    """A vLLM worker without prefetch (`prefetch` off, or a streaming apply) has no follow
+    loop: its update of version 1 from a frozen trainer held the engine for `--timeout-s`
+    per read, three reads, while the replacement's version 2 was servable. Its
+    `StaleWatch` ends that pull once version 2 is announced, and the next update
+    takes 2."""
+    from rollout_agent.appliers import DictApplier
+    from rollout_agent.follow import StaleWatch
+    from rollout_agent.puller import WeightPuller
+    from rollout_agent.sync import SyncResult, sync_version
+
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # the test's rollout beats no lease
+    trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", "tcp", "--hold"]
+    t1 = cluster.start_trainer("t1", coord.address, "job", trainer)
+    client = CoordinatorClient(coord.address)
+    client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+    puller = WeightPuller(client, "job", "r0", mode="tcp")
+    watch = StaleWatch(puller)
+    results: list[SyncResult] = []
+    update = threading.Thread(
+        target=lambda: results.append(sync_version(puller, DictApplier(), 1, apply_mode=apply_mode))
+    )
+    try:
+        client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
+        t1.popen.send_signal(signal.SIGSTOP)
+        update.start()
+        eventually(lambda: _leases(client, 1) == 1, what="version 1 pulled from the frozen trainer")
+        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
+        client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
+        update.join(timeout=20)  # the read's own deadline: 120 s, three times
+        assert not update.is_alive(), "the update of version 1 still waits on the frozen trainer"
+        (abandoned,) = results
+        assert not abandoned.ok and abandoned.failure == "abandoned"
+        assert "version 2 is servable from trainer generation 2" in abandoned.mismatch
+        retried = sync_version(puller, DictApplier(), 0, apply_mode=apply_mode)
+        assert (retried.version, retried.ok) == (2, True), retried.mismatch
+    finally:
+        t1.popen.send_signal(signal.SIGCONT)
+        update.join(timeout=130)
+        watch.close()
+        puller.close()
+        client.close()
+
+
 def _vm_size(pid: int) -> int:
     return int(Path(f"/proc/{pid}/status").read_text().split("VmSize:")[1].split()[0]) * 1024
 
