@@ -72,6 +72,24 @@ class PublishResult:
     delta_base: int = 0  # the base version of the delta
 
 
+@dataclass
+class _StagedPart:
+    """A rank's part staged into a slot and not yet taken by the coordinator: what `_seal`
+    sends, again as it is while sending fails for a while (the bytes stay in their slot)."""
+
+    version: int
+    key: str
+    slot: int
+    tensors: tuple[TensorSpec, ...]
+    shard_specs: list[ShardSpec]
+    chunks: list[ChunkSpec]
+    total_bytes: int
+    stage_s: float
+    path: str
+    delta: StagedDelta | None = None
+    fs_uri: str = ""  # the fs store's copy, once written
+
+
 # Fields of a ResourceExhausted that space freed elsewhere may end.
 FULL_DISK_FIELDS = ("database", "fs_root", "arena")
 
@@ -337,7 +355,8 @@ class WeightPublisher:
         `publish_wait_s` (the same version and key: nothing is published twice): the
         coordinator unreachable (restarting, rescheduled: before session 23 a training
         loop written as in the README ended at an outage of ~10 s), a full disk (its
-        database, the fs store, /dev/shm) or every slot leased past `slot_wait_s`.
+        database, the fs store, /dev/shm) or every slot leased past `slot_wait_s`. Once
+        staged, the version is not staged again: its part is sent again as it is.
 
         Raises:
             InvalidArgument: bad names, dtypes or shapes (nothing is published).
@@ -350,14 +369,16 @@ class WeightPublisher:
                 for publish_wait_s.
         """
         with version_context(version):
-            return _ride_out(
-                f"publishing version {version}",
+            deadline = time.monotonic() + self.settings.publish_wait_s
+            staged = _ride_out(
+                f"staging version {version}",
                 self.settings.publish_wait_s,
-                lambda: self._publish(params, version, idempotency_key),
+                lambda: self._stage(params, version, idempotency_key),
                 _may_pass,
             )
+            return self._send(staged, deadline)
 
-    def _publish(self, params: Mapping[str, Any], version: int, idempotency_key: str | None) -> PublishResult:
+    def _stage(self, params: Mapping[str, Any], version: int, idempotency_key: str | None) -> _StagedPart:
         if not params:
             raise InvalidArgument("must contain at least one tensor", field="params")
         key = idempotency_key or f"{self.agent_id}:{version}"
@@ -389,10 +410,13 @@ class WeightPublisher:
                 )
                 delta = None
         self._layouts[slot] = layout
-        stage_s = time.perf_counter() - started
-        return self._seal(
-            version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes, stage_s, path, delta
-        )
+        return self._staged(_StagedPart(version, key, slot, layout.tensors, shard_specs, chunks, layout.total_bytes,
+                                        time.perf_counter() - started, path, delta))  # fmt: skip
+
+    def _staged(self, staged: _StagedPart) -> _StagedPart:
+        self.metrics.observe_phase("stage", staged.stage_s)
+        self.metrics.add_bytes("staged", staged.total_bytes)
+        return staged
 
     def _fit_arena(self, slot_bytes: int) -> None:
         """Makes every arena slot hold `slot_bytes`. A reallocation leaves no slot's bytes,
@@ -458,44 +482,59 @@ class WeightPublisher:
         Args:
             capacity_bytes: slot size to reserve (the converted model's bytes, padded by
                 256 per tensor); ResourceExhausted when the stream outgrows it.
+
+        A failure that may pass by itself is tried again as in `publish`: finding a slot
+        before the first item is taken, and sending the staged part (`items` is read once).
         """
         with version_context(version):
-            return self._publish_stream(items, version, capacity_bytes, idempotency_key)
+            deadline = time.monotonic() + self.settings.publish_wait_s
+            slot = _ride_out(
+                f"finding a slot for version {version}",
+                self.settings.publish_wait_s,
+                lambda: self._fitted_slot(version, capacity_bytes),
+                _may_pass,
+            )
+            return self._send(self._stage_stream(items, version, slot, idempotency_key), deadline)
 
-    def _publish_stream(
-        self, items: Iterable[tuple[str, Any]], version: int, capacity_bytes: int, idempotency_key: str | None
-    ) -> PublishResult:
-        key = idempotency_key or f"{self.agent_id}:{version}"
+    def _fitted_slot(self, version: int, slot_bytes: int) -> int:
         slot = self._claim_slot(version)
-        self._fit_arena(capacity_bytes)
+        self._fit_arena(slot_bytes)
+        return slot
+
+    def _stage_stream(
+        self, items: Iterable[tuple[str, Any]], version: int, slot: int, idempotency_key: str | None
+    ) -> _StagedPart:
+        key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
         self._layouts.pop(slot, None)  # staged in arrival order: never a delta base
         stream = device_stream(items, self.settings.weight_dtype, self.settings.d2h_window_bytes)
         staged, chunks = stage_streamed(self.arena.slot(slot), stream, self.settings.chunk_bytes)
-        stage_s = time.perf_counter() - started
         path = "stream-native" if native.available() else "stream-python"
-        return self._seal(
-            version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks, staged.total_bytes, stage_s, path
-        )
+        return self._staged(_StagedPart(version, key, slot, tuple(staged.tensors.values()), staged.shards, chunks,
+                                        staged.total_bytes, time.perf_counter() - started, path))  # fmt: skip
 
-    def _seal(
-        self,
-        version: int,
-        key: str,
-        slot: int,
-        tensors: tuple[TensorSpec, ...],
-        shard_specs: list[ShardSpec],
-        chunks: list[ChunkSpec],
-        total_bytes: int,
-        stage_s: float,
-        path: str,
-        delta: StagedDelta | None = None,
-    ) -> PublishResult:
+    def _send(self, staged: _StagedPart, deadline: float) -> PublishResult:
+        """Publishes a staged part (`_seal`), sending it again as it is (its bytes, slot and
+        idempotency key) while a failure may pass, until `deadline`; frees the slot when
+        it gives up."""
+        try:
+            return _ride_out(
+                f"publishing version {staged.version}",
+                deadline - time.monotonic(),
+                lambda: self._seal(staged),
+                _may_pass,
+            )
+        except WeightsyncError:
+            self.table.set(staged.slot, None)
+            raise
+
+    def _seal(self, staged: _StagedPart) -> PublishResult:
         """Serves the staged slot (and its delta, fetch indices after its chunks; the fs
-        store gets both) and streams its descriptors. A delta the coordinator
+        store gets both, once) and streams its descriptors. A delta the coordinator
         refuses (its base unknown there, e.g. pruned) is dropped and the part published
         without it."""
-        self.last_path = path
+        version, slot, total_bytes, delta = staged.version, staged.slot, staged.total_bytes, staged.delta
+        self.last_path = staged.path
         endpoint = dataclasses.replace(
             # Same-host rollouts may map this slot of the arena directly ("shm" transport).
             self.endpoint,
@@ -503,47 +542,42 @@ class WeightPublisher:
             shm_offset=slot * self.arena.slot_bytes,
         )
         if self.fs_store is not None:
-            t_fs = time.perf_counter()
-            uri = self.fs_store.write_part(
-                self.session,
-                version,
-                self.rank,
-                memoryview(self.arena.slot(slot)[:total_bytes]),
-                delta=memoryview(delta.data) if delta is not None else None,
-            )
-            endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=uri)
-            self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
-        entry = SlotEntry(version, tuple(chunks), total_bytes, access_token(self._token_key, version))
+            if not staged.fs_uri:
+                t_fs = time.perf_counter()
+                staged.fs_uri = self.fs_store.write_part(
+                    self.session,
+                    version,
+                    self.rank,
+                    memoryview(self.arena.slot(slot)[:total_bytes]),
+                    delta=memoryview(delta.data) if delta is not None else None,
+                )
+                self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
+            endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=staged.fs_uri)
+        entry = SlotEntry(version, tuple(staged.chunks), total_bytes, access_token(self._token_key, version))
         if delta is not None:
             entry.delta_chunks = tuple(c.as_chunk() for c in delta.part.chunks)
             entry.delta_bytes = delta.data
         self.table.set(slot, entry)
-        self.metrics.observe_phase("stage", stage_s)
-        self.metrics.add_bytes("staged", total_bytes)
         part = Part(
             rank=self.rank,
             total_bytes=total_bytes,
             chunk_bytes=self.settings.chunk_bytes,
-            tensors=tensors,
-            shards=tuple(shard_specs),
-            chunks=tuple(chunks),
+            tensors=staged.tensors,
+            shards=tuple(staged.shard_specs),
+            chunks=tuple(staged.chunks),
             endpoint=endpoint,
-            stage_seconds=stage_s,
+            stage_seconds=staged.stage_s,
             delta=delta.part if delta is not None else None,
         )
         t0 = time.perf_counter()
         try:
-            try:
-                resp = self._publish_part(version, key, part)
-            except FailedPrecondition as e:
-                if part.delta is None or not e.message.startswith("header.delta"):
-                    raise
-                log.warning("version %d: the delta was refused (%s); publishing it without one", version, e.message)
-                delta, part = None, dataclasses.replace(part, delta=None)
-                resp = self._publish_part(version, key, part)
-        except WeightsyncError:
-            self.table.set(slot, None)
-            raise
+            resp = self._publish_part(version, staged.key, part)
+        except FailedPrecondition as e:
+            if part.delta is None or not e.message.startswith("header.delta"):
+                raise
+            log.warning("version %d: the delta was refused (%s); publishing it without one", version, e.message)
+            staged.delta = delta = None  # (a try after this one sends none either)
+            resp = self._publish_part(version, staged.key, dataclasses.replace(part, delta=None))
         if resp.version.manifest_digest:
             self._manifest_digests = {v: d for v, d in self._manifest_digests.items() if v >= version - 4} | {
                 version: resp.version.manifest_digest
@@ -557,15 +591,15 @@ class WeightPublisher:
             version,
             self.rank,
             total_bytes,
-            path,
-            stage_s,
+            staged.path,
+            staged.stage_s,
             publish_s,
             state,
             slot,
             f" delta_bytes={delta.wire_bytes} base={delta.part.base_version}" if delta is not None else "",
         )
         return PublishResult(
-            version, state, resp.duplicate, total_bytes, stage_s, publish_s, slot,
+            version, state, resp.duplicate, total_bytes, staged.stage_s, publish_s, slot,
             delta.wire_bytes if delta is not None else 0, delta.part.base_version if delta is not None else 0,
         )  # fmt: skip
 

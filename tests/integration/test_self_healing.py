@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -234,26 +235,39 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
 def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> None:
     """A training loop as the README writes it (`pub.publish(params, version=step)`) got
     TransportUnavailable 11 s into a coordinator restart (the client's own retries) and
-    ended; only the sidecar's loop tried again. `publish` now does, for `publish_wait_s`."""
-    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    ended; only the sidecar's loop tried again. `publish` now does, for `publish_wait_s`,
+    staging the version once and sending its part again (it restaged every try), and
+    `publish_stream`, which reads its items once, does too (it raised at once)."""
+    args = ["--lease-ttl-s", str(TTL)]
+    coord = cluster.start_coordinator(args=args)
     port = int(coord.address.rsplit(":", 1)[1])
     cluster.start_rollout("r0", coord.address, "job")
-    settings = PublisherSettings(coordinator=coord.address, session="job", weight_dtype="float32")
+    # a free slot for each version: the outage meets the part's publish, not a release first
+    settings = PublisherSettings(coordinator=coord.address, session="job", weight_dtype="float32", slots=3)
     weights = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
+    publishes: dict[int, Callable[[WeightPublisher], object]] = {
+        2: lambda pub: pub.publish({"w": weights["w"] + 1}, version=2),
+        3: lambda pub: pub.publish_stream(iter([("w", weights["w"] + 2)]), 3, capacity_bytes=weights["w"].nbytes + 256),
+    }
     with WeightPublisher(settings) as pub:
         pub.publish(weights, version=1)
         assert pub.wait_committed(1, 60) == "COMMITTED"
-        cluster.kill("coordinator")
-        outage_s = 15.0  # past the client's retries
-        back = threading.Timer(outage_s, lambda: cluster.start_coordinator(port=port, args=["--lease-ttl-s", str(TTL)]))
-        back.start()
-        started = time.monotonic()
-        try:
-            pub.publish({"w": weights["w"] + 1}, version=2)
-        finally:
-            back.join()
-        assert time.monotonic() - started >= outage_s - 1
-        assert pub.wait_committed(2, 60) == "COMMITTED"
+        for version, publish in publishes.items():
+            cluster.kill("coordinator")
+            outage_s = 15.0  # past the client's retries
+            back = threading.Timer(outage_s, lambda: cluster.start_coordinator(port=port, args=args))
+            back.start()
+            started = time.monotonic()
+            try:
+                publish(pub)
+            finally:
+                back.join()
+            assert time.monotonic() - started >= outage_s - 1
+            assert pub.wait_committed(version, 60) == "COMMITTED"
+        staged = pub.metrics.registry.get_sample_value(
+            "weightsync_transfer_bytes_total", {"role": "trainer", "direction": "staged"}
+        )
+        assert staged == 3 * weights["w"].nbytes  # each version once
 
 
 def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluster) -> None:
