@@ -15,18 +15,26 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout_agent.assembly import held_whole
-from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RelaySource, relay_stall_s
+from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info
-from weightsync.errors import TRANSIENT_ERRORS, DigestMismatch, PullAbandoned, TransportUnavailable, WeightsyncError
+from weightsync.errors import (
+    TRANSIENT_ERRORS,
+    DigestMismatch,
+    PullAbandoned,
+    TransportStalled,
+    TransportUnavailable,
+    WeightsyncError,
+)
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
+from weightsync.transports.tcp import answers
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
@@ -68,6 +76,10 @@ class _Lane:
         self.relayed = False
         self.check = True  # hash each chunk as it lands (else the caller checks the tensors)
         self.digest_failures = 0  # chunks whose bytes arrived but did not verify
+        # Reading from a relay: when it last brought a chunk, and how the last read from it
+        # ended ("lost": it ended the reply; "stalled": silent; "refused": an error reply).
+        self.relay_heard = 0.0
+        self.relay_lost = ""
 
     @property
     def checks_on_arrival(self) -> bool:
@@ -652,7 +664,8 @@ class WeightPuller:
                 pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 while pending and lane.relayed:  # a relay's failure costs no attempt
                     self._check_abandoned(manifest.version)
-                    self._from_trainer(lane, last_error, plan)
+                    if not self._relay_still_pulling(lane, last_error):
+                        self._from_trainer(lane, last_error, plan)
                     lane.retries += len(pending)
                     pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
                 unreachable = bool(pending) and lane.digest_failures == failures_before
@@ -669,6 +682,22 @@ class WeightPuller:
             )
             raise TransportUnavailable(what) if unreachable else DigestMismatch(what)
 
+    def _relay_still_pulling(self, lane: _Lane, why: str) -> bool:
+        """Whether to ask the relay again rather than leave it for the trainer: it ended its
+        reply (it waits `--relay-wait-s` for a chunk its own pull has not brought, e.g.
+        from a frozen relay before it, which it leaves for the trainer within
+        `relay_stall_s`), it still answers, and it brought a chunk within twice that. Left
+        at once, every rollout after a frozen relay went to the trainer, each before the
+        relay between them had left the frozen one. A relay silent past `relay_stall_s`,
+        one that refused (it does not hold the version, or its pull failed) and one that
+        does not answer are left."""
+        if lane.relay_lost != "lost" or time.monotonic() - lane.relay_heard > 2 * self.relay_stall_s:
+            return False
+        if not answers(lane.endpoint.tcp_address, RELAY_PROBE_S):
+            return False
+        log.info("relay for rank %d ended a reply (%s) and still answers: asking it again", lane.part.rank, why)
+        return True
+
     def _count_digest_failure(self, lane: _Lane) -> None:
         lane.digest_failures += 1
         if self.metrics is not None:
@@ -683,6 +712,8 @@ class WeightPuller:
         received: set[int] = set()
         problem = ""
         transport = self._open_lane(lane)
+        if lane.relayed:
+            lane.relay_heard, lane.relay_lost = lane.relay_heard or time.monotonic(), ""
         for w in range(0, len(indices), self.window_chunks):
             if self._abandoned:
                 break
@@ -705,6 +736,8 @@ class WeightPuller:
                             self._count_digest_failure(lane)
                     if self.relay is not None:
                         self.relay.mark(manifest.version, lane.part.rank, [i for i, good in zip(window, ok) if good])
+                    if lane.relayed and any(ok):
+                        lane.relay_heard = time.monotonic()
                     continue
                 for payload in transport.fetch(request):
                     c = chunks[payload.index] if payload.index < len(chunks) else None
@@ -735,14 +768,17 @@ class WeightPuller:
                     if self.relay is not None:
                         self.relay.mark(manifest.version, lane.part.rank, [payload.index])
                     lane.bytes += c.length
+                    if lane.relayed:
+                        lane.relay_heard = time.monotonic()
             except TransportUnavailable as e:
                 problem = e.message
+                lane.relay_lost = "stalled" if isinstance(e, TransportStalled) else "lost"
                 self._drop_transport(lane)
                 break
             except WeightsyncError as e:  # a relay that does not hold the version (yet)
                 if not lane.relayed:
                     raise
-                problem = e.message
+                problem, lane.relay_lost = e.message, "refused"
                 break
         missing = [i for i in indices if i not in received]
         return missing, problem

@@ -7,7 +7,9 @@ each chunk about once. A version rebuilt from its delta is re-served both ways: 
 chunks (fetch indices after the part's chunks, from the puller's delta buffers) as they
 land, and every chunk of the rebuilt version once its tensors checked. Nothing here is
 trusted downstream: every chunk is verified by its reader against the manifest, and a
-reader whose relay fails or lags falls back to the trainer.
+reader whose relay fails or lags falls back to the trainer (one that ended a reply after
+its wait but still answers is asked again: it waits on its own pull, e.g. on a frozen
+relay before it that it is about to leave; `WeightPuller._relay_still_pulling`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ STALL = "relay.stall_after_chunks"
 DEFAULT_RELAY_WAIT_S = 10.0
 # A reader's allowance beyond a relay's wait for a chunk (scheduling, a busy host).
 RELAY_STALL_MARGIN_S = 5.0
+# How long a reader whose relay ended a reply gives it to answer a probe (`tcp.answers`).
+RELAY_PROBE_S = 2.0
 
 
 def relay_stall_s(wait_s: float) -> float:

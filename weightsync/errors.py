@@ -18,6 +18,7 @@
     ├── Unauthenticated          UNAUTHENTICATED
     ├── PermissionDenied         PERMISSION_DENIED
     ├── TransportUnavailable     UNAVAILABLE        (retryable)
+    │   └── TransportStalled
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     └── InternalError            INTERNAL
 
@@ -120,6 +121,11 @@ class PermissionDenied(WeightsyncError):
 
 class TransportUnavailable(WeightsyncError):
     """A peer could not be reached; retrying may succeed."""
+
+
+class TransportStalled(TransportUnavailable):
+    """A peer kept its connection open and sent nothing for the call's timeout (frozen,
+    hung or cut off), as opposed to one that ended the connection or refused it."""
 
 
 class DeadlineExceeded(WeightsyncError):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import numpy as np
 
@@ -87,3 +89,24 @@ def test_a_chain_of_relays_takes_each_byte_from_the_trainer_once(
         for r in relays:
             r.close()
     client.close()
+
+
+def test_a_relay_that_waits_on_its_own_pull_still_answers_a_probe() -> None:
+    """`tcp.answers` tells a relay that ended a reply while alive (its own pull had not
+    brought the chunk) from one gone or frozen: a request naming no chunk is refused at
+    once, whatever the relay waits for; a closed port refuses the connection; a frozen
+    process's kernel takes it and nothing answers."""
+    from rollout_agent.relay import RELAY_PROBE_S
+    from weightsync.transports.tcp import answers
+
+    relay = Relay("job", wait_s=30.0)  # holds no version: a read from it would wait 30 s
+    try:
+        t0 = time.monotonic()
+        assert answers(relay.address, RELAY_PROBE_S) and time.monotonic() - t0 < 1
+    finally:
+        relay.close()
+    assert not answers(relay.address, RELAY_PROBE_S)  # gone: refused
+    with socket.create_server(("127.0.0.1", 0)) as frozen:  # listens, never accepts or answers
+        t0 = time.monotonic()
+        assert not answers(f"127.0.0.1:{frozen.getsockname()[1]}", 0.5)
+        assert time.monotonic() - t0 < 2

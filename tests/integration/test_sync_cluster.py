@@ -286,15 +286,25 @@ def test_a_frozen_relays_child_reads_from_the_trainer_within_the_relay_wait(clus
     """A relay frozen (SIGSTOP) mid-reply keeps its connection open and sends nothing: its
     child waited out the data-plane deadline (120 s) before it went to the trainer. A read
     from a relay now gives it `--relay-wait-s` + 5 s of silence (a working relay sends a
-    byte or gives up within its wait)."""
-    coordinator, rollouts, _ = _relay_chain_with_r1_stalled(cluster, ["--relay-wait-s", "2"])
+    byte or gives up within its wait). The rollouts after the child stay with their relays:
+    r3 went to the trainer too, when r2 ended its reply after its own wait, before r2 had
+    left r1 (each rollout after a frozen relay read the rest of the version from the
+    trainer); it now finds r2 still answering and asks it again."""
+    coordinator, rollouts, trainer = _relay_chain_with_r1_stalled(cluster, ["--relay-wait-s", "2"])
     cluster.procs["r1"].popen.send_signal(signal.SIGSTOP)
     try:
         with CoordinatorClient(coordinator) as client:
             assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
             hs = {h.agent_id: h.ok for h in client.status("job").handshakes if h.version == 1}
             assert all(hs[name] for name in rollouts), hs
+            model_bytes = client.get_manifest("job", 1)[1].parts[0].total_bytes
         assert "no byte moved for 7s): pulling the rest from the trainer" in cluster.procs["r2"].log()
+        r3 = cluster.procs["r3"].log()
+        assert "still answers: asking it again" in r3 and "pulling the rest from the trainer" not in r3
+        served = metric_value(
+            scrape(trainer.ready["metrics_port"]), "weightsync_transfer_bytes_total", direction="served"
+        )
+        assert served <= 2 * model_bytes  # r0's whole version and what r2 never got from r1
     finally:
         cluster.procs["r1"].popen.send_signal(signal.SIGCONT)
 

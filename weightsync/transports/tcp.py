@@ -41,6 +41,7 @@ from weightsync.errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    TransportStalled,
     TransportUnavailable,
     WeightsyncError,
     cannot_listen,
@@ -344,7 +345,7 @@ class TcpTransport(Transport):
         frozen or cut off)."""
         self.close()
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-            return TransportUnavailable(f"tcp {self._address}: no byte moved for {request.timeout_s:g}s")
+            return TransportStalled(f"tcp {self._address}: no byte moved for {request.timeout_s:g}s")
         return TransportUnavailable(f"tcp {self._address}: {e}")
 
     def _request(self, request: FetchRequest) -> tuple[socket.socket, int]:
@@ -414,6 +415,21 @@ class TcpTransport(Transport):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def answers(address: str, timeout_s: float) -> bool:
+    """Whether a weightsync tcp server at `address` answers within `timeout_s`: a process
+    that is up, not one gone (refused) or frozen (the kernel takes the connection and
+    nothing replies). The request names no chunk, which a server refuses at once without
+    asking its source, so a server busy waiting on its own source answers too."""
+    host, port = split_host_port(address)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(REQUEST.pack(REQUEST_MAGIC, 0, 0, 0, 0, 0))
+            return _recv_exact(sock, REPLY.size)[:4] == REPLY_MAGIC
+    except OSError:
+        return False
 
 
 def check_token(expected: str | None, token: str, version: int) -> None:
