@@ -10,13 +10,14 @@ import numpy as np
 
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import Relay
+from rollout_agent.relay import RELAY_PROBE_S, Relay
 from rollout_agent.sync import SyncResult, sync_version
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
+from weightsync.transports.tcp import answers
 
 
 def _params(scale: float) -> dict[str, np.ndarray]:
@@ -96,9 +97,6 @@ def test_a_relay_that_waits_on_its_own_pull_still_answers_a_probe() -> None:
     brought the chunk) from one gone or frozen: a request naming no chunk is refused at
     once, whatever the relay waits for; a closed port refuses the connection; a frozen
     process's kernel takes it and nothing answers."""
-    from rollout_agent.relay import RELAY_PROBE_S
-    from weightsync.transports.tcp import answers
-
     relay = Relay("job", wait_s=30.0)  # holds no version: a read from it would wait 30 s
     try:
         t0 = time.monotonic()
