@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import NewestAnnounced, follow_servable, newest_servable
+from rollout_agent.follow import NewestAnnounced, StaleWatch, follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
@@ -88,14 +88,22 @@ class RolloutAgent:
         self._wake = threading.Event()
         self._heartbeat: Heartbeat | None = None
         self._threads: list[threading.Thread] = []
+        self._stale_watch: StaleWatch | None = None
         self.follows = False
 
     def start(self, follow: bool) -> None:
-        """Registers, starts heartbeats and, when following, the watch and sync threads."""
+        """Registers, starts heartbeats and, when following, the watch and sync threads.
+        Without following, its callers choose the versions, and a `StaleWatch` still ends
+        a pull that a newer trainer generation's version made stale (a `Sync` of a version
+        from a frozen trainer held the rollout for `timeout_s` per read, three reads, and
+        every `Sync` after it waited behind it)."""
         self.follows = follow
         self.wiring.on_new_session.append(self._session_made_again)
-        if follow and self.wiring.puller is not None:
-            self.wiring.puller.stale_rules.append(self._announced.stale)
+        if self.wiring.puller is not None:
+            if follow:
+                self.wiring.puller.stale_rules.append(self._announced.stale)
+            else:
+                self._stale_watch = StaleWatch(self.wiring.puller)
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
         if follow:
             self._threads = [
@@ -119,6 +127,8 @@ class RolloutAgent:
             self._heartbeat.stop()
         for t in self._threads:  # daemons: a watch stream or a pull in flight does not hold up the exit
             t.join(timeout=1)
+        if self._stale_watch is not None:
+            self._stale_watch.close()
         if self.outbox is not None:
             self.outbox.close()
         try:
@@ -206,6 +216,8 @@ class RolloutAgent:
         with self._state_lock:
             self._wanted = 0
         self._announced.forget()
+        if self._stale_watch is not None:
+            self._stale_watch.announced.forget()
         self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
         self._rebase.set()
         self._wake.set()

@@ -105,14 +105,15 @@ class StaleWatch:
     """Follows a session only to abandon a pull its announcements make stale
     (`NewestAnnounced`), for a puller whose versions a caller chooses: a vLLM worker
     without prefetch, whose update pulled from a frozen trainer with the engine held for
-    `timeout_s` per read, three reads, while its replacement's version was servable. (A
-    following rollout and a prefetcher watch the session for their own reasons and do
-    this themselves.)"""
+    `timeout_s` per read, three reads, while its replacement's version was servable, and
+    a sidecar started with `--follow false`. (A following rollout and a prefetcher watch
+    the session for their own reasons and do this themselves.) Its owner calls
+    `announced.forget()` when the session is made again."""
 
     def __init__(self, puller: WeightPuller) -> None:
         self.announced = NewestAnnounced()
         self._puller = puller
-        puller.stale_rules.append(self.announced.stale)
+        puller.stale_rules.append(self._stale)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=follow_servable,
@@ -122,6 +123,14 @@ class StaleWatch:
         )
         self._thread.start()
 
+    def _stale(self, version: int, generation: int) -> str:
+        # A pull from a store (fs) never waits on a trainer process, so a version its
+        # caller chose from a replaced trainer's store still reads: a pinned evaluation
+        # of a version from before a restart.
+        if self._puller.in_flight_mode == "fs":
+            return ""
+        return self.announced.stale(version, generation)
+
     def _announce(self, version: int, generation: int) -> None:
         self.announced.note(version, generation)
         self._puller.recheck()
@@ -130,4 +139,4 @@ class StaleWatch:
         """Stops following. The thread, a daemon blocked on its stream, ends when the
         caller closes the client."""
         self._stop.set()
-        self._puller.stale_rules.remove(self.announced.stale)
+        self._puller.stale_rules.remove(self._stale)

@@ -181,6 +181,7 @@ class WeightPuller:
         self.stale_rules: list[StaleRule] = []
         self._flight_lock = threading.Lock()
         self._in_flight: tuple[int, int] | None = None
+        self.in_flight_mode = ""  # the mode of the pull in `_in_flight`, for rules that ask
         self._abandoned = ""
         self._interrupted: list[Transport] = []
 
@@ -334,13 +335,14 @@ class WeightPuller:
         when the version is stale already (it became so before the pull began)."""
         v = header.version
         with self._flight_lock:
+            self.in_flight_mode = self.mode_for(header)
             self._in_flight, self._abandoned = (v.version, v.generation), self._stale(v.version, v.generation)
         try:
             self._check_abandoned(v.version)
             yield
         finally:
             with self._flight_lock:
-                self._in_flight, self._abandoned = None, ""
+                self._in_flight, self._abandoned, self.in_flight_mode = None, "", ""
                 interrupted, self._interrupted = self._interrupted, []
             for transport in interrupted:
                 transport.close()
@@ -360,11 +362,15 @@ class WeightPuller:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
         return self.client.get_manifest(self.session, version, agent_id=self.agent_id)
 
+    def mode_for(self, header: pb.ManifestHeader) -> str:
+        """The mode a version is pulled in: this puller's, else the session's, else grpc."""
+        return self.mode or header.weight_sync_mode or "grpc"
+
     def plan(self, header: pb.ManifestHeader) -> PullPlan:
         """Where a version's chunks come from, from its manifest header: this puller's mode,
         else the session's; the version's access token; in relay mode, the relay before
         this rollout in the coordinator's chain (none when it is first or not listed)."""
-        mode = self.mode or header.weight_sync_mode or "grpc"
+        mode = self.mode_for(header)
         upstream, downstream = None, False
         chain = [peer.agent_id for peer in header.relay_chain]
         if mode == "relay" and self.agent_id in chain:

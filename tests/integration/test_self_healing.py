@@ -578,6 +578,46 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
         client.close()
 
 
+def test_a_sync_its_orchestrator_chose_from_a_frozen_trainer_ends_once_the_replacement_publishes(
+    cluster: Cluster,
+) -> None:
+    """A sidecar started with `--follow false` watched nothing: its `Sync` of version 1
+    from a frozen trainer waited `--timeout-s` per read, three reads, and the
+    orchestrator's `Sync` of the replacement's version 2 queued behind it. The first
+    now ends, not OK, once version 2 is announced, and the second applies 2."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    chooser = cluster.start_rollout("r0", coord.address, "job", ["--follow", "false"])
+    trainer = ["--model-size", "small", "--steps", "1", "--hold"]
+    t1 = cluster.start_trainer("t1", coord.address, "job", trainer)
+
+    def sync(version: int) -> rpb.SyncResponse:
+        with grpc.insecure_channel(chooser.address) as channel:
+            return rpb_grpc.RolloutAgentStub(channel).Sync(rpb.SyncRequest(version=version), timeout=400)
+
+    replies: list[rpb.SyncResponse] = []
+    first = threading.Thread(target=lambda: replies.append(sync(1)))
+    with CoordinatorClient(coord.address) as client:
+        client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
+        t1.popen.send_signal(signal.SIGSTOP)
+        try:
+            first.start()
+            eventually(lambda: _leases(client, 1) == 1, what="version 1 pulled from the frozen trainer")
+            cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
+            client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
+            first.join(timeout=20)  # the read's own deadline: 120 s, three times
+            assert not first.is_alive(), "the Sync of version 1 still waits on the frozen trainer"
+            (abandoned,) = replies
+            assert (abandoned.version, abandoned.ok) == (1, False)
+            assert "version 2 is servable from trainer generation 2" in abandoned.mismatch
+            assert sync(2).ok and rollout_status(chooser.address).current_version == 2
+        finally:
+            t1.popen.send_signal(signal.SIGCONT)
+            first.join(timeout=400)
+    assert (
+        metric_value(scrape(chooser.ready["metrics_port"]), "weightsync_sync_failures_total", reason="abandoned") == 1
+    )
+
+
 def _vm_size(pid: int) -> int:
     return int(Path(f"/proc/{pid}/status").read_text().split("VmSize:")[1].split()[0]) * 1024
 

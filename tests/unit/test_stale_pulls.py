@@ -6,13 +6,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rollout_agent.follow import NewestAnnounced
+from rollout_agent.follow import NewestAnnounced, StaleWatch
+from rollout_agent.puller import WeightPuller
 from weightsync import native
-from weightsync.errors import TransportUnavailable
+from weightsync._proto import coordinator_pb2 as cpb
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.errors import PullAbandoned, TransportUnavailable
 from weightsync.manifest import Endpoint
 from weightsync.transports import FetchRequest
 from weightsync.transports.tcp import TcpTransport
@@ -33,6 +38,36 @@ def test_only_an_older_generations_older_version_is_stale() -> None:
     assert announced.stale(3, 1) == ""
     announced.note(4, 2)  # the watch's event for it
     assert "version 4 is servable from trainer generation 2" in announced.stale(3, 1)
+
+
+@pytest.mark.parametrize(("mode", "abandoned"), [("grpc", True), ("fs", False)])
+def test_a_chosen_pull_of_a_replaced_trainers_version_is_abandoned_unless_it_reads_a_store(
+    tmp_path: Path, mode: str, abandoned: bool
+) -> None:
+    """`StaleWatch` (callers choose the versions): a pull from a replaced trainer would wait
+    on that trainer's process, a pull from an fs store does not (a version pinned from
+    before a restart still reads)."""
+    with socket.socket() as s:  # a coordinator that is not there: the watch only retries
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    client = CoordinatorClient(address)
+    puller = WeightPuller(client, "job", "r0", mode=mode, fs_root=str(tmp_path))
+    watch = StaleWatch(puller)
+    try:
+        watch.announced.note(2, 2)
+        header = cpb.ManifestHeader(version=tpb.VersionInfo(version=1, generation=1))
+        if abandoned:
+            with pytest.raises(PullAbandoned, match="version 2 is servable from trainer generation 2"):
+                with puller.pulling(header):
+                    pass
+        else:
+            with puller.pulling(header):
+                pass
+        assert puller.in_flight_mode == ""  # (cleared with the pull)
+    finally:
+        watch.close()
+        puller.close()
+        client.close()
 
 
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
