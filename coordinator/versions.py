@@ -331,6 +331,7 @@ class VersionLifecycle:
         ).fetchone()
         if counts["ok"] >= s.min_rollouts and not self._owed(db, session, version, ok_only=True):
             self._set_state(db, session, version, S.COMMITTED, "")
+            self._release_superseded(db, session)
         elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
             rec.state is S.READY
             and counts["ok"] < counts["n"] >= s.min_rollouts
@@ -406,8 +407,9 @@ class VersionLifecycle:
         return [r[0] for r in rows]
 
     def sweep(self) -> dict[str, int]:
-        """Drops leases of expired agents and re-evaluates versions awaiting handshakes;
-        returns how many leases of expired (or forgotten) agents each session lost."""
+        """Drops leases of expired agents, re-evaluates versions awaiting handshakes and
+        releases what replaced trainers left (`_release_superseded`); returns how many
+        leases of expired (or forgotten) agents each session lost."""
         touched = set()
         with self._tx() as db:
             now = self._clock()
@@ -425,9 +427,43 @@ class VersionLifecycle:
                 self._evaluate(db, r["session"], r["version"])
                 if self._version(db, r["session"], r["version"]).state.value != before:
                     touched.add(r["session"])
-        for session in touched:
+            released = self._release_superseded(db)
+        for session in touched | released:
             self._notify(session)
         return dict(Counter(r["session"] for r in dropped))
+
+    def _release_superseded(self, db: sqlite3.Connection, session: str | None = None) -> set[str]:
+        """Releases the versions a replaced trainer left servable once a newer trainer
+        generation committed a newer version and no live rollout holds them; returns the
+        sessions touched. Only the trainer that publishes a version releases it (when its
+        slot is reused), and a replaced one never comes back to: its versions stayed READY
+        or COMMITTED for good, so the retention window never summarized them (each kept its
+        descriptors and a handshake per rollout) and every sweep evaluated its READY ones
+        again. Runs in the sweep (a lease that ended) and when a version commits (for
+        `session` alone), so a successor that sees its version COMMITTED sees what it
+        superseded RELEASED."""
+        marks = ",".join("?" * len(SERVABLE))
+        candidates = db.execute(
+            "SELECT v.session, v.version, v.generation FROM versions v JOIN sessions s ON s.name=v.session "
+            f"WHERE v.generation<s.generation AND v.state IN ({marks}) AND (? IS NULL OR v.session=?)",
+            [*[st.value for st in SERVABLE], session, session],
+        ).fetchall()
+        touched = set()
+        for r in candidates:
+            name, version = r["session"], r["version"]
+            newer = db.execute(
+                "SELECT version, generation FROM versions WHERE session=? AND version>? AND generation>? "
+                "AND state IN (?,?) ORDER BY version DESC LIMIT 1",
+                (name, version, r["generation"], S.COMMITTED.value, S.PARTIAL.value),
+            ).fetchone()
+            if newer is None or self._lease_holders(db, name, version, limit=1):
+                continue  # nothing replaced it yet, or a rollout still reads it (an fs store outlives its trainer)
+            db.execute("DELETE FROM leases WHERE session=? AND version=?", (name, version))
+            reason = f"superseded by version {newer['version']} of trainer generation {newer['generation']}"
+            self._set_state(db, name, version, S.RELEASED, reason)
+            self._manifests.discard((name, version))
+            touched.add(name)
+        return touched
 
     def _set_state(self, db: sqlite3.Connection, session: str, version: int, target: VersionState, reason: str) -> None:
         row = db.execute("SELECT state FROM versions WHERE session=? AND version=?", (session, version)).fetchone()

@@ -124,9 +124,9 @@ class StaleWatch:
         self._thread.start()
 
     def _stale(self, version: int, generation: int) -> str:
-        # A pull from a store (fs) never waits on a trainer process, so a version its
-        # caller chose from a replaced trainer's store still reads: a pinned evaluation
-        # of a version from before a restart.
+        # A pull from a store (fs) never waits on a trainer process: a version its caller
+        # chose from a replaced trainer reads while the coordinator keeps it (until the
+        # new generation commits a newer one and nothing holds it).
         if self._puller.in_flight_mode == "fs":
             return ""
         return self.announced.stale(version, generation)

@@ -26,6 +26,7 @@ from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import StagePlan, Stager, plan_staging
 from trainer_agent.staging import Layout, stage_streamed
+from trainer_agent.store_leftovers import remove_released_parts
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
@@ -633,6 +634,10 @@ class WeightPublisher:
                 "a newer incarnation of the trainer owns the session"
             )
         entries = self.table.entries()
+        if self.fs_store is not None:
+            remove_released_parts(
+                self.fs_store, self._client, self.session, keep={e.version for e in entries.values()}, below=version
+            )
         for slot in range(self.arena.slots):
             if slot not in entries:
                 return slot

@@ -447,6 +447,34 @@ def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster)
             cluster.kill(name)
 
 
+def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(cluster: Cluster) -> None:
+    """A version is released, and its fs part removed, by the trainer that published it,
+    when it reuses the version's slot: a trainer killed and replaced left its versions
+    COMMITTED at the coordinator (records kept whole, outside the retention window) and
+    a whole copy of the model per slot in the store, for good. The coordinator now
+    releases them once the new trainer commits a newer version, and the new trainer
+    removes their parts at its next publish."""
+    from weightsync.transports.fs import FsStore
+
+    store = cluster.workdir / "store"
+    fs = ["--weight-sync-mode", "fs", "--fs-root", str(store)]
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job", fs)
+    trainer = [*TINY, *fs, "--slots", "2", "--steps", "2", "--hold"]
+    cluster.start_trainer("t1", coord.address, "job", trainer)
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
+        cluster.kill("t1")
+        assert FsStore(str(store)).versions("job") == [1, 2]
+        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "3"])
+        assert state_name(client.wait_for_version("job", 4, timeout_s=60)) == "COMMITTED"
+        eventually(lambda: rollout_status(r0.address).current_version == 4, what="r0 at 4")
+        states = {v.version: (state_name(v), v.reason) for v in client.status("job").versions}
+        assert states[1] == states[2] == ("RELEASED", "superseded by version 3 of trainer generation 2")
+        assert states[3][0] == states[4][0] == "COMMITTED"
+    assert FsStore(str(store)).versions("job") == [3, 4]  # before: [1, 2, 3, 4], and 2 more per restart
+
+
 def test_a_trainer_restarted_with_fewer_ranks_leaves_no_buffers_of_the_old_ones(cluster: Cluster) -> None:
     """A rollout kept a receive buffer per rank and an array per tensor split across ranks
     for as long as it lived: after a 2-rank trainer came back as 1 rank it held rank 1's
@@ -521,8 +549,16 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
             )
             assert time.monotonic() - t0 < 60  # the old reads' deadline alone was 120 s
             st = client.status("job")
-            assert [(v.version, state_name(v)) for v in st.versions] == [(2, "COMMITTED"), (1, "READY")]
             assert [h.version for h in st.handshakes] == [2] * rollouts
+            # Version 1 got no handshake (not failed), and the frozen trainer will never
+            # release it: the coordinator does, once nothing holds it (before: READY for good).
+            eventually(
+                lambda: (
+                    [(v.version, state_name(v), v.reason) for v in client.status("job").versions]
+                    == [(2, "COMMITTED", ""), (1, "RELEASED", "superseded by version 2 of trainer generation 2")]
+                ),
+                what="version 1 released by the coordinator",
+            )
         finally:
             t1.popen.send_signal(signal.SIGCONT)
     for proc in procs:

@@ -45,8 +45,8 @@ def test_a_chosen_pull_of_a_replaced_trainers_version_is_abandoned_unless_it_rea
     tmp_path: Path, mode: str, abandoned: bool
 ) -> None:
     """`StaleWatch` (callers choose the versions): a pull from a replaced trainer would wait
-    on that trainer's process, a pull from an fs store does not (a version pinned from
-    before a restart still reads)."""
+    on that trainer's process, a pull from an fs store does not (a version chosen from
+    before a restart reads while the coordinator keeps it)."""
     with socket.socket() as s:  # a coordinator that is not there: the watch only retries
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"

@@ -574,6 +574,44 @@ def test_retention_summarizes_old_versions_and_bounds_the_database(tmp_path: Pat
         store.close()
 
 
+def test_what_a_replaced_trainer_left_is_released_once_its_successor_commits_a_newer_version(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """Only the trainer that publishes a version releases it (reusing its slot): a trainer
+    replaced by a new incarnation left its READY and COMMITTED versions so for good, each
+    with its descriptors and a handshake per rollout, which the retention window never
+    summarizes. The coordinator now releases them once the new generation committed a
+    newer version (with the commit, or in the sweep once a lease ends), and not while a
+    live rollout holds one."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, retain_versions=1, clock=clock)
+    try:
+        old = attach(store, rollouts=("r0", "r1"), incarnation="run-1")
+        part, _ = make_part(sample_arrays())
+        for v in (1, 2):
+            store.publish_part("job", generation=old, version=v, idempotency_key=f"k{v}", part=part)
+        for r in ("r0", "r1"):
+            store.report_applied("job", 1, r, good_report(store, 1))
+        store.manifest("job", 2, lease_for="r0")  # 2: READY, r0 reading it, when the trainer dies
+        new = attach(store, incarnation="run-2")
+        store.publish_part("job", generation=new, version=3, idempotency_key="k3", part=part)
+        store.sweep()
+        assert [store.version("job", v).state for v in (1, 2)] == [S.COMMITTED, S.READY]  # 3 is not committed yet
+        for r in ("r0", "r1"):
+            store.report_applied("job", 3, r, good_report(store, 3))
+        # with the commit (its trainer, seeing it, may reuse what 1 held); r0 still holds 2
+        assert [store.version("job", v).state for v in (1, 2, 3)] == [S.RELEASED, S.READY, S.COMMITTED]
+        assert store.version("job", 1).reason == "superseded by version 3 of trainer generation 2"
+        store.manifest("job", 3, lease_for="r0")  # r0 moves on: its lease on 2 ends
+        store.sweep()
+        assert store.version("job", 2).state is S.RELEASED
+        assert store.prune() == 2 and store.parts("job", 1) == store.parts("job", 2) == []
+        assert store.sweep() == {} and store.version("job", 3).state is S.COMMITTED  # the new trainer's own stay
+        states = [st for _, v, st in store.event_states_since("job", 0) if v == 3]
+        assert states[-1] == "COMMITTED"
+    finally:
+        store.close()
+
+
 def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp_path: Path, clock: Clock) -> None:
     """Pods that come and go under new names each left a row in every status reply for good."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60)

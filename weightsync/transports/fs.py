@@ -116,6 +116,10 @@ class FsStore:
         if self.fs.exists(parent) and not self.fs.ls(parent, detail=False):
             self.fs.rm(parent, recursive=True)
 
+    def remove_version(self, session: str, version: int) -> None:
+        """Garbage-collects every rank's part of a version (a restart may have fewer ranks)."""
+        self.fs.rm(posixpath.dirname(self.part_dir(session, version, 0)), recursive=True)
+
     def versions(self, session: str) -> list[int]:
         d = posixpath.join(self.root, session)
         if not self.fs.exists(d):
