@@ -32,6 +32,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.arena_files import owner_pid
 from weightsync.client import CoordinatorClient
 from weightsync.errors import SessionNotFound, WeightsyncError
+from weightsync.version_states import SERVABLE
 
 TTL = 2.0
 SESSION = "chaos"
@@ -319,6 +320,16 @@ def test_faults_heal_and_nothing_unverified_is_applied(cluster: Cluster) -> None
         assert client.wait_for_version(SESSION, final, timeout_s=30).state == tpb.COMMITTED, where
         stop_observing.set()
         observer.join()
+
+        # -- nothing the replaced trainers left stays servable (no one else releases it)
+        def servable_before_final() -> list[int]:
+            versions = client.status(SESSION, 1000).versions
+            return [v.version for v in versions if v.version < final and tpb.VersionState.Name(v.state) in SERVABLE]
+
+        deadline = time.monotonic() + 3 * TTL  # (a lease the sweep has yet to drop)
+        while (left := servable_before_final()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"versions of replaced trainers still servable: {left} {where}"
         status = client.status(SESSION, 1000)
         chaos.record(status)
     chaos.note(f"healed: every rollout serves version {final} {healed_s:.2f}s after it was READY")
