@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import socket
 import time
@@ -51,7 +52,7 @@ from weightsync.logs import version_context
 from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start_server
-from weightsync.transports.fs import FsStore
+from weightsync.transports.fs import FsStore, content_id
 from weightsync.transports.tcp import TcpChunkServer
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,13 @@ class _StagedPart:
     path: str
     delta: StagedDelta | None = None
     fs_uri: str = ""  # the fs store's copy, once written
+
+
+def _content_id(staged: _StagedPart) -> str:
+    """Names the fs store directory of a staged part by what it holds (`fs.content_id`)."""
+    chunks = [c.to_dict() for c in staged.chunks]
+    delta = staged.delta.part.to_dict() if staged.delta is not None else None
+    return content_id(json.dumps({"chunks": chunks, "delta": delta}, sort_keys=True).encode())
 
 
 # Fields of a ResourceExhausted that space freed elsewhere may end.
@@ -551,6 +559,7 @@ class WeightPublisher:
                     self.rank,
                     memoryview(self.arena.slot(slot)[:total_bytes]),
                     delta=memoryview(delta.data) if delta is not None else None,
+                    content=_content_id(staged),
                 )
                 self.metrics.observe_phase("fs_write", time.perf_counter() - t_fs)
             endpoint = dataclasses.replace(endpoint, transports=(*endpoint.transports, "fs"), fs_uri=staged.fs_uri)

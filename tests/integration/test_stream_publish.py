@@ -221,8 +221,57 @@ def test_a_failing_fs_store_is_a_retryable_error_not_a_crash(
         blocker.unlink()
         pub.publish(params, 1)  # the same version again, once the store works
         puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=str(root))
-        (root / "job" / "v1" / "r0" / "part.bin").unlink()  # collected while its marker still says ready
+        (part,) = (root / "job" / "v1" / "r0").glob("*/part.bin")
+        part.unlink()  # collected while its marker still says ready
         gone = sync_version(puller, DictApplier(), 1)
         assert not gone.ok and "fs_root: cannot read" in gone.mismatch
         puller.close()
+    client.close()
+
+
+@pytest.mark.parametrize("same_trainer", [True, False], ids=["same-publisher", "new-incarnation"])
+def test_a_refused_publish_leaves_the_stores_copy_of_that_version_intact(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path, same_trainer: bool
+) -> None:
+    """A publish of an existing version with other bytes is refused (ALREADY_EXISTS: a
+    caller's mistake, or a trainer restarted from a checkpoint publishing its step again),
+    but its fs copy was written first, over the accepted version's part: every rollout
+    that then read that version from the store got bytes its manifest does not describe
+    (DATA_LOSS, for as long as the version was the newest)."""
+    from weightsync.errors import VersionConflict
+    from weightsync.transports.fs import FsStore
+
+    root = str(tmp_path / "store")
+    accepted = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
+    other = {"model.norm.weight": -np.arange(4096, dtype=np.float32)}
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+
+    def publisher(incarnation: str) -> WeightPublisher:
+        settings = PublisherSettings(
+            coordinator=inprocess_coordinator.address,
+            session="job",
+            chunk_bytes=8192,
+            fs_root=root,
+            incarnation=incarnation,
+            publish_wait_s=0,
+        )
+        return WeightPublisher(settings)
+
+    with publisher("run-1") as first:
+        client.register_agent("job", "r0", trainer=False, endpoint=first.endpoint)
+        first.publish(accepted, 1)
+        if same_trainer:
+            with pytest.raises(VersionConflict):
+                first.publish(other, 1)
+    if not same_trainer:
+        with publisher("run-2") as second, pytest.raises(VersionConflict):
+            second.publish(other, 1)
+    puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=root)
+    applier = DictApplier()
+    outcome = sync_version(puller, applier, 1)
+    assert outcome.ok, outcome.mismatch
+    assert np.array_equal(applier.weights["model.norm.weight"], accepted["model.norm.weight"])
+    assert FsStore(root).versions("job") == [1]
+    puller.close()
     client.close()

@@ -133,8 +133,20 @@ def test_fs_store_confines_every_uri_to_its_root(tmp_path) -> None:  # noqa: ANN
     for bad in ("../etc", "/etc", "file:///etc", "memory://x", "job/../../x", ""):
         with pytest.raises(InvalidArgument):
             mem.resolve(bad)
-    check_part_uri("job/v1/r0", "job", 1, 0)
-    for bad in ("../../etc", "/etc", "file:///etc", "memory://x", "job/v2/r0", "other/v1/r0", "job/v1/r0/.."):
+    check_part_uri("job/v1/r0/0123456789abcdef", "job", 1, 0)
+    check_part_uri("job/v1/r0", "job", 1, 0)  # what trainers from before session 28 publish
+    for bad in (
+        "../../etc",
+        "/etc",
+        "file:///etc",
+        "memory://x",
+        "job/v2/r0",
+        "other/v1/r0",
+        "job/v1/r0/..",
+        "job/v1/r0/0123456789abcdef/..",
+        "job/v1/r0/x",
+        "job/v1/r1/0123456789abcdef",
+    ):
         with pytest.raises(InvalidArgument, match="relative to the store root"):
             check_part_uri(bad, "job", 1, 0)
     for store, bad in (

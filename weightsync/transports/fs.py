@@ -1,12 +1,15 @@
 """FsTransport and the checkpoint-style store: parts written through fsspec, read by range.
 
 Layout under a configured root (local path, `file://`, `memory://`, `gs://` via gcsfs):
-`<root>/<session>/v<version>/r<rank>/part.bin` (and `delta.bin`, the encoded bytes of the
-part's delta, when it has one), then `_SUCCESS` last. Readers need no
-route to the trainer, only to the store. A manifest names a part by its path relative to
-the root, exactly `<session>/v<version>/r<rank>` (`part_path`; the coordinator refuses any
-other), and each reader resolves it under its own configured root: no scheme, no other
-bucket, no '..' can come in through a manifest.
+`<root>/<session>/v<version>/r<rank>/<content>/part.bin` (and `delta.bin`, the encoded
+bytes of the part's delta, when it has one), then `_SUCCESS` last. `<content>` names what
+the part holds (`content_id`): a publish the coordinator refuses (the version exists with
+other bytes) writes beside the accepted part, never over it. Readers need no route to
+the trainer, only to the store. A manifest names a part by its path relative to the root,
+`<session>/v<version>/r<rank>/<content>` (`part_path`; the coordinator refuses any other,
+except the `<session>/v<version>/r<rank>` of trainers from before session 28), and each
+reader resolves it under its own configured root: no scheme, no other bucket, no '..'
+can come in through a manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import fsspec
+import xxhash
 
 from weightsync.errors import InvalidArgument, ResourceExhausted, TransportUnavailable, WeightsyncError
 from weightsync.manifest import Endpoint
@@ -27,6 +31,7 @@ PART_FILE = "part.bin"
 DELTA_FILE = "delta.bin"
 MARKER = "_SUCCESS"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_CONTENT = re.compile(r"[0-9a-f]{16}")
 
 
 def _scheme(uri: str) -> str:
@@ -42,18 +47,29 @@ def _store_path(uri: str) -> str:
     return posixpath.normpath(path)
 
 
-def part_path(session: str, version: int, rank: int) -> str:
-    """A part's directory relative to the store root: the only fs_uri a manifest may carry."""
+def content_id(description: bytes) -> str:
+    """The `<content>` directory of a part: a digest of its description (chunk and delta
+    digests), so the same bytes land in the same place and other bytes never do."""
+    return xxhash.xxh3_64_hexdigest(description)
+
+
+def part_path(session: str, version: int, rank: int, content: str) -> str:
+    """A part's directory relative to the store root: the fs_uri its manifest carries."""
+    return f"{_rank_path(session, version, rank)}/{content}"
+
+
+def _rank_path(session: str, version: int, rank: int) -> str:
     return f"{session}/v{version}/r{rank}"
 
 
 def check_part_uri(uri: str, session: str, version: int, rank: int, field: str = "endpoint.fs_uri") -> None:
-    """Refuses any fs_uri but the part's own relative path (checked at publish)."""
-    expected = part_path(session, version, rank)
-    if uri != expected:
+    """Refuses any fs_uri but one of the part's own relative paths (checked at publish)."""
+    prefix = _rank_path(session, version, rank)
+    if uri != prefix and not (uri.startswith(prefix + "/") and _CONTENT.fullmatch(uri[len(prefix) + 1 :])):
         shown = uri if len(uri) <= 200 else uri[:200] + "…"
         raise InvalidArgument(
-            f"{shown!r} must be the part's path relative to the store root, {expected!r}", field=field
+            f"{shown!r} must be the part's path relative to the store root, {prefix + '/<16 hex digits>'!r}",
+            field=field,
         )
 
 
@@ -85,17 +101,22 @@ class FsStore:
             raise InvalidArgument(f"{uri!r} is not under the configured root {self.root_uri!r}", field=field)
         return norm
 
-    def part_dir(self, session: str, version: int, rank: int) -> str:
-        return posixpath.join(self.root, session, f"v{version}", f"r{rank}")
+    def _rank_dir(self, session: str, version: int, rank: int) -> str:
+        return posixpath.join(self.root, _rank_path(session, version, rank))
 
     def uri_of(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path.lstrip('/')}"
 
-    def write_part(self, session: str, version: int, rank: int, data: Any, delta: Any = None) -> str:
-        """Writes part.bin (and delta.bin: the delta's encoded bytes), then the marker last;
-        returns the part's path relative to the root."""
-        d = self.part_dir(session, version, rank)
+    def write_part(self, session: str, version: int, rank: int, data: Any, delta: Any = None, *, content: str) -> str:
+        """Writes part.bin (and delta.bin: the delta's encoded bytes), then the marker last,
+        under the `content` directory (`content_id`); returns the part's path relative to
+        the root. A part already there (its marker written) holds these bytes: it is left
+        as it is, not rewritten under a reader."""
+        relative = part_path(session, version, rank, content)
+        d = posixpath.join(self.root, relative)
         try:
+            if self.fs.exists(posixpath.join(d, MARKER)):
+                return relative
             self.fs.makedirs(d, exist_ok=True)
             with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
                 f.write(data)
@@ -105,11 +126,12 @@ class FsStore:
             self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         except OSError as e:  # no marker was written: readers never see the partial part
             raise store_error(e, f"cannot write {self.uri_of(d)}") from e
-        return part_path(session, version, rank)
+        return relative
 
     def remove_part(self, session: str, version: int, rank: int) -> None:
-        """Garbage-collects one rank's part (and the version directory once it is empty)."""
-        d = self.part_dir(session, version, rank)
+        """Garbage-collects one rank's part, every content of it (and the version
+        directory once it is empty)."""
+        d = self._rank_dir(session, version, rank)
         if self.fs.exists(d):
             self.fs.rm(d, recursive=True)
         parent = posixpath.dirname(d)
@@ -118,7 +140,7 @@ class FsStore:
 
     def remove_version(self, session: str, version: int) -> None:
         """Garbage-collects every rank's part of a version (a restart may have fewer ranks)."""
-        self.fs.rm(posixpath.dirname(self.part_dir(session, version, 0)), recursive=True)
+        self.fs.rm(posixpath.dirname(self._rank_dir(session, version, 0)), recursive=True)
 
     def versions(self, session: str) -> list[int]:
         d = posixpath.join(self.root, session)
