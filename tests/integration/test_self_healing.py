@@ -567,6 +567,22 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
         assert metric_value(failures, "weightsync_sync_failures_total", reason="abandoned") == 1
 
 
+def _replace_while_pulling(
+    cluster: Cluster, client: CoordinatorClient, t1: Proc, trainer: list[str], pull: threading.Thread, what: str
+) -> None:
+    """Freezes `t1` once its version 1 is READY, starts `pull` (of version 1), has a
+    replacement publish version 2, and waits for `pull` to end: well before the frozen
+    reads' own deadline (120 s, three times). The caller sends `t1` SIGCONT."""
+    client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
+    t1.popen.send_signal(signal.SIGSTOP)
+    pull.start()
+    eventually(lambda: _leases(client, 1) == 1, what="version 1 pulled from the frozen trainer")
+    cluster.start_trainer("t2", client.address, "job", [*trainer, "--start-version", "2"])
+    client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
+    pull.join(timeout=20)
+    assert not pull.is_alive(), f"{what} of version 1 still waits on the frozen trainer"
+
+
 @pytest.mark.parametrize("apply_mode", ["atomic", "streaming"])
 def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_replacement_publishes(
     cluster: Cluster, apply_mode: str
@@ -593,14 +609,7 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
         target=lambda: results.append(sync_version(puller, DictApplier(), 1, apply_mode=apply_mode))
     )
     try:
-        client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
-        t1.popen.send_signal(signal.SIGSTOP)
-        update.start()
-        eventually(lambda: _leases(client, 1) == 1, what="version 1 pulled from the frozen trainer")
-        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
-        client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
-        update.join(timeout=20)  # the read's own deadline: 120 s, three times
-        assert not update.is_alive(), "the update of version 1 still waits on the frozen trainer"
+        _replace_while_pulling(cluster, client, t1, trainer, update, "the update")
         (abandoned,) = results
         assert not abandoned.ok and abandoned.failure == "abandoned"
         assert "version 2 is servable from trainer generation 2" in abandoned.mismatch
@@ -633,15 +642,8 @@ def test_a_sync_its_orchestrator_chose_from_a_frozen_trainer_ends_once_the_repla
     replies: list[rpb.SyncResponse] = []
     first = threading.Thread(target=lambda: replies.append(sync(1)))
     with CoordinatorClient(coord.address) as client:
-        client.wait_for_version("job", 1, states=("READY",), timeout_s=60)
-        t1.popen.send_signal(signal.SIGSTOP)
         try:
-            first.start()
-            eventually(lambda: _leases(client, 1) == 1, what="version 1 pulled from the frozen trainer")
-            cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "2"])
-            client.wait_for_version("job", 2, states=("READY",), timeout_s=60)
-            first.join(timeout=20)  # the read's own deadline: 120 s, three times
-            assert not first.is_alive(), "the Sync of version 1 still waits on the frozen trainer"
+            _replace_while_pulling(cluster, client, t1, trainer, first, "the Sync")
             (abandoned,) = replies
             assert (abandoned.version, abandoned.ok) == (1, False)
             assert "version 2 is servable from trainer generation 2" in abandoned.mismatch
