@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             collector.flush()
             if collector.refresh_due():
                 collector.refresh()
+    log.info("closing: watch and heartbeat streams end, then the server stops (calls in flight get 5s)")
     hub.close()
     running.stop()
     servicer.close()
