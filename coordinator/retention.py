@@ -18,8 +18,9 @@ import sqlite3
 
 from coordinator.rows import PART_SUMMARY_COLUMNS
 from coordinator.states import VersionState
+from weightsync import version_states
 
-PRUNABLE = (VersionState.RELEASED.value, VersionState.FAILED.value)
+PRUNABLE = tuple(sorted(VersionState(name).value for name in version_states.RETIRED))
 PART_SUMMARY_SQL = f"SELECT {PART_SUMMARY_COLUMNS} FROM versions v WHERE v.session=? AND v.version=?"
 VACUUM_PAGES = 2048  # per sweep: 8 MiB of 4 KiB pages, so one sweep never holds the lock long
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 import time
@@ -34,7 +33,7 @@ from weightsync._proto import types_pb2 as _tpb
 from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
-from weightsync.digests import access_token
+from weightsync.digests import access_token, canonical_json
 from weightsync.errors import (
     TRANSIENT_ERRORS,
     FailedPrecondition,
@@ -96,7 +95,7 @@ def _content_id(staged: _StagedPart) -> str:
     """Names the fs store directory of a staged part by what it holds (`fs.content_id`)."""
     chunks = [c.to_dict() for c in staged.chunks]
     delta = staged.delta.part.to_dict() if staged.delta is not None else None
-    return content_id(json.dumps({"chunks": chunks, "delta": delta}, sort_keys=True).encode())
+    return content_id(canonical_json({"chunks": chunks, "delta": delta}))
 
 
 # Fields of a ResourceExhausted that space freed elsewhere may end.

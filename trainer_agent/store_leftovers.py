@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from weightsync import version_states
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import WeightsyncError
@@ -19,7 +20,7 @@ from weightsync.transports.fs import FsStore
 
 log = logging.getLogger(__name__)
 
-GONE = frozenset({tpb.VersionState.RELEASED, tpb.VersionState.FAILED})
+GONE = frozenset(tpb.VersionState.Value(name) for name in version_states.RETIRED)
 
 
 def remove_released_parts(

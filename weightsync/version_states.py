@@ -10,5 +10,7 @@ from __future__ import annotations
 SERVABLE = frozenset({"READY", "COMMITTED", "PARTIAL"})
 # The handshakes decided the version's outcome.
 SETTLED = frozenset({"COMMITTED", "PARTIAL", "FAILED"})
+# No rollout pulls it again: its records may be summarized and its stored bytes removed.
+RETIRED = frozenset({"RELEASED", "FAILED"})
 # Nothing more will happen to the version on its own (what `wait_for_version` waits for).
 FINAL = SETTLED | {"RELEASED"}
