@@ -16,6 +16,7 @@ from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.modes import normalize_mode
+from weightsync.transports.fs import check_fs_root
 from weightsync.validation import MAX_INSTANCE_CHARS, check_address, check_agent_id, check_session_name
 
 APPLY_MODES = ("atomic", "streaming")
@@ -99,6 +100,8 @@ class SyncSettings(PeerConfig):
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
             if self.weight_sync_mode == "fs" and not self.fs_root:
                 raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
+            if self.fs_root:
+                check_fs_root(self.fs_root)
             check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, 1 << 20)
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)

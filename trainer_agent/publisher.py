@@ -36,6 +36,7 @@ from weightsync.config import advertised
 from weightsync.digests import access_token, canonical_json
 from weightsync.errors import (
     TRANSIENT_ERRORS,
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -89,6 +90,7 @@ class _StagedPart:
     path: str
     delta: StagedDelta | None = None
     fs_uri: str = ""  # the fs store's copy, once written
+    fs_written: bool = False  # by this publish (not a copy of the same bytes found there)
 
 
 def _content_id(staged: _StagedPart) -> str:
@@ -107,6 +109,14 @@ def _may_pass(e: WeightsyncError) -> bool:
     if isinstance(e, ResourceExhausted):
         return e.field in FULL_DISK_FIELDS
     return isinstance(e, (*TRANSIENT_ERRORS, SlotBusy))
+
+
+def _refuses_content(e: WeightsyncError) -> bool:
+    """Whether the coordinator refused a publish for good without storing it, so that the
+    fs copy written for it is read by no one: not a fenced publisher (an earlier try may
+    have been taken, its answer lost) and not a failure that may pass."""
+    refused = isinstance(e, (AlreadyExists, InvalidArgument, FailedPrecondition, ResourceExhausted))
+    return refused and not isinstance(e, (StaleGeneration, SlotBusy)) and not _may_pass(e)
 
 
 def _ride_out(what: str, wait_s: float, call: Callable[[], T], may_pass: Callable[[WeightsyncError], bool]) -> T:
@@ -532,9 +542,22 @@ class WeightPublisher:
                 lambda: self._seal(staged),
                 _may_pass,
             )
-        except WeightsyncError:
+        except WeightsyncError as e:
             self.table.set(staged.slot, None)
+            if staged.fs_written and _refuses_content(e):
+                self._remove_refused_copy(staged)
             raise
+
+    def _remove_refused_copy(self, staged: _StagedPart) -> None:
+        """A refused publish's fs copy (other bytes under an existing version, a version not
+        newer than the session's): written before the publish, it stayed in the store for
+        good where its version number was never the coordinator's."""
+        assert self.fs_store is not None
+        try:
+            self.fs_store.remove_content(self.session, staged.version, self.rank, staged.fs_uri.rsplit("/", 1)[-1])
+        except OSError as e:
+            log.warning("version %d: the refused publish's fs copy was not removed (%s)", staged.version, e)
+        staged.fs_uri, staged.fs_written = "", False
 
     def _seal(self, staged: _StagedPart) -> PublishResult:
         """Serves the staged slot (and its delta, fetch indices after its chunks; the fs
@@ -552,7 +575,7 @@ class WeightPublisher:
         if self.fs_store is not None:
             if not staged.fs_uri:
                 t_fs = time.perf_counter()
-                staged.fs_uri = self.fs_store.write_part(
+                staged.fs_uri, staged.fs_written = self.fs_store.write_part(
                     self.session,
                     version,
                     self.rank,

@@ -17,6 +17,7 @@ from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
+from weightsync.transports.fs import check_fs_root
 from weightsync.validation import DEFAULT_LIMITS, UINT32_MAX, check_address, check_agent_id, check_session_name
 
 MAX_SLOTS = 64  # each a whole version in shared memory; 2 double-buffer, more only hold older ones
@@ -106,6 +107,8 @@ class PublisherSettings(ServerConfig):
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
         if self.weight_sync_mode == "fs" and not self.fs_root:
             raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
+        if self.fs_root:
+            check_fs_root(self.fs_root)
         # what a coordinator on default limits accepts: refused here, not after staging
         check_bounds(self, ("world_size",), 1, DEFAULT_LIMITS.max_trainer_ranks)
         if not 0 <= self.rank < self.world_size:

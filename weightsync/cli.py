@@ -16,12 +16,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.config import bounded_number
 from weightsync.digests import hex64
-from weightsync.errors import DeadlineExceeded, InvalidArgument, WeightsyncError
+from weightsync.errors import DeadlineExceeded, InvalidArgument, NotFound, WeightsyncError, status_name_for
 from weightsync.security import Security, agent_token, load_tokens
+from weightsync.transports.fs import FsStore, store_error
 from weightsync.validation import UINT32_MAX, check_address
 from weightsync.wire import unix_seconds
 
@@ -203,16 +205,39 @@ def cmd_watch(client: CoordinatorClient, args: argparse.Namespace, console: Cons
 
 
 def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
-    """A finished job's session and all stored for it; named in full (never the default)."""
-    deleted = client.delete_session(args.name, force=args.force)
+    """A finished job's session and all stored for it; named in full (never the default).
+    With --fs-root, its directory in the fs store too (the coordinator cannot reach the
+    store), also for a session deleted before (NOT_FOUND: no manifest names those parts)."""
+    store = FsStore(args.fs_root) if args.fs_root else None  # a root it cannot use: refused before the delete
+    try:
+        deleted: pb.DeleteSessionResponse | None = client.delete_session(args.name, force=args.force)
+    except NotFound:
+        if store is None:
+            raise
+        deleted = None
+    store_removed = False
+    if store is not None:
+        try:
+            store_removed = store.remove_session(args.name)
+        except OSError as e:
+            raise store_error(e, f"the session was deleted; its directory under {args.fs_root} was not removed") from e
+        if deleted is None and not store_removed:
+            raise NotFound(f"session {args.name!r} not found, nor its directory under {args.fs_root}")
     if args.json:
-        print(
-            json.dumps(
-                MessageToDict(deleted, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            )
-        )
+        out: dict[str, Any] = {"versions": "0", "agents": 0}
+        if deleted is not None:
+            out = MessageToDict(deleted, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        if args.fs_root:
+            out["fs_store_removed"] = store_removed
+        print(json.dumps(out))
+        return 0
+    if deleted is None:
+        console.print(f"session {args.name!r} was deleted before")
     else:
         console.print(f"deleted session {args.name!r}: {deleted.versions} version(s), {deleted.agents} agent(s)")
+    if args.fs_root:
+        where = f"{args.fs_root.rstrip('/')}/{args.name}"
+        console.print(f"removed {where}" if store_removed else f"the fs store holds nothing of it ({where})")
     return 0
 
 
@@ -264,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("name", help="the session, in full (--session is not used here)")
     s.add_argument("--force", action="store_true", help="even while agents hold live leases")
+    s.add_argument(
+        "--fs-root",
+        default="",
+        help="the fs store's root (the trainers' --fs-root): remove the session's directory there too",
+    )
     s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))
@@ -299,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return COMMANDS[args.command](client, args, console)
         except WeightsyncError as e:
-            code = getattr(e, "grpc_code", type(e).__name__)
+            code = getattr(e, "grpc_code", None) or status_name_for(e)  # the server's, else ours for the error
             print(f"wsctl: {code}: {e.message}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -453,7 +453,8 @@ def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(clus
     COMMITTED at the coordinator (records kept whole, outside the retention window) and
     a whole copy of the model per slot in the store, for good. The coordinator now
     releases them once the new trainer commits a newer version, and the new trainer
-    removes their parts at its next publish."""
+    removes their parts at its next publish, and those of a version it never published
+    (a trainer killed between writing its part and publishing it)."""
     from weightsync.transports.fs import FsStore
 
     store = cluster.workdir / "store"
@@ -465,14 +466,14 @@ def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(clus
     with CoordinatorClient(coord.address) as client:
         assert state_name(client.wait_for_version("job", 2, timeout_s=60)) == "COMMITTED"
         cluster.kill("t1")
-        assert FsStore(str(store)).versions("job") == [1, 2]
-        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "3"])
-        assert state_name(client.wait_for_version("job", 4, timeout_s=60)) == "COMMITTED"
-        eventually(lambda: rollout_status(r0.address).current_version == 4, what="r0 at 4")
+        FsStore(str(store)).write_part("job", 3, 0, b"its part, never published", content="0" * 16)
+        cluster.start_trainer("t2", coord.address, "job", [*trainer, "--start-version", "4"])
+        assert state_name(client.wait_for_version("job", 5, timeout_s=60)) == "COMMITTED"
+        eventually(lambda: rollout_status(r0.address).current_version == 5, what="r0 at 5")
         states = {v.version: (state_name(v), v.reason) for v in client.status("job").versions}
-        assert states[1] == states[2] == ("RELEASED", "superseded by version 3 of trainer generation 2")
-        assert states[3][0] == states[4][0] == "COMMITTED"
-    assert FsStore(str(store)).versions("job") == [3, 4]  # before: [1, 2, 3, 4], and 2 more per restart
+        assert states[1] == states[2] == ("RELEASED", "superseded by version 4 of trainer generation 2")
+        assert states[4][0] == states[5][0] == "COMMITTED" and 3 not in states
+    assert FsStore(str(store)).versions("job") == [4, 5]  # before: [1, 2, 3, 4, 5], and 2-3 more per restart
 
 
 def test_a_trainer_restarted_with_fewer_ranks_leaves_no_buffers_of_the_old_ones(cluster: Cluster) -> None:

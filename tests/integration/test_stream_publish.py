@@ -273,5 +273,74 @@ def test_a_refused_publish_leaves_the_stores_copy_of_that_version_intact(
     assert outcome.ok, outcome.mismatch
     assert np.array_equal(applier.weights["model.norm.weight"], accepted["model.norm.weight"])
     assert FsStore(root).versions("job") == [1]
+    # The refused copy is gone too: its bytes are no version's (it stayed until version 1
+    # was released, and for good where version 1's publisher was replaced).
+    assert len(list((tmp_path / "store" / "job" / "v1" / "r0").iterdir())) == 1
     puller.close()
     client.close()
+
+
+def test_a_publish_refused_as_not_newer_leaves_nothing_in_the_store(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
+) -> None:
+    """A trainer restarted from an older checkpoint publishes steps the session has passed:
+    each is refused, and each wrote a whole copy of the model to the store first, under a
+    version number the coordinator never held (nothing ever removed it)."""
+    from weightsync.errors import FailedPrecondition
+    from weightsync.transports.fs import FsStore
+
+    root = str(tmp_path / "store")
+    weights = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192, fs_root=root, publish_wait_s=0
+    )
+    with WeightPublisher(settings) as publisher:
+        publisher.publish(weights, 5)
+        with pytest.raises(FailedPrecondition, match="not newer"):
+            publisher.publish({"model.norm.weight": weights["model.norm.weight"] + 1}, 3)
+        assert FsStore(root).versions("job") == [5]
+        publisher.publish({"model.norm.weight": weights["model.norm.weight"] + 2}, 6)  # its slot was freed
+        assert FsStore(root).versions("job") == [5, 6]
+
+
+def test_wsctl_deletes_a_finished_sessions_fs_store_directory_with_it(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
+) -> None:
+    """DeleteSession cannot reach the store: every finished job left its last versions there
+    (a whole copy of the model per slot) for good."""
+    import json
+    import subprocess
+    import sys
+
+    from weightsync.transports.fs import FsStore
+
+    root = str(tmp_path / "store")
+    weights = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
+    for session in ("job", "other-job"):
+        settings = PublisherSettings(
+            coordinator=inprocess_coordinator.address, session=session, chunk_bytes=8192, fs_root=root
+        )
+        with WeightPublisher(settings) as publisher:
+            publisher.publish(weights, 1)
+            publisher.publish({"model.norm.weight": weights["model.norm.weight"] + 1}, 2)
+    wsctl = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--json"]
+
+    def delete(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*wsctl, "delete-session", *args], capture_output=True, text=True, timeout=60)
+
+    refused = delete("job", "--force", "--fs-root", "bogus://bucket")  # a root it cannot use: nothing deleted
+    assert refused.returncode == 2 and "fs_root" in refused.stderr
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        assert [v.version for v in client.status("job").versions] == [2, 1]
+    done = delete("job", "--force", "--fs-root", root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"versions": "2", "agents": 0, "fs_store_removed": True}
+    store = FsStore(root)
+    assert store.versions("job") == [] and store.versions("other-job") == [1, 2]
+    again = delete("job", "--fs-root", root)  # nothing left of it anywhere
+    assert again.returncode == 2 and "NOT_FOUND" in again.stderr
+    # a session deleted before without --fs-root: its directory goes when named again
+    assert delete("other-job", "--force").returncode == 0 and store.versions("other-job") == [1, 2]
+    late = delete("other-job", "--fs-root", root)
+    assert late.returncode == 0, late.stderr
+    assert json.loads(late.stdout)["fs_store_removed"] is True and store.versions("other-job") == []

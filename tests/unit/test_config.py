@@ -125,6 +125,7 @@ def test_one_settings_class_feeds_every_rollout_entry_point() -> None:
         ({"apply_mode": "lazy"}, "init_info.apply_mode"),
         ({"weight_sync_mode": "udp"}, "init_info.weight_sync_mode"),
         ({"weight_sync_mode": "fs"}, "init_info.fs_root"),
+        ({"weight_sync_mode": "fs", "fs_root": "bogus://bucket"}, "init_info.fs_root"),
         ({"streams": 0}, "init_info.streams"),
         ({"prefetch_nice": -1}, "init_info.prefetch_nice"),
         ({"prefetch_nice": 20}, "init_info.prefetch_nice"),
@@ -341,6 +342,10 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
         # registered as the address other agents dial: they failed to, version after version
         ("rollout", ["--advertise-host=-1"], "advertise_host"),
         ("trainer", ["--advertise-host", "pod ip"], "advertise_host"),
+        # a store scheme fsspec does not know, or whose package is missing: every round failed
+        ("rollout", ["--weight-sync-mode", "fs", "--fs-root", "bogus://bucket"], "fs_root"),
+        ("rollout", ["--fs-root", "s3://bucket/ws"], "s3fs"),
+        ("trainer", ["--weight-sync-mode", "fs", "--fs-root", "bogus://bucket"], "fs_root"),
     ],
 )
 def test_settings_past_what_a_process_can_use_are_refused_at_start(

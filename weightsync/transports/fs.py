@@ -26,6 +26,7 @@ import xxhash
 from weightsync.errors import InvalidArgument, ResourceExhausted, TransportUnavailable, WeightsyncError
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
+from weightsync.validation import check_session_name
 
 PART_FILE = "part.bin"
 DELTA_FILE = "delta.bin"
@@ -73,12 +74,24 @@ def check_part_uri(uri: str, session: str, version: int, rank: int, field: str =
         )
 
 
+def check_fs_root(root: str, field: str = "fs_root") -> str:
+    """Refuses a root whose scheme fsspec does not know, or whose package is not installed
+    (`gs://` without the `gcs` extra), at start: a rollout served for hours and failed every
+    round on it. Makes no connection."""
+    if not root:
+        raise InvalidArgument("must not be empty", field=field)
+    try:
+        fsspec.get_filesystem_class(fsspec.core.split_protocol(root)[0] or "file")
+    except (ImportError, ValueError) as e:
+        raise InvalidArgument(f"{root!r}: {e}", field=field) from None
+    return root
+
+
 class FsStore:
     """One configured root; every path it touches is checked to stay inside it."""
 
     def __init__(self, root: str) -> None:
-        if not root:
-            raise InvalidArgument("must not be empty", field="fs_root")
+        check_fs_root(root)
         self.fs, _ = fsspec.core.url_to_fs(root)
         self.protocol = _scheme(root)
         self.root = _store_path(root)
@@ -107,16 +120,20 @@ class FsStore:
     def uri_of(self, path: str) -> str:
         return path if self.protocol == "file" else f"{self.protocol}://{path.lstrip('/')}"
 
-    def write_part(self, session: str, version: int, rank: int, data: Any, delta: Any = None, *, content: str) -> str:
+    def write_part(
+        self, session: str, version: int, rank: int, data: Any, delta: Any = None, *, content: str
+    ) -> tuple[str, bool]:
         """Writes part.bin (and delta.bin: the delta's encoded bytes), then the marker last,
         under the `content` directory (`content_id`); returns the part's path relative to
-        the root. A part already there (its marker written) holds these bytes: it is left
-        as it is, not rewritten under a reader."""
+        the root and whether this call wrote it. A part already there (its marker written)
+        holds these bytes: it is left as it is, not rewritten under a reader. A write that
+        fails takes what it wrote with it (a store that filled up mid-part kept a partial
+        copy of the model for good)."""
         relative = part_path(session, version, rank, content)
         d = posixpath.join(self.root, relative)
         try:
             if self.fs.exists(posixpath.join(d, MARKER)):
-                return relative
+                return relative, False
             self.fs.makedirs(d, exist_ok=True)
             with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
                 f.write(data)
@@ -125,18 +142,41 @@ class FsStore:
                     f.write(delta)
             self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         except OSError as e:  # no marker was written: readers never see the partial part
+            try:
+                self._remove_upwards(d, stop=posixpath.join(self.root, session))
+            except OSError:
+                pass  # the store's trouble again; the part stays unmarked, never read
             raise store_error(e, f"cannot write {self.uri_of(d)}") from e
-        return relative
+        return relative, True
+
+    def _remove_upwards(self, d: str, *, stop: str) -> None:
+        """Removes directory `d`, then each parent left empty, up to (not including) `stop`."""
+        if self.fs.exists(d):
+            self.fs.rm(d, recursive=True)
+        d = posixpath.dirname(d)
+        while d != stop and d.startswith(stop + "/") and self.fs.exists(d) and not self.fs.ls(d, detail=False):
+            self.fs.rm(d, recursive=True)
+            d = posixpath.dirname(d)
 
     def remove_part(self, session: str, version: int, rank: int) -> None:
         """Garbage-collects one rank's part, every content of it (and the version
         directory once it is empty)."""
-        d = self._rank_dir(session, version, rank)
-        if self.fs.exists(d):
-            self.fs.rm(d, recursive=True)
-        parent = posixpath.dirname(d)
-        if self.fs.exists(parent) and not self.fs.ls(parent, detail=False):
-            self.fs.rm(parent, recursive=True)
+        self._remove_upwards(self._rank_dir(session, version, rank), stop=posixpath.join(self.root, session))
+
+    def remove_content(self, session: str, version: int, rank: int, content: str) -> None:
+        """Removes one content directory of a rank's part (a copy the coordinator refused),
+        and the directories above it it leaves empty."""
+        d = posixpath.join(self.root, part_path(session, version, rank, content))
+        self._remove_upwards(d, stop=posixpath.join(self.root, session))
+
+    def remove_session(self, session: str) -> bool:
+        """Removes a (deleted) session's directory, every version of it; False when the
+        store holds none."""
+        d = posixpath.join(self.root, check_session_name(session))
+        if not self.fs.exists(d):
+            return False
+        self.fs.rm(d, recursive=True)
+        return True
 
     def remove_version(self, session: str, version: int) -> None:
         """Garbage-collects every rank's part of a version (a restart may have fewer ranks)."""
