@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -102,6 +103,7 @@ def _content_id(staged: _StagedPart) -> str:
 
 # Fields of a ResourceExhausted that space freed elsewhere may end.
 FULL_DISK_FIELDS = ("database", "fs_root", "arena")
+CLOSE_WAIT_S = 10.0  # beyond the calls' deadlines, what close() waits for another thread's publish
 
 
 def _may_pass(e: WeightsyncError) -> bool:
@@ -177,6 +179,10 @@ class WeightPublisher:
         self._manifest_digests: dict[int, str] = {}  # versions this rank published -> their digest
         self._started = self._closed = False
         self._resources = contextlib.ExitStack()  # closes what start() opened, in reverse
+        # One publish at a time: two on two threads claimed the same free slot, staged over
+        # each other and both reported READY (one version unservable, its arena leaked).
+        self._publishing = threading.Lock()
+        self._publishing_thread = 0  # the thread holding it, so a close() from it never waits
 
     def start(self, *, next_version: int = 0) -> WeightPublisher:
         """Attaches to the session and starts serving; returns self. Idempotent.
@@ -296,9 +302,28 @@ class WeightPublisher:
 
     # -- lifecycle ------------------------------------------------------------------
     def close(self) -> None:
-        """Stops heartbeats and serving, deregisters, frees the arena; idempotent."""
+        """Stops heartbeats and serving, deregisters, frees the arena; idempotent. A publish
+        running on another thread is waited for first (it stops trying again once closed):
+        the arena it stages into and serves from is unmapped here."""
         self._closed = True
-        self._resources.close()
+        waited = self._publishing_thread != threading.get_ident() and self._publishing.acquire(
+            timeout=2 * self.settings.timeout_s + CLOSE_WAIT_S
+        )
+        try:
+            self._resources.close()
+        finally:
+            if waited:
+                self._publishing.release()
+
+    @contextlib.contextmanager
+    def _one_publish(self) -> Iterator[None]:
+        """Publishes run one at a time, in call order of the lock: versions must still rise."""
+        with self._publishing:
+            self._publishing_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._publishing_thread = 0
 
     def _stop_serving(self) -> None:
         self.server.enter_graceful_shutdown()  # health first: nobody new is sent here
@@ -367,7 +392,8 @@ class WeightPublisher:
     def publish(self, params: Mapping[str, Any], version: int, *, idempotency_key: str | None = None) -> PublishResult:
         """Stages `params` (HF name -> array or HostShard) into a free slot and publishes it.
 
-        Re-publishing the same version with the same key returns the first result.
+        Re-publishing the same version with the same key returns the first result. A call
+        while another thread's publish runs waits for it to end.
 
         A failure that may pass by itself is tried again, with backoff, for up to
         `publish_wait_s` (the same version and key: nothing is published twice): the
@@ -386,13 +412,13 @@ class WeightPublisher:
             TransportUnavailable, DeadlineExceeded: the coordinator stayed unreachable
                 for publish_wait_s.
         """
-        with version_context(version):
+        with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             staged = _ride_out(
                 f"staging version {version}",
                 self.settings.publish_wait_s,
                 lambda: self._stage(params, version, idempotency_key),
-                _may_pass,
+                self._may_pass,
             )
             return self._send(staged, deadline)
 
@@ -504,15 +530,18 @@ class WeightPublisher:
         A failure that may pass by itself is tried again as in `publish`: finding a slot
         before the first item is taken, and sending the staged part (`items` is read once).
         """
-        with version_context(version):
+        with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             slot = _ride_out(
                 f"finding a slot for version {version}",
                 self.settings.publish_wait_s,
                 lambda: self._fitted_slot(version, capacity_bytes),
-                _may_pass,
+                self._may_pass,
             )
             return self._send(self._stage_stream(items, version, slot, idempotency_key), deadline)
+
+    def _may_pass(self, e: WeightsyncError) -> bool:
+        return not self._closed and _may_pass(e)
 
     def _fitted_slot(self, version: int, slot_bytes: int) -> int:
         slot = self._claim_slot(version)
@@ -540,7 +569,7 @@ class WeightPublisher:
                 f"publishing version {staged.version}",
                 deadline - time.monotonic(),
                 lambda: self._seal(staged),
-                _may_pass,
+                self._may_pass,
             )
         except WeightsyncError as e:
             self.table.set(staged.slot, None)
@@ -695,7 +724,7 @@ class WeightPublisher:
                     except WeightsyncError:
                         break
                 except FailedPrecondition as e:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or self._closed:
                         raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
                     time.sleep(0.05)
                 except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
