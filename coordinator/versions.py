@@ -33,6 +33,7 @@ from weightsync.errors import (
 )
 from weightsync.manifest import Manifest, Part
 from weightsync.validation import (
+    MAX_KEY_CHARS,
     Limits,
     check_agent_id,
     check_session_name,
@@ -89,8 +90,8 @@ class VersionLifecycle:
         """
         check_session_name(session)
         check_version(version, "header.version")
-        if len(idempotency_key) > 256:
-            raise InvalidArgument("longer than 256 characters", field="header.idempotency_key")
+        if len(idempotency_key) > MAX_KEY_CHARS:
+            raise InvalidArgument(f"longer than {MAX_KEY_CHARS} characters", field="header.idempotency_key")
         digest = part.digest()
         body = part.to_json()
         # Validation runs before the store's lock is taken: a part of 10^5 tensors takes a

@@ -55,6 +55,7 @@ from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore, content_id
 from weightsync.transports.tcp import TcpChunkServer
+from weightsync.validation import INT64_MAX, MAX_KEY_CHARS, check_int_arg, check_version_arg
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,6 +112,13 @@ def _may_pass(e: WeightsyncError) -> bool:
     if isinstance(e, ResourceExhausted):
         return e.field in FULL_DISK_FIELDS
     return isinstance(e, (*TRANSIENT_ERRORS, SlotBusy))
+
+
+def _checked_args(version: Any, idempotency_key: str | None) -> int:
+    """What a publish call names, checked before anything is staged."""
+    if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > MAX_KEY_CHARS):
+        raise InvalidArgument(f"must be a string of at most {MAX_KEY_CHARS} characters", field="idempotency_key")
+    return check_version_arg(version)
 
 
 def _refuses_content(e: WeightsyncError) -> bool:
@@ -194,6 +202,8 @@ class WeightPublisher:
         """
         if self._started:
             return self
+        if next_version != 0 or next_version is False:
+            check_version_arg(next_version, "next_version")
         self._started = True
         try:
             self._start(next_version)
@@ -403,7 +413,8 @@ class WeightPublisher:
         staged, the version is not staged again: its part is sent again as it is.
 
         Raises:
-            InvalidArgument: bad names, dtypes or shapes (nothing is published).
+            InvalidArgument: bad names, dtypes or shapes, a version that is not an integer
+                in [1, 2^63-1] (checked before anything is staged; nothing is published).
             StaleGeneration: another incarnation attached since; this publisher is fenced.
             SlotBusy (FailedPrecondition): no slot could be freed within slot_wait_s, still
                 after publish_wait_s.
@@ -412,6 +423,7 @@ class WeightPublisher:
             TransportUnavailable, DeadlineExceeded: the coordinator stayed unreachable
                 for publish_wait_s.
         """
+        version = _checked_args(version, idempotency_key)
         with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             staged = _ride_out(
@@ -530,6 +542,8 @@ class WeightPublisher:
         A failure that may pass by itself is tried again as in `publish`: finding a slot
         before the first item is taken, and sending the staged part (`items` is read once).
         """
+        version = _checked_args(version, idempotency_key)
+        capacity_bytes = check_int_arg(capacity_bytes, "capacity_bytes", 1, INT64_MAX)
         with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             slot = _ride_out(
@@ -571,9 +585,9 @@ class WeightPublisher:
                 lambda: self._seal(staged),
                 self._may_pass,
             )
-        except WeightsyncError as e:
+        except Exception as e:  # any: a slot left set would be served, and released, as that version
             self.table.set(staged.slot, None)
-            if staged.fs_written and _refuses_content(e):
+            if isinstance(e, WeightsyncError) and staged.fs_written and _refuses_content(e):
                 self._remove_refused_copy(staged)
             raise
 
@@ -639,6 +653,13 @@ class WeightPublisher:
             log.warning("version %d: the delta was refused (%s); publishing it without one", version, e.message)
             staged.delta = delta = None  # (a try after this one sends none either)
             resp = self._publish_part(version, staged.key, dataclasses.replace(part, delta=None))
+        held = [s for s, e in self.table.entries().items() if s != slot and e.version == version]
+        if resp.duplicate and held:
+            # The same version and bytes again (a retried call): the slot that held them
+            # first serves them (the manifest names it); this copy goes, or both slots held
+            # one version and the next publish released it from under the other.
+            self.table.set(slot, None)
+            slot = held[0]
         if resp.version.manifest_digest:
             self._manifest_digests = {v: d for v, d in self._manifest_digests.items() if v >= version - 4} | {
                 version: resp.version.manifest_digest
@@ -740,7 +761,7 @@ class WeightPublisher:
 
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:
         """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state name."""
-        info = self._client.wait_for_version(self.session, version, timeout_s=timeout_s)
+        info = self._client.wait_for_version(self.session, check_version_arg(version), timeout_s=timeout_s)
         return _tpb.VersionState.Name(info.state)
 
     @property

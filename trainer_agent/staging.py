@@ -12,15 +12,17 @@ import bisect
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from weightsync import native
 from weightsync.digests import float64_sum, piecewise_xxh3, xxh3
 from weightsync.dtypes import dtype_name_of, native_code
-from weightsync.errors import InternalError, ResourceExhausted
+from weightsync.errors import InternalError, InvalidArgument, ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
 from weightsync.manifest import ChunkSpec, ShardSpec, TensorSpec
+from weightsync.validation import check_tensor_name
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,24 @@ class Layout:
         return plan_chunks(self.total_bytes, chunk_bytes, list(zip(self.offsets, self.nbytes)))
 
 
+def tensor_spec(name: Any, dtype: Any, shape: Sequence[int]) -> TensorSpec:
+    """A tensor's spec, or InvalidArgument naming it: a name or dtype the coordinator would
+    refuse is refused before its bytes are staged (a name that was not a string failed as
+    INTERNAL once the part was staged, "Exception iterating requests!"; a dtype error did
+    not say which of a model's tensors it was)."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"tensor names are strings, got {type(name).__name__} {name!r:.60}", field="params")
+    field = f"params[{name!r:.200}]"
+    check_tensor_name(name, field)
+    return TensorSpec(name, dtype_name_of(dtype, field), tuple(shape))
+
+
 def plan_layout(shards: Sequence[HostShard]) -> Layout:
     """Tensor specs (first shard of each name) and aligned shard offsets."""
     tensors: dict[str, TensorSpec] = {}
     for s in shards:
-        tensors.setdefault(s.name, TensorSpec(s.name, dtype_name_of(s.data.dtype), tuple(s.global_shape)))
+        if s.name not in tensors:
+            tensors[s.name] = tensor_spec(s.name, s.data.dtype, s.global_shape)
     offsets, total = place_shards([s.nbytes for s in shards])
     return Layout(
         tensors=tuple(tensors.values()),
@@ -288,6 +303,8 @@ def stage_stream(
     out = StreamStaged({}, [], 0)
     cursor = 0
     for hs in shards:
+        if hs.name not in out.tensors:
+            out.tensors[hs.name] = tensor_spec(hs.name, hs.data.dtype, hs.global_shape)
         arr = np.ascontiguousarray(hs.data)
         offset = align_up(cursor, SHARD_ALIGN_BYTES)
         if offset + arr.nbytes > slot.nbytes:
@@ -298,7 +315,6 @@ def stage_stream(
         slot[cursor:offset] = 0
         digest, total, known = stage_one(slot, offset, arr, piece_bytes, engine=engine)
         out.known.update(known)
-        out.tensors.setdefault(hs.name, TensorSpec(hs.name, dtype_name_of(arr.dtype), tuple(hs.global_shape)))
         out.shards.append(ShardSpec(hs.name, hs.start, hs.stop, offset, arr.nbytes, digest, total))
         cursor = offset + arr.nbytes
         del arr, hs

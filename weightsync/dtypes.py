@@ -55,13 +55,13 @@ def dtype_from_proto(value: int, field: str = "dtype") -> DTypeInfo:
         ) from None
 
 
-def dtype_name_of(array_dtype: object) -> str:
-    """The whitelist name of a NumPy/JAX dtype, or InvalidArgument."""
+def dtype_name_of(array_dtype: object, field: str = "dtype") -> str:
+    """The whitelist name of a NumPy/JAX dtype, or InvalidArgument naming `field`."""
     dt = np.dtype(array_dtype)  # type: ignore[call-overload]
     for info in _INFOS:
         if info.numpy == dt:
             return info.name
-    raise InvalidArgument(f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}", field="dtype")
+    raise InvalidArgument(f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}", field=field)
 
 
 def native_code(dtype: np.dtype) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import ipaddress
 import math
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from weightsync.addresses import split_host_port
 from weightsync.dtypes import dtype_info
@@ -21,6 +23,7 @@ DIGEST_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # A DNS label (RFC 1123; underscores too, which Docker's service names use).
 HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
+MAX_KEY_CHARS = 256  # a publish's idempotency key
 UINT32_MAX = (1 << 32) - 1  # a uint32 request field (min_rollouts, version_limit)
 MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a rollout process draws at start
 
@@ -105,6 +108,29 @@ def check_version(version: int, field: str = "version") -> int:
     if version <= 0:
         raise InvalidArgument(f"must be > 0, got {version}", field=field)
     return version
+
+
+def check_int_arg(value: Any, field: str, low: int, high: int) -> int:
+    """An integer handed to the Python API (numpy's too, not a bool or a float) in
+    [low, high], as an int; else InvalidArgument naming `field`."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"must be an integer, got {value!r}", field=field)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"must be an integer, got {type(value).__name__} {value!r:.40}", field=field) from None
+    if not low <= number <= high:
+        top = "2^63-1" if high == INT64_MAX else str(high)
+        raise InvalidArgument(f"must be in [{low}, {top}], got {number}", field=field)
+    return number
+
+
+def check_version_arg(version: Any, field: str = "version") -> int:
+    """A version handed to the Python API: in [1, 2^63-1], what the coordinator stores.
+    Checked before anything is staged: a version the request could not carry (-1, 2^64)
+    failed as a ValueError only once the part was staged, and left its slot held under
+    that version, which broke every later publish and the publisher's heartbeat."""
+    return check_int_arg(version, field, 1, INT64_MAX)
 
 
 def _is_host(host: str) -> bool:

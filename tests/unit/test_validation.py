@@ -303,3 +303,19 @@ def test_addresses_with_ipv6_literals_round_trip_and_validate() -> None:
     for bad in ("::1", "[::1]", "host:", ":80", "host:0", "host:65536"):
         with pytest.raises(InvalidArgument, match="host:port|not in \\[1, 65535\\]"):
             check_address(bad, "endpoint.address")
+
+
+def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None:
+    """A publisher took -1 and 2^64 as far as building the request (a ValueError that left
+    its slot held under that version); vLLM's update took 1.5 and True as version 1."""
+    from rollout_agent.vllm_core import parse_version
+    from weightsync.validation import check_version_arg
+
+    assert check_version_arg(np.int64(7)) == 7 and check_version_arg((1 << 63) - 1) == (1 << 63) - 1
+    for bad in (0, -1, 1 << 63, 1.0, True, "3", None):
+        with pytest.raises(InvalidArgument, match="^version: "):
+            check_version_arg(bad)
+    assert [parse_version(v) for v in ("latest", "0", 0, np.int64(0), None, "12", 12)] == [0, 0, 0, 0, 0, 12, 12]
+    for bad in (1.5, True, False, 1 << 64, -1, "-1", " 3", "٣"):
+        with pytest.raises(InvalidArgument, match="^update_info.version: "):
+            parse_version(bad)

@@ -1,0 +1,153 @@
+"""A publisher used as a library: shared by threads (a training loop's background publish, a
+close at exit), handed arguments the coordinator would refuse."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rollout_agent.appliers import DictApplier
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
+from trainer_agent.publisher import PublishResult, WeightPublisher
+from trainer_agent.settings import PublisherSettings
+from weightsync._proto import types_pb2 as tpb
+from weightsync.client import CoordinatorClient
+from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
+from weightsync.server import RunningServer
+
+
+def _weights(version: int, layers: int = 16) -> dict[str, np.ndarray]:
+    return {
+        f"model.layers.{i}.mlp.weight": np.full(1 << 20, version * 100 + i, dtype=np.float32) for i in range(layers)
+    }
+
+
+def test_publishes_from_two_threads_take_two_slots_and_both_serve(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """Two publishes at once claimed the same free slot, staged over each other and were
+    both READY: version 1's bytes were gone (`not staged here`), and an arena leaked."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20, slots=3)
+    results: dict[int, PublishResult] = {}
+    refused: dict[int, WeightsyncError] = {}
+    start = threading.Barrier(2)
+
+    def publish(publisher: WeightPublisher, version: int) -> None:
+        start.wait()
+        try:
+            results[version] = publisher.publish(_weights(version), version)
+        except FailedPrecondition as e:  # version 2 went first: 1 is not newer
+            refused[version] = e
+
+    with WeightPublisher(settings) as publisher:
+        client.register_agent("job", "r0", trainer=False, endpoint=publisher.endpoint)
+        threads = [threading.Thread(target=publish, args=(publisher, v)) for v in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert 2 in results and set(results) | set(refused) == {1, 2}
+        assert all("not newer" in e.message for e in refused.values())
+        assert len({r.slot for r in results.values()}) == len(results)
+        for version in results:
+            puller = WeightPuller(client, "job", "r0", mode="tcp")
+            applier = DictApplier()
+            outcome = sync_version(puller, applier, version)
+            puller.close()
+            assert outcome.ok, outcome.mismatch
+            for name, array in _weights(version).items():
+                assert np.array_equal(applier.weights[name], array)
+    client.close()
+
+
+def test_a_close_from_another_thread_waits_for_the_publish_it_would_unmap(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """close() unmapped the arena under a publish staging into it on another thread."""
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20)
+    publisher = WeightPublisher(settings).start()
+    weights = _weights(1, layers=64)  # 256 MiB: staging takes a while
+    outcome: list[object] = []
+
+    def publish() -> None:
+        try:
+            outcome.append(publisher.publish(weights, 1))
+        except FailedPrecondition as e:  # closed before it claimed a slot
+            outcome.append(e)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    time.sleep(0.2)
+    publisher.close()
+    thread.join(60)
+    assert not thread.is_alive() and len(outcome) == 1
+    with pytest.raises(FailedPrecondition, match="closed"):
+        publisher.publish(weights, 2)
+
+
+@pytest.mark.parametrize(
+    ("params", "version", "field"),
+    [
+        ({"model.norm.weight": np.ones(8, np.float32)}, -1, "version"),  # broke every later publish
+        ({"model.norm.weight": np.ones(8, np.float32)}, 1 << 64, "version"),
+        ({"model.norm.weight": np.ones(8, np.float32)}, 0, "version"),
+        ({"model.norm.weight": np.ones(8, np.float32)}, 1.0, "version"),
+        ({"model.norm.weight": np.ones(8, np.float32)}, True, "version"),
+        ({7: np.ones(8, np.float32)}, 1, "params"),  # INTERNAL once staged
+        ({"model..weight": np.ones(8, np.float32)}, 1, "params['model..weight']"),
+        ({"model.norm.weight": np.ones(8, np.complex64)}, 1, "params['model.norm.weight']"),
+        ({"model": {"norm.weight": np.ones(8, np.float32)}}, 1, "params['model']"),
+    ],
+)
+def test_an_argument_the_coordinator_would_refuse_is_refused_first_and_costs_nothing(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, params: dict, version: object, field: str
+) -> None:
+    """A version the request cannot carry failed as a ValueError once staged and left its
+    slot held under it: every later publish, and the heartbeat, failed on it for good."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", publish_wait_s=0)
+    with WeightPublisher(settings) as publisher:
+        client.register_agent("job", "r0", trainer=False, endpoint=publisher.endpoint)
+        for call in (
+            lambda: publisher.publish(params, version),  # type: ignore[arg-type]
+            lambda: publisher.publish_stream(iter(params.items()), version, capacity_bytes=1 << 20),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(InvalidArgument) as refused:
+                call()
+            assert refused.value.field == field, refused.value.message
+        assert list(client.status("job").versions) == []
+        good = _weights(1, layers=2)
+        assert publisher.publish(good, 1).state == "READY"
+        puller = WeightPuller(client, "job", "r0", mode="tcp")
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, 1)
+        puller.close()
+        assert outcome.ok, outcome.mismatch
+        assert publisher.wait_committed(1, timeout_s=30) == "COMMITTED"
+    client.close()
+
+
+def test_a_publish_called_again_keeps_its_version_in_one_slot(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A call made again (same version, key and bytes: a retry after an error the caller
+    could not read) staged a second copy into the other slot: both slots held version 1,
+    and publishing version 2 released version 1 at once to free one of them."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", slots=2)
+    with WeightPublisher(settings) as publisher:
+        first = publisher.publish(_weights(1, layers=2), 1)
+        again = publisher.publish(_weights(1, layers=2), 1)
+        assert again.duplicate and again.slot == first.slot
+        assert publisher.publish(_weights(2, layers=2), 2).slot != first.slot
+        states = {v.version: v.state for v in client.status("job").versions}
+        assert tpb.VersionState.Name(states[1]) != "RELEASED"
+    client.close()
