@@ -13,14 +13,14 @@ whole model.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from trainer_agent.staging import HostShard
-from weightsync.dtypes import dtype_info
+from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
 
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -56,6 +56,22 @@ def _dtype(value: Any) -> np.dtype:
     data = value.data if isinstance(value, HostShard) else value
     dt = getattr(data, "dtype", None)
     return np.dtype(dt) if dt is not None else np.asarray(data).dtype
+
+
+def check_param(name: str, value: Any) -> None:
+    """InvalidArgument naming `params[name]` for a value that is no array of real numbers:
+    with `weight_dtype` set it was cast first, so a nested tree or None failed as a
+    TypeError mid-staging and complex values lost their imaginary part without a word."""
+    field = f"params[{name!r:.200}]"
+    if isinstance(value, Mapping):
+        raise InvalidArgument(
+            "is a mapping: params maps flat tensor names (the checkpoint's, e.g. 'model.norm.weight') to arrays; "
+            "flatten a nested tree first",
+            field=field,
+        )
+    dt = _dtype(value)
+    if dt.kind not in "biuf" and dt.name not in ALLOWED:
+        raise InvalidArgument(f"dtype {dt} is not a real number type (one of {', '.join(ALLOWED)})", field=field)
 
 
 def _needs_cast(value: Any, weight_dtype: str) -> bool:
@@ -154,6 +170,7 @@ def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tup
     """Each item's replica-0 shards, lazily: (metadata, device shard) for JAX arrays, cast on
     their device one tensor at a time; host values pass through as host shards."""
     for name, value in items:
+        check_param(name, value)
         if not hasattr(value, "addressable_shards"):
             yield from ((s, s.data) for s in host_shards(name, value, weight_dtype))
             continue

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from trainer_agent.delta import CHUNK_CAP
-from trainer_agent.params import choose_staging_path, device_stream, host_shards, shard_metas
+from trainer_agent.params import check_param, choose_staging_path, device_stream, host_shards, shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import (
     DeltaTarget,
@@ -46,6 +46,8 @@ class StagePlan:
 def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> StagePlan:
     """The path for these params and their layout (no byte moves on the ffi and device paths)."""
     dtype = settings.weight_dtype
+    for name, value in params.items():
+        check_param(name, value)
     path = choose_staging_path(
         list(params.values()),
         # a delta is encoded in the host and device paths' staging pass, not in the FFI call

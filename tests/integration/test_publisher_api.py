@@ -91,28 +91,42 @@ def test_a_close_from_another_thread_waits_for_the_publish_it_would_unmap(
         publisher.publish(weights, 2)
 
 
+ONES = np.ones(8, np.float32)
+
+
 @pytest.mark.parametrize(
-    ("params", "version", "field"),
+    ("params", "version", "weight_dtype", "field"),
     [
-        ({"model.norm.weight": np.ones(8, np.float32)}, -1, "version"),  # broke every later publish
-        ({"model.norm.weight": np.ones(8, np.float32)}, 1 << 64, "version"),
-        ({"model.norm.weight": np.ones(8, np.float32)}, 0, "version"),
-        ({"model.norm.weight": np.ones(8, np.float32)}, 1.0, "version"),
-        ({"model.norm.weight": np.ones(8, np.float32)}, True, "version"),
-        ({7: np.ones(8, np.float32)}, 1, "params"),  # INTERNAL once staged
-        ({"model..weight": np.ones(8, np.float32)}, 1, "params['model..weight']"),
-        ({"model.norm.weight": np.ones(8, np.complex64)}, 1, "params['model.norm.weight']"),
-        ({"model": {"norm.weight": np.ones(8, np.float32)}}, 1, "params['model']"),
+        ({"model.norm.weight": ONES}, -1, "", "version"),  # broke every later publish
+        ({"model.norm.weight": ONES}, 1 << 64, "", "version"),
+        ({"model.norm.weight": ONES}, 0, "", "version"),
+        ({"model.norm.weight": ONES}, 1.0, "", "version"),
+        ({"model.norm.weight": ONES}, True, "", "version"),
+        ({7: ONES}, 1, "", "params"),  # INTERNAL once staged
+        ({"model..weight": ONES}, 1, "", "params['model..weight']"),
+        ({"model.norm.weight": np.ones(8, np.complex64)}, 1, "", "params['model.norm.weight']"),
+        ({"model": {"norm.weight": ONES}}, 1, "", "params['model']"),
+        # cast first: a TypeError mid-staging, and complex values cast without a word
+        ({"model": {"norm.weight": ONES}}, 1, "bfloat16", "params['model']"),
+        ({"model.norm.weight": None}, 1, "bfloat16", "params['model.norm.weight']"),
+        ({"model.norm.weight": np.ones(8, np.complex64)}, 1, "bfloat16", "params['model.norm.weight']"),
     ],
 )
 def test_an_argument_the_coordinator_would_refuse_is_refused_first_and_costs_nothing(
-    inprocess_coordinator: RunningServer, no_arena_leak: None, params: dict, version: object, field: str
+    inprocess_coordinator: RunningServer,
+    no_arena_leak: None,
+    params: dict,
+    version: object,
+    weight_dtype: str,
+    field: str,
 ) -> None:
     """A version the request cannot carry failed as a ValueError once staged and left its
     slot held under it: every later publish, and the heartbeat, failed on it for good."""
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
-    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", publish_wait_s=0)
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address, session="job", publish_wait_s=0, weight_dtype=weight_dtype
+    )
     with WeightPublisher(settings) as publisher:
         client.register_agent("job", "r0", trainer=False, endpoint=publisher.endpoint)
         for call in (
