@@ -35,6 +35,7 @@ from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
 from weightsync.transports.tcp import answers
+from weightsync.validation import INT64_MAX, check_int_arg
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
@@ -360,6 +361,7 @@ class WeightPuller:
 
     def fetch_manifest(self, version: int = 0) -> tuple[pb.ManifestHeader, Manifest]:
         """The manifest of `version` (0 = newest servable); takes a lease on it."""
+        version = check_int_arg(version, "version", 0, INT64_MAX)
         return self.client.get_manifest(self.session, version, agent_id=self.agent_id)
 
     def mode_for(self, header: pb.ManifestHeader) -> str:

@@ -319,3 +319,12 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
     for bad in (1.5, True, False, 1 << 64, -1, "-1", " 3", "٣"):
         with pytest.raises(InvalidArgument, match="^update_info.version: "):
             parse_version(bad)
+    from rollout_agent.puller import WeightPuller
+    from weightsync.client import CoordinatorClient
+
+    with CoordinatorClient("127.0.0.1:1") as client:  # never dialled: refused first
+        puller = WeightPuller(client, "job", "r0", mode="grpc")
+        for bad in (-1, 1 << 64, 2.0):
+            with pytest.raises(InvalidArgument, match="^version: "):
+                puller.fetch_manifest(bad)  # type: ignore[arg-type]
+        puller.close()
