@@ -317,6 +317,46 @@ def test_tcp_server_reclaims_idle_and_stalled_connections_and_holds_its_limit(
     client.close()
 
 
+def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """A connection waited the idle timeout (5 minutes) between requests whether or not it
+    had ever shown a version's token: a stranger's connections, one per place under the
+    limit, kept every rollout out for that long. Until a valid token, it waits only the
+    stall timeout; a rollout's connection (valid token) stays for reuse."""
+    with (
+        CoordinatorClient(inprocess_coordinator.address) as client,
+        WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub,
+    ):
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish({"w": np.ones(4096, np.float32)}, 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        server = pub.tcp_server
+        assert server is not None
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+        server.idle_timeout_s, server.stall_timeout_s = 60.0, 0.5
+        silent = socket.create_connection((host, int(port)), timeout=5)
+        stranger = socket.create_connection((host, int(port)), timeout=5)
+        wrong = header.__class__()
+        wrong.CopyFrom(header)
+        wrong.access_token = "0" * len(header.access_token)
+        stranger.sendall(_raw_request(wrong, manifest, [0]))
+        _, code, mlen, _ = REPLY.unpack(stranger.recv(REPLY.size, socket.MSG_WAITALL))
+        assert code == 7 and b"token" in stranger.recv(mlen, socket.MSG_WAITALL)  # PERMISSION_DENIED
+        rollout = socket.create_connection((host, int(port)), timeout=5)
+        rollout.sendall(_raw_request(header, manifest, [0]))
+        _, code, _, payload = REPLY.unpack(rollout.recv(REPLY.size, socket.MSG_WAITALL))
+        assert code == 0 and len(rollout.recv(payload, socket.MSG_WAITALL)) == payload
+        for strangers in (silent, stranger):
+            assert strangers.recv(1) == b""  # closed by the server after 0.5 s idle
+            strangers.close()
+        time.sleep(1.0)
+        assert server.connections == 1  # the rollout's, twice the stall timeout idle
+        rollout.sendall(_raw_request(header, manifest, [0]))  # and reused
+        assert REPLY.unpack(rollout.recv(REPLY.size, socket.MSG_WAITALL))[1] == 0
+        rollout.close()
+
+
 def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(cluster: Cluster) -> None:
     """Accepting past the process's descriptor limit fails (EMFILE); the accept loop used to
     end there, leaving a trainer whose gRPC health said SERVING and whose tcp port took

@@ -14,8 +14,9 @@ each chunk as it lands, both in the native shim with the GIL released.
 
 A refused request gets a status and a message naming the field; the connection stays
 usable. Connections are persistent: one per (endpoint, lane), reused across versions.
-The server closes a connection idle for `IDLE_TIMEOUT_S` or stalled mid-request (no
-byte moved either way) for `STALL_TIMEOUT_S`, refuses connections beyond its limit with
+The server closes a connection idle for `IDLE_TIMEOUT_S` (`STALL_TIMEOUT_S` until it has
+shown a version's token) or stalled mid-request (no byte moved either way) for
+`STALL_TIMEOUT_S`, refuses connections beyond its limit with
 `RESOURCE_EXHAUSTED`, and keeps accepting through transient accept errors (out of file
 descriptors); a client finds its idle connection closed before reusing it and dials again.
 """
@@ -219,10 +220,15 @@ class TcpChunkServer:
             conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        # A connection waits `idle_timeout_s` between requests only once it has shown a
+        # version's token: one that never did (a scanner, a stranger) held a thread and a
+        # place under the connection limit for 5 minutes, and the limit's worth of them
+        # kept every rollout out for that long.
+        trusted = False
         try:
             _tune(conn)
             while True:
-                _set_io_timeout(conn, self.idle_timeout_s)
+                _set_io_timeout(conn, self.idle_timeout_s if trusted else self.stall_timeout_s)
                 try:
                     first = conn.recv(REQUEST.size)
                 except OSError:
@@ -230,7 +236,7 @@ class TcpChunkServer:
                 if not first:
                     return
                 _set_io_timeout(conn, self.stall_timeout_s)
-                self._answer(conn, first + _recv_exact(conn, REQUEST.size - len(first)))
+                trusted = self._answer(conn, first + _recv_exact(conn, REQUEST.size - len(first))) or trusted
         except (OSError, WeightsyncError) as e:
             log.debug("tcp connection ended mid-reply: %s", e)
         finally:
@@ -238,7 +244,8 @@ class TcpChunkServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, conn: socket.socket, head: bytes) -> None:
+    def _answer(self, conn: socket.socket, head: bytes) -> bool:
+        """Answers one request; True when it carried a version's valid token."""
         magic, token_len, session_len, version, rank, count = REQUEST.unpack(head)
         if magic != REQUEST_MAGIC or token_len > MAX_TOKEN or session_len > MAX_SESSION:
             # Not our protocol (or a corrupt stream): answer once and drop the connection.
@@ -251,15 +258,17 @@ class TcpChunkServer:
         token = body[:token_len].decode("utf-8", "replace")
         session = body[token_len : token_len + session_len].decode("utf-8", "replace")
         indices = np.frombuffer(body, "<u4", count, token_len + session_len).tolist()
+        trusted = False
         try:
             if count == 0:
                 raise InvalidArgument("must name at least one chunk", field="indices")
             self._source.check_token(session, version, token)
+            trusted = True
             self._source.check_read(session, version, rank, indices)
             total = self._source.chunk_lengths(session, version, rank, indices)
         except WeightsyncError as e:
             self._reply(conn, e)
-            return
+            return trusted
         conn.sendall(REPLY.pack(REPLY_MAGIC, 0, 0, total))
         if self._failpoints.fire("tcp_server.drop_mid_reply"):
             raise ConnectionAbortedError("failpoint tcp_server.drop_mid_reply: connection dropped mid-reply")
@@ -268,6 +277,7 @@ class TcpChunkServer:
         sent = self._source.send_chunks(conn.fileno(), session, version, rank, indices)
         if sent != total:
             raise ConnectionAbortedError(f"sent {sent} of {total} bytes")
+        return True
 
     @staticmethod
     def _reply(conn: socket.socket, error: WeightsyncError) -> None:
