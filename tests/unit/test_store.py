@@ -612,6 +612,31 @@ def test_what_a_replaced_trainer_left_is_released_once_its_successor_commits_a_n
         store.close()
 
 
+def test_a_version_a_replaced_trainer_left_half_sealed_fails_and_is_summarized(tmp_path: Path, clock: Clock) -> None:
+    """A multi-host trainer preempted between its ranks' seals leaves a version no rank of a
+    newer generation may seal: it fails when the new generation attaches, so the retention
+    window summarizes it (and the successor removes its fs store parts)."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, retain_versions=1, clock=clock)
+    try:
+        old = attach(store, ranks=2, rollouts=("r0",))
+        arrays = sample_arrays()
+        halves = [make_part(row_shards(arrays, rank, 2), rank=rank)[0] for rank in (0, 1)]
+        store.publish_part("job", generation=old, version=1, idempotency_key="k1", part=halves[0])
+        assert store.sweep() == {} and store.version("job", 1).state is S.STAGING  # its rank 1 may still seal it
+        new = attach(store, ranks=2, incarnation="run-2")
+        with pytest.raises(FailedPrecondition):  # the old generation's rank 1 comes too late
+            store.publish_part("job", generation=old, version=1, idempotency_key="k1", part=halves[1])
+        rec = store.version("job", 1)
+        assert rec.state is S.FAILED and rec.reason == "superseded by generation 2"
+        for part in halves:
+            store.publish_part("job", generation=new, version=2, idempotency_key="k2", part=part)
+        store.report_applied("job", 2, "r0", good_report(store, 2))
+        assert store.version("job", 2).state is S.COMMITTED
+        assert store.prune() == 1 and store.parts("job", 1) == []
+    finally:
+        store.close()
+
+
 def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp_path: Path, clock: Clock) -> None:
     """Pods that come and go under new names each left a row in every status reply for good."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60)
