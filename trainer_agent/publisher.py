@@ -424,6 +424,12 @@ class WeightPublisher:
                 for publish_wait_s.
         """
         version = _checked_args(version, idempotency_key)
+        if not isinstance(params, Mapping):
+            raise InvalidArgument(
+                f"must map tensor names to arrays, got {type(params).__name__} (publish_stream takes (name, array) "
+                "pairs)",
+                field="params",
+            )
         with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             staged = _ride_out(

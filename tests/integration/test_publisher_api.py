@@ -103,6 +103,7 @@ ONES = np.ones(8, np.float32)
         ({"model.norm.weight": ONES}, 1.0, "", "version"),
         ({"model.norm.weight": ONES}, True, "", "version"),
         ({7: ONES}, 1, "", "params"),  # INTERNAL once staged
+        ([("model.norm.weight", ONES)], 1, "", "params"),  # an AttributeError; publish_stream takes pairs
         ({"model..weight": ONES}, 1, "", "params['model..weight']"),
         ({"model.norm.weight": np.ones(8, np.complex64)}, 1, "", "params['model.norm.weight']"),
         ({"model": {"norm.weight": ONES}}, 1, "", "params['model']"),
@@ -129,10 +130,10 @@ def test_an_argument_the_coordinator_would_refuse_is_refused_first_and_costs_not
     )
     with WeightPublisher(settings) as publisher:
         client.register_agent("job", "r0", trainer=False, endpoint=publisher.endpoint)
-        for call in (
-            lambda: publisher.publish(params, version),  # type: ignore[arg-type]
-            lambda: publisher.publish_stream(iter(params.items()), version, capacity_bytes=1 << 20),  # type: ignore[arg-type]
-        ):
+        calls = [lambda: publisher.publish(params, version)]  # type: ignore[arg-type]
+        if isinstance(params, dict):  # the same tensors as (name, array) pairs
+            calls.append(lambda: publisher.publish_stream(iter(params.items()), version, capacity_bytes=1 << 20))  # type: ignore[arg-type]
+        for call in calls:
             with pytest.raises(InvalidArgument) as refused:
                 call()
             assert refused.value.field == field, refused.value.message
