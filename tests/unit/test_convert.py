@@ -235,8 +235,15 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
             ModelDims(layers=L, heads=N, kv_heads=K, head_dim=2 * H, vocab=V),
             r"on the head_dim axis, but ModelDims.head_dim=32",
         ),
+        (
+            "qwen3",
+            {},
+            {},
+            ModelDims(layers=L, heads=N, kv_heads=K, head_dim=H, vocab=V + 1),  # kept whole: refused at apply
+            rf"token_embedder.embedding' \(shape \({V}, \d+\)\) has {V} vocab rows, but ModelDims.vocab={V + 1}",
+        ),
     ],
-    ids=["scan-axis", "layers", "unscanned-layers", "tied", "family", "heads", "head-dim"],
+    ids=["scan-axis", "layers", "unscanned-layers", "tied", "family", "heads", "head-dim", "vocab"],
 )
 def test_options_that_do_not_fit_the_tree_are_refused_naming_the_option(
     family: str, layout: dict, options: dict, model_dims: ModelDims, refusal: str

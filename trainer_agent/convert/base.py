@@ -136,7 +136,7 @@ def convert(
         UnknownKey (ValueError): a key no rule claims (unless ignore_unknown), naming it.
         ValueError: a key without the slot prefix when cycle_interval > 1; or, before
             anything is converted, options or dims that do not fit the tree (the
-            stacked layer axis, `ModelDims.layers`, head counts, `tied`, a layer key the
+            stacked layer axis, `ModelDims.layers`, head counts, `vocab`, `tied`, a layer key the
             family needs and the tree lacks), naming the option.
     """
     opts = options or ConvertOptions()
@@ -172,6 +172,7 @@ def convert(
 
 
 _LOGITS_KEY = "logits_dense.kernel"
+_VOCAB_AXIS = {"token_embedder.embedding": 0, _LOGITS_KEY: 1}  # global key -> its vocab axis
 # Per-layer kernels whose head axes must match ModelDims: key -> (dims field of axis -2, of axis -1)
 _HEAD_AXES = {
     "self_attention.query.kernel": ("heads", "head_dim"),
@@ -189,12 +190,20 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
     for path, leaf in flat.items():
         norm = normalise(path)
         dotted = ".".join(norm)
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         if not (
             norm and norm[0] == "decoder" and len(norm) > 1 and (norm[1] == "layers" or _LAYER_N.fullmatch(norm[1]))
         ):
-            global_keys.add(".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted)
+            key = ".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted
+            global_keys.add(key)
+            # MaxText pads the vocab, never cuts it: a larger ModelDims.vocab was kept
+            # whole without a word, a shape the rollouts' model then refused at apply.
+            axis = _VOCAB_AXIS.get(key)
+            if axis is not None and dims.vocab and len(shape) == 2 and shape[axis] < dims.vocab:
+                raise ValueError(
+                    f"key {dotted!r} (shape {shape}) has {shape[axis]} vocab rows, but ModelDims.vocab={dims.vocab}"
+                )
             continue
-        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         m = _LAYER_N.fullmatch(norm[1])
         if m:  # unscanned: layers_<i>.<key>
             i, key, layer_shape = int(m.group(1)), ".".join(norm[2:]), shape
