@@ -220,13 +220,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         task = asyncio.current_task()
         if task is not None:
             self._hub.end_on_close(task)
-        async for request in request_iterator:
-            carried = carried_call(request)
-            if carried is None:
-                yield await self._beat(request)
-            else:
-                async for answer in self._carried(request.call_id, *carried):
-                    yield answer
+        try:
+            async for request in request_iterator:
+                carried = carried_call(request)
+                if carried is None:
+                    yield await self._beat(request)
+                else:
+                    async for answer in self._carried(request.call_id, *carried):
+                        yield answer
+        except asyncio.CancelledError:
+            if not self._hub.closed:
+                raise
+            # Shutdown: the stream ends as a return, so its call completes at once; ended by
+            # the cancel, it stayed open until the client gave up on it (~2 s per shutdown).
 
     async def _carried(self, call_id: int, method: str, request: Any) -> AsyncIterator[pb.HeartbeatResponse]:
         """Answers a call carried on a Heartbeats stream as its own RPC would (see

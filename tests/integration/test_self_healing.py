@@ -89,10 +89,12 @@ def test_agents_notice_a_paused_coordinator_and_renew_their_leases_once_it_runs(
         assert agents(client)["r0"].alive
     assert "no answer to a heartbeat" in r0.log()
     assert r0.alive()
-    # SIGTERM ends the agents' open heartbeat streams rather than waiting out the grace period
+    # SIGTERM ends the agents' open heartbeat streams rather than waiting out the grace
+    # period, and as returns: ended by a cancel, each stayed open until its client gave up
+    # on it (~2 s per shutdown, against 3 s asked here: a slow run failed).
     t0 = time.monotonic()
     assert cluster.stop(coord.name) == 0
-    assert time.monotonic() - t0 < 3.0, "the coordinator waited for open heartbeat streams"
+    assert time.monotonic() - t0 < 1.5, "the coordinator waited for open heartbeat streams"
 
 
 def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster: Cluster) -> None:
