@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -216,11 +217,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request_iterator: AsyncIterator[pb.HeartbeatRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.HeartbeatResponse]:
         # Each request was checked as it arrived (rpc.StatusInterceptor); an error ends the
-        # stream, and so does shutdown (the hub cancels it: it waits on its client).
-        task = asyncio.current_task()
-        if task is not None:
-            self._hub.end_on_close(task)
-        try:
+        # stream, and so does shutdown.
+        with self._ended_at_shutdown():
             async for request in request_iterator:
                 carried = carried_call(request)
                 if carried is None:
@@ -228,11 +226,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 else:
                     async for answer in self._carried(request.call_id, *carried):
                         yield answer
+
+    @contextlib.contextmanager
+    def _ended_at_shutdown(self) -> Iterator[None]:
+        """Around a long-lived stream's body: the hub cancels it when it closes, wherever it
+        waits (on its client, or on a store read), and it ends as a return, so its call
+        completes at once. Ended by the cancel, a heartbeat stream stayed open until its
+        client gave up on it (~2 s per shutdown), and a watch that waited on a store read
+        got the server's whole grace (5 s: seen once)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._hub.end_on_close(task)
+        try:
+            yield
         except asyncio.CancelledError:
             if not self._hub.closed:
                 raise
-            # Shutdown: the stream ends as a return, so its call completes at once; ended by
-            # the cancel, it stayed open until the client gave up on it (~2 s per shutdown).
 
     async def _carried(self, call_id: int, method: str, request: Any) -> AsyncIterator[pb.HeartbeatResponse]:
         """Answers a call carried on a Heartbeats stream as its own RPC would (see
@@ -399,14 +408,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # A coroutine on the server's loop: a thousand watchers hold no thread.
         await asyncio.to_thread(self._store.session, request.session)  # NOT_FOUND before streaming anything
         seq = request.since_seq
-        while not self._hub.closed:
-            tick = self._hub.tick(request.session)  # read first: an event appended meanwhile wakes us
-            events = await self._feed.after(request.session, seq)
-            for ev in events:
-                seq = ev.seq
-                yield pb.VersionEvent(seq=ev.seq, version=version_info(ev.version))
-            if len(events) < EVENT_PAGE:
-                await self._hub.wait(request.session, tick)
+        with self._ended_at_shutdown():
+            while not self._hub.closed:
+                tick = self._hub.tick(request.session)  # read first: an event appended meanwhile wakes us
+                events = await self._feed.after(request.session, seq)
+                for ev in events:
+                    seq = ev.seq
+                    yield pb.VersionEvent(seq=ev.seq, version=version_info(ev.version))
+                if len(events) < EVENT_PAGE:
+                    await self._hub.wait(request.session, tick)
 
     async def ReportApplied(
         self, request: pb.ReportAppliedRequest, context: grpc.aio.ServicerContext

@@ -36,8 +36,9 @@ class WatchHub:
         self._calls: set[asyncio.Task[Any]] = set()
 
     def end_on_close(self, task: asyncio.Task[Any]) -> None:
-        """A long-lived call that waits on its client, not on the hub (a heartbeat stream):
-        its task is cancelled when the hub closes, so shutdown does not wait out its grace."""
+        """A long-lived call (a heartbeat or watch stream) that may wait on something other
+        than the hub: its task is cancelled when the hub closes, so shutdown does not wait
+        out its grace."""
         with self._lock:
             if not self._closed:
                 self._calls.add(task)

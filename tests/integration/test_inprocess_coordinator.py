@@ -350,3 +350,59 @@ def test_a_deleted_session_ends_its_watches_and_its_name_starts_afresh(inprocess
         gen = client.open_session("job", trainer=True, incarnation="b").generation
         st = client.status("job")
         assert gen == 1 and list(st.versions) == [] and list(st.agents) == [] and list(st.handshakes) == []
+
+
+def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> None:  # noqa: ANN001
+    """A watch waiting on its feed's store read, not on the hub, was not woken by the hub's
+    close and got the server's whole grace (5 s: a coordinator shutdown seen once in a
+    test run); the hub now ends it, as a return, wherever it waits."""
+    import asyncio
+
+    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+    from coordinator.store import SessionStore
+    from coordinator.watch import WatchHub
+    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+    from weightsync.metrics import build_metrics
+    from weightsync.server import Service, start_server
+
+    hub = WatchHub()
+    store = SessionStore(tmp_path / "c.db", listener=hub)
+    metrics = build_metrics("coordinator")
+    servicer = CoordinatorServicer(store, hub, metrics)
+    reading = threading.Event()
+
+    async def a_read_that_hangs(session: str, after_seq: int) -> list:
+        reading.set()
+        await asyncio.sleep(3600)
+        return []
+
+    servicer._feed.after = a_read_that_hangs  # type: ignore[method-assign]
+    running = start_server(
+        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+        host="127.0.0.1",
+        port=0,
+        metrics=metrics,
+        metrics_port=-1,
+    )
+    ended: list[object] = []
+    with CoordinatorClient(running.address) as client:
+        client.open_session("job", trainer=False)
+
+        def watch() -> None:
+            try:
+                ended.append(list(client.watch("job", 0, timeout_s=30)))
+            except BaseException as e:  # noqa: BLE001 - how it ended is the check
+                ended.append(e)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        assert reading.wait(10)
+        t0 = time.monotonic()
+        hub.close()
+        running.stop(5.0)
+        stopped_s = time.monotonic() - t0
+        watcher.join(10)
+    servicer.close()
+    store.close()
+    assert stopped_s < 1.5, f"the server waited {stopped_s:.1f}s for the watch"
+    assert ended == [[]]  # ended as a return: no events, no error
