@@ -6,8 +6,9 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,9 +88,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 @contextlib.contextmanager
 def coordinator_in_process(
-    db_path: Path, security: Security | None = None, lease_ttl_s: float = 10.0
+    db_path: Path,
+    security: Security | None = None,
+    lease_ttl_s: float = 10.0,
+    *,
+    grace_s: float = 0.5,
+    prepare: Callable[[Any], None] | None = None,
 ) -> Iterator[RunningServer]:
-    """A Coordinator server in this process on 127.0.0.1:<free port> (TLS/tokens per `security`)."""
+    """A Coordinator server in this process on 127.0.0.1:<free port> (TLS/tokens per
+    `security`); `prepare(servicer)` runs before it serves, and leaving the context stops
+    it as the coordinator's main does (the hub closed first, then `grace_s` for calls)."""
     from coordinator.config import CoordinatorConfig
     from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
     from coordinator.store import SessionStore
@@ -102,6 +110,8 @@ def coordinator_in_process(
     store = SessionStore(db_path, listener=hub, lease_ttl_s=lease_ttl_s)
     metrics = build_metrics("coordinator")
     servicer = CoordinatorServicer(store, hub, metrics)
+    if prepare is not None:
+        prepare(servicer)
     running = start_server(
         [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
         host="127.0.0.1",
@@ -115,7 +125,7 @@ def coordinator_in_process(
         yield running
     finally:
         hub.close()
-        running.stop(0.5)
+        running.stop(grace_s)
         servicer.close()
         store.close()
 

@@ -358,17 +358,8 @@ def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> N
     test run); the hub now ends it, as a return, wherever it waits."""
     import asyncio
 
-    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-    from coordinator.store import SessionStore
-    from coordinator.watch import WatchHub
-    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
-    from weightsync.metrics import build_metrics
-    from weightsync.server import Service, start_server
+    from tests.conftest import coordinator_in_process
 
-    hub = WatchHub()
-    store = SessionStore(tmp_path / "c.db", listener=hub)
-    metrics = build_metrics("coordinator")
-    servicer = CoordinatorServicer(store, hub, metrics)
     reading = threading.Event()
 
     async def a_read_that_hangs(session: str, after_seq: int) -> list:
@@ -376,16 +367,12 @@ def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> N
         await asyncio.sleep(3600)
         return []
 
-    servicer._feed.after = a_read_that_hangs  # type: ignore[method-assign]
-    running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
-        host="127.0.0.1",
-        port=0,
-        metrics=metrics,
-        metrics_port=-1,
-    )
+    def hang_reads(servicer) -> None:  # noqa: ANN001
+        servicer._feed.after = a_read_that_hangs
+
     ended: list[object] = []
-    with CoordinatorClient(running.address) as client:
+    with coordinator_in_process(tmp_path / "c.db", grace_s=5.0, prepare=hang_reads) as running:
+        client = CoordinatorClient(running.address)
         client.open_session("job", trainer=False)
 
         def watch() -> None:
@@ -398,11 +385,8 @@ def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> N
         watcher.start()
         assert reading.wait(10)
         t0 = time.monotonic()
-        hub.close()
-        running.stop(5.0)
-        stopped_s = time.monotonic() - t0
-        watcher.join(10)
-    servicer.close()
-    store.close()
+    stopped_s = time.monotonic() - t0  # the hub closed, then the server stopped with 5 s of grace
+    watcher.join(10)
+    client.close()
     assert stopped_s < 1.5, f"the server waited {stopped_s:.1f}s for the watch"
     assert ended == [[]]  # ended as a return: no events, no error
