@@ -27,7 +27,7 @@ from weightsync.errors import (
 from weightsync.heartbeat import Heartbeat
 from weightsync.logs import version_context
 from weightsync.metrics import Metrics
-from weightsync.validation import check_version_arg
+from weightsync.validation import INT64_MAX, check_int_arg
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutAgent"].full_name
@@ -142,7 +142,7 @@ class RolloutAgent:
         go back: a version older than the applied one is FailedPrecondition (the follow loop
         would apply the newest again at once). Without following, it is applied and becomes
         the current version."""
-        version = 0 if version == 0 and version is not False else check_version_arg(version)
+        version = check_int_arg(version, "version", 0, INT64_MAX)
         with self._sync_lock:
             if version == 0:
                 version = newest_servable(self.client, self.session)

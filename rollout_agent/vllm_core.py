@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 import os
 import socket
 import time
@@ -22,7 +21,7 @@ from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_ve
 from rollout_agent.vllm_applier import VllmApplier
 from rollout_agent.wiring import wire_rollout
 from weightsync.errors import InvalidArgument, WeightsyncError
-from weightsync.validation import check_agent_id, check_version_arg
+from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg
 
 log = logging.getLogger("vllm.plugins.weightsync")
 
@@ -30,15 +29,13 @@ log = logging.getLogger("vllm.plugins.weightsync")
 def parse_version(version: Any) -> int:
     """`latest` (or 0) -> 0, else a positive integer (a string of digits too); 1.5, True or
     2^64 are refused, not taken as 1, 1 and a failure once the pull began."""
-    if version in ("latest", "0", None) or (
-        isinstance(version, numbers.Integral) and version == 0 and version is not False
-    ):
+    if version in ("latest", None):
         return 0
     if isinstance(version, str):
         if not version.isascii() or not version.isdigit():
             raise InvalidArgument(f"{version!r:.40} is neither 'latest' nor an integer", field="update_info.version")
         version = int(version)
-    return check_version_arg(version, "update_info.version")
+    return check_int_arg(version, "update_info.version", 0, INT64_MAX)
 
 
 _IN_PROCESS: dict[str, VllmRollout] = {}  # agent id -> the rollout of a worker in this process

@@ -126,7 +126,7 @@ def _refuses_content(e: WeightsyncError) -> bool:
     fs copy written for it is read by no one: not a fenced publisher (an earlier try may
     have been taken, its answer lost) and not a failure that may pass."""
     refused = isinstance(e, (AlreadyExists, InvalidArgument, FailedPrecondition, ResourceExhausted))
-    return refused and not isinstance(e, (StaleGeneration, SlotBusy)) and not _may_pass(e)
+    return refused and not isinstance(e, StaleGeneration) and not _may_pass(e)
 
 
 def _ride_out(what: str, wait_s: float, call: Callable[[], T], may_pass: Callable[[WeightsyncError], bool]) -> T:
@@ -202,8 +202,7 @@ class WeightPublisher:
         """
         if self._started:
             return self
-        if next_version != 0 or next_version is False:
-            check_version_arg(next_version, "next_version")
+        next_version = check_int_arg(next_version, "next_version", 0, INT64_MAX)
         self._started = True
         try:
             self._start(next_version)
@@ -659,13 +658,14 @@ class WeightPublisher:
             log.warning("version %d: the delta was refused (%s); publishing it without one", version, e.message)
             staged.delta = delta = None  # (a try after this one sends none either)
             resp = self._publish_part(version, staged.key, dataclasses.replace(part, delta=None))
-        held = [s for s, e in self.table.entries().items() if s != slot and e.version == version]
-        if resp.duplicate and held:
+        if resp.duplicate:
             # The same version and bytes again (a retried call): the slot that held them
             # first serves them (the manifest names it); this copy goes, or both slots held
             # one version and the next publish released it from under the other.
-            self.table.set(slot, None)
-            slot = held[0]
+            held = [s for s, e in self.table.entries().items() if s != slot and e.version == version]
+            if held:
+                self.table.set(slot, None)
+                slot = held[0]
         if resp.version.manifest_digest:
             self._manifest_digests = {v: d for v, d in self._manifest_digests.items() if v >= version - 4} | {
                 version: resp.version.manifest_digest

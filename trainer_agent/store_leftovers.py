@@ -48,8 +48,10 @@ def remove_released_parts(
     removed = []
     for version in others:
         state = states.get(version)
-        if (state is None and version <= reach) or (state is not None and state not in GONE):
-            continue  # past the listing (it may be anything), or still servable (a rollout may read it)
+        if state is None and version <= reach:
+            continue  # past the listing: it may be anything
+        if state is not None and state not in GONE:
+            continue  # still servable: a rollout may read it
         try:
             store.remove_version(session, version)
         except FileNotFoundError:  # another rank took it first

@@ -143,14 +143,16 @@ class FsStore:
             self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         except OSError as e:  # no marker was written: readers never see the partial part
             try:
-                self._remove_upwards(d, stop=posixpath.join(self.root, session))
+                self._remove_upwards(d, session)
             except OSError:
                 pass  # the store's trouble again; the part stays unmarked, never read
             raise store_error(e, f"cannot write {self.uri_of(d)}") from e
         return relative, True
 
-    def _remove_upwards(self, d: str, *, stop: str) -> None:
-        """Removes directory `d`, then each parent left empty, up to (not including) `stop`."""
+    def _remove_upwards(self, d: str, session: str) -> None:
+        """Removes directory `d`, then each parent left empty, up to (not including) the
+        session's directory."""
+        stop = posixpath.join(self.root, session)
         if self.fs.exists(d):
             self.fs.rm(d, recursive=True)
         d = posixpath.dirname(d)
@@ -161,13 +163,12 @@ class FsStore:
     def remove_part(self, session: str, version: int, rank: int) -> None:
         """Garbage-collects one rank's part, every content of it (and the version
         directory once it is empty)."""
-        self._remove_upwards(self._rank_dir(session, version, rank), stop=posixpath.join(self.root, session))
+        self._remove_upwards(self._rank_dir(session, version, rank), session)
 
     def remove_content(self, session: str, version: int, rank: int, content: str) -> None:
         """Removes one content directory of a rank's part (a copy the coordinator refused),
         and the directories above it it leaves empty."""
-        d = posixpath.join(self.root, part_path(session, version, rank, content))
-        self._remove_upwards(d, stop=posixpath.join(self.root, session))
+        self._remove_upwards(posixpath.join(self.root, part_path(session, version, rank, content)), session)
 
     def remove_session(self, session: str) -> bool:
         """Removes a (deleted) session's directory, every version of it; False when the
