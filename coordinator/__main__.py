@@ -10,16 +10,15 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
 from coordinator.database import quarantine
-from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.store import SessionStore
 from coordinator.watch import WatchHub
-from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync.config import load_config
 from weightsync.errors import WeightsyncError
 from weightsync.gc_freeze import FreezingCollector
 from weightsync.logs import setup_logging
 from weightsync.metrics import build_metrics
-from weightsync.server import Service, start_server, wait_for_signal, write_ready_file
+from weightsync.server import start_server, wait_for_signal, write_ready_file
 
 log = logging.getLogger("coordinator")
 # A thread running Python (a 100,000-tensor publish) keeps the GIL for up to the switch
@@ -55,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servicer = CoordinatorServicer(store, hub, metrics)
     try:
         running = start_server(
-            [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+            [coordinator_service(servicer)],
             host=cfg.host,
             port=cfg.port,
             metrics=metrics,

@@ -33,6 +33,7 @@ from weightsync.event_loop import run_in_thread
 from weightsync.manifest import Manifest
 from weightsync.metrics import Metrics
 from weightsync.rpc import check_int64_range, code_name, status_for
+from weightsync.server import Service
 from weightsync.transports.fs import check_part_uri
 from weightsync.transports.shm import check_arena_path
 from weightsync.validation import check_address, check_session_name, check_version
@@ -50,6 +51,8 @@ STORE_WAIT_S = 0.25  # how long a short store call waits on the loop for a busy 
 BURST_CALLS = 2
 MANIFEST_BODIES = 4  # versions whose reader-independent pieces are kept built
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# Streams a rollout keeps for as long as it runs; the hub ends them at shutdown.
+ENDLESS_STREAMS = ("WatchVersions", "Heartbeats")
 
 
 @dataclass(frozen=True)
@@ -487,3 +490,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             request.session, request.version, generation=request.generation, force=request.force
         )
         return version_info(rec)
+
+
+def coordinator_service(servicer: CoordinatorServicer) -> Service:
+    """The servicer as `weightsync.server.start_server` mounts it."""
+    return Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME, ENDLESS_STREAMS)

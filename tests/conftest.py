@@ -99,12 +99,11 @@ def coordinator_in_process(
     `security`); `prepare(servicer)` runs before it serves, and leaving the context stops
     it as the coordinator's main does (the hub closed first, then `grace_s` for calls)."""
     from coordinator.config import CoordinatorConfig
-    from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+    from coordinator.servicer import CoordinatorServicer, coordinator_service
     from coordinator.store import SessionStore
     from coordinator.watch import WatchHub
-    from weightsync._proto import coordinator_pb2_grpc as pb_grpc
     from weightsync.metrics import build_metrics
-    from weightsync.server import Service, start_server
+    from weightsync.server import start_server
 
     hub = WatchHub()
     store = SessionStore(db_path, listener=hub, lease_ttl_s=lease_ttl_s)
@@ -113,7 +112,7 @@ def coordinator_in_process(
     if prepare is not None:
         prepare(servicer)
     running = start_server(
-        [Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME)],
+        [coordinator_service(servicer)],
         host="127.0.0.1",
         port=0,
         metrics=metrics,

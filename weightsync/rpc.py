@@ -11,7 +11,9 @@ import asyncio
 import inspect
 import logging
 import random
+import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -172,6 +174,28 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return parse
 
 
+class OpenCalls:
+    """The calls a server is running now, by method (any thread): what its shutdown waits for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+
+    def enter(self, method: str) -> None:
+        with self._lock:
+            self._open[method] += 1
+
+    def leave(self, method: str) -> None:
+        with self._lock:
+            self._open[method] -= 1
+            if not self._open[method]:
+                del self._open[method]
+
+    def by_method(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._open)
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     """Maps raised exceptions to statuses with the table in `errors`; observes every RPC;
     runs `checks` (authorization) before each servicer method.
@@ -181,9 +205,15 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     on the event loop: the watch streams, which must not hold a thread each).
     """
 
-    def __init__(self, observer: RpcObserver | None = None, checks: Sequence[RequestCheck] = ()) -> None:
+    def __init__(
+        self,
+        observer: RpcObserver | None = None,
+        checks: Sequence[RequestCheck] = (),
+        calls: OpenCalls | None = None,
+    ) -> None:
         self._observer = observer
         self._checks = tuple(checks)
+        self._calls = calls or OpenCalls()
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         # Runs in the call's own task: the lane set here is the one its handler runs in.
@@ -270,6 +300,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(fn):
 
             async def agen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                self._calls.enter(method)
                 try:
                     self._before(method, metadata, request)
                     if kind == "stream_stream":  # every message, as a unary request is
@@ -282,6 +313,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as e:  # noqa: BLE001 - the single mapping point
                     s = self._status(e, method, None, context)
                     await context.abort(s.code, s.details, s.trailing_metadata)
+                finally:
+                    self._calls.leave(method)
                 self._observe(method, "OK", None)
 
             return agen
@@ -290,6 +323,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 started = time.perf_counter() if timed else None
+                self._calls.enter(method)
                 try:
                     self._before(method, metadata, request)
                     if kind == "stream_unary":
@@ -298,6 +332,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as e:  # noqa: BLE001 - the single mapping point
                     s = self._status(e, method, started, context)
                     await context.abort(s.code, s.details, s.trailing_metadata)
+                finally:
+                    self._calls.leave(method)
                 self._observe(method, "OK", started)
                 return response
 
@@ -307,6 +343,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
             def call(request: Any, context: grpc.ServicerContext) -> Any:
                 started = time.perf_counter()
+                self._calls.enter(method)
                 try:
                     self._before(method, metadata, request)
                     if kind == "stream_unary":
@@ -314,12 +351,15 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     response = fn(request, context)
                 except Exception as e:  # noqa: BLE001 - the single mapping point
                     _abort_sync(context, self._status(e, method, started, context))
+                finally:
+                    self._calls.leave(method)
                 self._observe(method, "OK", started)
                 return response
 
             return call
 
         def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._calls.enter(method)
             try:
                 self._before(method, metadata, request)
                 if kind == "stream_stream":
@@ -327,6 +367,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 yield from fn(request, context)
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 _abort_sync(context, self._status(e, method, None, context))
+            finally:
+                self._calls.leave(method)
             self._observe(method, "OK", None)
 
         return gen

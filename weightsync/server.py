@@ -23,7 +23,7 @@ from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
 from weightsync.metrics_http import MetricsServer
-from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, StatusInterceptor
+from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, OpenCalls, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,12 @@ class Service:
     add: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
     full_name: str
+    # Its streams that end only when their client leaves or the servicer ends them (the
+    # coordinator's watch and heartbeat streams): shutdown does not wait on them.
+    endless: tuple[str, ...] = ()
+
+    def endless_methods(self) -> set[str]:
+        return {f"/{self.full_name}/{name}" for name in self.endless}
 
 
 # One event loop per process runs every grpc.aio server in it (grpc.aio objects belong to
@@ -51,6 +57,20 @@ MAX_CONCURRENT_RPCS = 16_384
 # 4,096 indices, ~20 KB): a dozen 70 MiB requests at once, from anyone who reaches it,
 # took a trainer's peak memory from 0.5 to 1.9 GB beside its arena.
 SMALL_REQUEST_BYTES = 1 << 20
+# Streams every server has that end only when their client leaves: a client of
+# grpc's health-checking service config (or `grpcurl ... Health/Watch`) keeps a Watch open,
+# and it held every shutdown for the whole grace (5 s).
+ENDLESS_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
+# At shutdown, once only such streams are left: the time they get to end by themselves
+# (the coordinator's, which its hub ends as returns) before the server cancels them.
+ENDLESS_GRACE_S = 0.25
+DRAIN_POLL_S = 0.02
 
 
 def _server_loop() -> asyncio.AbstractEventLoop:
@@ -79,6 +99,8 @@ class RunningServer:
     metrics: Metrics | None = None
     _httpd: MetricsServer | None = None
     _pool: futures.ThreadPoolExecutor | None = None
+    calls: OpenCalls = field(default_factory=OpenCalls)
+    endless: frozenset[str] = ENDLESS_METHODS
     _stopped: bool = field(default=False)
 
     def enter_graceful_shutdown(self) -> None:
@@ -90,11 +112,32 @@ class RunningServer:
             return
         self._stopped = True
         self.enter_graceful_shutdown()
-        run_on_server_loop(self.server.stop(grace_s))
+        run_on_server_loop(self._drain(grace_s))
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._httpd is not None:
             self._httpd.stop()
+
+    async def _drain(self, grace_s: float) -> None:
+        """Stops taking calls; gives calls in flight up to `grace_s` to end, but streams that
+        end only when their client leaves (`endless`) just ENDLESS_GRACE_S once nothing
+        else is left, then cancels what is still open."""
+        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not stopping.done() and loop.time() < deadline and self._finite_calls_open():
+            await asyncio.sleep(DRAIN_POLL_S)
+        if not stopping.done():
+            await asyncio.wait({stopping}, timeout=min(ENDLESS_GRACE_S, max(0.0, deadline - loop.time())))
+        if not stopping.done():
+            left = self.calls.by_method()
+            if left:
+                log.info("ending calls still open: %s", ", ".join(f"{m} x{n}" for m, n in sorted(left.items())))
+            await self.server.stop(0)
+        await stopping
+
+    def _finite_calls_open(self) -> bool:
+        return any(method not in self.endless for method in self.calls.by_method())
 
 
 def start_server(
@@ -130,11 +173,13 @@ def start_server(
     checks = security.request_checks()
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
     names = [svc.full_name for svc in services]
+    calls = OpenCalls()
+    endless = ENDLESS_METHODS.union(*(svc.endless_methods() for svc in services))
 
     async def start() -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
         server = grpc.aio.server(
             migration_thread_pool=pool,
-            interceptors=[StatusInterceptor(metrics.observe_rpc, checks)],
+            interceptors=[StatusInterceptor(metrics.observe_rpc, checks, calls)],
             options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_request_bytes)],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
@@ -192,7 +237,7 @@ def start_server(
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
         ", bearer tokens" if security.tokens_file else "",
     )
-    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd, pool)
+    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd, pool, calls, endless)
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
