@@ -220,7 +220,9 @@ def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, cons
         try:
             store_removed = store.remove_session(args.name)
         except OSError as e:
-            raise store_error(e, f"the session was deleted; its directory under {args.fs_root} was not removed") from e
+            raise store_error(
+                e, f"the session was deleted; its directory under {args.fs_root} was not removed", writing=True
+            ) from e
         if deleted is None and not store_removed:
             raise NotFound(f"session {args.name!r} not found, nor its directory under {args.fs_root}")
     if args.json:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,4 +166,29 @@ def test_a_publish_called_again_keeps_its_version_in_one_slot(
         assert publisher.publish(_weights(2, layers=2), 2).slot != first.slot
         states = {v.version: v.state for v in client.status("job").versions}
         assert tpb.VersionState.Name(states[1]) != "RELEASED"
+    client.close()
+
+
+def test_a_store_root_that_cannot_be_written_fails_the_publish_at_once(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
+) -> None:
+    """A root that is a file (or read-only, or not this user's) was UNAVAILABLE: the publish
+    tried again for publish_wait_s (120 s) before it raised. It raises at once now, frees
+    its slot, and publishes once the root is fixed."""
+    root = tmp_path / "store"
+    root.write_bytes(b"a file where the store should be")
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20, fs_root=str(root)
+    )
+    with WeightPublisher(settings) as publisher:
+        t0 = time.monotonic()
+        with pytest.raises(FailedPrecondition, match="not writable") as e:
+            publisher.publish(_weights(1, layers=2), 1)
+        assert time.monotonic() - t0 < 10
+        assert e.value.field == "fs_root"
+        assert list(client.status("job").versions) == []
+        root.unlink()
+        assert publisher.publish(_weights(1, layers=2), 1).state == "READY"
     client.close()

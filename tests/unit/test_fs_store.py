@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.errors import InvalidArgument, ResourceExhausted
+from weightsync.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, TransportUnavailable
 from weightsync.transports.fs import MARKER, FsStore
 
 
@@ -68,3 +68,37 @@ def test_a_deleted_sessions_directory_is_removed_whole_and_only_it(store: FsStor
         with pytest.raises(InvalidArgument, match="session"):
             store.remove_session(name)
     assert store.versions("job-2") == [1]
+
+
+def test_a_root_that_is_a_file_is_refused_for_good_naming_fs_root(tmp_path: Path) -> None:
+    """A write the store refuses until an operator acts (a root that is a file, a read-only
+    mount, a directory not this user's) was UNAVAILABLE, which a publish rode out for its
+    whole publish_wait_s (120 s) before it raised."""
+    (tmp_path / "store").write_bytes(b"not a directory")
+    store = FsStore(str(tmp_path / "store"))
+    with pytest.raises(FailedPrecondition, match="not writable") as e:
+        store.write_part("job", 1, 0, b"bytes", content="a" * 16)
+    assert e.value.field == "fs_root"
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (errno.EROFS, FailedPrecondition),
+        (errno.EACCES, FailedPrecondition),
+        (errno.EPERM, FailedPrecondition),
+        (errno.EIO, TransportUnavailable),  # may pass: tried again
+        (errno.ENOSPC, ResourceExhausted),
+    ],
+)
+def test_a_write_error_says_whether_it_may_pass(
+    store: FsStore, code: int, expected: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(path: str, mode: str = "rb", **kwargs: object) -> None:
+        raise OSError(code, errno.errorcode[code])
+
+    monkeypatch.setattr(store.fs, "open", refused)  # fsspec shares the instance: undone after
+    with pytest.raises(expected) as e:
+        store.write_part("job", 1, 0, b"bytes", content="a" * 16)
+    assert e.value.field == "fs_root"
+    assert store.versions("job") == []

@@ -23,7 +23,13 @@ from typing import Any
 import fsspec
 import xxhash
 
-from weightsync.errors import InvalidArgument, ResourceExhausted, TransportUnavailable, WeightsyncError
+from weightsync.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    TransportUnavailable,
+    WeightsyncError,
+)
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
 from weightsync.validation import check_session_name
@@ -146,7 +152,7 @@ class FsStore:
                 self._remove_upwards(d, session)
             except OSError:
                 pass  # the store's trouble again; the part stays unmarked, never read
-            raise store_error(e, f"cannot write {self.uri_of(d)}") from e
+            raise store_error(e, f"cannot write {self.uri_of(d)}", writing=True) from e
         return relative, True
 
     def _remove_upwards(self, d: str, session: str) -> None:
@@ -195,12 +201,21 @@ class FsStore:
         return sorted(out)
 
 
-def store_error(error: OSError, what: str) -> WeightsyncError:
+# A write refused for these stays refused until an operator acts: the root is a file, on a
+# read-only mount, or not this user's to write.
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
+
+
+def store_error(error: OSError, what: str, *, writing: bool = False) -> WeightsyncError:
     """The store failing under a call, as an error naming `fs_root`: a full store is
-    RESOURCE_EXHAUSTED, anything else (a part collected while read, an I/O or network
+    RESOURCE_EXHAUSTED, a write the store refuses for good (`_NOT_WRITABLE`) is
+    FAILED_PRECONDITION, anything else (a part collected while read, an I/O or network
     error of the store) UNAVAILABLE, which callers retry, not an exception that ends them."""
-    cls = ResourceExhausted if error.errno in (errno.ENOSPC, errno.EDQUOT) else TransportUnavailable
-    return cls(f"{what}: {error}", field="fs_root")
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{what}: {error}", field="fs_root")
+    if writing and error.errno in _NOT_WRITABLE:
+        return FailedPrecondition(f"{what}: {error} (the store root is not writable here)", field="fs_root")
+    return TransportUnavailable(f"{what}: {error}", field="fs_root")
 
 
 class FsTransport(Transport):
