@@ -1,4 +1,4 @@
-"""wsctl: inspect a weightsync session (status, versions, manifest, watch)."""
+"""wsctl: inspect a weightsync session (status, versions, manifest, watch) and act on it."""
 
 from __future__ import annotations
 
@@ -243,12 +243,47 @@ def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, cons
     return 0
 
 
+def _acting_generation(client: CoordinatorClient, args: argparse.Namespace) -> int:
+    """The generation a write carries: --generation, else the session's current one (the
+    operator acts for the trainer that runs now; a trainer replaced meanwhile makes the
+    write FAILED_PRECONDITION, not a write for the wrong run)."""
+    return args.generation or client.status(args.session, 1).generation
+
+
+def _print_version(v: tpb.VersionInfo, args: argparse.Namespace, console: Console) -> int:
+    if args.json:
+        print(json.dumps(MessageToDict(v, preserving_proto_field_name=True)))
+    else:
+        console.print(versions_table([v]))
+    return 0
+
+
+def cmd_abort_version(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    """A version that cannot commit (STAGING, READY or PARTIAL) -> FAILED, with the reason
+    recorded; rollouts do not take it, and the trainer's wait for it ends."""
+    v = client.abort_version(
+        args.session, generation=_acting_generation(client, args), version=args.version, reason=args.reason
+    )
+    return _print_version(v, args, console)
+
+
+def cmd_release_version(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    """A version -> RELEASED, so the trainer may reuse its slot; refused while a live rollout
+    holds a lease on it (the message names them), unless --force."""
+    v = client.release_version(
+        args.session, args.version, generation=_acting_generation(client, args), force=args.force
+    )
+    return _print_version(v, args, console)
+
+
 COMMANDS = {
     "status": cmd_status,
     "versions": cmd_versions,
     "manifest": cmd_manifest,
     "watch": cmd_watch,
     "delete-session": cmd_delete_session,
+    "abort-version": cmd_abort_version,
+    "release-version": cmd_release_version,
 }
 
 
@@ -296,6 +331,27 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="the fs store's root (the trainers' --fs-root): remove the session's directory there too",
     )
+    generation = argparse.ArgumentParser(add_help=False)
+    generation.add_argument(
+        "--generation",
+        type=bounded_number(0),
+        default=0,
+        help="the trainer generation the write carries (default: the session's current one)",
+    )
+    s = sub.add_parser(
+        "abort-version",
+        help="mark a version that cannot commit FAILED (admin or trainer token)",
+        parents=[json_after, generation],
+    )
+    s.add_argument("version", type=bounded_number(1))
+    s.add_argument("--reason", required=True, help="recorded with the version (shown in `versions`)")
+    s = sub.add_parser(
+        "release-version",
+        help="mark a version RELEASED so its slot may be reused (admin or trainer token)",
+        parents=[json_after, generation],
+    )
+    s.add_argument("version", type=bounded_number(1))
+    s.add_argument("--force", action="store_true", help="even while live rollouts hold leases on it")
     s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))

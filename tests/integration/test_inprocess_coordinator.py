@@ -390,3 +390,44 @@ def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> N
     client.close()
     assert stopped_s < 1.5, f"the server waited {stopped_s:.1f}s for the watch"
     assert ended == [[]]  # ended as a return: no events, no error
+
+
+def test_wsctl_aborts_and_releases_versions_for_the_current_trainer(inprocess_coordinator: RunningServer) -> None:
+    """An operator unsticks a session without grpcurl or the trainer's generation: a version
+    that cannot commit is aborted with a reason, and one a wedged rollout still leases is
+    released only when forced; bad input is refused naming what is wrong, changing nothing."""
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        gen = client.open_session("job", trainer=True, incarnation="a").generation
+        for version in (1, 2):
+            part, _ = make_part(sample_arrays())
+            client.publish_part("job", generation=gen, version=version, idempotency_key=f"k{version}", part=part)
+        client.register_agent("job", "r9", trainer=False, endpoint=Endpoint())
+        client.get_manifest("job", 1, agent_id="r9")  # r9 leases version 1 (and never reports)
+        client.open_session("job", trainer=True, incarnation="b")  # the trainer restarted: generation 2
+    base = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--session", "job"]
+
+    def wsctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+
+    def states() -> dict[int, str]:
+        with CoordinatorClient(inprocess_coordinator.address) as client:
+            return {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
+
+    leased = wsctl("release-version", "1")
+    assert leased.returncode == 2 and "FAILED_PRECONDITION" in leased.stderr and "r9" in leased.stderr
+    for refused, says in (
+        (wsctl("release-version", "0"), "expected a number in [1"),
+        (wsctl("abort-version", "2"), "--reason"),
+        (wsctl("abort-version", "7", "--reason", "x"), "NOT_FOUND"),
+        (wsctl("abort-version", "2", "--reason", "x", "--generation", str(gen)), "FAILED_PRECONDITION"),  # fenced
+    ):
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+    assert states() == {1: "READY", 2: "READY"}
+    forced = wsctl("release-version", "1", "--force", "--json")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["state"] == "RELEASED"
+    aborted = wsctl("abort-version", "2", "--reason", "bad batch at step 2")
+    assert aborted.returncode == 0 and "FAILED" in aborted.stdout and "bad batch" in aborted.stdout, aborted.stdout
+    assert states() == {1: "RELEASED", 2: "FAILED"}
+    again = wsctl("abort-version", "2", "--reason", "twice")
+    assert again.returncode == 2 and "FAILED_PRECONDITION" in again.stderr
