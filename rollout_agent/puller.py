@@ -19,11 +19,13 @@ from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
+from weightsync.config import check_bounds, check_positive
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info
 from weightsync.errors import (
     TRANSIENT_ERRORS,
     DigestMismatch,
+    InvalidArgument,
     PullAbandoned,
     TransportStalled,
     TransportUnavailable,
@@ -34,11 +36,14 @@ from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
+from weightsync.transports.fs import check_fs_root
 from weightsync.transports.tcp import answers
-from weightsync.validation import INT64_MAX, check_int_arg
+from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, check_session_name
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
+# Lanes, chunks per call and attempts a puller takes at most (as its sidecar settings bound them).
+MAX_LANES = 1 << 20
 # (version, trainer generation) of a pull in progress -> why it is stale ("": it is not)
 StaleRule = Callable[[int, int], str]
 
@@ -140,11 +145,9 @@ class WeightPuller:
         relay: RelaySource | None = None,
         security: Security | None = None,
     ) -> None:
-        if streams < 1 or window_chunks < 1 or max_attempts < 1:
-            raise ValueError("streams, window_chunks and max_attempts must be >= 1")
         self.client = client
-        self.session = session
-        self.agent_id = agent_id
+        self.session = check_session_name(session, "session")
+        self.agent_id = check_agent_id(agent_id, "agent_id")
         # A mode, or any registered transport (tests register an in-memory one).
         self.mode = mode if mode in available_transports() else normalize_mode(mode, "mode", allow_empty=True)
         self.relay = relay  # "relay" mode: re-serves what this puller receives
@@ -152,13 +155,20 @@ class WeightPuller:
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
         if relay is not None and self.mode not in ("relay", ""):
-            raise ValueError(f"a relay source needs mode 'relay' (or the session's mode), not {self.mode!r}")
+            raise InvalidArgument(
+                f"a relay source needs mode 'relay' (or the session's), not {self.mode!r}", field="mode"
+            )
         if self.mode == "fs" and not fs_root:
-            raise ValueError("mode 'fs' needs fs_root (the store it may read)")
+            raise InvalidArgument("mode 'fs' needs the store root it may read", field="fs_root")
+        if fs_root:
+            check_fs_root(fs_root)
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
+        # as the sidecar's settings bound them: a library caller's arguments are checked alike
+        check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, MAX_LANES)
+        check_positive(self, ("timeout_s",))
         # A read from a relay gives it this long to move a byte (it answers within its own
         # wait or gives up): a relay frozen or cut off is left for the trainer in seconds,
         # not after the data-plane deadline.

@@ -328,3 +328,31 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
             with pytest.raises(InvalidArgument, match="^version: "):
                 puller.fetch_manifest(bad)  # type: ignore[arg-type]
         puller.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"session": "Bad Name"}, "session"),
+        ({"agent_id": ""}, "agent_id"),
+        ({"streams": 0}, "streams"),
+        ({"window_chunks": 1 << 40}, "window_chunks"),
+        ({"max_attempts": float("nan")}, "max_attempts"),
+        ({"timeout_s": -1.0}, "timeout_s"),
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"mode": "fs"}, "fs_root"),
+        ({"mode": "fs", "fs_root": "bogus://x"}, "fs_root"),
+        ({"mode": "carrier-pigeon"}, "mode"),
+    ],
+)
+def test_a_puller_built_from_python_refuses_what_its_sidecar_settings_refuse(kwargs: dict, field: str) -> None:
+    """WeightPuller is the library half a vLLM worker builds: its arguments were checked as
+    `ValueError`s (or not at all: a session name the coordinator refuses, an infinite
+    timeout), while the sidecar's settings refused the same values naming the field."""
+    from rollout_agent.puller import WeightPuller
+    from weightsync.client import CoordinatorClient
+
+    args = {"session": "job", "agent_id": "r0", **kwargs}
+    with CoordinatorClient("127.0.0.1:1") as client, pytest.raises(InvalidArgument) as e:
+        WeightPuller(client, args.pop("session"), args.pop("agent_id"), **args)
+    assert e.value.field == field, e.value
