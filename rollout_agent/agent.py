@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import NewestAnnounced, StaleWatch, follow_servable, newest_servable
+from rollout_agent.follow import FollowStop, NewestAnnounced, StaleWatch, follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
@@ -82,7 +82,7 @@ class RolloutAgent:
         self.last_error = ""
         self._sync_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = FollowStop()
         self._wanted = 0  # newest servable version the watch has seen
         self._announced = NewestAnnounced()  # and its generation: abandons a pull it made stale
         self._rebase = threading.Event()  # the session was made again: ask for its newest
@@ -126,7 +126,7 @@ class RolloutAgent:
         self._wake.set()
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        for t in self._threads:  # daemons: a watch stream or a pull in flight does not hold up the exit
+        for t in self._threads:  # daemons: a pull in flight does not hold up the exit (the watch ends at once)
             t.join(timeout=1)
         if self._stale_watch is not None:
             self._stale_watch.close()

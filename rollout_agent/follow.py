@@ -66,8 +66,40 @@ class NewestAnnounced:
         return ""
 
 
+class FollowStop:
+    """Stops a `follow_servable` loop from another thread at once: its watch stream is
+    cancelled where it waits (stopping by the event alone waited for the next event, or
+    for the joiner's timeout: a rollout's SIGTERM took a second more)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._cancel: Callable[[], None] | None = None
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.event.wait(timeout_s)
+
+    def watching(self, cancel: Callable[[], None] | None) -> None:
+        """The stream the loop reads now (None: none), cancelled at once if stopped."""
+        with self._lock:
+            self._cancel = cancel
+            stopped = self.event.is_set()
+        if stopped and cancel is not None:
+            cancel()
+
+    def set(self) -> None:
+        with self._lock:
+            self.event.set()
+            cancel = self._cancel
+        if cancel is not None:
+            cancel()
+
+
 def follow_servable(
-    client: CoordinatorClient, session: str, on_version: Callable[[int, int], None], stop: threading.Event
+    client: CoordinatorClient, session: str, on_version: Callable[[int, int], None], stop: FollowStop
 ) -> None:
     """Calls `on_version(version, generation)` with the newest servable version on
     (re)connect, then with each new one, until `stop` is set; rides out coordinator
@@ -84,12 +116,18 @@ def follow_servable(
                     failing = False
                 if st.versions and st.versions[0].state in SERVABLE_STATES:
                     on_version(st.versions[0].version, st.versions[0].generation)
-            for ev in client.watch(session, seq):
-                seq = ev.seq
-                if stop.is_set():
-                    return
-                if ev.version.state in SERVABLE_STATES:
-                    on_version(ev.version.version, ev.version.generation)
+            events, cancel = client.open_watch(session, seq)
+            stop.watching(cancel)
+            try:
+                for ev in events:
+                    seq = ev.seq
+                    if stop.is_set():
+                        return
+                    if ev.version.state in SERVABLE_STATES:
+                        on_version(ev.version.version, ev.version.generation)
+            finally:
+                stop.watching(None)
+                cancel()
         except Exception as e:  # noqa: BLE001 - how the agent learns of versions: it outlives a bug as an outage
             if not stop.is_set():
                 if not isinstance(e, WeightsyncError):
@@ -114,7 +152,7 @@ class StaleWatch:
         self.announced = NewestAnnounced()
         self._puller = puller
         puller.stale_rules.append(self._stale)
-        self._stop = threading.Event()
+        self._stop = FollowStop()
         self._thread = threading.Thread(
             target=follow_servable,
             args=(puller.client, puller.session, self._announce, self._stop),
@@ -136,7 +174,6 @@ class StaleWatch:
         self._puller.recheck()
 
     def close(self) -> None:
-        """Stops following. The thread, a daemon blocked on its stream, ends when the
-        caller closes the client."""
+        """Stops following (its watch stream is cancelled: the thread ends at once)."""
         self._stop.set()
         self._puller.stale_rules.remove(self._stale)

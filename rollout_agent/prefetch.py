@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from rollout_agent.appliers import Applier
-from rollout_agent.follow import NewestAnnounced, follow_servable
+from rollout_agent.follow import FollowStop, NewestAnnounced, follow_servable
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import Prefetched, prefetch
 from weightsync.errors import WeightsyncError
@@ -58,7 +58,7 @@ class Prefetcher:
         self._announced = NewestAnnounced()
         self._rules = [self._announced.stale, self._stale_for_update]
         puller.stale_rules += self._rules
-        self._stop = threading.Event()
+        self._stop = FollowStop()
         self._threads = [threading.Thread(target=self._run, name="prefetch", daemon=True)]
         if follow:
             self._threads.append(
@@ -144,8 +144,8 @@ class Prefetcher:
             return {"wanted": self._wanted, "ready": self._ready.version if self._ready else 0}
 
     def close(self) -> None:
-        """Stops prefetching (a pull in progress finishes first). The watch thread, a daemon
-        blocked on its stream, ends when the caller closes the client, right after."""
+        """Stops prefetching (a pull in progress finishes first); the watch thread's stream
+        is cancelled, so it ends at once."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()

@@ -192,6 +192,12 @@ class CoordinatorClient:
         req = pb.WatchVersionsRequest(session=session, since_seq=since_seq)
         return rpc.stream(self._stub.WatchVersions, req, timeout_s=timeout_s)
 
+    def open_watch(self, session: str, since_seq: int = 0) -> tuple[Iterator[pb.VersionEvent], Callable[[], None]]:
+        """`watch` without a deadline, and a cancel function (safe from any thread) that ends
+        it where it waits: a follower stopping need not wait for the next event."""
+        call = self._stub.WatchVersions(pb.WatchVersionsRequest(session=session, since_seq=since_seq))
+        return rpc.answers(call), call.cancel
+
     def report_applied(
         self, request: pb.ReportAppliedRequest, *, retries: int | None = None
     ) -> pb.ReportAppliedResponse:
