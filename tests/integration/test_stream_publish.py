@@ -191,13 +191,17 @@ def test_rollouts_without_a_mode_follow_the_sessions(inprocess_coordinator: Runn
 
 
 def test_a_failing_fs_store_is_a_retryable_error_not_a_crash(
-    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path
-) -> None:  # noqa: ANN001
+    inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The store's own OSErrors (a full or broken disk, a part collected while a rollout
     read it, a network store's hiccup) escaped as exceptions: a trainer's publish crashed
     the sidecar instead of being retried. They are UNAVAILABLE (or RESOURCE_EXHAUSTED when
-    full) naming fs_root, and nothing half-written is ever read."""
-    from weightsync.errors import TransportUnavailable
+    full) naming fs_root, and nothing half-written is ever read; a write the store refuses
+    until someone acts (a file where a directory must go, a read-only store) is
+    FAILED_PRECONDITION, not tried again for publish_wait_s."""
+    import errno
+
+    from weightsync.errors import FailedPrecondition, TransportUnavailable
 
     root = tmp_path / "store"
     params = {"model.norm.weight": np.arange(4096, dtype=np.float32)}
@@ -215,10 +219,19 @@ def test_a_failing_fs_store_is_a_retryable_error_not_a_crash(
         blocker = root / "job" / "v1"
         blocker.parent.mkdir(parents=True)
         blocker.write_bytes(b"")  # where the version's directory must go: every write under it fails
-        with pytest.raises(TransportUnavailable, match="cannot write") as refused:
+        with pytest.raises(FailedPrecondition, match="cannot write .* not writable") as refused:
             pub.publish(params, 1)
         assert refused.value.field == "fs_root"
         blocker.unlink()
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(pub.fs_store.fs, "open", broken)  # fsspec's shared instance: undone below
+            with pytest.raises(TransportUnavailable, match="cannot write") as failed:
+                pub.publish(params, 1)
+        assert failed.value.field == "fs_root"
         pub.publish(params, 1)  # the same version again, once the store works
         puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=str(root))
         (part,) = (root / "job" / "v1" / "r0").glob("*/part.bin")
