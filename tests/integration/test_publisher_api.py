@@ -3,6 +3,8 @@ close at exit), handed arguments the coordinator would refuse."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,4 +193,42 @@ def test_a_store_root_that_cannot_be_written_fails_the_publish_at_once(
         assert list(client.status("job").versions) == []
         root.unlink()
         assert publisher.publish(_weights(1, layers=2), 1).state == "READY"
+    client.close()
+
+
+def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """The operator's way out that the README gives: a rollout that leases version 1 and
+    never reports (an engine wedged while its heartbeats go on) keeps the trainer's oldest
+    slot, so publishing version 3 waits for it (up to slot_wait_s, then SlotBusy).
+    `wsctl release-version 1 --force` lets that publish go on at once."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(
+        coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20, slot_wait_s=60
+    )
+    with WeightPublisher(settings) as publisher:
+        for version in (1, 2):
+            publisher.publish(_weights(version, layers=2), version)
+        client.register_agent("job", "r9", trainer=False, endpoint=publisher.endpoint)
+        client.get_manifest("job", 1, agent_id="r9")  # the wedged rollout's lease
+        done: list[PublishResult] = []
+        third = threading.Thread(target=lambda: done.append(publisher.publish(_weights(3, layers=2), 3)))
+        third.start()
+        time.sleep(1.0)
+        assert not done, "version 3 took the slot of a version a live rollout leases"
+        t0 = time.monotonic()
+        forced = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address]
+            + ["--session", "job", "release-version", "1", "--force"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert forced.returncode == 0, forced.stderr
+        third.join(30)
+        assert done and done[0].state == "READY" and time.monotonic() - t0 < 10
+        states = {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
+        assert states[1] == "RELEASED" and states[3] == "READY"
     client.close()
