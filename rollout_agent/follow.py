@@ -72,27 +72,27 @@ class FollowStop:
     for the joiner's timeout: a rollout's SIGTERM took a second more)."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._event = threading.Event()
         self._lock = threading.Lock()
         self._cancel: Callable[[], None] | None = None
 
     def is_set(self) -> bool:
-        return self.event.is_set()
+        return self._event.is_set()
 
     def wait(self, timeout_s: float) -> bool:
-        return self.event.wait(timeout_s)
+        return self._event.wait(timeout_s)
 
     def watching(self, cancel: Callable[[], None] | None) -> None:
         """The stream the loop reads now (None: none), cancelled at once if stopped."""
         with self._lock:
             self._cancel = cancel
-            stopped = self.event.is_set()
+            stopped = self._event.is_set()
         if stopped and cancel is not None:
             cancel()
 
     def set(self) -> None:
         with self._lock:
-            self.event.set()
+            self._event.set()
             cancel = self._cancel
         if cancel is not None:
             cancel()

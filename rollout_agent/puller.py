@@ -16,6 +16,7 @@ import numpy as np
 
 from rollout_agent.assembly import held_whole
 from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
+from rollout_agent.settings import MAX_LANES
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
@@ -42,8 +43,6 @@ from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, chec
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
-# Lanes, chunks per call and attempts a puller takes at most (as its sidecar settings bound them).
-MAX_LANES = 1 << 20
 # (version, trainer generation) of a pull in progress -> why it is stale ("": it is not)
 StaleRule = Callable[[int, int], str]
 

@@ -19,6 +19,9 @@ from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
 from weightsync.validation import MAX_INSTANCE_CHARS, check_address, check_agent_id, check_session_name
 
+# Lanes, chunks per call and attempts a puller takes at most (the puller checks it too).
+MAX_LANES = 1 << 20
+
 APPLY_MODES = ("atomic", "streaming")
 
 
@@ -102,7 +105,7 @@ class SyncSettings(PeerConfig):
                 raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
             if self.fs_root:
                 check_fs_root(self.fs_root)
-            check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, 1 << 20)
+            check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, MAX_LANES)
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)

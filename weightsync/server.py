@@ -60,11 +60,12 @@ SMALL_REQUEST_BYTES = 1 << 20
 # Streams every server has that end only when their client leaves: a client of
 # grpc's health-checking service config (or `grpcurl ... Health/Watch`) keeps a Watch open,
 # and it held every shutdown for the whole grace (5 s).
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 ENDLESS_METHODS = frozenset(
     {
-        "/grpc.health.v1.Health/Watch",
-        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        f"/{health.SERVICE_NAME}/Watch",
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo",
+        f"/{REFLECTION_V1}/ServerReflectionInfo",
     }
 )
 # At shutdown, once only such streams are left: the time they get to end by themselves
@@ -238,9 +239,6 @@ def start_server(
         ", bearer tokens" if security.tokens_file else "",
     )
     return RunningServer(server, address, mport, health_servicer, names, metrics, httpd, pool, calls, endless)
-
-
-REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
