@@ -264,13 +264,31 @@ def _raw_request(header, manifest, indices: list[int]) -> bytes:  # noqa: ANN001
     return head + token + session + np.asarray(indices, "<u4").tobytes()
 
 
+def _shown_a_token(host: str, port: str, header, manifest) -> socket.socket:  # noqa: ANN001
+    """A connection that has read one chunk with the version's token, as a rollout's has."""
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    conn.sendall(_raw_request(header, manifest, [0]))
+    _, code, _, payload = REPLY.unpack(conn.recv(REPLY.size, socket.MSG_WAITALL))
+    assert code == 0
+    _drain(conn, payload)
+    return conn
+
+
+def _drain(conn: socket.socket, nbytes: int) -> None:
+    while nbytes:
+        got = len(conn.recv(min(nbytes, 1 << 20)))
+        assert got, "the server closed the connection mid-reply"
+        nbytes -= got
+
+
 def test_tcp_server_reclaims_idle_and_stalled_connections_and_holds_its_limit(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     """A connection thread per client is only safe when nothing can hold one forever: an
     idle client, one that stops mid-request or one that stops reading are dropped after
-    the server's timeouts, connections past the limit are refused with RESOURCE_EXHAUSTED,
-    and a client whose idle connection was reclaimed dials again without failing a fetch."""
+    the server's timeouts, connections past a limit of rollouts' connections are refused
+    with RESOURCE_EXHAUSTED, and a client whose idle connection was reclaimed dials again
+    without failing a fetch."""
     big = {f"w{i}": np.full((2048, 2048), i, np.float32) for i in range(3)}  # 48 MiB: more than socket buffers hold
     with (
         CoordinatorClient(inprocess_coordinator.address) as client,
@@ -285,7 +303,7 @@ def test_tcp_server_reclaims_idle_and_stalled_connections_and_holds_its_limit(
         host, _, port = pub.endpoint.tcp_address.rpartition(":")
 
         server.max_connections = 2
-        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2)]
+        held = [_shown_a_token(host, port, header, manifest) for _ in range(2)]
         eventually(lambda: server.connections == 2, timeout_s=5, what="two connections served")
         with socket.create_connection((host, int(port)), timeout=5) as third:
             _, code, mlen, _ = REPLY.unpack(third.recv(REPLY.size, socket.MSG_WAITALL))
@@ -355,6 +373,65 @@ def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
         rollout.sendall(_raw_request(header, manifest, [0]))  # and reused
         assert REPLY.unpack(rollout.recv(REPLY.size, socket.MSG_WAITALL))[1] == 0
         rollout.close()
+
+
+def test_strangers_at_the_limit_give_way_and_rollouts_connections_do_not(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """At its limit the server refused every new connection, so anyone who could reach the
+    port kept rollouts out for as long as they cared to: connections that send nothing (or
+    trickle a request a byte at a time), opened again as the server timed them out. A new
+    connection now takes the place of the oldest that has shown no token; a connection that
+    has shown one is never displaced, and with only those held a new one is refused."""
+    with (
+        CoordinatorClient(inprocess_coordinator.address) as client,
+        WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub,
+    ):
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish({"w": np.ones(4096, np.float32)}, 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        chunk = manifest.parts[0].chunks[0]
+        server = pub.tcp_server
+        assert server is not None
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+        server.max_connections = 3
+
+        def fetch(t: TcpTransport) -> None:
+            request = FetchRequest("job", 1, 0, [0], 10.0, [(chunk.offset, chunk.length)], header.access_token)
+            buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
+            assert t.fetch_into(request, buf, 0, [chunk.xxh3]).tolist() == [True]
+
+        rollout = _shown_a_token(host, port, header, manifest)
+        silent = socket.create_connection((host, int(port)), timeout=5)
+        trickler = socket.create_connection((host, int(port)), timeout=5)
+        trickler.sendall(_raw_request(header, manifest, [0])[:5])  # a byte now and then keeps it read
+        eventually(lambda: server.connections == 3, timeout_s=5, what="the limit reached")
+        transports = [TcpTransport(), TcpTransport()]
+        try:
+            transports[0].open(pub.endpoint)
+            fetch(transports[0])  # takes the oldest stranger's place
+            assert silent.recv(1) == b""
+            flood = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+            for conn in [trickler, *flood[:-1]]:  # each arrival ended the oldest stranger
+                assert conn.recv(1) == b""
+            rollout.sendall(_raw_request(header, manifest, [0]))  # the rollouts' connections stayed
+            assert REPLY.unpack(rollout.recv(REPLY.size, socket.MSG_WAITALL))[1] == 0
+            _drain(rollout, chunk.length)
+            fetch(transports[0])
+            transports[1].open(pub.endpoint)
+            fetch(transports[1])  # the last stranger gives way too
+            assert flood[-1].recv(1) == b""
+            assert server.strangers_dropped == 22 and server.connections == 3
+            with socket.create_connection((host, int(port)), timeout=5) as late:  # none left to end
+                _, code, mlen, _ = REPLY.unpack(late.recv(REPLY.size, socket.MSG_WAITALL))
+                assert code == 8 and b"connections" in late.recv(mlen, socket.MSG_WAITALL)
+            fetch(transports[0])
+            fetch(transports[1])
+        finally:
+            for t in transports:
+                t.close()
+            for conn in [rollout, silent, trickler, *flood]:
+                conn.close()
 
 
 def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(cluster: Cluster) -> None:

@@ -16,9 +16,11 @@ A refused request gets a status and a message naming the field; the connection s
 usable. Connections are persistent: one per (endpoint, lane), reused across versions.
 The server closes a connection idle for `IDLE_TIMEOUT_S` (`STALL_TIMEOUT_S` until it has
 shown a version's token) or stalled mid-request (no byte moved either way) for
-`STALL_TIMEOUT_S`, refuses connections beyond its limit with
-`RESOURCE_EXHAUSTED`, and keeps accepting through transient accept errors (out of file
-descriptors); a client finds its idle connection closed before reusing it and dials again.
+`STALL_TIMEOUT_S`. At its limit a new connection takes the place of the oldest one that
+has not shown a version's token (strangers cannot keep rollouts out by holding or trickling
+connections); with none of those left it is refused with `RESOURCE_EXHAUSTED`. The server
+keeps accepting through transient accept errors (out of file descriptors); a client finds
+its idle connection closed before reusing it and dials again.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
 
 class TcpChunkServer:
     """Serves chunk bytes from a ChunkSource on host:port; a thread per connection, at
-    most `max_connections` of them (default: `default_max_connections()`)."""
+    most `max_connections` of them (default: `default_max_connections()`), strangers
+    (connections yet to show a valid token) giving way to new connections at the limit."""
 
     def __init__(
         self,
@@ -157,6 +160,8 @@ class TcpChunkServer:
         self.address = join_host_port(host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._strangers: dict[socket.socket, None] = {}  # of _conns, no valid token yet; oldest first
+        self.strangers_dropped = 0
         self._closed = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept-{self.address}", daemon=True)
@@ -189,9 +194,12 @@ class TcpChunkServer:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= self.max_connections and self._strangers:
+                    self._drop_oldest_stranger()
                 full = len(self._conns) >= self.max_connections
                 if not full:
                     self._conns.add(conn)
+                    self._strangers[conn] = None
             if full:
                 self._refuse(conn)
                 continue
@@ -199,9 +207,34 @@ class TcpChunkServer:
                 threading.Thread(target=self._serve, args=(conn,), name="tcp-serve", daemon=True).start()
             except RuntimeError as e:  # no thread to be had: as a full server would
                 log.warning("tcp %s: cannot start a connection thread (%s)", self.address, e)
-                with self._lock:
-                    self._conns.discard(conn)
+                self._forget(conn)
                 self._refuse(conn)
+
+    def _drop_oldest_stranger(self) -> None:
+        """Ends the oldest connection yet to show a token (under `_lock`, so its thread has
+        not closed it: the shutdown cannot reach a descriptor reused since); its thread sees
+        the end of the stream and leaves."""
+        conn = next(iter(self._strangers))
+        del self._strangers[conn]
+        self._conns.discard(conn)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.strangers_dropped += 1
+        if self.strangers_dropped == 1 or self.strangers_dropped % 1000 == 0:
+            log.warning(
+                "tcp %s: at its limit of %d connections; dropped the oldest without a valid token "
+                "(%d so far): is something other than rollouts connecting?",
+                self.address,
+                self.max_connections,
+                self.strangers_dropped,
+            )
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            self._strangers.pop(conn, None)
 
     def _refuse(self, conn: socket.socket) -> None:
         """Answers a connection over the limit once and closes it (never blocks the accept loop)."""
@@ -240,8 +273,7 @@ class TcpChunkServer:
         except (OSError, WeightsyncError) as e:
             log.debug("tcp connection ended mid-reply: %s", e)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            self._forget(conn)
             conn.close()
 
     def _answer(self, conn: socket.socket, head: bytes) -> bool:
@@ -264,6 +296,8 @@ class TcpChunkServer:
                 raise InvalidArgument("must name at least one chunk", field="indices")
             self._source.check_token(session, version, token)
             trusted = True
+            with self._lock:  # before any reply: from here on no stranger's arrival ends it
+                self._strangers.pop(conn, None)
             self._source.check_read(session, version, rank, indices)
             total = self._source.chunk_lengths(session, version, rank, indices)
         except WeightsyncError as e:
