@@ -5,13 +5,18 @@ prometheus_client's `start_http_server` gives every connection a thread of its o
 read timeout, so a client that connects and sends nothing (or half a request line) holds a
 thread for as long as it keeps the socket open: 500 such connections held 500 threads in a
 coordinator, and nothing bounded them short of the process's limits (a pod's pids limit),
-from anyone who can reach the port, which has no TLS or token.
+from anyone who can reach the port, which has no TLS or token. A bound alone is not enough:
+clients that hold every place (or trickle a request a byte at a time, each read within its
+timeout) keep Prometheus out. So a request must arrive whole within the I/O timeout, and at
+the limit a new connection takes the place of the oldest one still sending its request.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -25,8 +30,11 @@ log = logging.getLogger(__name__)
 # Connections served at once; Prometheus scrapes one at a time per target, so this leaves
 # room for several scrapers and a curl, and bounds the threads a crowd of idle clients gets.
 MAX_CONNECTIONS = 32
-# Seconds a connection may wait on one read or write of its request and reply.
+# Seconds a connection may wait on one read or write of its reply, and take to send its
+# request whole.
 IO_TIMEOUT_S = 10.0
+# How long a new connection at the limit waits for the place of the one it ended.
+TAKE_PLACE_S = 1.0
 BUSY_REPLY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -38,11 +46,17 @@ class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
 
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the request line's rest and the headers
+        self.server.request_read(self.request)  # type: ignore[attr-defined]
+        return parsed
+
 
 class MetricsServer(ThreadingMixIn, WSGIServer):
     """Serves `registry` on host:port (IPv6 literals included) from a daemon thread, at most
-    `max_connections` connections at once: one past them is answered 503 and closed; each
-    read or write waits at most `io_timeout_s`."""
+    `max_connections` connections at once. A request must arrive whole within `io_timeout_s`
+    and each write of the reply waits at most that; one past the limit takes the place of the
+    oldest connection still sending its request, or, with none, is answered 503 and closed."""
 
     daemon_threads = True
 
@@ -67,13 +81,17 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self.setup_environ()
         self.set_app(make_wsgi_app(registry))
         self.max_connections = max_connections
+        self.io_timeout_s = io_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._reading: dict[socket.socket, float] = {}  # request not read yet: its accept time, oldest first
+        self.readers_dropped = 0
         self._busy_logged = False
         self._thread = threading.Thread(target=self.serve_forever, name="metrics-http", daemon=True)
         self._thread.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not self._take_oldest_readers_place():
             if not self._busy_logged:
                 self._busy_logged = True
                 log.warning("/metrics: %d connections open; answering 503 until one ends", self.max_connections)
@@ -83,11 +101,60 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
                 pass
             self.shutdown_request(request)
             return
+        with self._lock:
+            self._reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started: the slot is not released by one
+            self.shutdown_request(request)
             self._slots.release()
             raise
+
+    def _take_oldest_readers_place(self) -> bool:
+        """Ends the oldest connection still sending its request and waits for its place."""
+        with self._lock:
+            if not self._reading:
+                return False
+            self._end_reader(next(iter(self._reading)))
+            self.readers_dropped += 1
+            if self.readers_dropped == 1 or self.readers_dropped % 1000 == 0:
+                log.warning(
+                    "/metrics: %d connections open; ended the oldest still sending its request (%d so far)",
+                    self.max_connections,
+                    self.readers_dropped,
+                )
+        return self._slots.acquire(timeout=TAKE_PLACE_S)
+
+    def _end_reader(self, request: socket.socket) -> None:
+        """Under `_lock`: its thread has not closed it (`shutdown_request` takes the lock
+        first), so the shutdown cannot reach a descriptor reused since. Its reads then see
+        the end of the stream and its thread leaves."""
+        del self._reading[request]
+        try:
+            request.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def request_read(self, request: socket.socket) -> None:
+        """The handler has read the request line and headers: the connection is answered now."""
+        with self._lock:
+            self._reading.pop(request, None)
+
+    def service_actions(self) -> None:
+        """Ends connections whose request has not arrived whole within `io_timeout_s`
+        (serve_forever calls this every half second)."""
+        deadline = time.monotonic() - self.io_timeout_s
+        with self._lock:
+            while self._reading:
+                request, since = next(iter(self._reading.items()))
+                if since > deadline:
+                    break
+                self._end_reader(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
+        super().shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
