@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import socket
 import threading
@@ -161,6 +162,11 @@ class WeightPuller:
             raise InvalidArgument("mode 'fs' needs the store root it may read", field="fs_root")
         if fs_root:
             check_fs_root(fs_root)
+            if "://" not in fs_root and not os.path.isdir(fs_root):  # a local path: cheap to look at
+                # not refused: the trainer may make it later (pods start in any order)
+                log.warning(
+                    "fs_root %r does not exist here (yet): fs reads fail until the trainer's store is there", fs_root
+                )
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts

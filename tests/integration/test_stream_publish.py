@@ -164,11 +164,23 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
             assert outcome.ok, outcome.mismatch
             assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         assert FsStore(root).versions("job") == [2, 3]  # v1's slot was reused: its files are gone
-        other = WeightPuller(client, "job", "r0", mode="fs", fs_root=root + "-elsewhere")
-        bad = sync_version(other, DictApplier(), 3)  # its own root holds no such part
-        assert not bad.ok and "no _SUCCESS marker" in bad.mismatch
+        # A root that is not the trainer's store says so, not that the part is unfinished
+        # ("has no _SUCCESS marker yet", which sent operators to look at the trainer).
+        elsewhere = WeightPuller(client, "job", "r0", mode="fs", fs_root=root + "-elsewhere")
+        bad = sync_version(elsewhere, DictApplier(), 3)
+        assert not bad.ok and "does not exist here" in bad.mismatch and bad.transient
+        FsStore(root + "-empty").fs.makedirs(FsStore(root + "-empty").root, exist_ok=True)
+        empty = WeightPuller(client, "job", "r0", mode="fs", fs_root=root + "-empty")
+        bad = sync_version(empty, DictApplier(), 3)
+        assert not bad.ok and "is not under" in bad.mismatch and "shared with this host" in bad.mismatch
+        store = FsStore(root)
+        (marker,) = [p for p in store.fs.find(store.root) if p.endswith("/_SUCCESS") and "/v3/" in p]
+        store.fs.rm(marker)
+        bad = sync_version(puller, DictApplier(), 3)
+        assert not bad.ok and "has no _SUCCESS marker" in bad.mismatch
         puller.close()
-        other.close()
+        elsewhere.close()
+        empty.close()
     client.close()
 
 

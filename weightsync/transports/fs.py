@@ -237,7 +237,25 @@ class FsTransport(Transport):
         except OSError as e:
             raise store_error(e, f"cannot read {endpoint.fs_uri}") from e
         if not marked:
-            raise TransportUnavailable(f"{endpoint.fs_uri} has no {MARKER} marker yet")
+            raise TransportUnavailable(self._missing(endpoint.fs_uri), field="fs_root")
+
+    def _missing(self, fs_uri: str) -> str:
+        """Why a READY part's marker is not seen. The trainer writes the marker before it
+        publishes, so a part directory or a root missing here means this process's root
+        is not the trainer's store (another path, a volume not shared with this host)."""
+        assert self._store is not None
+        root = self._store.root_uri
+        try:
+            if not self._store.fs.exists(self._store.root):
+                return f"the store root {root!r} does not exist here: is it the trainer's store, mounted on this host?"
+            if not self._store.fs.exists(self._dir):
+                return (
+                    f"{fs_uri} is not under {root!r} here, though it was written before its version was "
+                    "published: is fs_root the store the trainer writes, shared with this host?"
+                )
+        except OSError as e:
+            return f"cannot read {fs_uri} under {root!r}: {e}"
+        return f"{fs_uri} under {root!r} has no {MARKER} marker"
 
     def fetch(self, request: FetchRequest) -> Iterator[ChunkPayload]:
         if self._store is None or not self._dir:
