@@ -50,7 +50,13 @@ def _run(cfg: RolloutConfig) -> int:
             dtype=cfg.dtype,
             kv_cache_bytes=cfg.kv_cache_bytes,
         )
-        agent = RolloutAgent(wiring, engine.sync, metrics=metrics, completion=lambda: engine.complete(cfg.prompt))
+        agent = RolloutAgent(
+            wiring,
+            engine.sync,
+            metrics=metrics,
+            completion=lambda: engine.complete(cfg.prompt),
+            no_version_warn_s=cfg.no_version_warn_s,
+        )
         closers = [engine.close]
     else:
         wiring = wire_rollout(
@@ -74,6 +80,7 @@ def _run(cfg: RolloutConfig) -> int:
             ),
             metrics=metrics,
             outbox=wiring.outbox,
+            no_version_warn_s=cfg.no_version_warn_s,
         )
         closers = [wiring.close_data_plane]
     running = start_server(

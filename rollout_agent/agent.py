@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -17,6 +18,7 @@ from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import (
     TRANSIENT_ERRORS,
     AgentNotFound,
@@ -57,12 +59,14 @@ class RolloutAgent:
         metrics: Metrics,
         completion: Callable[[], str] | None = None,
         outbox: ReportOutbox | None = None,
+        no_version_warn_s: float = 60.0,
     ) -> None:
         """`wiring` (`rollout_agent.wiring`) gives the client, registers the agent and
         keeps its lease; `syncer(version)` runs one round (the NumPy applier's
         `sync_version`, or a vLLM engine's weight-transfer API); `completion()` shows what
         the engine now says; `outbox` re-sends handshakes `syncer` could not deliver (its
-        verdicts must reach `on_verdict`)."""
+        verdicts must reach `on_verdict`); a following rollout with nothing to sync after
+        `no_version_warn_s` logs why once (a mistyped session otherwise waited in silence)."""
         self.wiring = wiring
         self.client = wiring.client
         self.session = wiring.settings.session
@@ -91,6 +95,8 @@ class RolloutAgent:
         self._threads: list[threading.Thread] = []
         self._stale_watch: StaleWatch | None = None
         self.follows = False
+        self.no_version_warn_s = no_version_warn_s
+        self._no_version_since: float | None = time.monotonic()  # None once warned, or a version came
 
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads.
@@ -262,6 +268,7 @@ class RolloutAgent:
                 or tries.get(target, 0) > self.AUTO_RETRIES
             )
             if done:
+                self._warn_if_no_version()
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
@@ -297,6 +304,34 @@ class RolloutAgent:
                 backoff = min(self.MAX_BACKOFF_S, backoff * 2)
             else:
                 backoff = 0.5
+
+    def _warn_if_no_version(self) -> None:
+        """Once: nothing to sync `no_version_warn_s` after the start, and why."""
+        since = self._no_version_since
+        if since is None:
+            return
+        if self._wanted or self.current_version:
+            self._no_version_since = None
+            return
+        waited = time.monotonic() - since
+        if waited < self.no_version_warn_s:
+            return
+        try:
+            st = self.client.status(self.session, 1)
+        except WeightsyncError:
+            return  # the coordinator's outage is logged by the watch: asked again in a second
+        self._no_version_since = None
+        if st.generation == 0:
+            why = "no trainer has opened it: is --session the name the trainer publishes under?"
+        elif not st.versions:
+            why = f"its trainer (generation {st.generation}) has published no version yet"
+        else:
+            newest = st.versions[0]
+            why = f"its newest version, {newest.version}, is {tpb.VersionState.Name(newest.state)}"
+        message = f"no version of session {self.session!r} to sync {waited:.0f} s after the start: {why}"
+        log.warning(message)
+        with self._state_lock:
+            self.last_error = message
 
     def _handshake_waiting(self) -> int:
         return self.outbox.pending_version if self.outbox is not None else 0

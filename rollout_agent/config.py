@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_agent.settings import SyncSettings
-from weightsync.config import ServerConfig, check_bounds, option
+from weightsync.config import ServerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 
 
@@ -14,6 +14,11 @@ class RolloutConfig(SyncSettings, ServerConfig):
     """A rollout agent: follows the session and syncs every new READY version."""
 
     follow: bool = option(True, "Watch the coordinator and sync each new READY version.")
+    no_version_warn_s: float = option(
+        60.0,
+        "Following: seconds without a version of the session to sync before a warning says why (no trainer "
+        "has opened it: a --session the trainer does not publish under; or it has published nothing yet).",
+    )
     dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
     engine: str = option(
         "numpy", "What applies the weights: a NumPy dict, or an in-process vLLM engine.", choices=["numpy", "vllm"]
@@ -28,6 +33,7 @@ class RolloutConfig(SyncSettings, ServerConfig):
         try:
             self.check()
             check_bounds(self, ("kv_cache_bytes",), 1)
+            check_positive(self, ("no_version_warn_s",))
         except InvalidArgument as e:
             raise ValueError(e.message) from None
         if self.engine == "vllm" and not self.model:

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -150,6 +151,32 @@ def test_a_following_rollout_refuses_to_go_back_and_one_that_does_not_follow_say
     assert sync(follower, 2).ok  # the same version again: allowed
     assert sync(chooser, 2).ok and rollout_status(chooser.address).current_version == 2
     assert sync(chooser, 1).ok and rollout_status(chooser.address).current_version == 1
+
+
+def test_a_rollout_with_nothing_to_sync_says_why(cluster: Cluster) -> None:
+    """A rollout started with a session name no trainer publishes under said it was ready
+    and then nothing, for good. Past `--no-version-warn-s` it logs why once, and its
+    status's last_error says it: no trainer opened the session, or one did and published
+    nothing yet. A rollout that has a version says nothing."""
+    coord = cluster.start_coordinator()
+    quick = ["--no-version-warn-s", "1"]
+    typo = cluster.start_rollout("typo", coord.address, "jbo", quick)
+    cluster.start_trainer("trainer", coord.address, "job", [*TINY, "--steps", "0", "--hold"])
+    early = cluster.start_rollout("early", coord.address, "job", quick)
+    cluster.start_trainer(
+        "trainer2", coord.address, "job2", [*TINY, "--steps", "1", "--wait-commit", "false", "--hold"]
+    )
+    with CoordinatorClient(coord.address) as client:
+        eventually(lambda: client.status("job2", 1).versions, what="job2's version 1")
+    fed = cluster.start_rollout("fed", coord.address, "job2", quick)
+    said = eventually(lambda: rollout_status(typo.address).last_error, timeout_s=30, what="typo's warning")
+    assert "no version of session 'jbo' to sync" in said and "no trainer has opened it" in said
+    assert said in typo.log()
+    said = eventually(lambda: rollout_status(early.address).last_error, timeout_s=30, what="early's warning")
+    assert "trainer (generation 1) has published no version yet" in said
+    eventually(lambda: rollout_status(fed.address).current_version == 1, what="fed at version 1")
+    time.sleep(1.5)  # past its warning time
+    assert "no version of session" not in fed.log()
 
 
 @pytest.mark.parametrize("mode", ["grpc", "tcp"])
