@@ -105,8 +105,7 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             self._reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
-        except BaseException:  # no thread started: the slot is not released by one
-            self.shutdown_request(request)
+        except BaseException:  # no thread started: the slot is not released by one (the caller closes it)
             self._slots.release()
             raise
 
