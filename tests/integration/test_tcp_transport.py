@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import resource
 import socket
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -30,7 +33,8 @@ from weightsync.errors import (
 from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 from weightsync.transports import FetchRequest
-from weightsync.transports.tcp import REPLY, REQUEST, TcpTransport
+from weightsync.transports.base import MAX_INDICES_PER_READ
+from weightsync.transports.tcp import MAX_SESSION, MAX_TOKEN, REPLY, REQUEST, TcpTransport
 
 
 def _params(seed: int) -> dict[str, np.ndarray]:
@@ -151,6 +155,79 @@ def test_tcp_server_refuses_bad_requests_and_keeps_serving(
             _, code, mlen, _ = REPLY.unpack(raw.recv(REPLY.size, socket.MSG_WAITALL))
             assert code == 3 and b"indices" in raw.recv(mlen, socket.MSG_WAITALL)
     client.close()
+
+
+def test_random_requests_get_a_deliberate_answer_and_the_server_keeps_serving(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """400 seeded requests built from extremes (the largest integers, empty and oversized
+    tokens and sessions, invalid UTF-8, index counts at and past the limit, indices past the
+    chunks), one in five cut short or with a bit flipped: each is answered with a refusal's
+    status (never INTERNAL or UNKNOWN), served, or closed; afterwards no connection is held
+    and a rollout's read is served."""
+    rng = random.Random(7)
+    with (
+        CoordinatorClient(inprocess_coordinator.address) as client,
+        WeightPublisher(
+            PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
+        ) as pub,
+    ):
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish({"w": np.arange(40_000, dtype=np.float32)}, 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        chunks = manifest.parts[0].chunks
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+
+        def extreme(bits: int) -> int:
+            return rng.choice([0, 1, (1 << bits) - 1, 1 << (bits - 1), rng.getrandbits(bits)])
+
+        def noise(most: int) -> bytes:
+            return rng.randbytes(rng.randint(0, most))
+
+        answers: collections.Counter[str] = collections.Counter()
+        for _ in range(400):
+            token = rng.choice([header.access_token.encode(), b"", noise(MAX_TOKEN + 8)])
+            session = rng.choice([b"job", b"", b"\xff\xfe", noise(MAX_SESSION + 8)])
+            count = rng.choice([1, 0, rng.randint(0, 300), MAX_INDICES_PER_READ, MAX_INDICES_PER_READ + 1, extreme(32)])
+            indices = [rng.choice([0, len(chunks) - 1, len(chunks), extreme(32)]) for _ in range(min(count, 300))]
+            head = REQUEST.pack(
+                rng.choice([b"WST1", b"WST1", b"WST2"]),
+                min(len(token), 0xFFFF),
+                min(len(session), 0xFFFF),
+                rng.choice([1, extreme(64)]),
+                rng.choice([0, extreme(32)]),
+                count,
+            )
+            message = head + token + session + np.asarray(indices, "<u4").tobytes()
+            if rng.random() < 0.1:
+                message = message[: rng.randint(0, len(message))]
+            elif rng.random() < 0.1:
+                flipped = bytearray(message)
+                flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+                message = bytes(flipped)
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(message)
+                conn.shutdown(socket.SHUT_WR)  # a request cut short ends here, not at the stall timeout
+                try:
+                    reply = conn.recv(REPLY.size, socket.MSG_WAITALL)
+                except ConnectionResetError:
+                    reply = b""
+                if not reply:
+                    answers["closed"] += 1
+                    continue
+                magic, code, _, _ = REPLY.unpack(reply)
+                assert magic == b"WSR1"
+                name = next(c.name for c in grpc.StatusCode if c.value[0] == code)
+                assert name not in ("INTERNAL", "UNKNOWN"), message[:64]
+                answers[name] += 1
+        assert answers["INVALID_ARGUMENT"] and answers["NOT_FOUND"] and answers["PERMISSION_DENIED"], answers
+        eventually(lambda: pub.tcp_server.connections == 0, timeout_s=10, what="every connection released")
+        t = TcpTransport()
+        t.open(pub.endpoint)
+        request = FetchRequest("job", 1, 0, [0], 10.0, [(chunks[0].offset, chunks[0].length)], header.access_token)
+        buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
+        assert t.fetch_into(request, buf, 0, [chunks[0].xxh3]).tolist() == [True]
+        t.close()
 
 
 def test_advertised_host_is_what_rollouts_dial(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
