@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import resource
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -21,6 +23,7 @@ from rollout_agent.sync import sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import (
     FailedPrecondition,
@@ -30,7 +33,7 @@ from weightsync.errors import (
     TransportUnavailable,
     VersionNotFound,
 )
-from weightsync.manifest import Endpoint
+from weightsync.manifest import Endpoint, Manifest
 from weightsync.server import RunningServer
 from weightsync.transports import FetchRequest
 from weightsync.transports.base import MAX_INDICES_PER_READ
@@ -166,15 +169,8 @@ def test_random_requests_get_a_deliberate_answer_and_the_server_keeps_serving(
     status (never INTERNAL or UNKNOWN), served, or closed; afterwards no connection is held
     and a rollout's read is served."""
     rng = random.Random(7)
-    with (
-        CoordinatorClient(inprocess_coordinator.address) as client,
-        WeightPublisher(
-            PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=8192)
-        ) as pub,
-    ):
-        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
-        pub.publish({"w": np.arange(40_000, dtype=np.float32)}, 1)
-        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+    params = {"w": np.arange(40_000, dtype=np.float32)}
+    with _one_version(inprocess_coordinator.address, params, chunk_bytes=8192) as (pub, header, manifest):
         chunks = manifest.parts[0].chunks
         host, _, port = pub.endpoint.tcp_address.rpartition(":")
 
@@ -412,6 +408,21 @@ def test_tcp_server_reclaims_idle_and_stalled_connections_and_holds_its_limit(
     client.close()
 
 
+@contextlib.contextmanager
+def _one_version(
+    coordinator: str, params: dict[str, np.ndarray] | None = None, **settings: int
+) -> Iterator[tuple[WeightPublisher, pb.ManifestHeader, Manifest]]:
+    """A publisher serving version 1 of "job", and the header and manifest rollout r0 got."""
+    with (
+        CoordinatorClient(coordinator) as client,
+        WeightPublisher(PublisherSettings(coordinator=coordinator, session="job", **settings)) as pub,
+    ):
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        pub.publish(params or {"w": np.ones(4096, np.float32)}, 1)
+        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+        yield pub, header, manifest
+
+
 def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
@@ -419,13 +430,7 @@ def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
     had ever shown a version's token: a stranger's connections, one per place under the
     limit, kept every rollout out for that long. Until a valid token, it waits only the
     stall timeout; a rollout's connection (valid token) stays for reuse."""
-    with (
-        CoordinatorClient(inprocess_coordinator.address) as client,
-        WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub,
-    ):
-        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
-        pub.publish({"w": np.ones(4096, np.float32)}, 1)
-        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+    with _one_version(inprocess_coordinator.address) as (pub, header, manifest):
         server = pub.tcp_server
         assert server is not None
         host, _, port = pub.endpoint.tcp_address.rpartition(":")
@@ -460,13 +465,7 @@ def test_strangers_at_the_limit_give_way_and_rollouts_connections_do_not(
     trickle a request a byte at a time), opened again as the server timed them out. A new
     connection now takes the place of the oldest that has shown no token; a connection that
     has shown one is never displaced, and with only those held a new one is refused."""
-    with (
-        CoordinatorClient(inprocess_coordinator.address) as client,
-        WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub,
-    ):
-        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
-        pub.publish({"w": np.ones(4096, np.float32)}, 1)
-        header, manifest = client.get_manifest("job", 1, agent_id="r0")
+    with _one_version(inprocess_coordinator.address) as (pub, header, manifest):
         chunk = manifest.parts[0].chunks[0]
         server = pub.tcp_server
         assert server is not None
