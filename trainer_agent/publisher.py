@@ -38,6 +38,7 @@ from weightsync.digests import access_token, canonical_json
 from weightsync.errors import (
     TRANSIENT_ERRORS,
     AlreadyExists,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -766,9 +767,39 @@ class WeightPublisher:
         return slot
 
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:
-        """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state name."""
-        info = self._client.wait_for_version(self.session, check_version_arg(version), timeout_s=timeout_s)
+        """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state
+        name. DeadlineExceeded after `timeout_s` says what the version waits for."""
+        try:
+            info = self._client.wait_for_version(self.session, check_version_arg(version), timeout_s=timeout_s)
+        except DeadlineExceeded as e:
+            raise DeadlineExceeded(f"{e.message}: {self._waiting_for(version)}") from None
         return _tpb.VersionState.Name(info.state)
+
+    def _waiting_for(self, version: int) -> str:
+        """Who a version that has not committed waits for, from the session's status: no
+        rollout at all (none started, or they follow another session), or the live rollouts
+        that have not reported it."""
+        try:
+            st = self._client.status(self.session, 20)
+        except WeightsyncError as e:
+            return f"the session's status could not be read ({e.message})"
+        info = next((v for v in st.versions if v.version == version), None)
+        state = _tpb.VersionState.Name(info.state) if info is not None else "not among the newest 20"
+        live = sorted(a.agent_id for a in st.agents if a.role == _tpb.ROLLOUT and a.alive)
+        if not live:
+            return (
+                f"it is {state} and no live rollout is registered in session {self.session!r} "
+                "(none started, or they follow another session)"
+            )
+        reported = {h.agent_id for h in st.handshakes if h.version == version}
+        waiting = [a for a in live if a not in reported]
+        shown = ", ".join(repr(a) for a in waiting[:5]) + (f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+        leases = info.leases if info is not None else 0
+        return (
+            f"it is {state}; {len(live) - len(waiting)} of {len(live)} live rollouts reported it"
+            + (f", not yet {shown}" if waiting else "")
+            + f" ({leases} hold a lease on it; min_rollouts {st.min_rollouts})"
+        )
 
     @property
     def client(self) -> CoordinatorClient:

@@ -19,7 +19,8 @@ from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
+from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, WeightsyncError
+from weightsync.manifest import Endpoint
 from weightsync.server import RunningServer
 
 
@@ -231,4 +232,33 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
         assert done and done[0].state == "READY" and time.monotonic() - t0 < 10
         states = {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
         assert states[1] == "RELEASED" and states[3] == "READY"
+    client.close()
+
+
+def test_a_commit_not_reached_in_time_says_what_it_waits_for(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """`wait_committed` ran out with "did not reach COMMITTED ... within 3s" and nothing
+    else: a trainer whose rollouts followed another session, or had not started, or one
+    that wedged, looked the same. It now says which: no live rollout at all, or the live
+    rollouts that have not reported the version (and how many hold a lease on it)."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20)
+    with WeightPublisher(settings) as pub:
+        pub.publish(_weights(1, layers=2), 1)
+        with pytest.raises(DeadlineExceeded, match="within 0.3s: it is READY and no live rollout is registered"):
+            pub.wait_committed(1, 0.3)
+        puller = WeightPuller(client, "job", "r0")
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        client.register_agent("job", "wedged", trainer=False, endpoint=Endpoint())
+        client.get_manifest("job", 1, agent_id="wedged")  # leases it, never reports
+        pub.publish(_weights(2, layers=2), 2)
+        assert sync_version(puller, DictApplier(), 2).ok
+        with pytest.raises(DeadlineExceeded) as waiting:
+            pub.wait_committed(2, 0.3)
+        assert "it is READY; 1 of 2 live rollouts reported it, not yet 'wedged'" in waiting.value.message
+        client.get_manifest("job", 2, agent_id="wedged")
+        with pytest.raises(DeadlineExceeded, match=r"\(1 hold a lease on it; min_rollouts 1\)"):
+            pub.wait_committed(2, 0.3)
+        puller.close()
     client.close()
