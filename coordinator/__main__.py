@@ -84,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.info(
                     "retention: %d agent(s) expired over %.0fs ago forgotten", forgotten, cfg.forget_agents_after_s
                 )
+            if sessions := store.forget_empty_sessions():
+                log.info("retention: sessions no trainer opened and left empty forgotten: %s", ", ".join(sessions))
             metrics.database_bytes.set(store.database_bytes())
         except Exception as e:  # noqa: BLE001 - a locked or full database passes; ending here ended the process
             if not failing:  # once per outage

@@ -25,7 +25,8 @@ class CoordinatorConfig(ServerConfig):
     forget_agents_after_s: float = option(
         3600.0,
         "An agent whose lease lapsed this long ago is forgotten: no longer listed by GetStatus, its row deleted "
-        "(pods that come and go under new names leave no trail forever). It registers again if it comes back.",
+        "(pods that come and go under new names leave no trail forever). It registers again if it comes back. "
+        "A session no trainer opened is forgotten this long after it was made once no agent or version is left.",
     )
     max_sessions: int = option(
         1000, "Sessions that may exist at once; a new one past it is refused (wsctl delete-session frees room)."

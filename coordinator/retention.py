@@ -9,7 +9,9 @@ Pages freed go back to the file system through SQLite's incremental vacuum.
 
 Agents whose lease lapsed long ago are forgotten the same way: rollout pods come and go
 under new names (a Deployment's pods, preemptible nodes), and each left its row in every
-GetStatus reply and in the database for good.
+GetStatus reply and in the database for good. So are sessions no trainer ever opened once
+nothing is left in them: a rollout's registration makes its session, so a mistyped
+`--session` made one that stayed, counted against `--max-sessions`, for good.
 """
 
 from __future__ import annotations
@@ -54,6 +56,27 @@ def forget_agents(db: sqlite3.Connection, expired_before: float) -> int:
     epoch; their version leases were dropped when it ended); returns how many. Handshakes
     they sent stay with their versions."""
     return db.execute("DELETE FROM agents WHERE lease_expires_at<?", (expired_before,)).rowcount
+
+
+def forget_empty_sessions(db: sqlite3.Connection, made_before: float, tables: tuple[str, ...]) -> list[str]:
+    """Deletes the sessions made before `made_before` (seconds since the epoch) that no
+    trainer ever opened (generation 0) and that hold no agent and no version; returns their
+    names. `tables`: the tables whose rows are keyed by session. A rollout that comes back
+    makes its session again as it registers."""
+    names = [
+        name
+        for (name,) in db.execute(
+            "SELECT name FROM sessions s WHERE generation=0 AND created_at<? "
+            "AND NOT EXISTS (SELECT 1 FROM agents a WHERE a.session=s.name) "
+            "AND NOT EXISTS (SELECT 1 FROM versions v WHERE v.session=s.name)",
+            (made_before,),
+        ).fetchall()
+    ]
+    for name in names:
+        for table in tables:
+            db.execute(f"DELETE FROM {table} WHERE session=?", (name,))
+        db.execute("DELETE FROM sessions WHERE name=?", (name,))
+    return names
 
 
 def vacuum(db: sqlite3.Connection) -> None:

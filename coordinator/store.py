@@ -491,6 +491,18 @@ class SessionStore(VersionLifecycle):
         with self._tx() as db:
             return retention.forget_agents(db, self._clock() - self.forget_agents_after_s)
 
+    def forget_empty_sessions(self) -> list[str]:
+        """Forgets sessions made over `forget_agents_after_s` ago (and three lease TTLs:
+        a rollout makes its session, then registers in it) that no trainer ever opened and
+        that hold no agent and no version (see `coordinator.retention`); returns their names."""
+        made_before = self._clock() - max(self.forget_agents_after_s, 3 * self.lease_ttl_s)
+        with self._tx() as db:
+            names = retention.forget_empty_sessions(db, made_before, SESSION_TABLES)
+        if self._listener is not None:
+            for name in names:  # an operator's watch of it ends, as after delete_session
+                self._listener.notify(name)
+        return names
+
     def database_bytes(self) -> int:
         with self._writer() as db:
             return retention.database_bytes(db)

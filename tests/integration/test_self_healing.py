@@ -31,7 +31,7 @@ from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync.arena_files import owner_alive
 from weightsync.client import CoordinatorClient
-from weightsync.errors import StaleGeneration
+from weightsync.errors import SessionNotFound, StaleGeneration
 from weightsync.manifest import Endpoint
 
 TINY = ["--model-size", "tiny"]
@@ -745,9 +745,12 @@ def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Clu
 
 
 def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers_again(cluster: Cluster) -> None:
-    """Rollout pods that come and go under new names each stayed in every status reply."""
+    """Rollout pods that come and go under new names each stayed in every status reply; a
+    session only a rollout made (a mistyped --session) stayed for good once it left."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL), "--forget-agents-after-s", "1"])
     with CoordinatorClient(coord.address) as client:
+        client.open_session("jbo", trainer=False)
+        client.register_agent("jbo", "typo", trainer=False, endpoint=Endpoint())
         client.open_session("job", trainer=True, incarnation="x")
         for i in range(50):
             client.register_agent("job", f"pod-{i}", trainer=False, endpoint=Endpoint())
@@ -756,6 +759,9 @@ def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers
         assert "agent(s) expired over 1s ago forgotten" in coord.log()
         client.register_agent("job", "pod-7", trainer=False, endpoint=Endpoint())
         assert list(agents(client)) == ["pod-7"]
+        eventually(lambda: "left empty forgotten: jbo" in coord.log(), timeout_s=3 * TTL + 10, what="jbo forgotten")
+        with pytest.raises(SessionNotFound):
+            client.status("jbo")
 
 
 def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets_it_back(cluster: Cluster) -> None:

@@ -637,6 +637,46 @@ def test_a_version_a_replaced_trainer_left_half_sealed_fails_and_is_summarized(t
         store.close()
 
 
+def test_sessions_no_trainer_opened_are_forgotten_once_empty(tmp_path: Path, clock: Clock) -> None:
+    """A rollout's registration makes its session, so a mistyped --session made one that
+    stayed for good, counted against --max-sessions. Once no agent and no version is left
+    in it, a session no trainer opened is forgotten; a trainer's session never is, nor one
+    made within three lease TTLs (a rollout makes it, then registers)."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60, max_sessions=3)
+    try:
+        attach(store)  # "job": a trainer's, with no agent left below
+        store.open_session("jbo", trainer=False)
+        store.register_agent("jbo", "typo", role="ROLLOUT", endpoint=Endpoint())
+        store.open_session("fresh", trainer=False)
+        with pytest.raises(ResourceExhausted, match="max-sessions"):
+            store.open_session("other", trainer=False)
+        clock.t += 61  # typo's lease lapsed 51 s ago: still listed, so "jbo" stays
+        assert store.forget_agents() == 0 and store.forget_empty_sessions() == ["fresh"]
+        clock.t += 10
+        assert store.forget_agents() == 1 and store.forget_empty_sessions() == ["jbo"]
+        for name in ("jbo", "fresh"):
+            with pytest.raises(SessionNotFound):
+                store.session(name)
+        assert store.session("job").generation == 1 and store.forget_empty_sessions() == []
+        store.open_session("other", trainer=False)  # room again
+        store.open_session("jbo", trainer=False)  # and the rollout, back, makes its session anew
+        store.register_agent("jbo", "typo", role="ROLLOUT", endpoint=Endpoint())
+        clock.t += 59
+        assert store.forget_empty_sessions() == []
+        clock.t += 2
+        assert store.forget_empty_sessions() == ["other"]
+    finally:
+        store.close()
+    store = SessionStore(tmp_path / "d.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=0)
+    try:
+        store.open_session("jbo", trainer=False)
+        assert store.forget_empty_sessions() == []  # made within three lease TTLs: its rollout registers next
+        clock.t += 31
+        assert store.forget_empty_sessions() == ["jbo"]
+    finally:
+        store.close()
+
+
 def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp_path: Path, clock: Clock) -> None:
     """Pods that come and go under new names each left a row in every status reply for good."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60)
