@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from coordinator.rows import PART_SUMMARY_COLUMNS
+from coordinator.rows import PART_SUMMARY_COLUMNS, delete_session_rows
 from coordinator.states import VersionState
 from weightsync import version_states
 
@@ -58,11 +58,10 @@ def forget_agents(db: sqlite3.Connection, expired_before: float) -> int:
     return db.execute("DELETE FROM agents WHERE lease_expires_at<?", (expired_before,)).rowcount
 
 
-def forget_empty_sessions(db: sqlite3.Connection, made_before: float, tables: tuple[str, ...]) -> list[str]:
+def forget_empty_sessions(db: sqlite3.Connection, made_before: float) -> list[str]:
     """Deletes the sessions made before `made_before` (seconds since the epoch) that no
     trainer ever opened (generation 0) and that hold no agent and no version; returns their
-    names. `tables`: the tables whose rows are keyed by session. A rollout that comes back
-    makes its session again as it registers."""
+    names. A rollout that comes back makes its session again as it registers."""
     names = [
         name
         for (name,) in db.execute(
@@ -73,9 +72,7 @@ def forget_empty_sessions(db: sqlite3.Connection, made_before: float, tables: tu
         ).fetchall()
     ]
     for name in names:
-        for table in tables:
-            db.execute(f"DELETE FROM {table} WHERE session=?", (name,))
-        db.execute("DELETE FROM sessions WHERE name=?", (name,))
+        delete_session_rows(db, name)
     return names
 
 

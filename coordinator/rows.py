@@ -12,6 +12,16 @@ from coordinator.records import AgentRecord, FleetGauges, ReportRecord, VersionR
 from coordinator.states import VersionState
 from weightsync.manifest import Endpoint
 
+SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
+
+
+def delete_session_rows(db: sqlite3.Connection, name: str) -> dict[str, int]:
+    """Deletes a session and every row keyed by it; returns the rows deleted per table."""
+    counts = {t: db.execute(f"DELETE FROM {t} WHERE session=?", (name,)).rowcount for t in SESSION_TABLES}
+    db.execute("DELETE FROM sessions WHERE name=?", (name,))
+    return counts
+
+
 # What a version's parts add up to (ranks sealed "n", bytes "b", slowest staging "st"), as
 # columns of a query over `versions v`: read live from the parts while they exist; a pruned
 # row keeps its own copy (`version_record`, `retention.prune`).

@@ -38,6 +38,7 @@ from coordinator.rows import (
     REPORT_COLUMNS,
     VERSION_SQL,
     agent_record,
+    delete_session_rows,
     fleet_gauges,
     report_record,
     version_record,
@@ -72,7 +73,6 @@ DEFAULT_MODE = "tcp"
 DEFAULT_RETAIN_VERSIONS = 50
 DEFAULT_FORGET_AGENTS_AFTER_S = 3600.0
 DEFAULT_MAX_SESSIONS = 1000
-SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
 DECODED_MANIFESTS = 16  # versions whose decoded manifest is kept (a fleet reads one at a time)
 
 
@@ -297,8 +297,7 @@ class SessionStore(VersionLifecycle):
                     "(or wait out their leases), or force",
                     field="force",
                 )
-            counts = {t: db.execute(f"DELETE FROM {t} WHERE session=?", (name,)).rowcount for t in SESSION_TABLES}
-            db.execute("DELETE FROM sessions WHERE name=?", (name,))
+            counts = delete_session_rows(db, name)
         self._manifests.discard_where(lambda key: key[0] == name)
         if self._listener is not None:  # its watchers wake, find it gone and end
             self._listener.notify(name)
@@ -497,7 +496,7 @@ class SessionStore(VersionLifecycle):
         that hold no agent and no version (see `coordinator.retention`); returns their names."""
         made_before = self._clock() - max(self.forget_agents_after_s, 3 * self.lease_ttl_s)
         with self._tx() as db:
-            names = retention.forget_empty_sessions(db, made_before, SESSION_TABLES)
+            names = retention.forget_empty_sessions(db, made_before)
         if self._listener is not None:
             for name in names:  # an operator's watch of it ends, as after delete_session
                 self._listener.notify(name)
