@@ -17,11 +17,11 @@ import numpy as np
 
 from rollout_agent.assembly import held_whole
 from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
-from rollout_agent.settings import MAX_LANES
+from rollout_agent.settings import check_pull_args
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.config import check_bounds, check_positive
+from weightsync.config import check_positive
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info
 from weightsync.errors import (
@@ -38,7 +38,6 @@ from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
 from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
-from weightsync.transports.fs import check_fs_root
 from weightsync.transports.tcp import answers
 from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, check_session_name
 from weightsync.wire import endpoint_from_proto
@@ -158,22 +157,18 @@ class WeightPuller:
             raise InvalidArgument(
                 f"a relay source needs mode 'relay' (or the session's), not {self.mode!r}", field="mode"
             )
-        if self.mode == "fs" and not fs_root:
-            raise InvalidArgument("mode 'fs' needs the store root it may read", field="fs_root")
-        if fs_root:
-            check_fs_root(fs_root)
-            if "://" not in fs_root and not os.path.isdir(fs_root):  # a local path: cheap to look at
-                # not refused: the trainer may make it later (pods start in any order)
-                log.warning(
-                    "fs_root %r does not exist here (yet): fs reads fail until the trainer's store is there", fs_root
-                )
         self.streams = streams
         self.window_chunks = window_chunks
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
-        # as the sidecar's settings bound them: a library caller's arguments are checked alike
-        check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, MAX_LANES)
+        # as the sidecar's settings check them: a library caller's arguments are checked alike
+        check_pull_args(self, self.mode, fs_root)
         check_positive(self, ("timeout_s",))
+        if fs_root and "://" not in fs_root and not os.path.isdir(fs_root):  # a local path: cheap to look at
+            # not refused: the trainer may make it later (pods start in any order)
+            log.warning(
+                "fs_root %r does not exist here (yet): fs reads fail until the trainer's store is there", fs_root
+            )
         # A read from a relay gives it this long to move a byte (it answers within its own
         # wait or gives up): a relay frozen or cut off is left for the trainer in seconds,
         # not after the data-plane deadline.

@@ -19,8 +19,20 @@ from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
 from weightsync.validation import MAX_INSTANCE_CHARS, check_address, check_agent_id, check_session_name
 
-# Lanes, chunks per call and attempts a puller takes at most (the puller checks it too).
+# Lanes, chunks per call and attempts a puller takes at most.
 MAX_LANES = 1 << 20
+
+
+def check_pull_args(holder: Any, mode: str, fs_root: str) -> None:
+    """What a pull needs of its arguments, wherever they come from (a sidecar's settings, a
+    library caller's `WeightPuller`): mode 'fs' names its store root, a root fsspec knows,
+    and `holder`'s streams, window_chunks and max_attempts in [1, MAX_LANES]."""
+    if mode == "fs" and not fs_root:
+        raise InvalidArgument("mode 'fs' needs the store root it may read (--fs-root)", field="fs_root")
+    if fs_root:
+        check_fs_root(fs_root)
+    check_bounds(holder, ("streams", "window_chunks", "max_attempts"), 1, MAX_LANES)
+
 
 APPLY_MODES = ("atomic", "streaming")
 
@@ -101,11 +113,7 @@ class SyncSettings(PeerConfig):
             if self.apply_mode not in APPLY_MODES:
                 raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="apply_mode")
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
-            if self.weight_sync_mode == "fs" and not self.fs_root:
-                raise InvalidArgument("weight_sync_mode 'fs' needs the store root (--fs-root)", field="fs_root")
-            if self.fs_root:
-                check_fs_root(self.fs_root)
-            check_bounds(self, ("streams", "window_chunks", "max_attempts"), 1, MAX_LANES)
+            check_pull_args(self, self.weight_sync_mode, self.fs_root)
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
