@@ -24,6 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from weightsync.addresses import listening_socket
+from weightsync.linger import Lingerer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self.set_app(make_wsgi_app(registry))
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
+        self._linger = Lingerer("metrics-http")  # the 503's connections: their request is never read
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._reading: dict[socket.socket, float] = {}  # request not read yet: its accept time, oldest first
@@ -96,10 +98,12 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
                 self._busy_logged = True
                 log.warning("/metrics: %d connections open; answering 503 until one ends", self.max_connections)
             try:
-                request.sendall(BUSY_REPLY)
+                request.setblocking(False)
+                request.sendall(BUSY_REPLY)  # fits the send buffer: never blocks the accept loop
             except OSError:
-                pass
-            self.shutdown_request(request)
+                self.shutdown_request(request)
+                return
+            self._linger.close_after_drain(request)
             return
         with self._lock:
             self._reading[request] = time.monotonic()
@@ -170,3 +174,4 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         """Stops serving and closes the listener (connections being served end by themselves)."""
         self.shutdown()
         self.server_close()
+        self._linger.close()

@@ -1,14 +1,15 @@
 """The /metrics endpoint holds a bounded number of connections for a bounded time.
 
-Before session 22 every connection got a thread with no read timeout (prometheus_client's
-`start_http_server`): clients that connect and send half a request line, from anyone who
-reaches the port, held a thread each for as long as they kept their sockets open.
+prometheus_client's `start_http_server` gives every connection a thread with no read
+timeout: clients that connect and send half a request line, from anyone who reaches the
+port, would hold a thread each for as long as they kept their sockets open.
 """
 
 from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 import urllib.request
 
@@ -102,6 +103,48 @@ def test_tricklers_and_stalled_clients_are_cut_off_and_scrapes_are_served() -> N
         stalled.close()
         trickler.close()
     finally:
+        server.stop()
+
+
+class _HeldCollector:
+    """A collector whose scrape waits for `release`: the scrape's connection holds its place."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.scraping = threading.Event()
+
+    def collect(self) -> list:
+        self.scraping.set()
+        self.release.wait(30)
+        return []
+
+
+def test_a_busy_answer_arrives_whole_never_as_a_reset() -> None:
+    """With every place held by a request being answered, a new connection gets 503 and
+    the plain end of the stream, although the server never reads its (long) request: the
+    server half-closes and drains it, so the close is no reset overtaking the answer."""
+    registry = CollectorRegistry()
+    held = _HeldCollector()
+    registry.register(held)
+    server = MetricsServer("127.0.0.1", 0, registry, max_connections=1, io_timeout_s=5.0)
+    scraper = threading.Thread(
+        target=lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=30).read(),
+        daemon=True,
+    )
+    try:
+        scraper.start()
+        assert held.scraping.wait(10)
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (512 << 10) + b"\r\n\r\n"
+        for _ in range(30):
+            with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as conn:
+                conn.sendall(request)  # more than the socket buffers hold: only a reading server lets it all go
+                reply = b""
+                while chunk := conn.recv(4096):  # a reset raises here: the answer would be lost
+                    reply += chunk
+                assert reply.startswith(b"HTTP/1.0 503"), reply[:64]
+    finally:
+        held.release.set()
+        scraper.join(timeout=10)
         server.stop()
 
 

@@ -204,10 +204,7 @@ def test_random_requests_get_a_deliberate_answer_and_the_server_keeps_serving(
             with socket.create_connection((host, int(port)), timeout=10) as conn:
                 conn.sendall(message)
                 conn.shutdown(socket.SHUT_WR)  # a request cut short ends here, not at the stall timeout
-                try:
-                    reply = conn.recv(REPLY.size, socket.MSG_WAITALL)
-                except ConnectionResetError:
-                    reply = b""
+                reply = conn.recv(REPLY.size, socket.MSG_WAITALL)  # a reset here is a lost answer: a failure
                 if not reply:
                     answers["closed"] += 1
                     continue
@@ -224,6 +221,53 @@ def test_random_requests_get_a_deliberate_answer_and_the_server_keeps_serving(
         buf = np.zeros(manifest.parts[0].total_bytes, np.uint8)
         assert t.fetch_into(request, buf, 0, [chunks[0].xxh3]).tolist() == [True]
         t.close()
+
+
+def _read_refusal(conn: socket.socket) -> tuple[str, bytes]:
+    """The status name and message of a reply, then the plain end of the stream (a reset
+    raises: the answer would have been lost to it)."""
+    magic, code, mlen, payload = REPLY.unpack(conn.recv(REPLY.size, socket.MSG_WAITALL))
+    assert (magic, payload) == (b"WSR1", 0)
+    message = conn.recv(mlen, socket.MSG_WAITALL)
+    assert conn.recv(1) == b""
+    return next(c.name for c in grpc.StatusCode if c.value[0] == code), message
+
+
+@pytest.mark.parametrize("case", ["bad header", "too many indices", "past the connection limit"])
+def test_a_refusal_that_ends_the_connection_arrives_whole_never_as_a_reset(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, case: str
+) -> None:
+    """A server that stops reading a request (it cannot find its end, or holds its limit)
+    still delivers its answer: it half-closes and drains what the client still sends, so
+    the close is never a reset that overtakes the answer. Long requests, sent whole before
+    the client reads, many times over to catch the race."""
+    with _one_version(inprocess_coordinator.address, chunk_bytes=4096) as (pub, header, manifest):
+        host, _, port = pub.endpoint.tcp_address.rpartition(":")
+        server = pub.tcp_server
+        held: list[socket.socket] = []
+        if case == "bad header":
+            message = REQUEST.pack(b"WST2", 32, 3, 1, 0, 10) + os.urandom(256 << 10)
+            status, field = "INVALID_ARGUMENT", b"request"
+        elif case == "too many indices":
+            count = MAX_INDICES_PER_READ + 1
+            token = header.access_token.encode()
+            message = REQUEST.pack(b"WST1", len(token), 3, 1, 0, count) + token + b"job" + bytes(4 * count)
+            status, field = "INVALID_ARGUMENT", b"indices"
+        else:
+            server.max_connections = 2
+            held = [_shown_a_token(host, port, header, manifest) for _ in range(2)]
+            eventually(lambda: server.connections == 2, timeout_s=5, what="two rollouts' connections")
+            message = _raw_request(header, manifest, [0] * MAX_INDICES_PER_READ)
+            status, field = "RESOURCE_EXHAUSTED", b"connections"
+        for _ in range(40):
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(message)
+                name, text = _read_refusal(conn)
+                assert name == status and field in text, (name, text)
+        for s in held:
+            s.close()
+        eventually(lambda: server.connections == 0, timeout_s=5, what="every connection released")
+        eventually(lambda: server._linger.draining == 0, timeout_s=5, what="every refused connection closed")
 
 
 def test_advertised_host_is_what_rollouts_dial(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:

@@ -13,7 +13,10 @@ each chunk as it lands, both in the native shim with the GIL released.
               message payload
 
 A refused request gets a status and a message naming the field; the connection stays
-usable. Connections are persistent: one per (endpoint, lane), reused across versions.
+usable, except after a request the server cannot read to its end (not our protocol, more
+indices than one call may name) or one past the connection limit: those are answered, then
+half-closed and drained before the close (`weightsync.linger`), so the answer is never lost
+to a reset. Connections are persistent: one per (endpoint, lane), reused across versions.
 The server closes a connection idle for `IDLE_TIMEOUT_S` (`STALL_TIMEOUT_S` until it has
 shown a version's token) or stalled mid-request (no byte moved either way) for
 `STALL_TIMEOUT_S`. At its limit a new connection takes the place of the oldest one that
@@ -52,6 +55,7 @@ from weightsync.errors import (
     status_name_for,
 )
 from weightsync.failpoints import Failpoints
+from weightsync.linger import Lingerer
 from weightsync.manifest import Endpoint
 from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, ChunkSource, FetchRequest, Transport
 
@@ -127,6 +131,10 @@ def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+class _Unreadable(ConnectionAbortedError):
+    """A request whose end cannot be found (answered; the connection cannot go on)."""
+
+
 class TcpChunkServer:
     """Serves chunk bytes from a ChunkSource on host:port; a thread per connection, at
     most `max_connections` of them (default: `default_max_connections()`), strangers
@@ -161,6 +169,7 @@ class TcpChunkServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._strangers: dict[socket.socket, None] = {}  # of _conns, no valid token yet; oldest first
+        self._linger = Lingerer(f"tcp-{self.address}")
         self.strangers_dropped = 0
         self._closed = False
         self._stopped = threading.Event()
@@ -237,7 +246,8 @@ class TcpChunkServer:
             self._strangers.pop(conn, None)
 
     def _refuse(self, conn: socket.socket) -> None:
-        """Answers a connection over the limit once and closes it (never blocks the accept loop)."""
+        """Answers a connection over the limit once and hands it to the lingerer (never
+        blocks the accept loop: the answer fits the socket's send buffer)."""
         try:
             conn.setblocking(False)
             self._reply(
@@ -248,9 +258,9 @@ class TcpChunkServer:
                 ),
             )
         except OSError:
-            pass
-        finally:
             conn.close()
+            return
+        self._linger.close_after_drain(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         # A connection waits `idle_timeout_s` between requests only once it has shown a
@@ -258,6 +268,7 @@ class TcpChunkServer:
         # place under the connection limit for 5 minutes, and the limit's worth of them
         # kept every rollout out for that long.
         trusted = False
+        refused = False
         try:
             _tune(conn)
             while True:
@@ -270,11 +281,17 @@ class TcpChunkServer:
                     return
                 _set_io_timeout(conn, self.stall_timeout_s)
                 trusted = self._answer(conn, first + _recv_exact(conn, REQUEST.size - len(first))) or trusted
+        except _Unreadable as e:
+            log.debug("tcp connection refused: %s", e)
+            refused = True
         except (OSError, WeightsyncError) as e:
             log.debug("tcp connection ended mid-reply: %s", e)
         finally:
             self._forget(conn)
-            conn.close()
+            if refused:
+                self._linger.close_after_drain(conn)
+            else:
+                conn.close()
 
     def _answer(self, conn: socket.socket, head: bytes) -> bool:
         """Answers one request; True when it carried a version's valid token."""
@@ -282,10 +299,10 @@ class TcpChunkServer:
         if magic != REQUEST_MAGIC or token_len > MAX_TOKEN or session_len > MAX_SESSION:
             # Not our protocol (or a corrupt stream): answer once and drop the connection.
             self._reply(conn, InvalidArgument("not a weightsync tcp request (bad magic or sizes)", field="request"))
-            raise ConnectionAbortedError("bad request header")
+            raise _Unreadable("bad request header")
         if count > MAX_INDICES_PER_READ:  # refused before its body is read: the stream cannot continue
             self._reply(conn, InvalidArgument(f"{count} exceed {MAX_INDICES_PER_READ} per call", field="indices"))
-            raise ConnectionAbortedError("too many indices")
+            raise _Unreadable("too many indices")
         body = _recv_exact(conn, token_len + session_len + 4 * count)
         token = body[:token_len].decode("utf-8", "replace")
         session = body[token_len : token_len + session_len].decode("utf-8", "replace")
@@ -337,6 +354,7 @@ class TcpChunkServer:
             except OSError:
                 pass
         self._thread.join(timeout=5)
+        self._linger.close()
 
 
 class TcpTransport(Transport):
