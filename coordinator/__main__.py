@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=cfg.port,
             metrics=metrics,
             metrics_port=cfg.metrics_port,
+            metrics_host=cfg.metrics_host,
             max_workers=cfg.max_workers,
             security=cfg.security(),
         )

@@ -194,7 +194,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.endpoint.address:
             check_address(request.endpoint.address, "endpoint.address")
         if request.endpoint.tcp_address:
-            check_address(request.endpoint.tcp_address, "endpoint.tcp_address")
+            check_address(request.endpoint.tcp_address, "endpoint.tcp_address", unix=False)
         s = self._store.register_agent(
             request.session,
             request.agent_id,
@@ -296,7 +296,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if h.endpoint.address:
             check_address(h.endpoint.address, "header.endpoint.address")
         if h.endpoint.tcp_address:
-            check_address(h.endpoint.tcp_address, "header.endpoint.tcp_address")
+            check_address(h.endpoint.tcp_address, "header.endpoint.tcp_address", unix=False)
         if h.endpoint.fs_uri:
             check_part_uri(h.endpoint.fs_uri, h.session, h.version, h.rank, "header.endpoint.fs_uri")
         if h.endpoint.shm_path:

@@ -1,4 +1,4 @@
-"""Launches weightsync processes on loopback (the demo and the process tests use it).
+"""Launches weightsync processes on loopback or unix sockets (the demo and the process tests use it).
 
 Each process gets `--ready-file`; `start()` waits for it and for grpc.health SERVING,
 and `close()` stops everything (SIGTERM, then SIGKILL) and removes arenas that killed
@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +26,7 @@ import coordinator as coordinator_pkg
 import rollout_agent as rollout_pkg
 import trainer_agent as trainer_pkg
 from weightsync import rpc
+from weightsync.addresses import is_unix
 from weightsync.arena_files import ARENA_GLOB, owner_pid
 from weightsync.security import Security
 
@@ -115,10 +116,12 @@ class Cluster:
         wait: bool = True,
         timeout_s: float = 90.0,
         wrapper: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> Proc:
         """Starts `python -m module args --ready-file ...`; waits until it serves.
 
-        `wrapper` is a command the process runs under (e.g. a private mount namespace).
+        `wrapper` is a command the process runs under (e.g. a private mount namespace);
+        `env` is laid over the cluster's environment for this process alone.
         """
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
@@ -129,7 +132,7 @@ class Cluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 cwd=self.workdir,
                 start_new_session=True,  # Ctrl-C in a terminal reaches the demo only; it stops the rest
             )
@@ -154,10 +157,20 @@ class Cluster:
         return proc
 
     def start_coordinator(
-        self, *, name: str = "coordinator", db_path: str | None = None, port: int = 0, args: Sequence[str] = ()
+        self,
+        *,
+        name: str = "coordinator",
+        db_path: str | None = None,
+        port: int = 0,
+        host: str = "",
+        args: Sequence[str] = (),
     ) -> Proc:
+        """A coordinator on `host` (default its own: loopback), `port`; a unix: host takes no port."""
         db = db_path or str(self.workdir / "coordinator.db")
-        return self.start(name, coordinator_pkg.__name__, ["--db-path", db, "--port", str(port), *args])
+        listen = ["--host", host] if host else []
+        if not is_unix(host):
+            listen += ["--port", str(port)]
+        return self.start(name, coordinator_pkg.__name__, ["--db-path", db, *listen, *args])
 
     def start_rollout(
         self, name: str, coordinator: str, session: str, args: Sequence[str] = (), **options: Any

@@ -1,7 +1,9 @@
 """`make demo`: coordinator + JAX trainer + rollout agents on loopback, N real sync steps.
 
 Prints one row per step (version, bytes, stage / pull / apply seconds, GB/s, handshake)
-and, last, a one-line JSON summary. Exits non-zero on any mismatch.
+and, last, a one-line JSON summary. Exits non-zero on any mismatch. With --unix-sockets
+every process serves on a unix socket and no process opens an inet socket (a host that
+allows none, as a TPU VM may).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -31,11 +34,12 @@ from weightsync.client import CoordinatorClient
 from weightsync.config import bounded_number
 from weightsync.errors import DeadlineExceeded, InvalidArgument
 from weightsync.model_shapes import PRESETS
-from weightsync.modes import MODES
+from weightsync.modes import MODES, normalize_mode
 from weightsync.security import Security
 from weightsync.validation import check_session_name
 
 MAX_ROLLOUTS = 32  # each one a process (a vLLM engine by default) on one machine
+INET_MODES = ("tcp", "relay")  # data planes served on inet sockets
 
 # Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
 # KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
@@ -72,16 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["vllm", "numpy"],
         default=None,
         help="rollout engine: real vLLM (CPU) engines, or NumPy dict appliers (default: vLLM for the tiny and "
-        "small models when vLLM is installed; larger ones use NumPy: two fp32 vLLM engines of the 0.6b shape "
-        "plus the trainer exceed 24 GiB)",
+        "small models when vLLM is installed; larger ones, and --unix-sockets, use NumPy: two fp32 vLLM engines "
+        "of the 0.6b shape plus the trainer exceed 24 GiB, and vLLM opens inet sockets)",
     )
     p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
     p.add_argument(
         "--weight-sync-mode",
-        default="tcp",
+        default=None,
         choices=list(MODES),
-        help="the session's data plane (rollouts follow it): tcp (default), grpc, shm, relay "
-        "(NumPy rollouts re-serve each other in a chain), fs (writes parts under <workdir>/store)",
+        help="the session's data plane (rollouts follow it): tcp (default), grpc, shm (default with "
+        "--unix-sockets), relay (NumPy rollouts re-serve each other in a chain), fs (writes parts under "
+        "<workdir>/store)",
+    )
+    p.add_argument(
+        "--unix-sockets",
+        action="store_true",
+        help="every process serves gRPC on a unix socket in a private temporary directory, /metrics off: no "
+        "process opens an inet socket (tcp and relay need them)",
+    )
+    p.add_argument(
+        "--trainer-platform",
+        choices=["auto", "cpu"],
+        default="auto",
+        help="auto: the trainer's weights live on JAX's default device (the chip where JAX sees a TPU; rollouts "
+        "stay on the CPU, one process holds the chip); cpu: on the CPU",
     )
     p.add_argument(
         "--delta",
@@ -144,7 +162,55 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
     }
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills the defaults that depend on other flags; a usage error for flags that conflict."""
+    if args.weight_sync_mode is None:
+        args.weight_sync_mode = "shm" if args.unix_sockets else "tcp"
+    mode = normalize_mode(args.weight_sync_mode, "weight_sync_mode")
+    if args.unix_sockets and mode in INET_MODES:
+        parser.error(
+            f"--weight-sync-mode {args.weight_sync_mode} needs inet sockets, and --unix-sockets opens none: "
+            "use shm, grpc or fs"
+        )
+    if args.unix_sockets and args.engine == "vllm":
+        # its engine's torch.distributed (gloo) binds a loopback inet socket of its own
+        parser.error("--engine vllm opens inet sockets (torch.distributed on 127.0.0.1): --unix-sockets needs numpy")
+    if args.unix_sockets:
+        args.engine = "numpy"
+
+
+class Addresses:
+    """Where each process listens: loopback ports it picks, or unix sockets in a private
+    directory (removed by `close`)."""
+
+    def __init__(self, unix: bool) -> None:
+        self.directory = tempfile.mkdtemp(prefix="ws-") if unix else ""
+
+    def listen(self, name: str) -> list[str]:
+        """The flags that place `name`'s server (and turn /metrics off over unix sockets)."""
+        if not self.directory:
+            return []
+        return ["--host", f"unix:{self.directory}/{name}.sock", "--metrics-port", "-1"]
+
+    def close(self) -> None:
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _metrics(proc: Any) -> str:
+    port = proc.ready.get("metrics_port", -1)
+    return "metrics off" if port < 0 else f"metrics :{port}"
+
+
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    addresses = Addresses(args.unix_sockets)
+    try:
+        return _run(args, console, addresses)
+    finally:
+        addresses.close()
+
+
+def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="weightsync-demo-"))
     for old in workdir.glob("coordinator.db*"):  # each demo run starts a fresh session
         old.unlink()
@@ -154,9 +220,10 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     )
     rows: list[dict[str, Any]] = []
     trainer_rc = None
+    platform = ""
     with Cluster(workdir) as cluster:
-        coord = cluster.start_coordinator()
-        console.print(f"coordinator  {coord.address}  (metrics :{coord.ready['metrics_port']})")
+        coord = cluster.start_coordinator(args=addresses.listen("coordinator"))
+        console.print(f"coordinator  {coord.address}  ({_metrics(coord)})")
         rollout_args: list[str] = []
         if args.engine == "vllm":
             model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
@@ -187,6 +254,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     "--agent-id",
                     f"rollout-{i}",
                     *rollout_args,
+                    *addresses.listen(f"rollout-{i}"),
                 ],
                 wait=False,
             )
@@ -194,7 +262,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         ]
         for r in rollouts:
             cluster.wait_ready(r, timeout_s=600)
-            console.print(f"{r.name}    {r.address}  (metrics :{r.ready['metrics_port']}, engine {args.engine})")
+            console.print(f"{r.name}    {r.address}  ({_metrics(r)}, engine {args.engine})")
         with CoordinatorClient(coord.address) as client:
             seq = 0
             trainer = cluster.start_trainer(
@@ -216,9 +284,13 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     str(args.lr),
                     *(["--delta", "auto"] if args.delta else []),
                     *fs_args,
+                    *addresses.listen("trainer"),
                 ],
+                # JAX_PLATFORMS empty: JAX's own choice, the chip where it sees one
+                env={"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else None,
             )
-            console.print(f"trainer      {trainer.address}  (JAX on CPU, publishes every step)")
+            platform = trainer.ready.get("platform", "cpu")
+            console.print(f"trainer      {trainer.address}  (JAX on {platform.upper()}, publishes every step)")
             table = Table(title="sync steps")
             for col in ("version", "MiB", "stage s", "pull s", "apply s", "pull GB/s", "handshake"):
                 table.add_column(col, justify="right")
@@ -275,6 +347,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "model_size": args.model_size,
         "rollouts": args.rollouts,
         "delta": args.delta,
+        "weight_sync_mode": args.weight_sync_mode,
+        "unix_sockets": args.unix_sockets,
+        "trainer_platform": platform,
         "bytes_per_step": rows[0]["bytes"] if rows else 0,
         "per_step": [
             {
@@ -300,7 +375,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.engine is None:
         small = args.model_size in ("tiny", "small")
         args.engine = "vllm" if small and not args.delta and importlib.util.find_spec("vllm") else "numpy"

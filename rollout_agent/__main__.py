@@ -89,6 +89,7 @@ def _run(cfg: RolloutConfig) -> int:
         port=cfg.port,
         metrics=metrics,
         metrics_port=cfg.metrics_port,
+        metrics_host=cfg.metrics_host,
         security=cfg.security(),
         max_request_bytes=SMALL_REQUEST_BYTES,
     )

@@ -28,6 +28,9 @@ class RolloutConfig(SyncSettings, ServerConfig):
     kv_cache_bytes: int = option(64 << 20, "vLLM engine: KV cache size (bounded; vLLM takes ~90% of RAM otherwise).")
     prompt: str = option("w1 w2 w3 w4", "vLLM engine: the prompt completed after each applied version.")
 
+    def server_host(self) -> str:
+        return self.host
+
     def __post_init__(self) -> None:
         ServerConfig.__post_init__(self)
         try:

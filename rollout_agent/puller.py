@@ -20,6 +20,7 @@ from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource
 from rollout_agent.settings import check_pull_args
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
+from weightsync.addresses import inet_refused
 from weightsync.client import CoordinatorClient
 from weightsync.config import check_positive
 from weightsync.digests import xxh3
@@ -43,6 +44,13 @@ from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, chec
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
+
+
+def _tcp_usable() -> bool:
+    """The native tcp reader can run here: the shim is built and inet sockets open."""
+    return native.available() and not inet_refused()
+
+
 # (version, trainer generation) of a pull in progress -> why it is stale ("": it is not)
 StaleRule = Callable[[int, int], str]
 
@@ -206,9 +214,11 @@ class WeightPuller:
                 return "fs"
             return self._fallback(part, "offers no fs copy (or no fs_root here)")
         if mode in ("tcp", "relay"):  # relay: the trainer is read over tcp too
-            if "tcp" in ep.transports and ep.tcp_address and native.available():
+            if "tcp" in ep.transports and ep.tcp_address and _tcp_usable():
                 return "tcp"
-            return self._fallback(part, "offers no tcp address (or the native shim is not built here)")
+            return self._fallback(
+                part, "offers no tcp address (or the native shim is not built here, or this host refuses inet sockets)"
+            )
         if mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
                 return "shm"
@@ -218,7 +228,7 @@ class WeightPuller:
     def _off_shm(self, part: Part, why: str) -> str:
         """Where a rank's shm cannot be used: tcp when offered and built here, else grpc."""
         ep = part.endpoint
-        offers_tcp = "tcp" in ep.transports and ep.tcp_address and native.available()
+        offers_tcp = "tcp" in ep.transports and ep.tcp_address and _tcp_usable()
         return self._fallback(part, why, "tcp" if offers_tcp else "grpc")
 
     def _fallback(self, part: Part, why: str, mode: str = "grpc") -> str:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from weightsync.addresses import inet_refused, inet_unusable, is_unix
 from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
@@ -43,7 +44,7 @@ class SyncSettings(PeerConfig):
 
     FIELD_PREFIX: ClassVar[str] = ""  # how errors name a field ("init_info." for vLLM's)
 
-    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
+    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")
     agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>).")
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
@@ -114,6 +115,7 @@ class SyncSettings(PeerConfig):
                 raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="apply_mode")
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
             check_pull_args(self, self.weight_sync_mode, self.fs_root)
+            self.check_inet_modes()
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
@@ -126,10 +128,34 @@ class SyncSettings(PeerConfig):
                 raise
             raise InvalidArgument(e.message.partition(": ")[2], field=f"{self.FIELD_PREFIX}{e.field}") from None
 
-    def wants_relay(self) -> bool:
+    def server_host(self) -> str:
+        """The host this process's own gRPC server binds ("": it has none)."""
+        return ""
+
+    def relay_unusable(self, server_host: str = "") -> str:
+        """Why a relay cannot serve here ("" where it can): it listens on inet sockets, at
+        --relay-host, else the server's host (`server_host`, default `server_host()`)."""
+        return inet_unusable(host=server_host or self.server_host()) if not self.relay_host else inet_refused()
+
+    def check_inet_modes(self) -> None:
+        """InvalidArgument where the mode needs inet sockets this process cannot open: tcp
+        reads the trainer's native server, relay also serves the next rollout."""
+        if is_unix(self.relay_host):
+            raise InvalidArgument("a relay serves on inet sockets: an IP address or host name", field="relay_host")
+        mode = self.weight_sync_mode
+        why = inet_refused() if mode == "tcp" else self.relay_unusable() if mode == "relay" else ""
+        if why:
+            raise InvalidArgument(
+                f"{mode!r} needs inet sockets, and {why}: use shm (same host) or grpc", field="weight_sync_mode"
+            )
+
+    def wants_relay(self, server_host: str = "") -> bool:
         """Re-serve what we pull: in relay mode, or where the session's mode (unknown until
-        the first manifest) may be relay. Streaming applies hold no whole version to serve."""
-        return self.weight_sync_mode in ("relay", "") and self.apply_mode == "atomic"
+        the first manifest) may be relay and a relay can serve here. Streaming applies hold
+        no whole version to serve."""
+        if self.weight_sync_mode not in ("relay", "") or self.apply_mode != "atomic":
+            return False
+        return self.weight_sync_mode == "relay" or not self.relay_unusable(server_host)
 
     def init_info(self, **overrides: Any) -> dict[str, Any]:
         """These settings as vLLM's `init_info` (plain data: it crosses vLLM's RPCs)."""
@@ -145,5 +171,5 @@ class InitInfo(SyncSettings):
 
     # Required here, as they were before the settings were shared: the sidecar's defaults
     # (a local coordinator, session "demo") would let a worker silently sync the wrong thing.
-    coordinator: str = option("", "Coordinator address host:port (required).")
+    coordinator: str = option("", "Coordinator address host:port or unix:/path (required).")
     session: str = option("", "Session name (required).")

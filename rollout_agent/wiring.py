@@ -157,7 +157,7 @@ def wire_rollout(
     if on_verdict is None:
         return RolloutWiring(settings, agent_id, client, None, None, None, failpoints, instance=instance)
     relay = None
-    if settings.wants_relay():
+    if settings.wants_relay(server_host):
         relay = Relay(
             settings.session,
             host=settings.relay_host or server_host or settings.advertise_host or "127.0.0.1",

@@ -56,7 +56,11 @@ def _run(argv: Sequence[str] | None) -> int:
     with WeightPublisher(cfg).start(next_version=cfg.start_version) as pub:
         bind(session=cfg.session, agent_id=pub.agent_id)
         write_ready_file(
-            cfg.ready_file, address=pub.server.address, metrics_port=pub.server.metrics_port, agent_id=pub.agent_id
+            cfg.ready_file,
+            address=pub.server.address,
+            metrics_port=pub.server.metrics_port,
+            agent_id=pub.agent_id,
+            platform=jax.default_backend(),  # where the weights live: "cpu", "tpu"
         )
         for step in range(cfg.start_version, cfg.start_version + cfg.steps):
             if stop.is_set():

@@ -31,6 +31,7 @@ from trainer_agent.store_leftovers import remove_released_parts
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
+from weightsync.addresses import inet_unusable
 from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
@@ -228,7 +229,9 @@ class WeightPublisher:
         self._servicer = TrainerAgentServicer(self.table, self.metrics, fps, lambda: self.generation)
         transports = ("grpc", "shm")
         self.tcp_server: TcpChunkServer | None = None
-        if native.available():  # the native bulk path ("tcp"): sends from the mapped arena
+        if why := inet_unusable(host=s.host):
+            log.info("the tcp transport is not offered: %s", why)
+        elif native.available():  # the native bulk path ("tcp"): sends from the mapped arena
             self.tcp_server = TcpChunkServer(
                 self.table, host=s.host, port=s.tcp_port, on_sent=self._servicer.count_served, failpoints=fps
             )
@@ -242,6 +245,7 @@ class WeightPublisher:
             port=s.port,
             metrics=self.metrics,
             metrics_port=s.metrics_port,
+            metrics_host=s.metrics_host,
             security=security,
             max_request_bytes=SMALL_REQUEST_BYTES,
         )

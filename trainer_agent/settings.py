@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
+from weightsync.addresses import inet_unusable
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
@@ -20,6 +21,8 @@ from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
 from weightsync.validation import DEFAULT_LIMITS, UINT32_MAX, check_address, check_agent_id, check_session_name
 
+# Data planes served on inet sockets: the native tcp server (relay chains read it too).
+INET_MODES = ("tcp", "relay")
 MAX_SLOTS = 64  # each a whole version in shared memory; 2 double-buffer, more only hold older ones
 
 
@@ -32,7 +35,7 @@ class PublisherSettings(ServerConfig):
     trainer library exports into its own registry), the entry point serves one.
     """
 
-    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port.")
+    coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")
     rank: int = option(0, "This trainer rank.")
     world_size: int = option(
@@ -50,7 +53,11 @@ class PublisherSettings(ServerConfig):
     )
     weight_dtype: str = option("", "Cast every tensor to this dtype while staging (e.g. bfloat16); empty keeps each.")
     min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
-    tcp_port: int = option(0, "Port of the native tcp data-plane server; 0 picks a free one.")
+    tcp_port: int = option(
+        0,
+        "Port of the native tcp data-plane server; 0 picks a free one. Not served where --host is a unix "
+        "socket or the host refuses inet sockets.",
+    )
     weight_sync_mode: str = option(
         "",
         "The session's default mode for rollouts without their own: grpc | tcp | shm | fs "
@@ -105,6 +112,11 @@ class PublisherSettings(ServerConfig):
         if self.weight_dtype:
             dtype_info(self.weight_dtype, "weight_dtype")
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
+        if self.weight_sync_mode in INET_MODES and (why := inet_unusable(host=self.host)):
+            raise InvalidArgument(
+                f"{self.weight_sync_mode!r} needs inet sockets, and {why}: use shm (same host) or grpc",
+                field="weight_sync_mode",
+            )
         if self.weight_sync_mode == "fs" and not self.fs_root:
             raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
         if self.fs_root:

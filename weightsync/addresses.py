@@ -1,12 +1,22 @@
-"""host:port strings, IPv6 literals included ([::1]:50051, as gRPC and URLs write them)."""
+"""Addresses: host:port strings, IPv6 literals included ([::1]:50051, as gRPC and URLs write
+them), and unix-domain sockets (`unix:/path`, also written `unix:///path`, as gRPC takes them)."""
 
 from __future__ import annotations
 
+import errno
+import functools
 import socket
+
+UNIX_PREFIX = "unix:"
+# sun_path holds 108 bytes on Linux, the terminating NUL included.
+SUN_PATH_MAX = 107
 
 
 def join_host_port(host: str, port: int | str) -> str:
-    """`host:port`; an IPv6 literal goes in brackets (`::1` alone would read as a host)."""
+    """`host:port`; an IPv6 literal goes in brackets (`::1` alone would read as a host).
+    A unix socket's address is itself: it has no port."""
+    if is_unix(host):
+        return unix_address(unix_path(host))
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
@@ -21,6 +31,44 @@ def split_host_port(address: str) -> tuple[str, str]:
     """(host without brackets, port) of `host:port` or `[v6]:port`."""
     host, _, port = address.rpartition(":")
     return bare_host(host), port
+
+
+def is_unix(address: str) -> bool:
+    """True for a unix-domain socket address (`unix:/path` or `unix:///path`)."""
+    return address.startswith(UNIX_PREFIX)
+
+
+def unix_path(address: str) -> str:
+    """The file path of `unix:/path` or `unix:///path` (gRPC's two spellings)."""
+    rest = address.removeprefix(UNIX_PREFIX)
+    return rest.removeprefix("//") if rest.startswith("///") else rest
+
+
+def unix_address(path: str) -> str:
+    """The canonical address of a socket file: `unix:/path`."""
+    return UNIX_PREFIX + path
+
+
+@functools.cache
+def inet_refused() -> str:
+    """Why this process cannot open inet sockets ("" when it can): some hosts (TPU VMs,
+    sandboxes, a network namespace without loopback) refuse AF_INET outright."""
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+    except OSError as e:
+        name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        return f"this host refuses inet sockets ({name}: {e.strerror})"
+    return ""
+
+
+def inet_unusable(**addresses: str) -> str:
+    """Why a data plane that needs inet sockets (tcp, relay) cannot run here: the first of
+    `addresses` (field name -> address or host) that is a unix socket, or the host refusing
+    AF_INET; "" when neither."""
+    for name, address in addresses.items():
+        if address and is_unix(address):
+            return f"--{name.replace('_', '-')} is a unix socket ({address})"
+    return inet_refused()
 
 
 def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:

@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--coordinator",
         default=None,
-        help="host:port (default: $WEIGHTSYNC_WSCTL_COORDINATOR or 127.0.0.1:50051)",
+        help="host:port or unix:/path (default: $WEIGHTSYNC_WSCTL_COORDINATOR or 127.0.0.1:50051)",
     )
     p.add_argument("--session", default=None, help="session (default: $WEIGHTSYNC_WSCTL_SESSION or demo)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -18,17 +18,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from weightsync.addresses import bare_host, join_host_port, split_host_port
+from weightsync.addresses import bare_host, is_unix, join_host_port, split_host_port
 from weightsync.errors import InvalidArgument
 from weightsync.security import Security, read_token
-from weightsync.validation import INT64_MAX, check_host
+from weightsync.validation import INT64_MAX, check_host, check_unix_address
 
 C = TypeVar("C")
 
 
 def advertised(address: str, advertise_host: str) -> str:
-    """host:port as other agents should dial it: the port bound, the advertised host."""
-    if not advertise_host:
+    """host:port as other agents should dial it: the port bound, the advertised host. A unix
+    socket is dialed at its path."""
+    if not advertise_host or is_unix(address):
         return address
     return join_host_port(advertise_host, split_host_port(address)[1])
 
@@ -104,9 +105,14 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class ServerConfig(PeerConfig):
     """Fields every server shares."""
 
-    host: str = option("127.0.0.1", "Address to bind the gRPC server and /metrics to.")
-    port: int = option(0, "gRPC port; 0 picks a free one (see --ready-file).")
+    host: str = option(
+        "127.0.0.1",
+        "Address to bind the gRPC server and /metrics to, or unix:/path: serve gRPC on that unix socket "
+        "(mode 0660; /metrics then binds --metrics-host).",
+    )
+    port: int = option(0, "gRPC port; 0 picks a free one (see --ready-file). Unused with a unix: --host.")
     metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
+    metrics_host: str = option("", "Address /metrics binds; default --host, or 127.0.0.1 where --host is unix:.")
     ready_file: str = option("", "Write {address, metrics_port, pid} as JSON here once serving.")
     log_level: str = option("INFO", "Logging level (DEBUG, INFO, WARNING, ERROR).")
     log_format: str = option(
@@ -130,6 +136,7 @@ class ServerConfig(PeerConfig):
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         try:
+            self.check_listen()
             self.check_peer()
             self.security().check_files()
         except InvalidArgument as e:
@@ -139,6 +146,22 @@ class ServerConfig(PeerConfig):
                 f"--host {self.host} is reachable from other machines: serve TLS (--tls-cert-file), require bearer "
                 "tokens (--auth-tokens-file), or pass --insecure to serve plaintext to the network"
             )
+
+    def check_listen(self) -> None:
+        """InvalidArgument for a listen address the server could not bind as meant."""
+        if self.metrics_host:
+            if is_unix(self.metrics_host):
+                raise InvalidArgument(
+                    "/metrics binds an IP address or host name, not a unix socket", field="metrics_host"
+                )
+            check_host(self.metrics_host, "metrics_host")
+        if not is_unix(self.host):
+            return
+        check_unix_address(self.host, "host")
+        if self.port:
+            raise InvalidArgument(f"a unix socket has no port; --host is {self.host}", field="port")
+        if self.advertise_host:
+            raise InvalidArgument(f"a unix socket is dialed at its path; --host is {self.host}", field="advertise_host")
 
     def security(self) -> Security:
         """TLS / mTLS and bearer tokens for this process's server and its channels."""
@@ -154,7 +177,10 @@ class ServerConfig(PeerConfig):
 
 
 def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost, a unix
+    socket)."""
+    if is_unix(host):
+        return True
     host = bare_host(host)
     if host == "localhost":
         return True

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from weightsync.addresses import join_host_port
+from weightsync.addresses import is_unix, join_host_port, unix_path
 from weightsync.config import is_loopback
 from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
@@ -25,6 +25,7 @@ from weightsync.metrics import Metrics
 from weightsync.metrics_http import MetricsServer
 from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, OpenCalls, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
+from weightsync.unix_sockets import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +103,7 @@ class RunningServer:
     _pool: futures.ThreadPoolExecutor | None = None
     calls: OpenCalls = field(default_factory=OpenCalls)
     endless: frozenset[str] = ENDLESS_METHODS
+    socket_file: SocketFile | None = None  # where it serves on a unix socket
     _stopped: bool = field(default=False)
 
     def enter_graceful_shutdown(self) -> None:
@@ -118,6 +120,8 @@ class RunningServer:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._httpd is not None:
             self._httpd.stop()
+        if self.socket_file is not None:
+            self.socket_file.remove()
 
     async def _drain(self, grace_s: float) -> None:
         """Stops taking calls; gives calls in flight up to `grace_s` to end, but streams that
@@ -148,6 +152,7 @@ def start_server(
     port: int,
     metrics: Metrics,
     metrics_port: int,
+    metrics_host: str = "",
     max_workers: int = 32,
     security: Security | None = None,
     max_request_bytes: int = MAX_MESSAGE_BYTES,
@@ -158,9 +163,12 @@ def start_server(
         services: the servicers to mount. Plain methods and generators run on a pool of
             `max_workers` threads (they may block); `async` ones run on the event loop
             and hold no thread (the coordinator's watch streams).
-        host, port: gRPC bind address; port 0 picks a free port.
+        host, port: gRPC bind address; port 0 picks a free port. A `unix:/path` host
+            serves on that unix socket (`weightsync.unix_sockets`; the port is unused).
         metrics: this process's metrics (the registry served on /metrics).
         metrics_port: 0 picks a free port; -1 disables /metrics.
+        metrics_host: the address /metrics binds: default `host`, or 127.0.0.1 where
+            `host` is a unix socket.
         max_workers: handler threads for the plain methods.
         security: TLS / mTLS and bearer-token checks (`weightsync.security`); plaintext
             and open without.
@@ -176,6 +184,7 @@ def start_server(
     names = [svc.full_name for svc in services]
     calls = OpenCalls()
     endless = ENDLESS_METHODS.union(*(svc.endless_methods() for svc in services))
+    socket_files: list[SocketFile] = []  # the unix socket start() binds, where it does
 
     async def start() -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
         server = grpc.aio.server(
@@ -189,16 +198,25 @@ def start_server(
         for svc in services:
             svc.add(svc.servicer, server)
         _enable_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+        def add_port(listen: str, flag: str, shown: str) -> int:
+            try:
+                if credentials is None:
+                    bound = server.add_insecure_port(listen)
+                else:
+                    bound = server.add_secure_port(listen, credentials)
+            except RuntimeError as e:  # grpc's "Failed to bind to address"
+                raise cannot_listen(flag, shown, "the bind failed") from e
+            if bound == 0:
+                raise cannot_listen(flag, shown, "the bind failed")
+            return bound
+
         listen = join_host_port(host, port)
-        try:
-            if credentials is None:
-                bound = server.add_insecure_port(listen)
-            else:
-                bound = server.add_secure_port(listen, credentials)
-        except RuntimeError as e:  # grpc's "Failed to bind to address"
-            raise cannot_listen("port", listen, "the bind failed") from e
-        if bound == 0:
-            raise cannot_listen("port", listen, "the bind failed")
+        if is_unix(host):
+            bound, socket_file = bind_unix(unix_path(host), lambda p: add_port(f"unix:{p}", "host", listen), "host")
+            socket_files.append(socket_file)
+        else:
+            bound = add_port(listen, "port", listen)
         # The server's accept loop is a task made here: in the urgent lane, so a new call
         # is taken on at once; the interceptor then puts each call in its method's lane.
         URGENT.set(True)
@@ -211,16 +229,23 @@ def start_server(
         server, health_servicer, bound = run_on_server_loop(start())
     except BaseException:
         pool.shutdown(wait=False)
+        for made in socket_files:
+            made.remove()
         raise
+    socket_file = socket_files[0] if socket_files else None
     httpd = None
     mport = -1
     if metrics_port >= 0:
+        mhost = metrics_host or ("127.0.0.1" if is_unix(host) else host)
         try:
-            httpd = MetricsServer(host, metrics_port, metrics.registry)
+            httpd = MetricsServer(mhost, metrics_port, metrics.registry)
         except OSError as e:
             run_on_server_loop(server.stop(0))
             pool.shutdown(wait=False)
-            raise cannot_listen("metrics_port", join_host_port(host, metrics_port), e.strerror) from None
+            if socket_file is not None:
+                socket_file.remove()
+            reason = f"{e.strerror}; --metrics-port -1 turns /metrics off"
+            raise cannot_listen("metrics_port", join_host_port(mhost, metrics_port), reason) from None
         mport = httpd.server_port
     address = join_host_port(host, bound)
     if credentials is None and not security.tokens_file and not is_loopback(host):
@@ -238,7 +263,9 @@ def start_server(
         "plaintext" if credentials is None else "mTLS" if security.require_client_cert else "TLS",
         ", bearer tokens" if security.tokens_file else "",
     )
-    return RunningServer(server, address, mport, health_servicer, names, metrics, httpd, pool, calls, endless)
+    return RunningServer(
+        server, address, mport, health_servicer, names, metrics, httpd, pool, calls, endless, socket_file
+    )
 
 
 def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:

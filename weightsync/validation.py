@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.addresses import split_host_port
+from weightsync.addresses import SUN_PATH_MAX, is_unix, split_host_port, unix_path
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument, ResourceExhausted
 from weightsync.manifest import DELTA_ENCODINGS, Part, ShardSpec, TensorSpec
@@ -151,8 +151,48 @@ def check_host(host: str, field: str) -> None:
         raise InvalidArgument(f"{host!r} is neither an IP address nor a host name", field=field)
 
 
-def check_address(address: str, field: str) -> None:
-    """host:port (an IPv6 literal in brackets) with a numeric port and a host `check_host` takes."""
+# A server binds its unix socket in a private directory beside the final path, then moves
+# it into place (`weightsync.unix_sockets`): "/.XXXXXXXX/s" more than the directory's path.
+UNIX_BIND_DIR_BYTES = 12
+
+
+def check_unix_address(address: str, field: str) -> None:
+    """`unix:/path` or `unix:///path`: an absolute path without NUL bytes that fits a
+    socket address (sun_path: 107 bytes), in a directory whose path leaves room for the
+    private directory the socket is first bound in."""
+    path = unix_path(address)
+    if not path:
+        raise InvalidArgument(f"{address!r} names no socket path (unix:/path)", field=field)
+    if "\0" in path:
+        raise InvalidArgument(f"{address!r}: a socket path cannot hold a NUL byte", field=field)
+    if not path.startswith("/"):
+        raise InvalidArgument(
+            f"{address!r}: the socket path must be absolute (unix:/path; other processes dial it)", field=field
+        )
+    if path.endswith("/"):
+        raise InvalidArgument(f"{address!r} names a directory, not a socket file", field=field)
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size > SUN_PATH_MAX:
+        raise InvalidArgument(
+            f"{address!r}: the socket path is {size} bytes; a unix socket's takes at most {SUN_PATH_MAX}", field=field
+        )
+    directory = path.rpartition("/")[0] or "/"
+    if len(directory.encode("utf-8", "surrogateescape")) + UNIX_BIND_DIR_BYTES > SUN_PATH_MAX:
+        raise InvalidArgument(
+            f"{address!r}: its directory's path must be at most {SUN_PATH_MAX - UNIX_BIND_DIR_BYTES} bytes (the socket "
+            "is bound in a private directory inside it, then moved into place)",
+            field=field,
+        )
+
+
+def check_address(address: str, field: str, *, unix: bool = True) -> None:
+    """host:port (an IPv6 literal in brackets) with a numeric port and a host `check_host`
+    takes, or (with `unix`) a unix socket address `check_unix_address` takes."""
+    if is_unix(address):
+        if not unix:
+            raise InvalidArgument(f"{address!r}: this address must be host:port, not a unix socket", field=field)
+        check_unix_address(address, field)
+        return
     host, port = split_host_port(address)
     bare_v6 = ":" in host and not address.startswith("[")  # "::1:80": which colon ends the host?
     if not host or bare_v6 or not port.isdigit():
