@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -68,7 +69,48 @@ def cpu_seconds(pids: Iterable[int | str] = ("self",)) -> float:
     return own + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def reset_peak_rss(pid: int | str = "self") -> None:
-    """Sets VmHWM back to the current RSS (Linux: write 5 to clear_refs)."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
+@functools.cache
+def peak_rss_resettable() -> bool:
+    """Whether this process may set its VmHWM back (write to /proc/self/clear_refs): TPU VMs
+    and many pods do not let an ordinary user write that file."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Sets VmHWM back to the current RSS (Linux: write 5 to clear_refs) where this host allows
+    it; False where it does not (VmHWM then keeps the high-water mark since the start)."""
+    if pid == "self" and not peak_rss_resettable():
+        return False
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakRss:
+    """This process's RSS high-water mark over a block, from the kernel's VmHWM (no sampling
+    thread competes with the measured work for cores).
+
+    Where VmHWM can be reset, it is on entry and `peak` is exact. Where it cannot, `peak` is
+    VmHWM on exit: exact when the mark rose inside the block (its highest point came then),
+    else an upper bound (`exact` False). Measure such a block before anything else in the
+    process raises the mark, or in a fresh process.
+    """
+
+    def __enter__(self) -> PeakRss:
+        self.reset = reset_peak_rss()
+        self.start = peak_rss_bytes()
+        self.peak = 0
+        self.exact = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = peak_rss_bytes()
+        self.exact = self.reset or self.peak > self.start

@@ -1,10 +1,13 @@
-"""Shared fixtures: process clusters on loopback, leak checks for arenas."""
+"""Shared fixtures: process clusters on loopback, leak checks for arenas; what this host
+offers (a GPU, a TPU chip, inet sockets), detected, for the markers that need them."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +20,6 @@ from weightsync.arena_files import ARENA_GLOB, owner_alive, owner_pid
 from weightsync.security import Security
 from weightsync.server import RunningServer
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX compilation cache for the run, inherited by every trainer process the tests
 # start (about sixty): a tiny trainer's first init and step compile for 2-2.5 s, read
 # back from the cache in 0.3-0.5 s (measured here). Set before anything imports JAX; a
@@ -27,6 +29,16 @@ _OWN_JAX_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile
 if _OWN_JAX_CACHE is not None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_JAX_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# JAX_PLATFORMS: unset, the suite runs JAX on the CPU (CI); set, even empty (JAX's default
+# platform: the chip on a TPU host), this process keeps it: JAX reads it once, at import.
+# Every process the tests start then gets JAX_PLATFORMS=cpu unless the test passes its own
+# (devtools.cluster's processes too): one process may hold a TPU chip, and a second one
+# that opens it fails instead of falling back to the CPU.
+_SUITE_PLATFORMS = os.environ.get("JAX_PLATFORMS", "cpu")
+if _SUITE_PLATFORMS != "cpu":
+    import jax  # noqa: F401
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -39,16 +51,55 @@ def _arenas() -> set[str]:
     return {p.name for pattern in (ARENA_GLOB, f".{ARENA_GLOB}") for p in Path("/dev/shm").glob(pattern)}
 
 
+# Process tests reach their servers on 127.0.0.1: every test under these needs inet sockets
+# unless it is marked unix_only.
+INET_DIRS = ("integration", "e2e", "chaos")
+
+
+@functools.cache
+def missing_inet() -> str:
+    """Why TCP over 127.0.0.1 does not work on this host ("" where it does): a host may refuse
+    AF_INET sockets (errno 97) or have no usable loopback (a network namespace whose lo is
+    down binds 127.0.0.1 but cannot connect to it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=5):
+                pass
+    except OSError as e:
+        return f"TCP over 127.0.0.1 does not work on this host ({e})"
+    return ""
+
+
+def missing_tpu() -> str:
+    """Why this process has no TPU chip ("" where jax.devices() has one)."""
+    import jax
+
+    platforms = {d.platform for d in jax.devices()}
+    if "tpu" in platforms:
+        return ""
+    hint = "; the suite runs JAX on the CPU unless JAX_PLATFORMS is set, empty for JAX's default platform"
+    return f"needs a TPU chip (JAX sees {', '.join(sorted(platforms))}{hint if _SUITE_PLATFORMS == 'cpu' else ''})"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked gpu run only where the CUDA variant sees a GPU."""
+    """Tests marked gpu, tpu or needs_inet run only where this host has what they need."""
+    for item in items:
+        if item.path.parent.name in INET_DIRS and not item.get_closest_marker("unix_only"):
+            item.add_marker(pytest.mark.needs_inet)
+    needs: dict[str, Callable[[], str]] = {"gpu": _missing_gpu, "tpu": missing_tpu, "needs_inet": missing_inet}
+    for marker, missing in needs.items():
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        why = missing() if marked else ""
+        for item in marked if why else ():
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+def _missing_gpu() -> str:
     from weightsync import native
 
-    if native.cuda_device_count() > 0:
-        return
-    skip = pytest.mark.skip(reason="needs a GPU (none visible to the CUDA staging variant)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    return "" if native.cuda_device_count() > 0 else "needs a GPU (none visible to the CUDA staging variant)"
 
 
 def _owner_gone_or_us(name: str) -> bool:

@@ -139,7 +139,16 @@ def _rope(x: jax.Array, theta: float, interleaved: bool) -> jax.Array:
 def forward(
     mt: dict[str, np.ndarray], family: str, tokens: np.ndarray, *, layers: int, vocab: int, eps: float, theta: float
 ) -> np.ndarray:
-    """Logits [T, vocab] of the MaxText-layout model (scanned, axis 1), MaxText conventions."""
+    """Logits [T, vocab] of the MaxText-layout model (scanned, axis 1), MaxText conventions,
+    computed on the CPU: a float reference (a TPU's default matmul precision agrees with it
+    to about three digits)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _forward(mt, family, tokens, layers=layers, vocab=vocab, eps=eps, theta=theta)
+
+
+def _forward(
+    mt: dict[str, np.ndarray], family: str, tokens: np.ndarray, *, layers: int, vocab: int, eps: float, theta: float
+) -> np.ndarray:
     x = jnp.asarray(mt["token_embedder.embedding"])[tokens]
     llama = family == "llama3"
     t = len(tokens)

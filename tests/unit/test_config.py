@@ -141,7 +141,12 @@ def test_one_settings_class_feeds_every_rollout_entry_point() -> None:
 
 @pytest.mark.parametrize(
     ("mode", "apply_mode", "relays"),
-    [("", "atomic", True), ("relay", "atomic", True), ("tcp", "atomic", False), ("relay", "streaming", False)],
+    [
+        pytest.param("", "atomic", True, marks=pytest.mark.needs_inet),  # a relay listens on tcp
+        pytest.param("relay", "atomic", True, marks=pytest.mark.needs_inet),
+        ("tcp", "atomic", False),
+        ("relay", "streaming", False),
+    ],
 )
 def test_every_entry_point_relays_by_the_same_rule(mode: str, apply_mode: str, relays: bool) -> None:
     from rollout_agent.settings import InitInfo
@@ -158,6 +163,7 @@ def test_every_entry_point_relays_by_the_same_rule(mode: str, apply_mode: str, r
         wiring.client.close()
 
 
+@pytest.mark.needs_inet
 def test_a_relay_in_a_vllm_worker_binds_and_advertises_the_advertised_host() -> None:
     # Inside a vLLM worker there is no server --host: the relay once bound 127.0.0.1 and
     # advertised it, unreachable from every other host.

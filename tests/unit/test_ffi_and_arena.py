@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,14 @@ from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import HostShard, plan_layout, stage_shards
 from weightsync import native
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu() -> Iterator[None]:
+    """Arrays these tests build live on the CPU (the FFI handler's platform), also where
+    JAX's default device is an accelerator."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def test_ffi_handler_is_built() -> None:

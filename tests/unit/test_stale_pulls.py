@@ -40,6 +40,7 @@ def test_only_an_older_generations_older_version_is_stale() -> None:
     assert "version 4 is servable from trainer generation 2" in announced.stale(3, 1)
 
 
+@pytest.mark.needs_inet
 @pytest.mark.parametrize(("mode", "abandoned"), [("grpc", True), ("fs", False)])
 def test_a_chosen_pull_of_a_replaced_trainers_version_is_abandoned_unless_it_reads_a_store(
     tmp_path: Path, mode: str, abandoned: bool
@@ -70,6 +71,7 @@ def test_a_chosen_pull_of_a_replaced_trainers_version_is_abandoned_unless_it_rea
         client.close()
 
 
+@pytest.mark.needs_inet
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
 def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupted() -> None:
     """A peer that accepts and never answers (a frozen trainer: the kernel completes the
@@ -100,6 +102,7 @@ def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupte
         transport.close()
 
 
+@pytest.mark.needs_inet
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
 def test_an_interrupt_that_comes_while_the_transport_connects_ends_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """`interrupt` found no socket to shut down while `_connect` was making one (a relay's
