@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta clean check-deploy check-deploy-files deploy-tools deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap clean check-deploy check-deploy-files deploy-tools deploy-rules
 
 setup: $(STAMP)
 
@@ -110,6 +110,10 @@ bench-stage: setup
 # How much of a bf16 model changes per RL step and what the delta codec makes of it (issue 15).
 bench-delta: setup
 	$(PY) bench/delta.py $(BENCH_ARGS)
+
+# Publishing beside a real jitted train step: blocking publish vs publish_async (bench/train_overlap.py).
+bench-overlap: setup
+	$(PY) bench/train_overlap.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info

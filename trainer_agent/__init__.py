@@ -3,6 +3,7 @@ versions to the coordinator and serves chunks to rollouts.
 
 Public API (imported on first use, so `python -m trainer_agent --help` stays light):
 `WeightPublisher` (the in-trainer publisher) and its `PublisherSettings`, `PublishResult`,
+`PublishFuture` and `PublishSuperseded` (what `publish_async` returns, and a skipped version),
 `TrainerConfig` (the entry point's flags: PublisherSettings and the synthetic run), and the
 MaxText converters `convert_maxtext`, `ConvertOptions`, `ModelDims`.
 """
@@ -14,6 +15,8 @@ from weightsync.exports import lazy_exports
 _EXPORTS = {
     "WeightPublisher": "trainer_agent.publisher",
     "PublishResult": "trainer_agent.publisher",
+    "PublishFuture": "trainer_agent.async_publish",
+    "PublishSuperseded": "trainer_agent.async_publish",
     "PublisherSettings": "trainer_agent.settings",
     "TrainerConfig": "trainer_agent.config",
     "convert_maxtext": "trainer_agent.convert",

@@ -10,11 +10,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
 from trainer_agent.arena import Arena
+from trainer_agent.async_publish import (
+    PublishFuture,
+    PublishQueue,
+    PublishSuperseded,
+    check_names,
+    check_not_deleted,
+    held_bytes,
+    held_params,
+)
 from trainer_agent.chunk_server import (
     SERVICE_NAME,
     SlotEntry,
@@ -107,6 +117,9 @@ def _content_id(staged: _StagedPart) -> str:
 # Fields of a ResourceExhausted that space freed elsewhere may end.
 FULL_DISK_FIELDS = ("database", "fs_root", "arena")
 CLOSE_WAIT_S = 10.0  # beyond the calls' deadlines, what close() waits for another thread's publish
+# Niceness added to the async publish worker (and the staging threads it starts), so that
+# the training loop's own host threads win the cores when both want them.
+ASYNC_WORKER_NICE = 10
 
 
 def _may_pass(e: WeightsyncError) -> bool:
@@ -121,6 +134,14 @@ def _checked_args(version: Any, idempotency_key: str | None) -> int:
     if idempotency_key is not None and (not isinstance(idempotency_key, str) or len(idempotency_key) > MAX_KEY_CHARS):
         raise InvalidArgument(f"must be a string of at most {MAX_KEY_CHARS} characters", field="idempotency_key")
     return check_version_arg(version)
+
+
+def _check_mapping(params: Any) -> None:
+    if not isinstance(params, Mapping):
+        raise InvalidArgument(
+            f"must map tensor names to arrays, got {type(params).__name__} (publish_stream takes (name, array) pairs)",
+            field="params",
+        )
 
 
 def _refuses_content(e: WeightsyncError) -> bool:
@@ -193,6 +214,12 @@ class WeightPublisher:
         # each other and both reported READY (one version unservable, its arena leaked).
         self._publishing = threading.Lock()
         self._publishing_thread = 0  # the thread holding it, so a close() from it never waits
+        self._async: PublishQueue[PublishResult] = PublishQueue(
+            f"weightsync-publish-r{settings.rank}",
+            nice=ASYNC_WORKER_NICE,
+            on_skip=lambda version, by: self.metrics.publish_skipped.labels(session=self.session).inc(),
+            on_held=lambda n: self.metrics.publish_held_bytes.labels(session=self.session).set(n),
+        )
 
     def start(self, *, next_version: int = 0) -> WeightPublisher:
         """Attaches to the session and starts serving; returns self. Idempotent.
@@ -315,10 +342,21 @@ class WeightPublisher:
         self._open_session(next_version)
 
     # -- lifecycle ------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, cancel_pending: bool = False) -> None:
         """Stops heartbeats and serving, deregisters, frees the arena; idempotent. A publish
         running on another thread is waited for first (it stops trying again once closed):
-        the arena it stages into and serves from is unmapped here."""
+        the arena it stages into and serves from is unmapped here.
+
+        Async publishes (`publish_async`) still pending run to their end first, and a
+        failure of one that nothing reported yet is raised once everything is closed. With
+        `cancel_pending` (and when `with` is left on an exception) the one waiting is
+        cancelled (its future too), the one running stops trying again, and their failures
+        stay in their futures (logged)."""
+        self._close(cancel_pending=cancel_pending)
+
+    def _close(self, *, cancel_pending: bool) -> None:
+        if not self._closed:
+            self._async.close(cancel_pending=cancel_pending, timeout_s=0 if cancel_pending else None)
         self._closed = True
         waited = self._publishing_thread != threading.get_ident() and self._publishing.acquire(
             timeout=2 * self.settings.timeout_s + CLOSE_WAIT_S
@@ -328,6 +366,11 @@ class WeightPublisher:
         finally:
             if waited:
                 self._publishing.release()
+        self._async.close(cancel_pending=True, timeout_s=CLOSE_WAIT_S)  # a cancelled one's end, once closed
+        if not cancel_pending:
+            self._async.raise_failure()
+        elif failure := self._async.take_failure():
+            log.warning("an async publish failed, and nothing read it: %s", failure)
 
     @contextlib.contextmanager
     def _one_publish(self) -> Iterator[None]:
@@ -352,7 +395,7 @@ class WeightPublisher:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        self._close(cancel_pending=e is not None)
 
     def _latest_version(self) -> int:
         return max((e.version for e in self.table.entries().values()), default=0)
@@ -427,14 +470,88 @@ class WeightPublisher:
             TransportUnavailable, DeadlineExceeded: the coordinator stayed unreachable
                 for publish_wait_s.
         """
+        self._async.raise_failure()
         version = _checked_args(version, idempotency_key)
-        if not isinstance(params, Mapping):
-            raise InvalidArgument(
-                f"must map tensor names to arrays, got {type(params).__name__} (publish_stream takes (name, array) "
-                "pairs)",
-                field="params",
+        _check_mapping(params)
+        self._after_async(version)
+        return self._publish_now(params, version, idempotency_key)
+
+    def publish_async(
+        self, params: Mapping[str, Any], version: int, *, idempotency_key: str | None = None, snapshot: bool = False
+    ) -> PublishFuture[PublishResult]:
+        """Publishes `params` as `version` on a background thread; returns once they are held.
+
+        The device-to-host copy, staging and publish run while the caller goes on (the next
+        training steps). JAX arrays are immutable, so holding them is enough, unless the
+        caller's jitted step donates them: `snapshot=True` first copies JAX arrays on their
+        devices (cast to `weight_dtype` in the same pass) and host arrays on the host. A
+        held version costs its bytes of device memory until its publish ends.
+
+        Latest wins: one publish runs at a time and one waits; a newer version offered while
+        one waits replaces it, and the replaced one's future raises `PublishSuperseded`
+        (counted in `publish_skipped` and `weightsync_publish_skipped_total`). So at most two
+        versions are held (`publish_held_bytes`, `weightsync_publish_held_bytes`).
+
+        Returns a `concurrent.futures.Future` of the PublishResult, with its `version`. A
+        failure is in that future, and unless it was read there, the next call of this
+        publisher (`publish_async`, `publish`, `publish_stream`, `wait_committed`,
+        `close`) raises it. `publish` and `publish_stream` supersede a waiting older
+        version and wait for the rest, so versions go out in call order.
+
+        Raises (at the call): InvalidArgument for bad arguments, as `publish`;
+        FailedPrecondition for a version not newer than one still pending, or a publisher
+        not started or closed.
+        """
+        self._async.raise_failure()
+        version = _checked_args(version, idempotency_key)
+        _check_mapping(params)
+        if not self._started or self._closed:
+            raise FailedPrecondition(
+                "this publisher is closed" if self._closed else "start() it (or enter `with`) before publishing"
             )
+        check_names(params)
+        # an older version still waiting goes before the copy is made: two versions held at most
+        self._async.supersede_older(version)
+        held = held_params(params, snapshot=snapshot, weight_dtype=self.settings.weight_dtype)
+
+        def run() -> PublishResult:
+            return self._publish_now(held, version, idempotency_key, check=check_not_deleted)
+
+        return self._async.submit(version, run, held_bytes(held))
+
+    @property
+    def publish_skipped(self) -> int:
+        """Async publishes superseded by a newer version before they started."""
+        return self._async.skipped
+
+    @property
+    def publish_held_bytes(self) -> int:
+        """Bytes of parameters held by async publishes running or waiting."""
+        return self._async.held_bytes
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until no async publish runs or waits, then raises a failure nothing
+        reported yet; DeadlineExceeded after `timeout_s`."""
+        if not self._async.drain(timeout_s):
+            raise DeadlineExceeded(f"async publishes still pending after {timeout_s}s")
+        self._async.raise_failure()
+
+    def _after_async(self, version: int) -> None:
+        """A blocking publish of `version` goes after the async ones offered before it; an
+        older one still waiting is superseded by it."""
+        self._async.supersede_older(version)
+        self._async.drain()
+
+    def _publish_now(
+        self,
+        params: Mapping[str, Any],
+        version: int,
+        idempotency_key: str | None,
+        check: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> PublishResult:
         with self._one_publish(), version_context(version):
+            if check is not None:  # once it is this publish's turn: what was held may be gone since
+                check(params)
             deadline = time.monotonic() + self.settings.publish_wait_s
             staged = _ride_out(
                 f"staging version {version}",
@@ -552,8 +669,10 @@ class WeightPublisher:
         A failure that may pass by itself is tried again as in `publish`: finding a slot
         before the first item is taken, and sending the staged part (`items` is read once).
         """
+        self._async.raise_failure()
         version = _checked_args(version, idempotency_key)
         capacity_bytes = check_int_arg(capacity_bytes, "capacity_bytes", 1, INT64_MAX)
+        self._after_async(version)
         with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
             slot = _ride_out(
@@ -772,9 +891,22 @@ class WeightPublisher:
 
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:
         """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state
-        name. DeadlineExceeded after `timeout_s` says what the version waits for."""
+        name. DeadlineExceeded after `timeout_s` says what the version waits for. An async
+        publish of `version` still pending is waited for first (its failure raised, and
+        PublishSuperseded for a version that was skipped)."""
+        self._async.raise_failure()
+        version = check_version_arg(version)
+        if (by := self._async.superseded_by(version)) is not None:
+            raise PublishSuperseded(version, by)
+        if (pending := self._async.future_of(version)) is not None:
+            started = time.monotonic()
+            try:
+                pending.result(timeout_s)
+            except FutureTimeout:
+                raise DeadlineExceeded(f"version {version}'s async publish did not end within {timeout_s}s") from None
+            timeout_s = max(0.001, timeout_s - (time.monotonic() - started))
         try:
-            info = self._client.wait_for_version(self.session, check_version_arg(version), timeout_s=timeout_s)
+            info = self._client.wait_for_version(self.session, version, timeout_s=timeout_s)
         except DeadlineExceeded as e:
             raise DeadlineExceeded(f"{e.message}: {self._waiting_for(version)}") from None
         return _tpb.VersionState.Name(info.state)

@@ -37,6 +37,8 @@ class Metrics:
     current_version: Gauge
     versions_total: Counter
     fenced: Gauge
+    publish_skipped: Counter
+    publish_held_bytes: Gauge
     database_bytes: Gauge
     handshakes: Counter
     leases_dropped: Counter
@@ -216,6 +218,18 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         fenced=Gauge(
             "weightsync_fenced",
             "1 when a newer trainer incarnation fenced this trainer (its writes are refused), else 0.",
+            ["session"],
+            registry=registry,
+        ),
+        publish_skipped=Counter(
+            "weightsync_publish_skipped_total",
+            "Async publishes a newer version replaced before they started (latest wins).",
+            ["session"],
+            registry=registry,
+        ),
+        publish_held_bytes=Gauge(
+            "weightsync_publish_held_bytes",
+            "Bytes of parameters async publishes hold while they run or wait (device memory for device arrays).",
             ["session"],
             registry=registry,
         ),
