@@ -264,6 +264,10 @@ class JaxApply:
         corrupt, r.corrupt_next = r.corrupt_next, False
         old = self._old[path]
         t0 = time.perf_counter()
+        # at most window_bytes (or one leaf) in flight: bounds the sharded tensors a device
+        # transform reads, beside the leaves themselves
+        while r.inflight and sum(n for n, _ in r.inflight) + plan.nbytes > self.window_bytes:
+            jax.block_until_ready(r.inflight.popleft()[1])
         source = self._device_source(plan)
         if source is not None:
             new = self._device_build(plan, cast, source, old if r.mode == "inplace" else None, corrupt)
@@ -277,10 +281,8 @@ class JaxApply:
             self.target.replace({path: new})
             if not old.is_deleted():
                 old.delete()
-        r.checks[path] = device_fingerprint(path, new, self._fingerprint_method(new))
+        r.checks[path] = device_fingerprint(path, new, self._fingerprint_method(new), self._pool_())
         r.inflight.append((plan.nbytes, new))
-        while sum(n for n, _ in r.inflight) > self.window_bytes and len(r.inflight) > 1:
-            jax.block_until_ready(r.inflight.popleft()[1])
         r.build_seconds += time.perf_counter() - t0
 
     def _host_build(self, plan: LeafPlan, cast: Mapping[str, np.ndarray], corrupt: bool) -> Any:
@@ -306,9 +308,13 @@ class JaxApply:
         host builds the leaf (chosen so, a fused leaf, or a sharding that does not map)."""
         if self.transfer == "host" or len(plan.parts) != 1:
             return None
-        if self.transfer == "auto" and all(d.platform == "cpu" for d in plan.sharding.device_set):
+        p = plan.parts[0]
+        if self.transfer == "auto" and (
+            all(d.platform == "cpu" for d in plan.sharding.device_set)
+            or (p.plain and p.perm == tuple(range(len(p.perm))))  # nothing to transform: no device copy
+        ):
             return None
-        return source_sharding(plan.parts[0], plan.sharding)
+        return source_sharding(p, plan.sharding)
 
     def _device_build(
         self, plan: LeafPlan, cast: Mapping[str, np.ndarray], source: Any, donate: Any, corrupt: bool

@@ -16,6 +16,7 @@ memory), then shifts each shard's F_k by its offset in the leaf.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -40,27 +41,37 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def array_fingerprint(b: np.ndarray) -> Fingerprint:
-    """(T, F_0, ..., F_{n-1}) of unsigned integers `b` in their own layout: two passes,
-    the sums over the last axis and over all the others, then small weighted sums."""
+    """(T, F_0, ..., F_{n-1}) of unsigned integers `b` in their own layout, in two passes
+    over the bytes: `b` seen as a matrix of leading by trailing axes (rows of at least
+    ~4096 elements where the shape allows), its row sums give the leading axes' per-index
+    sums and its column sums the trailing axes'; then small weighted sums."""
     if b.ndim == 0:
         return (int(b) & MASK,)
     if b.size == 0:
         return (0,) * (b.ndim + 1)
     if b.ndim == 1:
-        m = b.astype(np.uint64)
-        return (int(m.sum()) & MASK, int((m * np.arange(b.size, dtype=np.uint64)).sum()) & MASK)
-    rows = np.add.reduce(b, axis=-1, dtype=np.uint32)  # shape b.shape[:-1]
-    cols = np.add.reduce(b.reshape(-1, b.shape[-1]), axis=0, dtype=np.uint32)
-    out = [int(cols.astype(np.uint64).sum()) & MASK]
-    for k in range(b.ndim - 1):
-        others = tuple(a for a in range(b.ndim - 1) if a != k)
-        m = np.add.reduce(rows, axis=others, dtype=np.uint32) if others else rows
-        out.append(_weighted(m))
-    out.append(_weighted(cols))
+        return (_total(b), _weighted(b))
+    split, width = b.ndim - 1, b.shape[-1]
+    while split > 1 and width < 4096:
+        split -= 1
+        width *= b.shape[split]
+    matrix = b.reshape(-1, width)
+    rows = np.add.reduce(matrix, axis=1, dtype=np.uint32).reshape(b.shape[:split])
+    cols = np.add.reduce(matrix, axis=0, dtype=np.uint32).reshape(b.shape[split:])
+    out = [_total(cols)]
+    for k in range(b.ndim):
+        part, axis = (rows, k) if k < split else (cols, k - split)
+        others = tuple(a for a in range(part.ndim) if a != axis)
+        out.append(_weighted(np.add.reduce(part, axis=others, dtype=np.uint32) if others else part))
     return tuple(out)
 
 
+def _total(m: np.ndarray) -> int:
+    return int(np.add.reduce(m.reshape(-1), dtype=np.uint64)) & MASK
+
+
 def _weighted(m: np.ndarray) -> int:
+    """sum(j · m[j]) mod 2^32 (uint64 wraps modulo 2^64, a multiple of 2^32)."""
     return int((m.astype(np.uint64) * np.arange(m.size, dtype=np.uint64)).sum()) & MASK
 
 
@@ -122,10 +133,11 @@ class ShardCheck:
         return add(total), ""
 
 
-def device_fingerprint(path: str, arr: Any, method: str) -> ShardCheck:
+def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None = None) -> ShardCheck:
     """Starts the fingerprint of every shard of `arr` where it lives: "jit" (dispatched,
     not waited for: one program over the mesh for a NamedSharding, one per shard
-    otherwise) or "view" (NumPy over a CPU device's memory, done here)."""
+    otherwise) or "view" (NumPy over a CPU device's memory: on `pool`'s threads, beside
+    the next leaves' copies, or here without one)."""
     from jax.sharding import NamedSharding
 
     blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]] = {}
@@ -139,15 +151,26 @@ def device_fingerprint(path: str, arr: Any, method: str) -> ShardCheck:
         for i, dev in enumerate(mesh.devices.flat):
             blocks.setdefault(starts[dev], []).append((dev, lambda i=i: table.row(i)))
         return ShardCheck(path, blocks)
-    for shard in arr.addressable_shards:
-        if method == "view":
-            fp = array_fingerprint(bits(np.asarray(shard.data)))
-            get: Callable[[], Fingerprint] = lambda fp=fp: fp  # noqa: E731
+    shards = arr.addressable_shards
+    if method == "view":  # one job per leaf: a job per shard costs more than small shards' sums
+        data = [shard.data for shard in shards]
+        if pool is not None:
+            job = pool.submit(lambda: [_view_fingerprint(d) for d in data])
+            done: Callable[[], list[Fingerprint]] = job.result
         else:
-            pending = _jitted_fingerprint(shard.data.ndim, shard.data.dtype.itemsize)(shard.data)
-            get = lambda pending=pending: _tuple(pending)  # noqa: E731
-        blocks.setdefault(starts[shard.device], []).append((shard.device, get))
+            fps = [_view_fingerprint(d) for d in data]
+            done = lambda: fps  # noqa: E731
+        for i, shard in enumerate(shards):
+            blocks.setdefault(starts[shard.device], []).append((shard.device, lambda i=i: done()[i]))
+        return ShardCheck(path, blocks)
+    for shard in shards:
+        pending = _jitted_fingerprint(shard.data.ndim, shard.data.dtype.itemsize)(shard.data)
+        blocks.setdefault(starts[shard.device], []).append((shard.device, lambda p=pending: _tuple(p)))
     return ShardCheck(path, blocks)
+
+
+def _view_fingerprint(data: Any) -> Fingerprint:
+    return array_fingerprint(bits(np.asarray(data)))
 
 
 class _Rows:

@@ -107,14 +107,15 @@ class Part:
         return a.reshape(self.split).transpose(self.perm)
 
     def reference(self, a: np.ndarray) -> np.ndarray:
-        """The whole region, materialised (the transform's NumPy reference)."""
-        v = self.view(self.cast(a))
+        """The whole region, materialised (the transform's NumPy reference; moved as
+        unsigned integers of the same width: NumPy copies bfloat16 element by element)."""
+        v = self.view(_raw(self.cast(a)))
         for t, r in enumerate(self.repeat):
             if r > 1:
                 v = np.repeat(v, r, axis=t)
         if v.shape != self.region:
             v = np.pad(v, [(0, g - n) for n, g in zip(v.shape, self.region)])
-        return np.ascontiguousarray(v)
+        return np.ascontiguousarray(v).view(self.dtype)
 
     def box(self, a: np.ndarray, box: Sequence[slice]) -> np.ndarray:
         """The sub-box `box` (region coordinates, unit steps) of the transformed tensor `a`
@@ -132,8 +133,8 @@ class Part:
         if not grown:
             return v[tuple(src)]
         out = np.zeros(tuple((s.stop if s.stop is not None else g) - (s.start or 0) for s, g in zip(box, self.region)),
-                       self.dtype)  # fmt: skip
-        piece = v[tuple(src)]
+                       _raw(a).dtype)  # fmt: skip
+        piece = _raw(v[tuple(src)])
         dst = []
         for t, (s, r) in enumerate(zip(box, self.repeat)):
             lo = s.start or 0
@@ -143,7 +144,7 @@ class Part:
                 piece = piece[(slice(None),) * t + (slice(skip, skip + out.shape[t]),)]
             dst.append(slice(0, piece.shape[t]))
         out[tuple(dst)] = piece
-        return out
+        return out.view(self.dtype)
 
 
 @dataclass
@@ -351,6 +352,11 @@ class NameMap:
             )
 
 
+def _raw(a: np.ndarray) -> np.ndarray:
+    """The same bytes as unsigned integers of the element's width (a view)."""
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+
+
 def _floating(dtype: Any) -> bool:
     """A float dtype, bfloat16 and the other ml_dtypes included."""
     try:
@@ -370,10 +376,12 @@ def _np_dtype(dtype: Any) -> np.dtype:
 
 def reference_leaf(plan: LeafPlan, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     """The whole leaf a version makes, in NumPy (for tests and read-back checks)."""
-    out = np.zeros(plan.shape, plan.dtype)
+    if len(plan.parts) == 1 and plan.parts[0].region == plan.shape:
+        return plan.parts[0].reference(tensors[plan.parts[0].name])
+    out = _raw(np.zeros(plan.shape, plan.dtype))
     for p in plan.parts:
-        out[tuple(slice(s, s + n) for s, n in zip(p.start, p.region))] = p.reference(tensors[p.name])
-    return out
+        out[tuple(slice(s, s + n) for s, n in zip(p.start, p.region))] = _raw(p.reference(tensors[p.name]))
+    return out.view(plan.dtype)
 
 
 def leaf_box(plan: LeafPlan, cast: Mapping[str, np.ndarray], index: Sequence[slice]) -> np.ndarray:
@@ -384,15 +392,15 @@ def leaf_box(plan: LeafPlan, cast: Mapping[str, np.ndarray], index: Sequence[sli
     for p in plan.parts:
         if all(s <= a and b <= s + n for (a, b), s, n in zip(box, p.start, p.region)):
             return p.box(cast[p.name], [slice(a - s, b - s) for (a, b), s in zip(box, p.start)])
-    out = np.zeros(tuple(b - a for a, b in box), plan.dtype)
+    out = _raw(np.zeros(tuple(b - a for a, b in box), plan.dtype))
     for p in plan.parts:
         lo = [max(a, s) for (a, _), s in zip(box, p.start)]
         hi = [min(b, s + n) for (_, b), s, n in zip(box, p.start, p.region)]
         if all(x < y for x, y in zip(lo, hi)):
-            out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box))] = p.box(
-                cast[p.name], [slice(x - s, y - s) for x, y, s in zip(lo, hi, p.start)]
+            out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box))] = _raw(
+                p.box(cast[p.name], [slice(x - s, y - s) for x, y, s in zip(lo, hi, p.start)])
             )
-    return out
+    return out.view(plan.dtype)
 
 
 def shapes_of(specs: Iterable[Any]) -> dict[str, tuple[tuple[int, ...], Any]]:

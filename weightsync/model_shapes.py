@@ -30,6 +30,8 @@ PRESETS: dict[str, ModelShape] = {
     "small": ModelShape(256, 4, 8, 4, 32, 768, 8192),
     "medium": ModelShape(1024, 8, 16, 8, 64, 3072, 32000),
     "0.6b": ModelShape(1024, 28, 16, 8, 128, 3072, 151936),  # Qwen3-0.6B: ~1.19 GB in bf16
+    "1.7b": ModelShape(2048, 28, 16, 8, 128, 6144, 151936),  # Qwen3-1.7B: ~3.44 GB
+    "4b": ModelShape(2560, 36, 32, 8, 128, 9728, 151936),  # Qwen3-4B: ~8.04 GB
 }
 
 
