@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap clean check-deploy check-deploy-files deploy-tools deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules
 
 setup: $(STAMP)
 
@@ -114,6 +114,11 @@ bench-delta: setup
 # Publishing beside a real jitted train step: blocking publish vs publish_async (bench/train_overlap.py).
 bench-overlap: setup
 	$(PY) bench/train_overlap.py $(BENCH_ARGS)
+
+# A version into a JAX engine's sharded arrays against a plain device_put of the same
+# bytes (bench/apply.py); 8 CPU devices by default, BENCH_ARGS='--preset 0.6b' on a TPU host.
+bench-apply: setup
+	$(PY) bench/apply.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset medium --json)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info

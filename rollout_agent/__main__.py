@@ -1,4 +1,5 @@
-"""Entry point: `python -m rollout_agent`, the rollout sidecar (NumPy dict applier)."""
+"""Entry point: `python -m rollout_agent`, the rollout sidecar (a NumPy dict, a JAX model or
+an in-process vLLM engine takes the weights)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import sys
 from collections.abc import Sequence
 
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
-from rollout_agent.appliers import DictApplier
+from rollout_agent.appliers import Applier, DictApplier
 from rollout_agent.config import RolloutConfig
 from rollout_agent.sync import sync_version
-from rollout_agent.wiring import wire_rollout
+from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config
 from weightsync.errors import WeightsyncError
@@ -67,12 +68,13 @@ def _run(cfg: RolloutConfig) -> int:
             metrics=metrics,
         )
         assert wiring.puller is not None
+        applier: Applier = DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring)
         agent = RolloutAgent(
             wiring,
             functools.partial(
                 sync_version,
                 wiring.puller,
-                DictApplier(cfg.dump_dir or None),
+                applier,
                 apply_mode=cfg.apply_mode,
                 failpoints=wiring.failpoints,
                 metrics=metrics,
@@ -107,6 +109,32 @@ def _run(cfg: RolloutConfig) -> int:
         close()
     wiring.client.close()
     return 0
+
+
+def _jax_applier(cfg: RolloutConfig, wiring: RolloutWiring) -> Applier:
+    """A JAX model of --jax-preset, zeros until the first version, sharded over the local
+    devices as its layout's engine shards it, and the applier that writes into it."""
+    import jax
+
+    from rollout_agent.jax_applier import JaxApplier
+    from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
+    from rollout_agent.jax_targets import WeightsHolder
+    from weightsync.model_shapes import PRESETS
+
+    shape = PRESETS[cfg.jax_preset]
+    devices = jax.local_devices()
+    rows, cols = (int(x) for x in cfg.jax_mesh.split("x")) if cfg.jax_mesh else (1, len(devices))
+    name_map = family_map("qwen3", cfg.jax_layout, shape)
+    profile = PROFILES["tpu_inference" if cfg.jax_layout == "tpu_inference" else "none"]
+    holder = WeightsHolder(
+        empty_leaves(name_map, shape, shape.layers, shape.tied, mesh_of((rows, cols), devices), profile)
+    )
+    failpoints = wiring.failpoints
+    log.info("jax engine: %s over a %dx%d mesh of %s devices", cfg.jax_preset, rows, cols, devices[0].platform)
+    return JaxApplier(
+        holder, name_map, mode=cfg.jax_mode,
+        corrupt_next=lambda: failpoints.fire("jax_applier.corrupt_after_check"),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollout_agent.apply_report import ApplyReport
 from weightsync import native
 from weightsync.manifest import TensorSpec
 
@@ -42,6 +43,12 @@ class Applier(ABC):
         The default takes any; `begin_update` must refuse the same versions."""
         return None
 
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Called once every tensor of the version verified, before `begin_update`, while
+        the engine still serves (atomic applies only): an applier that checks the engine's
+        copy against the host bytes takes its reference here. The default does nothing."""
+        return None
+
     @abstractmethod
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         """Starts an update round."""
@@ -57,6 +64,11 @@ class Applier(ABC):
     @abstractmethod
     def abort_update(self) -> None:
         """Abandons the round."""
+
+    def last_report(self) -> ApplyReport | None:
+        """What the last committed round did, where the applier says (its mode, how long
+        the engine could not serve, memory); None by default."""
+        return None
 
 
 class DictApplier(Applier):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rollout_agent.settings import SyncSettings
 from weightsync.config import ServerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
+from weightsync.model_shapes import PRESETS
 
 
 @dataclass
@@ -21,7 +23,22 @@ class RolloutConfig(SyncSettings, ServerConfig):
     )
     dump_dir: str = option("", "Write each applied version to <dump_dir>/v<N>.safetensors.")
     engine: str = option(
-        "numpy", "What applies the weights: a NumPy dict, or an in-process vLLM engine.", choices=["numpy", "vllm"]
+        "numpy",
+        "What applies the weights: a NumPy dict, an in-process vLLM engine, or a JAX model's sharded arrays "
+        "(--jax-preset, over every local device).",
+        choices=["numpy", "vllm", "jax"],
+    )
+    jax_preset: str = option("small", "jax engine: the model shape it holds (the trainer's --model-size).",
+                             choices=sorted(PRESETS))  # fmt: skip
+    jax_layout: str = option(
+        "tpu_inference", "jax engine: how its leaves are laid out.", choices=["tpu_inference", "hf"]
+    )
+    jax_mesh: str = option("", "jax engine: data x model mesh over the local devices, e.g. 2x4 (default 1 x all).")
+    jax_mode: str = option(
+        "auto",
+        "jax engine: swap (build aside, swap at once), inplace (leaf by leaf, for memory that cannot hold two "
+        "copies), auto (swap where memory_stats says two copies fit).",
+        choices=["auto", "swap", "inplace"],
     )
     model: str = option("", "vLLM engine: the model directory to start from (config, tokenizer, weights).")
     dtype: str = option("bfloat16", "vLLM engine: serving dtype.")
@@ -41,3 +58,5 @@ class RolloutConfig(SyncSettings, ServerConfig):
             raise ValueError(e.message) from None
         if self.engine == "vllm" and not self.model:
             raise ValueError("--engine vllm needs --model DIR")
+        if self.jax_mesh and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.jax_mesh):
+            raise ValueError(f"--jax-mesh: {self.jax_mesh!r} is not ROWSxCOLS, e.g. 2x4")

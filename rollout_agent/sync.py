@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,9 @@ class SyncResult:
     # transient, local, mismatch, refused or abandoned; empty when ok or the verdict is pending.
     failure: str = ""
     delta_base: int = 0  # the version rebuilt from by a delta (0: pulled whole)
+    # What the applier said of an apply it committed (`ApplyReport` as a dict: its mode,
+    # pause, memory high-water mark); empty where it says nothing.
+    apply: dict[str, Any] = field(default_factory=dict)
 
 
 APPLY_MODES = ("atomic", "streaming")
@@ -145,9 +149,12 @@ def prefetch(
             puller.repair(puller.plan(header), manifest, pulled.buffers, [name for name, _, _ in bad])
         p.chunk_retries = puller.last_retries
         p.progress.elements = sum(int(t.size) for t in tensors.values())
-        p.timings["verify_seconds"] = time.perf_counter() - t0
         if bad:
+            p.timings["verify_seconds"] = time.perf_counter() - t0
             raise DataLoss(f"refusing to apply version {p.version}: {describe_difference(*bad[0])}")
+        if applier is not None:
+            applier.prepare(p.version, tensors)  # its own reference of the bytes just verified
+        p.timings["verify_seconds"] = time.perf_counter() - t0
         p.tensors = tensors
         puller.holds(manifest, header.version.manifest_digest)
     except WeightsyncError as e:
@@ -210,7 +217,8 @@ def sync_version(
         _engine_failpoint(failpoints)
         with puller.pulling(header):
             in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
-        p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else in_flux
+        pause = _applier_pause(applier, result, metrics, puller, in_flux)
+        p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else pause
     except WeightsyncError as e:
         failure = _failed(e, p, result, puller, metrics)
     except Exception as e:  # noqa: BLE001 - the applier's own failure (_local_failure)
@@ -251,12 +259,28 @@ def apply_prefetched(
         p.progress.consumed = applier.commit_update(p.version)
         now = time.perf_counter()
         p.timings["apply_seconds"] = now - t1
-        p.timings["pause_seconds"] = now - (t1 if blocked_since is None else blocked_since)
+        pause = _applier_pause(applier, result, metrics, puller, now - t1)
+        p.timings["pause_seconds"] = pause if blocked_since is None else now - blocked_since
     except WeightsyncError as e:
         failure = _failed(e, p, result, puller, metrics)
     except Exception as e:  # noqa: BLE001 - the applier's own failure (_local_failure)
         failure = _failed(_local_failure(e, p.version), p, result, puller, metrics)
     return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def _applier_pause(
+    applier: Applier, result: SyncResult, metrics: Metrics | None, puller: WeightPuller, whole: float
+) -> float:
+    """How long the engine could not serve for an apply that took `whole` seconds: what the
+    applier reports (one that built the new weights aside pauses for the swap alone), else
+    all of it. Its report goes into the result and its mode and memory peak into metrics."""
+    report = applier.last_report()
+    if report is None:
+        return whole
+    result.apply = asdict(report)
+    if metrics is not None:
+        metrics.observe_apply(puller.session, report.mode, report.hbm_peak_bytes)
+    return whole if report.pause_seconds is None else report.pause_seconds
 
 
 def _fetch_manifest(puller: WeightPuller, version: int, failpoints: Failpoints | None) -> Prefetched:

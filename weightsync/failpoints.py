@@ -12,6 +12,10 @@ from weightsync.errors import InvalidArgument
 
 KNOWN = {
     "applier.raise": "the rollout's applier (its engine) raises while applying a version, N times",
+    "jax_applier.corrupt_after_check": (
+        "a JAX applier flips one bit of the first leaf on its way to the device, after the host took its "
+        "fingerprint, N applies (the device check must refuse the version)"
+    ),
     "chunk_server.corrupt_chunk": "flip one byte in the next N chunks sent over grpc or tcp (trainer side)",
     "puller.corrupt_assembled": (
         "flip one byte of the first tensor before its check, N checks (rollout side; a flip the check finds is "

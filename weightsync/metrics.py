@@ -51,6 +51,8 @@ class Metrics:
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
     gc_frozen_objects: Gauge
+    applies: Counter
+    apply_hbm_peak_bytes: Gauge
 
     def forget_session(self, session: str) -> None:
         """Drops every series labelled with `session` (deleted: a platform that makes a
@@ -78,6 +80,13 @@ class Metrics:
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.phase_seconds.labels(role=self.role, phase=phase).observe(seconds)
+
+    def observe_apply(self, session: str, mode: str, hbm_peak_bytes: int | None) -> None:
+        """One version an engine took: how (`mode`), and its accelerator memory high-water
+        mark where the backend reports one."""
+        self.applies.labels(role=self.role, session=session, mode=mode).inc()
+        if hbm_peak_bytes is not None:
+            self.apply_hbm_peak_bytes.labels(role=self.role, session=session).set(hbm_peak_bytes)
 
     def add_bytes(self, direction: str, n: int) -> None:
         self.transfer_bytes.labels(role=self.role, direction=direction).inc(n)
@@ -213,6 +222,20 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_gc_frozen_objects",
             "Objects frozen out of Python's garbage collection (weightsync.gc_freeze); reference cycles "
             "that died among them are reclaimed at the next --gc-refresh-s.",
+            registry=registry,
+        ),
+        applies=Counter(
+            "weightsync_applies_total",
+            "Versions an engine took, by mode: swap (built aside while it served, swapped in at once), inplace "
+            "(leaf by leaf inside the pause, each old buffer reused: memory for one copy), or the applier's own.",
+            ["role", "session", "mode"],
+            registry=registry,
+        ),
+        apply_hbm_peak_bytes=Gauge(
+            "weightsync_apply_hbm_peak_bytes",
+            "After the last applied version: the accelerator memory high-water mark of the busiest device "
+            "(memory_stats' peak_bytes_in_use, over the process' life); absent where the backend has none.",
+            ["role", "session"],
             registry=registry,
         ),
         fenced=Gauge(

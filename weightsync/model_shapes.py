@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightsync.model_families import QWEN3, hf_shapes
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -35,22 +37,4 @@ PRESETS: dict[str, ModelShape] = {
 
 def param_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF names and shapes of every parameter, in checkpoint order."""
-    d, h = shape.hidden, shape.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, d)}
-    for i in range(shape.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (d,)
-        out[p + "self_attn.q_proj.weight"] = (shape.heads * h, d)
-        out[p + "self_attn.k_proj.weight"] = (shape.kv_heads * h, d)
-        out[p + "self_attn.v_proj.weight"] = (shape.kv_heads * h, d)
-        out[p + "self_attn.o_proj.weight"] = (d, shape.heads * h)
-        out[p + "self_attn.q_norm.weight"] = (h,)
-        out[p + "self_attn.k_norm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (d,)
-        out[p + "mlp.gate_proj.weight"] = (shape.intermediate, d)
-        out[p + "mlp.up_proj.weight"] = (shape.intermediate, d)
-        out[p + "mlp.down_proj.weight"] = (d, shape.intermediate)
-    out["model.norm.weight"] = (d,)
-    if not shape.tied:
-        out["lm_head.weight"] = (shape.vocab, d)
-    return out
+    return hf_shapes(QWEN3, shape, shape.layers, shape.tied)

@@ -23,7 +23,7 @@ from tests.integration.support import eventually, reflected_services, rollout_st
 from weightsync.client import CoordinatorClient
 from weightsync.unix_sockets import SOCKET_MODE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.unix_only]  # no inet socket: runs on a TPU host too
 ROOT = Path(__file__).resolve().parents[2]
 NO_METRICS = ["--metrics-port", "-1"]
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
+from weightsync.model_families import Family, Role, Tensor
 
 Array = Any  # np.ndarray or jax.Array: transforms keep the input's kind
 
@@ -47,10 +48,12 @@ class ModelDims:
 
 @dataclass(frozen=True)
 class Rule:
-    """MaxText key (dotted, relative to the decoder layer or the root) -> HF outputs."""
+    """MaxText key (dotted, relative to the decoder layer or the root) -> HF outputs;
+    `tensor` is the family table's entry of the HF tensor it makes (None: several)."""
 
     key: str
     emit: Emit
+    tensor: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -173,12 +176,17 @@ def convert(
 
 _LOGITS_KEY = "logits_dense.kernel"
 _VOCAB_AXIS = {"token_embedder.embedding": 0, _LOGITS_KEY: 1}  # global key -> its vocab axis
-# Per-layer kernels whose head axes must match ModelDims: key -> (dims field of axis -2, of axis -1)
-_HEAD_AXES = {
-    "self_attention.query.kernel": ("heads", "head_dim"),
-    "self_attention.key.kernel": ("kv_heads", "head_dim"),
-    "self_attention.value.kernel": ("kv_heads", "head_dim"),
-}
+
+
+def head_axes(spec: ConverterSpec) -> dict[str, tuple[str, str]]:
+    """Per-layer kernels whose head axes must match ModelDims: MaxText key -> (dims field
+    of axis -2, of axis -1). MaxText keeps q/k/v as [D, count, H], the count being the one
+    the family table gives the HF projection the kernel becomes."""
+    return {
+        r.key: (r.tensor.count, "head_dim")
+        for r in spec.layer_rules
+        if r.tensor is not None and r.tensor.role is Role.HEADS_IN
+    }
 
 
 def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: ModelDims, opts: ConvertOptions) -> None:
@@ -187,6 +195,7 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
     wrong `tied` drop the LM head, a wrong family miss weights, all silently."""
     layer_keys: dict[str, set[int]] = {}  # layer rule key -> layer indices that carry it
     global_keys = set()
+    heads = head_axes(spec)
     for path, leaf in flat.items():
         norm = normalise(path)
         dotted = ".".join(norm)
@@ -236,8 +245,8 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
             layer_shape = shape[: axis % len(shape)] + shape[axis % len(shape) + 1 :]
             if c > 1 and norm[2] == "local_layers":
                 layer_shape = layer_shape[: axis % len(shape)] + layer_shape[axis % len(shape) + 1 :]
-        if key in _HEAD_AXES and len(layer_shape) >= 2:
-            for field_name, got in zip(_HEAD_AXES[key], layer_shape[-2:]):
+        if key in heads and len(layer_shape) >= 2:
+            for field_name, got in zip(heads[key], layer_shape[-2:]):
                 if got != getattr(dims, field_name):
                     raise ValueError(
                         f"key {dotted!r}: per-layer shape {layer_shape} has {got} on the {field_name} axis, "
@@ -329,6 +338,14 @@ def _emit_layer(
 
 
 # -- transforms shared by families ------------------------------------------------------
+def by_role(key: str, fam: Family, name: str) -> Rule:
+    """MaxText `key` -> HF tensor `name`, transformed as the family table's role for `name`
+    says: MaxText keeps every matrix [in, out] (attention kernels with their head axes
+    split), HF [out, in] with heads fused."""
+    t = fam.tensor(name)
+    return Rule(key, _ROLE_EMITS[t.role](name), t)
+
+
 def same(name: str) -> Emit:
     return lambda a, d: {name: a}
 
@@ -361,3 +378,14 @@ def passthrough(tree: Mapping[str, Any], weight_dtype: str | None = None) -> Ite
     """A plain HF-named dict passes through unchanged (optionally cast)."""
     for name, value in tree.items():
         yield name, _cast(_leaf(value), weight_dtype)
+
+
+_ROLE_EMITS: dict[Role, Callable[[str], Emit]] = {
+    Role.EMBEDDING: embedding,
+    Role.LM_HEAD: lm_head,
+    Role.NORM: same,
+    Role.HEADS_IN: heads_in,
+    Role.HEADS_OUT: heads_out,
+    Role.MLP_IN: transposed,
+    Role.MLP_OUT: transposed,
+}

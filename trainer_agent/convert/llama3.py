@@ -7,9 +7,10 @@ the head axis (`concat(x[..., ::2], x[..., 1::2])`), then reshape/transpose.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, Rule, xp_of
+from trainer_agent.convert.base import Array, ConverterSpec, ModelDims, xp_of
 from trainer_agent.convert.qwen3 import ATTENTION_AND_MLP, DENSE_MLP, GLOBAL_RULES
 
 
@@ -28,12 +29,10 @@ def _key(a: Array, d: ModelDims) -> dict[str, Array]:
     return {"self_attn.k_proj.weight": k.reshape(k.shape[0], -1).T}
 
 
-_OVERRIDES = {
-    "self_attention.query.kernel": Rule("self_attention.query.kernel", _query),
-    "self_attention.key.kernel": Rule("self_attention.key.kernel", _key),
-}
+_OVERRIDES = {"self_attention.query.kernel": _query, "self_attention.key.kernel": _key}
 LLAMA3 = ConverterSpec(
     "llama3",
     GLOBAL_RULES,
-    tuple(_OVERRIDES.get(r.key, r) for r in ATTENTION_AND_MLP) + DENSE_MLP,
+    tuple(dataclasses.replace(r, emit=_OVERRIDES[r.key]) if r.key in _OVERRIDES else r for r in ATTENTION_AND_MLP)
+    + DENSE_MLP,
 )

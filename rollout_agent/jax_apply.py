@@ -1,0 +1,469 @@
+"""JaxApply: a verified version into an engine's sharded jax.Arrays, checked on the device.
+
+Each leaf is built in the sharding of the leaf it replaces, each device getting only its
+own slice of the host bytes: either the host sends every device its box of the
+transformed tensor (a strided view where it can be; `transfer="host"`), or the tensor
+goes over as it is, sharded to match, and one jitted transform per leaf permutes and pads
+it on the devices (`transfer="device"`: no host transpose, for accelerators). Nothing is
+gathered onto one device.
+
+Mode "swap" builds every new leaf aside while the engine keeps serving the old ones, then
+swaps them in at once and calls the engine's `refresh`: the pause. Mode "inplace" is for
+memory that cannot hold two copies: inside the pause, leaf by leaf, the new leaf takes
+the old one's buffer (donated to the jitted transform, or the old one deleted once the
+new one stands). "auto" picks swap where every device's free memory (`memory_stats()`)
+holds the new leaves plus `margin_bytes`, in place otherwise.
+
+Before the swap, every new leaf's fingerprint on the device must equal the one the host
+computes from the verified bytes through the transform (`jax_fingerprint`); a mismatch
+leaves the old leaves serving (in swap mode) and fails the round naming the leaf.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from rollout_agent.apply_report import ApplyReport
+from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
+from rollout_agent.jax_names import LeafPlan, NameMap, Part, leaf_box, shapes_of
+from rollout_agent.jax_targets import Target, as_target
+from weightsync.errors import DataLoss, FailedPrecondition, InternalError, InvalidArgument
+
+MODES = ("auto", "swap", "inplace")
+TRANSFERS = ("auto", "host", "device")
+FINGERPRINTS = ("auto", "jit", "view")
+
+
+@dataclass
+class _Round:
+    version: int
+    plans: dict[str, LeafPlan]
+    mode: str
+    by_name: dict[str, str]  # HF name -> leaf path
+    waiting: dict[str, set[str]]  # leaf path -> HF names not yet applied
+    started: float = field(default_factory=time.perf_counter)
+    cast: dict[str, np.ndarray] = field(default_factory=dict)
+    new: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, ShardCheck] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)  # leaf path -> Fingerprint or a Future of one
+    transfers: set[str] = field(default_factory=set)
+    inflight: collections.deque[tuple[int, Any]] = field(default_factory=collections.deque)
+    consumed: list[str] = field(default_factory=list)
+    build_seconds: float = 0.0
+    host_seconds: float = 0.0
+    device_bytes: int = 0
+    hbm_before: int | None = None
+    corrupt_next: bool = False
+
+
+class JaxApply:
+    """Applies versions into `target` (a `jax_targets.Target`, or any pytree, written in
+    place) through `name_map`. The Applier protocol's methods, plus `prepare`.
+
+    Args:
+        mode: "swap", "inplace" or "auto" (module docstring).
+        transfer: "host" (every device's box sent from the host), "device" (the tensor
+            sent sharded, transformed by a jitted function on the devices), or "auto"
+            (device on accelerators where a leaf's sharding maps onto the tensor's axes,
+            host otherwise and on CPU devices).
+        fingerprint: "jit" (a jitted reduction per shard), "view" (NumPy over a CPU
+            device's memory: it is host memory, and XLA's CPU integer reductions are
+            slow), or "auto" (view on CPU devices, jit elsewhere).
+        refresh: called right after the swap (the engine re-points what it derived from
+            the old leaves, e.g. tpu-inference's `refresh_model_state_leaves`).
+        strict: refuse a version that leaves a floating leaf unwritten (NameMap.plan).
+        margin_bytes: free memory a device keeps beyond the new leaves for "auto" to swap.
+        window_bytes: leaf bytes in flight to the devices before the apply waits for the
+            oldest (bounds transient buffers: the sharded tensors the device transform reads).
+        corrupt_next: testing only: a callable asked once per apply whether to flip one
+            bit of the first leaf's bytes on their way to the device (after the host
+            fingerprint was taken from the bytes as verified).
+    """
+
+    def __init__(
+        self,
+        target: Target | Any,
+        name_map: NameMap,
+        *,
+        mode: str = "auto",
+        transfer: str = "auto",
+        fingerprint: str = "auto",
+        refresh: Callable[[], None] | None = None,
+        strict: bool = True,
+        margin_bytes: int = 256 << 20,
+        window_bytes: int = 256 << 20,
+        threads: int = 0,
+        corrupt_next: Callable[[], bool] | None = None,
+    ) -> None:
+        for value, allowed, name in ((mode, MODES, "mode"), (transfer, TRANSFERS, "transfer"),
+                                     (fingerprint, FINGERPRINTS, "fingerprint")):  # fmt: skip
+            if value not in allowed:
+                raise InvalidArgument(f"{value!r} is not one of {', '.join(allowed)}", field=name)
+        self.target = as_target(target)
+        self.name_map = name_map
+        self.mode, self.transfer, self.fingerprint = mode, transfer, fingerprint
+        self.refresh = refresh
+        self.strict = strict
+        self.margin_bytes, self.window_bytes = margin_bytes, window_bytes
+        self.corrupt_next = corrupt_next
+        self.last: ApplyReport | None = None
+        self.torn = False  # an in-place apply failed part way: the engine holds a mix until the next one
+        self._threads = threads or min(8, os.cpu_count() or 1)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._plans: dict[Any, dict[str, LeafPlan]] = {}
+        self._prepared: tuple[int, dict[str, Fingerprint], float] | None = None
+        self._round: _Round | None = None
+        self._old: dict[str, Any] = {}  # the open round's leaves as they were
+
+    # -- the Applier protocol ----------------------------------------------------------
+    def check(self, version: int, tensors: Mapping[str, Any]) -> None:
+        """Refuses a version whose tensors do not map onto the engine's leaves."""
+        self._plan(shapes_of(tensors.values()))
+
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Takes the host fingerprint of every leaf from the verified bytes (call it right
+        after the digest check, while the engine serves): bytes that change after this,
+        on the host or on their way to the device, fail the device check."""
+        t0 = time.perf_counter()
+        plans = self._plan({n: (a.shape, a.dtype) for n, a in tensors.items()})
+        jobs = {path: self._pool_().submit(host_fingerprint, plan, tensors) for path, plan in plans.items()}
+        fps = {path: job.result() for path, job in jobs.items()}
+        self._prepared = (version, fps, time.perf_counter() - t0)
+
+    def begin_update(self, version: int, tensors: Mapping[str, Any]) -> None:
+        if self._round is not None:
+            raise FailedPrecondition("an update is already open", field="version")
+        plans = self._plan(shapes_of(tensors.values()))
+        leaves = self.target.leaves()
+        by_name = {p.name: path for path, plan in plans.items() for p in plan.parts}
+        r = _Round(version, plans, "", by_name, {path: {p.name for p in plan.parts} for path, plan in plans.items()})
+        r.hbm_before = _max_stat(_devices(plans.values()), "bytes_in_use")
+        r.mode = self._choose_mode(plans)
+        r.corrupt_next = bool(self.corrupt_next and self.corrupt_next())
+        self._old = {path: leaves[path] for path in plans}
+        self._round = r
+
+    def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
+        r = self._open()
+        for name, arr in group:
+            path = r.by_name.get(name)
+            if path is None:
+                raise KeyError(f"{name!r} is not part of this update")
+            part = next(p for p in r.plans[path].parts if p.name == name)
+            r.cast[name] = part.cast(arr)
+            r.waiting[path].discard(name)
+            r.consumed.append(name)
+            if not r.waiting[path]:
+                self._build(r, path)
+
+    def commit_update(self, version: int) -> list[str]:
+        r = self._open()
+        try:
+            waiting = sorted(n for names in r.waiting.values() for n in names)
+            if waiting:
+                raise InternalError(f"version {version}: {len(waiting)} tensor(s) never applied, first {waiting[0]!r}")
+            t0 = time.perf_counter()
+            jax.block_until_ready(list(r.new.values()))
+            r.build_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            bad = self._compare(r)
+            fp_seconds = time.perf_counter() - t1
+            if bad:
+                if r.mode == "inplace":
+                    self.torn = True
+                    raise DataLoss(
+                        f"version {version}: {bad}; applied in place, the engine holds a mix of versions until "
+                        "the next one applies"
+                    )
+                raise DataLoss(f"version {version}: {bad}; the old weights keep serving")
+            t2 = time.perf_counter()
+            if r.mode == "swap":
+                self.target.replace(r.new)
+            t3 = time.perf_counter()
+            if self.refresh is not None:
+                self.refresh()
+            t4 = time.perf_counter()
+            self.torn = False
+            self.last = self._report(r, fp_seconds, swap=t3 - t2, refresh=t4 - t3,
+                                     pause=(t4 - t2) if r.mode == "swap" else (t4 - r.started))  # fmt: skip
+            return list(r.consumed)
+        except BaseException:
+            self._discard(r)
+            raise
+        finally:
+            self._round = None
+            self._old = {}
+
+    def abort_update(self) -> None:
+        r = self._round
+        if r is None:
+            return
+        self._discard(r)
+        if r.mode == "inplace" and r.new:
+            self.torn = True
+        self._round = None
+        self._old = {}
+
+    def last_report(self) -> ApplyReport | None:
+        """The last committed apply's report."""
+        return self.last
+
+    def close(self) -> None:
+        """Stops the fingerprint threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- planning ----------------------------------------------------------------------
+    def _plan(self, shapes: Mapping[str, tuple[Any, Any]]) -> dict[str, LeafPlan]:
+        key = tuple(sorted((n, tuple(s), str(np.dtype(d) if not isinstance(d, str) else d))
+                           for n, (s, d) in shapes.items()))  # fmt: skip
+        plans = self._plans.get(key)
+        if plans is None:
+            leaves = {n: a for n, a in self.target.leaves().items() if isinstance(a, jax.Array)}
+            plans = self.name_map.plan(shapes, leaves, strict=self.strict)
+            self._plans = {key: plans}  # one model: the newest shape set is the one that matters
+        return plans
+
+    def _choose_mode(self, plans: Mapping[str, LeafPlan]) -> str:
+        if self.mode != "auto":
+            return self.mode
+        need: dict[Any, int] = collections.Counter()
+        for plan in plans.values():
+            for dev, box in _boxes(plan):
+                need[dev] += box * plan.dtype.itemsize
+        for dev, n in need.items():
+            stats = _stats(dev)
+            if stats and "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                if free < n + min(self.window_bytes, n) + self.margin_bytes:
+                    return "inplace"
+        return "swap"
+
+    # -- building ----------------------------------------------------------------------
+    def _build(self, r: _Round, path: str) -> None:
+        plan = r.plans[path]
+        cast = {p.name: r.cast.pop(p.name) for p in plan.parts}
+        prepared = self._prepared
+        if prepared is not None and prepared[0] == r.version and path in prepared[1]:
+            r.host[path] = prepared[1][path]
+        else:
+            r.host[path] = self._pool_().submit(host_fingerprint, plan, cast)
+        corrupt, r.corrupt_next = r.corrupt_next, False
+        old = self._old[path]
+        t0 = time.perf_counter()
+        # at most window_bytes (or one leaf) in flight: bounds the sharded tensors a device
+        # transform reads, beside the leaves themselves
+        while r.inflight and sum(n for n, _ in r.inflight) + plan.nbytes > self.window_bytes:
+            jax.block_until_ready(r.inflight.popleft()[1])
+        source = self._device_source(plan)
+        if source is not None:
+            new = self._device_build(plan, cast, source, old if r.mode == "inplace" else None, corrupt)
+            r.transfers.add("device")
+        else:
+            new = self._host_build(plan, cast, corrupt)
+            r.transfers.add("host")
+        r.new[path] = new
+        r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+        if r.mode == "inplace":
+            self.target.replace({path: new})
+            if not old.is_deleted():
+                old.delete()
+        r.checks[path] = device_fingerprint(path, new, self._fingerprint_method(new), self._pool_())
+        r.inflight.append((plan.nbytes, new))
+        r.build_seconds += time.perf_counter() - t0
+
+    def _host_build(self, plan: LeafPlan, cast: Mapping[str, np.ndarray], corrupt: bool) -> Any:
+        # may_alias=False: a CPU device would otherwise keep the host bytes (the puller's
+        # receive buffer, overwritten by the next pull) as its memory
+        p = plan.parts[0]
+        if len(plan.parts) == 1 and p.plain and not corrupt:
+            # one strided view of the whole leaf: JAX slices it per device and copies each
+            # slice (transposing as it copies) without a Python step per device
+            return jax.device_put(p.view(cast[p.name]), plan.sharding, may_alias=False)
+        devices, boxes = [], []
+        for dev, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
+            box = leaf_box(plan, cast, index)
+            if corrupt and not boxes:
+                box = _flip(box)
+            devices.append(dev)
+            boxes.append(box)
+        arrays = jax.device_put(boxes, devices, may_alias=False)
+        return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays)
+
+    def _device_source(self, plan: LeafPlan) -> Any:
+        """The sharding the tensor goes over in, for a device transform; None where the
+        host builds the leaf (chosen so, a fused leaf, or a sharding that does not map)."""
+        if self.transfer == "host" or len(plan.parts) != 1:
+            return None
+        p = plan.parts[0]
+        if self.transfer == "auto" and (
+            all(d.platform == "cpu" for d in plan.sharding.device_set)
+            or (p.plain and p.perm == tuple(range(len(p.perm))))  # nothing to transform: no device copy
+        ):
+            return None
+        return source_sharding(p, plan.sharding)
+
+    def _device_build(
+        self, plan: LeafPlan, cast: Mapping[str, np.ndarray], source: Any, donate: Any, corrupt: bool
+    ) -> Any:
+        p = plan.parts[0]
+        src = cast[p.name].reshape(p.split)
+        if corrupt:
+            src = _flip(src)
+        x = jax.device_put(src, source, may_alias=False)
+        fn = _transform(p.perm, p.repeat, p.region, plan.sharding, donate is not None)
+        return fn(x, donate) if donate is not None else fn(x)
+
+    def _fingerprint_method(self, arr: Any) -> str:
+        if self.fingerprint != "auto":
+            return self.fingerprint
+        return "view" if all(d.platform == "cpu" for d in arr.sharding.device_set) else "jit"
+
+    # -- checking and reporting --------------------------------------------------------
+    def _compare(self, r: _Round) -> str:
+        """The first leaf whose device fingerprint differs from the host's ('' if none)."""
+        t0 = time.perf_counter()
+        host = {path: fp.result() if isinstance(fp, concurrent.futures.Future) else fp for path, fp in r.host.items()}
+        r.host_seconds += time.perf_counter() - t0
+        for path, check in r.checks.items():
+            got, problem = check.result()
+            want = host[path]
+            if problem or got != want:
+                why = problem or f"device fingerprint {list(got)}, host {list(want)}"
+                return f"leaf {path!r} on the device does not match the verified bytes ({why})"
+        return ""
+
+    def _report(self, r: _Round, fp_seconds: float, *, swap: float, refresh: float, pause: float) -> ApplyReport:
+        devices = _devices(r.plans.values())
+        prepared = self._prepared
+        host_seconds = r.host_seconds + (prepared[2] if prepared is not None and prepared[0] == r.version else 0.0)
+        methods = {c: self._fingerprint_method(a) for c, a in r.new.items()}
+        return ApplyReport(
+            version=r.version,
+            mode=r.mode,
+            transfer="+".join(sorted(r.transfers)),
+            fingerprint="+".join(sorted(set(methods.values()))),
+            leaves=len(r.new),
+            bytes=sum(plan.nbytes for plan in r.plans.values()),
+            device_bytes=r.device_bytes,
+            build_seconds=r.build_seconds,
+            fingerprint_seconds=fp_seconds,
+            host_fingerprint_seconds=host_seconds,
+            swap_seconds=swap,
+            refresh_seconds=refresh,
+            pause_seconds=pause,
+            hbm_before_bytes=r.hbm_before,
+            hbm_peak_bytes=_max_stat(devices, "peak_bytes_in_use"),
+            hbm_limit_bytes=_max_stat(devices, "bytes_limit"),
+        )
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _open(self) -> _Round:
+        if self._round is None:
+            raise FailedPrecondition("no update is open (begin_update first)", field="version")
+        return self._round
+
+    def _discard(self, r: _Round) -> None:
+        if r.mode == "swap":
+            for arr in r.new.values():
+                if not arr.is_deleted():
+                    arr.delete()
+        r.new.clear()
+        r.cast.clear()
+        r.inflight.clear()
+
+    def _pool_(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="fingerprint")
+        return self._pool
+
+
+def _flip(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` with one bit flipped (the corruption the device check must catch)."""
+    out = np.array(a, copy=True)
+    if out.size:
+        out.reshape(-1).view(np.uint8)[out.nbytes // 2] ^= 0x10
+    return out
+
+
+def source_sharding(p: Part, target: Any) -> Any:
+    """The sharding of the split tensor under which each device holds exactly what its
+    target shard needs (each sharded leaf axis maps to the tensor axis it comes from); None
+    where that does not exist (growth along a sharded axis, an unknown sharding kind)."""
+    if isinstance(target, SingleDeviceSharding):
+        return target
+    if not isinstance(target, NamedSharding) or p.start != (0,) * len(p.start):
+        return None
+    spec = tuple(target.spec) + (None,) * (len(p.region) - len(target.spec))
+    src: list[Any] = [None] * len(p.split)
+    for t, axes in enumerate(spec):
+        if axes is None:
+            continue
+        if not isinstance(axes, (str, tuple)) or p.repeat[t] != 1 or p.moved[t] != p.region[t]:
+            return None
+        src[p.perm[t]] = axes
+    return NamedSharding(target.mesh, PartitionSpec(*src), memory_kind=target.memory_kind)
+
+
+@cache
+def _transform(
+    perm: tuple[int, ...], repeat: tuple[int, ...], region: tuple[int, ...], out: Any, donate: bool
+) -> Callable[..., Any]:
+    """The jitted split -> leaf transform: permute, repeat, zero-pad, into `out`."""
+
+    def f(x: Any, *old: Any) -> Any:
+        y = jnp.transpose(x, perm)
+        for t, r in enumerate(repeat):
+            if r > 1:
+                y = jnp.repeat(y, r, axis=t)
+        if y.shape != region:
+            y = jnp.pad(y, [(0, g - n) for n, g in zip(y.shape, region)])
+        return y
+
+    if donate:
+        return jax.jit(f, out_shardings=out, donate_argnums=(1,), keep_unused=True)
+    return jax.jit(f, out_shardings=out)
+
+
+def _boxes(plan: LeafPlan) -> list[tuple[Any, int]]:
+    """(device, elements of its box) for every device holding part of the leaf."""
+    out = []
+    for dev, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
+        n = 1
+        for s, size in zip(index, plan.shape):
+            n *= len(range(*s.indices(size)))
+        out.append((dev, n))
+    return out
+
+
+def _devices(plans: Any) -> list[Any]:
+    seen: dict[Any, None] = {}
+    for plan in plans:
+        for dev in plan.sharding.addressable_devices:
+            seen[dev] = None
+    return list(seen)
+
+
+def _stats(dev: Any) -> dict[str, int] | None:
+    try:
+        return dev.memory_stats()  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return None
+
+
+def _max_stat(devices: Sequence[Any], key: str) -> int | None:
+    values = [s[key] for s in (_stats(d) for d in devices) if s and key in s]
+    return max(values) if values else None

@@ -1,0 +1,227 @@
+"""Exact fingerprints of a leaf's bits: on the device, and from the host bytes through the
+transform, so a leaf is served only when the two agree.
+
+A leaf's fingerprint is, over its bits b (each element viewed as an unsigned integer of
+its width; 8-byte elements as two uint32 on a trailing axis), all modulo 2^32:
+T = sum(b), and per axis k, F_k = sum(b · index_k): a wrapping integer sum, no float
+tolerance. T catches any changed bit; the F_k catch elements that moved (a shard on the
+wrong device, a wrong permutation). Both are linear in position, so the host works them
+out from per-axis sums of the tensor in its own (HF) layout, through the transform's
+permutation, repeats and offset (`host_fingerprint`), without building the leaf; padding
+is zeros and adds nothing. The device side sums each device's shard where it lives
+(a jitted reduction, or NumPy over the shard's memory on CPU devices, where it is host
+memory), then shifts each shard's F_k by its offset in the leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from rollout_agent.jax_names import LeafPlan, Part
+
+MASK = 0xFFFFFFFF
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+Fingerprint = tuple[int, ...]  # (T, F_0, ..., F_{n-1}), each in [0, 2^32)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The elements' bits as unsigned integers (8-byte elements: two uint32 on a new last
+    axis). A view where `a` is contiguous."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.itemsize == 8:
+        return a.view(np.uint32).reshape(*a.shape, 2)
+    return a.view(_UINT[a.dtype.itemsize])
+
+
+def array_fingerprint(b: np.ndarray) -> Fingerprint:
+    """(T, F_0, ..., F_{n-1}) of unsigned integers `b` in their own layout, in two passes
+    over the bytes: `b` seen as a matrix of leading by trailing axes (rows of at least
+    ~4096 elements where the shape allows), its row sums give the leading axes' per-index
+    sums and its column sums the trailing axes'; then small weighted sums."""
+    if b.ndim == 0:
+        return (int(b) & MASK,)
+    if b.size == 0:
+        return (0,) * (b.ndim + 1)
+    if b.ndim == 1:
+        return (_total(b), _weighted(b))
+    split, width = b.ndim - 1, b.shape[-1]
+    while split > 1 and width < 4096:
+        split -= 1
+        width *= b.shape[split]
+    matrix = b.reshape(-1, width)
+    rows = np.add.reduce(matrix, axis=1, dtype=np.uint32).reshape(b.shape[:split])
+    cols = np.add.reduce(matrix, axis=0, dtype=np.uint32).reshape(b.shape[split:])
+    out = [_total(cols)]
+    for k in range(b.ndim):
+        part, axis = (rows, k) if k < split else (cols, k - split)
+        others = tuple(a for a in range(part.ndim) if a != axis)
+        out.append(_weighted(np.add.reduce(part, axis=others, dtype=np.uint32) if others else part))
+    return tuple(out)
+
+
+def _total(m: np.ndarray) -> int:
+    return int(np.add.reduce(m.reshape(-1), dtype=np.uint64)) & MASK
+
+
+def _weighted(m: np.ndarray) -> int:
+    """sum(j · m[j]) mod 2^32 (uint64 wraps modulo 2^64, a multiple of 2^32)."""
+    return int((m.astype(np.uint64) * np.arange(m.size, dtype=np.uint64)).sum()) & MASK
+
+
+def part_fingerprint(p: Part, cast: np.ndarray) -> Fingerprint:
+    """The fingerprint a part's region of its leaf must have, from the cast tensor in its
+    own layout: F along leaf axis t comes from the tensor's axis perm[t], stretched by
+    that axis' repeats and shifted by the part's start."""
+    b = bits(cast.reshape(p.split))
+    g = array_fingerprint(b)
+    total = g[0]
+    copies = 1
+    for r in p.repeat:
+        copies *= r
+    out = [copies * total]
+    for t, k in enumerate(p.perm):
+        r, o = p.repeat[t], p.start[t]
+        out.append((copies // r) * (r * o * total + r * r * g[1 + k] + r * (r - 1) // 2 * total))
+    out += [copies * x for x in g[1 + len(p.split) :]]  # the 8-byte elements' two halves
+    return tuple(x & MASK for x in out)
+
+
+def host_fingerprint(plan: LeafPlan, tensors: Mapping[str, np.ndarray]) -> Fingerprint:
+    """The leaf's fingerprint from the host bytes (tensors by name, cast to the leaf's
+    dtype here where they are not) through the plan."""
+    return add(part_fingerprint(p, p.cast(tensors[p.name])) for p in plan.parts)
+
+
+def add(fps: Any) -> Fingerprint:
+    """The sum of fingerprints of disjoint regions of one leaf."""
+    total: list[int] | None = None
+    for fp in fps:
+        total = list(fp) if total is None else [a + b for a, b in zip(total, fp)]
+    return tuple(x & MASK for x in (total or ()))
+
+
+def shifted(local: Sequence[int], start: Sequence[int]) -> Fingerprint:
+    """A block's fingerprint in leaf coordinates, from its own (local) one and its start."""
+    t = local[0]
+    return tuple(x & MASK for x in [t, *(f + s * t for f, s in zip(local[1:], start)), *local[1 + len(start) :]])
+
+
+@dataclass
+class ShardCheck:
+    """The device-side fingerprint of one leaf, shard by shard (replicas compared)."""
+
+    path: str
+    blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]]  # start -> [(device, its fp)]
+
+    def result(self) -> tuple[Fingerprint, str]:
+        """(the leaf's fingerprint, a problem: replicas of one block that differ, or '')."""
+        total: list[Fingerprint] = []
+        for start, held in self.blocks.items():
+            seen = [(dev, fp()) for dev, fp in held]
+            first = seen[0][1]
+            for dev, fp in seen[1:]:
+                if fp != first:
+                    return (), f"replicas of the block at {list(start)} differ on {dev}"
+            total.append(shifted(first, start))
+        return add(total), ""
+
+
+def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None = None) -> ShardCheck:
+    """Starts the fingerprint of every shard of `arr` where it lives: "jit" (dispatched,
+    not waited for: one program over the mesh for a NamedSharding, one per shard
+    otherwise) or "view" (NumPy over a CPU device's memory: on `pool`'s threads, beside
+    the next leaves' copies, or here without one)."""
+    from jax.sharding import NamedSharding
+
+    blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]] = {}
+    starts = {
+        dev: tuple(s.start or 0 for s in index) for dev, index in arr.sharding.devices_indices_map(arr.shape).items()
+    }
+    if method == "jit" and isinstance(arr.sharding, NamedSharding) and arr.is_fully_addressable:
+        mesh = arr.sharding.mesh
+        rows = _mesh_fingerprint(mesh, arr.sharding.spec, arr.ndim, arr.dtype.itemsize)(arr)
+        table = _Rows(rows)
+        for i, dev in enumerate(mesh.devices.flat):
+            blocks.setdefault(starts[dev], []).append((dev, lambda i=i: table.row(i)))
+        return ShardCheck(path, blocks)
+    shards = arr.addressable_shards
+    if method == "view":  # one job per leaf: a job per shard costs more than small shards' sums
+        data = [shard.data for shard in shards]
+        if pool is not None:
+            job = pool.submit(lambda: [_view_fingerprint(d) for d in data])
+            done: Callable[[], list[Fingerprint]] = job.result
+        else:
+            fps = [_view_fingerprint(d) for d in data]
+            done = lambda: fps  # noqa: E731
+        for i, shard in enumerate(shards):
+            blocks.setdefault(starts[shard.device], []).append((shard.device, lambda i=i: done()[i]))
+        return ShardCheck(path, blocks)
+    for shard in shards:
+        pending = _jitted_fingerprint(shard.data.ndim, shard.data.dtype.itemsize)(shard.data)
+        blocks.setdefault(starts[shard.device], []).append((shard.device, lambda p=pending: _tuple(p)))
+    return ShardCheck(path, blocks)
+
+
+def _view_fingerprint(data: Any) -> Fingerprint:
+    return array_fingerprint(bits(np.asarray(data)))
+
+
+class _Rows:
+    """Per-device fingerprints from one program, read from the device once."""
+
+    def __init__(self, pending: Any) -> None:
+        self._pending = pending
+        self._rows: np.ndarray | None = None
+
+    def row(self, i: int) -> Fingerprint:
+        if self._rows is None:
+            self._rows = np.asarray(self._pending)
+        return _tuple(self._rows[i])
+
+
+def _tuple(fp: Any) -> Fingerprint:
+    return tuple(int(x) & MASK for x in np.asarray(fp).reshape(-1))
+
+
+def _local(x: Any, itemsize: int) -> Any:
+    """[T, F_0, ...] of one block, traced: a wrapping uint32 sum of the bits, plain and
+    weighted by each axis' index."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[itemsize]
+    b = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else lax.bitcast_convert_type(x, uint)
+    b = b.astype(jnp.uint32)
+    out = [jnp.sum(b, dtype=jnp.uint32)]
+    for k in range(b.ndim):
+        out.append(jnp.sum(b * lax.broadcasted_iota(jnp.uint32, b.shape, k), dtype=jnp.uint32))
+    return jnp.stack(out)
+
+
+@cache
+def _jitted_fingerprint(ndim: int, itemsize: int) -> Any:
+    import jax
+
+    return jax.jit(lambda x: _local(x, itemsize))
+
+
+@cache
+def _mesh_fingerprint(mesh: Any, spec: Any, ndim: int, itemsize: int) -> Any:
+    """One program over the mesh: each device's block fingerprint, a row per device in the
+    mesh's device order."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    every = tuple(mesh.axis_names)
+    f = jax.shard_map(
+        lambda x: _local(x, itemsize)[None, :], mesh=mesh, in_specs=(spec,), out_specs=PartitionSpec(every),
+        check_vma=False,
+    )  # fmt: skip
+    return jax.jit(f)

@@ -1,0 +1,91 @@
+"""A JAX engine's weights synced from a real publisher: sync_version into a JaxApplier
+(tpu-inference's layout), prefetched (host fingerprints taken right after the digest
+check) and not; the handshake, the pause the applier reports, its metrics; and a bit
+flipped on its way to the device refused, the old weights serving on."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from prometheus_client import generate_latest
+
+from devtools.scrape import metric_value
+from rollout_agent.jax_applier import JaxApplier
+from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
+from rollout_agent.jax_names import reference_leaf
+from rollout_agent.jax_targets import WeightsHolder
+from rollout_agent.puller import WeightPuller
+from rollout_agent.sync import sync_version
+from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
+from weightsync.client import CoordinatorClient
+from weightsync.failpoints import Failpoints
+from weightsync.manifest import Endpoint
+from weightsync.metrics import build_metrics
+from weightsync.model_shapes import ModelShape, param_shapes
+from weightsync.server import RunningServer
+
+SHAPE = ModelShape(64, 2, 4, 2, 32, 128, 256, tied=True)
+
+
+def _params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s, dtype=np.float32).astype(ml_dtypes.bfloat16)
+            for n, s in param_shapes(SHAPE).items()}  # fmt: skip
+
+
+def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    import jax
+
+    name_map = family_map("qwen3", "tpu_inference", SHAPE)
+    holder = WeightsHolder(
+        empty_leaves(
+            name_map, SHAPE, SHAPE.layers, SHAPE.tied, mesh_of((1, len(jax.devices()))), PROFILES["tpu_inference"]
+        )  # fmt: skip
+    )
+    fail = Failpoints("jax_applier.corrupt_after_check=1")
+    armed = [False]
+    point = "jax_applier.corrupt_after_check"
+    applier = JaxApplier(holder, name_map, corrupt_next=lambda: armed[0] and fail.fire(point))
+    metrics = build_metrics("rollout")
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=65536)
+    with WeightPublisher(settings) as pub:
+        client = CoordinatorClient(inprocess_coordinator.address)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0")
+        try:
+            for v in (1, 2):
+                params = _params(v)
+                pub.publish(params, v)
+                result = sync_version(puller, applier, v, metrics=metrics)
+                assert result.ok, result.mismatch
+                assert pub.wait_committed(v, 30) == "COMMITTED"
+                assert result.apply["mode"] == "swap" and result.apply["version"] == v
+                assert result.timings["pause_seconds"] == result.apply["pause_seconds"]
+                assert result.timings["pause_seconds"] < result.timings["apply_seconds"]  # built aside
+                assert result.apply["host_fingerprint_seconds"] > 0  # taken in the prefetch, after the digests
+                plans = applier._plan({n: (a.shape, "bfloat16") for n, a in params.items()})
+                tree = holder.get()
+                for path, plan in plans.items():
+                    assert np.array_equal(np.asarray(tree[path]).view(np.uint16),
+                                          reference_leaf(plan, params).view(np.uint16)), path  # fmt: skip
+            text = generate_latest(metrics.registry).decode()
+            assert metric_value(text, "weightsync_applies_total", session="job", mode="swap") == 2
+            served = holder.get()
+            armed[0] = True
+            pub.publish(_params(3), 3)
+            refused = sync_version(puller, applier, 3, metrics=metrics)
+            assert not refused.ok and refused.failure == "data_loss"
+            assert "on the device does not match the verified bytes" in refused.mismatch
+            assert holder.get() is served  # the old weights keep serving
+            (hs,) = [h for h in client.status("job").handshakes if h.version == 3]
+            assert not hs.ok and "old weights keep serving" in hs.mismatch
+            pub.publish(_params(4), 4)
+            assert sync_version(puller, applier, 4, apply_mode="streaming", metrics=metrics).ok
+            assert holder.get() is not served
+        finally:
+            applier.close()
+            puller.close()
+            client.close()
