@@ -217,7 +217,8 @@ class WeightPuller:
             if "tcp" in ep.transports and ep.tcp_address and _tcp_usable():
                 return "tcp"
             return self._fallback(
-                part, "offers no tcp address (or the native shim is not built here, or this host refuses inet sockets)"
+                part,
+                "offers no tcp address (or the native shim is not built here, or this host has no usable inet sockets)",
             )
         if mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
