@@ -279,7 +279,7 @@ def _applier_pause(
         return whole
     result.apply = asdict(report)
     if metrics is not None:
-        metrics.observe_apply(puller.session, report.mode, report.hbm_peak_bytes)
+        metrics.observe_apply(puller.session, report.mode, report.hbm_peak_bytes, len(report.repaired_leaves))
     return whole if report.pause_seconds is None else report.pause_seconds
 
 

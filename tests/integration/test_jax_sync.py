@@ -89,3 +89,38 @@ def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
             applier.close()
             puller.close()
             client.close()
+
+
+def test_in_place_a_leaf_damaged_on_its_way_is_built_again_and_counted(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    import jax
+
+    name_map = family_map("qwen3", "tpu_inference", SHAPE)
+    mesh = mesh_of((1, len(jax.devices())))
+    holder = WeightsHolder(empty_leaves(name_map, SHAPE, SHAPE.layers, SHAPE.tied, mesh, PROFILES["tpu_inference"]))
+    fire = iter([True, False])
+    applier = JaxApplier(holder, name_map, mode="inplace", corrupt_next=lambda: next(fire, False))
+    metrics = build_metrics("rollout")
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=65536)
+    with WeightPublisher(settings) as pub:
+        client = CoordinatorClient(inprocess_coordinator.address)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0")
+        try:
+            params = _params(5)
+            pub.publish(params, 1)
+            result = sync_version(puller, applier, 1, metrics=metrics)
+            assert result.ok, result.mismatch
+            assert result.apply["mode"] == "inplace" and len(result.apply["repaired_leaves"]) == 1
+            assert pub.wait_committed(1, 30) == "COMMITTED"
+            plans = applier._plan({n: (a.shape, "bfloat16") for n, a in params.items()})
+            for path, plan in plans.items():
+                assert np.array_equal(np.asarray(holder.get()[path]).view(np.uint16),
+                                      reference_leaf(plan, params).view(np.uint16)), path  # fmt: skip
+            text = generate_latest(metrics.registry).decode()
+            assert metric_value(text, "weightsync_apply_repaired_leaves_total", session="job") == 1
+        finally:
+            applier.close()
+            puller.close()
+            client.close()
