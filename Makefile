@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs
 
 setup: $(STAMP)
 
@@ -81,6 +81,11 @@ check-deploy: check-deploy-files
 # The files alone (CI: `make test` runs tests/deploy/test_monitoring.py with the rest).
 check-deploy-files: setup deploy-tools
 	$(PY) -m devtools.check_deploy --tools $(DEPLOY_VENV)/bin
+
+# docs/configuration.md, from the settings dataclasses and the CLIs' parsers (a test fails
+# when the committed page is stale).
+config-docs: setup
+	$(PY) -m devtools.gen_config_docs
 
 # The PrometheusRule of the prometheus-operator component, from the rules file.
 deploy-rules: setup
