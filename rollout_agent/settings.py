@@ -169,7 +169,7 @@ class InitInfo(SyncSettings):
 
     FIELD_PREFIX: ClassVar[str] = "init_info."
 
-    # Required here, as they were before the settings were shared: the sidecar's defaults
-    # (a local coordinator, session "demo") would let a worker silently sync the wrong thing.
+    # Required here: the sidecar's defaults (a local coordinator, session "demo") would let a
+    # worker silently sync the wrong thing.
     coordinator: str = option("", "Coordinator address host:port or unix:/path (required).")
     session: str = option("", "Session name (required).")

@@ -15,7 +15,7 @@ RUN_BY = {
 }
 MAX_README_LINES = 250
 # History lives in git: pages say why the code is as it is, not which round of work made it so.
-HISTORY = re.compile(r"issue [0-9]|round [0-9]|session [0-9]+|measured again|before the fix|was fixed", re.I)
+HISTORY = re.compile(r"issue \d|round \d|session \d+|measured\s+again|before\s+the\s+fix|was\s+fixed", re.I)
 
 
 def test_every_snippet_compiles_dials_the_coordinator_and_has_a_test_that_runs_it() -> None:
