@@ -61,16 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-size", default="small", choices=list(PRESETS), help="tiny | small | medium | 0.6b (Qwen3-0.6B shape)"
     )
-    p.add_argument("--steps", type=bounded_number(1), default=5)
+    p.add_argument("--steps", type=bounded_number(1), default=5, help="training steps, each published as a version")
     p.add_argument(
         "--rollouts",
         type=bounded_number(1, high=MAX_ROLLOUTS),
         default=2,
         help=f"rollout processes on this machine (1 to {MAX_ROLLOUTS})",
     )
-    p.add_argument("--session", type=_session_name, default="demo")
+    p.add_argument("--session", type=_session_name, default="demo", help="the session every process joins")
     p.add_argument("--workdir", default="", help="logs, ready files and the SQLite db (default: a temp dir)")
-    p.add_argument("--timeout-s", type=bounded_number(0.001, float), default=900.0)
+    p.add_argument(
+        "--timeout-s",
+        type=bounded_number(0.001, float),
+        default=900.0,
+        help="how long the demo waits for every step's version to settle, once the processes are up",
+    )
     p.add_argument(
         "--engine",
         choices=["vllm", "numpy"],
@@ -228,7 +233,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         if args.engine == "vllm":
             model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
             # float32 serving: vLLM-CPU's bf16 attention kernel hit "Illegal instruction" on
-            # this machine's CPU with the tiny shapes (see the closing note of issue 4).
+            # this machine's CPU with the tiny shapes (docs/vllm-cpu.md).
             rollout_args = [
                 "--engine",
                 "vllm",
