@@ -76,6 +76,21 @@ def inet_unusable(**addresses: str) -> str:
     return inet_refused()
 
 
+def connect(address: str, timeout_s: float) -> socket.socket:
+    """A connected stream socket to `host:port` or `unix:/path`, connecting within `timeout_s`."""
+    if not is_unix(address):
+        host, port = split_host_port(address)
+        return socket.create_connection((host, int(port)), timeout=timeout_s)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(unix_path(address))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def listening_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A TCP listener on host:port, IPv6 literals included; `::` also takes IPv4 where the
     system allows both on one socket (as `0.0.0.0` takes every IPv4 address)."""

@@ -113,7 +113,7 @@ def test_shm_transport_opens_only_weightsync_arenas() -> None:
 
 
 def test_transport_registry() -> None:
-    with pytest.raises(ValueError, match="available: fs, grpc, memory, shm"):
+    with pytest.raises(ValueError, match="available: fs, grpc, hostshm, memory, shm"):
         transports.create_transport("carrier-pigeon")
     with pytest.raises(ValueError, match="already registered"):
         transports.register_transport("grpc", "x:Y")

@@ -22,6 +22,7 @@ _REGISTRY: dict[str, str] = {
     "shm": "weightsync.transports.shm:ShmTransport",
     "fs": "weightsync.transports.fs:FsTransport",
     "tcp": "weightsync.transports.tcp:TcpTransport",
+    "hostshm": "weightsync.transports.hostshm:HostShmTransport",
 }
 
 

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,6 +66,17 @@ class ChunkSource(Protocol):
 
     def send_chunks(self, sock_fd: int, session: str, version: int, rank: int, indices: Sequence[int]) -> int:
         """Writes the chunks' bytes back to back to the socket; returns bytes sent."""
+        ...
+
+
+@runtime_checkable
+class SharedSource(ChunkSource, Protocol):
+    """A ChunkSource whose buffers readers on its host may map (a relay on a unix socket)."""
+
+    def map_chunks(self, session: str, version: int, rank: int, indices: Sequence[int]) -> tuple[int, int, int]:
+        """Waits until the first chunk is ready; returns a new read-only descriptor of the
+        buffer it lies in (chunks at their offsets), how many of `indices` from the first
+        are ready there, and their bytes. The caller closes the descriptor."""
         ...
 
 

@@ -12,6 +12,11 @@ each chunk as it lands, both in the native shim with the GIL released.
     reply:    "WSR1" u32 status (gRPC code) u32 message_len u64 payload_bytes
               message payload
 
+A server may listen on a unix socket (`unix:/path`, a relay serving the rollouts of its
+host); a relay there also answers "WSM1" requests (`MAP_MAGIC`, same layout) with no
+payload: `payload_bytes` says how many chunks, from the first, are ready, and the reply
+carries a descriptor of the shared memory they lie in (`weightsync.transports.hostshm`).
+
 A refused request gets a status and a message naming the field; the connection stays
 usable, except after a request the server cannot read to its end (not our protocol, more
 indices than one call may name) or one past the connection limit: those are answered, then
@@ -32,17 +37,19 @@ import dataclasses
 import errno
 import hmac
 import logging
+import os
 import resource
 import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar
 
 import grpc
 import numpy as np
 
 from weightsync import native
-from weightsync.addresses import join_host_port, listening_socket, split_host_port
+from weightsync.addresses import connect, is_unix, join_host_port, listening_socket, unix_address, unix_path
 from weightsync.errors import (
     InvalidArgument,
     PermissionDenied,
@@ -57,13 +64,25 @@ from weightsync.errors import (
 from weightsync.failpoints import Failpoints
 from weightsync.linger import Lingerer
 from weightsync.manifest import Endpoint
-from weightsync.transports.base import MAX_INDICES_PER_READ, ChunkPayload, ChunkSource, FetchRequest, Transport
+from weightsync.transports.base import (
+    MAX_INDICES_PER_READ,
+    ChunkPayload,
+    ChunkSource,
+    FetchRequest,
+    SharedSource,
+    Transport,
+)
+from weightsync.unix_sockets import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<4sHHQII")
 REPLY = struct.Struct("<4sIIQ")
 REQUEST_MAGIC = b"WST1"
+# The same request asking where the chunks lie in memory the server shares (a relay on a
+# unix socket, read by rollouts on its host): answered with a descriptor (SCM_RIGHTS) of the
+# buffer they lie in and how many of them, from the first, are ready (`transports.hostshm`).
+MAP_MAGIC = b"WSM1"
 REPLY_MAGIC = b"WSR1"
 MAX_TOKEN = 256
 MAX_SESSION = 128
@@ -94,7 +113,8 @@ def _code(name: str) -> int:
 _NAME_BY_CODE = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from `sock`; ConnectionResetError when the peer closes first."""
     parts, left = [], n
     while left:
         b = sock.recv(left)
@@ -116,8 +136,20 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+def _unix_listener(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
@@ -152,6 +184,7 @@ class TcpChunkServer:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         stall_timeout_s: float = STALL_TIMEOUT_S,
         port_field: str = "tcp_port",  # the flag that set `port`, named when it cannot be had
+        host_field: str = "host",  # the flag that set a `unix:/path` host, named when it cannot be bound
     ) -> None:
         if not native.available():
             raise RuntimeError(f"the tcp transport needs the native shim: {native.missing_reason()}")
@@ -161,11 +194,16 @@ class TcpChunkServer:
         self.max_connections = max_connections or default_max_connections()
         self.idle_timeout_s = idle_timeout_s
         self.stall_timeout_s = stall_timeout_s
-        try:
-            self._listener = listening_socket(host, port)
-        except OSError as e:
-            raise cannot_listen(port_field, join_host_port(host, port), e.strerror) from None
-        self.address = join_host_port(host, self._listener.getsockname()[1])
+        self._socket_file: SocketFile | None = None
+        if is_unix(host):  # a relay for the rollouts on its host (`hostshm`); checked as gRPC's are
+            self._listener, self._socket_file = bind_unix(unix_path(host), _unix_listener, host_field)
+            self.address = unix_address(unix_path(host))
+        else:
+            try:
+                self._listener = listening_socket(host, port)
+            except OSError as e:
+                raise cannot_listen(port_field, join_host_port(host, port), e.strerror) from None
+            self.address = join_host_port(host, self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._strangers: dict[socket.socket, None] = {}  # of _conns, no valid token yet; oldest first
@@ -280,7 +318,7 @@ class TcpChunkServer:
                 if not first:
                     return
                 _set_io_timeout(conn, self.stall_timeout_s)
-                trusted = self._answer(conn, first + _recv_exact(conn, REQUEST.size - len(first))) or trusted
+                trusted = self._answer(conn, first + recv_exact(conn, REQUEST.size - len(first))) or trusted
         except _Unreadable as e:
             log.debug("tcp connection refused: %s", e)
             refused = True
@@ -296,14 +334,14 @@ class TcpChunkServer:
     def _answer(self, conn: socket.socket, head: bytes) -> bool:
         """Answers one request; True when it carried a version's valid token."""
         magic, token_len, session_len, version, rank, count = REQUEST.unpack(head)
-        if magic != REQUEST_MAGIC or token_len > MAX_TOKEN or session_len > MAX_SESSION:
+        if magic not in (REQUEST_MAGIC, MAP_MAGIC) or token_len > MAX_TOKEN or session_len > MAX_SESSION:
             # Not our protocol (or a corrupt stream): answer once and drop the connection.
             self._reply(conn, InvalidArgument("not a weightsync tcp request (bad magic or sizes)", field="request"))
             raise _Unreadable("bad request header")
         if count > MAX_INDICES_PER_READ:  # refused before its body is read: the stream cannot continue
             self._reply(conn, InvalidArgument(f"{count} exceed {MAX_INDICES_PER_READ} per call", field="indices"))
             raise _Unreadable("too many indices")
-        body = _recv_exact(conn, token_len + session_len + 4 * count)
+        body = recv_exact(conn, token_len + session_len + 4 * count)
         token = body[:token_len].decode("utf-8", "replace")
         session = body[token_len : token_len + session_len].decode("utf-8", "replace")
         indices = np.frombuffer(body, "<u4", count, token_len + session_len).tolist()
@@ -316,10 +354,21 @@ class TcpChunkServer:
             with self._lock:  # before any reply: from here on no stranger's arrival ends it
                 self._strangers.pop(conn, None)
             self._source.check_read(session, version, rank, indices)
-            total = self._source.chunk_lengths(session, version, rank, indices)
+            if magic == MAP_MAGIC:
+                fd, ready, total = self._map(conn, session, version, rank, indices)
+            else:
+                total = self._source.chunk_lengths(session, version, rank, indices)
         except WeightsyncError as e:
             self._reply(conn, e)
             return trusted
+        if magic == MAP_MAGIC:
+            try:
+                socket.send_fds(conn, [REPLY.pack(REPLY_MAGIC, 0, 0, ready)], [fd])
+            finally:
+                os.close(fd)
+            if self._on_sent is not None:
+                self._on_sent(total)
+            return True
         conn.sendall(REPLY.pack(REPLY_MAGIC, 0, 0, total))
         if self._failpoints.fire("tcp_server.drop_mid_reply"):
             raise ConnectionAbortedError("failpoint tcp_server.drop_mid_reply: connection dropped mid-reply")
@@ -329,6 +378,15 @@ class TcpChunkServer:
         if sent != total:
             raise ConnectionAbortedError(f"sent {sent} of {total} bytes")
         return True
+
+    def _map(
+        self, conn: socket.socket, session: str, version: int, rank: int, indices: Sequence[int]
+    ) -> tuple[int, int, int]:
+        """A map request's answer from a source that shares its memory with readers on its
+        unix socket (`SharedSource`): (read-only descriptor, chunks ready, their bytes)."""
+        if conn.family != socket.AF_UNIX or not isinstance(self._source, SharedSource):
+            raise InvalidArgument("this server sends chunk bytes and shares no memory", field="request")
+        return self._source.map_chunks(session, version, rank, indices)
 
     @staticmethod
     def _reply(conn: socket.socket, error: WeightsyncError) -> None:
@@ -348,6 +406,8 @@ class TcpChunkServer:
         except OSError:
             pass
         self._listener.close()
+        if self._socket_file is not None:
+            self._socket_file.remove()
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -363,6 +423,7 @@ class TcpTransport(Transport):
     name = "tcp"
     cross_host = True
     receives_in_place = True
+    magic: ClassVar[bytes] = REQUEST_MAGIC  # what its requests ask for (`MAP_MAGIC`: where, not bytes)
 
     def __init__(self) -> None:
         if not native.available():
@@ -381,15 +442,14 @@ class TcpTransport(Transport):
 
     def _connect(self, timeout_s: float) -> socket.socket:
         if self._interrupted:
-            raise TransportUnavailable(f"tcp {self._address}: interrupted")
+            raise TransportUnavailable(f"{self.name} {self._address}: interrupted")
         if self._sock is not None and _closed_by_peer(self._sock):
             self.close()  # the server reclaimed it while idle: dial again, costing no attempt
         if self._sock is None:
-            host, port = split_host_port(self._address)
             try:
-                sock = socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0))
+                sock = connect(self._address, min(timeout_s, 10.0))
             except OSError as e:
-                raise TransportUnavailable(f"cannot connect to tcp {self._address}: {e}") from None
+                raise TransportUnavailable(f"cannot connect to {self.name} {self._address}: {e}") from None
             _tune(sock)
             self._sock = sock
             # `interrupt` sets the flag, then shuts down `_sock`: one made after its look at
@@ -397,7 +457,7 @@ class TcpTransport(Transport):
             # read then waited `timeout_s` on a frozen peer)
             if self._interrupted:
                 self.close()
-                raise TransportUnavailable(f"tcp {self._address}: interrupted")
+                raise TransportUnavailable(f"{self.name} {self._address}: interrupted")
         _set_io_timeout(self._sock, timeout_s)
         return self._sock
 
@@ -407,24 +467,26 @@ class TcpTransport(Transport):
         frozen or cut off)."""
         self.close()
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-            return TransportStalled(f"tcp {self._address}: no byte moved for {request.timeout_s:g}s")
-        return TransportUnavailable(f"tcp {self._address}: {e}")
+            return TransportStalled(f"{self.name} {self._address}: no byte moved for {request.timeout_s:g}s")
+        return TransportUnavailable(f"{self.name} {self._address}: {e}")
+
+    def _recv_head(self, sock: socket.socket) -> bytes:
+        """A reply's header."""
+        return recv_exact(sock, REPLY.size)
 
     def _request(self, request: FetchRequest) -> tuple[socket.socket, int]:
         """Sends one request and reads the reply header; returns (socket, payload bytes)."""
         token = request.token.encode()
         session = request.session.encode()
-        head = REQUEST.pack(
-            REQUEST_MAGIC, len(token), len(session), request.version, request.rank, len(request.indices)
-        )
+        head = REQUEST.pack(self.magic, len(token), len(session), request.version, request.rank, len(request.indices))
         sock = self._connect(request.timeout_s)
         try:
             sock.sendall(head + token + session + np.asarray(request.indices, "<u4").tobytes())
-            magic, code, message_len, payload = REPLY.unpack(_recv_exact(sock, REPLY.size))
+            magic, code, message_len, payload = REPLY.unpack(self._recv_head(sock))
             if magic != REPLY_MAGIC or message_len > MAX_REPLY_MESSAGE:  # read no further: it could say 4 GiB
                 self.close()
-                raise TransportUnavailable(f"tcp {self._address}: not a weightsync tcp server")
-            message = _recv_exact(sock, message_len).decode("utf-8", "replace") if message_len else ""
+                raise TransportUnavailable(f"{self.name} {self._address}: not a weightsync tcp server")
+            message = recv_exact(sock, message_len).decode("utf-8", "replace") if message_len else ""
         except OSError as e:
             raise self._failed(e, request) from None
         if code != 0:
@@ -440,7 +502,9 @@ class TcpTransport(Transport):
         expected = sum(length for _, length in request.spans)
         if payload != expected:
             self.close()
-            raise TransportUnavailable(f"tcp {self._address} offered {payload} bytes, the manifest says {expected}")
+            raise TransportUnavailable(
+                f"{self.name} {self._address} offered {payload} bytes, the manifest says {expected}"
+            )
         spans = [(offset - base, length) for offset, length in request.spans]
         try:
             return native.recv_verify(sock.fileno(), buf, spans, digests)
@@ -484,12 +548,11 @@ def answers(address: str, timeout_s: float) -> bool:
     that is up, not one gone (refused) or frozen (the kernel takes the connection and
     nothing replies). The request names no chunk, which a server refuses at once without
     asking its source, so a server busy waiting on its own source answers too."""
-    host, port = split_host_port(address)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        with connect(address, timeout_s) as sock:
             sock.settimeout(timeout_s)
             sock.sendall(REQUEST.pack(REQUEST_MAGIC, 0, 0, 0, 0, 0))
-            return _recv_exact(sock, REPLY.size)[:4] == REPLY_MAGIC
+            return recv_exact(sock, REPLY.size)[:4] == REPLY_MAGIC
     except OSError:
         return False
 
