@@ -193,8 +193,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         role = role_name(request.role)
         if request.endpoint.address:
             check_address(request.endpoint.address, "endpoint.address")
-        if request.endpoint.tcp_address:
-            check_address(request.endpoint.tcp_address, "endpoint.tcp_address", unix=False)
+        if request.endpoint.tcp_address:  # a rollout's relay may serve its host on a unix socket
+            check_address(request.endpoint.tcp_address, "endpoint.tcp_address", unix=role == "ROLLOUT")
         s = self._store.register_agent(
             request.session,
             request.agent_id,

@@ -20,7 +20,7 @@ from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource
 from rollout_agent.settings import check_pull_args
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
-from weightsync.addresses import inet_refused
+from weightsync.addresses import inet_refused, is_unix
 from weightsync.client import CoordinatorClient
 from weightsync.config import check_positive
 from weightsync.digests import xxh3
@@ -116,15 +116,16 @@ class WeightPuller:
     `mode` is a weight-sync mode ("" = the session's default, read from each
     manifest): "tcp" reads the native bulk server, "shm" maps a same-host trainer's arena
     (host ids equal), "fs" reads parts from the store under `fs_root`, "relay" reads from
-    the rollout before this one in the coordinator's chain (the trainer over tcp when
-    first, or when that relay fails) and re-serves through `relay`; ranks that do not
-    offer the mode are pulled over "grpc". Each rank's chunks are split into `streams`
-    contiguous lanes; a lane requests at most `window_chunks` chunks per call, so at most
-    streams x window_chunks x chunk_bytes are in flight per rank. Each chunk's xxh3 is
-    checked on arrival, except in a `pull(check_chunks=False)`, whose caller checks the
-    tensors the chunks make up (one hash pass, not two) and has `repair` locate and
-    re-fetch the chunks under a tensor that failed; chunks read from a relay, or re-served
-    to the rollout after this one in a relay chain, are always checked. A bad or missing
+    a rollout before this one in the coordinator's chain (`upstream_of`: the first on its
+    host relaying on a unix socket, whose buffers it maps, else the one before it; the
+    trainer over tcp when none, or when that relay fails) and re-serves through `relay`;
+    ranks that do not offer the mode are pulled over "grpc". Each rank's chunks are split
+    into `streams` contiguous lanes; a lane requests at most `window_chunks` chunks per
+    call, so at most streams x window_chunks x chunk_bytes are in flight per rank. Each
+    chunk's xxh3 is checked on arrival, except in a `pull(check_chunks=False)`, whose
+    caller checks the tensors the chunks make up (one hash pass, not two) and has `repair`
+    locate and re-fetch the chunks under a tensor that failed; chunks read from a relay, or
+    re-served to the rollout after this one in a relay chain, are always checked. A bad or missing
     chunk is fetched again (with backoff after a transport failure), up to `max_attempts`
     times in all, then DigestMismatch (DATA_LOSS) when a chunk's bytes did not verify, or
     TransportUnavailable when the source could not be read (retryable: nothing was wrong
@@ -242,8 +243,9 @@ class WeightPuller:
     def _route(self, lanes: list[_Lane], plan: PullPlan) -> list[_Lane]:
         """Chooses each lane's source: the upstream relay in relay mode, else the rank."""
         for lane in lanes:
-            if plan.upstream is not None:
-                lane.mode, lane.endpoint, lane.relayed = "tcp", plan.upstream, True
+            if plan.upstream is not None:  # a relay on a unix socket is on this host: its buffers are mapped
+                mode = "hostshm" if is_unix(plan.upstream.tcp_address) else "tcp"
+                lane.mode, lane.endpoint, lane.relayed = mode, plan.upstream, True
             else:
                 lane.mode, lane.endpoint, lane.relayed = (
                     self.transport_for(lane.part, plan.mode),
@@ -271,7 +273,8 @@ class WeightPuller:
         lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part, plan.mode), lane.part.endpoint, False
 
     def _key(self, lane: _Lane) -> tuple[str, str, int]:
-        return (lane.mode, lane.endpoint.tcp_address if lane.mode == "tcp" else lane.endpoint.address, lane.stream)
+        address = lane.endpoint.tcp_address if lane.mode in ("tcp", "hostshm") else lane.endpoint.address
+        return (lane.mode, address, lane.stream)
 
     def _transport(self, lane: _Lane) -> Transport:
         key = self._key(lane)
@@ -391,23 +394,33 @@ class WeightPuller:
 
     def plan(self, header: pb.ManifestHeader) -> PullPlan:
         """Where a version's chunks come from, from its manifest header: this puller's mode,
-        else the session's; the version's access token; in relay mode, the relay before
-        this rollout in the coordinator's chain (none when it is first or not listed)."""
+        else the session's; the version's access token; in relay mode, the relay to read
+        from of those before this rollout in the coordinator's chain (`upstream_of`; none
+        when it is first or not listed)."""
         mode = self.mode_for(header)
         upstream, downstream = None, False
         chain = [peer.agent_id for peer in header.relay_chain]
         if mode == "relay" and self.agent_id in chain:
             at = chain.index(self.agent_id)
-            if at > 0:
-                upstream = endpoint_from_proto(header.relay_chain[at - 1].endpoint)
+            upstream = self.upstream_of([endpoint_from_proto(p.endpoint) for p in header.relay_chain[:at]])
             downstream = at < len(chain) - 1
         return PullPlan(mode, header.access_token, upstream, downstream)
 
-    @staticmethod
-    def _grow(buffers: dict[int, np.ndarray], rank: int, nbytes: int) -> np.ndarray:
+    def upstream_of(self, before: Sequence[Endpoint]) -> Endpoint | None:
+        """Of the relays before this rollout in the chain, the one it reads from: the first
+        on its host that serves on a unix socket (the host's puller: one pull per host, every
+        other rollout there maps its buffers), else the last one on an inet socket where
+        this host has them, else none (the trainer)."""
+        here = [e for e in before if is_unix(e.tcp_address) and e.host_id == self.host_id]
+        if here:
+            return here[0]
+        inet = [e for e in before if not is_unix(e.tcp_address)]
+        return inet[-1] if inet and not inet_refused() else None
+
+    def _grow(self, buffers: dict[int, np.ndarray], rank: int, nbytes: int) -> np.ndarray:
         buf = buffers.get(rank)
         if buf is None or buf.nbytes < nbytes:
-            buf = np.empty(max(nbytes, 1), np.uint8)
+            buf = self.relay.allocate(max(nbytes, 1)) if self.relay else np.empty(max(nbytes, 1), np.uint8)
             buffers[rank] = buf
         return buf[:nbytes]
 

@@ -10,6 +10,10 @@ trusted downstream: every chunk is verified by its reader against the manifest, 
 reader whose relay fails or lags falls back to the trainer (one that ended a reply after
 its wait but still answers is asked again: it waits on its own pull, e.g. on a frozen
 relay before it that it is about to leave; `WeightPuller._relay_still_pulling`).
+
+On a unix socket (`--relay-host unix:DIR`) it serves the rollouts of its host, which map
+its receive buffers (shared memory) instead of reading the bytes (`transports.hostshm`):
+the host pulls each version once, with no inet socket.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from weightsync import native
+from weightsync.addresses import is_unix
 from weightsync.errors import InvalidArgument, NotFound, TransportUnavailable, VersionNotFound
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import ChunkSpec, Manifest
+from weightsync.transports.hostshm import readonly_fd, shared_array
 from weightsync.transports.tcp import TcpChunkServer, check_token
 
 log = logging.getLogger(__name__)
@@ -72,10 +78,16 @@ class RelaySource:
     """
 
     def __init__(
-        self, session: str, *, wait_s: float = DEFAULT_RELAY_WAIT_S, failpoints: Failpoints | None = None
+        self,
+        session: str,
+        *,
+        wait_s: float = DEFAULT_RELAY_WAIT_S,
+        failpoints: Failpoints | None = None,
+        shares_memory: bool = False,
     ) -> None:
         self.session = session
         self.wait_s = wait_s
+        self.shares_memory = shares_memory  # buffers of shared memory, mapped by readers on this host
         self._failpoints = failpoints or Failpoints()
         self.closed = threading.Event()
         self._cond = threading.Condition()
@@ -83,6 +95,10 @@ class RelaySource:
         self.bytes_served = 0
 
     # -- the puller's side ----------------------------------------------------------
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A receive buffer for the puller: shared memory where readers map it."""
+        return shared_array(nbytes) if self.shares_memory else np.empty(nbytes, np.uint8)
+
     def begin(
         self,
         manifest: Manifest,
@@ -177,6 +193,30 @@ class RelaySource:
             pos = end
         return sent
 
+    def map_chunks(self, session: str, version: int, rank: int, indices: Sequence[int]) -> tuple[int, int, int]:
+        """Where a reader on this host finds chunks (`hostshm`): once the first is verified
+        here, a read-only descriptor of the buffer it lies in, how many from the first are
+        ready in that buffer, and their bytes."""
+        held = self._version(session, version)
+        stalling = self._failpoints.armed(STALL)  # one chunk per reply, as send_chunks does
+        if stalling and not self._failpoints.fire(STALL):
+            log.warning("failpoint %s: stalling this reply", STALL)
+            self.closed.wait()
+        whole = held.whole[rank]
+        with self._cond:
+            self._wait_ready(held, rank, indices[0])
+            first_whole, ready = indices[0] < whole, 1
+            while (
+                not stalling
+                and ready < len(indices)
+                and (indices[ready] < whole) == first_whole
+                and held.ready[rank][indices[ready]]
+            ):
+                ready += 1
+        buffer = (held.buffers if first_whole else held.delta_buffers)[rank]
+        nbytes = sum(held.chunks[rank][i].length for i in indices[:ready])
+        return readonly_fd(buffer), ready, nbytes
+
     def chunk_view(self, session: str, version: int, rank: int, index: int) -> tuple[int, memoryview]:
         """One chunk once it is verified here (what a gRPC ReadChunks would send)."""
         held = self._version(session, version)
@@ -200,7 +240,8 @@ class RelaySource:
 
 
 class Relay:
-    """A RelaySource behind a TcpChunkServer on host:port (what a relaying rollout runs)."""
+    """A RelaySource behind a TcpChunkServer on host:port (what a relaying rollout runs), or
+    on a `unix:/path` host, whose readers on this host map its buffers (`hostshm`)."""
 
     def __init__(
         self,
@@ -211,9 +252,14 @@ class Relay:
         wait_s: float = DEFAULT_RELAY_WAIT_S,
         failpoints: Failpoints | None = None,
     ) -> None:
-        self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints)
+        self.source = RelaySource(session, wait_s=wait_s, failpoints=failpoints, shares_memory=is_unix(host))
         self.server = TcpChunkServer(
-            self.source, host=host, port=port, on_sent=self.source.count_served, port_field="relay_port"
+            self.source,
+            host=host,
+            port=port,
+            on_sent=self.source.count_served,
+            port_field="relay_port",
+            host_field="relay_host",
         )
         self.address = self.server.address
 

@@ -9,16 +9,23 @@ errors). `rollout_agent.wiring` builds the parts from it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.addresses import inet_refused, inet_unusable, is_unix
+from weightsync.addresses import inet_refused, inet_unusable, is_unix, unix_address, unix_path
 from weightsync.config import PeerConfig, check_bounds, check_positive, option
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
-from weightsync.validation import MAX_INSTANCE_CHARS, check_address, check_agent_id, check_session_name
+from weightsync.validation import (
+    MAX_INSTANCE_CHARS,
+    check_address,
+    check_agent_id,
+    check_session_name,
+    check_unix_address,
+)
 
 # Lanes, chunks per call and attempts a puller takes at most.
 MAX_LANES = 1 << 20
@@ -64,9 +71,12 @@ class SyncSettings(PeerConfig):
     relay_host: str = option(
         "",
         "relay: address the chunk server re-serving pulled versions binds; default the server's --host "
-        "(sidecar), else --advertise-host, else 127.0.0.1.",
+        "(sidecar), else --advertise-host, else 127.0.0.1. unix:DIR (an existing directory): it listens on "
+        "DIR/relay-<agent id>.sock and only rollouts on this host read from it, mapping its buffers: the first such "
+        "relay of a host in the chain pulls each version, the host's others read it from there (no inet socket "
+        "needed; docs/host-pull.md).",
     )
-    relay_port: int = option(0, "relay: port of that chunk server; 0 picks a free one.")
+    relay_port: int = option(0, "relay: port of that chunk server; 0 picks a free one (none with a unix: host).")
     relay_wait_s: float = option(
         10.0,
         "relay: how long a downstream read waits for a chunk here before it is sent to the trainer; a read "
@@ -133,15 +143,43 @@ class SyncSettings(PeerConfig):
         return ""
 
     def relay_unusable(self, server_host: str = "") -> str:
-        """Why a relay cannot serve here ("" where it can): it listens on inet sockets, at
-        --relay-host, else the server's host (`server_host`, default `server_host()`)."""
+        """Why a relay cannot serve here ("" where it can): it listens at --relay-host (a
+        unix socket directory always serves), else on an inet socket at the server's host
+        (`server_host`, default `server_host()`)."""
+        if is_unix(self.relay_host):
+            return ""
         return inet_unusable(host=server_host or self.server_host()) if not self.relay_host else inet_refused()
+
+    def relay_bind(self, agent_id: str, server_host: str = "") -> str:
+        """Where this rollout's relay listens: `unix:DIR/relay-<agent_id>.sock` for a unix:DIR
+        --relay-host (InvalidArgument naming relay_host where that path cannot be a socket's),
+        else --relay-host, else `server_host`, else --advertise-host, else 127.0.0.1."""
+        if not is_unix(self.relay_host):
+            return self.relay_host or server_host or self.advertise_host or "127.0.0.1"
+        address = unix_address(f"{unix_path(self.relay_host).rstrip('/')}/relay-{agent_id}.sock")
+        check_unix_address(address, f"{self.FIELD_PREFIX}relay_host")
+        return address
+
+    def _check_relay_host(self) -> None:
+        """A unix:DIR relay host: an absolute path of an existing directory, and no port."""
+        if not is_unix(self.relay_host):
+            return
+        directory = unix_path(self.relay_host).rstrip("/")
+        if not directory.startswith("/") or "\0" in directory:
+            raise InvalidArgument(f"{self.relay_host!r}: unix:DIR names an absolute directory", field="relay_host")
+        if not os.path.isdir(directory):
+            raise InvalidArgument(
+                f"{self.relay_host!r}: {directory} is not a directory (the relay makes its socket there)",
+                field="relay_host",
+            )
+        if self.relay_port:
+            raise InvalidArgument("a relay on a unix socket has no port (0)", field="relay_port")
 
     def check_inet_modes(self) -> None:
         """InvalidArgument where the mode needs inet sockets this process cannot open: tcp
-        reads the trainer's native server, relay also serves the next rollout."""
-        if is_unix(self.relay_host):
-            raise InvalidArgument("a relay serves on inet sockets: an IP address or host name", field="relay_host")
+        reads the trainer's native server, relay also serves the next rollout (unless on a
+        unix socket, to rollouts on its host)."""
+        self._check_relay_host()
         mode = self.weight_sync_mode
         why = inet_refused() if mode == "tcp" else self.relay_unusable() if mode == "relay" else ""
         if why:

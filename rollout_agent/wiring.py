@@ -147,8 +147,9 @@ def wire_rollout(
     metrics: Metrics | None = None,
 ) -> RolloutWiring:
     """Builds a rollout's parts. `server_host`: the address its own server binds, where it
-    has one (the sidecar); a relay binds `relay_host`, else that, else `advertise_host`
-    (so a relay inside a vLLM worker is reachable from other hosts), else loopback.
+    has one (the sidecar); a relay binds `relay_host` (a unix:DIR one, a socket there named
+    after `agent_id`), else that, else `advertise_host` (so a relay inside a vLLM worker is
+    reachable from other hosts), else loopback.
     `on_verdict` None: no data plane here (a sidecar whose vLLM engine pulls itself)."""
     security = settings.security()
     failpoints = Failpoints(settings.failpoints)
@@ -160,7 +161,7 @@ def wire_rollout(
     if settings.wants_relay(server_host):
         relay = Relay(
             settings.session,
-            host=settings.relay_host or server_host or settings.advertise_host or "127.0.0.1",
+            host=settings.relay_bind(agent_id, server_host),
             port=settings.relay_port,
             wait_s=settings.relay_wait_s,
             failpoints=failpoints,

@@ -105,6 +105,16 @@ def no_arena_leak() -> Iterator[None]:
 
 
 @pytest.fixture
+def sockets() -> Iterator[Path]:
+    """A short private directory for socket files (pytest's tmp_path can pass sun_path's 107 bytes)."""
+    directory = Path(tempfile.mkdtemp(prefix="ws-"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest, no_arena_leak: None) -> Iterator[Cluster]:
     """A Cluster in tmp_path; dumps every process log when the test fails."""
     c = Cluster(tmp_path / "cluster")

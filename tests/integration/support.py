@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
+from weightsync._proto import trainer_agent_pb2 as tapb
+from weightsync._proto import trainer_agent_pb2_grpc as tapb_grpc
 from weightsync._proto import types_pb2 as tpb
 
 T = TypeVar("T")
@@ -61,6 +63,12 @@ def reflected_methods(channel: grpc.Channel) -> Iterator[tuple[str, Any, bool, b
 def rollout_status(address: str) -> rpb.RolloutStatus:
     with grpc.insecure_channel(address) as channel:
         return rpb_grpc.RolloutAgentStub(channel).GetStatus(rpb.RolloutStatusRequest(), timeout=10)
+
+
+def trainer_bytes_served(address: str) -> int:
+    """Chunk bytes a trainer sidecar has served, every transport (its GetStatus)."""
+    with grpc.insecure_channel(address) as channel:
+        return tapb_grpc.TrainerAgentStub(channel).GetStatus(tapb.TrainerStatusRequest(), timeout=10).bytes_served
 
 
 def state_name(v: tpb.VersionInfo) -> str:

@@ -5,6 +5,7 @@ DATA_LOSS and nothing is applied; a rebuild on a wrong base is never applied."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -301,6 +302,37 @@ def test_relays_re_serve_the_delta_and_a_rollout_without_the_base_reads_the_rebu
                     assert [r.delta_base for r in results] == [2, 2, 0, 2]
                     assert egress == 2 * published.delta_bytes  # r2 read whole chunks from r1
                     assert relays[1].source.bytes_served >= published.total_bytes + published.delta_bytes
+    finally:
+        for closeable in [*pullers, *relays, client]:
+            closeable.close()
+
+
+def test_rollouts_of_one_host_rebuild_the_delta_from_their_pullers_buffers(
+    inprocess_coordinator: RunningServer, sockets: Path, no_arena_leak: None
+) -> None:
+    """Relays on unix sockets: r0 pulls the delta from the trainer, r1 and r2 (holding the
+    base too) map r0's delta buffers and rebuild on their side; the trainer sends the
+    delta once for the host."""
+    steps = _steps()
+    relays = [Relay("job", host=f"unix:{sockets}/relay-r{i}.sock", wait_s=2.0) for i in range(3)]
+    client = CoordinatorClient(inprocess_coordinator.address)
+    pullers: list[WeightPuller] = []
+    try:
+        with _publisher(inprocess_coordinator.address, weight_sync_mode="relay") as pub:
+            for i, relay in enumerate(relays):
+                here = Endpoint(transports=("grpc", "relay"), host_id=socket.gethostname(), tcp_address=relay.address)
+                client.register_agent("job", f"r{i}", trainer=False, endpoint=here)
+                pullers.append(WeightPuller(client, "job", f"r{i}", relay=relay.source))
+            engines = [DictApplier() for _ in pullers]
+            for v in (1, 2):
+                params = steps.step()
+                published = pub.publish(params, v)
+                served = pub._servicer.bytes_served
+                results = _sync_in_parallel(pullers, engines, v)
+                assert all(r.ok for r in results) and all(_same(e, params) for e in engines)
+                assert [r.delta_base for r in results] == ([0, 0, 0] if v == 1 else [1, 1, 1])
+                sent = published.total_bytes if v == 1 else published.delta_bytes
+                assert pub._servicer.bytes_served - served == sent
     finally:
         for closeable in [*pullers, *relays, client]:
             closeable.close()

@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,16 +25,6 @@ from weightsync.unix_sockets import SOCKET_MODE
 pytestmark = [pytest.mark.slow, pytest.mark.unix_only]  # no inet socket: runs on a TPU host too
 ROOT = Path(__file__).resolve().parents[2]
 NO_METRICS = ["--metrics-port", "-1"]
-
-
-@pytest.fixture
-def sockets() -> Iterator[Path]:
-    """A short private directory for socket files (pytest's tmp_path can pass sun_path's 107 bytes)."""
-    directory = Path(tempfile.mkdtemp(prefix="ws-"))
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _is_socket_0660(path: Path) -> bool:

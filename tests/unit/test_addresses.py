@@ -81,7 +81,7 @@ def test_a_namespace_whose_loopback_is_down_has_no_usable_inet_sockets() -> None
     assert outside.stdout.strip() == "usable" and outside.returncode == 0, outside.stderr
 
 
-def test_inet_modes_are_refused_where_the_addresses_are_unix() -> None:
+def test_inet_modes_are_refused_where_the_addresses_are_unix(tmp_path: Path) -> None:
     from rollout_agent.config import RolloutConfig
     from trainer_agent.config import TrainerConfig
 
@@ -93,8 +93,8 @@ def test_inet_modes_are_refused_where_the_addresses_are_unix() -> None:
     assert cfg.weight_sync_mode == "shm"
     with pytest.raises(SystemExit):  # a relay would serve on the unix --host
         load_config(RolloutConfig, "rollout", ["--host", "unix:/x/r.sock", "--weight-sync-mode", "relay"], {})
-    with pytest.raises(SystemExit):
-        load_config(RolloutConfig, "rollout", ["--relay-host", "unix:/x/relay.sock"], {})
+    relaying = ["--host", "unix:/x/r.sock", "--relay-host", f"unix:{tmp_path}", "--weight-sync-mode", "relay"]
+    assert load_config(RolloutConfig, "rollout", relaying, {}).wants_relay()  # serving its host on a unix socket
     follower = load_config(RolloutConfig, "rollout", ["--host", "unix:/x/r.sock", "--coordinator", "unix:/x/c"], {})
     assert not follower.wants_relay()  # the session's mode may be relay: no relay where it cannot serve
 
