@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
@@ -140,6 +140,11 @@ bench-overlap: setup
 # bytes (bench/apply.py); 8 CPU devices by default, BENCH_ARGS='--preset 0.6b' on a TPU host.
 bench-apply: setup
 	$(PY) bench/apply.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset medium --json)
+
+# N rollout processes on one host: N pulls per version from the trainer against one pull
+# shared through unix relays (bench/host_pull.py; unix sockets only, so it runs on a TPU host).
+bench-host-pull: setup
+	$(PY) bench/host_pull.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info site

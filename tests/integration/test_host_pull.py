@@ -4,8 +4,11 @@ sockets only, so these run where no inet socket exists (a TPU host)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from safetensors.numpy import load_file
 
 from devtools.cluster import Cluster, Proc
 from tests.integration.support import eventually, state_name, trainer_bytes_served
+from tests.unit.helpers import unshare_missing
 from trainer_agent import synthetic
 from weightsync.client import CoordinatorClient
 from weightsync.errors import TransportUnavailable
@@ -24,6 +28,7 @@ from weightsync.transports.hostshm import HostShmTransport
 from weightsync.transports.tcp import REPLY, REQUEST
 
 pytestmark = pytest.mark.unix_only  # no inet socket: runs on a TPU host too
+ROOT = Path(__file__).resolve().parents[2]
 NO_METRICS = ["--metrics-port", "-1"]
 # Small chunks: a tiny version spans enough of them for a reader to be caught mid-version.
 TRAINER = ["--model-size", "tiny", "--weight-dtype", "float32", "--weight-sync-mode", "grpc", "--chunk-bytes", "16384"]
@@ -118,6 +123,35 @@ def test_when_the_hosts_puller_is_killed_mid_version_the_others_finish_from_the_
     assert [p.name for p in sockets.glob("relay-*")] == ["relay-r0.sock"]  # the killed one's, taken over at its restart
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
+def test_the_host_pull_bench_runs_without_a_network(no_arena_leak: None) -> None:
+    """bench/host_pull.py inside `unshare -n` (no inet socket reaches anything, as on a TPU
+    host): three rollouts take three pulls per version from the trainer, then one."""
+    run = subprocess.run(
+        ["unshare", "-n", sys.executable, "bench/host_pull.py", "--size", "tiny", "--rollouts", "3", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = {r["phase"]: r for r in json.loads(run.stdout)["rows"]}
+    assert rows["separate"]["egress_ratio"] == [3.0, 3.0] and rows["host"]["egress_ratio"] == [1.0, 1.0]
+    assert len(rows["host"]["reader_ratio_to_memcpy"]) == 2
+
+
+def _open_memfds(name: str) -> int:
+    """Descriptors of this process open on memfd files named `name`."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor, another thread's)
+            pass
+    return sum(link.startswith(f"/memfd:{name} ") for link in links)
+
+
 def test_a_reader_maps_no_buffer_that_could_shrink_under_it(sockets: Path) -> None:
     """A relay answering with memory not sealed to its size (it could be truncated while
     mapped: SIGBUS in the reader) is refused as unavailable, and its descriptor closed."""
@@ -140,11 +174,10 @@ def test_a_reader_maps_no_buffer_that_could_shrink_under_it(sockets: Path) -> No
     try:
         reader.open(Endpoint(tcp_address=f"unix:{path}"))
         request = FetchRequest("job", 1, 0, [0], 5.0, [(0, 4096)], "token")
-        before = set(os.listdir("/proc/self/fd"))
         with pytest.raises(TransportUnavailable, match="not sealed"):
             reader.fetch_into(request, np.empty(4096, np.uint8), 0, [0])
         server.join(10)
-        assert set(os.listdir("/proc/self/fd")) <= before  # the descriptor it was handed, and its socket, closed
+        assert _open_memfds("not-sealed") == 1  # ours: the descriptor the reader was handed is closed
     finally:
         server.join(10)
         reader.close()
