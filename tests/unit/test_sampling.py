@@ -48,3 +48,16 @@ def test_an_engine_label_names_a_version() -> None:
     assert version_of_label("12") == 12
     assert version_of_label("default") == 0  # what vLLM's engine starts with
     assert version_of_label(None) == 0
+
+
+def test_only_a_trainer_or_an_admin_token_may_make_a_rollout_sample() -> None:
+    from weightsync.errors import PermissionDenied
+    from weightsync.security import BearerAuth
+
+    tokens = {"trainer": "t" * 20, "rollout": "r" * 20, "admin": "a" * 20}
+    auth = BearerAuth(tokens)
+    method = "/weightsync.v1.RolloutAgent/Sample"
+    for role in ("trainer", "admin"):
+        auth.before_read(method, [("authorization", f"Bearer {tokens[role]}")])
+    with pytest.raises(PermissionDenied, match="role 'rollout' may not call Sample"):
+        auth.before_read(method, [("authorization", f"Bearer {tokens['rollout']}")])
