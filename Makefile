@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
@@ -82,9 +82,30 @@ check-deploy: check-deploy-files
 check-deploy-files: setup deploy-tools
 	$(PY) -m devtools.check_deploy --tools $(DEPLOY_VENV)/bin
 
+# docs/configuration.md, from the settings dataclasses and the CLIs' parsers (a test fails
+# when the committed page is stale).
+config-docs: setup
+	$(PY) -m devtools.gen_config_docs
+
 # The PrometheusRule of the prometheus-operator component, from the rules file.
 deploy-rules: setup
 	$(PY) -m devtools.prometheus_rule
+
+# The docs site (mkdocs.yml) in site/, from its own venv: mkdocstrings reads the sources
+# statically, so the main venv is not needed (.ci/run installs it beside `setup`). --strict:
+# a broken link, a missing anchor or a page outside the nav fails the build.
+DOCS_VENV := .venv-docs
+$(DOCS_VENV)/.installed:
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install --quiet 'mkdocs==1.6.1' 'mkdocs-material==9.8.1' 'mkdocstrings==1.0.8' \
+	  'mkdocstrings-python==2.0.11' 'griffelib==2.4.1' 'mkdocs-autorefs==1.4.5' 'pymdown-extensions==13.1.2' \
+	  'Markdown==3.11.3'
+	touch $@
+
+docs-tools: $(DOCS_VENV)/.installed
+
+docs: docs-tools
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -121,4 +142,4 @@ bench-apply: setup
 	$(PY) bench/apply.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset medium --json)
 
 clean:
-	rm -rf $(VENV) .weightsync build *.egg-info
+	rm -rf $(VENV) .weightsync build *.egg-info site

@@ -14,8 +14,9 @@ starts, as a rollout takes them in its prefetch right after the digest check
 (`host_fingerprint_seconds`). The first apply, before any timed round, gives the HBM
 high-water mark (memory_stats is a process-lifetime peak: the bound's rounds would hide
 it). Then every leaf is read back and compared bit for bit with the NumPy reference, and
-one more version, with a bit flipped on its way to the device, must be refused with the
-old leaves still serving (`corrupt_caught`).
+one more version, with a bit flipped on its way to the device, must be caught
+(`corrupt_caught`): refused with the old leaves still serving in swap mode; in place, the
+damaged leaf built again from the host bytes and the version then exact.
 
     python bench/apply.py --devices 8 --mesh 2x4 --json        # 8 CPU devices
     python bench/apply.py --preset 0.6b --json                 # a TPU host: JAX's default platform
@@ -146,16 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         builds.append(applier.last.build_seconds)
     report = applier.last
 
-    got = holder.get()
-    bit_exact = all(np.array_equal(np.asarray(got[path]).view(np.uint8), refs[path].view(np.uint8)) for path in plans)
-    # one more version, a bit flipped after the host fingerprint: refused, the old leaves serve on
+    def exact() -> bool:
+        got = holder.get()
+        return all(np.array_equal(np.asarray(got[path]).view(np.uint8), refs[path].view(np.uint8)) for path in plans)
+
+    bit_exact = exact()
+    # one more version, a bit flipped on its way to the device, after the host fingerprint:
+    # swap refuses it with the old leaves serving on; in place builds the leaf again from
+    # the host bytes, and the version must then serve whole and exact
     before = holder.get()
     applier.corrupt_next = lambda: True
+    repaired: tuple[str, ...] = ()
     try:
         apply_once(applier, version + 1, tensors, specs)
-        corrupt_caught = False
+        assert applier.last is not None
+        repaired = applier.last.repaired_leaves
+        corrupt_caught = applier.last.mode == "inplace" and len(repaired) == 1 and exact()
     except DataLoss:
-        corrupt_caught = holder.get() is before or all(holder.get()[p] is before[p] for p in plans)
+        corrupt_caught = report.mode == "swap" and all(holder.get()[p] is before[p] for p in plans)
     applier.corrupt_next = None
 
     bound_s, apply_s = statistics.median(bounds), statistics.median(applies)
@@ -196,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "bit_exact": bit_exact,
         "fingerprint_ok": True,  # every apply above passed its device check (a mismatch raises)
         "corrupt_caught": corrupt_caught,
+        "repaired_leaves": list(repaired),
         "repeats": args.repeats,
         "rounds": [{"bound_seconds": b, "apply_seconds": a} for b, a in zip(bounds, applies)],
     }

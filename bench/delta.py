@@ -10,7 +10,7 @@ about lr), served as bf16 (round to nearest even). Per learning rate (default 1e
 - the delta on the wire over the model's bytes (`wire_ratio`): staging encodes each chunk
   against the previous version in the other slot, in the same pass (a chunk whose
   encoding would pass half its bytes goes raw); beside the simplest alternative (LEB128
-  gap + the 2-byte new value, the calibration in the issue) and XOR + zlib level 1;
+  gap + the 2-byte new value, a first estimate's encoding) and XOR + zlib level 1;
 - staging with the delta against staging alone, the same bytes into a warm slot, every
   core, the two interleaved (which goes first alternates), and their ratio;
 - the same version staged again against identical bytes (nothing to emit) against staging

@@ -21,9 +21,10 @@ published and skipped, D2H + staging GB/s, the device memory held for pending ve
 the host RSS high-water mark against the RSS before the publisher started + arena + window
 + 256 MiB.
 
-The publisher needs a coordinator: by default one runs in this process on 127.0.0.1;
-`--coordinator-address` names a running one instead (a unix-socket address where inet
-sockets are not allowed). `--stage-only` runs the same worker, snapshot and staging into an
+The publisher needs a coordinator: by default one runs in this process, on 127.0.0.1 or,
+where this host has no usable inet sockets (a TPU VM), on a unix socket in a temporary
+directory, with the publisher's chunk server on one beside it; `--coordinator-address`
+names a running one instead. `--stage-only` runs the same worker, snapshot and staging into an
 arena with no coordinator and no servers at all (no socket is opened): the trainer's side.
 
     python bench/train_overlap.py                                   # CPU: small preset, 8 steps
@@ -60,6 +61,7 @@ from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from trainer_agent.stage_plan import Stager, plan_staging  # noqa: E402
+from weightsync.addresses import inet_refused  # noqa: E402
 from weightsync.model_shapes import PRESETS, ModelShape, param_shapes  # noqa: E402
 
 # -- the model: a Qwen3-shaped decoder (tied embeddings), trained by hand-written Adam ------
@@ -188,8 +190,9 @@ class StageOnly:
 
 
 @contextlib.contextmanager
-def coordinator_here(db: Path) -> Iterator[str]:
-    """A coordinator in this process on 127.0.0.1 (a free port); yields its address."""
+def coordinator_here(db: Path, host: str) -> Iterator[str]:
+    """A coordinator in this process on `host` (127.0.0.1 on a free port, or `unix:/path`);
+    yields its address."""
     from coordinator.config import CoordinatorConfig
     from coordinator.servicer import CoordinatorServicer, coordinator_service
     from coordinator.store import SessionStore
@@ -203,7 +206,7 @@ def coordinator_here(db: Path) -> Iterator[str]:
     servicer = CoordinatorServicer(store, hub, metrics)
     running = start_server(
         [coordinator_service(servicer)],
-        host="127.0.0.1",
+        host=host,
         port=0,
         metrics=metrics,
         metrics_port=-1,
@@ -246,7 +249,9 @@ def parse_variant(text: str, base: Variant) -> Variant:
 
 
 @contextlib.contextmanager
-def publisher(args: argparse.Namespace, variant: Variant, coordinator: str) -> Iterator[Any]:
+def publisher(args: argparse.Namespace, variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
+    """The publisher of one phase; `host` places its chunk server (a unix socket where this
+    host has no usable inet sockets)."""
     settings = {"d2h_window_bytes": variant.window_bytes, "staging_threads": variant.staging_threads}
     if args.stage_only:
         pub = StageOnly(PublisherSettings(coordinator="127.0.0.1:1", **settings), variant.nice, bool(variant.stage))
@@ -257,7 +262,7 @@ def publisher(args: argparse.Namespace, variant: Variant, coordinator: str) -> I
         return
     session = f"overlap-{time.monotonic_ns() % 10**9}"
     with WeightPublisher(
-        PublisherSettings(coordinator=coordinator, session=session, weight_sync_mode="shm", **settings)
+        PublisherSettings(coordinator=coordinator, session=session, weight_sync_mode="shm", host=host, **settings)
     ) as pub:
         pub._async.nice = variant.nice  # read when its worker starts, at the first publish_async
         yield pub
@@ -389,17 +394,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "donate": args.donate,
         "read_loss": args.read_loss,
         "mode": "stage-only" if args.stage_only else "coordinator",
-        "coordinator_address": args.coordinator_address or ("" if args.stage_only else "in-process 127.0.0.1"),
+        "coordinator_address": args.coordinator_address or ("" if args.stage_only else "in-process"),
         "variant": base.label(),
         "compile_s": round(compile_s, 3),
     }
     with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
+        unix = bool(inet_refused())
+        host = f"unix:{tmp}/trainer.sock" if unix else "127.0.0.1"
         coordinator = args.coordinator_address
         if not coordinator and not args.stage_only:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
-            coordinator = stack.enter_context(coordinator_here(tmp / "c.db"))
+            coordinator = stack.enter_context(coordinator_here(tmp / "c.db", f"unix:{tmp}/c.sock" if unix else host))
+            out["coordinator_address"] = coordinator
         rss_baseline = rss_bytes()
-        with publisher(args, base, coordinator) as pub:
+        with publisher(args, base, coordinator, host) as pub:
             version = 1
             pub.publish(trainer.params, version)  # the arena made, any staging call compiled
             version += 1
@@ -423,7 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sweep = {}
         for text in args.variant:
             variant = parse_variant(text, base)
-            with publisher(args, variant, coordinator) as pub:
+            with publisher(args, variant, coordinator, host) as pub:
                 version += 1
                 pub.publish(trainer.params, version)
                 phase = async_phase(trainer, pub, args.steps, version)

@@ -451,7 +451,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def delta_verdicts(by: dict[tuple[str, str, int], Row], lr: float) -> list[str]:
-    """Issue 15's targets, from the +delta rows beside the full rows and gloo's."""
+    """The delta-sync targets, from the +delta rows beside the full rows and gloo's."""
     out: list[str] = []
 
     def check(name: str, ok: bool, detail: str) -> None:
@@ -523,7 +523,8 @@ def delta_verdicts(by: dict[tuple[str, str, int], Row], lr: float) -> list[str]:
 def verdicts(
     rows: list[Row], b: Bounds, vllm: dict | None, window: int, largest: int, delta_lr: float = 0.0
 ) -> list[str]:
-    """The targets (issue 14 and the standing ones), each with the figures it was judged on."""
+    """The transfer targets (the pause, the CPU, the time against gloo), each with the figures it
+    was judged on."""
     by = {(r.method, r.mode, r.rollouts): r for r in rows}
     out: list[str] = []
 

@@ -24,7 +24,7 @@ class CoordinatorConfig(ServerConfig):
     )
     forget_agents_after_s: float = option(
         3600.0,
-        "An agent whose lease lapsed this long ago is forgotten: no longer listed by GetStatus, its row deleted "
+        "An agent whose lease lapsed this long ago is forgotten: its row deleted, GetStatus stops listing it "
         "(pods that come and go under new names leave no trail forever). It registers again if it comes back. "
         "A session no trainer opened is forgotten this long after it was made once no agent or version is left.",
     )

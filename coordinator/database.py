@@ -196,7 +196,7 @@ class Database:
                 if not is_corrupt(e) or str(db_path) == ":memory:":
                     raise
                 # Lost state heals (agents register again, the trainer opens its session
-                # again: DESIGN "Faults heal by themselves"); a coordinator that refused to
+                # again: docs/design.md "Invariants under faults"); a coordinator that would not
                 # start would wait for a person. The damaged file is kept for one.
                 kept = quarantine(Path(db_path))
                 log.error("the database %s is damaged (%s): moved to %s; starting with a new one", db_path, e, kept)

@@ -1,4 +1,4 @@
-"""The version state machine (DESIGN.md "Version"): states and allowed transitions."""
+"""The version state machine (docs/design.md "Version lifecycle"): states and allowed transitions."""
 
 from __future__ import annotations
 

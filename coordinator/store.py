@@ -377,7 +377,7 @@ class SessionStore(VersionLifecycle):
         """Ends an agent's lease now (graceful exit); False when it was not registered.
 
         Its version leases go with it, and versions awaiting handshakes are re-evaluated
-        (a departed rollout is no longer required).
+        (a departed rollout is not required).
         """
         check_session_name(session)
         check_agent_id(agent_id)

@@ -516,7 +516,7 @@ class _SealCheck:
 
 
 def check_generation(generation: int, s: SessionRecord) -> None:
-    """Writers must carry the session's current generation (fencing, DESIGN "Concepts").
+    """Writers must carry the session's current generation (fencing, docs/design.md "Concepts").
 
     An older one is a fenced writer (StaleGeneration). A newer one was never issued here:
     this coordinator lost the state it gave it (a database gone with its volume), so the

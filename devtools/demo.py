@@ -70,16 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(PRESETS),
         help="tiny | small | medium | 0.6b (Qwen3-0.6B shape); default tiny when learning, else small",
     )
-    p.add_argument("--steps", type=bounded_number(1), default=None, help=f"default {LEARN_STEPS} when learning, else 5")
+    p.add_argument(
+        "--steps",
+        type=bounded_number(1),
+        default=None,
+        help=f"training steps, each published as a version (default {LEARN_STEPS} when learning, else 5)",
+    )
     p.add_argument(
         "--rollouts",
         type=bounded_number(1, high=MAX_ROLLOUTS),
         default=2,
         help=f"rollout processes on this machine (1 to {MAX_ROLLOUTS})",
     )
-    p.add_argument("--session", type=_session_name, default="demo")
+    p.add_argument("--session", type=_session_name, default="demo", help="the session every process joins")
     p.add_argument("--workdir", default="", help="logs, ready files and the SQLite db (default: a temp dir)")
-    p.add_argument("--timeout-s", type=bounded_number(0.001, float), default=900.0)
+    p.add_argument(
+        "--timeout-s",
+        type=bounded_number(0.001, float),
+        default=900.0,
+        help="the noise trainer's run: how long the demo waits for every step's version to settle, once the "
+        "processes are up (the learning run waits at most 120 s for each commit and each group of samples)",
+    )
     p.add_argument(
         "--engine",
         choices=["vllm", "numpy"],
@@ -88,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "small models when vLLM is installed; larger ones, and --unix-sockets, use NumPy: two fp32 vLLM engines "
         "of the 0.6b shape plus the trainer exceed 24 GiB, and vLLM opens inet sockets)",
     )
-    p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
+    p.add_argument(
+        "--prompt",
+        default="w1 w2 w3 w4",
+        help="what the learning run's groups complete; every vLLM rollout also completes it greedily after each step",
+    )
     p.add_argument(
         "--weight-sync-mode",
         default=None,
@@ -279,7 +294,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         if args.engine == "vllm":
             model_dir = write_tiny_model(workdir / "model", shape=args.model_size)
             # float32 serving: vLLM-CPU's bf16 attention kernel hit "Illegal instruction" on
-            # this machine's CPU with the tiny shapes (see the closing note of issue 4).
+            # this machine's CPU with the tiny shapes (docs/vllm-cpu.md).
             rollout_args = [
                 "--engine",
                 "vllm",

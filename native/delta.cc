@@ -6,7 +6,7 @@
 // elements since the previous change (or the start), then one step byte: the signed
 // difference new - old of the two bit patterns (int16 wrap-around) when it lies in
 // [-127, 127], else 0x80 and the new pattern (2 bytes, little-endian). In RL on bf16
-// weights nearly every change is +/-1 ulp, i.e. a step of +/-1 (docs: shared/notes/delta.md).
+// weights nearly every change is +/-1 ulp, i.e. a step of +/-1 (docs/performance.md "Delta sync").
 #include "delta_decoder.h"
 #include "delta_encoder.h"
 #include "weightsync_native.h"

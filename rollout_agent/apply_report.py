@@ -33,3 +33,6 @@ class ApplyReport:
     hbm_before_bytes: int | None = None
     hbm_peak_bytes: int | None = None
     hbm_limit_bytes: int | None = None
+    # in place: leaves whose device copy did not match the verified bytes, built again
+    # from the host and then matching (damaged on their way; the damage never served)
+    repaired_leaves: tuple[str, ...] = ()

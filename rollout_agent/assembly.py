@@ -63,7 +63,7 @@ def assemble(
     manifest: Manifest, buffers: Mapping[int, np.ndarray], reuse: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
     """Every tensor of the manifest as an array of its global shape (see assemble_tensor).
-    Arrays in `reuse` this manifest no longer splits across ranks are dropped from it."""
+    Arrays in `reuse` of tensors this manifest does not split across ranks are dropped from it."""
     reuse = reuse if reuse is not None else {}
     tensors = manifest.tensors
     out = {

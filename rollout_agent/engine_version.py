@@ -12,8 +12,8 @@ class EngineVersion:
     """`applied`: the version the engine holds (its handshake's verdict may be pending).
     `current`: the version this rollout says it serves (status, heartbeats, metrics), set
     by an OK verdict only while the engine holds that version: a verdict that arrives late,
-    after another version was applied, changes nothing (before session 23 it took the
-    newer of the two, and a rollout could say a version it no longer served). Thread-safe."""
+    after another version was applied, changes nothing (taking the newer of the two, a
+    rollout could say it serves a version the engine has replaced). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -15,8 +15,13 @@ new one stands). "auto" picks swap where every device's free memory (`memory_sta
 holds the new leaves plus `margin_bytes`, in place otherwise.
 
 Before the swap, every new leaf's fingerprint on the device must equal the one the host
-computes from the verified bytes through the transform (`jax_fingerprint`); a mismatch
-leaves the old leaves serving (in swap mode) and fails the round naming the leaf.
+computes from the verified bytes through the transform (`jax_fingerprint`). In swap mode a
+mismatch leaves the old leaves serving and fails the round naming the leaf. In place the
+old leaf is already gone, so a mismatching leaf is built once more from the host bytes and
+checked again: bits damaged on their way to the device never serve, and the version
+commits whole (`ApplyReport.repaired_leaves`). Only bytes that no longer match the host
+fingerprint (changed on the host after the check) fail the round there, with the engine
+holding a mix (`torn`) that must not serve until a version applies whole.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class _Round:
     device_bytes: int = 0
     hbm_before: int | None = None
     corrupt_next: bool = False
+    sources: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # in place: to build a leaf again
+    repaired: list[str] = field(default_factory=list)
 
 
 class JaxApply:
@@ -178,16 +185,18 @@ class JaxApply:
             jax.block_until_ready(list(r.new.values()))
             r.build_seconds += time.perf_counter() - t0
             t1 = time.perf_counter()
-            bad = self._compare(r)
+            bad = self._compare(r, r.checks)
+            if bad and r.mode == "inplace":
+                bad = self._repair(r, bad)
             fp_seconds = time.perf_counter() - t1
             if bad:
                 if r.mode == "inplace":
                     self.torn = True
                     raise DataLoss(
-                        f"version {version}: {bad}; applied in place, the engine holds a mix of versions until "
-                        "the next one applies"
+                        f"version {version}: {_mismatch(bad)}, built twice from the host bytes; applied in place, "
+                        "the engine holds a mix of versions and must not serve until a version applies whole"
                     )
-                raise DataLoss(f"version {version}: {bad}; the old weights keep serving")
+                raise DataLoss(f"version {version}: {_mismatch(bad)}; the old weights keep serving")
             t2 = time.perf_counter()
             if r.mode == "swap":
                 self.target.replace(r.new)
@@ -278,6 +287,7 @@ class JaxApply:
         r.new[path] = new
         r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
         if r.mode == "inplace":
+            r.sources[path] = cast  # views of the pulled bytes unless cast: kept until the check
             self.target.replace({path: new})
             if not old.is_deleted():
                 old.delete()
@@ -333,18 +343,37 @@ class JaxApply:
         return "view" if all(d.platform == "cpu" for d in arr.sharding.device_set) else "jit"
 
     # -- checking and reporting --------------------------------------------------------
-    def _compare(self, r: _Round) -> str:
-        """The first leaf whose device fingerprint differs from the host's ('' if none)."""
+    def _compare(self, r: _Round, checks: Mapping[str, ShardCheck]) -> list[tuple[str, str]]:
+        """(leaf path, why) of every leaf in `checks` whose device fingerprint differs from
+        the host's."""
         t0 = time.perf_counter()
         host = {path: fp.result() if isinstance(fp, concurrent.futures.Future) else fp for path, fp in r.host.items()}
         r.host_seconds += time.perf_counter() - t0
-        for path, check in r.checks.items():
+        bad = []
+        for path, check in checks.items():
             got, problem = check.result()
             want = host[path]
             if problem or got != want:
-                why = problem or f"device fingerprint {list(got)}, host {list(want)}"
-                return f"leaf {path!r} on the device does not match the verified bytes ({why})"
-        return ""
+                bad.append((path, problem or f"device fingerprint {list(got)}, host {list(want)}"))
+        return bad
+
+    def _repair(self, r: _Round, bad: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """In place: builds each mismatching leaf once more from the host bytes, over its
+        bad copy, and checks it again; returns those that still do not match."""
+        checks = {}
+        for path, _ in bad:
+            plan = r.plans[path]
+            new = self._host_build(plan, r.sources[path], corrupt=False)
+            old, r.new[path] = r.new[path], new
+            self.target.replace({path: new})
+            if not old.is_deleted():
+                old.delete()
+            checks[path] = device_fingerprint(path, new, self._fingerprint_method(new), self._pool_())
+        jax.block_until_ready([r.new[path] for path in checks])
+        r.checks.update(checks)
+        still = self._compare(r, checks)
+        r.repaired = [path for path in checks if path not in dict(still)]
+        return still
 
     def _report(self, r: _Round, fp_seconds: float, *, swap: float, refresh: float, pause: float) -> ApplyReport:
         devices = _devices(r.plans.values())
@@ -368,6 +397,7 @@ class JaxApply:
             hbm_before_bytes=r.hbm_before,
             hbm_peak_bytes=_max_stat(devices, "peak_bytes_in_use"),
             hbm_limit_bytes=_max_stat(devices, "bytes_limit"),
+            repaired_leaves=tuple(r.repaired),
         )
 
     # -- plumbing ----------------------------------------------------------------------
@@ -383,12 +413,19 @@ class JaxApply:
                     arr.delete()
         r.new.clear()
         r.cast.clear()
+        r.sources.clear()
         r.inflight.clear()
 
     def _pool_(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="fingerprint")
         return self._pool
+
+
+def _mismatch(bad: Sequence[tuple[str, str]]) -> str:
+    path, why = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return f"leaf {path!r} on the device does not match the verified bytes ({why}){more}"
 
 
 def _flip(a: np.ndarray) -> np.ndarray:

@@ -80,7 +80,7 @@ class ReportOutbox:
         self._wake.set()
 
     def discard_older_than(self, version: int) -> None:
-        """A newer version was reported: older undelivered handshakes no longer matter."""
+        """A newer version was reported: older undelivered handshakes do not matter."""
         with self._lock:
             if self._pending is not None and self._pending.version < version:
                 log.info("handshake for version %d superseded by version %d", self._pending.version, version)

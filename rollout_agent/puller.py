@@ -217,7 +217,8 @@ class WeightPuller:
             if "tcp" in ep.transports and ep.tcp_address and _tcp_usable():
                 return "tcp"
             return self._fallback(
-                part, "offers no tcp address (or the native shim is not built here, or this host refuses inet sockets)"
+                part,
+                "offers no tcp address (or the native shim is not built here, or this host has no usable inet sockets)",
             )
         if mode == "shm":
             if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
@@ -295,7 +296,7 @@ class WeightPuller:
 
     def _close_unused(self, manifest: Manifest, plan: PullPlan) -> None:
         """Closes the open transports to sources `manifest` is not read from: a trainer
-        restarted at a new address, a relay no longer before this rollout in the chain.
+        restarted at a new address, a relay that left the place before this rollout in the chain.
         Each held a socket, a channel or, for shm, a mapping of an arena its trainer
         unlinked, whose pages stay in memory for as long as a mapping does."""
         sources = {a for p in manifest.parts for a in (p.endpoint.address, p.endpoint.tcp_address) if a}

@@ -90,7 +90,7 @@ class RelaySource:
         buffers: dict[int, np.ndarray],
         delta_buffers: dict[int, np.ndarray] | None = None,
     ) -> None:
-        """A new version starts arriving in `buffers` (the old one is no longer served);
+        """A new version starts arriving in `buffers` (the old one stops being served);
         with `delta_buffers`, it is rebuilt from its delta, whose chunks land there."""
         chunks = {p.rank: p.fetch_chunks if delta_buffers else p.chunks for p in manifest.parts}
         held = _Held(manifest.version, token, chunks, buffers, delta_buffers=delta_buffers or {})

@@ -75,7 +75,7 @@ class SyncSettings(PeerConfig):
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
     streams: int = option(2, "Parallel streams per trainer rank.")
     window_chunks: int = option(
-        32, "Chunks requested per call (the in-flight window per stream; tuned in bench/, see README)."
+        32, "Chunks requested per call (the in-flight window per stream; measured best in docs/performance.md)."
     )
     max_attempts: int = option(3, "Fetches per chunk before giving up with DATA_LOSS.")
     timeout_s: float = option(120.0, "Deadline of each data-plane call.")
@@ -169,7 +169,7 @@ class InitInfo(SyncSettings):
 
     FIELD_PREFIX: ClassVar[str] = "init_info."
 
-    # Required here, as they were before the settings were shared: the sidecar's defaults
-    # (a local coordinator, session "demo") would let a worker silently sync the wrong thing.
+    # Required here: the sidecar's defaults (a local coordinator, session "demo") would let a
+    # worker silently sync the wrong thing.
     coordinator: str = option("", "Coordinator address host:port or unix:/path (required).")
     session: str = option("", "Session name (required).")

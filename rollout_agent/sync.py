@@ -279,7 +279,7 @@ def _applier_pause(
         return whole
     result.apply = asdict(report)
     if metrics is not None:
-        metrics.observe_apply(puller.session, report.mode, report.hbm_peak_bytes)
+        metrics.observe_apply(puller.session, report.mode, report.hbm_peak_bytes, len(report.repaired_leaves))
     return whole if report.pause_seconds is None else report.pause_seconds
 
 
@@ -312,9 +312,9 @@ def _local_failure(e: Exception, version: int, doing: str = "applying") -> Inter
     """This process's own exception while `doing` the version (the engine out of memory, a
     shape it does not take, a full disk; a receive buffer that cannot be allocated) as the
     round's local failure: reported in the handshake and the result, and retried by a
-    following agent. Raised on, it ended the agent's sync thread for good (an applier's,
-    before session 19), or left the version waiting on a handshake that never came, this
-    rollout still required (a pull's, before session 24)."""
+    following agent. Raised on, it would end the agent's sync thread for good (an
+    applier's), or leave the version waiting on a handshake that never comes, this rollout
+    still required (a pull's)."""
     log.warning("version %d: an exception while %s it", version, doing, exc_info=e)
     return InternalError(f"{doing} version {version} failed: {type(e).__name__}: {e}")
 

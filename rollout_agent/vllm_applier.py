@@ -67,8 +67,8 @@ def retie_parameters(model: Any, pairs: Sequence[tuple[str, str]]) -> None:
     """Points each alias at its source again and lets the alias's layer re-process it.
 
     A layerwise reload loads the source into a fresh tensor and puts back, on a layer that
-    received nothing (a tied LM head), the tensors it held before: the head kept serving
-    the old embedding, and on CPU its prepacked GEMM kernel kept the old copy too."""
+    received nothing (a tied LM head), the tensors it held before: left so, the head keeps
+    serving the old embedding, and on CPU its prepacked GEMM kernel the old copy too."""
     for alias, source in pairs:
         alias_module, _, alias_attr = alias.rpartition(".")
         source_module, _, source_attr = source.rpartition(".")

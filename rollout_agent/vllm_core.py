@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
+from rollout_agent.appliers import Applier
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import StaleWatch, newest_servable
 from rollout_agent.prefetch import Prefetcher
@@ -51,13 +52,17 @@ class VllmRollout:
     """Coordinator registration, heartbeats, pull + verify + apply, handshake; its parts
     come from `rollout_agent.wiring`, as the sidecar's do."""
 
-    def __init__(self, info: InitInfo, model: Any, model_config: Any, rank: int = 0) -> None:
+    def __init__(
+        self, info: InitInfo, model: Any, model_config: Any, rank: int = 0, applier: Applier | None = None
+    ) -> None:
+        """`applier` writes the engine's weights: by default a `VllmApplier` over `model`'s
+        torch parameters; a JAX engine's worker passes a `JaxApply` over its state."""
         self.info = info
         agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
         check_agent_id(agent_id, "init_info.agent_id")
         self.wiring = wire_rollout(info, agent_id, on_verdict=self._on_verdict)
         self.agent_id = agent_id
-        self.applier = VllmApplier(model, model_config)
+        self.applier = applier if applier is not None else VllmApplier(model, model_config)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)

@@ -103,8 +103,8 @@ class RolloutWiring:
     def _note_session(self, uid: str) -> None:
         """Version numbers belong to one session: when the coordinator names another under
         the same name, what this rollout applied, leased or reported is of the old one.
-        Before session 23 a rollout at version N of a deleted session waited for the new
-        one's version N + 1 and held every version before it from committing."""
+        Kept, a rollout at version N of a deleted session would wait for the new one's
+        version N + 1 and hold every version before it from committing."""
         previous, self.session_uid = self.session_uid, uid or self.session_uid
         if not previous or not uid or uid == previous:
             return

@@ -4,10 +4,8 @@ offers (a GPU, a TPU chip, inet sockets), detected, for the markers that need th
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 
 from devtools.cluster import Cluster
+from weightsync.addresses import inet_refused
 from weightsync.arena_files import ARENA_GLOB, owner_alive, owner_pid
 from weightsync.security import Security
 from weightsync.server import RunningServer
@@ -56,20 +55,9 @@ def _arenas() -> set[str]:
 INET_DIRS = ("integration", "e2e", "chaos")
 
 
-@functools.cache
 def missing_inet() -> str:
-    """Why TCP over 127.0.0.1 does not work on this host ("" where it does): a host may refuse
-    AF_INET sockets (errno 97) or have no usable loopback (a network namespace whose lo is
-    down binds 127.0.0.1 but cannot connect to it)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-            server.bind(("127.0.0.1", 0))
-            server.listen(1)
-            with socket.create_connection(server.getsockname(), timeout=5):
-                pass
-    except OSError as e:
-        return f"TCP over 127.0.0.1 does not work on this host ({e})"
-    return ""
+    """Why TCP over 127.0.0.1 does not work on this host ("" where it does)."""
+    return inet_refused()
 
 
 def missing_tpu() -> str:

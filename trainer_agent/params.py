@@ -85,7 +85,7 @@ def _needs_cast(value: Any, weight_dtype: str) -> bool:
 def choose_staging_path(
     values: Sequence[Any], use_ffi: bool | None, *, ffi_built: bool, ffi_missing: str, weight_dtype: str = ""
 ) -> str:
-    """ "ffi", "host" or "device", by the use_ffi contract (DESIGN.md "Native shim and FFI").
+    """ "ffi", "host" or "device", by the use_ffi contract (docs/design.md; `PublisherSettings.use_ffi`).
 
     None: the best path for the arrays' platform: FFI for single-device CPU arrays when it
     is built, "host" for host-addressable values that need no cast, else "device".

@@ -327,15 +327,15 @@ class WeightPublisher:
         self._token_key = opened.token_key
 
     def _reattach(self, next_version: int) -> None:
-        """Opens the session again, as the same incarnation, where the coordinator no longer
-        knows it: it lost its database (a volume gone, a pod rescheduled with emptyDir). No
+        """Opens the session again, as the same incarnation, where the coordinator does not
+        know it: it lost its database (a volume gone, a pod rescheduled with emptyDir). No
         session can be deleted otherwise, so this fences nobody; the rollouts register again
         once it exists, and versions go on from `next_version`. A fenced publisher never does:
         a newer incarnation may have opened the session there since."""
         if self.fenced:
             raise StaleGeneration(f"this publisher was fenced by generation {self.fenced_by}; it does not re-attach")
         log.warning(
-            "the coordinator no longer knows session %s (its database was lost?); opening it again as incarnation %s",
+            "the coordinator does not know session %s (its database was lost?); opening it again as incarnation %s",
             self.session,
             self._incarnation,
         )
@@ -454,8 +454,8 @@ class WeightPublisher:
 
         A failure that may pass by itself is tried again, with backoff, for up to
         `publish_wait_s` (the same version and key: nothing is published twice): the
-        coordinator unreachable (restarting, rescheduled: before session 23 a training
-        loop written as in the README ended at an outage of ~10 s), a full disk (its
+        coordinator unreachable (restarting, rescheduled: a training loop should not end
+        at an outage of a few seconds), a full disk (its
         database, the fs store, /dev/shm) or every slot leased past `slot_wait_s`. Once
         staged, the version is not staged again: its part is sent again as it is.
 

@@ -56,7 +56,7 @@ class PublisherSettings(ServerConfig):
     tcp_port: int = option(
         0,
         "Port of the native tcp data-plane server; 0 picks a free one. Not served where --host is a unix "
-        "socket or the host refuses inet sockets.",
+        "socket or the host has no usable inet sockets.",
     )
     weight_sync_mode: str = option(
         "",

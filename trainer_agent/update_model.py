@@ -4,8 +4,8 @@ weights served in a 16-bit dtype.
 In RL on bf16 weights most served values do not change from one step to the next: the
 optimizer moves the fp32 master weights by about the learning rate per element (Adam
 normalizes its update), and a bf16 value changes only when its master value crosses a
-rounding boundary (shared/notes/delta.md: 3.3% of elements per step at lr 1e-6, 20% at
-1e-5). That is what delta sync exploits.
+rounding boundary (`make bench-delta`, docs/performance.md "Delta sync": 1.6% of elements
+per step at lr 1e-6, 15.6% at 1e-5). That is what delta sync exploits.
 """
 
 from __future__ import annotations

@@ -51,13 +51,18 @@ def unix_address(path: str) -> str:
 
 @functools.cache
 def inet_refused() -> str:
-    """Why this process cannot open inet sockets ("" when it can): some hosts (TPU VMs,
-    sandboxes, a network namespace without loopback) refuse AF_INET outright."""
+    """Why this process cannot use inet sockets ("" when it can): some hosts (TPU VMs,
+    sandboxes) refuse AF_INET outright, and a network namespace whose loopback is down
+    binds 127.0.0.1 but cannot connect to it. Probed once: bind, listen, connect."""
     try:
-        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=5):
+                pass
     except OSError as e:
-        name = errno.errorcode.get(e.errno or 0, str(e.errno))
-        return f"this host refuses inet sockets ({name}: {e.strerror})"
+        name = errno.errorcode.get(e.errno or 0, "timeout" if isinstance(e, TimeoutError) else str(e.errno))
+        return f"this host has no usable inet sockets ({name}: {e.strerror or e})"
     return ""
 
 

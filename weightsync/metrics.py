@@ -53,6 +53,7 @@ class Metrics:
     gc_frozen_objects: Gauge
     applies: Counter
     apply_hbm_peak_bytes: Gauge
+    apply_repaired_leaves: Counter
 
     def forget_session(self, session: str) -> None:
         """Drops every series labelled with `session` (deleted: a platform that makes a
@@ -81,10 +82,12 @@ class Metrics:
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.phase_seconds.labels(role=self.role, phase=phase).observe(seconds)
 
-    def observe_apply(self, session: str, mode: str, hbm_peak_bytes: int | None) -> None:
-        """One version an engine took: how (`mode`), and its accelerator memory high-water
-        mark where the backend reports one."""
+    def observe_apply(self, session: str, mode: str, hbm_peak_bytes: int | None, repaired_leaves: int = 0) -> None:
+        """One version an engine took: how (`mode`), its accelerator memory high-water mark
+        where the backend reports one, and the leaves built twice to pass the device check."""
         self.applies.labels(role=self.role, session=session, mode=mode).inc()
+        if repaired_leaves:
+            self.apply_repaired_leaves.labels(role=self.role, session=session).inc(repaired_leaves)
         if hbm_peak_bytes is not None:
             self.apply_hbm_peak_bytes.labels(role=self.role, session=session).set(hbm_peak_bytes)
 
@@ -235,6 +238,14 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_apply_hbm_peak_bytes",
             "After the last applied version: the accelerator memory high-water mark of the busiest device "
             "(memory_stats' peak_bytes_in_use, over the process' life); absent where the backend has none.",
+            ["role", "session"],
+            registry=registry,
+        ),
+        apply_repaired_leaves=Counter(
+            "weightsync_apply_repaired_leaves_total",
+            "Leaves an in-place apply built a second time because their device copy did not match the verified "
+            "host bytes (damaged between host and device; the damage never served). Any rise is a host or device "
+            "fault worth a look.",
             ["role", "session"],
             registry=registry,
         ),

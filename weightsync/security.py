@@ -15,7 +15,7 @@ turns on, independently:
   heartbeat, re-register or report as another.
 
 The tcp / relay data plane is not covered: its reads carry per-version access tokens and
-every byte is checked against the manifest's digests (DESIGN "Data plane").
+every byte is checked against the manifest's digests (docs/design.md "Security").
 """
 
 from __future__ import annotations

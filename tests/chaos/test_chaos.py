@@ -5,8 +5,8 @@ Coordinator, trainer and three rollouts (tcp, shm and relay modes) on loopback w
 schedule kills (-9) and restarts each component, freezes rollouts past their lease,
 takes the coordinator away for longer than the lease, flips bytes in the trainer's arena,
 races a writer against readers of it, and drops tcp connections mid-reply (a trainer
-failpoint armed at every start). Then the invariants of DESIGN "Faults heal by
-themselves" are checked. The seed is printed (and in every failure message):
+failpoint armed at every start). Then the invariants of docs/design.md "Invariants under
+faults" are checked. The seed is printed (and in every failure message):
 `CHAOS_SEED=<seed> make chaos` replays the schedule; `CHAOS_SECONDS` sets its length.
 `make test` runs a short one with a fixed seed (CI reproduces exactly); `make chaos` soaks
 with a fresh seed each run.

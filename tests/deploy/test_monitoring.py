@@ -59,7 +59,7 @@ def test_a_failing_rollout_and_a_partial_version_move_the_metrics_alerts_read(cl
     for state, n in (("STAGING", 1), ("READY", 1), ("PARTIAL", 1), ("COMMITTED", 0)):
         assert metric_value(c, "weightsync_version_transitions_total", session="job", state=state) == n, state
     assert metric_value(c, "weightsync_handshakes_total", session="job", outcome="ok") == 1
-    # the bad rollout refused to apply and said so: a local failure, not a coordinator digest mismatch
+    # the bad rollout's apply failed and it said so: a local failure, not a coordinator digest mismatch
     assert metric_value(c, "weightsync_handshakes_total", session="job", outcome="local_error") == 1
     assert metric_value(c, "weightsync_digest_failures_total", role="coordinator") == 0
     assert metric_value(c, "weightsync_ready_to_commit_seconds_count", session="job") == 1

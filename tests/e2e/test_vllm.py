@@ -330,8 +330,9 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
 def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, coordinator: str) -> None:
     """A tied model (as Qwen3-0.6B to 4B are): the LM head is the embedding. vLLM's reload
     loads the embedding into a new tensor and puts back the head's old one (it received
-    nothing), so every handshake said OK while the engine scored tokens with the first
-    version's head. The engine's log-probs must be the published weights' (our JAX forward)."""
+    nothing): unless the applier ties them again, every handshake says OK while the engine
+    scores tokens with the first version's head. The engine's log-probs must be the
+    published weights' (our JAX forward)."""
     from weightsync.models import qwen3_jax
 
     tied_dir = write_tiny_model(tmp_path / "tied", "qwen3", shape="tiny")

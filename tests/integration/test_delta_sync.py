@@ -198,7 +198,7 @@ def test_a_corrupted_delta_chunk_is_refetched_or_the_round_fails_and_nothing_is_
 
 
 def test_a_rebuild_on_a_wrong_base_is_never_applied(inprocess_coordinator: RunningServer, no_arena_leak: None) -> None:
-    """The receive buffer no longer holds what the rollout believes (a flipped byte): the
+    """The receive buffer does not hold what the rollout believes (a flipped byte): the
     rebuilt tensor fails its check, the chunk that differs is fetched whole and the tensor
     applies bit for bit. With the check failing twice, the version is refused and nothing
     is applied."""

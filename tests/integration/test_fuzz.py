@@ -112,7 +112,7 @@ def _scalar(field: F, rng: random.Random) -> Any:
 
 def _request(cls: Any, rng: random.Random) -> bytes:
     """A filled request's bytes, one in six mangled as a byte-level fuzzer would: cut
-    short, a byte flipped, invalid UTF-8 or a malformed tag spliced in (most no longer
+    short, a byte flipped, invalid UTF-8 or a malformed tag spliced in (most then do not
     parse as the method's message, which must be INVALID_ARGUMENT, not grpc's UNKNOWN)."""
     data = _fill(cls(), rng).SerializeToString()
     if rng.random() >= 1 / 6:

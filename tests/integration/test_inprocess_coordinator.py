@@ -133,8 +133,8 @@ def test_heartbeats_follow_the_lease_ttl_the_coordinator_returns(tmp_path) -> No
 
 def test_a_heartbeat_outlives_an_exception_of_its_own_callbacks(tmp_path) -> None:  # noqa: ANN001
     """The lease lives on the heartbeat thread: an exception that is not a weightsync error
-    (here from registering again after the lease was lost) used to end it, and the agent
-    stayed unregistered while it went on as if it held a lease."""
+    (here from registering again after the lease was lost) must not end it, or the agent
+    stays unregistered while it goes on as if it held a lease."""
     from tests.conftest import coordinator_in_process
     from weightsync.heartbeat import Heartbeat
 

@@ -5,6 +5,9 @@ flipped on its way to the device refused, the old weights serving on."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import ml_dtypes
 import numpy as np
 from prometheus_client import generate_latest
@@ -12,7 +15,7 @@ from prometheus_client import generate_latest
 from devtools.scrape import metric_value
 from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-from rollout_agent.jax_names import reference_leaf
+from rollout_agent.jax_names import NameMap, reference_leaf
 from rollout_agent.jax_targets import WeightsHolder
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
@@ -34,27 +37,50 @@ def _params(seed: int) -> dict[str, np.ndarray]:
             for n, s in param_shapes(SHAPE).items()}  # fmt: skip
 
 
-def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
-    inprocess_coordinator: RunningServer, no_arena_leak: None
-) -> None:
+def _holder() -> tuple[WeightsHolder, NameMap]:
+    """An engine's tpu-inference-layout leaves over this process's devices, and its name map."""
     import jax
 
     name_map = family_map("qwen3", "tpu_inference", SHAPE)
-    holder = WeightsHolder(
-        empty_leaves(
-            name_map, SHAPE, SHAPE.layers, SHAPE.tied, mesh_of((1, len(jax.devices()))), PROFILES["tpu_inference"]
-        )  # fmt: skip
-    )
+    mesh = mesh_of((1, len(jax.devices())))
+    return WeightsHolder(
+        empty_leaves(name_map, SHAPE, SHAPE.layers, SHAPE.tied, mesh, PROFILES["tpu_inference"])
+    ), name_map
+
+
+@contextlib.contextmanager
+def _publisher_and_puller(address: str) -> Iterator[tuple[WeightPublisher, CoordinatorClient, WeightPuller]]:
+    settings = PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)
+    with WeightPublisher(settings) as pub:
+        client = CoordinatorClient(address)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        puller = WeightPuller(client, "job", "r0")
+        try:
+            yield pub, client, puller
+        finally:
+            puller.close()
+            client.close()
+
+
+def _assert_holds(holder: WeightsHolder, applier: JaxApplier, params: dict[str, np.ndarray]) -> None:
+    plans = applier._plan({n: (a.shape, "bfloat16") for n, a in params.items()})
+    tree = holder.get()
+    for path, plan in plans.items():
+        assert np.array_equal(np.asarray(tree[path]).view(np.uint16), reference_leaf(plan, params).view(np.uint16)), (
+            path
+        )
+
+
+def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    holder, name_map = _holder()
     fail = Failpoints("jax_applier.corrupt_after_check=1")
     armed = [False]
     point = "jax_applier.corrupt_after_check"
     applier = JaxApplier(holder, name_map, corrupt_next=lambda: armed[0] and fail.fire(point))
     metrics = build_metrics("rollout")
-    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=65536)
-    with WeightPublisher(settings) as pub:
-        client = CoordinatorClient(inprocess_coordinator.address)
-        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
-        puller = WeightPuller(client, "job", "r0")
+    with _publisher_and_puller(inprocess_coordinator.address) as (pub, client, puller):
         try:
             for v in (1, 2):
                 params = _params(v)
@@ -66,11 +92,7 @@ def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
                 assert result.timings["pause_seconds"] == result.apply["pause_seconds"]
                 assert result.timings["pause_seconds"] < result.timings["apply_seconds"]  # built aside
                 assert result.apply["host_fingerprint_seconds"] > 0  # taken in the prefetch, after the digests
-                plans = applier._plan({n: (a.shape, "bfloat16") for n, a in params.items()})
-                tree = holder.get()
-                for path, plan in plans.items():
-                    assert np.array_equal(np.asarray(tree[path]).view(np.uint16),
-                                          reference_leaf(plan, params).view(np.uint16)), path  # fmt: skip
+                _assert_holds(holder, applier, params)
             text = generate_latest(metrics.registry).decode()
             assert metric_value(text, "weightsync_applies_total", session="job", mode="swap") == 2
             served = holder.get()
@@ -87,5 +109,25 @@ def test_versions_sync_into_a_jax_engine_and_a_corrupted_one_never_serves(
             assert holder.get() is not served
         finally:
             applier.close()
-            puller.close()
-            client.close()
+
+
+def test_in_place_a_leaf_damaged_on_its_way_is_built_again_and_counted(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    holder, name_map = _holder()
+    fire = iter([True, False])
+    applier = JaxApplier(holder, name_map, mode="inplace", corrupt_next=lambda: next(fire, False))
+    metrics = build_metrics("rollout")
+    with _publisher_and_puller(inprocess_coordinator.address) as (pub, _, puller):
+        try:
+            params = _params(5)
+            pub.publish(params, 1)
+            result = sync_version(puller, applier, 1, metrics=metrics)
+            assert result.ok, result.mismatch
+            assert result.apply["mode"] == "inplace" and len(result.apply["repaired_leaves"]) == 1
+            assert pub.wait_committed(1, 30) == "COMMITTED"
+            _assert_holds(holder, applier, params)
+            text = generate_latest(metrics.registry).decode()
+            assert metric_value(text, "weightsync_apply_repaired_leaves_total", session="job") == 1
+        finally:
+            applier.close()

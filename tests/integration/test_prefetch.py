@@ -200,8 +200,8 @@ def test_a_newer_version_wins_and_frees_the_older_lease(
 def test_the_prefetch_thread_outlives_an_unexpected_exception(
     inprocess_coordinator: RunningServer, no_arena_leak: None, monkeypatch
 ) -> None:  # noqa: ANN001
-    """An exception that is not a weightsync error (an allocation, a bug) used to end the
-    prefetch thread: every later update then waited out `prefetch_wait_s` for nothing."""
+    """An exception that is not a weightsync error (an allocation, a bug) must not end the
+    prefetch thread, or every later update waits out `prefetch_wait_s` for nothing."""
     import rollout_agent.prefetch as prefetch_module
 
     real, calls = prefetch_module.prefetch, []
@@ -232,8 +232,9 @@ class _ModelOfOneShape(DictApplier):
 def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """A trainer of another model (same names, wider) used to have its whole version pulled
-    into a receive buffer sized for it, and refused only by the engine's load."""
+    """A trainer of another model (same names, wider) is refused from the manifest, not after
+    its whole version was pulled into a receive buffer sized for it and the engine's load
+    refused it."""
     engine = _ModelOfOneShape()
     with _prefetching(inprocess_coordinator.address, applier=engine) as (pub, client, puller, prefetcher):
         pub.publish({k: np.zeros((1024, 512), np.float32) for k in _params(1)}, 1)
@@ -250,7 +251,7 @@ def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
 
 
 def test_an_update_abandons_an_older_prefetch_stuck_on_a_frozen_trainer(cluster: Cluster) -> None:
-    """DESIGN: a newer version abandons an older prefetch. An update (`hold`) of version 2
+    """docs/design.md: a newer version abandons an older prefetch. An update (`hold`) of version 2
     waited for the prefetch of version 1 in progress to end; from a trainer frozen
     mid-transfer that was `timeout_s` per read, three reads, with the engine held."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # r0 beats no lease here

@@ -1,6 +1,6 @@
 """Transient faults heal by themselves: real processes, real signals, short leases.
 
-Each test is one scenario from DESIGN "Faults heal by themselves", reproduced the way an
+Each test is one scenario of docs/failures.md, reproduced the way an
 operator met it (SIGSTOP past the lease, a coordinator outage during a sync, a fenced
 trainer, kill -9 and restart, SIGTERM, a pod without a shared /dev/shm).
 """
@@ -119,9 +119,9 @@ def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster:
 
 
 def test_an_engine_that_fails_to_take_a_version_is_reported_and_the_rollout_tries_again(cluster: Cluster) -> None:
-    """The applier (the engine) raising its own exception, not a weightsync error, used to
-    end the rollout's sync thread: no handshake, heartbeats still going, so the version
-    waited on this rollout for as long as it lived. The round is a local failure now:
+    """The applier (the engine) raising its own exception, not a weightsync error, must not
+    end the rollout's sync thread: with no handshake and heartbeats still going, the version
+    would wait on this rollout for as long as it lived. The round is a local failure:
     reported (the version goes PARTIAL) and retried, and the retry commits it."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job", ["--failpoints", "applier.raise=1"])
@@ -711,7 +711,7 @@ def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) ->
     [
         ("coordinator", "--port", 2),
         ("rollout", "--metrics-port", 2),
-        ("rollout", "--relay-port", 2),  # it said tcp_port before session 24
+        ("rollout", "--relay-port", 2),  # the rollout's own flag, not the trainer's tcp_port
         ("trainer", "--tcp-port", 1),
     ],
 )
@@ -815,9 +815,9 @@ def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempt
 
 def test_a_dev_shm_without_room_for_the_arena_is_refused_and_retried_until_there_is(cluster: Cluster) -> None:
     """A /dev/shm too small for the arena (a pod gets 64 MiB unless a memory emptyDir is
-    mounted; here 8 MiB, 6 of them taken, for a 4 MiB arena): the trainer used to map a
-    sparse file and die of SIGBUS at its first publish. It now says what it needs, tries
-    again, and publishes once room is made."""
+    mounted; here 8 MiB, 6 of them taken, for a 4 MiB arena): a sparse file would die of
+    SIGBUS at the first page that finds none. The trainer says what it needs, tries again,
+    and publishes once room is made."""
     small_shm = private_dev_shm(
         "mount -t tmpfs -o size=8m tmpfs /dev/shm && head -c 6291456 /dev/zero > /dev/shm/ballast"
     )

@@ -555,9 +555,9 @@ def test_strangers_at_the_limit_give_way_and_rollouts_connections_do_not(
 
 
 def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(cluster: Cluster) -> None:
-    """Accepting past the process's descriptor limit fails (EMFILE); the accept loop used to
-    end there, leaving a trainer whose gRPC health said SERVING and whose tcp port took
-    connections nobody answered, for good. It waits and accepts again."""
+    """Accepting past the process's descriptor limit fails (EMFILE); an accept loop that ended
+    there would leave a trainer whose gRPC health says SERVING and whose tcp port takes
+    connections nobody answers, for good. It waits and accepts again."""
     coord = cluster.start_coordinator()
     trainer = cluster.start_trainer("trainer", coord.address, "job", ["--model-size", "tiny", "--steps", "1", "--hold"])
     with CoordinatorClient(coord.address) as client:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -20,6 +21,7 @@ import pytest
 
 from devtools.cluster import Cluster
 from tests.integration.support import eventually, reflected_services, rollout_status, state_name
+from tests.unit.helpers import unshare_missing
 from weightsync.client import CoordinatorClient
 from weightsync.unix_sockets import SOCKET_MODE
 
@@ -98,7 +100,7 @@ def test_a_killed_servers_socket_is_taken_over_and_a_live_ones_is_refused_by_nam
         wait=False,
     )
     assert second.popen.wait(60) == 2
-    assert f"host: another process serves on unix:{path} (pid {first.pid}: " in second.log()
+    assert re.search(rf"host: another process serves on unix:{re.escape(str(path))} \(pid {first.pid}\b", second.log())
     assert "weightsync.v1.Coordinator" in reflected_services(first.address)  # the first still serves there
 
     cluster.kill("coordinator")  # SIGKILL: nothing removes the socket
@@ -108,18 +110,6 @@ def test_a_killed_servers_socket_is_taken_over_and_a_live_ones_is_refused_by_nam
     assert "weightsync.v1.Coordinator" in reflected_services(restarted.address) and _is_socket_0660(path)
     assert cluster.stop("restarted") == 0
     assert not path.exists()
-
-
-def _unshare_works() -> str:
-    """Why a network namespace cannot be made here ("" where `unshare -n` runs)."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1)"
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
-    return (
-        f"unshare -n fails ({probe.stderr.strip() or probe.returncode}): needs CAP_SYS_ADMIN"
-        if probe.returncode
-        else ""
-    )
 
 
 def _inet_sockets(pid: int) -> list[str] | None:
@@ -140,7 +130,7 @@ def _inet_sockets(pid: int) -> list[str] | None:
     return found
 
 
-@pytest.mark.skipif(bool(_unshare_works()), reason=_unshare_works() or "unshare -n works")
+@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
 def test_the_demo_over_unix_sockets_commits_every_version_without_a_network(
     tmp_path: Path, no_arena_leak: None
 ) -> None:
@@ -191,3 +181,22 @@ def test_the_demo_over_unix_sockets_commits_every_version_without_a_network(
     assert "metrics off" in out and "127.0.0.1" not in out
     coordinator = next(line.split()[1] for line in out.splitlines() if line.startswith("coordinator "))
     assert coordinator.startswith("unix:/") and not Path(coordinator.removeprefix("unix:")).parent.exists()
+
+
+@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
+def test_the_overlap_bench_publishes_through_its_coordinator_without_a_network(no_arena_leak: None) -> None:
+    """bench/train_overlap.py as it runs on a TPU host (no usable inet socket): its own
+    coordinator and the publisher's chunk server on unix sockets, every async version
+    published and none lost."""
+    run = subprocess.run(
+        ["unshare", "-n", sys.executable, "bench/train_overlap.py", "--steps", "3", "--blocking-steps", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout)
+    assert result["mode"] == "coordinator" and result["coordinator_address"].startswith("unix:/")
+    phase = result["async"]
+    assert phase["published"] + phase["skipped"] == 3 and phase["published"] >= 1

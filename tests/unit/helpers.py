@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,3 +67,15 @@ def damage(db_path: Path) -> None:
         for page in range(1, size // 4096):
             f.seek(page * 4096)
             f.write(os.urandom(4096))
+
+
+def unshare_missing() -> str:
+    """Why a network namespace cannot be made here ("" where `unshare -n` runs)."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    return (
+        f"unshare -n fails ({probe.stderr.strip() or probe.returncode}): needs CAP_SYS_ADMIN"
+        if probe.returncode
+        else ""
+    )

@@ -59,6 +59,23 @@ def apply(applier: JaxApply, v: int, tensors: dict[str, np.ndarray]) -> None:
     applier.commit_update(v)
 
 
+def mismatches(
+    holder: WeightsHolder, leaves: dict[str, Any], plans: dict[str, Any], tensors: dict[str, np.ndarray]
+) -> list[str]:
+    """Each leaf whose sharding or any device's shard differs from the reference."""
+    tree = holder.get()
+    wrong = []
+    for path, plan in plans.items():
+        ref = reference_leaf(plan, tensors)
+        arr = tree[path]
+        if arr.sharding != leaves[path].sharding:
+            wrong.append(f"{path}: sharding {arr.sharding}")
+        for shard in arr.addressable_shards:
+            if not np.array_equal(np.asarray(shard.data).view(np.uint8), ref[shard.index].view(np.uint8)):
+                wrong.append(f"{path} on {shard.device}")
+    return wrong
+
+
 def run(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     name_map = family_map("qwen3", case["layout"], SHAPE)
     leaves = empty_leaves(name_map, SHAPE, SHAPE.layers, SHAPE.tied, mesh, PROFILES[case["profile"]])
@@ -70,17 +87,7 @@ def run(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         tensors = version(v)
         apply(applier, v, tensors)
     plans = applier._plan({n: (a.shape, "bfloat16") for n, a in tensors.items()})
-    tree = holder.get()
-    wrong = []
-    for path, plan in plans.items():
-        ref = reference_leaf(plan, tensors)
-        arr = tree[path]
-        if arr.sharding != leaves[path].sharding:
-            wrong.append(f"{path}: sharding {arr.sharding}")
-        for shard in arr.addressable_shards:
-            if not np.array_equal(np.asarray(shard.data).view(np.uint8), ref[shard.index].view(np.uint8)):
-                wrong.append(f"{path} on {shard.device}")
-    out["wrong"] = wrong
+    out["wrong"] = mismatches(holder, leaves, plans, tensors)
     out["leaves"] = len(plans)
     report = applier.last_report()
     assert report is not None
@@ -90,11 +97,15 @@ def run(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
         applier.corrupt_next = lambda: True
         try:
             apply(applier, 3, version(3))
-            out["corrupt_caught"] = False
         except DataLoss as e:
-            matched = "does not match the verified bytes" in e.message
-            # swap: the old leaves serve on; in place there are none left: the engine is marked torn
-            out["corrupt_caught"] = matched and (applier.torn if case["mode"] == "inplace" else holder.get() is served)
+            # swap: refused, the old leaves serve on
+            out["corrupt_caught"] = "does not match the verified bytes" in e.message and holder.get() is served
+        else:
+            # in place: the damaged leaf built again from the host bytes; the version exact
+            report = applier.last_report()
+            repaired = report is not None and report.version == 3 and len(report.repaired_leaves) == 1
+            out["corrupt_caught"] = case["mode"] == "inplace" and repaired
+            out["wrong"] += mismatches(holder, leaves, plans, version(3))
     applier.close()
     return out
 

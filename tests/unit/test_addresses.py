@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers import unshare_missing
 from weightsync.addresses import inet_unusable, is_unix, join_host_port, unix_address, unix_path
 from weightsync.config import advertised, is_loopback, load_config
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.unix_sockets import SOCKET_MODE, bind_unix
 from weightsync.validation import SUN_PATH_MAX, UNIX_BIND_DIR_BYTES, check_address, check_unix_address
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_both_spellings_name_one_path() -> None:
@@ -59,6 +62,23 @@ def test_a_data_plane_address_must_be_host_port() -> None:
     with pytest.raises(InvalidArgument, match="not a unix socket") as e:
         check_address("unix:/run/t.sock", "endpoint.tcp_address", unix=False)
     assert e.value.field == "endpoint.tcp_address"
+
+
+@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
+def test_a_namespace_whose_loopback_is_down_has_no_usable_inet_sockets() -> None:
+    """AF_INET is allowed there and 127.0.0.1 binds, but nothing can connect: the probe must
+    say so, and a trainer asked for tcp must refuse at start naming it."""
+    probe = (
+        "from weightsync.addresses import inet_refused; print(inet_refused() or 'usable')\n"
+        "from trainer_agent.config import TrainerConfig\n"
+        "from weightsync.config import load_config\n"
+        "load_config(TrainerConfig, 'trainer', ['--weight-sync-mode', 'tcp'], {})\n"
+    )
+    inside = subprocess.run(["unshare", "-n", sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert inside.stdout.startswith("this host has no usable inet sockets (ENETUNREACH"), inside.stdout
+    assert inside.returncode == 2 and "no usable inet sockets" in inside.stderr, inside.stderr
+    outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert outside.stdout.strip() == "usable" and outside.returncode == 0, outside.stderr
 
 
 def test_inet_modes_are_refused_where_the_addresses_are_unix() -> None:
@@ -158,7 +178,7 @@ def test_a_live_socket_is_refused_naming_its_process(tmp_path: Path) -> None:
             assert child.stdout is not None and child.stdout.readline().strip() == "up"
             inode = os.stat(path).st_ino
             with pytest.raises(
-                FailedPrecondition, match=f"another process serves on unix:{path} \\(pid {child.pid}: "
+                FailedPrecondition, match=f"another process serves on unix:{path} \\(pid {child.pid}\\b"
             ) as e:
                 bind_unix(path, _listen, "host")
             assert e.value.field == "host" and os.stat(path).st_ino == inode  # left as it was

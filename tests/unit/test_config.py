@@ -87,7 +87,7 @@ def test_security_flags_are_checked_at_start(tmp_path, capsys: pytest.CaptureFix
 
 
 def test_a_network_facing_server_needs_tls_tokens_or_insecure(tmp_path) -> None:  # noqa: ANN001
-    """DESIGN "Fleet scale": off loopback, plaintext without tokens needs --insecure."""
+    """docs/design.md "Security": off loopback, plaintext without tokens needs --insecure."""
     from weightsync.config import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("127.8.0.1") and is_loopback("::1") and is_loopback("[::1]")
@@ -411,8 +411,8 @@ def test_float_settings_are_finite_from_flags_env_and_code(text: str, capsys: py
 def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A negative limit or version used to end in a traceback (protobuf's "Value out of
-    range" building the request); a NaN deadline in DEADLINE_EXCEEDED."""
+    """A negative limit or version is a usage error, not a traceback from protobuf's "Value
+    out of range" building the request; a NaN deadline is one too, not DEADLINE_EXCEEDED."""
     from weightsync.cli import build_parser
 
     with pytest.raises(SystemExit) as e:

@@ -134,7 +134,7 @@ def test_fs_store_confines_every_uri_to_its_root(tmp_path) -> None:  # noqa: ANN
         with pytest.raises(InvalidArgument):
             mem.resolve(bad)
     check_part_uri("job/v1/r0/0123456789abcdef", "job", 1, 0)
-    check_part_uri("job/v1/r0", "job", 1, 0)  # what trainers from before session 28 publish
+    check_part_uri("job/v1/r0", "job", 1, 0)  # a trainer that writes no content id
     for bad in (
         "../../etc",
         "/etc",

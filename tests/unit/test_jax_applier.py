@@ -133,16 +133,28 @@ def test_a_bit_flipped_after_the_host_check_is_caught_and_never_serves(mode: str
     applier.close()
 
 
-def test_the_failpoint_corrupts_the_bytes_on_their_way_to_the_device() -> None:
+@pytest.mark.parametrize("transfer", ["host", "device"])
+def test_bits_damaged_on_their_way_to_the_device_never_serve(transfer: str) -> None:
+    """Swap refuses the version and the old leaves serve on; in place (no old copy left)
+    the damaged leaf is built again from the verified host bytes, checked again, and the
+    version then serves whole."""
     holder = WeightsHolder(leaves())
     fire = iter([True, False])
-    applier = JaxApplier(holder, NAME_MAP, mode="swap", corrupt_next=lambda: next(fire))
+    applier = JaxApplier(holder, NAME_MAP, mode="swap", transfer=transfer, corrupt_next=lambda: next(fire))
     served = holder.get()
     with pytest.raises(DataLoss, match="does not match the verified bytes"):
         apply(applier, 1, version(6))
     assert holder.get() is served
     apply(applier, 2, version(6))
     assert_holds(holder.get(), applier, version(6))
+
+    applier = JaxApplier(holder, NAME_MAP, mode="inplace", transfer=transfer, corrupt_next=lambda: True)
+    apply(applier, 3, version(8))
+    assert_holds(holder.get(), applier, version(8))
+    report = applier.last_report()
+    assert report is not None and report.version == 3 and len(report.repaired_leaves) == 1
+    assert not applier.torn
+    applier.close()
 
 
 def test_jit_and_view_fingerprints_and_both_transfers_agree() -> None:

@@ -7,7 +7,7 @@ the part holds (`content_id`): a publish the coordinator refuses (the version ex
 other bytes) writes beside the accepted part, never over it. Readers need no route to
 the trainer, only to the store. A manifest names a part by its path relative to the root,
 `<session>/v<version>/r<rank>/<content>` (`part_path`; the coordinator refuses any other,
-except the `<session>/v<version>/r<rank>` of trainers from before session 28), and each
+except `<session>/v<version>/r<rank>`, the path of trainers that write no content id), and each
 reader resolves it under its own configured root: no scheme, no other bucket, no '..'
 can come in through a manifest.
 """

@@ -1,0 +1,168 @@
+"""A stand-in for tpu-inference's `TPUWorker`, holding a real JAX Qwen3.
+
+vLLM's TPU backend (vllm-tpu, tpu-inference) cannot install here: its builds are for
+CPython 3.12 and a newer JAX than this project's Python 3.11 venv has. So the worker
+extension (`rollout_agent.tpu_worker_extension`) is driven through this class, which
+copies the names and signatures of the methods the extension calls on the real worker
+(`get_weights_state`, `start_weight_update(free_kv_cache=True)`, `update_weights`,
+`finish_weight_update`, `refresh_model_state_leaves`, `vllm_config.model_config.hf_config`)
+and behaves as they are documented to: the state is a live tree of sharded `jax.Array`s in
+tpu-inference's layouts (q/k/v kernels (D, N, H), o (N, H, D), MLP and lm_head kernels
+[in, out], head_dim zero-padded to a multiple of 128, vocabulary rows padded); the KV cache
+is freed and reallocated around an update; the jitted model takes the leaves as an
+argument, so it serves the leaves of the last refresh, whatever the state holds now.
+
+Its forward (`compute_logits`) is Qwen3's, written against those layouts with einsums as
+tpu-inference's model is: logits from the applied leaves equal transformers' Qwen3 with
+the same HF weights to fp32 rounding only if every transform put every value in its place.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollout_agent.jax_model import PROFILES, empty_leaves, family_map
+from rollout_agent.jax_targets import named_leaves
+from weightsync.model_shapes import ModelShape
+
+
+def shape_of(hf_config: Any) -> ModelShape:
+    """The ModelShape of a transformers Qwen3Config."""
+    return ModelShape(
+        hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads,
+        hf_config.num_key_value_heads, hf_config.head_dim, hf_config.intermediate_size, hf_config.vocab_size,
+        tied=bool(hf_config.tie_word_embeddings),
+    )  # fmt: skip
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted leaf paths -> nested dicts, layer indices as lists (an NNX state's shape)."""
+    root: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node: Any = root
+        keys = path.split(".")
+        for key, nxt in zip(keys[:-1], keys[1:]):
+            if isinstance(node, list):
+                while len(node) <= int(key):
+                    node.append({})
+                node = node[int(key)]
+                continue
+            node = node.setdefault(key, [] if nxt.isdigit() else {})
+        node[keys[-1]] = leaf
+    return root
+
+
+class TPUWorker:
+    """tpu-inference's TPUWorker as the weight-update contract sees it (see the module)."""
+
+    def __init__(
+        self, hf_config: Any, mesh: jax.sharding.Mesh, *, profile: str = "tpu_inference", kv_tokens: int = 256
+    ) -> None:
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+        self.rank = 0
+        self.mesh = mesh
+        self.shape = shape_of(hf_config)
+        self.eps = float(hf_config.rms_norm_eps)
+        self.theta = float(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"])
+        name_map = family_map("qwen3", "tpu_inference", self.shape)
+        flat = empty_leaves(name_map, self.shape, self.shape.layers, self.shape.tied, mesh, PROFILES[profile],
+                            dtype=np.float32)  # fmt: skip
+        self.state = nest(flat)
+        self._kv_shape = (self.shape.layers, 2, kv_tokens, self.shape.kv_heads, self.shape.head_dim)
+        self.kv_cache: jax.Array | None = jnp.zeros(self._kv_shape, jnp.float32)
+        self.events: list[str] = []
+        self._leaves: dict[str, jax.Array] = {}
+        self.refresh_model_state_leaves()
+
+    # -- the methods an RL weight sync calls (tpu-inference's names and signatures) ------
+    def get_weights_state(self) -> Any:
+        """The live state: writing its leaves changes what the next refresh serves."""
+        return self.state
+
+    def start_weight_update(self, free_kv_cache: bool = True) -> None:
+        self.events.append(f"start_weight_update(free_kv_cache={free_kv_cache})")
+        if free_kv_cache and self.kv_cache is not None:
+            self.kv_cache.delete()
+            self.kv_cache = None
+
+    def update_weights(self, update_info: dict[str, Any] | None = None) -> None:
+        """A no-op on TPU: the weights are written out of band into the state."""
+        self.events.append("update_weights")
+
+    def finish_weight_update(self) -> None:
+        self.events.append("finish_weight_update")
+        if self.kv_cache is None:
+            self.kv_cache = jnp.zeros(self._kv_shape, jnp.float32)
+
+    def refresh_model_state_leaves(self) -> None:
+        self.events.append("refresh_model_state_leaves")
+        named, _ = named_leaves(self.state)
+        self._leaves = {name: leaf for name, (_, leaf) in named.items()}
+
+    # -- serving --------------------------------------------------------------------------
+    def compute_logits(self, token_ids: np.ndarray) -> np.ndarray:
+        """[batch, tokens, vocab] float32 logits of `token_ids` [batch, tokens] from the
+        leaves of the last refresh; refused while the KV cache is freed (mid-update)."""
+        if self.kv_cache is None:
+            raise RuntimeError("the engine cannot serve: its KV cache is freed (a weight update is open)")
+        s = self.shape
+        logits = _forward(self._leaves, jnp.asarray(token_ids, jnp.int32), s.layers, s.heads, s.kv_heads,
+                          s.head_dim, s.vocab, s.tied, self.eps, self.theta)  # fmt: skip
+        return np.asarray(logits)
+
+
+def _rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: jax.Array, theta: float) -> jax.Array:
+    """HF's rotary embedding (rotate_half) over [batch, tokens, heads, head_dim]."""
+    h = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    freqs = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    rotated = jnp.concatenate([-x[..., h // 2 :], x[..., : h // 2]], axis=-1)
+    return x * jnp.cos(emb) + rotated * jnp.sin(emb)
+
+
+@partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _forward(
+    p: dict[str, jax.Array], tokens: jax.Array, layers: int, heads: int, kv_heads: int, head_dim: int,
+    vocab: int, tied: bool, eps: float, theta: float,
+) -> jax.Array:  # fmt: skip
+    hp = jax.lax.Precision.HIGHEST
+    embed = p["model.embed_tokens.weight"]  # (V padded, D)
+    x = embed[tokens]
+    t = tokens.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        a = _rms(x, p[pre + "input_layernorm.weight"], eps)
+        # kernels hold head_dim zero-padded (tpu-inference's rule): the model's own head_dim is read
+        q = jnp.einsum("btd,dnh->btnh", a, p[pre + "self_attn.q_proj.weight"], precision=hp)[..., :head_dim]
+        k = jnp.einsum("btd,dnh->btnh", a, p[pre + "self_attn.k_proj.weight"], precision=hp)[..., :head_dim]
+        v = jnp.einsum("btd,dnh->btnh", a, p[pre + "self_attn.v_proj.weight"], precision=hp)[..., :head_dim]
+        q = _rope(_rms(q, p[pre + "self_attn.q_norm.weight"][:head_dim], eps), theta)
+        k = _rope(_rms(k, p[pre + "self_attn.k_norm.weight"][:head_dim], eps), theta)
+        n, kv = q.shape[2], k.shape[2]  # the engine's head counts (kv heads repeated up to the mesh)
+        k = jnp.repeat(k, n // kv, axis=2)
+        v = jnp.repeat(v, n // kv, axis=2)
+        scores = jnp.einsum("bqnh,bknh->bnqk", q, k, precision=hp) / np.sqrt(head_dim)
+        scores = jnp.where(causal[None, None], scores, -jnp.inf)
+        attn = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(scores, axis=-1), v, precision=hp)
+        o = p[pre + "self_attn.o_proj.weight"][:, :head_dim, :]  # (N, H padded, D)
+        x = x + jnp.einsum("btnh,nhd->btd", attn, o, precision=hp)
+        m = _rms(x, p[pre + "post_attention_layernorm.weight"], eps)
+        gate = jnp.einsum("btd,df->btf", m, p[pre + "mlp.gate_proj.weight"], precision=hp)
+        up = jnp.einsum("btd,df->btf", m, p[pre + "mlp.up_proj.weight"], precision=hp)
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p[pre + "mlp.down_proj.weight"], precision=hp)
+    x = _rms(x, p["model.norm.weight"], eps)
+    if tied:
+        return jnp.einsum("btd,vd->btv", x, embed, precision=hp)[..., :vocab]
+    return jnp.einsum("btd,dv->btv", x, p["lm_head.weight"], precision=hp)[..., :vocab]

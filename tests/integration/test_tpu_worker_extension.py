@@ -1,0 +1,141 @@
+"""The TPU worker extension inside a stand-in TPUWorker that holds a real JAX Qwen3 in
+tpu-inference's layouts (devtools/tpu_worker_standin.py: vllm-tpu cannot install here).
+
+A trainer publishes HF-named fp32 versions of a transformers Qwen3; the extension pulls,
+verifies and applies each one into the worker's live state inside its weight-update
+window; the engine's logits then equal transformers' with the same weights to fp32
+rounding, which holds only if every transform (heads split and permuted, head_dim padded,
+kernels transposed) put every value in its place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from devtools.tpu_worker_standin import TPUWorker
+from rollout_agent.tpu_worker_extension import WeightsyncTPUWorkerExtension
+from trainer_agent.publisher import WeightPublisher
+from trainer_agent.settings import PublisherSettings
+from weightsync.errors import FailedPrecondition, InvalidArgument
+from weightsync.server import RunningServer
+
+TOKENS = np.array([[1, 5, 9, 200, 17, 3, 44, 101], [7, 7, 250, 2, 90, 12, 64, 33]], np.int64)
+
+
+class Worker(TPUWorker, WeightsyncTPUWorkerExtension):
+    """What vLLM builds from worker_extension_cls: the extension mixed into the worker."""
+
+
+def _config(tied: bool) -> Any:
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=tied, torch_dtype="float32",
+    )  # fmt: skip
+
+
+def _hf_model(config: Any, seed: int) -> tuple[Any, dict[str, np.ndarray]]:
+    """A transformers Qwen3 with random weights (norms too), and its HF-named fp32 tensors."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.1) + (1.0 if "norm" in name else 0.0))
+    tensors = {n: t.detach().numpy().copy() for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return model, tensors
+
+
+def _hf_logits(model: Any) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS)).logits.numpy()
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    import jax
+
+    from rollout_agent.jax_model import mesh_of
+
+    made: list[Worker] = []
+
+    def make(tied: bool) -> Worker:
+        made.append(Worker(_config(tied), mesh_of((1, len(jax.devices())))))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for w in made:
+        w.weightsync_detach()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("mode", ["swap", "inplace"])
+def test_versions_applied_through_the_extension_serve_transformers_logits(
+    inprocess_coordinator: RunningServer, worker: Any, no_arena_leak: None, mode: str, tied: bool
+) -> None:
+    engine: Worker = worker(tied)
+    address = inprocess_coordinator.address
+    with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
+        status = engine.weightsync_attach(
+            {"coordinator": address, "session": "job", "agent_id": "tpu-r0", "jax": {"mode": mode}}
+        )
+        assert status["agent_id"] == "tpu-r0" and status["current_version"] == 0
+        served: list[np.ndarray] = []
+        for v, seed in ((1, 11), (2, 12)):
+            model, tensors = _hf_model(_config(tied), seed)
+            pub.publish(tensors, v)
+            engine.events.clear()
+            result = engine.weightsync_sync(v)
+            assert result["ok"], result["mismatch"]
+            assert pub.wait_committed(v, 30) == "COMMITTED"
+            assert result["apply"]["mode"] == mode and result["apply"]["version"] == v
+            # the KV cache freed for the update, the jitted model re-pointed, the cache back
+            assert engine.events == [
+                "start_weight_update(free_kv_cache=True)", "refresh_model_state_leaves", "finish_weight_update"
+            ]  # fmt: skip
+            want = _hf_logits(model)
+            got = engine.compute_logits(TOKENS)
+            scale = float(np.abs(want).max())
+            assert np.abs(got - want).max() <= 1e-5 * max(scale, 1.0), (np.abs(got - want).max(), scale)
+            assert not served or np.abs(got - served[-1]).max() > 0.1 * scale  # the new version, not the old
+            served.append(got)
+        assert engine.weightsync_status()["current_version"] == 2 and not engine.weightsync_status()["torn"]
+
+
+def test_the_engine_serves_the_leaves_of_its_last_refresh(worker: Any) -> None:
+    """Why the extension refreshes: the jitted model takes the leaves it was last given."""
+    engine: Worker = worker(False)
+    before = engine.compute_logits(TOKENS)
+    state = engine.get_weights_state()
+    state["model"]["norm"]["weight"] = state["model"]["norm"]["weight"] * 0 + 2.0
+    assert np.array_equal(engine.compute_logits(TOKENS), before)
+    engine.refresh_model_state_leaves()
+    assert not np.array_equal(engine.compute_logits(TOKENS), before) or not before.any()
+    engine.start_weight_update(free_kv_cache=True)
+    with pytest.raises(RuntimeError, match="KV cache is freed"):
+        engine.compute_logits(TOKENS)
+    engine.finish_weight_update()
+
+
+def test_a_misdeclared_attach_is_refused_by_field(worker: Any) -> None:
+    engine: Worker = worker(False)
+    with pytest.raises(FailedPrecondition, match="not attached"):
+        engine.weightsync_sync(1)
+    with pytest.raises(InvalidArgument) as e:
+        engine.weightsync_attach({"coordinator": "127.0.0.1:1", "session": "job", "jax": {"layuot": "hf"}})
+    assert e.value.field == "init_info.jax" and "layuot" in e.value.message
+    engine.vllm_config.model_config.hf_config.model_type = "mistral"
+    with pytest.raises(InvalidArgument) as e:
+        engine.weightsync_attach({"coordinator": "127.0.0.1:1", "session": "job"})
+    assert e.value.field == "model_type" and "mistral" in e.value.message
