@@ -40,6 +40,12 @@ from weightsync.validation import check_session_name
 
 MAX_ROLLOUTS = 32  # each one a process (a vLLM engine by default) on one machine
 INET_MODES = ("tcp", "relay")  # data planes served on inet sockets
+# The learning run's defaults, tuned on this 2-core machine (docs/learning.md): the reward
+# rises from ~0.01 to ~1 well within the steps.
+LEARN_STEPS = 30
+LEARN_GROUP = 16
+LEARN_MAX_TOKENS = 16
+LEARN_LR = 1e-2
 
 # Set by SIGINT/SIGTERM. The watch loop checks it between 1 s watch calls instead of taking a
 # KeyboardInterrupt in the middle of gRPC's machinery (seen once to leave the demo hanging).
@@ -59,9 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     # handshake nobody would send, and a bad model size or session failed in the trainer
     # after the coordinator and the engines had started.
     p.add_argument(
-        "--model-size", default="small", choices=list(PRESETS), help="tiny | small | medium | 0.6b (Qwen3-0.6B shape)"
+        "--model-size",
+        default=None,
+        choices=list(PRESETS),
+        help="tiny | small | medium | 0.6b (Qwen3-0.6B shape); default tiny when learning, else small",
     )
-    p.add_argument("--steps", type=bounded_number(1), default=5, help="training steps, each published as a version")
+    p.add_argument(
+        "--steps",
+        type=bounded_number(1),
+        default=None,
+        help=f"training steps, each published as a version (default {LEARN_STEPS} when learning, else 5)",
+    )
     p.add_argument(
         "--rollouts",
         type=bounded_number(1, high=MAX_ROLLOUTS),
@@ -74,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-s",
         type=bounded_number(0.001, float),
         default=900.0,
-        help="how long the demo waits for every step's version to settle, once the processes are up",
+        help="the noise trainer's run: how long the demo waits for every step's version to settle, once the "
+        "processes are up (the learning run waits at most 120 s for each commit and each group of samples)",
     )
     p.add_argument(
         "--engine",
@@ -84,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         "small models when vLLM is installed; larger ones, and --unix-sockets, use NumPy: two fp32 vLLM engines "
         "of the 0.6b shape plus the trainer exceed 24 GiB, and vLLM opens inet sockets)",
     )
-    p.add_argument("--prompt", default="w1 w2 w3 w4", help="completed greedily by every rollout after each step")
+    p.add_argument(
+        "--prompt",
+        default="w1 w2 w3 w4",
+        help="what the learning run's groups complete; every vLLM rollout also completes it greedily after each step",
+    )
     p.add_argument(
         "--weight-sync-mode",
         default=None,
@@ -117,8 +136,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=bounded_number(0, float),
         default=0.0,
-        help="the trainer's step size (default 1e-6 with --delta, else 1e-3)",
+        help=f"the trainer's step size (learning: Adam's, default {LEARN_LR:g}; noise: default 1e-6 with --delta, "
+        "else 1e-3)",
     )
+    p.add_argument(
+        "--noise",
+        action="store_true",
+        help="the trainer moves its weights by noise each step instead of learning (transport checks; implied by "
+        "--engine numpy, --delta, --unix-sockets and model sizes above small)",
+    )
+    p.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="learning: the rollouts keep sampling while the next version syncs; samples one version old are "
+        "used, older ones dropped and counted",
+    )
+    p.add_argument(
+        "--group",
+        type=bounded_number(2, high=256),
+        default=LEARN_GROUP,
+        help="learning: completions each rollout samples per step (a GRPO group)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=bounded_number(1, high=128),
+        default=LEARN_MAX_TOKENS,
+        help="learning: tokens per completion (the engines hold 256 positions, the prompt's included)",
+    )
+    p.add_argument("--seed", type=bounded_number(0, high=2**31 - 1), default=0, help="learning: the sampling seed")
     return p
 
 
@@ -182,6 +228,24 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--engine vllm opens inet sockets (torch.distributed on 127.0.0.1): --unix-sockets needs numpy")
     if args.unix_sockets:
         args.engine = "numpy"
+    larger = args.model_size not in (None, "tiny", "small")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    # Learning needs engines that sample (vLLM) and the weights they serve unchanged (fp32):
+    # the NumPy engine, delta sync (bf16) and the larger presets (NumPy appliers) take noise.
+    args.learn = not (args.noise or args.delta or args.engine == "numpy" or larger) and has_vllm
+    if args.async_mode and not args.learn:
+        parser.error(
+            "--async belongs to the learning trainer, which needs vLLM engines (installed) and the tiny or small "
+            "model, without --noise, --delta or --unix-sockets"
+        )
+    if args.model_size is None:
+        args.model_size = "tiny" if args.learn else "small"
+    if args.engine is None:
+        small = args.model_size in ("tiny", "small")
+        args.engine = "vllm" if small and not args.delta and has_vllm else "numpy"
+    if args.steps is None:
+        args.steps = LEARN_STEPS if args.learn else 5
+    args.lr = args.lr or (LEARN_LR if args.learn else 1e-6 if args.delta else 1e-3)
 
 
 class Addresses:
@@ -223,9 +287,6 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} "
         f"rollouts={args.rollouts} workdir={workdir}"
     )
-    rows: list[dict[str, Any]] = []
-    trainer_rc = None
-    platform = ""
     with Cluster(workdir) as cluster:
         coord = cluster.start_coordinator(args=addresses.listen("coordinator"))
         console.print(f"coordinator  {coord.address}  ({_metrics(coord)})")
@@ -268,92 +329,120 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         for r in rollouts:
             cluster.wait_ready(r, timeout_s=600)
             console.print(f"{r.name}    {r.address}  ({_metrics(r)}, engine {args.engine})")
-        with CoordinatorClient(coord.address) as client:
-            seq = 0
-            trainer = cluster.start_trainer(
-                "trainer",
-                coord.address,
-                args.session,
-                [
-                    "--model-size",
-                    args.model_size,
-                    "--steps",
-                    str(args.steps),
-                    "--min-rollouts",
-                    str(args.rollouts),
-                    "--weight-dtype",
-                    "float32" if args.engine == "vllm" else "bfloat16",
-                    "--weight-sync-mode",
-                    args.weight_sync_mode,
-                    "--lr",
-                    str(args.lr),
-                    *(["--delta", "auto"] if args.delta else []),
-                    *fs_args,
-                    *addresses.listen("trainer"),
-                ],
-                # JAX_PLATFORMS empty: JAX's own choice, the chip where it sees one
-                env={"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else None,
-            )
-            platform = trainer.ready.get("platform", "cpu")
-            console.print(f"trainer      {trainer.address}  (JAX on {platform.upper()}, publishes every step)")
-            table = Table(title="sync steps")
-            for col in ("version", "MiB", "stage s", "pull s", "apply s", "pull GB/s", "handshake"):
-                table.add_column(col, justify="right")
-            done: set[int] = set()
-            deadline = time.monotonic() + args.timeout_s
+        if args.learn:
+            from devtools.demo_learn import run_learning
+
             _IN_WATCH_LOOP.set()
-            while len(done) < args.steps and time.monotonic() < deadline:
-                if _STOP.is_set():  # Ctrl-C / SIGTERM seen by the handler: unwind from here
-                    raise KeyboardInterrupt
-                try:
-                    for ev in client.watch(args.session, seq, timeout_s=1.0):
-                        if _STOP.is_set():
-                            raise KeyboardInterrupt
-                        seq = ev.seq
-                        state = tpb.VersionState.Name(ev.version.state)
-                        if state in version_states.SETTLED and ev.version.version not in done:
-                            done.add(ev.version.version)
-                            st = client.status(args.session)
-                            row = step_row(ev.version, st.handshakes)
-                            if args.engine == "vllm" and state == "COMMITTED":
-                                row["completions"] = {
-                                    r.name: rollout_completion(r.address, row["version"], cluster.security)
-                                    for r in rollouts
-                                }
-                            rows.append(row)
-                            ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
-                            console.print(
-                                f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
-                                f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
-                                f"pause {row['pause_s']:.3f}s  "
-                                f"{row['pull_gbps']:.2f} GB/s  wire {row['wire_ratio']:.2%}  handshake "
-                                + (
-                                    f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]"
-                                    if ok
-                                    else f"[red]{state} {row['mismatches']}[/]"
-                                )
-                            )
-                            for name, text in row.get("completions", {}).items():
-                                console.print(f"    {name}: {args.prompt!r} -> {text!r}")
-                except DeadlineExceeded:  # the 1 s watch deadline: check the trainer, watch again
-                    pass
-                if not trainer.alive() and trainer.popen.returncode != 0:
-                    break
+            fields = run_learning(args, console, coord.address, rollouts, model_dir, workdir, _STOP.is_set)
             _IN_WATCH_LOOP.clear()
             if _STOP.is_set():
                 raise KeyboardInterrupt
-            trainer_rc = cluster.wait_exit("trainer", 60)
-    committed = sum(r["state"] == "COMMITTED" and r["handshakes_ok"] == r["handshakes"] for r in rows)
+        else:
+            fields = _run_noise_trainer(args, console, cluster, coord.address, rollouts, fs_args, addresses)
     return {
-        "steps": len(rows),
-        "committed": committed,
-        "ok": committed == args.steps and trainer_rc == 0,
+        **fields,
         "engine": args.engine,
         "model_size": args.model_size,
         "rollouts": args.rollouts,
         "delta": args.delta,
         "weight_sync_mode": args.weight_sync_mode,
         "unix_sockets": args.unix_sockets,
+        "workdir": str(workdir),
+    }
+
+
+def _run_noise_trainer(
+    args: argparse.Namespace,
+    console: Console,
+    cluster: Cluster,
+    coordinator: str,
+    rollouts: Sequence[Any],
+    fs_args: list[str],
+    addresses: Addresses,
+) -> dict[str, Any]:
+    """Starts the noise trainer process and prints one row per version it publishes."""
+    rows: list[dict[str, Any]] = []
+    with CoordinatorClient(coordinator) as client:
+        seq = 0
+        trainer = cluster.start_trainer(
+            "trainer",
+            coordinator,
+            args.session,
+            [
+                "--model-size",
+                args.model_size,
+                "--steps",
+                str(args.steps),
+                "--min-rollouts",
+                str(args.rollouts),
+                "--weight-dtype",
+                "float32" if args.engine == "vllm" else "bfloat16",
+                "--weight-sync-mode",
+                args.weight_sync_mode,
+                "--lr",
+                str(args.lr),
+                *(["--delta", "auto"] if args.delta else []),
+                *fs_args,
+                *addresses.listen("trainer"),
+            ],
+            # JAX_PLATFORMS empty: JAX's own choice, the chip where it sees one
+            env={"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else None,
+        )
+        platform = trainer.ready.get("platform", "cpu")
+        console.print(f"trainer      {trainer.address}  (JAX on {platform.upper()}, publishes every step)")
+        table = Table(title="sync steps")
+        for col in ("version", "MiB", "stage s", "pull s", "apply s", "pull GB/s", "handshake"):
+            table.add_column(col, justify="right")
+        done: set[int] = set()
+        deadline = time.monotonic() + args.timeout_s
+        _IN_WATCH_LOOP.set()
+        while len(done) < args.steps and time.monotonic() < deadline:
+            if _STOP.is_set():  # Ctrl-C / SIGTERM seen by the handler: unwind from here
+                raise KeyboardInterrupt
+            try:
+                for ev in client.watch(args.session, seq, timeout_s=1.0):
+                    if _STOP.is_set():
+                        raise KeyboardInterrupt
+                    seq = ev.seq
+                    state = tpb.VersionState.Name(ev.version.state)
+                    if state in version_states.SETTLED and ev.version.version not in done:
+                        done.add(ev.version.version)
+                        st = client.status(args.session)
+                        row = step_row(ev.version, st.handshakes)
+                        if args.engine == "vllm" and state == "COMMITTED":
+                            row["completions"] = {
+                                r.name: rollout_completion(r.address, row["version"], cluster.security)
+                                for r in rollouts
+                            }
+                        rows.append(row)
+                        ok = row["handshakes_ok"] == row["handshakes"] and state == "COMMITTED"
+                        console.print(
+                            f"step {len(rows)}: version {row['version']}  {row['bytes'] / 2**20:.1f} MiB  "
+                            f"stage {row['stage_s']:.3f}s  pull {row['pull_s']:.3f}s  apply {row['apply_s']:.3f}s  "
+                            f"pause {row['pause_s']:.3f}s  "
+                            f"{row['pull_gbps']:.2f} GB/s  wire {row['wire_ratio']:.2%}  handshake "
+                            + (
+                                f"[green]OK {row['handshakes_ok']}/{row['handshakes']}[/]"
+                                if ok
+                                else f"[red]{state} {row['mismatches']}[/]"
+                            )
+                        )
+                        for name, text in row.get("completions", {}).items():
+                            console.print(f"    {name}: {args.prompt!r} -> {text!r}")
+            except DeadlineExceeded:  # the 1 s watch deadline: check the trainer, watch again
+                pass
+            if not trainer.alive() and trainer.popen.returncode != 0:
+                break
+        _IN_WATCH_LOOP.clear()
+        if _STOP.is_set():
+            raise KeyboardInterrupt
+        trainer_rc = cluster.wait_exit("trainer", 60)
+    committed = sum(r["state"] == "COMMITTED" and r["handshakes_ok"] == r["handshakes"] for r in rows)
+    return {
+        "mode": "noise",
+        "steps": len(rows),
+        "committed": committed,
+        "ok": committed == args.steps and trainer_rc == 0,
         "trainer_platform": platform,
         "bytes_per_step": rows[0]["bytes"] if rows else 0,
         "per_step": [
@@ -375,7 +464,6 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
             for r in rows
         ],
         "trainer_exit": trainer_rc,
-        "workdir": str(workdir),
     }
 
 
@@ -383,10 +471,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.engine is None:
-        small = args.model_size in ("tiny", "small")
-        args.engine = "vllm" if small and not args.delta and importlib.util.find_spec("vllm") else "numpy"
-    args.lr = args.lr or (1e-6 if args.delta else 1e-3)
     console = Console(stderr=False)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)

@@ -56,6 +56,7 @@ def _run(cfg: RolloutConfig) -> int:
             engine.sync,
             metrics=metrics,
             completion=lambda: engine.complete(cfg.prompt),
+            sampler=engine.sample,
             no_version_warn_s=cfg.no_version_warn_s,
         )
         closers = [engine.close]

@@ -13,6 +13,7 @@ import grpc
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import FollowStop, NewestAnnounced, StaleWatch, follow_servable, newest_servable
 from rollout_agent.outbox import ReportOutbox
+from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
@@ -58,13 +59,15 @@ class RolloutAgent:
         *,
         metrics: Metrics,
         completion: Callable[[], str] | None = None,
+        sampler: Callable[[SampleSpec], list[SampledCompletion]] | None = None,
         outbox: ReportOutbox | None = None,
         no_version_warn_s: float = 60.0,
     ) -> None:
         """`wiring` (`rollout_agent.wiring`) gives the client, registers the agent and
         keeps its lease; `syncer(version)` runs one round (the NumPy applier's
         `sync_version`, or a vLLM engine's weight-transfer API); `completion()` shows what
-        the engine now says; `outbox` re-sends handshakes `syncer` could not deliver (its
+        the engine now says; `sampler(spec)` samples completions from the engine (`Sample`;
+        None: the engine does not generate); `outbox` re-sends handshakes `syncer` could not deliver (its
         verdicts must reach `on_verdict`); a following rollout with nothing to sync after
         `no_version_warn_s` logs why once (a mistyped session otherwise waited in silence)."""
         self.wiring = wiring
@@ -73,6 +76,7 @@ class RolloutAgent:
         self.agent_id = wiring.agent_id
         self.syncer = syncer
         self.completion_fn = completion
+        self.sampler = sampler
         self.outbox = outbox
         self.last_completion = ""
         self.recent_completions: dict[int, str] = {}
@@ -188,6 +192,15 @@ class RolloutAgent:
             elif result.failure != "abandoned":  # (abandoned: no handshake was sent, nothing failed)
                 self.on_verdict(result.version, False, result.mismatch)
             return result
+
+    def sample(self, spec: SampleSpec) -> list[SampledCompletion]:
+        """Completions from the engine, each tagged with the version that sampled it."""
+        if self.sampler is None:
+            raise FailedPrecondition(
+                "this rollout's engine holds weights but does not generate (NumPy and JAX appliers): "
+                "start it with --engine vllm to sample"
+            )
+        return self.sampler(spec)
 
     def _count_failure(self, reason: str) -> None:
         self.metrics.sync_failures.labels(role=self.metrics.role, session=self.session, reason=reason).inc()
@@ -352,6 +365,15 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             bytes_pulled=r.bytes_pulled,
             timings=cpb.Timings(**r.timings),
             chunk_retries=r.chunk_retries,
+        )
+
+    def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> pb.SampleResponse:
+        spec = sample_spec(request.prompt_token_ids, request.n, request.max_tokens, request.seed)
+        return pb.SampleResponse(
+            completions=[
+                pb.SampledCompletion(token_ids=c.token_ids, logprobs=c.logprobs, version=c.version)
+                for c in self._agent.sample(spec)
+            ]
         )
 
     def GetStatus(self, request: pb.RolloutStatusRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:

@@ -49,6 +49,36 @@ def expected_checkpoint_names(model: Any) -> set[str]:
     return names
 
 
+def tied_parameters(model: Any) -> list[tuple[str, str]]:
+    """(alias, source) pairs of parameter names that are one tensor, e.g. a tied LM head's
+    ("lm_head.weight", "model.embed_tokens.weight"); the source is the name the checkpoint
+    loads."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            pairs.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name
+    return pairs
+
+
+def retie_parameters(model: Any, pairs: Sequence[tuple[str, str]]) -> None:
+    """Points each alias at its source again and lets the alias's layer re-process it.
+
+    A layerwise reload loads the source into a fresh tensor and puts back, on a layer that
+    received nothing (a tied LM head), the tensors it held before: left so, the head keeps
+    serving the old embedding, and on CPU its prepacked GEMM kernel the old copy too."""
+    for alias, source in pairs:
+        alias_module, _, alias_attr = alias.rpartition(".")
+        source_module, _, source_attr = source.rpartition(".")
+        layer = model.get_submodule(alias_module)
+        setattr(layer, alias_attr, getattr(model.get_submodule(source_module), source_attr))
+        quant_method = getattr(layer, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(layer)
+
+
 def replicated_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """Checkpoint shapes the model takes exactly: parameters neither fused nor split
     across tensor-parallel ranks (norms, q/k norms), which vLLM's `default_weight_loader`
@@ -77,6 +107,7 @@ class VllmApplier(Applier):
         self.model_config = model_config
         self._expected = expected_checkpoint_names(model)
         self._shapes = replicated_shapes(model)
+        self._tied = tied_parameters(model)
         self._consumed: list[str] = []
         self._open = False
 
@@ -118,6 +149,7 @@ class VllmApplier(Applier):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        retie_parameters(self.model, self._tied)
         self._open = False
         return list(self._consumed)
 

@@ -5,15 +5,18 @@ pulls, verifies, applies and reports the handshake. With prefetch on (the defaul
 sidecar first waits, outside the engine, until the backend's prefetcher holds the version
 verified, so the engine keeps generating through the pull and pauses for the apply alone.
 After each sync the sidecar can show one greedy completion, so a person sees the policy
-change.
+change, and a trainer can sample completions with their log-probs (`sample`), each tagged
+with the version that produced it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
+from rollout_agent.sampling import SampledCompletion, SampleSpec, check_fits, version_of_label
 from rollout_agent.sync import SyncResult
 from rollout_agent.vllm_core import in_process
 
@@ -46,10 +49,20 @@ class VllmEngineSyncer:
             block_size=32,
             seed=0,
             weight_transfer_config={"backend": "weightsync"},
+            # the log-prob of each sampled token under the model itself, before any sampling
+            # transform (vLLM's default, stated: a trainer compares it with its own)
+            logprobs_mode="raw_logprobs",
         )
         self.llm.init_weight_transfer_engine({"init_info": init_info})
         self.agent_id = init_info["agent_id"]
         self.prefetch_wait_s = prefetch_wait_s
+        # One caller in the engine at a time: an update round (start .. reset of the prefix
+        # cache) never interleaves with a generate, so every sampled token comes from one
+        # version, the one the engine's label names. The prefetch pulls outside it.
+        self._engine_lock = threading.Lock()
+        config = self.llm.llm_engine.model_config
+        self.vocab = int(config.get_vocab_size())
+        self.max_model_len = int(config.max_model_len)
 
     def sync(self, version: int) -> SyncResult:
         """One round through vLLM's API; raises nothing: a refused version is ok=False."""
@@ -58,26 +71,59 @@ class VllmEngineSyncer:
         if version and backend is not None and backend.prefetcher is not None:
             # The engine serves meanwhile; a version that does not arrive is pulled by the update.
             backend.prefetcher.wait_ready(version, self.prefetch_wait_s)
-        try:
-            self.llm.start_weight_update()
-            self.llm.update_weights({"update_info": {"version": version or "latest"}})
-            self.llm.finish_weight_update(weight_version=str(version) if version else None)
-        except Exception as e:  # noqa: BLE001 - the engine reports why; the old weights keep serving
-            why = str(e).splitlines()[0][:500]
-            # The coordinator was unreachable (for the manifest or the handshake): try again.
-            transient = any(m in why for m in ("not delivered yet", "UNAVAILABLE", "failed to connect", "unreachable"))
-            corrupt = any(m in why for m in ("DATA_LOSS", "refusing to apply", "did not verify"))
-            failure = "transient" if transient else "data_loss" if corrupt else "local"
-            return SyncResult(version, ok=False, mismatch=why, transient=transient, failure=failure)
-        finally:
-            self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
+        with self._engine_lock:
+            try:
+                self.llm.start_weight_update()
+                self.llm.update_weights({"update_info": {"version": version or "latest"}})
+                self.llm.finish_weight_update(weight_version=str(version) if version else None)
+            except Exception as e:  # noqa: BLE001 - the engine reports why; the old weights keep serving
+                why = str(e).splitlines()[0][:500]
+                # The coordinator was unreachable (for the manifest or the handshake): try again.
+                transient = any(
+                    m in why for m in ("not delivered yet", "UNAVAILABLE", "failed to connect", "unreachable")
+                )
+                corrupt = any(m in why for m in ("DATA_LOSS", "refusing to apply", "did not verify"))
+                failure = "transient" if transient else "data_loss" if corrupt else "local"
+                return SyncResult(version, ok=False, mismatch=why, transient=transient, failure=failure)
+            finally:
+                self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
         applied = int(self.llm.get_weight_version()) if version == 0 else version
         return SyncResult(applied, ok=True, timings={"total_seconds": time.perf_counter() - started})
 
     def complete(self, prompt: str, max_tokens: int = 8) -> str:
         """One greedy completion of `prompt`."""
         sp = self._sampling(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return self.llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text.strip()
+        with self._engine_lock:
+            return self.llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text.strip()
+
+    def sample(self, spec: SampleSpec) -> list[SampledCompletion]:
+        """`spec.n` completions from the model's own distribution (temperature 1, no top-k or
+        top-p, no stop at EOS) with each token's raw log-prob, tagged with the version
+        whose weights sampled them."""
+        check_fits(spec, self.vocab, self.max_model_len)
+        sp = self._sampling(
+            n=spec.n,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=spec.max_tokens,
+            ignore_eos=True,
+            logprobs=0,  # the sampled token's own log-prob alone
+            seed=spec.seed,
+        )
+        with self._engine_lock:
+            label = self.llm.get_weight_version()
+            out = self.llm.generate([{"prompt_token_ids": list(spec.prompt)}], sp, use_tqdm=False)[0]
+        completions = []
+        for c in out.outputs:
+            spans = c.weight_versions or []
+            # Under the lock one label covers every token; the engine's own spans say so.
+            version = version_of_label(spans[0].version if spans else label)
+            if len({s.version for s in spans}) > 1:
+                raise RuntimeError(f"a completion spans weight versions {[s.version for s in spans]}")
+            logprobs = tuple(float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs or []))
+            completions.append(SampledCompletion(tuple(c.token_ids), logprobs, version))
+        return completions
 
     def close(self) -> None:
         self.llm.shutdown_weight_transfer_engine()

@@ -48,6 +48,7 @@ ROLE_RULES: dict[str, frozenset[str]] = {
     COORDINATOR + "ReportApplied": frozenset({"rollout"}),
     "/weightsync.v1.TrainerAgent/ReadChunks": frozenset({"rollout"}),
     "/weightsync.v1.RolloutAgent/Sync": frozenset({"trainer"}),
+    "/weightsync.v1.RolloutAgent/Sample": frozenset({"trainer"}),  # the engine's time is the trainer's
     COORDINATOR + "DeleteSession": frozenset(),  # admin only
 }
 # Methods whose request names a role: it must be the caller's (a rollout token cannot

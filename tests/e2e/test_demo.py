@@ -1,4 +1,5 @@
-"""`make demo`'s job end to end: five real steps, JSON summary, nothing left behind."""
+"""`make demo`'s job end to end: the learning run (vLLM samples, the JAX policy learns), the
+noise trainer's five transfer steps, JSON summaries, nothing left behind."""
 
 from __future__ import annotations
 
@@ -19,17 +20,63 @@ def _our_processes(workdir: Path) -> list[str]:
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
-def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None) -> None:
+def _summary(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_learning_demo_samples_with_vllm_and_trains_on_what_it_sampled(
+    tmp_path: Path, no_arena_leak: None, mode: str
+) -> None:
+    """A few steps of the default demo: every sample carries the version its engine served,
+    vLLM's log-probs of the sampled tokens equal the trainer's JAX policy's to 1e-3 (fp32
+    both sides), and every version commits. Synchronously every sample is of the trainer's
+    version; asynchronously none is more than one version behind."""
     workdir = tmp_path / "demo"
+    steps = 3
+    rollouts = 2 if mode == "sync" else 1  # (one engine fewer to start)
     proc = subprocess.run(
-        [sys.executable, "-m", "devtools.demo", "--model-size", "tiny", "--steps", "5", "--workdir", str(workdir)],
+        [sys.executable, "-m", "devtools.demo", "--steps", str(steps), "--rollouts", str(rollouts)]
+        + ["--workdir", str(workdir)]
+        + (["--async"] if mode == "async" else []),
         capture_output=True,
         text=True,
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["ok"] and summary["steps"] == 5 and summary["committed"] == 5
+    summary = _summary(proc)
+    assert summary["ok"] and summary["mode"] == "learn" and summary["engine"] == "vllm"
+    assert summary["async"] is (mode == "async") and summary["model_size"] == "tiny"
+    assert summary["steps"] == steps and summary["committed"] == steps + 1  # version 1: the initial weights
+    assert summary["logprob_mismatch_max"] <= 1e-3
+    assert summary["samples"] == steps * rollouts * summary["group"]
+    for step in summary["per_step"]:
+        versions = [v for vs in step["sampled"].values() for v in vs]
+        assert set(step["sampled"]) == {f"rollout-{i}" for i in range(rollouts)}
+        assert 0 <= step["reward_mean"] <= step["reward_best"] <= 1
+        if mode == "sync":
+            assert versions == [step["version"]] * rollouts
+        else:
+            assert all(step["version"] - 1 <= v <= step["version"] for v in versions)
+    if mode == "sync":
+        assert summary["stale_samples"] == 0 and summary["dropped_samples"] == 0
+    else:
+        assert 0 <= summary["dropped_share"] < 1
+    assert proc.stdout.count("reward mean") == steps and "|dlogp|" in proc.stdout
+    assert not _our_processes(workdir)
+
+
+def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "devtools.demo", "--noise", "--model-size", "tiny", "--steps", "5"]
+        + ["--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    summary = _summary(proc)
+    assert summary["ok"] and summary["mode"] == "noise" and summary["steps"] == 5 and summary["committed"] == 5
     assert summary["bytes_per_step"] > 0 and len(summary["per_step"]) == 5
     assert [s["version"] for s in summary["per_step"]] == [1, 2, 3, 4, 5]
     assert all(s["pull_s"] > 0 and s["stage_s"] > 0 for s in summary["per_step"])

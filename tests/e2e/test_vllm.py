@@ -325,3 +325,39 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
         other.collective_rpc("weightsync_detach")
         relay.close()
         client.close()
+
+
+def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, coordinator: str) -> None:
+    """A tied model (as Qwen3-0.6B to 4B are): the LM head is the embedding. vLLM's reload
+    loads the embedding into a new tensor and puts back the head's old one (it received
+    nothing): unless the applier ties them again, every handshake says OK while the engine
+    scores tokens with the first version's head. The engine's log-probs must be the
+    published weights' (our JAX forward)."""
+    from weightsync.models import qwen3_jax
+
+    tied_dir = write_tiny_model(tmp_path / "tied", "qwen3", shape="tiny")
+    cfg, base = qwen3_jax.load_checkpoint(tied_dir)
+    assert cfg.tied and "lm_head.weight" not in base
+    llm = vllm.LLM(model=str(tied_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
+    info = {"coordinator": coordinator, "session": "tied", "agent_id": "eng-tied", "weight_sync_mode": "tcp"}
+    llm.init_weight_transfer_engine({"init_info": info})
+    try:
+        with WeightPublisher(PublisherSettings(coordinator=coordinator, session="tied", min_rollouts=1)) as pub:
+            rng = np.random.default_rng(5)
+            for v, scale in ((1, 0.0), (2, 0.3), (3, 0.3)):
+                w = dict(base)
+                w["model.embed_tokens.weight"] = (
+                    base["model.embed_tokens.weight"]
+                    + scale * v * rng.standard_normal(base["model.embed_tokens.weight"].shape)
+                ).astype(np.float32)
+                pub.publish(w, v)
+                sync_native(llm, v)
+                assert pub.wait_committed(v, 30) == "COMMITTED"
+                _, prompt_lp, _ = vllm_run(llm)
+                want = np.asarray(qwen3_jax.token_logprobs(w, cfg, np.asarray([PROMPT])))[0]
+                np.testing.assert_allclose(prompt_lp, want, atol=LOGPROB_ATOL)
+                if v > 1:  # the change is one the log-probs show
+                    old = np.asarray(qwen3_jax.token_logprobs(base, cfg, np.asarray([PROMPT])))[0]
+                    assert np.max(np.abs(old - want)) > 0.1
+    finally:
+        llm.shutdown_weight_transfer_engine()

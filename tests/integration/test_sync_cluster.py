@@ -45,6 +45,17 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
         ]
     assert rollout_status(r0.address).current_version == 2
     assert rollout_status(r1.address).current_version == 2
+    with grpc.insecure_channel(r0.address) as channel:  # a NumPy applier holds weights, samples nothing
+        with pytest.raises(grpc.RpcError) as e:
+            rpb_grpc.RolloutAgentStub(channel).Sample(
+                rpb.SampleRequest(prompt_token_ids=[5], n=1, max_tokens=1), timeout=10
+            )
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--engine vllm" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # checked before the engine is asked
+            rpb_grpc.RolloutAgentStub(channel).Sample(
+                rpb.SampleRequest(prompt_token_ids=[5], n=0, max_tokens=1), timeout=10
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("n: ")
 
     for proc, service in ((coord, "Coordinator"), (r0, "RolloutAgent"), (trainer, "TrainerAgent")):
         services = reflected_services(proc.address)

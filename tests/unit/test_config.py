@@ -430,6 +430,8 @@ def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
         (["--session", "Demo/1"], "--session"),
         (["--lr", "nan"], "--lr"),
         (["--timeout-s", "-1"], "--timeout-s"),
+        (["--group", "1"], "--group"),  # a group of one has no baseline to compare with
+        (["--max-tokens", "0"], "--max-tokens"),
     ],
 )
 def test_the_demo_refuses_what_it_cannot_run_before_starting_anything(
@@ -442,6 +444,37 @@ def test_the_demo_refuses_what_it_cannot_run_before_starting_anything(
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--async", "--noise"], ["--async", "--engine", "numpy"], ["--async", "--delta"]])
+def test_the_demos_async_mode_needs_the_learning_trainer(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from devtools.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "--async belongs to the learning trainer" in capsys.readouterr().err
+
+
+def test_the_demo_learns_by_default_and_takes_noise_where_it_cannot() -> None:
+    import importlib.util
+
+    from devtools.demo import LEARN_STEPS, build_parser, check_args
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("learning needs vLLM engines")
+
+    def resolved(*argv: str):
+        parser = build_parser()
+        args = parser.parse_args(list(argv))
+        check_args(parser, args)
+        return args
+
+    learn = resolved()
+    assert learn.learn and learn.engine == "vllm" and learn.model_size == "tiny" and learn.steps == LEARN_STEPS
+    for argv in (["--noise"], ["--engine", "numpy"], ["--delta"], ["--unix-sockets"], ["--model-size", "medium"]):
+        args = resolved(*argv)
+        assert not args.learn and args.steps == 5, argv
+    assert resolved("--noise").model_size == "small"  # the transport demo's size, as before
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,11 @@ class RolloutAgentStub:
                 request_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.Sample = channel.unary_unary(
+                '/weightsync.v1.RolloutAgent/Sample',
+                request_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutAgentServicer:
@@ -63,6 +68,17 @@ class RolloutAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sample(self, request, context):
+        """Samples completions of a prompt from the weights the engine serves (vLLM engines:
+        temperature 1, no top-k or top-p, no stop at EOS), each with its tokens' log-probs
+        under those weights and the version that sampled it. FAILED_PRECONDITION where the
+        engine does not generate (NumPy and JAX appliers); INVALID_ARGUMENT naming the field
+        for a prompt or length the engine cannot take.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +91,11 @@ def add_RolloutAgentServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatusRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatus.SerializeToString,
+            ),
+            'Sample': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sample,
+                    request_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +152,33 @@ class RolloutAgent:
             '/weightsync.v1.RolloutAgent/GetStatus',
             weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatusRequest.SerializeToString,
             weightsync_dot_v1_dot_rollout__agent__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.RolloutAgent/Sample',
+            weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.SerializeToString,
+            weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,3 @@
+"""Model forwards over HF-named parameters (pure JAX; imported only by those who run one)."""
+
+__all__: list[str] = []
