@@ -73,6 +73,9 @@ ENDLESS_METHODS = frozenset(
 # (the coordinator's, which its hub ends as returns) before the server cancels them.
 ENDLESS_GRACE_S = 0.25
 DRAIN_POLL_S = 0.02
+# How long past the grace grpc waits before it cancels calls by itself, should the drain
+# below not end them first.
+BACKSTOP_S = 1.0
 
 
 def _server_loop() -> asyncio.AbstractEventLoop:
@@ -126,20 +129,29 @@ class RunningServer:
     async def _drain(self, grace_s: float) -> None:
         """Stops taking calls; gives calls in flight up to `grace_s` to end, but streams that
         end only when their client leaves (`endless`) just ENDLESS_GRACE_S once nothing
-        else is left, then cancels what is still open."""
-        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        else is left, then cancels what is still open and logs which of the two it was."""
+        # grpc's own grace is only a backstop: were it `grace_s`, its timer would fire with
+        # this loop's deadline and cancel the calls first, unlogged.
+        stopping = asyncio.ensure_future(self.server.stop(grace_s + BACKSTOP_S))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         while not stopping.done() and loop.time() < deadline and self._finite_calls_open():
             await asyncio.sleep(DRAIN_POLL_S)
-        if not stopping.done():
+        if stopping.done():
+            await stopping
+            return
+        if self._finite_calls_open():
+            log.warning("the %gs grace is over; ending calls still open: %s", grace_s, self._describe_open())
+        else:
             await asyncio.wait({stopping}, timeout=min(ENDLESS_GRACE_S, max(0.0, deadline - loop.time())))
+            if not stopping.done():
+                log.info("ending streams that end only when their client leaves: %s", self._describe_open())
         if not stopping.done():
-            left = self.calls.by_method()
-            if left:
-                log.info("ending calls still open: %s", ", ".join(f"{m} x{n}" for m, n in sorted(left.items())))
             await self.server.stop(0)
         await stopping
+
+    def _describe_open(self) -> str:
+        return ", ".join(f"{m} x{n}" for m, n in sorted(self.calls.by_method().items())) or "none"
 
     def _finite_calls_open(self) -> bool:
         return any(method not in self.endless for method in self.calls.by_method())
