@@ -22,6 +22,11 @@ from weightsync.manifest import Endpoint
 from weightsync.transports import FetchRequest
 from weightsync.transports.tcp import TcpTransport
 
+# The reads of a silent peer below are given READ_TIMEOUT_S: one not ended by the interrupt
+# waits all of it, one ended takes well under a second (a few on a loaded machine).
+READ_TIMEOUT_S = 60.0
+ENDED_WITHIN_S = 20.0
+
 
 def test_only_an_older_generations_older_version_is_stale() -> None:
     announced = NewestAnnounced()
@@ -80,7 +85,7 @@ def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupte
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         transport = TcpTransport()
         transport.open(Endpoint(address, ("tcp",), "h", tcp_address=address))
-        request = FetchRequest("job", 1, 0, [0], 60.0, [(0, 16)], "token")
+        request = FetchRequest("job", 1, 0, [0], READ_TIMEOUT_S, [(0, 16)], "token")
         outcome: list[BaseException] = []
 
         def read() -> None:
@@ -91,11 +96,14 @@ def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupte
 
         reader = threading.Thread(target=read)
         reader.start()
-        time.sleep(0.3)  # the request is sent; the reply never comes
-        t0 = time.monotonic()
-        transport.interrupt()
-        reader.join(timeout=10)
-        assert not reader.is_alive() and time.monotonic() - t0 < 2
+        silent.settimeout(30)
+        peer, _ = silent.accept()
+        with peer:
+            peer.settimeout(30)
+            assert peer.recv(1)  # the request is on its way; the reply never comes
+            transport.interrupt()
+            reader.join(timeout=ENDED_WITHIN_S)
+        assert not reader.is_alive(), "the read waited on for its timeout"
         assert isinstance(outcome[0], TransportUnavailable)
         with pytest.raises(TransportUnavailable, match="interrupted"):  # no new connection after it
             transport.fetch_into(request, np.zeros(16, np.uint8), 0, None)
@@ -123,7 +131,7 @@ def test_an_interrupt_that_comes_while_the_transport_connects_ends_the_read(monk
         t0 = time.monotonic()
         with pytest.raises(TransportUnavailable, match="interrupted"):
             transport.fetch_into(
-                FetchRequest("job", 1, 0, [0], 30.0, [(0, 16)], "token"), np.zeros(16, np.uint8), 0, None
+                FetchRequest("job", 1, 0, [0], READ_TIMEOUT_S, [(0, 16)], "token"), np.zeros(16, np.uint8), 0, None
             )
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < ENDED_WITHIN_S, "the read waited on for its timeout"
         transport.close()
