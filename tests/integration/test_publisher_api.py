@@ -15,6 +15,7 @@ import pytest
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.integration.support import eventually
 from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import types_pb2 as tpb
@@ -217,9 +218,14 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
         done: list[PublishResult] = []
         third = threading.Thread(target=lambda: done.append(publisher.publish(_weights(3, layers=2), 3)))
         third.start()
-        time.sleep(1.0)
+
+        def refused_releases() -> float:
+            sample = {"service": "weightsync.v1.Coordinator", "method": "ReleaseVersion", "code": "FAILED_PRECONDITION"}
+            return inprocess_coordinator.metrics.registry.get_sample_value("weightsync_rpc_requests_total", sample) or 0
+
+        # Asked to release version 1 and refused, and asked again: the publish waits for the slot.
+        eventually(lambda: refused_releases() >= 2, what="the publish of version 3 waiting for a slot")
         assert not done, "version 3 took the slot of a version a live rollout leases"
-        t0 = time.monotonic()
         forced = subprocess.run(
             [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address]
             + ["--session", "job", "release-version", "1", "--force"],
@@ -228,8 +234,8 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
             timeout=60,
         )
         assert forced.returncode == 0, forced.stderr
-        third.join(30)
-        assert done and done[0].state == "READY" and time.monotonic() - t0 < 10
+        third.join(30)  # a publish still waiting raises SlotBusy at slot_wait_s (60 s)
+        assert done and done[0].state == "READY"
         states = {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
         assert states[1] == "RELEASED" and states[3] == "READY"
     client.close()
