@@ -90,14 +90,10 @@ def test_agents_notice_a_paused_coordinator_and_renew_their_leases_once_it_runs(
     assert "no answer to a heartbeat" in r0.log()
     assert r0.alive()
     # SIGTERM ends the agents' open heartbeat streams rather than waiting out the grace
-    # period, and as returns: ended by a cancel, each stayed open until its client gave up
-    # on it (~2 s per shutdown, against 3 s asked here: a slow run failed). Twice a stream
-    # still held the whole 5 s grace after this freeze (cause not found): the server now
-    # waits only for calls that end by themselves (tests/integration/test_shutdown.py) and
-    # names any stream it has to end in its log.
-    t0 = time.monotonic()
-    assert cluster.stop(coord.name) == 0
-    assert time.monotonic() - t0 < 1.5, "the coordinator waited for open heartbeat streams"
+    # period: the server waits only for calls that end by themselves
+    # (tests/integration/test_shutdown.py), and its log says when a grace ran out.
+    assert cluster.stop(coord.name, timeout_s=60) == 0
+    assert "grace is over" not in coord.log(), "the coordinator waited out its grace for open streams"
 
 
 def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster: Cluster) -> None:
@@ -693,13 +689,12 @@ def test_a_rollout_that_cannot_allocate_its_receive_buffer_reports_it_and_syncs_
 def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "30"])  # a long lease: only deregistering ends it soon
     cluster.start_rollout("r0", coord.address, "job")
-    cluster.start_rollout("r1", coord.address, "job")
+    r1 = cluster.start_rollout("r1", coord.address, "job")
     cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
     with CoordinatorClient(coord.address) as client:
         client.wait_for_version("job", 1, timeout_s=60)
-        t0 = time.monotonic()
-        assert cluster.stop("r1", timeout_s=5) == 0
-        assert time.monotonic() - t0 < 5
+        assert cluster.stop("r1", timeout_s=60) == 0  # a rollout that hangs on SIGTERM is killed: -9
+        assert "grace is over" not in r1.log(), "r1 waited out its grace"
         assert "r1" not in agents(client)  # gone at once, not after its 30 s lease
         cluster.stop("t1")
         cluster.start_trainer("t2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--hold"])
