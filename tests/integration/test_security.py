@@ -41,6 +41,9 @@ from weightsync.security import Security, agent_token, load_tokens
 from weightsync.server import RunningServer
 
 TOKENS = {"trainer": "t" * 24, "rollout": "r" * 24, "admin": "a" * 24}
+# The deadline of calls made with no retries: a refusal comes at once, and a loaded machine
+# must not turn an answer into DEADLINE_EXCEEDED.
+CALL_S = 30.0
 
 
 def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> tuple[str, str]:
@@ -106,7 +109,7 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
         assert trainer.open_session("job", trainer=True).generation == 1
 
     def refused(security: Security, error: type[Exception], call=lambda c: c.status("job")) -> str:  # noqa: ANN001
-        with CoordinatorClient(addr, timeout_s=3, retries=0, security=security) as c, pytest.raises(error) as exc:
+        with CoordinatorClient(addr, timeout_s=CALL_S, retries=0, security=security) as c, pytest.raises(error) as exc:
             call(c)
         return str(exc.value)
 
@@ -249,14 +252,14 @@ def test_rotated_bearer_tokens_are_read_again_without_a_restart(
     token_file = tmp_path / "rollout.token"
     token_file.write_text(TOKENS["rollout"])
     security = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["rollout"], token_file=str(token_file))
-    with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=security) as agent:
+    with CoordinatorClient(secure_coordinator.address, timeout_s=CALL_S, retries=0, security=security) as agent:
         agent.open_session("job", trainer=False)
         rotated = {role: token.upper() for role, token in TOKENS.items()}
         for path, text in ((Path(pki["tokens"]), json.dumps(rotated)), (token_file, rotated["rollout"])):
             path.with_suffix(".new").write_text(text)
             os.replace(path.with_suffix(".new"), path)  # swapped in place, as a Secret volume's files are
         old = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["rollout"])
-        with CoordinatorClient(secure_coordinator.address, timeout_s=3, retries=0, security=old) as stale:
+        with CoordinatorClient(secure_coordinator.address, timeout_s=CALL_S, retries=0, security=old) as stale:
 
             def refused() -> bool:
                 try:
@@ -265,8 +268,8 @@ def test_rotated_bearer_tokens_are_read_again_without_a_restart(
                     return True
                 return False
 
-            eventually(refused, timeout_s=10, what="the old token refused")
-        eventually(lambda: agent.status("job"), timeout_s=10, what="the same channel, with the rotated token")
+            eventually(refused, what="the old token refused")
+        eventually(lambda: agent.status("job"), what="the same channel, with the rotated token")
 
 
 def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
@@ -274,7 +277,7 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
     with CoordinatorClient(addr, security=_client_side(pki, "trainer")) as trainer:
         trainer.open_session("job", trainer=True)
     r0 = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token(TOKENS["rollout"], "rollout", "r0"))
-    with CoordinatorClient(addr, timeout_s=3, retries=0, security=r0) as c:
+    with CoordinatorClient(addr, timeout_s=CALL_S, retries=0, security=r0) as c:
         c.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
         c.heartbeat("job", "r0")
         assert c.status("job").agents[0].agent_id == "r0"
@@ -303,7 +306,7 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
         with pytest.raises(PermissionDenied):  # the role still binds: a rollout's token cannot attach as trainer
             c.open_session("job", trainer=True)
     forged = Security(pki["crt"], pki["key"], pki["ca"], token=agent_token("x" * 24, "rollout", "r1"))
-    with CoordinatorClient(addr, timeout_s=3, retries=0, security=forged) as c, pytest.raises(Unauthenticated):
+    with CoordinatorClient(addr, timeout_s=CALL_S, retries=0, security=forged) as c, pytest.raises(Unauthenticated):
         c.heartbeat("job", "r1")
     with pytest.raises(InvalidArgument):
         agent_token(TOKENS["admin"], "admin", "r0")
@@ -529,10 +532,10 @@ def test_an_agent_presents_its_renewed_client_certificate_without_a_restart(
         cluster.start_rollout("r0", coord.address, "job", rollout_tls)
 
         def alive() -> bool:
-            with CoordinatorClient(coord.address, security=admin, timeout_s=3, retries=0) as client:
+            with CoordinatorClient(coord.address, security=admin, timeout_s=CALL_S, retries=0) as client:
                 return any(a.agent_id == "r0" and a.alive for a in client.status("job").agents)
 
-        eventually(alive, timeout_s=30, what="r0 registered")
+        eventually(alive, what="r0 registered")
         for src, dst in ((next_key, mine["key"]), (next_crt, mine["crt"])):
             Path(dst + ".new").write_bytes(Path(src).read_bytes())
             os.replace(dst + ".new", dst)  # swapped in place, as a Secret volume's files are
@@ -543,5 +546,5 @@ def test_an_agent_presents_its_renewed_client_certificate_without_a_restart(
         coord = cluster.start_coordinator(
             port=port, db_path=coord.ready["db_path"], args=[*server, "--lease-ttl-s", "2"]
         )
-        eventually(alive, timeout_s=30, what="r0 registered again with its renewed certificate")
+        eventually(alive, what="r0 registered again with its renewed certificate")
         assert cluster.procs["r0"].alive()
