@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -47,8 +47,11 @@ def _scheme(uri: str) -> str:
 
 
 def _store_path(uri: str) -> str:
-    """fsspec's path for uri, normalised (local paths made absolute)."""
-    _, path = fsspec.core.url_to_fs(uri)
+    """fsspec's path for uri, normalised (local paths made absolute). Through the class, not
+    an instance: making a gcsfs or s3fs instance without the store's options looks for
+    credentials (gcsfs asks the GCE metadata server) on every part a rollout opens."""
+    protocol = fsspec.core.split_protocol(uri)[0] or "file"
+    path = fsspec.get_filesystem_class(protocol)._strip_protocol(uri)
     if _scheme(uri) == "file":
         path = posixpath.abspath(path)
     return posixpath.normpath(path)
@@ -93,13 +96,24 @@ def check_fs_root(root: str, field: str = "fs_root") -> str:
     return root
 
 
-class FsStore:
-    """One configured root; every path it touches is checked to stay inside it."""
+# Object stores: fsspec caches directory listings per filesystem object, and a listing taken
+# before the trainer wrote a marker would hide that marker from this process for good.
+_NO_LISTINGS_CACHE = {"use_listings_cache": False}
+_LOCAL = ("file", "memory")
 
-    def __init__(self, root: str) -> None:
+
+class FsStore:
+    """One configured root and its storage options (fsspec keyword arguments: endpoint,
+    credentials; see `fs_options`); every path it touches is checked to stay inside the root."""
+
+    def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
         check_fs_root(root)
-        self.fs, _ = fsspec.core.url_to_fs(root)
         self.protocol = _scheme(root)
+        extra = {} if self.protocol in _LOCAL else _NO_LISTINGS_CACHE
+        try:
+            self.fs, _ = fsspec.core.url_to_fs(root, **dict(options or {}), **extra)
+        except (TypeError, ValueError) as e:  # an option the filesystem does not take
+            raise InvalidArgument(f"{root!r}: {e}", field="fs_option") from None
         self.root = _store_path(root)
         self.root_uri = root
 
@@ -224,8 +238,8 @@ class FsTransport(Transport):
     name = "fs"
     cross_host = True
 
-    def __init__(self, root: str = "") -> None:
-        self._store = FsStore(root) if root else None
+    def __init__(self, root: str = "", options: Mapping[str, Any] | None = None) -> None:
+        self._store = FsStore(root, options) if root else None
         self._dir = ""
 
     def open(self, endpoint: Endpoint) -> None:
