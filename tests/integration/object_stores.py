@@ -43,7 +43,7 @@ class FaultProxy:
 
     upstream_port: int
     seen: list[tuple[str, str]] = field(default_factory=list)
-    _rules: list[_Rule] = field(default_factory=list)
+    rules: list[_Rule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stalled: threading.Event = field(default_factory=threading.Event)
     _released: threading.Event = field(default_factory=threading.Event)
@@ -113,13 +113,13 @@ class FaultProxy:
         """Answers the next `count` requests whose method is `method` (any if empty) and whose
         path matches the regex `path` with `status`."""
         with self._lock:
-            self._rules.append(_Rule(method, re.compile(path), count, status))
+            self.rules.append(_Rule(method, re.compile(path), count, status))
 
     def stall(self, *, method: str = "", path: str = "", after: int = 0) -> threading.Event:
         """Holds the first matching request after `after` matching ones until `release`;
         returns an event set once it is held."""
         with self._lock:
-            self._rules.append(_Rule(method, re.compile(path), after + 1, 0))
+            self.rules.append(_Rule(method, re.compile(path), after + 1, 0))
         self._stalled.clear()
         self._released.clear()
         return self._stalled
@@ -129,14 +129,14 @@ class FaultProxy:
 
     def clear(self) -> None:
         with self._lock:
-            self._rules.clear()
+            self.rules.clear()
         self._released.set()
 
     def _match(self, method: str, path: str) -> int:
         with self._lock:
             self.seen.append((method, path))
             rule = next(
-                (r for r in self._rules if (not r.method or r.method == method) and r.path.search(path) and r.count),
+                (r for r in self.rules if (not r.method or r.method == method) and r.path.search(path) and r.count),
                 None,
             )
             if rule is None:
@@ -147,7 +147,7 @@ class FaultProxy:
                 return rule.status
             if rule.count:  # a stall rule lets `after` requests through first
                 return 0
-            self._rules.remove(rule)
+            self.rules.remove(rule)
         self._stalled.set()
         self._released.wait(60)
         return 0

@@ -4,6 +4,11 @@ a local disk gives (a part is read whole and verified or not at all, leftovers r
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import urllib.parse
 from collections.abc import Iterator
 
 import numpy as np
@@ -87,4 +92,120 @@ def test_publish_pull_and_verify_through_the_store_alone(
         puller.close()
         objects = _objects(store)
         assert {o.split("/")[2] for o in objects} == {"v2", "v3"}, objects  # v1's slot was reused
+    client.close()
+
+
+def _puller(client: CoordinatorClient, store: ObjectStore) -> WeightPuller:
+    return WeightPuller(client, "job", "r0", mode="fs", fs_root=store.root, fs_options=_typed(store))
+
+
+def _typed(store: ObjectStore) -> dict[str, object]:
+    return parse_fs_options([f"{k}={v}" for k, v in store.options.items()])
+
+
+def _part_reads(store: ObjectStore, since: int) -> list[str]:
+    """Requests since the `since`-th that read a part's bytes (a GET of part.bin)."""
+    return [p for m, p in store.proxy.seen[since:] if m == "GET" and "part.bin" in urllib.parse.unquote(p)]
+
+
+def test_a_corrupted_object_is_refused_and_a_part_without_its_marker_never_read(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
+) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    first, second = _params(2), _params(3)
+    fs = store.filesystem()
+    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = _puller(client, store)
+        pub.server.stop(0)
+        pub.publish(first, 1)
+        applier = DictApplier()
+        assert sync_version(puller, applier, 1).ok
+        pub.publish(second, 2)
+        (part,) = [p for p in fs.find(store.bucket) if "/v2/" in p and p.endswith("/part.bin")]
+        data = bytearray(fs.cat_file(part))
+        data[len(data) // 2] ^= 0x01  # one bit, rewritten whole: what a bad copy or a bad disk leaves
+        fs.pipe_file(part, bytes(data))
+        bad = sync_version(puller, applier, 2)
+        assert not bad.ok and "digest" in bad.mismatch.lower(), bad.mismatch
+        assert all(np.array_equal(applier.weights[k], v) for k, v in first.items())  # still version 1
+        # The marker goes: the part is never read, even one byte of it.
+        fs.rm(part.rsplit("/", 1)[0] + "/_SUCCESS")
+        seen = len(store.proxy.seen)
+        bad = sync_version(puller, applier, 2)
+        assert not bad.ok and "has no _SUCCESS marker" in bad.mismatch and bad.transient, bad.mismatch
+        assert _part_reads(store, seen) == []
+        assert all(np.array_equal(applier.weights[k], v) for k, v in first.items())
+        puller.close()
+    client.close()
+
+
+def test_throttling_and_transient_5xx_are_ridden_out(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
+) -> None:
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    params = _params(4)
+    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = _puller(client, store)
+        pub.server.stop(0)
+        store.proxy.fail(1, 429, method="PUT" if store.protocol == "s3" else "POST")  # the part's upload
+        store.proxy.fail(1, 503, method="PUT" if store.protocol == "s3" else "POST")
+        pub.publish(params, 1)
+        store.proxy.fail(1, 503, method="GET", path="part.bin")  # a chunk's ranged read
+        store.proxy.fail(1, 429, method="GET", path="part.bin")
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, 1)
+        assert outcome.ok, outcome.mismatch
+        assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        assert [r.hits for r in store.proxy.rules] == [1, 1, 1, 1]  # every fault was met
+        puller.close()
+    client.close()
+
+
+def test_an_upload_killed_midway_leaves_nothing_to_read_and_the_next_publish_removes_it(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
+) -> None:
+    block = 5 << 20  # S3's smallest multipart part; a multiple of GCS's 256 KiB
+    size_option = {"s3": "default_block_size", "gs": "block_size"}[store.protocol]
+    writer_options = [*store.cli_options(), "--fs-option", f"{size_option}={block}"]
+    # The second block's upload is held: the first is in the store, the part is not whole.
+    if store.protocol == "s3":
+        held = store.proxy.stall(method="PUT", path="partNumber=2")
+    else:  # gcsfs sends each block of a resumable upload to its session
+        held = store.proxy.stall(method="POST", path="upload_id=", after=1)
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.object_store_writer", "--root", store.root, *writer_options,
+         "--bytes", str(3 * block)],
+        env={**os.environ, **store.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert held.wait(30), writer.communicate(timeout=5)[0] if writer.poll() is not None else "no upload held"
+        writer.send_signal(signal.SIGKILL)
+        assert writer.wait(10) == -signal.SIGKILL
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.communicate(timeout=10)
+        store.proxy.release()
+    fs = store.filesystem()
+    leftover = [p for p in fs.find(store.bucket) if "/job/v1/" in p]
+    assert not any(p.endswith(("/_SUCCESS", "/part.bin")) for p in leftover), leftover
+    from weightsync.transports.fs import FsStore
+
+    writer_store = FsStore(store.root, _typed(store))
+    pending = writer_store.pending_uploads(f"{store.bucket}/ws/job")
+    if store.protocol == "s3":
+        assert len(pending) == 1 and writer_store.versions("job") == [1]  # parts kept, and billed
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
+        pub.publish(_params(5), 2)  # the next publish: version 1 is no version the coordinator holds
+    assert writer_store.pending_uploads(f"{store.bucket}/ws/job") == []
+    assert [p for p in fs.find(store.bucket) if "/job/v1/" in p] == []
+    assert writer_store.versions("job") == [2]
     client.close()

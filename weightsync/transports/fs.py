@@ -100,6 +100,8 @@ def check_fs_root(root: str, field: str = "fs_root") -> str:
 # before the trainer wrote a marker would hide that marker from this process for good.
 _NO_LISTINGS_CACHE = {"use_listings_cache": False}
 _LOCAL = ("file", "memory")
+_S3 = ("s3", "s3a")
+_LOCAL_WRITE_BYTES = 64 << 20
 
 
 class FsStore:
@@ -155,11 +157,9 @@ class FsStore:
             if self.fs.exists(posixpath.join(d, MARKER)):
                 return relative, False
             self.fs.makedirs(d, exist_ok=True)
-            with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
-                f.write(data)
+            self._write(posixpath.join(d, PART_FILE), data)
             if delta is not None:
-                with self.fs.open(posixpath.join(d, DELTA_FILE), "wb") as f:
-                    f.write(delta)
+                self._write(posixpath.join(d, DELTA_FILE), delta)
             self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         except OSError as e:  # no marker was written: readers never see the partial part
             try:
@@ -169,10 +169,45 @@ class FsStore:
             raise store_error(e, f"cannot write {self.uri_of(d)}", writing=True) from e
         return relative, True
 
+    def pending_uploads(self, d: str) -> list[tuple[str, str]]:
+        """(path, upload id) of the multipart uploads begun under directory `d` and never
+        completed nor aborted (a writer killed mid-part): S3 keeps, and bills, their parts
+        until they are aborted, and lists them to no reader. Other stores have none a client
+        can list (GCS drops an unfinished resumable upload after a week)."""
+        if self.protocol not in _S3:
+            return []
+        bucket, _, key = d.strip("/").partition("/")
+        out: list[tuple[str, str]] = []
+        page_from: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/", **page_from)
+            out += [(f"{bucket}/{u['Key']}", u["UploadId"]) for u in page.get("Uploads") or ()]
+            if not page.get("IsTruncated"):
+                return out
+            page_from = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def _abort_uploads(self, d: str) -> int:
+        pending = self.pending_uploads(d)
+        for path, upload in pending:
+            bucket, _, key = path.partition("/")
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        return len(pending)
+
+    def _write(self, path: str, data: Any) -> None:
+        """Writes `data` a block at a time: an object store's file buffers what it is given
+        whole before it uploads (a copy of the model's part), and uploads each block it
+        fills as one part of a multipart (S3) or resumable (GCS) upload."""
+        view = memoryview(data).cast("B")
+        with self.fs.open(path, "wb") as f:
+            step = getattr(f, "blocksize", 0) or _LOCAL_WRITE_BYTES
+            for start in range(0, len(view), step):
+                f.write(view[start : start + step])
+
     def _remove_upwards(self, d: str, session: str) -> None:
-        """Removes directory `d`, then each parent left empty, up to (not including) the
-        session's directory."""
+        """Removes directory `d` (and uploads left unfinished in it), then each parent left
+        empty, up to (not including) the session's directory."""
         stop = posixpath.join(self.root, session)
+        self._abort_uploads(d)
         if self.fs.exists(d):
             self.fs.rm(d, recursive=True)
         d = posixpath.dirname(d)
@@ -200,19 +235,28 @@ class FsStore:
         return True
 
     def remove_version(self, session: str, version: int) -> None:
-        """Garbage-collects every rank's part of a version (a restart may have fewer ranks)."""
-        self.fs.rm(posixpath.dirname(self._rank_dir(session, version, 0)), recursive=True)
+        """Garbage-collects every rank's part of a version (a restart may have fewer ranks),
+        uploads left unfinished under it included.
+
+        Raises:
+            FileNotFoundError: the store holds nothing of the version.
+        """
+        d = posixpath.dirname(self._rank_dir(session, version, 0))
+        aborted = self._abort_uploads(d)
+        try:
+            self.fs.rm(d, recursive=True)
+        except FileNotFoundError:
+            if not aborted:
+                raise
 
     def versions(self, session: str) -> list[int]:
+        """The versions of `session` the store holds anything of (on S3, an unfinished
+        upload too)."""
         d = posixpath.join(self.root, session)
-        if not self.fs.exists(d):
-            return []
-        out = []
-        for entry in self.fs.ls(d, detail=False):
-            m = _VERSION_DIR.fullmatch(posixpath.basename(entry.rstrip("/")))
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        names = [path[len(d) + 1 :].split("/", 1)[0] for path, _ in self.pending_uploads(d)]
+        if self.fs.exists(d):
+            names += [posixpath.basename(entry.rstrip("/")) for entry in self.fs.ls(d, detail=False)]
+        return sorted({int(m.group(1)) for name in names if (m := _VERSION_DIR.fullmatch(name))})
 
 
 # A write refused for these stays refused until an operator acts: the root is a file, on a
