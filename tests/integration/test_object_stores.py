@@ -4,12 +4,15 @@ a local disk gives (a part is read whole and verified or not at all, leftovers r
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from tests.integration.object_stores import Emulator, ObjectStore, emulators, mi
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
+from weightsync.errors import InvalidArgument
 from weightsync.server import RunningServer
 from weightsync.transports.fs_options import parse_fs_options
 
@@ -93,6 +97,16 @@ def test_publish_pull_and_verify_through_the_store_alone(
         objects = _objects(store)
         assert {o.split("/")[2] for o in objects} == {"v2", "v3"}, objects  # v1's slot was reused
     client.close()
+    wsctl = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--json"]
+    done = subprocess.run(
+        [*wsctl, "delete-session", "job", "--force", "--fs-root", store.root, *store.cli_options()],
+        env={**os.environ, **store.env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fs_store_removed"] is True and _objects(store) == []
 
 
 def _puller(client: CoordinatorClient, store: ObjectStore) -> WeightPuller:
@@ -209,3 +223,58 @@ def test_an_upload_killed_midway_leaves_nothing_to_read_and_the_next_publish_rem
     assert [p for p in fs.find(store.bucket) if "/job/v1/" in p] == []
     assert writer_store.versions("job") == [2]
     client.close()
+
+
+# s3 alone: gcsfs takes no secret as a string option (a token string is checked with
+# Google's token service, off this host); its credentials come from a file it is named.
+@pytest.mark.parametrize("store", ["s3"], indirect=True)
+def test_a_secret_given_as_an_option_is_never_logged(
+    inprocess_coordinator: RunningServer,
+    no_arena_leak: None,
+    store: ObjectStore,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Every logger at DEBUG (the clients' own included) through a publish, a pull, a store
+    that fails for good, and a malformed option: the secret appears nowhere."""
+    secret = "SENTINEL-s3cr3t-4f1c"  # moto takes any credential
+    store.options = {**store.options, "secret": secret}
+    caplog.set_level(logging.DEBUG)
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        puller = _puller(client, store)
+        pub.server.stop(0)
+        pub.publish(_params(6), 1)
+        assert sync_version(puller, DictApplier(), 1).ok
+        store.proxy.fail(1000, 403, method="GET", path="part.bin")
+        bad = sync_version(puller, DictApplier(), 1)
+        assert not bad.ok and secret not in bad.mismatch
+        store.proxy.clear()
+        puller.close()
+    with pytest.raises(InvalidArgument) as e:
+        parse_fs_options([f"secret={secret}", f"secret={secret}"])
+    client.close()
+    assert secret not in str(e.value)
+    assert secret not in caplog.text
+    out, err = capfd.readouterr()
+    assert secret not in out + err
+    assert any("part.bin" in r.getMessage() or r.levelno >= logging.WARNING for r in caplog.records)  # it logged
+
+
+def test_a_process_given_no_options_takes_endpoint_and_credentials_from_the_environment(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    """AWS_ENDPOINT_URL and AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (botocore's own chain),
+    STORAGE_EMULATOR_HOST (gcsfs's): a writer with no --fs-option reaches the store."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR"))}
+    env |= store.env | {"HOME": str(tmp_path), "NO_GCE_CHECK": "true"}  # no ~/.aws, no metadata server
+    seen = len(store.proxy.seen)
+    cmd = [sys.executable, "-m", "tests.integration.object_store_writer", "--root", store.root, "--bytes", "4096"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    fs = store.filesystem()
+    assert fs.cat_file(f"{store.bucket}/ws/job/v1/r0/0123456789abcdef/part.bin") == bytes(range(256)) * 16
+    assert fs.exists(f"{store.bucket}/ws/job/v1/r0/0123456789abcdef/_SUCCESS")
+    assert len(store.proxy.seen) > seen  # through the endpoint the environment named
