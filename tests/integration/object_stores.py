@@ -43,6 +43,10 @@ class FaultProxy:
 
     upstream_port: int
     seen: list[tuple[str, str]] = field(default_factory=list)
+    delay_s: float = 0.0  # added to each GET whose path matches `delay_path` (a store's round trip)
+    delay_path: str = "part.bin"
+    in_flight: int = 0
+    max_in_flight: int = 0  # of delayed GETs, the most at once
     rules: list[_Rule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stalled: threading.Event = field(default_factory=threading.Event)
@@ -75,6 +79,14 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(payload)
                     return
+                delayed = proxy.delay_s and self.command == "GET" and proxy.delay_path in self.path
+                if delayed:
+                    with proxy._lock:
+                        proxy.in_flight += 1
+                        proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                    time.sleep(proxy.delay_s)
+                    with proxy._lock:
+                        proxy.in_flight -= 1
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
@@ -130,6 +142,7 @@ class FaultProxy:
     def clear(self) -> None:
         with self._lock:
             self.rules.clear()
+            self.delay_s, self.max_in_flight = 0.0, 0
         self._released.set()
 
     def _match(self, method: str, path: str) -> int:

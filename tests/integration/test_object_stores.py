@@ -278,3 +278,30 @@ def test_a_process_given_no_options_takes_endpoint_and_credentials_from_the_envi
     assert fs.cat_file(f"{store.bucket}/ws/job/v1/r0/0123456789abcdef/part.bin") == bytes(range(256)) * 16
     assert fs.exists(f"{store.bucket}/ws/job/v1/r0/0123456789abcdef/_SUCCESS")
     assert len(store.proxy.seen) > seen  # through the endpoint the environment named
+
+
+def test_a_lanes_chunks_are_read_concurrently(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
+) -> None:
+    """One lane (streams=1): each ranged GET is held 50 ms by the proxy, and a fetch call's
+    chunks overlap (bounded by RANGES_IN_FLIGHT)."""
+    from weightsync.transports.fs import RANGES_IN_FLIGHT
+
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    params = _params(7, n=4, shape=(128, 256))  # 512 KiB: 64 chunks of 8 KiB
+    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        pub.server.stop(0)
+        pub.publish(params, 1)
+        puller = WeightPuller(
+            client, "job", "r0", mode="fs", fs_root=store.root, fs_options=_typed(store), streams=1, window_chunks=16
+        )
+        store.proxy.delay_s = 0.05
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, 1)
+        assert outcome.ok, outcome.mismatch
+        assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        assert 1 < store.proxy.max_in_flight <= RANGES_IN_FLIGHT
+        puller.close()
+    client.close()

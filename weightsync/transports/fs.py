@@ -22,6 +22,7 @@ from typing import Any
 
 import fsspec
 import xxhash
+from fsspec.asyn import AsyncFileSystem
 
 from weightsync.errors import (
     FailedPrecondition,
@@ -102,6 +103,8 @@ _NO_LISTINGS_CACHE = {"use_listings_cache": False}
 _LOCAL = ("file", "memory")
 _S3 = ("s3", "s3a")
 _LOCAL_WRITE_BYTES = 64 << 20
+# Ranged reads in flight per fetch call on an object store (each lane of a pull makes its own).
+RANGES_IN_FLIGHT = 8
 
 
 class FsStore:
@@ -322,8 +325,24 @@ class FsTransport(Transport):
             raise InvalidArgument("the fs transport needs (offset, length) for every index", field="spans")
         part = posixpath.join(self._dir, PART_FILE)
         delta = posixpath.join(self._dir, DELTA_FILE)
-        for index, (offset, length) in zip(request.indices, request.spans):
-            path = delta if request.chunk_count and index >= request.chunk_count else part
+        paths = [delta if request.chunk_count and i >= request.chunk_count else part for i in request.indices]
+        if len(paths) > 1 and isinstance(self._store.fs, AsyncFileSystem):
+            # An object store answers each ranged GET after a round trip: the request's
+            # chunks are read concurrently (the puller bounds a request to its window).
+            try:
+                datas = self._store.fs.cat_ranges(
+                    paths,
+                    [offset for offset, _ in request.spans],
+                    [offset + length for offset, length in request.spans],
+                    batch_size=RANGES_IN_FLIGHT,
+                    on_error="raise",
+                )
+            except OSError as e:
+                raise store_error(e, f"cannot read {part}") from e
+            for index, (offset, _), data in zip(request.indices, request.spans, datas):
+                yield ChunkPayload(index, offset, memoryview(data))
+            return
+        for index, path, (offset, length) in zip(request.indices, paths, request.spans):
             try:
                 data = self._store.fs.cat_file(path, start=offset, end=offset + length)
             except OSError as e:
