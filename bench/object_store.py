@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.object_stores import Emulator, missing_packages  # noqa: E402
+from devtools.object_stores import Emulator, missing_packages  # noqa: E402
 from weightsync.manifest import Endpoint  # noqa: E402
 from weightsync.transports.base import FetchRequest  # noqa: E402
 from weightsync.transports.fs import PART_FILE, FsStore, FsTransport  # noqa: E402

@@ -9,6 +9,7 @@ allows none, as a TPU VM may).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from devtools.cluster import Cluster
+from devtools.object_stores import Emulator, missing_packages
 from devtools.tiny_models import write_tiny_model
 from weightsync import rpc, version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
@@ -92,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the session's data plane (rollouts follow it): tcp (default), grpc, shm (default with "
         "--unix-sockets), relay (NumPy rollouts re-serve each other in a chain), fs (writes parts under "
         "<workdir>/store)",
+    )
+    p.add_argument(
+        "--fs-emulator",
+        choices=["s3", "gs"],
+        default=None,
+        help="with --weight-sync-mode fs: the store is a bucket on an emulator started on 127.0.0.1 (moto's S3 "
+        "server, or fake-gcs-server), reached through s3fs or gcsfs with --fs-option flags (pip install -e "
+        "'.[dev]')",
     )
     p.add_argument(
         "--unix-sockets",
@@ -177,6 +187,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--weight-sync-mode {args.weight_sync_mode} needs inet sockets, and --unix-sockets opens none: "
             "use shm, grpc or fs"
         )
+    if args.fs_emulator and mode != "fs":
+        parser.error("--fs-emulator is the store of --weight-sync-mode fs")
+    if args.fs_emulator and args.unix_sockets:
+        parser.error("--fs-emulator serves HTTP on 127.0.0.1, and --unix-sockets opens no inet socket")
+    if args.fs_emulator and (why := missing_packages(args.fs_emulator)):
+        parser.error(f"--fs-emulator {args.fs_emulator}: {why}")
     if args.unix_sockets and args.engine == "vllm":
         # its engine's torch.distributed (gloo) binds a loopback inet socket of its own
         parser.error("--engine vllm opens inet sockets (torch.distributed on 127.0.0.1): --unix-sockets needs numpy")
@@ -226,7 +242,8 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
     rows: list[dict[str, Any]] = []
     trainer_rc = None
     platform = ""
-    with Cluster(workdir) as cluster:
+    # the emulator (--fs-emulator) stops after every process that uses it
+    with contextlib.ExitStack() as cluster_stack, Cluster(workdir) as cluster:
         coord = cluster.start_coordinator(args=addresses.listen("coordinator"))
         console.print(f"coordinator  {coord.address}  ({_metrics(coord)})")
         rollout_args: list[str] = []
@@ -246,6 +263,15 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
             ]
             console.print(f"starting {args.rollouts} vLLM engines on {model_dir} (about a minute on 2 cores)")
         fs_args = ["--fs-root", str(workdir / "store")] if args.weight_sync_mode == "fs" else []
+        fs_env: dict[str, str] = {}
+        if args.fs_emulator:
+            emulator = Emulator(args.fs_emulator, workdir)
+            cluster_stack.callback(emulator.stop)
+            bucket = emulator.new_store()
+            fs_args, fs_env = ["--fs-root", bucket.root, *bucket.cli_options()], bucket.env
+            console.print(
+                f"fs store     {bucket.root}  ({args.fs_emulator} emulator at {bucket.options['endpoint_url']})"
+            )
         rollout_args += fs_args
         rollouts = [
             cluster.start(
@@ -262,6 +288,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
                     *addresses.listen(f"rollout-{i}"),
                 ],
                 wait=False,
+                env=fs_env,
             )
             for i in range(args.rollouts)
         ]
@@ -292,7 +319,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
                     *addresses.listen("trainer"),
                 ],
                 # JAX_PLATFORMS empty: JAX's own choice, the chip where it sees one
-                env={"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else None,
+                env={**fs_env, **({"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else {})},
             )
             platform = trainer.ready.get("platform", "cpu")
             console.print(f"trainer      {trainer.address}  (JAX on {platform.upper()}, publishes every step)")

@@ -107,7 +107,7 @@ def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Pa
 
 
 def test_object_store_bench_reads_each_protocol_back_and_overlaps_its_gets() -> None:
-    from tests.integration.object_stores import missing_packages
+    from devtools.object_stores import missing_packages
 
     run = _bench("object_store.py", "--part-mib", "2", "--chunk-mib", "1", "--window", "2", "--repeat", "1")
     out = json.loads(run.stdout)

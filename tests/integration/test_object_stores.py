@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devtools.object_stores import Emulator, ObjectStore, emulators, missing_packages
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
-from tests.integration.object_stores import Emulator, ObjectStore, emulators, missing_packages
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient

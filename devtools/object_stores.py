@@ -1,6 +1,7 @@
-"""Object-store emulators for the fs mode's tests: moto's S3 server and fake-gcs-server, each a
-real process on 127.0.0.1 at a port chosen at run time, behind a proxy that can fail or stall
-the requests a test names. Nothing leaves the loopback interface; credentials are dummies."""
+"""Object-store emulators for the fs mode's tests, bench and demo: moto's S3 server and
+fake-gcs-server, each a real process on 127.0.0.1 at a port chosen at run time, behind a proxy
+that can fail, stall or slow the requests a test names. Nothing leaves the loopback
+interface; credentials are dummies."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.integration.support import free_port
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (for a server started later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
 
 # Headers a proxy must not forward as they are (hop by hop, or rewritten with the body).
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
