@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
@@ -145,6 +145,11 @@ bench-apply: setup
 # shared through unix relays (bench/host_pull.py; unix sockets only, so it runs on a TPU host).
 bench-host-pull: setup
 	$(PY) bench/host_pull.py $(BENCH_ARGS)
+
+# One big part read back from s3:// and gs:// emulators on 127.0.0.1 (each GET held
+# --latency-ms): the fs transport's concurrent reads against one GET at a time.
+bench-object-store: setup
+	$(PY) bench/object_store.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info site

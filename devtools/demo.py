@@ -9,6 +9,7 @@ allows none, as a TPU VM may).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from devtools.cluster import Cluster
+from devtools.object_stores import Emulator, missing_packages
 from devtools.tiny_models import write_tiny_model
 from weightsync import rpc, version_states
 from weightsync._proto import rollout_agent_pb2 as rpb
@@ -111,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the session's data plane (rollouts follow it): tcp (default), grpc, shm (default with "
         "--unix-sockets), relay (NumPy rollouts re-serve each other in a chain), fs (writes parts under "
         "<workdir>/store)",
+    )
+    p.add_argument(
+        "--fs-emulator",
+        choices=["s3", "gs"],
+        default=None,
+        help="with --weight-sync-mode fs: the store is a bucket on an emulator started on 127.0.0.1 (moto's S3 "
+        "server, or fake-gcs-server), reached through s3fs or gcsfs with --fs-option flags (pip install -e "
+        "'.[dev]')",
     )
     p.add_argument(
         "--unix-sockets",
@@ -223,6 +233,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--weight-sync-mode {args.weight_sync_mode} needs inet sockets, and --unix-sockets opens none: "
             "use shm, grpc or fs"
         )
+    if args.fs_emulator and mode != "fs":
+        parser.error("--fs-emulator is the store of --weight-sync-mode fs")
+    if args.fs_emulator and args.unix_sockets:
+        parser.error("--fs-emulator serves HTTP on 127.0.0.1, and --unix-sockets opens no inet socket")
+    if args.fs_emulator and (why := missing_packages(args.fs_emulator)):
+        parser.error(f"--fs-emulator {args.fs_emulator}: {why}")
     if args.unix_sockets and args.engine == "vllm":
         # its engine's torch.distributed (gloo) binds a loopback inet socket of its own
         parser.error("--engine vllm opens inet sockets (torch.distributed on 127.0.0.1): --unix-sockets needs numpy")
@@ -287,7 +303,8 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
         f"[bold]weightsync demo[/]: model={args.model_size} steps={args.steps} "
         f"rollouts={args.rollouts} workdir={workdir}"
     )
-    with Cluster(workdir) as cluster:
+    # the emulator (--fs-emulator) stops after every process that uses it
+    with contextlib.ExitStack() as cluster_stack, Cluster(workdir) as cluster:
         coord = cluster.start_coordinator(args=addresses.listen("coordinator"))
         console.print(f"coordinator  {coord.address}  ({_metrics(coord)})")
         rollout_args: list[str] = []
@@ -306,7 +323,19 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
                 "float32",
             ]
             console.print(f"starting {args.rollouts} vLLM engines on {model_dir} (about a minute on 2 cores)")
-        fs_args = ["--fs-root", str(workdir / "store")] if args.weight_sync_mode == "fs" else []
+        args.fs_root = str(workdir / "store") if args.weight_sync_mode == "fs" else ""
+        args.fs_option, args.fs_env = [], {}
+        if args.fs_emulator:
+            emulator = Emulator(args.fs_emulator, workdir)
+            cluster_stack.callback(emulator.stop)
+            bucket = emulator.new_store()
+            args.fs_root, args.fs_env = bucket.root, bucket.env
+            args.fs_option = [f"{k}={v}" for k, v in bucket.options.items()]
+            console.print(
+                f"fs store     {bucket.root}  ({args.fs_emulator} emulator at {bucket.options['endpoint_url']})"
+            )
+        fs_args = ["--fs-root", args.fs_root] if args.fs_root else []
+        fs_args += [a for option in args.fs_option for a in ("--fs-option", option)]
         rollout_args += fs_args
         rollouts = [
             cluster.start(
@@ -323,6 +352,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
                     *addresses.listen(f"rollout-{i}"),
                 ],
                 wait=False,
+                env=args.fs_env,
             )
             for i in range(args.rollouts)
         ]
@@ -386,7 +416,7 @@ def _run_noise_trainer(
                 *addresses.listen("trainer"),
             ],
             # JAX_PLATFORMS empty: JAX's own choice, the chip where it sees one
-            env={"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else None,
+            env={**args.fs_env, **({"JAX_PLATFORMS": ""} if args.trainer_platform == "auto" else {})},
         )
         platform = trainer.ready.get("platform", "cpu")
         console.print(f"trainer      {trainer.address}  (JAX on {platform.upper()}, publishes every step)")

@@ -71,8 +71,10 @@ def run_learning(
         weight_dtype="float32",  # what the engines serve: their log-probs then match the trainer's
         weight_sync_mode=args.weight_sync_mode,
         min_rollouts=len(rollouts),
-        fs_root=str(workdir / "store") if args.weight_sync_mode == "fs" else "",
+        fs_root=args.fs_root,
+        fs_option=tuple(args.fs_option),
     )
+    os.environ.update(args.fs_env)  # an emulator's endpoint and dummy credentials (--fs-emulator)
     console.print(
         f"trainer      in this process (JAX on {jax.default_backend().upper()}): GRPO on the tiny Qwen3, "
         f"{cfg.group} completions x {cfg.max_tokens} tokens per rollout and step, lr {cfg.lr:g}, "

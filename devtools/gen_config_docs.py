@@ -58,6 +58,8 @@ def _default(name: str, value: Any) -> str:
         return "unset"
     if value == "":
         return "(empty)"
+    if value == ():
+        return "(none; repeatable)"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
     if isinstance(value, int) and name.endswith("_bytes") and value:

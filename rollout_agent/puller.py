@@ -9,9 +9,10 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +116,8 @@ class WeightPuller:
 
     `mode` is a weight-sync mode ("" = the session's default, read from each
     manifest): "tcp" reads the native bulk server, "shm" maps a same-host trainer's arena
-    (host ids equal), "fs" reads parts from the store under `fs_root`, "relay" reads from
+    (host ids equal), "fs" reads parts from the store under `fs_root` (fsspec storage options
+    `fs_options`: endpoint, credentials), "relay" reads from
     a rollout before this one in the coordinator's chain (`upstream_of`: the first on its
     host relaying on a unix socket, whose buffers it maps, else the one before it; the
     trainer over tcp when none, or when that relay fails) and re-serves through `relay`;
@@ -144,6 +146,7 @@ class WeightPuller:
         mode: str = "",
         host_id: str = "",
         fs_root: str = "",
+        fs_options: Mapping[str, Any] | None = None,
         streams: int = 2,
         window_chunks: int = 32,
         max_attempts: int = 3,
@@ -162,6 +165,7 @@ class WeightPuller:
         self.relay_fallbacks = 0
         self.host_id = host_id or socket.gethostname()
         self.fs_root = fs_root
+        self.fs_options = dict(fs_options or {})
         if relay is not None and self.mode not in ("relay", ""):
             raise InvalidArgument(
                 f"a relay source needs mode 'relay' (or the session's), not {self.mode!r}", field="mode"
@@ -283,7 +287,10 @@ class WeightPuller:
                 raise TransportUnavailable("the pull was abandoned")
             transport = self._transports.get(key)
             if transport is None:
-                options = {"fs": {"root": self.fs_root}, "grpc": {"security": self.security}}.get(key[0], {})
+                options = {
+                    "fs": {"root": self.fs_root, "options": self.fs_options},
+                    "grpc": {"security": self.security},
+                }.get(key[0], {})
                 transport = create_transport(key[0], **options)
                 transport.open(lane.endpoint)
                 self._transports[key] = transport

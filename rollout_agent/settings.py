@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from weightsync.addresses import inet_refused, inet_unusable, is_unix, unix_address, unix_path
-from weightsync.config import PeerConfig, check_bounds, check_positive, option
+from weightsync.config import PeerConfig, check_bounds, check_positive, option, secret_option
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
+from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import (
     MAX_INSTANCE_CHARS,
     check_address,
@@ -83,6 +84,12 @@ class SyncSettings(PeerConfig):
         "from a relay silent for this plus 5 s (frozen, cut off) goes to the trainer too.",
     )
     fs_root: str = option("", "fs transport: the fsspec root parts may be read from (e.g. /mnt/ckpt, gs://bucket/ws).")
+    fs_option: tuple[str, ...] = secret_option(
+        (),
+        "fs transport: a storage option of --fs-root as key=value, passed to fsspec (e.g. "
+        "endpoint_url=http://minio:9000); credentials come from the standard places (AWS_*, "
+        "GOOGLE_APPLICATION_CREDENTIALS).",
+    )
     streams: int = option(2, "Parallel streams per trainer rank.")
     window_chunks: int = option(
         32, "Chunks requested per call (the in-flight window per stream; measured best in docs/performance.md)."
@@ -125,6 +132,7 @@ class SyncSettings(PeerConfig):
                 raise InvalidArgument(f"{self.apply_mode!r} is not 'atomic' or 'streaming'", field="apply_mode")
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
             check_pull_args(self, self.weight_sync_mode, self.fs_root)
+            parse_fs_options(self.fs_option)
             self.check_inet_modes()
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)

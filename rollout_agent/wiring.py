@@ -27,6 +27,7 @@ from weightsync.failpoints import Failpoints
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
 from weightsync.metrics import Metrics
+from weightsync.transports.fs_options import parse_fs_options
 
 log = logging.getLogger(__name__)
 Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch) of a late handshake
@@ -173,6 +174,7 @@ def wire_rollout(
         mode=settings.weight_sync_mode,
         host_id=settings.host_id,
         fs_root=settings.fs_root,
+        fs_options=parse_fs_options(settings.fs_option),
         streams=settings.streams,
         window_chunks=settings.window_chunks,
         max_attempts=settings.max_attempts,

@@ -66,6 +66,7 @@ from weightsync.manifest import ChunkSpec, Endpoint, Part, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics, build_metrics
 from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start_server
 from weightsync.transports.fs import FsStore, content_id
+from weightsync.transports.fs_options import parse_fs_options
 from weightsync.transports.tcp import TcpChunkServer
 from weightsync.validation import INT64_MAX, MAX_KEY_CHARS, check_int_arg, check_version_arg
 
@@ -201,7 +202,7 @@ class WeightPublisher:
         self.rank = settings.rank
         self.agent_id = settings.agent_id or f"trainer-{settings.rank}-{uuid.uuid4().hex[:8]}"
         self.metrics = metrics or build_metrics("trainer")
-        self.fs_store = FsStore(settings.fs_root) if settings.fs_root else None
+        self.fs_store = FsStore(settings.fs_root, parse_fs_options(settings.fs_option)) if settings.fs_root else None
         self.last_path = ""
         self.generation = 0
         self.fenced_by = 0  # the newer generation that fenced this publisher

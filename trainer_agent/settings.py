@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
 from weightsync.addresses import inet_unusable
-from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option
+from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option, secret_option
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
+from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import DEFAULT_LIMITS, UINT32_MAX, check_address, check_agent_id, check_session_name
 
 # Data planes served on inet sockets: the native tcp server (relay chains read it too).
@@ -67,6 +68,11 @@ class PublisherSettings(ServerConfig):
         "",
         "Also write every part under this fsspec root for the fs mode (e.g. /mnt/ckpt, gs://b/ws); old versions "
         "are removed when their slot is reused.",
+    )
+    fs_option: tuple[str, ...] = secret_option(
+        (),
+        "A storage option of --fs-root as key=value, passed to fsspec (e.g. endpoint_url=http://minio:9000, "
+        "requester_pays=true); credentials come from the standard places (AWS_*, GOOGLE_APPLICATION_CREDENTIALS).",
     )
     use_ffi: bool | None = option(
         None,
@@ -121,6 +127,7 @@ class PublisherSettings(ServerConfig):
             raise InvalidArgument("weight_sync_mode 'fs' needs fs_root: where parts are written", field="fs_root")
         if self.fs_root:
             check_fs_root(self.fs_root)
+        parse_fs_options(self.fs_option)
         # what a coordinator on default limits accepts: refused here, not after staging
         check_bounds(self, ("world_size",), 1, DEFAULT_LIMITS.max_trainer_ranks)
         if not 0 <= self.rank < self.world_size:

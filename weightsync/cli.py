@@ -24,6 +24,7 @@ from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, NotFound, WeightsyncError, status_name_for
 from weightsync.security import Security, agent_token, load_tokens
 from weightsync.transports.fs import FsStore, store_error
+from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import UINT32_MAX, check_address
 from weightsync.wire import unix_seconds
 
@@ -208,7 +209,8 @@ def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, cons
     """A finished job's session and all stored for it; named in full (never the default).
     With --fs-root, its directory in the fs store too (the coordinator cannot reach the
     store), also for a session deleted before (NOT_FOUND: no manifest names those parts)."""
-    store = FsStore(args.fs_root) if args.fs_root else None  # a root it cannot use: refused before the delete
+    # a root or option it cannot use: refused before the delete
+    store = FsStore(args.fs_root, parse_fs_options(args.fs_option)) if args.fs_root else None
     try:
         deleted: pb.DeleteSessionResponse | None = client.delete_session(args.name, force=args.force)
     except NotFound:
@@ -330,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fs-root",
         default="",
         help="the fs store's root (the trainers' --fs-root): remove the session's directory there too",
+    )
+    s.add_argument(
+        "--fs-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a storage option of --fs-root, as the trainers' --fs-option (repeatable)",
     )
     generation = argparse.ArgumentParser(add_help=False)
     generation.add_argument(

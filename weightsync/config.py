@@ -39,6 +39,11 @@ def option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors a
     return field(default=default, metadata={"help": help, **kw})
 
 
+def secret_option(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A field that may hold credentials: left out of the dataclass's repr."""
+    return field(default=default, repr=False, metadata={"help": help, **kw})
+
+
 # Durations past a year are a typo; near 1e20 s they overflow clocks and deadlines.
 MAX_SECONDS = 365 * 86400.0
 
@@ -251,6 +256,9 @@ def build_parser(cls: type, prog: str, description: str = "") -> argparse.Argume
             help_text += f" (default: {default})"
         if tp is bool:
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, help=help_text)
+        elif typing.get_origin(tp) is tuple:  # repeatable: each flag adds one item
+            help_text += " Repeatable."
+            parser.add_argument(flag, action="append", default=None, help=help_text)
         else:
             choices = f.metadata.get("choices")
             parser.add_argument(flag, type=_converter(tp), default=None, help=help_text, choices=choices)
@@ -279,6 +287,9 @@ def load_config(
             print(f"warning: unknown variable {key} ignored (known: {', '.join(sorted(names))})", file=sys.stderr)
             continue
         tp = _base_type(hints[name])
+        if typing.get_origin(tp) is tuple:  # the items of a repeatable flag, comma-separated
+            values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
+            continue
         try:
             values[name] = _converter(tp)(raw)
         except (ValueError, argparse.ArgumentTypeError) as e:
@@ -286,7 +297,7 @@ def load_config(
     for name in names:
         given = getattr(args, name)
         if given is not None:
-            values[name] = given
+            values[name] = tuple(given) if isinstance(given, list) else given
     try:
         return cls(**values)
     except ValueError as e:

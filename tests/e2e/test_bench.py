@@ -104,3 +104,15 @@ def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Pa
     delta, gloo = by[("weightsync", "tcp+delta", 3)], by[("gloo", "tcp", 3)]
     assert len(delta["rounds"]) == len(gloo["rounds"]) == delta["paired_rounds"] == 2
     assert delta["paired_by"].startswith("blocks of 1 rounds") and delta["paired_ratio_to_gloo"] > 0
+
+
+def test_object_store_bench_reads_each_protocol_back_and_overlaps_its_gets() -> None:
+    from devtools.object_stores import missing_packages
+
+    run = _bench("object_store.py", "--part-mib", "2", "--chunk-mib", "1", "--window", "2", "--repeat", "1")
+    out = json.loads(run.stdout)
+    installed = {"fs-s3": "s3", "fs-gcs": "gs"}
+    assert {r["row"] for r in out["rows"]} == {row for row, p in installed.items() if not missing_packages(p)}
+    assert set(out["skipped"]) == {row for row, p in installed.items() if missing_packages(p)}
+    for row in out["rows"]:  # every chunk was compared with what was written (the bench asserts it)
+        assert row["max_gets_in_flight"] == 2 and row["speedup"] > 0, row

@@ -150,3 +150,25 @@ def test_demo_with_delta_pulls_only_the_changed_elements_after_the_first_step(
     wire = [s["wire_ratio"] for s in summary["per_step"]]
     assert wire[0] >= 1.0 and all(0 < w < 0.1 for w in wire[1:]), wire
     assert not _our_processes(workdir)
+
+
+@pytest.mark.parametrize("protocol", ["s3", "gs"])
+def test_demo_in_fs_mode_on_an_object_store_emulator(tmp_path: Path, no_arena_leak: None, protocol: str) -> None:
+    from devtools.object_stores import missing_packages
+
+    if why := missing_packages(protocol):
+        pytest.skip(why)
+    workdir = tmp_path / "demo"
+    args = ["--model-size", "tiny", "--steps", "3", "--engine", "numpy", "--weight-sync-mode", "fs"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "devtools.demo", *args, "--fs-emulator", protocol, "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and summary["committed"] == 3 and summary["weight_sync_mode"] == "fs"
+    assert f"fs store     {protocol}://" in proc.stdout and proc.stdout.count("handshake OK 2/2") == 3
+    assert (workdir / f"{protocol}-emulator.log").exists() and not (workdir / "store").exists()
+    assert not _our_processes(workdir)

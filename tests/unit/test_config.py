@@ -478,6 +478,24 @@ def test_the_demo_learns_by_default_and_takes_noise_where_it_cannot() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--fs-emulator", "s3"], "is the store of --weight-sync-mode fs"),
+        (["--weight-sync-mode", "fs", "--fs-emulator", "gs", "--unix-sockets"], "opens no inet socket"),
+    ],
+)
+def test_the_demo_refuses_an_emulated_store_it_cannot_use(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devtools.demo import build_parser, check_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as e:
+        check_args(parser, parser.parse_args(argv))
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("address", "why"), [("127.0.0.1:99999", "port 99999 is not in [1, 65535]"), ("coordinator", "is not host:port")]
 )
 def test_wsctl_refuses_a_coordinator_address_grpc_would_read_as_another(

@@ -17,11 +17,12 @@ from __future__ import annotations
 import errno
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
 import xxhash
+from fsspec.asyn import AsyncFileSystem
 
 from weightsync.errors import (
     FailedPrecondition,
@@ -47,8 +48,11 @@ def _scheme(uri: str) -> str:
 
 
 def _store_path(uri: str) -> str:
-    """fsspec's path for uri, normalised (local paths made absolute)."""
-    _, path = fsspec.core.url_to_fs(uri)
+    """fsspec's path for uri, normalised (local paths made absolute). Through the class, not
+    an instance: making a gcsfs or s3fs instance without the store's options looks for
+    credentials (gcsfs asks the GCE metadata server) on every part a rollout opens."""
+    protocol = fsspec.core.split_protocol(uri)[0] or "file"
+    path = fsspec.get_filesystem_class(protocol)._strip_protocol(uri)
     if _scheme(uri) == "file":
         path = posixpath.abspath(path)
     return posixpath.normpath(path)
@@ -93,13 +97,28 @@ def check_fs_root(root: str, field: str = "fs_root") -> str:
     return root
 
 
-class FsStore:
-    """One configured root; every path it touches is checked to stay inside it."""
+# Object stores: fsspec caches directory listings per filesystem object, and a listing taken
+# before the trainer wrote a marker would hide that marker from this process for good.
+_NO_LISTINGS_CACHE = {"use_listings_cache": False}
+_LOCAL = ("file", "memory")
+_S3 = ("s3", "s3a")
+_LOCAL_WRITE_BYTES = 64 << 20
+# Ranged reads in flight per fetch call on an object store (each lane of a pull makes its own).
+RANGES_IN_FLIGHT = 8
 
-    def __init__(self, root: str) -> None:
+
+class FsStore:
+    """One configured root and its storage options (fsspec keyword arguments: endpoint,
+    credentials; see `fs_options`); every path it touches is checked to stay inside the root."""
+
+    def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
         check_fs_root(root)
-        self.fs, _ = fsspec.core.url_to_fs(root)
         self.protocol = _scheme(root)
+        extra = {} if self.protocol in _LOCAL else _NO_LISTINGS_CACHE
+        try:
+            self.fs, _ = fsspec.core.url_to_fs(root, **dict(options or {}), **extra)
+        except (TypeError, ValueError) as e:  # an option the filesystem does not take
+            raise InvalidArgument(f"{root!r}: {e}", field="fs_option") from None
         self.root = _store_path(root)
         self.root_uri = root
 
@@ -141,11 +160,9 @@ class FsStore:
             if self.fs.exists(posixpath.join(d, MARKER)):
                 return relative, False
             self.fs.makedirs(d, exist_ok=True)
-            with self.fs.open(posixpath.join(d, PART_FILE), "wb") as f:
-                f.write(data)
+            self._write(posixpath.join(d, PART_FILE), data)
             if delta is not None:
-                with self.fs.open(posixpath.join(d, DELTA_FILE), "wb") as f:
-                    f.write(delta)
+                self._write(posixpath.join(d, DELTA_FILE), delta)
             self.fs.pipe_file(posixpath.join(d, MARKER), b"")
         except OSError as e:  # no marker was written: readers never see the partial part
             try:
@@ -155,10 +172,45 @@ class FsStore:
             raise store_error(e, f"cannot write {self.uri_of(d)}", writing=True) from e
         return relative, True
 
+    def pending_uploads(self, d: str) -> list[tuple[str, str]]:
+        """(path, upload id) of the multipart uploads begun under directory `d` and never
+        completed nor aborted (a writer killed mid-part): S3 keeps, and bills, their parts
+        until they are aborted, and lists them to no reader. Other stores have none a client
+        can list (GCS drops an unfinished resumable upload after a week)."""
+        if self.protocol not in _S3:
+            return []
+        bucket, _, key = d.strip("/").partition("/")
+        out: list[tuple[str, str]] = []
+        page_from: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/", **page_from)
+            out += [(f"{bucket}/{u['Key']}", u["UploadId"]) for u in page.get("Uploads") or ()]
+            if not page.get("IsTruncated"):
+                return out
+            page_from = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def _abort_uploads(self, d: str) -> int:
+        pending = self.pending_uploads(d)
+        for path, upload in pending:
+            bucket, _, key = path.partition("/")
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        return len(pending)
+
+    def _write(self, path: str, data: Any) -> None:
+        """Writes `data` a block at a time: an object store's file buffers what it is given
+        whole before it uploads (a copy of the model's part), and uploads each block it
+        fills as one part of a multipart (S3) or resumable (GCS) upload."""
+        view = memoryview(data).cast("B")
+        with self.fs.open(path, "wb") as f:
+            step = getattr(f, "blocksize", 0) or _LOCAL_WRITE_BYTES
+            for start in range(0, len(view), step):
+                f.write(view[start : start + step])
+
     def _remove_upwards(self, d: str, session: str) -> None:
-        """Removes directory `d`, then each parent left empty, up to (not including) the
-        session's directory."""
+        """Removes directory `d` (and uploads left unfinished in it), then each parent left
+        empty, up to (not including) the session's directory."""
         stop = posixpath.join(self.root, session)
+        self._abort_uploads(d)
         if self.fs.exists(d):
             self.fs.rm(d, recursive=True)
         d = posixpath.dirname(d)
@@ -186,19 +238,28 @@ class FsStore:
         return True
 
     def remove_version(self, session: str, version: int) -> None:
-        """Garbage-collects every rank's part of a version (a restart may have fewer ranks)."""
-        self.fs.rm(posixpath.dirname(self._rank_dir(session, version, 0)), recursive=True)
+        """Garbage-collects every rank's part of a version (a restart may have fewer ranks),
+        uploads left unfinished under it included.
+
+        Raises:
+            FileNotFoundError: the store holds nothing of the version.
+        """
+        d = posixpath.dirname(self._rank_dir(session, version, 0))
+        aborted = self._abort_uploads(d)
+        try:
+            self.fs.rm(d, recursive=True)
+        except FileNotFoundError:
+            if not aborted:
+                raise
 
     def versions(self, session: str) -> list[int]:
+        """The versions of `session` the store holds anything of (on S3, an unfinished
+        upload too)."""
         d = posixpath.join(self.root, session)
-        if not self.fs.exists(d):
-            return []
-        out = []
-        for entry in self.fs.ls(d, detail=False):
-            m = _VERSION_DIR.fullmatch(posixpath.basename(entry.rstrip("/")))
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        names = [path[len(d) + 1 :].split("/", 1)[0] for path, _ in self.pending_uploads(d)]
+        if self.fs.exists(d):
+            names += [posixpath.basename(entry.rstrip("/")) for entry in self.fs.ls(d, detail=False)]
+        return sorted({int(m.group(1)) for name in names if (m := _VERSION_DIR.fullmatch(name))})
 
 
 # A write refused for these stays refused until an operator acts: the root is a file, on a
@@ -224,8 +285,8 @@ class FsTransport(Transport):
     name = "fs"
     cross_host = True
 
-    def __init__(self, root: str = "") -> None:
-        self._store = FsStore(root) if root else None
+    def __init__(self, root: str = "", options: Mapping[str, Any] | None = None) -> None:
+        self._store = FsStore(root, options) if root else None
         self._dir = ""
 
     def open(self, endpoint: Endpoint) -> None:
@@ -264,8 +325,24 @@ class FsTransport(Transport):
             raise InvalidArgument("the fs transport needs (offset, length) for every index", field="spans")
         part = posixpath.join(self._dir, PART_FILE)
         delta = posixpath.join(self._dir, DELTA_FILE)
-        for index, (offset, length) in zip(request.indices, request.spans):
-            path = delta if request.chunk_count and index >= request.chunk_count else part
+        paths = [delta if request.chunk_count and i >= request.chunk_count else part for i in request.indices]
+        if len(paths) > 1 and isinstance(self._store.fs, AsyncFileSystem):
+            # An object store answers each ranged GET after a round trip: the request's
+            # chunks are read concurrently (the puller bounds a request to its window).
+            try:
+                datas = self._store.fs.cat_ranges(
+                    paths,
+                    [offset for offset, _ in request.spans],
+                    [offset + length for offset, length in request.spans],
+                    batch_size=RANGES_IN_FLIGHT,
+                    on_error="raise",
+                )
+            except OSError as e:
+                raise store_error(e, f"cannot read {part}") from e
+            for index, (offset, _), data in zip(request.indices, request.spans, datas):
+                yield ChunkPayload(index, offset, memoryview(data))
+            return
+        for index, path, (offset, length) in zip(request.indices, paths, request.spans):
             try:
                 data = self._store.fs.cat_file(path, start=offset, end=offset + length)
             except OSError as e:
