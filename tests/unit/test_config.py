@@ -350,7 +350,7 @@ def test_a_bearer_token_can_come_from_a_mounted_file(tmp_path) -> None:  # noqa:
         ("trainer", ["--advertise-host", "pod ip"], "advertise_host"),
         # a store scheme fsspec does not know, or whose package is missing: every round failed
         ("rollout", ["--weight-sync-mode", "fs", "--fs-root", "bogus://bucket"], "fs_root"),
-        ("rollout", ["--fs-root", "s3://bucket/ws"], "s3fs"),
+        ("rollout", ["--fs-root", "abfs://container/ws"], "adlfs"),  # a scheme fsspec knows, its package not installed
         ("trainer", ["--weight-sync-mode", "fs", "--fs-root", "bogus://bucket"], "fs_root"),
     ],
 )
