@@ -1,6 +1,9 @@
 """Apply benchmark: a preset Qwen3 version into an engine's sharded jax.Arrays, against a
 plain device_put of the same bytes into the same shardings, measured in the same run.
 
+The version's tensors are views of one receive buffer, aligned as a puller's, so the
+apply meets the bytes as a rollout does.
+
 The engine holds the model in tpu-inference's layout (`--layout`), sharded over a
 ("data", "model") mesh (`--mesh`, `--profile`); the version is the preset's HF-named bf16
 tensors on the host. Each round runs the bound (every leaf's final bytes, already laid
@@ -42,7 +45,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from common import model  # noqa: E402
 
-from rollout_agent.jax_apply import JaxApply  # noqa: E402
+from devtools.receive_buffer import as_received  # noqa: E402
+from rollout_agent.jax_apply import JaxApply, owned  # noqa: E402
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
 from rollout_agent.jax_names import reference_leaf  # noqa: E402
 from rollout_agent.jax_targets import WeightsHolder  # noqa: E402
@@ -64,7 +68,8 @@ def bound_round(refs: dict[str, np.ndarray], shardings: dict[str, object], windo
     t0 = time.perf_counter()
     inflight: list[tuple[int, jax.Array]] = []
     for path, ref in refs.items():
-        inflight.append((ref.nbytes, jax.device_put(ref, shardings[path], may_alias=False)))
+        # owned: a copy, as the apply must make one (a CPU device may adopt the host array)
+        inflight.append((ref.nbytes, owned(jax.device_put(ref, shardings[path], may_alias=False), [ref])))
         while sum(n for n, _ in inflight) > window and len(inflight) > 1:
             arr = inflight.pop(0)[1]
             arr.block_until_ready()
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = mesh_of((rows, cols), devices)
     shape = PRESETS[args.preset]
     name_map = family_map("qwen3", args.layout, shape)
-    tensors = model(args.preset)
+    _, tensors = as_received(model(args.preset))  # where a rollout's puller leaves them
     specs = {n: Spec(n, a.shape) for n, a in tensors.items()}
     holder = WeightsHolder(empty_leaves(name_map, shape, shape.layers, shape.tied, mesh, PROFILES[args.profile]))
     window = args.window_mib << 20

@@ -110,6 +110,11 @@ int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_length
                       double* span_sums, uint64_t* chunk_digests, const uint8_t* enc, uint64_t enc_total,
                       const uint64_t* enc_offsets, const int64_t* enc_lengths, uint8_t* broken, int n_threads);
 
+// Sums of a row-major rows x cols matrix of unsigned integers of itemsize 1, 2 or 4
+// bytes, each modulo 2^32: row_sums[r] over row r, col_sums[c] over column c, in one pass.
+int ws_matrix_sums(const void* data, uint64_t rows, uint64_t cols, int itemsize, uint32_t* row_sums,
+                   uint32_t* col_sums);
+
 int ws_abi_version(void);
 // Threads a pass given n_threads <= 0 runs on, decided once per process: the environment's
 // WEIGHTSYNC_NATIVE_THREADS when a positive integer, else the cores of the process's CPU

@@ -30,7 +30,7 @@ import collections
 import concurrent.futures
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -284,6 +284,7 @@ class JaxApply:
         else:
             new = self._host_build(plan, cast, corrupt)
             r.transfers.add("host")
+        new = owned(new, cast.values())
         r.new[path] = new
         r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
         if r.mode == "inplace":
@@ -296,8 +297,8 @@ class JaxApply:
         r.build_seconds += time.perf_counter() - t0
 
     def _host_build(self, plan: LeafPlan, cast: Mapping[str, np.ndarray], corrupt: bool) -> Any:
-        # may_alias=False: a CPU device would otherwise keep the host bytes (the puller's
-        # receive buffer, overwritten by the next pull) as its memory
+        # may_alias=False says what is meant, but JAX ignores it for NumPy input and a CPU
+        # device may keep the host bytes as its memory (jax#37830): `owned` checks the result
         p = plan.parts[0]
         if len(plan.parts) == 1 and p.plain and not corrupt:
             # one strided view of the whole leaf: JAX slices it per device and copies each
@@ -363,7 +364,7 @@ class JaxApply:
         checks = {}
         for path, _ in bad:
             plan = r.plans[path]
-            new = self._host_build(plan, r.sources[path], corrupt=False)
+            new = owned(self._host_build(plan, r.sources[path], corrupt=False), r.sources[path].values())
             old, r.new[path] = r.new[path], new
             self.target.replace({path: new})
             if not old.is_deleted():
@@ -426,6 +427,21 @@ def _mismatch(bad: Sequence[tuple[str, str]]) -> str:
     path, why = bad[0]
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
     return f"leaf {path!r} on the device does not match the verified bytes ({why}){more}"
+
+
+def owned(arr: Any, sources: Iterable[np.ndarray]) -> Any:
+    """`arr`, or a copy of it on its devices where a shard's buffer lies inside the host
+    bytes it was built from. A CPU device adopts an aligned, contiguous host array as its
+    own buffer whatever device_put's `may_alias` says (jax#37830); the pulled bytes are
+    overwritten by the next pull, and the engine would serve them as they change."""
+    if all(d.platform != "cpu" for d in arr.sharding.device_set):
+        return arr  # an accelerator's memory is never the host's
+    ranges = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in sources if a.nbytes]
+    for shard in arr.addressable_shards:
+        ptr = shard.data.unsafe_buffer_pointer()
+        if any(lo <= ptr < hi for lo, hi in ranges):
+            return jnp.array(arr, copy=True)
+    return arr
 
 
 def _flip(a: np.ndarray) -> np.ndarray:

@@ -25,6 +25,11 @@ import numpy as np
 
 from rollout_agent.jax_names import LeafPlan, Part
 
+try:
+    from weightsync import native
+except ImportError:  # a bare JAX host without the package's dependencies (xxhash): NumPy's sums
+    native = None  # type: ignore[assignment]
+
 MASK = 0xFFFFFFFF
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -55,15 +60,22 @@ def array_fingerprint(b: np.ndarray) -> Fingerprint:
     while split > 1 and width < 4096:
         split -= 1
         width *= b.shape[split]
-    matrix = b.reshape(-1, width)
-    rows = np.add.reduce(matrix, axis=1, dtype=np.uint32).reshape(b.shape[:split])
-    cols = np.add.reduce(matrix, axis=0, dtype=np.uint32).reshape(b.shape[split:])
+    rows, cols = matrix_sums(b.reshape(-1, width))
+    rows, cols = rows.reshape(b.shape[:split]), cols.reshape(b.shape[split:])
     out = [_total(cols)]
     for k in range(b.ndim):
         part, axis = (rows, k) if k < split else (cols, k - split)
         others = tuple(a for a in range(part.ndim) if a != axis)
         out.append(_weighted(np.add.reduce(part, axis=others, dtype=np.uint32) if others else part))
     return tuple(out)
+
+
+def matrix_sums(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row sums, column sums) of a 2-D array of unsigned integers, each uint32 modulo
+    2^32: one pass in the native shim where it is built, two NumPy reductions otherwise."""
+    if native is not None and native.available() and matrix.dtype.itemsize in (1, 2, 4) and matrix.flags.c_contiguous:
+        return native.matrix_sums(matrix)
+    return np.add.reduce(matrix, axis=1, dtype=np.uint32), np.add.reduce(matrix, axis=0, dtype=np.uint32)
 
 
 def _total(m: np.ndarray) -> int:

@@ -21,7 +21,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 12
+_ABI_VERSION = 13
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -105,6 +105,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     ]
     lib.ws_delta16_encode.restype = ctypes.c_int64
     lib.ws_delta16_decode.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
+    lib.ws_matrix_sums.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
     return lib, ""
 
 
@@ -551,3 +553,21 @@ def delta16_decode(buf: np.ndarray, encoding: bytes | np.ndarray) -> None:
     if rc == _WS_DATA_LOSS:
         raise DataLoss(f"a delta encoding of {enc.size} bytes does not decode onto {buf.size} elements")
     _check(rc, "ws_delta16_decode")
+
+
+def matrix_sums(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row sums, column sums) of a C-contiguous 2-D array of uint8, uint16 or uint32,
+    each uint32 and modulo 2^32 (NumPy's `add.reduce(..., dtype=np.uint32)` along each
+    axis), in one pass over the bytes (native/fingerprint.cc; the GIL is released)."""
+    lib = _require()
+    if matrix.ndim != 2 or matrix.dtype not in (np.uint8, np.uint16, np.uint32) or not matrix.flags.c_contiguous:
+        raise InvalidArgument(
+            f"needs a C-contiguous 2-D array of uint8, uint16 or uint32, got {matrix.dtype} {matrix.shape}",
+            field="matrix",
+        )
+    rows, cols = matrix.shape
+    row_sums, col_sums = np.empty(rows, np.uint32), np.empty(cols, np.uint32)
+    rc = lib.ws_matrix_sums(_ptr(matrix) if matrix.size else None, rows, cols, matrix.dtype.itemsize,
+                            _ptr(row_sums) if rows else None, _ptr(col_sums) if cols else None)  # fmt: skip
+    _check(rc, "ws_matrix_sums")
+    return row_sums, col_sums

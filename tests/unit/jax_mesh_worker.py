@@ -4,7 +4,8 @@ count when JAX starts, and the suite's JAX has one device. Run by test_jax_mesh.
     python tests/unit/jax_mesh_worker.py '{"devices": 8, "mesh": [2, 4], "cases": [...]}'
 
 Each case (layout, profile, transfer, mode) applies two versions of a tiny Qwen3 into
-zero leaves sharded by the profile, then checks every device's shard of every leaf
+zero leaves sharded by the profile (the second from one aligned buffer, overwritten right
+after, as the next pull would), then checks every device's shard of every leaf
 against the NumPy reference of its slice; "corrupt" cases flip a bit on its way to the
 device and expect the version refused with the old leaves serving. Prints one JSON line:
 case name -> what it found.
@@ -28,6 +29,7 @@ import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
+from devtools.receive_buffer import as_received  # noqa: E402
 from rollout_agent.jax_apply import JaxApply  # noqa: E402
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
 from rollout_agent.jax_names import reference_leaf  # noqa: E402
@@ -83,9 +85,11 @@ def run(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     applier = JaxApply(holder, name_map, mode=case["mode"], transfer=case["transfer"],
                        fingerprint=case.get("fingerprint", "auto"))  # fmt: skip
     out: dict[str, Any] = {"sharded_leaves": sum(1 for a in leaves.values() if not a.sharding.is_fully_replicated)}
-    for v in (1, 2):
-        tensors = version(v)
-        apply(applier, v, tensors)
+    apply(applier, 1, version(1))
+    tensors = version(2)
+    received, views = as_received(tensors)  # where a puller's bytes land
+    apply(applier, 2, views)
+    received[:] = 0xFF  # the next pull: the engine's leaves must not change with it
     plans = applier._plan({n: (a.shape, "bfloat16") for n, a in tensors.items()})
     out["wrong"] = mismatches(holder, leaves, plans, tensors)
     out["leaves"] = len(plans)

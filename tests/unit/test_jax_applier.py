@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from devtools.receive_buffer import as_received
 from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
 from rollout_agent.jax_names import reference_leaf
@@ -100,6 +101,27 @@ def test_in_place_writes_leaf_by_leaf_into_the_callers_own_tree_and_frees_each_o
     r = applier.last_report()
     assert r is not None and r.mode == "inplace" and r.pause_seconds is not None
     assert r.pause_seconds >= r.build_seconds  # the engine waits for the whole apply in place
+    applier.close()
+
+
+@pytest.mark.parametrize("layout", ["tpu_inference", "hf"])
+@pytest.mark.parametrize(("mode", "transfer"), [("swap", "host"), ("swap", "device"), ("inplace", "host")])
+def test_the_applied_leaves_own_their_memory_when_the_pulled_bytes_are_overwritten(
+    layout: str, mode: str, transfer: str
+) -> None:
+    """A CPU device keeps an aligned, contiguous host array as its own buffer, whatever
+    device_put's may_alias says (jax#37830): the engine would then serve whatever the next
+    pull writes into the receive buffer. Every leaf must hold its own copy."""
+    name_map = family_map("qwen3", layout, TINY)
+    devs = jax.devices()
+    holder = WeightsHolder(empty_leaves(name_map, TINY, TINY.layers, TINY.tied, mesh_of((1, len(devs)), devs),
+                                        PROFILES["tpu_inference"]))  # fmt: skip
+    applier = JaxApplier(holder, name_map, mode=mode, transfer=transfer)
+    v1 = version(11)
+    buf, views = as_received(v1)
+    apply(applier, 1, views)
+    buf[:] = 0xFF  # the next pull lands in the same buffer
+    assert_holds(holder.get(), applier, v1)
     applier.close()
 
 

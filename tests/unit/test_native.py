@@ -280,3 +280,32 @@ def test_cpu_limit_reads_cgroup_v2_and_v1_quotas(tmp_path: Path, files: dict[str
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert native.cpu_limit(str(tmp_path)) == cores
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(0, 40),
+    cols=st.sampled_from([0, 1, 3, 4095, 4096, 4097, 9000]),
+    itemsize=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matrix_sums_equal_numpys_wrapping_reductions(rows: int, cols: int, itemsize: int, seed: int) -> None:
+    """One native pass, column blocks of 4096 and all: the same uint32 sums (modulo 2^32) as
+    NumPy's two reductions, extremes included (every element at its maximum wraps)."""
+    dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
+    rng = np.random.default_rng(seed)
+    m = rng.integers(0, np.iinfo(dtype).max, (rows, cols), dtype=dtype, endpoint=True)
+    if seed % 3 == 0:
+        m[...] = np.iinfo(dtype).max
+    got_rows, got_cols = native.matrix_sums(m)
+    assert np.array_equal(got_rows, np.add.reduce(m, axis=1, dtype=np.uint32))
+    assert np.array_equal(got_cols, np.add.reduce(m, axis=0, dtype=np.uint32))
+
+
+def test_matrix_sums_refuse_what_they_cannot_read() -> None:
+    with pytest.raises(InvalidArgument, match="matrix"):
+        native.matrix_sums(np.zeros((4, 4), np.uint16).T[:, :3])  # not C-contiguous
+    with pytest.raises(InvalidArgument, match="matrix"):
+        native.matrix_sums(np.zeros((4, 4), np.float32))
+    with pytest.raises(InvalidArgument, match="matrix"):
+        native.matrix_sums(np.zeros(4, np.uint16))
