@@ -29,16 +29,7 @@ import numpy as np
 
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map
 from rollout_agent.jax_targets import named_leaves
-from weightsync.model_shapes import ModelShape
-
-
-def shape_of(hf_config: Any) -> ModelShape:
-    """The ModelShape of a transformers Qwen3Config."""
-    return ModelShape(
-        hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads,
-        hf_config.num_key_value_heads, hf_config.head_dim, hf_config.intermediate_size, hf_config.vocab_size,
-        tied=bool(hf_config.tie_word_embeddings),
-    )  # fmt: skip
+from weightsync.models.qwen3_jax import Qwen3Config
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -67,9 +58,7 @@ class TPUWorker:
         self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
         self.rank = 0
         self.mesh = mesh
-        self.shape = shape_of(hf_config)
-        self.eps = float(hf_config.rms_norm_eps)
-        self.theta = float(getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"])
+        self.shape = Qwen3Config.from_hf(hf_config.to_dict())
         name_map = family_map("qwen3", "tpu_inference", self.shape)
         flat = empty_leaves(name_map, self.shape, self.shape.layers, self.shape.tied, mesh, PROFILES[profile],
                             dtype=np.float32)  # fmt: skip
@@ -113,7 +102,7 @@ class TPUWorker:
             raise RuntimeError("the engine cannot serve: its KV cache is freed (a weight update is open)")
         s = self.shape
         logits = _forward(self._leaves, jnp.asarray(token_ids, jnp.int32), s.layers, s.heads, s.kv_heads,
-                          s.head_dim, s.vocab, s.tied, self.eps, self.theta)  # fmt: skip
+                          s.head_dim, s.vocab, s.tied, s.rms_norm_eps, s.rope_theta)  # fmt: skip
         return np.asarray(logits)
 
 

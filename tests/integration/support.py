@@ -1,13 +1,15 @@
-"""Helpers for process tests: polling, reflection listing (metrics scraping: devtools.scrape)."""
+"""Helpers for process tests: polling, reflection listing, publish-and-sync rounds (metrics
+scraping: devtools.scrape)."""
 
 from __future__ import annotations
 
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -16,6 +18,10 @@ from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import trainer_agent_pb2 as tapb
 from weightsync._proto import trainer_agent_pb2_grpc as tapb_grpc
 from weightsync._proto import types_pb2 as tpb
+
+if TYPE_CHECKING:
+    from rollout_agent.puller import WeightPuller
+    from trainer_agent.publisher import WeightPublisher
 
 T = TypeVar("T")
 
@@ -80,3 +86,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def publish_and_sync(
+    pub: WeightPublisher, puller: WeightPuller, params: dict[str, np.ndarray], versions: tuple[int, ...] = (1, 2, 3)
+) -> dict[str, np.ndarray]:
+    """Per version, publishes `params` one higher and syncs it through `puller` into a fresh
+    DictApplier, which must then hold exactly what was published; returns the last params."""
+    from rollout_agent.appliers import DictApplier
+    from rollout_agent.sync import sync_version
+
+    for version in versions:
+        params = {k: v + 1 for k, v in params.items()}
+        pub.publish(params, version)
+        applier = DictApplier()
+        outcome = sync_version(puller, applier, version)
+        assert outcome.ok, outcome.mismatch
+        assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+    return params

@@ -21,6 +21,7 @@ from devtools.object_stores import Emulator, ObjectStore, emulators, missing_pac
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.integration.support import publish_and_sync
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
@@ -77,22 +78,9 @@ def test_publish_pull_and_verify_through_the_store_alone(
     params = _params(1)
     with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = WeightPuller(
-            client,
-            "job",
-            "r0",
-            mode="fs",
-            fs_root=store.root,
-            fs_options=parse_fs_options([f"{k}={v}" for k, v in store.options.items()]),
-        )
+        puller = _puller(client, store)
         pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
-        for version in (1, 2, 3):
-            params = {k: v + 1 for k, v in params.items()}
-            pub.publish(params, version)
-            applier = DictApplier()
-            outcome = sync_version(puller, applier, version)
-            assert outcome.ok, outcome.mismatch
-            assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        publish_and_sync(pub, puller, params)
         puller.close()
         objects = _objects(store)
         assert {o.split("/")[2] for o in objects} == {"v2", "v3"}, objects  # v1's slot was reused

@@ -10,6 +10,7 @@ import pytest
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
+from tests.integration.support import publish_and_sync
 from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights
 from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
@@ -156,13 +157,7 @@ def test_fs_transport_needs_no_route_to_the_trainer_and_collects_old_versions(
         client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
         puller = WeightPuller(client, "job", "r0", mode="fs", fs_root=root)
         pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
-        for version in (1, 2, 3):
-            params = {k: v + 1 for k, v in params.items()}
-            pub.publish(params, version)
-            applier = DictApplier()
-            outcome = sync_version(puller, applier, version)
-            assert outcome.ok, outcome.mismatch
-            assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
+        publish_and_sync(pub, puller, params)
         assert FsStore(root).versions("job") == [2, 3]  # v1's slot was reused: its files are gone
         # A root that is not the trainer's store says so, not that the part is unfinished
         # ("has no _SUCCESS marker yet", which sent operators to look at the trainer).

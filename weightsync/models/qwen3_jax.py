@@ -19,25 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weightsync.model_families import QWEN3, hf_shapes
+from weightsync.model_shapes import ModelShape, param_shapes
 
 Params = Mapping[str, jax.Array]
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
-    """The dimensions and constants a Qwen3 forward needs (a subset of HF's config.json)."""
+class Qwen3Config(ModelShape):
+    """A Qwen3 model's shape and the constants its forward needs (a subset of HF's
+    config.json)."""
 
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
-    tied: bool = True
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -64,7 +57,7 @@ class Qwen3Config:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's HF name and shape, in checkpoint order."""
-        return hf_shapes(QWEN3, self, self.layers, self.tied)
+        return param_shapes(self)
 
 
 def load_checkpoint(path: str | Path) -> tuple[Qwen3Config, dict[str, np.ndarray]]:
