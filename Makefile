@@ -19,7 +19,7 @@ LOCKED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # jax goes in first so the native build (no build isolation) finds its FFI headers.
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.cc native/*.h
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet --upgrade $(LOCKED) pip setuptools wheel
 	$(PIP) install --quiet $(LOCKED) cmake 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[trainer,dev]'
@@ -160,7 +160,7 @@ bench-object-store: setup
 lock:
 	rm -rf $(VENV)
 	$(MAKE) --no-print-directory setup CONSTRAINTS=
-	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^#' | sort -f; } > constraints.txt.new
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --all --exclude-editable | grep -v '^#' | sort -f; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	touch $(STAMP)
 
