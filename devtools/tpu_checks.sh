@@ -46,7 +46,7 @@ case "${1:-}" in
   suite)
     facts
     # the unit suite at JAX's default platform: CPU-meant tests pin a CPU device, inet tests skip
-    step unit 330 "$py" -m pytest -q -p no:cacheprovider -x --timeout 120 tests/unit
+    step unit 330 "$py" -m pytest -q -p no:cacheprovider --timeout 120 tests/unit
     # the chip's own tests (skipped off a TPU), the unix-socket process tests beside them
     step tpu-marked 200 "$py" -m pytest -q -p no:cacheprovider --timeout 150 -m "tpu or unix_only" tests
     ;;
