@@ -12,7 +12,9 @@ import subprocess
 import sys
 import urllib.parse
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,21 +72,38 @@ def _objects(store: ObjectStore) -> list[str]:
     return sorted(p[len(store.bucket) + 1 :] for p in fs.find(store.bucket))
 
 
+@contextmanager
+def _store_only(address: str, store: ObjectStore, **puller: Any) -> Iterator[tuple[WeightPublisher, WeightPuller]]:
+    """A trainer publishing into `store` and rollout r0 pulling from it alone (the trainer's
+    chunk server stopped); the puller and the client closed on the way out."""
+    client = CoordinatorClient(address)
+    client.open_session("job", trainer=False)
+    try:
+        with WeightPublisher(_settings(address, store)) as pub:
+            client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+            rollout = WeightPuller(
+                client, "job", "r0", mode="fs", fs_root=store.root, fs_options=_typed(store), **puller
+            )
+            pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
+            try:
+                yield pub, rollout
+            finally:
+                rollout.close()
+    finally:
+        client.close()
+
+
+def _typed(store: ObjectStore) -> dict[str, object]:
+    return parse_fs_options([f"{k}={v}" for k, v in store.options.items()])
+
+
 def test_publish_pull_and_verify_through_the_store_alone(
     inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
 ) -> None:
-    client = CoordinatorClient(inprocess_coordinator.address)
-    client.open_session("job", trainer=False)
-    params = _params(1)
-    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
-        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = _puller(client, store)
-        pub.server.stop(0)  # the trainer's chunk server is gone: only the store can serve
-        publish_and_sync(pub, puller, params)
-        puller.close()
+    with _store_only(inprocess_coordinator.address, store) as (pub, puller):
+        publish_and_sync(pub, puller, _params(1))
         objects = _objects(store)
         assert {o.split("/")[2] for o in objects} == {"v2", "v3"}, objects  # v1's slot was reused
-    client.close()
     wsctl = [sys.executable, "-m", "weightsync.cli", "--coordinator", inprocess_coordinator.address, "--json"]
     done = subprocess.run(
         [*wsctl, "delete-session", "job", "--force", "--fs-root", store.root, *store.cli_options()],
@@ -97,14 +116,6 @@ def test_publish_pull_and_verify_through_the_store_alone(
     assert json.loads(done.stdout)["fs_store_removed"] is True and _objects(store) == []
 
 
-def _puller(client: CoordinatorClient, store: ObjectStore) -> WeightPuller:
-    return WeightPuller(client, "job", "r0", mode="fs", fs_root=store.root, fs_options=_typed(store))
-
-
-def _typed(store: ObjectStore) -> dict[str, object]:
-    return parse_fs_options([f"{k}={v}" for k, v in store.options.items()])
-
-
 def _part_reads(store: ObjectStore, since: int) -> list[str]:
     """Requests since the `since`-th that read a part's bytes (a GET of part.bin)."""
     return [p for m, p in store.proxy.seen[since:] if m == "GET" and "part.bin" in urllib.parse.unquote(p)]
@@ -113,14 +124,9 @@ def _part_reads(store: ObjectStore, since: int) -> list[str]:
 def test_a_corrupted_object_is_refused_and_a_part_without_its_marker_never_read(
     inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
 ) -> None:
-    client = CoordinatorClient(inprocess_coordinator.address)
-    client.open_session("job", trainer=False)
     first, second = _params(2), _params(3)
     fs = store.filesystem()
-    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
-        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = _puller(client, store)
-        pub.server.stop(0)
+    with _store_only(inprocess_coordinator.address, store) as (pub, puller):
         pub.publish(first, 1)
         applier = DictApplier()
         assert sync_version(puller, applier, 1).ok
@@ -139,20 +145,13 @@ def test_a_corrupted_object_is_refused_and_a_part_without_its_marker_never_read(
         assert not bad.ok and "has no _SUCCESS marker" in bad.mismatch and bad.transient, bad.mismatch
         assert _part_reads(store, seen) == []
         assert all(np.array_equal(applier.weights[k], v) for k, v in first.items())
-        puller.close()
-    client.close()
 
 
 def test_throttling_and_transient_5xx_are_ridden_out(
     inprocess_coordinator: RunningServer, no_arena_leak: None, store: ObjectStore
 ) -> None:
-    client = CoordinatorClient(inprocess_coordinator.address)
-    client.open_session("job", trainer=False)
     params = _params(4)
-    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
-        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = _puller(client, store)
-        pub.server.stop(0)
+    with _store_only(inprocess_coordinator.address, store) as (pub, puller):
         store.proxy.fail(1, 429, method="PUT" if store.protocol == "s3" else "POST")  # the part's upload
         store.proxy.fail(1, 503, method="PUT" if store.protocol == "s3" else "POST")
         pub.publish(params, 1)
@@ -163,8 +162,6 @@ def test_throttling_and_transient_5xx_are_ridden_out(
         assert outcome.ok, outcome.mismatch
         assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         assert [r.hits for r in store.proxy.rules] == [1, 1, 1, 1]  # every fault was met
-        puller.close()
-    client.close()
 
 
 def test_an_upload_killed_midway_leaves_nothing_to_read_and_the_next_publish_removes_it(
@@ -228,22 +225,15 @@ def test_a_secret_given_as_an_option_is_never_logged(
     secret = "SENTINEL-s3cr3t-4f1c"  # moto takes any credential
     store.options = {**store.options, "secret": secret}
     caplog.set_level(logging.DEBUG)
-    client = CoordinatorClient(inprocess_coordinator.address)
-    client.open_session("job", trainer=False)
-    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
-        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        puller = _puller(client, store)
-        pub.server.stop(0)
+    with _store_only(inprocess_coordinator.address, store) as (pub, puller):
         pub.publish(_params(6), 1)
         assert sync_version(puller, DictApplier(), 1).ok
         store.proxy.fail(1000, 403, method="GET", path="part.bin")
         bad = sync_version(puller, DictApplier(), 1)
         assert not bad.ok and secret not in bad.mismatch
         store.proxy.clear()
-        puller.close()
     with pytest.raises(InvalidArgument) as e:
         parse_fs_options([f"secret={secret}", f"secret={secret}"])
-    client.close()
     assert secret not in str(e.value)
     assert secret not in caplog.text
     out, err = capfd.readouterr()
@@ -275,21 +265,12 @@ def test_a_lanes_chunks_are_read_concurrently(
     chunks overlap (bounded by RANGES_IN_FLIGHT)."""
     from weightsync.transports.fs import RANGES_IN_FLIGHT
 
-    client = CoordinatorClient(inprocess_coordinator.address)
-    client.open_session("job", trainer=False)
     params = _params(7, n=4, shape=(128, 256))  # 512 KiB: 64 chunks of 8 KiB
-    with WeightPublisher(_settings(inprocess_coordinator.address, store)) as pub:
-        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
-        pub.server.stop(0)
+    with _store_only(inprocess_coordinator.address, store, streams=1, window_chunks=16) as (pub, puller):
         pub.publish(params, 1)
-        puller = WeightPuller(
-            client, "job", "r0", mode="fs", fs_root=store.root, fs_options=_typed(store), streams=1, window_chunks=16
-        )
         store.proxy.delay_s = 0.05
         applier = DictApplier()
         outcome = sync_version(puller, applier, 1)
         assert outcome.ok, outcome.mismatch
         assert all(np.array_equal(applier.weights[k], v) for k, v in params.items())
         assert 1 < store.proxy.max_in_flight <= RANGES_IN_FLIGHT
-        puller.close()
-    client.close()
