@@ -123,7 +123,7 @@ native: setup
 # The transfer comparison (bench/transfer.py): weightsync's modes, the bounds and the peer
 # methods in one run; the peers' libraries (Orbax) and matplotlib come from the bench extra.
 bench: setup
-	$(PIP) install --quiet --no-build-isolation -e '.[bench]'
+	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[bench]'
 	$(PY) bench/transfer.py $(BENCH_ARGS)
 
 bench-control: setup
