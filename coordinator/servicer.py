@@ -487,7 +487,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "required: the caller's session generation (fenced writers release nothing)", field="generation"
             )
         rec = self._store.release_version(
-            request.session, request.version, generation=request.generation, force=request.force
+            request.session, request.version, generation=request.generation, force=request.force, unpin=request.unpin
         )
         return version_info(rec)
 

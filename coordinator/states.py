@@ -31,6 +31,8 @@ TRANSITIONS: dict[VersionState, frozenset[VersionState]] = {
 }
 # States in which rollouts may pull and report.
 SERVABLE = frozenset(VersionState(name) for name in version_states.SERVABLE)
+# States `version=0` may name (the newest of them).
+LATEST = frozenset(VersionState(name) for name in version_states.LATEST)
 
 
 def check_transition(version: int, current: VersionState, target: VersionState) -> None:

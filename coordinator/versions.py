@@ -20,11 +20,12 @@ from coordinator.database import Database, NotOnLoop
 from coordinator.handshake import AppliedReport, compare_report
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
-from coordinator.states import SERVABLE, VersionState, check_transition
+from coordinator.states import LATEST, SERVABLE, VersionState, check_transition
 from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
     InvalidArgument,
+    NewestCommitted,
     SessionNotFound,
     StaleGeneration,
     VersionConflict,
@@ -214,7 +215,8 @@ class VersionLifecycle:
         return _SealCheck.of(sealed, session, version, generation, part, trainer_ranks, self.limits)
 
     def manifest(self, session: str, version: int = 0, *, lease_for: str = "") -> tuple[VersionRecord, Manifest]:
-        """A servable version's manifest (0 = newest servable); optionally takes a lease.
+        """A servable version's manifest (0 = the newest READY or COMMITTED one: `LATEST`);
+        optionally takes a lease.
 
         Read on a reader connection; the lease is then one conditional statement under the
         writer's lock (a fleet takes a thousand at once on each new version, and a
@@ -225,14 +227,7 @@ class VersionLifecycle:
         with self._read() as db:
             self._session(db, session)
             if version == 0:
-                marks = ",".join("?" * len(SERVABLE))
-                row = db.execute(
-                    f"SELECT MAX(version) AS v FROM versions WHERE session=? AND state IN ({marks})",
-                    (session, *[s.value for s in SERVABLE]),
-                ).fetchone()
-                if row["v"] is None:
-                    raise VersionNotFound(f"session {session!r} has no READY version yet")
-                version = row["v"]
+                version = self._latest(db, session)
             rec = self._version(db, session, version)
             _check_servable(rec)
             if lease_for and not self._is_live_rollout(db, session, lease_for):
@@ -243,6 +238,19 @@ class VersionLifecycle:
         if lease_for:
             rec = self._take_lease(rec, lease_for)
         return rec, manifest
+
+    def _latest(self, db: sqlite3.Connection, session: str) -> int:
+        """The newest READY or COMMITTED version (VersionNotFound when there is none)."""
+        marks = ",".join("?" * len(LATEST))
+        row = db.execute(
+            f"SELECT MAX(version) AS v FROM versions WHERE session=? AND state IN ({marks})",
+            (session, *[s.value for s in LATEST]),
+        ).fetchone()
+        if row["v"] is None:
+            raise VersionNotFound(
+                f"session {session!r} has no READY or COMMITTED version (a PARTIAL one is served by its number)"
+            )
+        return row["v"]
 
     def _take_lease(self, rec: VersionRecord, agent_id: str) -> VersionRecord:
         """Records `agent_id`'s lease on `rec`'s version if it is still servable and the
@@ -374,9 +382,14 @@ class VersionLifecycle:
         self._notify(session)
         return rec
 
-    def release_version(self, session: str, version: int, *, generation: int, force: bool = False) -> VersionRecord:
-        """-> RELEASED; refused while a live rollout holds a lease, unless forced, and from
-        any generation but the session's current one (a fenced trainer releases nothing)."""
+    def release_version(
+        self, session: str, version: int, *, generation: int, force: bool = False, unpin: bool = False
+    ) -> VersionRecord:
+        """-> RELEASED, by the session's current generation only (a fenced trainer releases
+        nothing). Refused while a live rollout holds a lease, and for the session's newest
+        COMMITTED version, which stays servable until a newer one commits (`NewestCommitted`);
+        `unpin` lifts the second (a trainer with one arena slot overwrites that version's
+        bytes), `force` both."""
         check_session_name(session)
         check_version(version)
         with self._tx() as db:
@@ -385,6 +398,12 @@ class VersionLifecycle:
             if rec.state is S.RELEASED:
                 return rec
             check_transition(version, rec.state, S.RELEASED)
+            if rec.state is S.COMMITTED and not (force or unpin) and self._newest_committed(db, session) == version:
+                raise NewestCommitted(
+                    f"version {version} is the session's newest COMMITTED version: it stays servable until a newer "
+                    "version commits (release another slot's version, or pass force)",
+                    field="version",
+                )
             holders = self._lease_holders(db, session, version, limit=11)
             if holders and not force:
                 named = ", ".join(holders[:10]) + (" and more" if len(holders) > 10 else "")
@@ -397,6 +416,13 @@ class VersionLifecycle:
         self._manifests.discard((session, version))
         self._notify(session)
         return rec
+
+    @staticmethod
+    def _newest_committed(db: sqlite3.Connection, session: str) -> int | None:
+        row = db.execute(
+            "SELECT MAX(version) AS v FROM versions WHERE session=? AND state=?", (session, S.COMMITTED.value)
+        ).fetchone()
+        return row["v"]
 
     def _lease_holders(self, db: sqlite3.Connection, session: str, version: int, limit: int = -1) -> list[str]:
         """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
@@ -434,28 +460,37 @@ class VersionLifecycle:
         return dict(Counter(r["session"] for r in dropped))
 
     def _release_superseded(self, db: sqlite3.Connection, session: str | None = None) -> set[str]:
-        """Releases the versions a replaced trainer left servable once a newer trainer
-        generation committed a newer version and no live rollout holds them; returns the
-        sessions touched. Only the trainer that publishes a version releases it (when its
-        slot is reused), and a replaced one never comes back to: its versions stayed READY
-        or COMMITTED for good, so the retention window never summarized them (each kept its
-        descriptors and a handshake per rollout) and every sweep evaluated its READY ones
-        again. Runs in the sweep (a lease that ended) and when a version commits (for
-        `session` alone), so a successor that sees its version COMMITTED sees what it
-        superseded RELEASED."""
+        """Releases what replaced trainers left servable, once superseded and no live
+        rollout holds it; returns the sessions touched. Only the trainer that publishes a
+        version releases it (when its slot is reused), and a replaced one never comes back
+        to: its versions stayed READY or COMMITTED for good, so the retention window never
+        summarized them (each kept its descriptors and a handshake per rollout) and every
+        sweep evaluated its READY ones again.
+
+        Superseded means: by a newer COMMITTED version, for any version; and for one that
+        never committed, also by a newer generation's PARTIAL version (its trainer moved on
+        and rollouts abandon it for the newer one). A newer version that failed its
+        handshakes never releases a COMMITTED one: the session's newest COMMITTED version
+        stays servable until a newer version commits (invariant 2, docs/design.md).
+
+        Runs in the sweep (a lease that ended) and when a version commits (for `session`
+        alone), so a successor that sees its version COMMITTED sees what it superseded
+        RELEASED."""
         marks = ",".join("?" * len(SERVABLE))
         candidates = db.execute(
-            "SELECT v.session, v.version, v.generation FROM versions v JOIN sessions s ON s.name=v.session "
+            "SELECT v.session, v.version, v.generation, v.state FROM versions v JOIN sessions s ON s.name=v.session "
             f"WHERE v.generation<s.generation AND v.state IN ({marks}) AND (? IS NULL OR v.session=?)",
             [*[st.value for st in SERVABLE], session, session],
         ).fetchall()
         touched = set()
         for r in candidates:
             name, version = r["session"], r["version"]
+            # A PARTIAL version of a newer generation supersedes only what never committed.
+            partial_counts = r["state"] != S.COMMITTED.value
             newer = db.execute(
-                "SELECT version, generation FROM versions WHERE session=? AND version>? AND generation>? "
-                "AND state IN (?,?) ORDER BY version DESC LIMIT 1",
-                (name, version, r["generation"], S.COMMITTED.value, S.PARTIAL.value),
+                "SELECT version, generation FROM versions WHERE session=? AND version>? AND "
+                "(state=? OR (? AND state=? AND generation>?)) ORDER BY version DESC LIMIT 1",
+                (name, version, S.COMMITTED.value, partial_counts, S.PARTIAL.value, r["generation"]),
             ).fetchone()
             if newer is None or self._lease_holders(db, name, version, limit=1):
                 continue  # nothing replaced it yet, or a rollout still reads it (an fs store outlives its trainer)

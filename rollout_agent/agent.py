@@ -11,7 +11,14 @@ from collections.abc import Callable
 import grpc
 
 from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import FollowStop, NewestAnnounced, StaleWatch, follow_servable, newest_servable
+from rollout_agent.follow import (
+    FollowStop,
+    NewestAnnounced,
+    StaleWatch,
+    follow_servable,
+    latest_version,
+    newest_servable,
+)
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync import SyncResult
@@ -148,14 +155,14 @@ class RolloutAgent:
             log.info("deregistering %s: %s (its lease ends by itself)", self.agent_id, e)
 
     def sync(self, version: int = 0) -> SyncResult:
-        """Syncs a version (0 = newest servable); one at a time. A following rollout does not
+        """Syncs a version (0 = the newest READY or COMMITTED one); one at a time. A following rollout does not
         go back: a version older than the applied one is FailedPrecondition (the follow loop
         would apply the newest again at once). Without following, it is applied and becomes
         the current version."""
         version = check_int_arg(version, "version", 0, INT64_MAX)
         with self._sync_lock:
             if version == 0:
-                version = newest_servable(self.client, self.session)
+                version = latest_version(self.client, self.session)
             applied = self.engine.newest
             if self.follows and version < applied:
                 # Applying it left the engine on an older version while current_version, the

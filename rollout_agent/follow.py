@@ -17,14 +17,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)
+LATEST_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.LATEST)
 
 
 def newest_servable(client: CoordinatorClient, session: str) -> int:
-    """The session's newest READY / COMMITTED / PARTIAL version (VersionNotFound if none)."""
+    """The session's newest READY / COMMITTED / PARTIAL version (VersionNotFound if none):
+    what a following rollout syncs, a PARTIAL one included (its retry may commit it)."""
+    return _newest(client, session, SERVABLE_STATES, "READY, COMMITTED or PARTIAL")
+
+
+def latest_version(client: CoordinatorClient, session: str) -> int:
+    """What a caller's "latest" (version 0) names: the newest READY or COMMITTED version,
+    as the coordinator's GetManifest answers it (VersionNotFound if none)."""
+    return _newest(client, session, LATEST_STATES, "READY or COMMITTED")
+
+
+def _newest(client: CoordinatorClient, session: str, states: frozenset[int], named: str) -> int:
     for v in client.status(session, 20).versions:
-        if v.state in SERVABLE_STATES:
+        if v.state in states:
             return v.version
-    raise VersionNotFound(f"session {session!r} has no READY version yet")
+    raise VersionNotFound(f"session {session!r} has no {named} version among its newest 20")
 
 
 class NewestAnnounced:
@@ -103,7 +115,8 @@ def follow_servable(
 ) -> None:
     """Calls `on_version(version, generation)` with the newest servable version on
     (re)connect, then with each new one, until `stop` is set; rides out coordinator
-    outages by reconnecting."""
+    outages by reconnecting. A PARTIAL version comes with generation 0
+    (`_announced_generation`)."""
     seq = -1
     failing = False
     while not stop.is_set():
@@ -115,7 +128,7 @@ def follow_servable(
                     log.info("watch reconnected")
                     failing = False
                 if st.versions and st.versions[0].state in SERVABLE_STATES:
-                    on_version(st.versions[0].version, st.versions[0].generation)
+                    on_version(st.versions[0].version, _announced_generation(st.versions[0]))
             events, cancel = client.open_watch(session, seq)
             stop.watching(cancel)
             try:
@@ -124,7 +137,7 @@ def follow_servable(
                     if stop.is_set():
                         return
                     if ev.version.state in SERVABLE_STATES:
-                        on_version(ev.version.version, ev.version.generation)
+                        on_version(ev.version.version, _announced_generation(ev.version))
             finally:
                 stop.watching(None)
                 cancel()
@@ -137,6 +150,14 @@ def follow_servable(
                 failing = True
                 seq = -1
                 stop.wait(0.5)
+
+
+def _announced_generation(v: tpb.VersionInfo) -> int:
+    """The trainer generation an announced version is noted with (`NewestAnnounced`): 0,
+    "not known", for a PARTIAL one. A version some live rollout could not verify
+    supersedes nothing: a pull of an older generation's version, `latest` among them,
+    goes on (followers still want the PARTIAL version, and retry it)."""
+    return 0 if v.state == tpb.PARTIAL else v.generation
 
 
 class StaleWatch:

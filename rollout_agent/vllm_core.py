@@ -15,7 +15,7 @@ from typing import Any
 
 from rollout_agent.appliers import Applier
 from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import StaleWatch, newest_servable
+from rollout_agent.follow import StaleWatch, latest_version
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
@@ -108,7 +108,7 @@ class VllmRollout:
         v = parse_version(version)
         hold: AbstractContextManager[Prefetched | None] = contextlib.nullcontext(None)
         if self.prefetcher is not None:
-            v = v or newest_servable(w.client, self.info.session)
+            v = v or latest_version(w.client, self.info.session)
             hold = self.prefetcher.hold(v)
         with hold as ready:
             if ready is not None:  # pulled and checked while the engine served: apply only
@@ -135,7 +135,7 @@ class VllmRollout:
         session by itself); returns at once."""
         if self.prefetcher is None:
             raise InvalidArgument("prefetch is off (init_info.prefetch, or a streaming apply_mode)", field="prefetch")
-        self.prefetcher.request(parse_version(version) or newest_servable(self.wiring.client, self.info.session))
+        self.prefetcher.request(parse_version(version) or latest_version(self.wiring.client, self.info.session))
         return self.status()
 
     def status(self) -> dict[str, Any]:

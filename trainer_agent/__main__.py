@@ -16,7 +16,7 @@ from trainer_agent.config import TrainerConfig
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.staging import HostShard
 from weightsync.config import load_config
-from weightsync.errors import StaleGeneration, WeightsyncError
+from weightsync.errors import DeadlineExceeded, StaleGeneration, WeightsyncError
 from weightsync.logs import bind, setup_logging
 from weightsync.server import wait_for_signal, write_ready_file
 
@@ -75,11 +75,7 @@ def _run(argv: Sequence[str] | None) -> int:
                     return EXIT_FENCED
                 break
             if cfg.wait_commit:
-                state = pub.wait_committed(step, cfg.commit_timeout_s)
-                log.info("step=%d version=%d state=%s", step, step, state)
-                if state != "COMMITTED":
-                    log.error("version %d ended %s", step, state)
-                    return 1
+                _wait_committed(pub, step, cfg.commit_timeout_s)
             else:
                 log.info("step=%d version=%d state=%s", step, step, result.state)
             if cfg.step_interval_s > 0:
@@ -90,6 +86,21 @@ def _run(argv: Sequence[str] | None) -> int:
                     log.error("exiting: fenced by generation %d (pass --stay-fenced to keep serving)", pub.fenced_by)
                     return EXIT_FENCED
     return 0
+
+
+def _wait_committed(pub: WeightPublisher, step: int, timeout_s: float) -> None:
+    """Waits for the step's version to commit; training goes on whatever it ends as. A
+    version that did not commit in time stays served from its slot (its rollouts retry
+    it), so it can still commit; one that failed or was released is logged with why."""
+    try:
+        state = pub.wait_committed(step, timeout_s)
+    except DeadlineExceeded as e:
+        log.warning("step=%d version=%d not committed yet, training on: %s", step, step, e.message)
+        return
+    if state == "COMMITTED":
+        log.info("step=%d version=%d state=%s", step, step, state)
+    else:
+        log.warning("step=%d version=%d ended %s, training on", step, step, state)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ class TrainerConfig(PublisherSettings):
         1, "Version number of the first published step (an attach whose start version is not new is refused)."
     )
     step_interval_s: float = option(0.0, "Pause between steps (paces a trainer that does not wait for commits).")
-    wait_commit: bool = option(True, "Wait for each version to be COMMITTED before the next step.")
-    commit_timeout_s: float = option(120.0, "How long to wait for a commit.")
+    wait_commit: bool = option(
+        True, "Wait for each version to be COMMITTED before the next step (training goes on if it is not)."
+    )
+    commit_timeout_s: float = option(120.0, "How long to wait for a commit (a PARTIAL version may still commit).")
     hold: bool = option(False, "Keep serving after the last step until SIGTERM.")
     stay_fenced: bool = option(
         False, "Keep running when a newer trainer incarnation fenced this one (default: exit 3)."

@@ -38,7 +38,7 @@ from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import StagePlan, Stager, plan_staging
 from trainer_agent.staging import Layout, stage_streamed
 from trainer_agent.store_leftovers import remove_released_parts
-from weightsync import native
+from weightsync import native, version_states
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.addresses import inet_unusable
@@ -52,6 +52,7 @@ from weightsync.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NewestCommitted,
     ResourceExhausted,
     SessionNotFound,
     SlotBusy,
@@ -151,6 +152,15 @@ def _refuses_content(e: WeightsyncError) -> bool:
     have been taken, its answer lost) and not a failure that may pass."""
     refused = isinstance(e, (AlreadyExists, InvalidArgument, FailedPrecondition, ResourceExhausted))
     return refused and not isinstance(e, StaleGeneration) and not _may_pass(e)
+
+
+FINAL_STATES = tuple(sorted(version_states.FINAL))
+
+
+def _some(agents: list[str], shown: int = 5) -> str:
+    """Up to `shown` agent ids, quoted, and how many more."""
+    more = f" and {len(agents) - shown} more" if len(agents) > shown else ""
+    return ", ".join(repr(a) for a in agents[:shown]) + more
 
 
 def _ride_out(what: str, wait_s: float, call: Callable[[], T], may_pass: Callable[[WeightsyncError], bool]) -> T:
@@ -829,12 +839,14 @@ class WeightPublisher:
             return once()
 
     def _claim_slot(self, version: int) -> int:
-        """A slot to stage into: an empty one, else the oldest whose version is released.
+        """A slot to stage into: an empty one, else the oldest whose version can be released.
 
         A slot holding `version` itself is never chosen, so a retried or conflicting
         publish cannot overwrite bytes rollouts may be reading. The old version is
         released at the coordinator first, which is refused while a rollout holds a lease
-        on it; we wait (bounded) rather than tear its bytes.
+        on it (we wait, bounded, rather than tear its bytes) and for the session's newest
+        COMMITTED version (another slot is taken: with two slots, a version that fails its
+        handshakes never costs the session its last committed one).
         """
         if not self._started or self._closed:
             raise FailedPrecondition(
@@ -853,35 +865,19 @@ class WeightPublisher:
         for slot in range(self.arena.slots):
             if slot not in entries:
                 return slot
-        candidates = {s: e for s, e in entries.items() if e.version != version}
+        candidates = sorted(((s, e) for s, e in entries.items() if e.version != version), key=lambda kv: kv[1].version)
         if not candidates:
             raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
-        slot, entry = min(candidates.items(), key=lambda kv: kv[1].version)
-        deadline = time.monotonic() + self.settings.slot_wait_s
-        with self._refused_as_stale_means_fenced():
-            while True:
-                try:
-                    self._client.release_version(self.session, entry.version, generation=self.generation)
-                    break
-                except StaleGeneration:  # before FailedPrecondition, its base: never waited out
-                    raise
-                except WrongState:
-                    # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
-                    try:
-                        self._client.abort_version(
-                            self.session, generation=self.generation, version=entry.version, reason="slot reused"
-                        )
-                    except StaleGeneration:
-                        raise
-                    except WeightsyncError:
-                        break
-                except FailedPrecondition as e:
-                    if time.monotonic() > deadline or self._closed:
-                        raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
-                    time.sleep(0.05)
-                except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
-                    log.info("releasing version %d: %s", entry.version, e)
-                    break
+        # One slot: staging overwrites its version's bytes, whatever that version is.
+        unpin = self.arena.slots == 1
+        for slot, entry in candidates:  # oldest first; the session's newest COMMITTED version is kept
+            if self._release_for_reuse(slot, entry.version, unpin=unpin):
+                break
+        else:
+            raise SlotBusy(
+                f"cannot reuse a slot for version {version}: the only other one holds the session's newest COMMITTED "
+                f"version {candidates[0][1].version}, which stays servable until a newer version commits"
+            )
         self.table.set(slot, None)
         if self.fs_store is not None:
             try:
@@ -890,11 +886,48 @@ class WeightPublisher:
                 log.warning("version %d: its part was not removed from the fs store (%s)", entry.version, e)
         return slot
 
+    def _release_for_reuse(self, slot: int, version: int, *, unpin: bool) -> bool:
+        """Releases (or, still STAGING, aborts) the version in `slot` so it can be reused,
+        waiting up to slot_wait_s for rollouts' leases on it; False where it is the
+        session's newest COMMITTED version (and not `unpin`): another slot must be used."""
+        deadline = time.monotonic() + self.settings.slot_wait_s
+        with self._refused_as_stale_means_fenced():
+            while True:
+                try:
+                    self._client.release_version(self.session, version, generation=self.generation, unpin=unpin)
+                    return True
+                except NewestCommitted:  # (these two before FailedPrecondition, their base)
+                    return False
+                except StaleGeneration:
+                    raise
+                except WrongState:
+                    # Still STAGING (another rank never sealed) or otherwise unreleasable: abort it.
+                    try:
+                        self._client.abort_version(
+                            self.session, generation=self.generation, version=version, reason="slot reused"
+                        )
+                    except StaleGeneration:
+                        raise
+                    except WeightsyncError:
+                        pass
+                    return True
+                except FailedPrecondition as e:
+                    if time.monotonic() > deadline or self._closed:
+                        raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
+                    time.sleep(0.05)
+                except WeightsyncError as e:  # NOT_FOUND etc.: nothing to protect
+                    log.info("releasing version %d: %s", version, e)
+                    return True
+
     def wait_committed(self, version: int, timeout_s: float = 120.0) -> str:
-        """Blocks until the version is COMMITTED/PARTIAL/FAILED/RELEASED; returns the state
-        name. DeadlineExceeded after `timeout_s` says what the version waits for. An async
-        publish of `version` still pending is waited for first (its failure raised, and
-        PublishSuperseded for a version that was skipped)."""
+        """Blocks until the version is COMMITTED, FAILED or RELEASED; returns the state name.
+
+        PARTIAL is not an end: a rollout that could not verify the version retries it
+        (this publisher serves its chunks meanwhile) and the version commits once it
+        verifies, or once that rollout's lease lapses. DeadlineExceeded after `timeout_s`
+        says what the version waits for (the rollouts whose handshakes failed, for a
+        PARTIAL one). An async publish of `version` still pending is waited for first (its
+        failure raised, and PublishSuperseded for a version that was skipped)."""
         self._async.raise_failure()
         version = check_version_arg(version)
         if (by := self._async.superseded_by(version)) is not None:
@@ -907,7 +940,7 @@ class WeightPublisher:
                 raise DeadlineExceeded(f"version {version}'s async publish did not end within {timeout_s}s") from None
             timeout_s = max(0.001, timeout_s - (time.monotonic() - started))
         try:
-            info = self._client.wait_for_version(self.session, version, timeout_s=timeout_s)
+            info = self._client.wait_for_version(self.session, version, states=FINAL_STATES, timeout_s=timeout_s)
         except DeadlineExceeded as e:
             raise DeadlineExceeded(f"{e.message}: {self._waiting_for(version)}") from None
         return _tpb.VersionState.Name(info.state)
@@ -928,13 +961,18 @@ class WeightPublisher:
                 f"it is {state} and no live rollout is registered in session {self.session!r} "
                 "(none started, or they follow another session)"
             )
-        reported = {h.agent_id for h in st.handshakes if h.version == version}
-        waiting = [a for a in live if a not in reported]
-        shown = ", ".join(repr(a) for a in waiting[:5]) + (f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+        reports = {h.agent_id: h for h in st.handshakes if h.version == version}
+        waiting = [a for a in live if a not in reports]
+        failed = [a for a in live if a in reports and not reports[a].ok]
         leases = info.leases if info is not None else 0
         return (
             f"it is {state}; {len(live) - len(waiting)} of {len(live)} live rollouts reported it"
-            + (f", not yet {shown}" if waiting else "")
+            + (f", not yet {_some(waiting)}" if waiting else "")
+            + (
+                f"; failed on {_some(failed)} (first: {reports[failed[0]].mismatch[:200]}), retried by them"
+                if failed
+                else ""
+            )
             + f" ({leases} hold a lease on it; min_rollouts {st.min_rollouts})"
         )
 

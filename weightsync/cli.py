@@ -271,7 +271,8 @@ def cmd_abort_version(client: CoordinatorClient, args: argparse.Namespace, conso
 
 def cmd_release_version(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
     """A version -> RELEASED, so the trainer may reuse its slot; refused while a live rollout
-    holds a lease on it (the message names them), unless --force."""
+    holds a lease on it (the message names them), and for the session's newest COMMITTED
+    version (servable until a newer one commits), unless --force."""
     v = client.release_version(
         args.session, args.version, generation=_acting_generation(client, args), force=args.force
     )
@@ -360,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[json_after, generation],
     )
     s.add_argument("version", type=bounded_number(1))
-    s.add_argument("--force", action="store_true", help="even while live rollouts hold leases on it")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="even while live rollouts hold leases on it, and even the session's newest COMMITTED version",
+    )
     s = sub.add_parser("agent-token", help="print the bearer token of one agent (offline; derived from the role token)")
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))

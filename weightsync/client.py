@@ -20,7 +20,7 @@ from weightsync.security import Security
 from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches
 
 log = logging.getLogger(__name__)
-TERMINAL_WAIT_STATES = tuple(sorted(version_states.FINAL))
+DECIDED_STATES = tuple(sorted(version_states.DECIDED))
 
 
 class CallCarrier(Protocol):
@@ -215,8 +215,14 @@ class CoordinatorClient:
         req = pb.AbortVersionRequest(session=session, generation=generation, version=version, reason=reason)
         return rpc.unary(self._stub.AbortVersion, req, timeout_s=self.timeout_s, retries=self.retries)
 
-    def release_version(self, session: str, version: int, *, generation: int, force: bool = False) -> tpb.VersionInfo:
-        req = pb.ReleaseVersionRequest(session=session, version=version, force=force, generation=generation)
+    def release_version(
+        self, session: str, version: int, *, generation: int, force: bool = False, unpin: bool = False
+    ) -> tpb.VersionInfo:
+        """Releases a version (see the RPC: refused while leased unless `force`, and for the
+        session's newest COMMITTED version unless `unpin` or `force`)."""
+        req = pb.ReleaseVersionRequest(
+            session=session, version=version, force=force, generation=generation, unpin=unpin
+        )
         return rpc.unary(self._stub.ReleaseVersion, req, timeout_s=self.timeout_s, retries=self.retries)
 
     def delete_session(self, session: str, *, force: bool = False) -> pb.DeleteSessionResponse:
@@ -226,7 +232,7 @@ class CoordinatorClient:
         return rpc.unary(self._stub.DeleteSession, req, timeout_s=self.timeout_s)
 
     def wait_for_version(
-        self, session: str, version: int, *, states: tuple[str, ...] = TERMINAL_WAIT_STATES, timeout_s: float = 60.0
+        self, session: str, version: int, *, states: tuple[str, ...] = DECIDED_STATES, timeout_s: float = 60.0
     ) -> tpb.VersionInfo:
         """Watches until `version` reaches one of `states`; survives coordinator restarts."""
         deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@
     ├── FailedPrecondition       FAILED_PRECONDITION
     │   ├── StaleGeneration
     │   ├── WrongState
+    │   ├── NewestCommitted
     │   └── SlotBusy
     ├── DataLoss                 DATA_LOSS
     │   └── DigestMismatch
@@ -88,6 +89,11 @@ class StaleGeneration(FailedPrecondition):
 
 class WrongState(FailedPrecondition):
     """The version is in a state that does not allow the request."""
+
+
+class NewestCommitted(FailedPrecondition):
+    """The version is the session's newest COMMITTED one: it stays servable until a newer
+    version commits, so it is not released (a trainer reuses another slot)."""
 
 
 class SlotBusy(FailedPrecondition):

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 # Rollouts may pull the manifest and report a handshake.
 SERVABLE = frozenset({"READY", "COMMITTED", "PARTIAL"})
-# The handshakes decided the version's outcome.
+# What `version=0` ("latest") names, the newest of: a PARTIAL version, which a live rollout
+# could not verify, is served by its number (followers retry it) but is nobody's default.
+LATEST = frozenset({"READY", "COMMITTED"})
+# The handshakes decided the version's outcome for now (PARTIAL can still commit: the
+# rollout that failed verifies it on a later try, or its lease lapses).
 SETTLED = frozenset({"COMMITTED", "PARTIAL", "FAILED"})
 # No rollout pulls it again: its records may be summarized and its stored bytes removed.
 RETIRED = frozenset({"RELEASED", "FAILED"})
-# Nothing more will happen to the version on its own (what `wait_for_version` waits for).
-FINAL = SETTLED | {"RELEASED"}
+# Decided, or gone: what `wait_for_version` waits for by default.
+DECIDED = SETTLED | {"RELEASED"}
+# Nothing a handshake does changes it any more: what a trainer waits for (`wait_committed`).
+FINAL = frozenset({"COMMITTED", "FAILED", "RELEASED"})

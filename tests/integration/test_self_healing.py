@@ -116,19 +116,56 @@ def test_a_handshake_lost_in_a_coordinator_outage_is_delivered_after_it(cluster:
 
 def test_an_engine_that_fails_to_take_a_version_is_reported_and_the_rollout_tries_again(cluster: Cluster) -> None:
     """The applier (the engine) raising its own exception, not a weightsync error, must not
-    end the rollout's sync thread: with no handshake and heartbeats still going, the version
-    would wait on this rollout for as long as it lived. The round is a local failure:
-    reported (the version goes PARTIAL) and retried, and the retry commits it."""
+    end the rollout's sync thread: the round is a local failure, reported (the version goes
+    PARTIAL) and retried. The trainer, waiting for each commit, serves the version on
+    through PARTIAL; the retry commits it and training goes on to its last step."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job", ["--failpoints", "applier.raise=1"])
-    # the trainer serves on through the failed round (it would exit on a PARTIAL version)
-    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold", "--wait-commit", "false"])
+    trainer = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "3"])  # --wait-commit: default
+    assert trainer.popen.wait(120) == 0, trainer.log()
     with CoordinatorClient(coord.address) as client:
-        assert state_name(client.wait_for_version("job", 1, states=("COMMITTED",), timeout_s=60)) == "COMMITTED"
-        (hs,) = [h for h in client.status("job").handshakes if h.version == 1]
-        assert hs.agent_id == "r0" and hs.ok
+        states = [state_name(v) for v in sorted(client.status("job").versions, key=lambda v: v.version)]
+        assert states == ["RELEASED", "COMMITTED", "COMMITTED"]  # 1's slot took version 3
+        events = []
+        for e in client.watch("job", 0, timeout_s=30):
+            events.append((e.version.version, state_name(e.version)))
+            if events[-1] == (3, "COMMITTED"):
+                break
+        assert (1, "PARTIAL") in events and (1, "COMMITTED") in events  # healed, not ended, by the retry
     assert "applying version 1 failed: RuntimeError: failpoint applier.raise" in r0.log()
-    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+    assert "step=1 version=1 state=COMMITTED" in trainer.log()
+    eventually(lambda: rollout_status(r0.address).current_version == 3, what="r0 at version 3")
+
+
+def test_a_replaced_trainers_refused_version_leaves_the_committed_one_servable(cluster: Cluster) -> None:
+    """Generation 1 publishes version 1 and every rollout applies it; a new incarnation
+    (generation 2) publishes version 2, which every rollout refuses (each chunk it serves
+    comes corrupted): PARTIAL. Past several lease TTLs and sweeps, version 1 is still
+    COMMITTED and what `latest` names, and servable: a rollout started afterwards syncs
+    `latest` and applies version 1 from the first trainer (fenced, serving on)."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    rollouts = [cluster.start_rollout(f"r{i}", coord.address, "job") for i in range(2)]
+    cluster.start_trainer(
+        "t1", coord.address, "job", [*TINY, "--steps", "1", "--hold", "--stay-fenced", "--incarnation", "first"]
+    )
+    for r in rollouts:
+        eventually(lambda r=r: rollout_status(r.address).current_version == 1, what=f"{r.name} at version 1")
+    corrupting = ["--weight-sync-mode", "grpc", "--failpoints", "chunk_server.corrupt_chunk=1000000"]
+    second = [*TINY, "--start-version", "2", "--steps", "1", "--hold", "--incarnation", "second", *corrupting]
+    cluster.start_trainer("t2", coord.address, "job", second)
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 2, timeout_s=120)) == "PARTIAL"
+        time.sleep(3 * TTL)  # sweeps run; the rollouts retry version 2 and give up on it
+        states = {v.version: state_name(v) for v in client.status("job").versions}
+        assert states == {1: "COMMITTED", 2: "PARTIAL"}
+        header, _ = client.get_manifest("job", 0)
+        assert header.version.version == 1
+    late = cluster.start_rollout("late", coord.address, "job", ["--follow", "false"])
+    with grpc.insecure_channel(late.address) as channel:
+        synced = rpb_grpc.RolloutAgentStub(channel).Sync(rpb.SyncRequest(version=0), timeout=60)
+    assert synced.ok and synced.version == 1
+    for r in rollouts:
+        assert rollout_status(r.address).current_version == 1  # serving the committed version throughout
 
 
 def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster: Cluster) -> None:

@@ -21,6 +21,7 @@ from weightsync.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    NewestCommitted,
     ResourceExhausted,
     SessionNotFound,
     StaleGeneration,
@@ -939,3 +940,61 @@ def test_only_writes_that_append_events_wake_the_watchers(tmp_path: Path, clock:
         assert woken[-1] == ("job", ["STAGING", "READY", "COMMITTED"]) and len(woken) == 2
     finally:
         store.close()
+
+
+def test_a_replaced_trainers_refused_version_never_releases_the_committed_one(tmp_path: Path, clock: Clock) -> None:
+    """Generation 1's version 1 commits; generation 2's version 2 is refused by every
+    rollout (PARTIAL). Version 1 stays COMMITTED through every sweep and is what `latest`
+    names; once version 2 verifies and commits, version 1 is released as superseded."""
+    store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock)
+    try:
+        old = attach(store, rollouts=("r0", "r1"), incarnation="run-1")
+        part, _ = make_part(sample_arrays())
+        store.publish_part("job", generation=old, version=1, idempotency_key="k1", part=part)
+        for r in ("r0", "r1"):
+            store.report_applied("job", 1, r, good_report(store, 1))
+        new = attach(store, incarnation="run-2")
+        store.publish_part("job", generation=new, version=2, idempotency_key="k2", part=part)
+        refused = dataclasses.replace(good_report(store, 2), local_error="device fingerprint differs")
+        for r in ("r0", "r1"):
+            store.report_applied("job", 2, r, refused)
+        assert store.version("job", 2).state is S.PARTIAL
+        for _ in range(3):
+            clock.t += 3
+            for r in ("r0", "r1"):
+                store.heartbeat("job", r)
+            store.sweep()
+        assert store.version("job", 1).state is S.COMMITTED
+        rec, _ = store.manifest("job", 0)
+        assert rec.version == 1  # the PARTIAL version is nobody's default
+        assert store.manifest("job", 2)[0].state is S.PARTIAL  # still served by its number: rollouts retry it
+        for r in ("r0", "r1"):
+            store.report_applied("job", 2, r, good_report(store, 2))
+        assert [store.version("job", v).state for v in (1, 2)] == [S.RELEASED, S.COMMITTED]
+        assert store.version("job", 1).reason == "superseded by version 2 of trainer generation 2"
+    finally:
+        store.close()
+
+
+def test_the_newest_committed_version_is_released_only_once_a_newer_one_commits(store: SessionStore) -> None:
+    """A trainer reusing a slot may not release the session's newest COMMITTED version
+    (NewestCommitted, naming `version`) while a newer one has not committed; `unpin` (one
+    arena slot) and `force` may; an older COMMITTED version is released as before."""
+    gen = attach(store, rollouts=("r0",))
+    part, _ = make_part(sample_arrays())
+    for v in (1, 2):
+        store.publish_part("job", generation=gen, version=v, idempotency_key=f"k{v}", part=part)
+        store.report_applied("job", v, "r0", good_report(store, v))
+    store.publish_part("job", generation=gen, version=3, idempotency_key="k3", part=part)
+    store.report_applied("job", 3, "r0", dataclasses.replace(good_report(store, 3), local_error="boom"))
+    assert [store.version("job", v).state for v in (1, 2, 3)] == [S.COMMITTED, S.COMMITTED, S.PARTIAL]
+    with pytest.raises(NewestCommitted) as exc:
+        store.release_version("job", 2, generation=gen)
+    assert exc.value.field == "version" and "newest COMMITTED" in exc.value.message
+    assert store.version("job", 2).state is S.COMMITTED  # refused: nothing changed
+    assert store.release_version("job", 1, generation=gen).state is S.RELEASED
+    assert store.release_version("job", 3, generation=gen).state is S.RELEASED  # PARTIAL: not protected
+    assert store.release_version("job", 2, generation=gen, unpin=True).state is S.RELEASED
+    store.publish_part("job", generation=gen, version=4, idempotency_key="k4", part=part)
+    store.report_applied("job", 4, "r0", good_report(store, 4))
+    assert store.release_version("job", 4, generation=gen, force=True).state is S.RELEASED

@@ -404,13 +404,15 @@ class AbortVersionRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseVersionRequest(_message.Message):
-    __slots__ = ("session", "version", "force", "generation")
+    __slots__ = ("session", "version", "force", "generation", "unpin")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     force: bool
     generation: int
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
+    unpin: bool
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ..., generation: _Optional[int] = ..., unpin: _Optional[bool] = ...) -> None: ...
