@@ -487,12 +487,12 @@ def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster)
 
 def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(cluster: Cluster) -> None:
     """A version is released, and its fs part removed, by the trainer that published it,
-    when it reuses the version's slot: a trainer killed and replaced left its versions
-    COMMITTED at the coordinator (records kept whole, outside the retention window) and
-    a whole copy of the model per slot in the store, for good. The coordinator now
-    releases them once the new trainer commits a newer version, and the new trainer
-    removes their parts at its next publish, and those of a version it never published
-    (a trainer killed between writing its part and publishing it)."""
+    when it reuses the version's slot. For a trainer killed and replaced, the coordinator
+    releases its versions once superseded by a newer COMMITTED one (1 by 2 as soon as the
+    new generation attaches; 2, the newest committed, only once the new trainer commits
+    4), and the new trainer removes their parts at its next publish, and those of a
+    version it never published (a trainer killed between writing its part and publishing
+    it)."""
     from weightsync.transports.fs import FsStore
 
     store = cluster.workdir / "store"
@@ -509,7 +509,8 @@ def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(clus
         assert state_name(client.wait_for_version("job", 5, timeout_s=60)) == "COMMITTED"
         eventually(lambda: rollout_status(r0.address).current_version == 5, what="r0 at 5")
         states = {v.version: (state_name(v), v.reason) for v in client.status("job").versions}
-        assert states[1] == states[2] == ("RELEASED", "superseded by version 4 of trainer generation 2")
+        assert states[1] == ("RELEASED", "superseded by version 2 of trainer generation 1")
+        assert states[2] == ("RELEASED", "superseded by version 4 of trainer generation 2")
         assert states[4][0] == states[5][0] == "COMMITTED" and 3 not in states
     assert FsStore(str(store)).versions("job") == [4, 5]  # before: [1, 2, 3, 4, 5], and 2-3 more per restart
 
