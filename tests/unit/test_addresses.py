@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.helpers import unshare_missing
+from tests.unit.helpers import without_inet
 from weightsync.addresses import inet_unusable, is_unix, join_host_port, unix_address, unix_path
 from weightsync.config import advertised, is_loopback, load_config
 from weightsync.errors import FailedPrecondition, InvalidArgument
@@ -64,21 +66,53 @@ def test_a_data_plane_address_must_be_host_port() -> None:
     assert e.value.field == "endpoint.tcp_address"
 
 
-@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
-def test_a_namespace_whose_loopback_is_down_has_no_usable_inet_sockets() -> None:
-    """AF_INET is allowed there and 127.0.0.1 binds, but nothing can connect: the probe must
-    say so, and a trainer asked for tcp must refuse at start naming it."""
-    probe = (
-        "from weightsync.addresses import inet_refused; print(inet_refused() or 'usable')\n"
-        "from trainer_agent.config import TrainerConfig\n"
-        "from weightsync.config import load_config\n"
-        "load_config(TrainerConfig, 'trainer', ['--weight-sync-mode', 'tcp'], {})\n"
+# Where no inet socket is usable: the probe's verdict, then each of tcp and relay for the
+# trainer (its publisher's start) and a rollout (its wiring): loaded from flags, then started.
+_WITHOUT_INET = """
+import json
+from rollout_agent.config import RolloutConfig
+from rollout_agent.wiring import wire_rollout
+from trainer_agent.config import TrainerConfig
+from trainer_agent.publisher import WeightPublisher
+from weightsync.addresses import inet_refused
+from weightsync.config import load_config
+from weightsync.errors import FailedPrecondition
+
+seen = {"probe": inet_refused()}
+for mode in ("tcp", "relay"):
+    trainer = load_config(TrainerConfig, "trainer", ["--weight-sync-mode", mode], {})
+    rollout = load_config(RolloutConfig, "rollout", ["--weight-sync-mode", mode], {})
+    starts = {
+        "trainer": lambda: WeightPublisher(trainer).start(),
+        "rollout": lambda: wire_rollout(rollout, "r0", on_verdict=print, server_host=rollout.host),
+    }
+    for name, start in starts.items():
+        try:
+            start()
+            seen[f"{name} {mode}"] = "started"
+        except FailedPrecondition as e:
+            seen[f"{name} {mode}"] = [e.field, e.message]
+print(json.dumps(seen))
+"""
+
+
+def test_without_inet_sockets_tcp_and_relay_settings_load_and_are_refused_at_start() -> None:
+    """A network namespace whose loopback is down (AF_INET allowed, 127.0.0.1 binds, nothing
+    connects) or a host refusing AF_INET: the probe says so and names the errno. Settings
+    naming tcp or relay read as on any host; the trainer's publisher and a rollout's wiring
+    refuse them when they start, naming weight_sync_mode."""
+    done = subprocess.run(
+        [*without_inet(), sys.executable, "-c", _WITHOUT_INET], capture_output=True, text=True, cwd=ROOT
     )
-    inside = subprocess.run(["unshare", "-n", sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert inside.stdout.startswith("this host has no usable inet sockets (ENETUNREACH"), inside.stdout
-    assert inside.returncode == 2 and "no usable inet sockets" in inside.stderr, inside.stderr
-    outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert outside.stdout.strip() == "usable" and outside.returncode == 0, outside.stderr
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert re.fullmatch(r"this host has no usable inet sockets \(E[A-Z]+: .+\)", seen.pop("probe"))
+    assert sorted(seen) == ["rollout relay", "rollout tcp", "trainer relay", "trainer tcp"]
+    for name, (field, message) in seen.items():
+        mode = name.split()[1]
+        assert field == "weight_sync_mode" and message.startswith(
+            f"weight_sync_mode: {mode!r} needs inet sockets, and this host"
+        )
 
 
 def test_inet_modes_are_refused_where_the_addresses_are_unix(tmp_path: Path) -> None:
