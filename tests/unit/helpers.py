@@ -4,10 +4,12 @@ socket, an ordinary user)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,9 +109,32 @@ def as_ordinary_user() -> list[str]:
     touches must be open to others (a directory made with `shared_directory`)."""
     if os.geteuid() != 0:
         return []
+    if why := _nobody_missing():
+        pytest.skip(f"needs an ordinary user: this process is root, and {why}")
+    return _SETPRIV
+
+
+_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def _nobody_missing() -> str:
+    """Why nobody cannot run this interpreter on this tree here ("" where it can)."""
     if shutil.which("setpriv") is None:
-        pytest.skip("needs an ordinary user: this process is root and setpriv(1) is missing")
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        return "setpriv(1) is missing"
+    try:
+        probe = subprocess.run(
+            [*_SETPRIV, sys.executable, "-c", "import weightsync"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    except OSError as e:
+        return f"setpriv fails: {e}"
+    lines = probe.stderr.strip().splitlines()
+    return (
+        f"nobody cannot run {sys.executable} on {ROOT}: {lines[-1] if lines else probe.returncode}"
+        if probe.returncode
+        else ""
+    )
 
 
 def shared_directory(parent: Path) -> Path:
