@@ -28,7 +28,9 @@ from weightsync.validation import (
     check_unix_address,
 )
 
+# What a rollout refused tcp or relay for want of inet sockets can take instead.
 _INET_ALTERNATIVES = "use shm (same host) or grpc, or relay with --relay-host unix:DIR"
+
 # Lanes, chunks per call and attempts a puller takes at most.
 MAX_LANES = 1 << 20
 

@@ -97,8 +97,10 @@ def _create_hidden(path: Path, nbytes: int) -> int:
         _reserve(fd, nbytes, path.parent)
         os.link(hidden, path)
     except BaseException:
-        os.unlink(hidden)  # still ours: a reclaimer removes only files whose lock is free
-        os.close(fd)
+        try:
+            os.unlink(hidden)  # still ours: a reclaimer removes only files whose lock is free
+        finally:
+            os.close(fd)
         raise
     os.unlink(hidden)
     return fd

@@ -38,8 +38,9 @@ def test_an_unknown_stage_is_refused_with_the_stages(tmp_path: Path) -> None:
 
 
 def _sourced(tmp_path: Path, commands: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """`commands` run by bash after sourcing the script (its functions, no stage)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **env}
+    """`commands` run by bash after sourcing the script (its functions, no stage), JAX on
+    the CPU (on the TPU host this test's process may hold the chip)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "TPU_CHECKS_CPU": "1", **env}
     return subprocess.run(
         ["bash", "-c", f'source "{SCRIPT}" && {commands}'],
         cwd=tmp_path,
@@ -78,7 +79,7 @@ def test_the_host_facts_are_json_whatever_the_interpreter_warns(tmp_path: Path) 
         f'#!/bin/sh\necho "UserWarning: Transparent hugepages are not enabled." >&2\nexec {sys.executable} "$@"\n'
     )
     warns.chmod(0o755)
-    done = _sourced(tmp_path, "facts", PYTHON=str(warns), JAX_PLATFORMS="cpu")
+    done = _sourced(tmp_path, "facts", PYTHON=str(warns))
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "host.json").read_text())["platform"] == "cpu"
     assert "Transparent hugepages" in (tmp_path / "host.err").read_text()
