@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# The TPU host's checks in as few device calls as possible, each well inside a call's
-# 10 minutes. Prepare here: `make setup && ../shared/tools/tpu-kit.sh pytest pytest-timeout
+# The TPU host's checks in as few device calls as possible, each inside a call's 10
+# minutes. Prepare here: `make setup && ../shared/tools/tpu-kit.sh pytest pytest-timeout
 # hypothesis cryptography safetensors pyyaml`; then, with the device tool, carry
 # [".tpu-kit"] and run
 #
 #   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # ~5 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # ~6 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # ~9 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #
-# Each step's log and JSON land in $OUT (the device tool's folder; /tmp/tpu-checks
-# elsewhere), one file per step; a failing step is recorded and the next one runs. JAX
-# takes its default platform (the chip); one process holds it, so steps run one by one.
-# `TPU_CHECKS_CPU=1` runs the same steps on 8 CPU devices, to try the script off the host.
+# Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
+# file per step, with a line in summary.txt; host.json holds the host's facts (their
+# stderr, JAX's warnings, in host.err). A step runs under its budget: past it, it gets
+# SIGTERM and, 10 s later, SIGKILL, and its line says it was cut short; what it printed
+# until then stays in its log (Python runs unbuffered). The steps of one call also share
+# TPU_CHECKS_DEADLINE_S (570 s, under the device call's 600): a step gets what is left
+# of it when that is less than its budget, and none is started once less than 20 s are
+# left. A failing step is recorded and the next one runs. JAX takes its default platform
+# (the chip); one process holds it, so steps run one by one. `TPU_CHECKS_CPU=1` runs the
+# same steps on 8 CPU devices, to try the script off the host.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-/tmp/tpu-checks}; mkdir -p "$out"
 py=${PYTHON:-python3}
+deadline=$((SECONDS + ${TPU_CHECKS_DEADLINE_S:-570}))
+export PYTHONUNBUFFERED=1
 if [ "${TPU_CHECKS_CPU:-}" = 1 ]; then
   export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8"
   small=1
@@ -24,23 +32,40 @@ else
   small=
 fi
 summary="$out/summary.txt"
+GRACE_S=10   # SIGTERM to SIGKILL
+MIN_STEP_S=20
 
-step() {  # step NAME SECONDS COMMAND...: runs it under a deadline, logs to $out/NAME.log
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$summary"
+step() {  # step NAME BUDGET_S COMMAND...: runs it within its budget, logs to $out/NAME.log
+  local name=$1 budget=$2; shift 2
+  local left=$((deadline - SECONDS)) limit t0=$SECONDS rc note=""
+  if [ "$left" -lt "$MIN_STEP_S" ]; then
+    printf '%-22s skipped: %ss left of the call\n' "$name" "$left" | tee -a "$summary"
+    return
+  fi
+  limit=$((budget < left ? budget : left))
+  timeout --kill-after="$GRACE_S" "$((limit - GRACE_S))" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  case $rc in
+    124 | 137) note="  cut short at its ${limit}s budget (log: what it printed until then)" ;;
+  esac
+  printf '%-22s rc=%-3s %4ss%s\n' "$name" "$rc" "$((SECONDS - t0))" "$note" | tee -a "$summary"
+  if [ "$rc" != 0 ]; then
+    tail -n 5 "$out/$name.log" | sed 's/^/    /' | tee -a "$summary"
+  fi
 }
 
-facts() {
-  "$py" - > "$out/host.json" 2>&1 <<'PY'
+facts() {  # the host's facts as JSON in host.json; what the interpreter says besides, host.err
+  timeout 60 "$py" - > "$out/host.json" 2> "$out/host.err" <<'PY'
 import json, os, platform, jax
 print(json.dumps({"devices": [str(d) for d in jax.devices()], "platform": jax.devices()[0].platform,
                   "jax": jax.__version__, "python": platform.python_version(), "cores": os.cpu_count(),
                   "libc": platform.libc_ver()}))
 PY
+  local rc=$?
+  [ "$rc" = 0 ] || printf '%-22s rc=%-3s (host.err says why)\n' facts "$rc" | tee -a "$summary"
 }
+
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced (tests/integration/test_tpu_checks.py): the functions only
 
 case "${1:-}" in
   suite)
@@ -54,7 +79,7 @@ case "${1:-}" in
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     dev=(); [ -n "$small" ] && dev=(--devices 8 --mesh 2x4)
-    step stage 200 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --json
+    step stage 270 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --json
     step apply-swap 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode swap --json
     step apply-inplace 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode inplace --json
     step overlap 150 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"

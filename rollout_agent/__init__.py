@@ -4,12 +4,14 @@ extension) or as a vLLM weight-transfer backend.
 
 Public API (imported on first use; vLLM's modules load only with the vLLM entry points):
 `RolloutAgent`, `RolloutConfig`, `WeightPuller`, `PulledVersion`, and for vLLM
-`WeightsyncWorkerExtension` and `WeightsyncEngine`.
+`WeightsyncWorkerExtension` and `WeightsyncEngine`. The last imports vLLM: it is listed
+only where vLLM is installed, and elsewhere (a JAX-only rollout host) raises an ImportError
+naming the extra.
 """
 
 from __future__ import annotations
 
-from weightsync.exports import lazy_exports
+from weightsync.exports import Extra, available, lazy_exports
 
 _EXPORTS = {
     "RolloutAgent": "rollout_agent.agent",
@@ -19,6 +21,7 @@ _EXPORTS = {
     "WeightsyncWorkerExtension": "rollout_agent.vllm_worker_extension",
     "WeightsyncEngine": "rollout_agent.vllm_backend",
 }
-__all__ = sorted(_EXPORTS)
+_NEEDS = {"rollout_agent.vllm_backend": Extra("vllm", "vllm")}
+__all__ = available(_EXPORTS, _NEEDS)
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS, _NEEDS)

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from weightsync.addresses import inet_refused, inet_unusable, is_unix, unix_address, unix_path
+from weightsync.addresses import inet_refused, inet_unusable, is_unix, unix_address, unix_among, unix_path
 from weightsync.config import PeerConfig, check_bounds, check_positive, option, secret_option
-from weightsync.errors import InvalidArgument
+from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
@@ -27,6 +27,9 @@ from weightsync.validation import (
     check_session_name,
     check_unix_address,
 )
+
+# What a rollout refused tcp or relay for want of inet sockets can take instead.
+_INET_ALTERNATIVES = "use shm (same host) or grpc, or relay with --relay-host unix:DIR"
 
 # Lanes, chunks per call and attempts a puller takes at most.
 MAX_LANES = 1 << 20
@@ -133,7 +136,7 @@ class SyncSettings(PeerConfig):
             self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
             check_pull_args(self, self.weight_sync_mode, self.fs_root)
             parse_fs_options(self.fs_option)
-            self.check_inet_modes()
+            self._check_relay_flags()
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
@@ -183,16 +186,26 @@ class SyncSettings(PeerConfig):
         if self.relay_port:
             raise InvalidArgument("a relay on a unix socket has no port (0)", field="relay_port")
 
-    def check_inet_modes(self) -> None:
-        """InvalidArgument where the mode needs inet sockets this process cannot open: tcp
-        reads the trainer's native server, relay also serves the next rollout (unless on a
-        unix socket, to rollouts on its host)."""
+    def _check_relay_flags(self) -> None:
+        """InvalidArgument where relay mode would serve its relay on the unix --host: the
+        settings contradict themselves, on any host."""
         self._check_relay_host()
-        mode = self.weight_sync_mode
-        why = inet_refused() if mode == "tcp" else self.relay_unusable() if mode == "relay" else ""
-        if why:
+        if self.weight_sync_mode == "relay" and not self.relay_host and (why := unix_among(host=self.server_host())):
             raise InvalidArgument(
-                f"{mode!r} needs inet sockets, and {why}: use shm (same host) or grpc", field="weight_sync_mode"
+                f"'relay' needs inet sockets, and {why}: {_INET_ALTERNATIVES}", field="weight_sync_mode"
+            )
+
+    def check_host(self, server_host: str = "") -> None:
+        """FailedPrecondition naming weight_sync_mode where the mode needs inet sockets this
+        host cannot open: tcp reads the trainer's native server, relay also serves the next
+        rollout (unless on a unix socket, to rollouts on its host). Asked when a rollout is
+        wired (`server_host` as there), not when settings are read: settings read the same
+        on every host."""
+        mode = self.weight_sync_mode
+        why = inet_refused() if mode == "tcp" else self.relay_unusable(server_host) if mode == "relay" else ""
+        if why:
+            raise FailedPrecondition(
+                f"{mode!r} needs inet sockets, and {why}: {_INET_ALTERNATIVES}", field="weight_sync_mode"
             )
 
     def wants_relay(self, server_host: str = "") -> bool:

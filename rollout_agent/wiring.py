@@ -151,7 +151,11 @@ def wire_rollout(
     has one (the sidecar); a relay binds `relay_host` (a unix:DIR one, a socket there named
     after `agent_id`), else that, else `advertise_host` (so a relay inside a vLLM worker is
     reachable from other hosts), else loopback.
-    `on_verdict` None: no data plane here (a sidecar whose vLLM engine pulls itself)."""
+    `on_verdict` None: no data plane here (a sidecar whose vLLM engine pulls itself).
+    FailedPrecondition naming weight_sync_mode where the data plane needs inet sockets this
+    host has none of (`SyncSettings.check_host`)."""
+    if on_verdict is not None:
+        settings.check_host(server_host)
     security = settings.security()
     failpoints = Failpoints(settings.failpoints)
     client = CoordinatorClient(settings.coordinator, security=security)

@@ -239,10 +239,15 @@ class WeightPublisher:
             next_version: the first version this publisher will publish (0: not said); a
                 new incarnation whose next_version is not newer than the session's latest
                 is refused (FailedPrecondition) before it fences anyone.
+
+        Raises:
+            FailedPrecondition (field `weight_sync_mode`): the mode needs inet sockets and
+                this host has no usable ones (`PublisherSettings.check_host`).
         """
         if self._started:
             return self
         next_version = check_int_arg(next_version, "next_version", 0, INT64_MAX)
+        self.settings.check_host()
         self._started = True
         try:
             self._start(next_version)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
-from weightsync.addresses import inet_unusable
+from weightsync.addresses import inet_refused, unix_among
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option, secret_option
 from weightsync.dtypes import dtype_info
-from weightsync.errors import InvalidArgument
+from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.failpoints import Failpoints
 from weightsync.layout import DEFAULT_CHUNK_BYTES
 from weightsync.modes import normalize_mode
@@ -118,7 +118,7 @@ class PublisherSettings(ServerConfig):
         if self.weight_dtype:
             dtype_info(self.weight_dtype, "weight_dtype")
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)
-        if self.weight_sync_mode in INET_MODES and (why := inet_unusable(host=self.host)):
+        if self.weight_sync_mode in INET_MODES and (why := unix_among(host=self.host)):
             raise InvalidArgument(
                 f"{self.weight_sync_mode!r} needs inet sockets, and {why}: use shm (same host) or grpc",
                 field="weight_sync_mode",
@@ -145,3 +145,13 @@ class PublisherSettings(ServerConfig):
             raise InvalidArgument(f"must be in (0, 1], got {self.delta_max_ratio}", field="delta_max_ratio")
         check_positive(self, ("timeout_s",))
         check_bounds(self, ("tcp_port",), 0, 65535)
+
+    def check_host(self) -> None:
+        """FailedPrecondition naming weight_sync_mode where the mode needs inet sockets and
+        this host has no usable ones. Asked when the publisher starts, not when settings are
+        read: settings read the same on every host."""
+        if self.weight_sync_mode in INET_MODES and (why := inet_refused()):
+            raise FailedPrecondition(
+                f"{self.weight_sync_mode!r} needs inet sockets, and {why}: use shm (same host) or grpc",
+                field="weight_sync_mode",
+            )

@@ -66,14 +66,21 @@ def inet_refused() -> str:
     return ""
 
 
-def inet_unusable(**addresses: str) -> str:
-    """Why a data plane that needs inet sockets (tcp, relay) cannot run here: the first of
-    `addresses` (field name -> address or host) that is a unix socket, or the host refusing
-    AF_INET; "" when neither."""
+def unix_among(**addresses: str) -> str:
+    """Why settings whose data plane needs inet sockets (tcp, relay) contradict themselves:
+    the first of `addresses` (field name -> address or host) that is a unix socket; "" when
+    none is. The same on every host (what the host offers is `inet_refused`)."""
     for name, address in addresses.items():
         if address and is_unix(address):
             return f"--{name.replace('_', '-')} is a unix socket ({address})"
-    return inet_refused()
+    return ""
+
+
+def inet_unusable(**addresses: str) -> str:
+    """Why a data plane that needs inet sockets (tcp, relay) cannot run here: the first of
+    `addresses` that is a unix socket (`unix_among`), or the host refusing AF_INET; "" when
+    neither."""
+    return unix_among(**addresses) or inet_refused()
 
 
 def connect(address: str, timeout_s: float) -> socket.socket:

@@ -127,12 +127,22 @@ def _clear_leftover(path: str, field: str) -> None:
 
 def owner(connected: socket.socket) -> str:
     """`pid N: its command line` of the process listening at the other end of `connected`."""
-    pid = struct.unpack("3i", connected.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    if pid <= 0:  # a listener in another pid namespace
+    peer = struct.unpack("3i", connected.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    if peer <= 0:  # a listener in another pid namespace
         return "its pid is not visible here"
+    return process_named(peer)
+
+
+def process_named(task: int) -> str:
+    """`pid N: its command line` of the process that `task` (a process's id or one of its
+    threads') belongs to. Linux's SO_PEERCRED gives the listener's process; gVisor's (the
+    TPU host's) gives the thread that listened, and gRPC listens from a thread of its own."""
+    pid = task
     try:
+        with open(f"/proc/{task}/status") as f:
+            pid = next((int(line.split()[1]) for line in f if line.startswith("Tgid:")), task)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+    except (OSError, ValueError):
         command = ""
     return f"pid {pid}: {command}" if command else f"pid {pid}"

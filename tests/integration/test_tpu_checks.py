@@ -1,13 +1,16 @@
 """devtools/tpu_checks.sh, the TPU host's prepared checks, tried off the host
 (TPU_CHECKS_CPU=1: 8 CPU devices): a step's log lands in $OUT with its line in the
-summary, and an unknown stage is refused."""
+summary, a step past its budget is cut short keeping what it printed, the host's facts
+are JSON, and an unknown stage is refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,3 +35,51 @@ def test_an_unknown_stage_is_refused_with_the_stages(tmp_path: Path) -> None:
     proc = subprocess.run([str(SCRIPT), "everything"], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode == 2 and "suite|bench|demo" in proc.stderr
+
+
+def _sourced(tmp_path: Path, commands: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`commands` run by bash after sourcing the script (its functions, no stage), JAX on
+    the CPU (on the TPU host this test's process may hold the chip)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "TPU_CHECKS_CPU": "1", **env}
+    return subprocess.run(
+        ["bash", "-c", f'source "{SCRIPT}" && {commands}'],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_step_past_its_budget_is_cut_short_and_keeps_what_it_printed(tmp_path: Path) -> None:
+    """A bench that measured something, then ran past its budget: SIGTERM before the budget
+    ends (SIGKILL at its end), its line says so, and its log keeps what it printed."""
+    slow = f"{sys.executable} -c \"import time; print('measured 1.5 GB/s'); time.sleep(60)\""
+    t0 = time.monotonic()
+    done = _sourced(tmp_path, f"step slow 12 {slow} && step quick 30 true")
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 12
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert re.fullmatch(r"slow +rc=124 +\d+s  cut short at its 12s budget .*", lines[0]), lines
+    assert lines[1].strip() == "measured 1.5 GB/s" and re.fullmatch(r"quick +rc=0 +\d+s", lines[2]), lines
+    assert (tmp_path / "slow.log").read_text() == "measured 1.5 GB/s\n"
+
+
+def test_steps_share_the_calls_deadline(tmp_path: Path) -> None:
+    done = _sourced(tmp_path, "step late 100 true", TPU_CHECKS_DEADLINE_S="15")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"late +skipped: 1[45]s left of the call\n", (tmp_path / "summary.txt").read_text())
+    assert not (tmp_path / "late.log").exists()
+
+
+def test_the_host_facts_are_json_whatever_the_interpreter_warns(tmp_path: Path) -> None:
+    """JAX on the TPU host warns about transparent hugepages on stderr: host.err, not host.json."""
+    warns = tmp_path / "python"
+    warns.write_text(
+        f'#!/bin/sh\necho "UserWarning: Transparent hugepages are not enabled." >&2\nexec {sys.executable} "$@"\n'
+    )
+    warns.chmod(0o755)
+    done = _sourced(tmp_path, "facts", PYTHON=str(warns))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "host.json").read_text())["platform"] == "cpu"
+    assert "Transparent hugepages" in (tmp_path / "host.err").read_text()

@@ -1,17 +1,24 @@
-"""Builders for manifests and parts used across unit tests (no sockets), and a database damager."""
+"""Builders for manifests and parts used across unit tests (no sockets), a database damager,
+and command prefixes that run a process under a TPU host's conditions (no usable inet
+socket, an ordinary user)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sqlite3
 import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from weightsync.addresses import inet_refused
 from weightsync.manifest import Endpoint, Part
 
 CHUNK = 4096
@@ -79,3 +86,60 @@ def unshare_missing() -> str:
         if probe.returncode
         else ""
     )
+
+
+def without_inet() -> list[str]:
+    """A command prefix that runs a process where no inet socket is usable: none on a host
+    that has none (a TPU VM), else `unshare -n` (a network namespace whose loopback is
+    down); skips the calling test, naming why, where neither is at hand."""
+    if inet_refused():
+        return []
+    if why := unshare_missing():
+        pytest.skip(f"needs a process without inet sockets: {why}")
+    return ["unshare", "-n"]
+
+
+NOBODY = 65534
+
+
+def as_ordinary_user() -> list[str]:
+    """A command prefix that runs a process as an ordinary user, as a TPU host runs every
+    command: none where this process is one, else `setpriv` to nobody (uid and gid 65534,
+    no groups); skips the calling test, naming why, where neither is at hand. What it
+    touches must be open to others (a directory made with `shared_directory`)."""
+    if os.geteuid() != 0:
+        return []
+    if why := _nobody_missing():
+        pytest.skip(f"needs an ordinary user: this process is root, and {why}")
+    return _SETPRIV
+
+
+_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def _nobody_missing() -> str:
+    """Why nobody cannot run this interpreter on this tree here ("" where it can)."""
+    if shutil.which("setpriv") is None:
+        return "setpriv(1) is missing"
+    try:
+        probe = subprocess.run(
+            [*_SETPRIV, sys.executable, "-c", "import weightsync"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    except OSError as e:
+        return f"setpriv fails: {e}"
+    lines = probe.stderr.strip().splitlines()
+    return (
+        f"nobody cannot run {sys.executable} on {ROOT}: {lines[-1] if lines else probe.returncode}"
+        if probe.returncode
+        else ""
+    )
+
+
+def shared_directory(parent: Path) -> Path:
+    """A new directory in `parent` that every user may make files in, each user removing
+    only their own (mode 1777, as /dev/shm and /tmp are); the caller removes it."""
+    directory = Path(tempfile.mkdtemp(prefix="ws-test-", dir=parent))
+    directory.chmod(0o1777)
+    return directory

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.unit.helpers import unshare_missing
+from tests.unit.helpers import as_ordinary_user, shared_directory, without_inet
 from weightsync.addresses import inet_unusable, is_unix, join_host_port, unix_address, unix_path
 from weightsync.config import advertised, is_loopback, load_config
 from weightsync.errors import FailedPrecondition, InvalidArgument
-from weightsync.unix_sockets import SOCKET_MODE, bind_unix
+from weightsync.unix_sockets import SOCKET_MODE, bind_unix, process_named
 from weightsync.validation import SUN_PATH_MAX, UNIX_BIND_DIR_BYTES, check_address, check_unix_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,21 +68,53 @@ def test_a_data_plane_address_must_be_host_port() -> None:
     assert e.value.field == "endpoint.tcp_address"
 
 
-@pytest.mark.skipif(bool(unshare_missing()), reason=unshare_missing() or "unshare -n works")
-def test_a_namespace_whose_loopback_is_down_has_no_usable_inet_sockets() -> None:
-    """AF_INET is allowed there and 127.0.0.1 binds, but nothing can connect: the probe must
-    say so, and a trainer asked for tcp must refuse at start naming it."""
-    probe = (
-        "from weightsync.addresses import inet_refused; print(inet_refused() or 'usable')\n"
-        "from trainer_agent.config import TrainerConfig\n"
-        "from weightsync.config import load_config\n"
-        "load_config(TrainerConfig, 'trainer', ['--weight-sync-mode', 'tcp'], {})\n"
+# Where no inet socket is usable: the probe's verdict, then each of tcp and relay for the
+# trainer (its publisher's start) and a rollout (its wiring): loaded from flags, then started.
+_WITHOUT_INET = """
+import json
+from rollout_agent.config import RolloutConfig
+from rollout_agent.wiring import wire_rollout
+from trainer_agent.config import TrainerConfig
+from trainer_agent.publisher import WeightPublisher
+from weightsync.addresses import inet_refused
+from weightsync.config import load_config
+from weightsync.errors import FailedPrecondition
+
+seen = {"probe": inet_refused()}
+for mode in ("tcp", "relay"):
+    trainer = load_config(TrainerConfig, "trainer", ["--weight-sync-mode", mode], {})
+    rollout = load_config(RolloutConfig, "rollout", ["--weight-sync-mode", mode], {})
+    starts = {
+        "trainer": lambda: WeightPublisher(trainer).start(),
+        "rollout": lambda: wire_rollout(rollout, "r0", on_verdict=print, server_host=rollout.host),
+    }
+    for name, start in starts.items():
+        try:
+            start()
+            seen[f"{name} {mode}"] = "started"
+        except FailedPrecondition as e:
+            seen[f"{name} {mode}"] = [e.field, e.message]
+print(json.dumps(seen))
+"""
+
+
+def test_without_inet_sockets_tcp_and_relay_settings_load_and_are_refused_at_start() -> None:
+    """A network namespace whose loopback is down (AF_INET allowed, 127.0.0.1 binds, nothing
+    connects) or a host refusing AF_INET: the probe says so and names the errno. Settings
+    naming tcp or relay read as on any host; the trainer's publisher and a rollout's wiring
+    refuse them when they start, naming weight_sync_mode."""
+    done = subprocess.run(
+        [*without_inet(), sys.executable, "-c", _WITHOUT_INET], capture_output=True, text=True, cwd=ROOT
     )
-    inside = subprocess.run(["unshare", "-n", sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert inside.stdout.startswith("this host has no usable inet sockets (ENETUNREACH"), inside.stdout
-    assert inside.returncode == 2 and "no usable inet sockets" in inside.stderr, inside.stderr
-    outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
-    assert outside.stdout.strip() == "usable" and outside.returncode == 0, outside.stderr
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert re.fullmatch(r"this host has no usable inet sockets \(E[A-Z]+: .+\)", seen.pop("probe"))
+    assert sorted(seen) == ["rollout relay", "rollout tcp", "trainer relay", "trainer tcp"]
+    for name, (field, message) in seen.items():
+        mode = name.split()[1]
+        assert field == "weight_sync_mode" and message.startswith(
+            f"weight_sync_mode: {mode!r} needs inet sockets, and this host"
+        )
 
 
 def test_inet_modes_are_refused_where_the_addresses_are_unix(tmp_path: Path) -> None:
@@ -160,30 +196,85 @@ def test_the_socket_is_bound_privately_then_moved_into_place_with_mode_0660(tmp_
     assert not os.path.exists(path)
 
 
-def test_a_live_socket_is_refused_naming_its_process(tmp_path: Path) -> None:
-    path = str(tmp_path / "s.sock")
-    with subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
-            "print('up', flush=True); sys.stdin.read()",
-            path,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as child:
-        try:
-            assert child.stdout is not None and child.stdout.readline().strip() == "up"
-            inode = os.stat(path).st_ino
-            with pytest.raises(
-                FailedPrecondition, match=f"another process serves on unix:{path} \\(pid {child.pid}\\b"
-            ) as e:
-                bind_unix(path, _listen, "host")
-            assert e.value.field == "host" and os.stat(path).st_ino == inode  # left as it was
-        finally:
-            child.kill()
+# A server as gRPC runs one: it listens from a thread of its own, which stays.
+_LISTENER = """
+import socket, sys, threading
+from weightsync.unix_sockets import bind_unix
+def listen(path):
+    s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(); return s
+def serve():
+    listener, _ = bind_unix(sys.argv[1], listen, "host")
+    print("up", flush=True)
+    sys.stdin.read()
+threading.Thread(target=serve).start()
+"""
+# Another server starting on the same path: "taken over", or the error it got.
+_SECOND = """
+import socket, sys
+from weightsync.unix_sockets import bind_unix
+from weightsync.errors import FailedPrecondition
+def listen(path):
+    s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(); return s
+try:
+    bind_unix(sys.argv[1], listen, "host")
+    print("taken over")
+except FailedPrecondition as e:
+    print(e.field, e.message)
+"""
+
+
+def test_a_live_socket_is_refused_naming_its_process_and_a_killed_ones_taken_over() -> None:
+    """Both servers run as an ordinary user, as on the TPU host."""
+    directory = shared_directory(Path(tempfile.gettempdir()))
+    path = str(directory / "s.sock")
+    user = as_ordinary_user()
+
+    def second() -> str:
+        done = subprocess.run([*user, sys.executable, "-c", _SECOND, path], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    try:
+        with subprocess.Popen(
+            [*user, sys.executable, "-c", _LISTENER, path],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as child:
+            try:
+                assert child.stdout is not None and child.stdout.readline().strip() == "up"
+                inode = os.stat(path).st_ino
+                refused = f"host host: another process serves on unix:{path} (pid {child.pid}: {sys.executable} -c "
+                assert second().startswith(refused)
+                assert os.stat(path).st_ino == inode  # left as it was
+            finally:
+                child.kill()
+                child.wait(timeout=30)
+        assert second() == "taken over"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_thread_is_named_by_its_process() -> None:
+    """gVisor's SO_PEERCRED gives the thread that listened: its process is what is named."""
+    started, done = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def thread() -> None:
+        ids.append(threading.get_native_id())
+        started.set()
+        done.wait(30)
+
+    t = threading.Thread(target=thread)
+    t.start()
+    try:
+        assert started.wait(30) and ids[0] != os.getpid()
+        named = process_named(ids[0])
+        assert named == process_named(os.getpid()) == f"pid {os.getpid()}: {' '.join(sys.orig_argv)}"
+    finally:
+        done.set()
+        t.join()
 
 
 def test_a_dead_owners_socket_is_taken_over_and_other_files_are_not_replaced(tmp_path: Path) -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +18,8 @@ from google.rpc import error_details_pb2
 import weightsync.transports as transports
 from weightsync import errors
 from weightsync.rpc import to_status
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def all_error_classes() -> list[type[errors.WeightsyncError]]:
@@ -74,8 +82,6 @@ def test_documented_codes() -> None:
 
 @pytest.mark.parametrize("package", ["weightsync", "weightsync.transports", "trainer_agent", "rollout_agent"])
 def test_every_exported_name_resolves_and_is_public(package: str) -> None:
-    import importlib
-
     mod = importlib.import_module(package)
     assert mod.__all__, f"{package} exports nothing"
     for name in mod.__all__:
@@ -93,7 +99,39 @@ def test_the_documented_entry_points_are_exported() -> None:
     assert trainer_agent.WeightPublisher is WeightPublisher  # README: from trainer_agent import ...
     assert trainer_agent.PublisherSettings.__module__ == "trainer_agent.settings"
     assert {"convert_maxtext", "ConvertOptions", "ModelDims"} <= set(trainer_agent.__all__)
-    assert {"RolloutAgent", "WeightsyncWorkerExtension", "WeightsyncEngine"} <= set(rollout_agent.__all__)
+    assert {"RolloutAgent", "WeightsyncWorkerExtension"} <= set(rollout_agent.__all__)
+    assert ("WeightsyncEngine" in rollout_agent.__all__) is (importlib.util.find_spec("vllm") is not None)
+
+
+# rollout_agent where vLLM is not installed (a JAX-only rollout, a TPU VM): a None in
+# sys.modules makes `import vllm` fail and find_spec find nothing, as there.
+_WITHOUT_VLLM = """
+import json, sys
+sys.modules["vllm"] = None
+import rollout_agent
+from rollout_agent import *
+seen = {"all": rollout_agent.__all__, "resolved": [n for n in rollout_agent.__all__ if getattr(rollout_agent, n)]}
+try:
+    from rollout_agent import WeightsyncEngine
+except ImportError as e:
+    seen["engine"] = str(e)
+print(json.dumps(seen))
+"""
+
+
+def test_without_vllm_a_rollout_imports_whole_and_its_vllm_name_says_what_to_install() -> None:
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_VLLM], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert (
+        seen["all"]
+        == seen["resolved"]
+        == ["PulledVersion", "RolloutAgent", "RolloutConfig", "WeightPuller", "WeightsyncWorkerExtension"]
+    )
+    assert (
+        seen["engine"]
+        == "rollout_agent.WeightsyncEngine needs vllm, which is not installed here: pip install 'weightsync[vllm]'"
+    )
 
 
 def test_shm_transport_opens_only_weightsync_arenas() -> None:

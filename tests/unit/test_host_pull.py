@@ -6,6 +6,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +16,12 @@ import pytest
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import RelaySource
 from rollout_agent.settings import InitInfo, SyncSettings
+from tests.unit.helpers import without_inet
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.manifest import Endpoint
 from weightsync.transports.hostshm import SEALS, readonly_fd, shared_array
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_shared_buffer_is_handed_out_read_only_and_sealed_to_its_size() -> None:
@@ -47,13 +52,31 @@ def _inet(port: int) -> Endpoint:
     return Endpoint(transports=("grpc", "relay"), host_id="h9", tcp_address=f"10.0.0.9:{port}")
 
 
-def test_a_rollout_reads_from_the_first_unix_relay_of_its_host_else_the_last_inet_one() -> None:
+def test_a_rollout_reads_from_the_first_unix_relay_of_its_host() -> None:
     puller = WeightPuller(None, "job", "r3", host_id="h1")  # type: ignore[arg-type]
     assert puller.upstream_of([]) is None  # first in the chain: the trainer
     assert puller.upstream_of([_here("r0"), _here("r1"), _here("r2")]) == _here("r0")  # a star, not a chain
     assert puller.upstream_of([_inet(1), _here("a", "h2"), _here("r1"), _inet(2)]) == _here("r1")
     assert puller.upstream_of([_here("a", "h2")]) is None  # another host's unix socket is out of reach
+
+
+_UPSTREAM = """
+from rollout_agent.puller import WeightPuller
+from tests.unit.test_host_pull import _here, _inet
+chain = [_inet(1), _here("a", "h2"), _inet(2)]
+print(WeightPuller(None, "job", "r3", host_id="h1").upstream_of(chain))
+"""
+
+
+@pytest.mark.needs_inet
+def test_else_a_rollout_reads_from_the_last_inet_relay() -> None:
+    puller = WeightPuller(None, "job", "r3", host_id="h1")  # type: ignore[arg-type]
     assert puller.upstream_of([_inet(1), _here("a", "h2"), _inet(2)]) == _inet(2)  # the inet chain as before
+
+
+def test_without_inet_sockets_a_rollout_past_inet_relays_reads_from_the_trainer() -> None:
+    done = subprocess.run([*without_inet(), sys.executable, "-c", _UPSTREAM], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr
 
 
 def test_a_unix_relay_host_names_a_directory_and_each_rollout_a_socket_in_it(tmp_path: Path) -> None:
