@@ -107,8 +107,8 @@ class Heartbeat:
             self._interval_s = heartbeat_interval_s(ttl_s)
 
     def _request(self) -> pb.HeartbeatRequest:
-        return pb.HeartbeatRequest(
-            session=self._session, agent_id=self._agent_id, current_version=self._current_version()
+        return self._client.keyed(
+            pb.HeartbeatRequest(session=self._session, agent_id=self._agent_id, current_version=self._current_version())
         )
 
     def _answer_within_s(self) -> float:

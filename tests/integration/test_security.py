@@ -290,7 +290,7 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
                 call()
             assert exc.value.field == "agent_id"
         # on the Heartbeats stream every message is checked: r0's beats answered, r1's ends it
-        beats = [pb.HeartbeatRequest(session="job", agent_id=a) for a in ("r0", "r0", "r1", "r0")]
+        beats = [c.keyed(pb.HeartbeatRequest(session="job", agent_id=a)) for a in ("r0", "r0", "r1", "r0")]
         answers, _ = c.heartbeats(iter(beats))
         got = []
         with pytest.raises(PermissionDenied) as exc:
