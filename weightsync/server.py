@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from weightsync._proto import coordinator_pb2 as _coordinator_pb2
 from weightsync.addresses import is_unix, join_host_port, unix_path
 from weightsync.config import is_loopback
 from weightsync.errors import cannot_listen
@@ -30,6 +31,8 @@ from weightsync.unix_sockets import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The service through which whoever may call it may attach as the trainer.
+COORDINATOR = _coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 @dataclass(frozen=True)
@@ -276,12 +279,15 @@ def start_server(
             )
         else:
             log.warning(
-                "OPEN: %s on %s takes calls without a credential from every user of this machine: any of them may "
-                "attach as the trainer, fence it and publish versions. Fine alone on a workstation, in a pod or on "
-                "a VM of one user; on a shared host require bearer tokens (--auth-tokens-file) or serve a unix "
-                "socket (--host unix:/path, mode 0660: its owner and group decide)",
+                "OPEN: %s on %s takes calls without a credential from every user of this machine%s. Fine alone on "
+                "a workstation, in a pod or on a VM of one user; on a shared host require bearer tokens "
+                "(--auth-tokens-file) or serve a unix socket (--host unix:/path, mode 0660: its owner and group "
+                "decide)",
                 ", ".join(names),
                 address,
+                ": any of them may attach as the trainer, fence it and publish versions"
+                if COORDINATOR in names
+                else "",
             )
     log.info(
         "serving %s on %s (metrics on %s; %s%s)",

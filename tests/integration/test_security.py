@@ -653,6 +653,11 @@ def test_a_rollout_credential_acts_for_its_own_agent_id_only(
         # and the agents whose ids were tried go on as before
         r0.heartbeat("job", "r0")
         assert r0.report_applied(report("r0")).ok
+        # a process that shares r0's instance (the vLLM engine its sidecar drives) shares its key
+        with CoordinatorClient(addr, security=rollout) as engine:
+            engine.register_agent("job", "r0", trainer=False, endpoint=Endpoint("127.0.0.1:7100"), instance="p0")
+            engine.heartbeat("job", "r0")
+        r0.heartbeat("job", "r0")
         trainer.heartbeat("job", "trainer-0")
         assert trainer.register_agent("job", "trainer-0", trainer=True, endpoint=Endpoint("127.0.0.1:7000")).agent_key
 
