@@ -61,9 +61,9 @@ class SyncSettings(PeerConfig):
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
     instance: str = option(
         "",
-        "The token this rollout registers its agent id with (while its lease is live, another process under the "
-        "id is refused); empty draws one. A sidecar hands its own to the vLLM engine it drives, which registers "
-        "under the same id.",
+        "The secret this rollout registers its agent id with (while its lease is live, another process under the "
+        "id is refused, and calls for the id need the agent key its registration answers); empty draws one. A "
+        "sidecar hands its own to the vLLM engine it drives, which registers under the same id and key.",
     )
     weight_sync_mode: str = option(
         "",

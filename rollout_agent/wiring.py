@@ -159,7 +159,7 @@ def wire_rollout(
     security = settings.security()
     failpoints = Failpoints(settings.failpoints)
     client = CoordinatorClient(settings.coordinator, security=security)
-    instance = settings.instance or secrets.token_hex(8)
+    instance = settings.instance or secrets.token_hex(16)  # a secret: it registers the id again
     if on_verdict is None:
         return RolloutWiring(settings, agent_id, client, None, None, None, failpoints, instance=instance)
     relay = None

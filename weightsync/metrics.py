@@ -51,6 +51,7 @@ class Metrics:
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
     gc_frozen_objects: Gauge
+    auth_open: Gauge
     applies: Counter
     apply_hbm_peak_bytes: Gauge
     apply_repaired_leaves: Counter
@@ -225,6 +226,13 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_gc_frozen_objects",
             "Objects frozen out of Python's garbage collection (weightsync.gc_freeze); reference cycles "
             "that died among them are reclaimed at the next --gc-refresh-s.",
+            registry=registry,
+        ),
+        auth_open=Gauge(
+            "weightsync_auth_open",
+            "1 when a gRPC server of this process takes calls without a credential from every user who reaches it "
+            "(TCP, loopback included, without bearer tokens or client certificates; a unix socket others may "
+            "write), else 0.",
             registry=registry,
         ),
         applies=Counter(
