@@ -7,7 +7,8 @@ each), "host" (host-addressable arrays staged in place: CPU or NumPy, no cast ne
 "device" (everything else: per shard, the runtime's device-to-host copy is issued ahead of
 use, `window_bytes` in flight, each shard staged as it lands and its host copy dropped;
 casts run on the device, one tensor at a time). No path makes a second host copy of the
-whole model.
+whole model. Torch tensors take the same paths (`trainer_agent.torch_tensors`): CPU ones
+staged from zero-copy views, others copied to pinned host memory through the window.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer_agent import torch_tensors
 from trainer_agent.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
@@ -52,12 +54,16 @@ class ArrayMeta:
 def _platforms(value: Any) -> set[str]:
     if hasattr(value, "addressable_shards"):
         return {getattr(s.device, "platform", "cpu") for s in value.addressable_shards}
+    if torch_tensors.is_tensor(value):
+        return {torch_tensors.platform(value)}
     return {"cpu"}
 
 
-def _dtype(value: Any) -> np.dtype:
+def _dtype(value: Any, name: str = "") -> np.dtype:
     """The dtype a value stages with before any cast (lists and scalars as NumPy reads them)."""
     data = value.data if isinstance(value, HostShard) else value
+    if torch_tensors.is_tensor(data):
+        return torch_tensors.numpy_dtype(name, data.dtype)
     dt = getattr(data, "dtype", None)
     return np.dtype(dt) if dt is not None else np.asarray(data).dtype
 
@@ -65,7 +71,9 @@ def _dtype(value: Any) -> np.dtype:
 def check_param(name: str, value: Any) -> None:
     """InvalidArgument naming `params[name]` for a value that is no array of real numbers:
     with `weight_dtype` set it was cast first, so a nested tree or None failed as a
-    TypeError mid-staging and complex values lost their imaginary part without a word."""
+    TypeError mid-staging and complex values lost their imaginary part without a word.
+    A torch tensor of a dtype weightsync cannot carry (complex, float8, ...) is refused
+    the same way, as is one whose bytes cannot be read (sparse, meta, a DTensor)."""
     field = f"params[{name!r:.200}]"
     if isinstance(value, Mapping):
         raise InvalidArgument(
@@ -73,6 +81,9 @@ def check_param(name: str, value: Any) -> None:
             "flatten a nested tree first",
             field=field,
         )
+    if torch_tensors.is_tensor(value):
+        torch_tensors.checked(name, value)
+        return
     dt = _dtype(value)
     if dt.kind not in "biuf" and dt.name not in ALLOWED:
         raise InvalidArgument(f"dtype {dt} is not a real number type (one of {', '.join(ALLOWED)})", field=field)
@@ -116,7 +127,7 @@ def choose_staging_path(
 def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard]:
     """The HostShards `host_shards` / `device_stream` will yield, with ArrayMeta instead of
     bytes: the layout is planned before any byte moves."""
-    dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value)
+    dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value, name)
     if isinstance(value, HostShard):
         return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
     if hasattr(value, "addressable_shards"):
@@ -175,6 +186,13 @@ def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tup
     their device one tensor at a time; host values pass through as host shards."""
     for name, value in items:
         check_param(name, value)
+        if torch_tensors.is_tensor(value) and torch_tensors.platform(value) != "cpu":
+            if weight_dtype:
+                value = torch_tensors.cast(name, value, dtype_info(weight_dtype).numpy)  # on its device
+            pending = torch_tensors.PendingCopy(name, value)
+            shape = pending.shape
+            yield HostShard(name, ArrayMeta(shape, pending.dtype), shape, (0,) * len(shape)), pending
+            continue
         if not hasattr(value, "addressable_shards"):
             yield from ((s, s.data) for s in host_shards(name, value, weight_dtype))
             continue
@@ -213,7 +231,10 @@ def host_shards(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
             for s in value.addressable_shards
             if s.replica_id == 0
         ]
-    arr = np.asarray(value)
+    if torch_tensors.is_tensor(value):
+        arr = torch_tensors.host_array(name, value if cast is None else torch_tensors.cast(name, value, cast))
+    else:
+        arr = np.asarray(value)
     if cast is not None:
         arr = arr.astype(cast, copy=False)
     return [HostShard(name, arr, tuple(arr.shape), (0,) * arr.ndim)]

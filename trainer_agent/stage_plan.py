@@ -1,16 +1,18 @@
 """How one publish stages its parameters: the path (`params.choose_staging_path`), the
-layout planned before a slot is claimed, and the staging run into that slot."""
+layout planned before a slot is claimed (from the parameters, or from the specs of a
+stream not read yet), and the staging run into that slot."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from trainer_agent import torch_tensors
 from trainer_agent.delta import CHUNK_CAP
-from trainer_agent.params import check_param, choose_staging_path, device_stream, host_shards, shard_metas
+from trainer_agent.params import ArrayMeta, check_param, choose_staging_path, device_stream, host_shards, shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import (
     DeltaTarget,
@@ -22,7 +24,13 @@ from trainer_agent.staging import (
     stage_shards_delta,
 )
 from weightsync import native
+from weightsync.dtypes import dtype_info
+from weightsync.errors import InvalidArgument
 from weightsync.manifest import ChunkSpec, ShardSpec
+
+# (name, dtype, shape) of one tensor a stream will yield; the dtype as NumPy reads it
+# (np.dtype, a NumPy type or a name such as "bfloat16").
+StreamSpec = tuple[str, Any, Sequence[int]]
 
 
 @dataclass
@@ -67,6 +75,67 @@ def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> Stag
     return StagePlan(path, plan_layout(shards), shards)
 
 
+def plan_stream(specs: Sequence[StreamSpec], settings: PublisherSettings) -> StagePlan:
+    """The layout of a stream whose tensors are known before any is read (`specs`: name,
+    dtype, shape of each, in the stream's order): staged as they arrive, through the
+    device path's window and fused batches (no byte moves here).
+
+    Raises:
+        InvalidArgument: no specs, or a name or dtype the coordinator would refuse.
+    """
+    if not specs:
+        raise InvalidArgument("must name at least one tensor", field="specs")
+    shards = []
+    for name, dtype, shape in specs:
+        shape = tuple(int(n) for n in shape)
+        staged = dtype_info(settings.weight_dtype).numpy if settings.weight_dtype else _numpy_dtype(name, dtype)
+        shards.append(HostShard(name, ArrayMeta(shape, staged), shape, (0,) * len(shape)))
+    return StagePlan("device", plan_layout(shards), shards)
+
+
+def _numpy_dtype(name: str, dtype: Any) -> np.dtype:
+    if type(dtype).__module__ == "torch":  # a torch.dtype (vLLM's ParamMeta carries one)
+        return torch_tensors.numpy_dtype(name, dtype)
+    try:
+        return dtype_info(dtype).numpy if isinstance(dtype, str) else np.dtype(dtype)
+    except (TypeError, InvalidArgument):
+        raise InvalidArgument(
+            f"{dtype!r:.60} is not a NumPy dtype, a torch dtype or a dtype name", field=f"params[{name!r:.200}]"
+        ) from None
+
+
+def follow_plan(items: Iterable[tuple[str, Any]], plan: StagePlan, weight_dtype: str) -> Iterator[tuple[str, Any]]:
+    """`items`, each checked against the tensor `plan` has in its place before it is staged:
+    InvalidArgument naming the first that differs (name, shape or dtype), and one naming
+    what is missing when the stream ends early or runs on."""
+    it = iter(items)
+    for i, planned in enumerate(plan.shards):
+        pair = next(it, None)
+        if pair is None:
+            raise InvalidArgument(
+                f"the stream ended after {i} of {len(plan.shards)} tensors; {planned.name!r} and the rest never came",
+                field="items",
+            )
+        name, value = pair
+        check_param(name, value)
+        got = shard_metas(name, value, weight_dtype)
+        if got != [planned]:
+            seen = ", ".join(f"{s.name!r} {list(s.global_shape)} {s.data.dtype}" for s in got)
+            raise InvalidArgument(
+                f"item {i} is {seen}; the specs put {planned.name!r} {list(planned.global_shape)} "
+                f"{planned.data.dtype} there (one whole tensor per item, in the specs' order)",
+                field=f"params[{name!r:.200}]",
+            )
+        yield name, value
+        del pair, value
+    extra = next(it, None)
+    if extra is not None:
+        raise InvalidArgument(
+            f"the stream runs on past the {len(plan.shards)} tensors of its specs ({extra[0]!r:.200} is one more)",
+            field="items",
+        )
+
+
 @dataclass
 class Stager:
     """Runs a StagePlan into an arena slot; keeps the FFI call compiled and the delta
@@ -79,19 +148,21 @@ class Stager:
     def stage(
         self,
         plan: StagePlan,
-        params: Mapping[str, Any],
+        params: Mapping[str, Any] | Iterable[tuple[str, Any]],
         arena: np.ndarray,
         slot_offset: int,
         slot: np.ndarray,
         base: np.ndarray | None = None,
     ) -> tuple[str, list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
         """(the path as logged, shard specs, chunk specs, per chunk its delta encoding) of
-        staging `params` into `slot` (at `slot_offset` of the whole `arena`, which the FFI
-        call addresses). With `base` (the previous version, same layout; a plan that
-        `can_delta`), each chunk is also encoded against it in the same pass (None: the
-        chunk goes raw); without, there are no encodings."""
+        staging `params` (on the device path also (name, value) pairs, read once) into
+        `slot` (at `slot_offset` of the whole `arena`, which the FFI call addresses). With
+        `base` (the previous version, same layout; a plan that `can_delta`), each chunk is
+        also encoded against it in the same pass (None: the chunk goes raw); without, there
+        are no encodings."""
         s = self.settings
         if plan.path == "ffi":
+            assert isinstance(params, Mapping)
             specs, chunks = self._ffi_stager().stage(
                 arena, slot_offset, list(params.values()), plan.layout, s.chunk_bytes, s.weight_dtype
             )
@@ -105,7 +176,8 @@ class Stager:
         suffix = "+delta" if delta is not None else ""
         if plan.path == "device":  # half the window in flight, half landed and waiting for its fused pass
             half = max(1, s.d2h_window_bytes // 2)
-            stream = device_stream(params.items(), s.weight_dtype, half)
+            pairs = params.items() if isinstance(params, Mapping) else params
+            stream = device_stream(pairs, s.weight_dtype, half)
             specs, chunks, encodings = stage_batched_delta(
                 slot, plan.layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
             )
