@@ -57,7 +57,11 @@ class SyncSettings(PeerConfig):
 
     coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")
-    agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>).")
+    agent_id: str = option(
+        "",
+        "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>). In a vLLM engine of "
+        "several workers (TP, PP, DP) worker r > 0 registers <agent_id>-r<r>.",
+    )
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
     instance: str = option(
         "",

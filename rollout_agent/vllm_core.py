@@ -39,6 +39,20 @@ def parse_version(version: Any) -> int:
     return check_int_arg(version, "update_info.version", 0, INT64_MAX)
 
 
+def worker_index(parallel_config: Any) -> int:
+    """This worker's index among every worker of a vLLM deployment (its data-parallel
+    replica's offset plus its TP/PP rank), as vLLM indexes a list of update_infos."""
+    world = getattr(parallel_config, "world_size", 1) or 1
+    return getattr(parallel_config, "data_parallel_index", 0) * world + getattr(parallel_config, "rank", 0)
+
+
+def worker_agent_id(agent_id: str, index: int) -> str:
+    """The agent id worker `index` registers under an `init_info.agent_id` every worker of
+    an engine is given: worker 0 the id itself, worker r `<id>-r<r>` (TP, PP and DP workers
+    are rollouts of their own; under one id each registration would fence the last)."""
+    return agent_id if index == 0 else f"{agent_id}-r{index}"
+
+
 _IN_PROCESS: dict[str, VllmRollout] = {}  # agent id -> the rollout of a worker in this process
 
 
@@ -56,9 +70,12 @@ class VllmRollout:
         self, info: InitInfo, model: Any, model_config: Any, rank: int = 0, applier: Applier | None = None
     ) -> None:
         """`applier` writes the engine's weights: by default a `VllmApplier` over `model`'s
-        torch parameters; a JAX engine's worker passes a `JaxApply` over its state."""
+        torch parameters; a JAX engine's worker passes a `JaxApply` over its state. `rank`:
+        this worker's index in the deployment (`worker_index`), which tells its agent id
+        apart (`worker_agent_id`)."""
         self.info = info
-        agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
+        default = f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
+        agent_id = worker_agent_id(info.agent_id, rank) if info.agent_id else default
         check_agent_id(agent_id, "init_info.agent_id")
         self.wiring = wire_rollout(info, agent_id, on_verdict=self._on_verdict)
         self.agent_id = agent_id

@@ -4,8 +4,10 @@ versions to the coordinator and serves chunks to rollouts.
 Public API (imported on first use, so `python -m trainer_agent --help` stays light):
 `WeightPublisher` (the in-trainer publisher) and its `PublisherSettings`, `PublishResult`,
 `PublishFuture` and `PublishSuperseded` (what `publish_async` returns, and a skipped version),
-`TrainerConfig` (the entry point's flags: PublisherSettings and the synthetic run), and the
-MaxText converters `convert_maxtext`, `ConvertOptions`, `ModelDims`.
+`TrainerConfig` (the entry point's flags: PublisherSettings and the synthetic run), the
+MaxText converters `convert_maxtext`, `ConvertOptions`, `ModelDims`, and vLLM's trainer-side
+engine `WeightsyncTrainerInitInfo`, `WeightsyncTrainerEngine` (these need vLLM; importing
+them registers the `weightsync` backend with vLLM's `WeightTransferTrainerFactory`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _EXPORTS = {
     "convert_maxtext": "trainer_agent.convert",
     "ConvertOptions": "trainer_agent.convert",
     "ModelDims": "trainer_agent.convert",
+    "WeightsyncTrainerInitInfo": "trainer_agent.vllm_trainer",
+    "WeightsyncTrainerEngine": "trainer_agent.vllm_trainer",
 }
 __all__ = sorted(_EXPORTS)
 
