@@ -43,7 +43,7 @@ except ImportError as e:
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.config import MAX_SECONDS
-from weightsync.errors import InvalidArgument, VersionNotApplied, WeightsyncError
+from weightsync.errors import FailedPrecondition, InvalidArgument, VersionNotApplied, WeightsyncError
 
 log = logging.getLogger(__name__)
 BACKEND = "weightsync"
@@ -149,7 +149,13 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     ) -> Self:
         """On the sender: attaches a publisher to the session (a new incarnation: an older
         trainer of the session is fenced), then sends the worker its init info. Other
-        ranks only keep the source."""
+        ranks only keep the source.
+
+        Raises:
+            InvalidArgument: no source, or a bad init info (the field named).
+            FailedPrecondition: the worker side refused its init info (its reason, with
+                an HTTP error's body); the publisher is closed again.
+        """
         if source is None:
             raise InvalidArgument("the weightsync trainer engine sends a WeightSource each round", field="source")
         if not init_info.is_sender:
@@ -157,6 +163,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         publisher = WeightPublisher(init_info.publisher_settings()).start()
         try:
             client.init_weight_transfer_engine(init_info.worker_init_info())
+        except Exception as e:
+            publisher.close(cancel_pending=True)
+            raise FailedPrecondition(f"the worker side refused its init info: {_described(e)}") from e
         except BaseException:
             publisher.close(cancel_pending=True)
             raise
