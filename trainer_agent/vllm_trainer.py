@@ -181,8 +181,12 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         as the source materializes them), then runs start, update and finish.
 
         Raises:
-            VersionNotApplied: the worker refused the version (its reason, from its
-                handshake), or it did not commit within commit_timeout_s.
+            VersionNotApplied: start or update failed (the worker's reason, from its
+                handshake, else the client's error; finish is not called), or the version
+                ended PARTIAL or FAILED (the rollouts' reasons).
+            DeadlineExceeded: the version was not COMMITTED within commit_timeout_s (what
+                it waits for).
+            FailedPrecondition: finish_weight_update failed after the version was applied.
             StaleGeneration: a newer trainer attached to the session; nothing was sent.
             InvalidArgument: a tensor weightsync cannot carry, or iteration that does not
                 match `metadata()` (the tensor named); nothing was sent.
@@ -199,12 +203,17 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self.version = version
         specs = [(m.name, m.dtype, m.shape) for m in meta]
         self.publisher.publish_stream(iter(self.source), version, specs=specs)
-        self.client.start_weight_update()
         try:
+            self.client.start_weight_update()
             self.client.update_weights({"version": version})
         except Exception as e:
             raise VersionNotApplied(f"version {version} was not applied: {self._reasons(version, e)}") from e
-        self.client.finish_weight_update(weight_version=str(version))
+        try:
+            self.client.finish_weight_update(weight_version=str(version))
+        except Exception as e:
+            raise FailedPrecondition(
+                f"version {version} was applied, and finish_weight_update failed: {_described(e)}"
+            ) from e
         if self.commit_timeout_s:
             state = self.publisher.wait_committed(version, self.commit_timeout_s)
             if state != "COMMITTED":

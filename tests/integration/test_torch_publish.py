@@ -3,6 +3,7 @@ against an in-process coordinator."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -102,3 +103,37 @@ def test_a_stream_that_leaves_its_specs_publishes_nothing(
         pub.publish_stream(iter(model.items()), 1, specs=specs)  # the same version, its slot reused
         applier, _ = _pull(client, pub, 1)
         assert _bits(applier.weights["model.norm.weight"]) == _bits(model["model.norm.weight"])
+
+
+def test_a_stream_holds_a_window_of_tensors_not_the_model(
+    rollout: tuple[CoordinatorClient, str], no_arena_leak: None
+) -> None:
+    """Tensors a source materializes one at a time (FSDP's full_tensor(), an export) are
+    staged and let go as they come: at most the device-to-host window's worth is alive."""
+    client, address = rollout
+    alive = peak = 0  # tensors whose memory is held (freed with a tensor's last alias or view)
+    n, shape = 40, (256, 64)  # 64 KiB each, 2.5 MiB in all
+
+    def freed() -> None:
+        nonlocal alive
+        alive -= 1
+
+    def materialized() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal alive, peak
+        for i in range(n):
+            memory = np.full(shape, float(i), np.float32)
+            weakref.finalize(memory, freed)
+            alive += 1
+            peak = max(peak, alive)
+            yield f"model.layers.{i}.mlp.up_proj.weight", torch.from_numpy(memory).requires_grad_()
+            del memory
+
+    window = 256 << 10  # half in flight, half landed and waiting for its fused pass: 2 tensors each
+    settings = PublisherSettings(coordinator=address, session="job", chunk_bytes=16384, d2h_window_bytes=window)
+    with WeightPublisher(settings) as pub:
+        specs = [(f"model.layers.{i}.mlp.up_proj.weight", torch.float32, shape) for i in range(n)]
+        pub.publish_stream(materialized(), 1, specs=specs)
+        assert peak <= 6, f"{peak} of {n} tensors were alive at once"
+        applier, _ = _pull(client, pub, 1)
+        for i in range(n):
+            assert np.all(applier.weights[f"model.layers.{i}.mlp.up_proj.weight"] == float(i))
