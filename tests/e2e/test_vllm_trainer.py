@@ -42,8 +42,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateRequest,
 )
 
-from devtools.cluster import Cluster  # noqa: E402
-from devtools.tiny_models import write_tiny_model  # noqa: E402
+from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
 from tests.unit.test_vllm_trainer import RecordingClient  # noqa: E402
 from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
@@ -51,27 +50,10 @@ from weightsync.errors import FailedPrecondition, StaleGeneration, VersionNotApp
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = [1, 5, 6, 7, 8, 9, 10]
 TARGET = [20, 21, 22, 23]  # what the training step makes more likely after PROMPT
-NEW_TOKENS = 6
 LOGPROB_ATOL = 1e-5
 TP = 2  # the server's workers: each pulls and registers as a rollout of its own
-ENGINE_ARGS = dict(
-    dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=64 << 20, block_size=32, seed=0
-)
 MISSING = "model.layers.0.self_attn.v_proj.weight"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with Cluster(tmp_path_factory.mktemp("cluster")) as c:
-        yield c.start_coordinator().address
 
 
 def _free_port() -> int:
@@ -80,10 +62,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _vllm_shm() -> set[Path]:
+    """vLLM-CPU's shared-memory files of TP groups (its shutdown kills the workers that
+    would remove them)."""
+    return set(Path("/dev/shm").glob("vllm_dist_*"))
+
+
+def _unmapped(paths: set[Path]) -> set[Path]:
+    """Those of `paths` no live process maps (another engine's are left alone)."""
+    held: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text()
+            held |= {p for p in paths if str(p) in text}
+    return paths - held
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """vLLM's OpenAI server (multiprocess, TP 2, dummy weights) with the weightsync backend
-    in dev mode; its base URL. Its log is printed when it does not come up."""
+    in dev mode; its base URL. Its log is printed when it does not come up; its process
+    group and the shared-memory files it leaves are removed at the end."""
+    shm_before = _vllm_shm()
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -119,9 +119,13 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # workers it left
             proc.wait(10)
+        time.sleep(0.5)
+        for path in _unmapped(_vllm_shm() - shm_before):
+            path.unlink(missing_ok=True)
 
 
 class LLMClient:
@@ -209,32 +213,6 @@ def train_step(model: Any) -> None:
     model.optimizer.zero_grad()
 
 
-def reference(model: Any) -> tuple[list[int], list[float], list[float]]:
-    """Greedy tokens, prompt log-probs and their log-probs, by transformers with the
-    trainer's own (current) weights."""
-    model.eval()
-    ids = list(PROMPT)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-        prompt_lp = [float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
-        gen_lp = []
-        for _ in range(NEW_TOKENS):
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
-            nxt = int(torch.argmax(logp))
-            gen_lp.append(float(logp[nxt]))
-            ids.append(nxt)
-    return ids[len(PROMPT) :], prompt_lp, gen_lp
-
-
-def served_inprocess(llm: Any) -> tuple[list[int], list[float], list[float]]:
-    sp = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0]
-    tokens = list(out.outputs[0].token_ids)
-    gen_lp = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-    prompt_lp = [lp[t].logprob for t, lp in zip(PROMPT[1:], out.prompt_logprobs[1:])]
-    return tokens, prompt_lp, gen_lp
-
-
 def served_http(base: str) -> tuple[list[int], list[float], list[float]]:
     """The same through the OpenAI completions API (token ids in, echo for the prompt's)."""
     model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
@@ -290,7 +268,7 @@ def test_vllms_http_client_syncs_each_trained_step_to_vllms_server(
             send_http(engine, server)
             assert engine.version == step
             assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == str(step)
-            assert_serves(served_http(server), reference(model))
+            assert_serves(served_http(server), transformers_logprobs(model))
             reports = handshakes(coordinator, "http", step)
             assert sorted(reports) == ["srv", "srv-r1"] and all(h.ok for h in reports.values())  # one per TP worker
     finally:
@@ -312,7 +290,7 @@ def test_vllms_server_takes_what_vllms_own_flows_send(server: str, coordinator: 
         extra = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1024, 64]], "packed": True}
         assert post("update_weights", {"update_info": {"version": 1, **extra}}).status_code == 200
         assert post("finish_weight_update", {"weight_version": "1"}).status_code == 200
-        assert_serves(served_http(server), reference(model))
+        assert_serves(served_http(server), transformers_logprobs(model))
     finally:
         engine.shutdown()
 
@@ -336,7 +314,7 @@ def test_the_example_runs_against_vllms_server(server: str, coordinator: str, mo
     assert "AFTER weight sync" in run.stdout and "Weight transfer complete: version 1" in run.stdout
     checkpoint = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     requests.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
-    assert_serves(served_http(server), reference(checkpoint))
+    assert_serves(served_http(server), transformers_logprobs(checkpoint))
 
 
 def test_the_readme_trainer_snippet_runs_as_written(server: str, coordinator: str, model_dir: Path) -> None:
@@ -350,7 +328,7 @@ def test_the_readme_trainer_snippet_runs_as_written(server: str, coordinator: st
     try:
         assert scope["engine"].version == 1
         requests.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
-        assert_serves(served_http(server), reference(model))
+        assert_serves(served_http(server), transformers_logprobs(model))
     finally:
         scope["engine"].shutdown()
 
@@ -370,21 +348,21 @@ def test_vllm_llm_client_runs_init_then_start_update_finish(llm: Any, coordinato
             llm.reset_prefix_cache()  # vLLM's finish_weight_update does not
             assert client.calls[-3:] == [("start", None), ("update", {"version": step}), ("finish", str(step))]
             assert llm.get_weight_version() == str(step)
-            assert_serves(served_inprocess(llm), reference(model))
+            assert_serves(vllm_run(llm), transformers_logprobs(model))
         assert client.names() == ["init"] + ["start", "update", "finish"] * 2
-        before = served_inprocess(llm)
+        before = vllm_run(llm)
         engine.source = Without(model, MISSING)
         with pytest.raises(VersionNotApplied, match=f"version 3 was not applied: llm-a: .*{MISSING}"):
             engine.send_weights()
         assert client.names()[-2:] == ["start", "update"]  # and no finish
         llm.reset_prefix_cache()
-        assert served_inprocess(llm) == before  # the refused version changed nothing
+        assert vllm_run(llm) == before  # the refused version changed nothing
         engine.source = ModuleSource(model)
         train_step(model)
         engine.send_weights()  # the next version applies
         llm.reset_prefix_cache()
         assert engine.version == 4 and llm.get_weight_version() == "4"
-        assert_serves(served_inprocess(llm), reference(model))
+        assert_serves(vllm_run(llm), transformers_logprobs(model))
     finally:
         engine.shutdown()
 
@@ -419,7 +397,7 @@ def test_a_second_trainer_generation_fences_the_first(llm: Any, coordinator: str
             first.send_weights()
         assert len(first_client.calls) == calls  # nothing reached the worker
         llm.reset_prefix_cache()
-        assert_serves(served_inprocess(llm), reference(second_model))
+        assert_serves(vllm_run(llm), transformers_logprobs(second_model))
     finally:
         first.shutdown()
         if second is not None:
