@@ -12,7 +12,8 @@ against vLLM's flow switches to weightsync by its init info (and the server's ba
     engine.shutdown()
 
 Importing this module registers the engine with vLLM's `WeightTransferTrainerFactory` (vLLM
-loads no trainer-side plugins); it needs vLLM, `import trainer_agent` does not.
+loads no trainer-side plugins); it needs vLLM (the vllm extra), `import trainer_agent` does
+not.
 
 Ranks: the sender (rank 0) publishes every tensor and drives the worker through the
 client. Other ranks hold no publisher and touch no client: they read `metadata()` and
@@ -27,18 +28,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-try:
-    from vllm.distributed.weight_transfer.base import (
-        TrainerInitInfo,
-        TrainerWeightTransferEngine,
-        VLLMWeightSyncClient,
-        WeightSource,
-    )
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-except ImportError as e:
-    raise ImportError(
-        f"trainer_agent.vllm_trainer is vLLM's trainer-side API and needs vLLM (the vllm extra): {e}"
-    ) from e
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -183,9 +179,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         Raises:
             VersionNotApplied: start or update failed (the worker's reason, from its
                 handshake, else the client's error; finish is not called), or the version
-                ended PARTIAL or FAILED (the rollouts' reasons).
+                was aborted or released before it committed (FAILED, RELEASED).
             DeadlineExceeded: the version was not COMMITTED within commit_timeout_s (what
-                it waits for).
+                it waits for: a rollout that refused it, PARTIAL, retries it).
             FailedPrecondition: finish_weight_update failed after the version was applied.
             StaleGeneration: a newer trainer attached to the session; nothing was sent.
             InvalidArgument: a tensor weightsync cannot carry, or iteration that does not
