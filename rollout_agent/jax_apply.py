@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import os
 import re
 import time
@@ -160,6 +161,50 @@ class JaxApply:
         jobs = {path: self._pool_().submit(host_fingerprint, plan, tensors) for path, plan in plans.items()}
         fps = {path: job.result() for path, job in jobs.items()}
         self._prepared = (version, fps, time.perf_counter() - t0)
+
+    def host_bytes(self, tensors: Mapping[str, Any]) -> int:
+        """Host memory an apply takes beyond the pulled bytes, at most: on CPU devices the
+        new leaves themselves (host memory; a swap builds all of them aside the old); on
+        accelerators the tensors cast to their leaf's dtype (kept to the check in place,
+        a window's worth in flight in a swap) and the largest leaf the host assembles
+        (grown or fused boxes). A leaf that goes over as its tensor lies takes none."""
+        plans = self._plan(shapes_of(tensors.values()))
+        inplace = self.mode == "inplace"
+        on_cpu, cast, assembled = [], 0, 0
+        for plan in plans.values():
+            nbytes = sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+            if _on_cpu(plan.sharding):
+                on_cpu.append(nbytes)
+                continue
+            cast += sum(math.prod(p.source) * plan.dtype.itemsize for p in plan.parts if p.source_dtype != p.dtype)
+            if self._device_source(plan) is None and (len(plan.parts) > 1 or not plan.parts[0].plain):
+                assembled = max(assembled, nbytes)  # boxes the host fills (`leaf_box`), one leaf at a time
+        cpu = max(on_cpu, default=0) if inplace else sum(on_cpu)
+        return cpu + (cast if inplace else min(cast, self.window_bytes)) + assembled
+
+    def stage(
+        self, version: int, tensors: Mapping[str, Any], groups: Sequence[Sequence[tuple[str, np.ndarray]]]
+    ) -> bool:
+        """Builds every new leaf aside and waits for them to land, where the round swaps
+        (the engine serves the old leaves meanwhile); the round stays open, so the apply
+        is then `commit_update` alone: the device check, the swap and the refresh. A round
+        that would write in place is not opened (False): its apply writes the live leaves."""
+        self.begin_update(version, tensors)
+        r = self._open()
+        if r.mode != "swap":
+            self.abort_update()
+            return False
+        try:
+            for group in groups:
+                self.apply(group)
+            t0 = time.perf_counter()
+            jax.block_until_ready(list(r.new.values()))
+            r.build_seconds += time.perf_counter() - t0
+            r.wait_seconds += time.perf_counter() - t0
+        except BaseException:
+            self.abort_update()
+            raise
+        return True
 
     def begin_update(self, version: int, tensors: Mapping[str, Any]) -> None:
         if self._round is not None:
