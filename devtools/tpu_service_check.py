@@ -4,6 +4,7 @@ process, JAX on the CPU), every one on a unix socket, the data plane `shm`, pref
 
     source .tpu-kit/activate && python devtools/tpu_service_check.py --preset 0.6b     # the TPU host
     python devtools/tpu_service_check.py --preset small --cpu-devices 8                # anywhere
+    python devtools/tpu_service_check.py --probe-runtime   # the TPU runtime's own host memory, per setting
 
 The trainer publishes `--versions` versions of a Qwen3 of `--preset` (bf16 with weights of
 ~0.02 and norms in [1, 2); each version the one before rolled by one row along every
@@ -30,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +42,6 @@ from typing import Any
 
 if __name__ == "__main__":  # a checkout run as `python devtools/tpu_service_check.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: one process holds the chip, and it is not this one
 
 import numpy as np  # noqa: E402
 
@@ -65,7 +66,86 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rollout's host_memory_limit_bytes (0: none)")  # fmt: skip
     p.add_argument("--deadline-s", type=float, default=420.0, help="the whole run, processes' start included")
     p.add_argument("--out", default="", help="where the JSON and logs go (default $OUT, else /tmp/tpu-service-check)")
+    p.add_argument(
+        "--probe-runtime",
+        action="store_true",
+        help="instead: the TPU runtime's own host memory, per setting (tpu_runtime_memory.json)",
+    )
+    p.add_argument("--probe-child", default="", help=argparse.SUPPRESS)
     return p
+
+
+# TPU runtime settings whose host memory the probe compares (env of a process that opens the chip).
+# TPU_PREMAPPED_BUFFER_SIZE: host memory premapped and pinned for DMA (4 GiB by default, Cloud TPU's docs).
+RUNTIME_SETTINGS: dict[str, dict[str, str]] = {
+    "default": {},
+    "premapped_1gib": {"TPU_PREMAPPED_BUFFER_SIZE": str(1 << 30)},
+    "premapped_256mib": {"TPU_PREMAPPED_BUFFER_SIZE": str(256 << 20)},
+}
+PROBE_BYTES = 1 << 30  # what the probe moves to the device: the H2D rate each setting gives
+
+
+def probe_runtime(args: argparse.Namespace) -> dict[str, Any]:
+    """Opens the chip once per setting, each in a fresh process, and records its memory at
+    each stage (`_probe`): the runtime's own resident set, what kind it is, and whether
+    the host's MemAvailable fell by as much (real memory) or not (mapped, shared, cache)."""
+    out: dict[str, Any] = {}
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_PREMAPPED_BUFFER_SIZE",)}
+    env["JAX_PLATFORMS"] = "cpu" if args.cpu_devices else ""
+    for name, setting in RUNTIME_SETTINGS.items():
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe-child", name],
+                                  env={**env, **setting}, capture_output=True, text=True, timeout=150)  # fmt: skip
+            lines = proc.stdout.strip().splitlines()
+            out[name] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            out[name] = {"error": "no answer within 150 s"}
+        out[name]["env"] = setting
+    return out
+
+
+def _probe(name: str) -> dict[str, Any]:
+    """In a fresh process: memory before JAX, with the devices open, with a 1 GiB host
+    array, with it on the device, and with the host array freed."""
+    import gc
+
+    stages = {"start": _snapshot()}
+    t0 = time.perf_counter()
+    import jax
+
+    device = jax.devices()[0]
+    open_s = time.perf_counter() - t0
+    stages["devices_open"] = _snapshot()
+    host = np.ones(PROBE_BYTES // 4, np.float32)
+    stages["host_array"] = _snapshot()
+    t1 = time.perf_counter()
+    on_device = jax.device_put(host, device)
+    on_device.block_until_ready()
+    h2d_s = time.perf_counter() - t1
+    stages["on_device"] = _snapshot()
+    del host
+    gc.collect()
+    stages["host_array_freed"] = _snapshot()
+    return {"setting": name, "platform": device.platform, "open_seconds": open_s,
+            "h2d_gbps": PROBE_BYTES / h2d_s / 1e9, "stages": stages}  # fmt: skip
+
+
+def _snapshot() -> dict[str, Any]:
+    """This process's memory by kind, its virtual size, the host's MemAvailable and, where
+    the kernel has it, /proc/self/smaps_rollup (Private_Dirty: pages only this process
+    wrote; Pss: its proportional share)."""
+    snap: dict[str, Any] = {**host_memory().as_dict(), "mem_available": mem_available()}
+    for path, keys in (("/proc/self/status", ("VmSize", "VmLck", "VmPin")),
+                       ("/proc/self/smaps_rollup", ("Pss", "Private_Dirty", "Private_Clean", "Shared_Dirty",
+                                                    "Shared_Clean", "Anonymous", "AnonHugePages"))):  # fmt: skip
+        try:
+            for line in Path(path).read_text().splitlines():
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    snap[key] = int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
+            snap[path] = "unreadable"
+    return snap
 
 
 class MemoryGuard:
@@ -91,6 +171,13 @@ class MemoryGuard:
 
     def watch(self, name: str, pid: int) -> None:
         self.pids[name] = pid
+        if self.tripped:  # started after the guard tripped: stopped at once too
+            self.on_trip()
+
+    def check(self) -> None:
+        """RuntimeError once the guard tripped (every process it watches was killed)."""
+        if self.tripped:
+            raise RuntimeError(f"memory guard: {self.tripped}")
 
     def sample(self) -> dict[str, HostMemory]:
         now = {name: host_memory(pid) for name, pid in list(self.pids.items())}
@@ -207,6 +294,7 @@ def run(args: argparse.Namespace, out: dict[str, Any], workdir: Path, report: Pa
             guard.watch("tpu-rollout", service.pid)
             base = make_base(args.preset)  # while the service opens the chip
             cluster.wait_ready(service, timeout_s=min(300.0, left()))
+            guard.check()
             out["service"] = {k: v for k, v in service.ready.items() if k not in ("address", "pid")}
             out["service"]["ready_seconds"] = time.perf_counter() - t0
             tokens = np.load(report / "tokens.npy")
@@ -250,8 +338,7 @@ def _wait_committed(pub: Any, v: int, guard: MemoryGuard, left: Callable[[], flo
     from weightsync.errors import DeadlineExceeded
 
     while True:
-        if guard.tripped:
-            raise RuntimeError(f"memory guard: {guard.tripped}")
+        guard.check()
         try:
             return str(pub.wait_committed(v, min(2.0, left())))
         except DeadlineExceeded:
@@ -260,8 +347,7 @@ def _wait_committed(pub: Any, v: int, guard: MemoryGuard, left: Callable[[], flo
 
 def _wait_line(path: Path, v: int, guard: MemoryGuard, left: Callable[[], float]) -> dict[str, Any]:
     while True:
-        if guard.tripped:
-            raise RuntimeError(f"memory guard: {guard.tripped}")
+        guard.check()
         line = _read_lines(path).get(v)
         if line is not None:
             return line
@@ -345,8 +431,18 @@ def summarize(out: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.probe_child:  # (JAX's platform comes from the parent's env)
+        print(json.dumps(_probe(args.probe_child)))
+        return 0
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is imported: one process holds the chip, not this one
     out_dir = Path(args.out or os.environ.get("OUT") or "/tmp/tpu-service-check")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.probe_runtime:
+        probe = probe_runtime(args)
+        (out_dir / "tpu_runtime_memory.json").write_text(json.dumps(probe, indent=1))
+        keys = ("open_seconds", "h2d_gbps", "error")
+        print(json.dumps({name: {k: r.get(k) for k in keys} for name, r in probe.items()}))
+        return 0 if all("error" not in r for r in probe.values()) else 1
     workdir = Path(tempfile.mkdtemp(prefix="ws-tpu-"))  # short: unix socket paths are at most 107 bytes
     report = workdir / "report"
     out: dict[str, Any] = {"preset": args.preset, "versions": args.versions, "mode": args.mode, "rtol": args.rtol,

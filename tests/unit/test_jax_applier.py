@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from devtools.receive_buffer import as_received
-from rollout_agent.appliers import layer_groups
+from rollout_agent.appliers import DictApplier, layer_groups
 from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
 from rollout_agent.jax_names import reference_leaf
@@ -334,3 +334,20 @@ def test_on_the_chip_auto_mode_reports_the_memory_peak_and_catches_a_flipped_bit
     inplace = JaxApplier(holder, NAME_MAP, mode="inplace")
     apply(inplace, 3, version(12))
     assert_holds(holder.get(), inplace, version(12))
+
+
+def test_host_bytes_counts_the_new_leaves_a_cpu_engine_builds_in_host_memory() -> None:
+    """On CPU devices the leaves are host memory: a swap builds every new leaf aside the
+    old ones, in place one leaf at a time. A dict engine allocates only arrays it lacks."""
+    v1 = version(14)
+    tree = leaves()
+    swap = JaxApplier(WeightsHolder(tree), NAME_MAP, mode="swap")
+    inplace = JaxApplier(WeightsHolder(tree), NAME_MAP, mode="inplace")
+    assert swap.host_bytes(specs(v1)) == sum(a.nbytes for a in tree.values())
+    assert inplace.host_bytes(specs(v1)) == max(a.nbytes for a in tree.values())
+    engine = DictApplier()
+    assert engine.host_bytes(specs(v1)) == sum(a.nbytes for a in v1.values())
+    engine.begin_update(1, specs(v1))
+    engine.apply(list(v1.items()))
+    engine.commit_update(1)
+    assert engine.host_bytes(specs(version(15))) == 0  # overwritten in place
