@@ -620,13 +620,7 @@ def _transform(
     """The jitted split -> leaf transform: permute, repeat, zero-pad, into `out`."""
 
     def f(x: Any, *old: Any) -> Any:
-        y = jnp.transpose(x, perm)
-        for t, r in enumerate(repeat):
-            if r > 1:
-                y = jnp.repeat(y, r, axis=t)
-        if y.shape != region:
-            y = jnp.pad(y, [(0, g - n) for n, g in zip(y.shape, region)])
-        return y
+        return jax_groups.laid_out(x, perm, repeat, region)
 
     if donate:
         return jax.jit(f, out_shardings=out, donate_argnums=(1,), keep_unused=True)
