@@ -113,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with jax.default_matmul_precision("highest"):
         worker.compute_logits(tokens)  # compiles the forward before any version (zero weights)
     compile_s = time.perf_counter() - t0
+    try:  # the forward's own HBM high-water mark, before any apply (memory_stats keeps the lifetime's)
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats (CPU)
+        stats = {}
+    hbm = {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats} or None
     worker.weightsync_attach({
         "coordinator": args.coordinator, "session": args.session, "agent_id": args.agent_id,
         "weight_sync_mode": args.weight_sync_mode, "prefetch": True,
@@ -130,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.ready_file, address=server.address, agent_id=args.agent_id, platform=devices[0].platform,
         devices=len(devices), mesh=f"{rows}x{cols}", start_seconds=time.perf_counter() - started,
         forward_compile_seconds=compile_s, memory=memory,
+        hbm_after_forward=hbm,
     )  # fmt: skip
     log.info("tpu rollout %s ready on %s: %s on %d %s device(s)", args.agent_id, server.address, args.preset,
              len(devices), devices[0].platform)  # fmt: skip

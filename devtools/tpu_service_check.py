@@ -401,12 +401,16 @@ def summarize(out: dict[str, Any], args: argparse.Namespace) -> None:
         from weightsync.model_shapes import PRESETS, param_shapes
 
         largest = max(int(np.prod(s)) * 2 for s in param_shapes(PRESETS[args.preset]).values())
+    # memory_stats' peak is the process's: where the engine's forward (run before any apply)
+    # already passed an apply's budget, the peak says nothing of the apply
+    forward_peak = (out.get("service", {}).get("hbm_after_forward") or {}).get("peak_bytes_in_use")
     for row in rows:
         mode = row.get("apply_mode")
         budget = 2 * model + (256 << 20) if mode == "swap" else model + largest + (256 << 20)
         row["hbm_budget_bytes"] = budget
         peak = row.get("hbm_peak_bytes")
-        row["hbm_ok"] = None if peak is None else peak <= budget
+        judged = peak is not None and (forward_peak is None or forward_peak <= budget)
+        row["hbm_ok"] = peak <= budget if judged else None
         pause = row.get("pause_seconds")
         row["pause_ok"] = None if mode != "swap" or pause is None else pause < SWAP_PAUSE_S
     committed = [r for r in rows if r["state"] == "COMMITTED" and r.get("rollout_ok")]

@@ -164,7 +164,7 @@ def test_a_version_built_aside_while_the_engine_serves_is_only_committed_at_its_
                 assert ready is not None and ready.staged
                 result = apply_prefetched(ready, puller, applier)
             assert result.ok, result.mismatch
-            assert result.apply["mode"] == "swap" and result.timings["apply_seconds"] < result.apply["build_seconds"]
+            assert result.apply["mode"] == "swap" and result.apply["version"] == 2
             assert pub.wait_committed(2, 30) == "COMMITTED"
             _assert_holds(holder, applier, _params(2))
             pub.publish(_params(3), 3)
