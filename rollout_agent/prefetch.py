@@ -112,6 +112,8 @@ class Prefetcher:
                 try:
                     yield ready
                 finally:
+                    if ready is not None:
+                        ready.discard(self._applier)  # staged and not committed by the caller: its round aborted
                     with self._cond:
                         self._done = max(self._done, version)
         finally:

@@ -90,7 +90,8 @@ class WeightsyncTPUWorkerExtension:
         A version the prefetch already built aside (`weightsync_wait_ready`) is swapped
         in with the KV cache kept: the window is the device check, the swap and the refresh."""
         rollout = self._rollout()
-        staged = rollout.prefetcher is not None and rollout.prefetcher.status()["staged"] == parse_version(version)
+        v = parse_version(version)
+        staged = v > 0 and rollout.prefetcher is not None and rollout.prefetcher.status()["staged"] == v
         free = self._weightsync_jax["free_kv_cache"] and not staged
         self.start_weight_update(free_kv_cache=free)  # type: ignore[attr-defined]
         try:

@@ -170,6 +170,15 @@ def test_a_version_built_aside_while_the_engine_serves_is_only_committed_at_its_
             pub.publish(_params(3), 3)
             prefetcher.request(3)
             eventually(lambda: prefetcher.status()["staged"] == 3, what="version 3 built aside")
+            with prefetcher.hold(3) as ready:
+                assert ready is not None and ready.staged  # taken, and not committed
+            assert applier._round is None  # its round aborted on the way out
+        finally:
+            prefetcher.close()
+        prefetcher = Prefetcher(puller, applier=applier, follow=False, stage=True)
+        try:
+            prefetcher.request(3)
+            eventually(lambda: prefetcher.status()["staged"] == 3, what="version 3 built aside again")
         finally:
             prefetcher.close()  # a staged version left: its round aborted
         assert applier._round is None

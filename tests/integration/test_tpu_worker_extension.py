@@ -172,3 +172,7 @@ def test_a_version_built_aside_swaps_in_with_the_kv_cache_kept(
         want = _hf_logits(model)
         assert np.abs(engine.compute_logits(TOKENS) - want).max() <= 1e-5 * max(float(np.abs(want).max()), 1.0)
         assert engine.weightsync_status()["host_memory"]["held"]["receive"] > 0
+        pub.publish(_hf_model(_config(False), 22)[1], 2)
+        engine.events.clear()
+        assert engine.weightsync_sync("latest")["ok"]  # not known to be built aside: the cache is freed for room
+        assert engine.events[0] == "start_weight_update(free_kv_cache=True)"
