@@ -119,6 +119,12 @@ class SyncSettings(PeerConfig):
         "vLLM engines: the nice value (0-19) of the prefetch threads: the engine's threads win the cores and "
         "the pull takes what they leave (0: the same priority as the engine).",
     )
+    host_memory_limit_bytes: int = option(
+        0,
+        "The most private host memory (RssAnon) this rollout may hold: a version whose receive buffer and apply "
+        "staging would take it past this is refused before a byte of it is pulled (RESOURCE_EXHAUSTED, its "
+        "handshake failed). 0: no limit. Reported in the status and weightsync_host_memory_bytes.",
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
 
     def __post_init__(self) -> None:
@@ -144,6 +150,7 @@ class SyncSettings(PeerConfig):
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
+            check_bounds(self, ("host_memory_limit_bytes",), 0)
             check_bounds(self, ("relay_wait_s",), 0)
             check_positive(self, ("timeout_s",))
             self.check_peer()

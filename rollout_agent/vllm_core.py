@@ -16,6 +16,7 @@ from typing import Any
 from rollout_agent.appliers import Applier
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import StaleWatch, latest_version
+from rollout_agent.host_budget import memory_status
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
@@ -89,8 +90,9 @@ class VllmRollout:
         self._stale_watch: StaleWatch | None = None  # (a prefetcher abandons stale pulls itself)
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(
-                self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice
-            )
+                self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice,
+                stage=True,  # where the applier can build aside (a JAX engine that swaps): the sync only commits
+            )  # fmt: skip
         elif self.wiring.puller is not None:
             self._stale_watch = StaleWatch(self.wiring.puller)
         self.wiring.on_new_session.append(self._session_made_again)
@@ -155,6 +157,15 @@ class VllmRollout:
         self.prefetcher.request(parse_version(version) or latest_version(self.wiring.client, self.info.session))
         return self.status()
 
+    def wait_ready(self, version: Any, timeout_s: float) -> bool:
+        """Waits until `version` (or a newer one) was prefetched, verified and, where the
+        applier builds aside, built (False after `timeout_s`, or where prefetch is off):
+        a sync then only applies what is ready, and the engine pauses for no pull."""
+        if self.prefetcher is None:
+            return False
+        v = parse_version(version) or latest_version(self.wiring.client, self.info.session)
+        return self.prefetcher.wait_ready(v, timeout_s)
+
     def status(self) -> dict[str, Any]:
         return {
             "agent_id": self.agent_id,
@@ -162,6 +173,7 @@ class VllmRollout:
             "current_version": self.current_version,
             "last": asdict(self.last) if self.last else None,
             "prefetch": self.prefetcher.status() if self.prefetcher is not None else None,
+            "host_memory": memory_status(self.wiring.puller),
         }
 
     def close(self) -> None:

@@ -187,6 +187,7 @@ def wire_rollout(
         metrics=metrics,
         relay=relay.source if relay else None,
         security=security,
+        host_memory_limit_bytes=settings.host_memory_limit_bytes,
     )
     outbox = ReportOutbox(client, on_verdict)
     return RolloutWiring(settings, agent_id, client, puller, relay, outbox, failpoints, instance=instance)

@@ -47,6 +47,8 @@ class Metrics:
     chunk_retries: Counter
     pulls: Counter
     held_bytes: Gauge
+    host_memory_bytes: Gauge
+    host_memory_limit_bytes: Gauge
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
@@ -208,6 +210,19 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "Bytes a rollout keeps between versions, by kind: receive (its copy of each rank's part), delta "
             "(encoded delta chunks), assembly (tensors split across trainer ranks, joined).",
             ["role", "session", "kind"],
+            registry=registry,
+        ),
+        host_memory_bytes=Gauge(
+            "weightsync_host_memory_bytes",
+            "This process's resident host memory (/proc/self/status), by kind: rss (VmRSS), anon (RssAnon: its "
+            "own), shmem (RssShmem: shared memory it maps, a trainer's arena), file (RssFile), peak (VmHWM).",
+            ["role", "session", "kind"],
+            registry=registry,
+        ),
+        host_memory_limit_bytes=Gauge(
+            "weightsync_host_memory_limit_bytes",
+            "A rollout's host_memory_limit_bytes (0: none): the most RssAnon a pull and apply may take it to.",
+            ["role", "session"],
             registry=registry,
         ),
         database_bytes=Gauge(

@@ -34,7 +34,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions")
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory")
     class RecentCompletionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class RolloutStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     RECENT_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
@@ -60,7 +61,26 @@ class RolloutStatus(_message.Message):
     last_error: str
     completion: str
     recent_completions: _containers.ScalarMap[int, str]
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    host_memory: HostMemory
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ...) -> None: ...
+
+class HostMemory(_message.Message):
+    __slots__ = ("rss", "anon", "file", "shmem", "peak", "limit", "receive_bytes")
+    RSS_FIELD_NUMBER: _ClassVar[int]
+    ANON_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHMEM_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rss: int
+    anon: int
+    file: int
+    shmem: int
+    peak: int
+    limit: int
+    receive_bytes: int
+    def __init__(self, rss: _Optional[int] = ..., anon: _Optional[int] = ..., file: _Optional[int] = ..., shmem: _Optional[int] = ..., peak: _Optional[int] = ..., limit: _Optional[int] = ..., receive_bytes: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "n", "max_tokens", "seed")
