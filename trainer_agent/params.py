@@ -4,11 +4,13 @@ through a bounded window of device-to-host transfers.
 
 Paths: "ffi" (the shim's XLA FFI handler stages XLA's own buffers; CPU arrays, one device
 each), "host" (host-addressable arrays staged in place: CPU or NumPy, no cast needed) and
-"device" (everything else: per shard, the runtime's device-to-host copy is issued ahead of
-use, `window_bytes` in flight, each shard staged as it lands and its host copy dropped;
-casts run on the device, one tensor at a time). No path makes a second host copy of the
-whole model. Torch tensors take the same paths (`trainer_agent.torch_tensors`): CPU ones
-staged from zero-copy views, others copied to pinned host memory through the window.
+"device" (everything else: the runtime's device-to-host copies are issued ahead of use,
+`window_bytes` in flight and landed, each staged as it lands and its host copy dropped;
+casts run on the device. JAX arrays on an accelerator travel in blocks,
+`trainer_agent.device_blocks`; on CPU devices whole shards, read in place). No path makes
+a second host copy of the whole model. Torch tensors take the same paths
+(`trainer_agent.torch_tensors`): CPU ones staged from zero-copy views, others copied to
+pinned host memory through the window.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from trainer_agent.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
 
-# Measured (bench/stage.py --devices 1, which reports the best window per host): on a TPU v5e
-# host, an 8.0 GB bf16 model staged at 1.52 GB/s with 1 GiB and 1.41 GB/s with 256 MiB, and a
-# copy-only window at 1.68 and 1.51; on CPU devices the window changes nothing (no bytes move).
-# The window is host memory above the arena; d2h_window_bytes sets it per trainer.
+# Measured on a TPU v5e host (docs/performance.md): 8 MiB blocks came over at 14 GB/s through
+# a 1 GiB window of copies (whole shards: 1.52 GB/s staged with 1 GiB, 1.41 with 256 MiB);
+# on CPU devices the window changes nothing (no bytes move). bench/stage.py --devices sweeps
+# it. The window is host memory above the arena; d2h_window_bytes sets it per trainer.
 DEFAULT_WINDOW_BYTES = 1 << 30
+# Platforms whose device memory is host memory: their arrays are staged in place (the host
+# path, or whole shards read in place on the device path), never cut into blocks. A test
+# may empty it to take an accelerator's branch with CPU devices.
+HOST_MEMORY_PLATFORMS = frozenset({"cpu"})
 FFI_PLATFORMS = frozenset({"cpu"})  # where the shim's handler is registered
 # Why a platform has no FFI path (use_ffi=True names it).
 NO_FFI = {
@@ -119,7 +125,7 @@ def choose_staging_path(
         return "ffi"
     if use_ffi is None and ffi_built and single and platforms <= FFI_PLATFORMS:
         return "ffi"
-    if platforms <= {"cpu"} and not any(_needs_cast(v, weight_dtype) for v in values):
+    if platforms <= HOST_MEMORY_PLATFORMS and not any(_needs_cast(v, weight_dtype) for v in values):
         return "host"
     return "device"
 
@@ -132,7 +138,7 @@ def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
         return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
     if hasattr(value, "addressable_shards"):
         return [
-            HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), _start(s.index, value.ndim))
+            HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), shard_start(s.index, value.ndim))
             for s in value.addressable_shards
             if s.replica_id == 0
         ]
@@ -140,7 +146,8 @@ def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
     return [HostShard(name, ArrayMeta(shape, dt), shape, (0,) * len(shape))]
 
 
-def _start(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+def shard_start(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+    """A shard's first element in its global array, from its index."""
     start = tuple(0 if sl.start is None else sl.start for sl in index)
     return start + (0,) * (ndim - len(start))
 
@@ -174,7 +181,7 @@ def device_stream(
             return
         meta, data = inflight.popleft()
         inflight_bytes -= meta.data.nbytes
-        host = _host_array(meta.name, data)
+        host = host_array(meta.name, data)
         shard = HostShard(meta.name, host, meta.global_shape, meta.start)
         del data, host
         yield shard
@@ -202,10 +209,11 @@ def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tup
             if s.replica_id == 0:
                 data = s.data
                 meta = ArrayMeta(tuple(data.shape), np.dtype(data.dtype))
-                yield HostShard(name, meta, tuple(value.shape), _start(s.index, value.ndim)), data
+                yield HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim)), data
 
 
-def _host_array(name: str, data: Any) -> np.ndarray:
+def host_array(name: str, data: Any) -> np.ndarray:
+    """`data`'s bytes in host memory (waiting for its copy), or InvalidArgument naming `params[name]`."""
     if isinstance(data, np.ndarray):
         return data
     try:
@@ -227,7 +235,7 @@ def host_shards(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
         if cast is not None and value.dtype != cast:
             value = value.astype(cast)
         return [
-            HostShard(name, _host_array(name, s.data), tuple(value.shape), _start(s.index, value.ndim))
+            HostShard(name, host_array(name, s.data), tuple(value.shape), shard_start(s.index, value.ndim))
             for s in value.addressable_shards
             if s.replica_id == 0
         ]

@@ -4,7 +4,9 @@ stream not read yet), and the staging run into that slot."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from trainer_agent import torch_tensors
 from trainer_agent.delta import CHUNK_CAP
+from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks
 from trainer_agent.params import ArrayMeta, check_param, choose_staging_path, device_stream, host_shards, shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.staging import (
@@ -20,6 +23,7 @@ from trainer_agent.staging import (
     Layout,
     plan_layout,
     stage_batched_delta,
+    stage_blocks,
     stage_shards,
     stage_shards_delta,
 )
@@ -174,14 +178,8 @@ class Stager:
                 self._scratch = np.empty(need, np.uint8)
             delta = DeltaTarget(base, self._scratch, CHUNK_CAP)
         suffix = "+delta" if delta is not None else ""
-        if plan.path == "device":  # half the window in flight, half landed and waiting for its fused pass
-            half = max(1, s.d2h_window_bytes // 2)
-            pairs = params.items() if isinstance(params, Mapping) else params
-            stream = device_stream(pairs, s.weight_dtype, half)
-            specs, chunks, encodings = stage_batched_delta(
-                slot, plan.layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
-            )
-            return "device" + suffix, specs, chunks, encodings
+        if plan.path == "device":
+            return "device" + suffix, *stage_device(slot, plan.layout, params, s, delta)
         if delta is not None:
             specs, chunks, encodings = stage_shards_delta(
                 slot, plan.shards, plan.layout, s.chunk_bytes, delta, threads=s.staging_threads
@@ -199,3 +197,56 @@ class Stager:
 
             self._ffi = FfiStager(self.settings.staging_threads)
         return self._ffi
+
+
+def stage_device(
+    slot: np.ndarray,
+    layout: Layout,
+    params: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    settings: PublisherSettings,
+    delta: DeltaTarget | None = None,
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """The device path into `slot` (planned as `layout`) of `params` (or of (name, value)
+    pairs, read once): (shard specs, chunk specs, per chunk its encoding against
+    `delta.base` when given).
+
+    JAX arrays on an accelerator (for pairs: when the first one is): large shards are cut
+    on their device into blocks (`device_blocks`), and a pool of `staging_threads` threads
+    (0: every core) stages each run of landed blocks into its place while the next copies
+    land; `d2h_window_bytes` bounds what was issued and is not yet staged. Else (CPU
+    devices, torch tensors, or `d2h_block_bytes` 0) whole shards come through the window:
+    half in flight, half landed and waiting for their fused pass (CPU devices' shards are
+    read in place, nothing is copied but into the slot).
+    """
+    s = settings
+    if isinstance(params, Mapping):
+        items: Iterable[tuple[str, Any]] = params.items()
+        on_accelerator = cuts(params.values())
+    else:
+        pairs = iter(params)
+        first = next(pairs, None)
+        items = pairs if first is None else itertools.chain([first], pairs)
+        on_accelerator = first is not None and cuts([first[1]])
+    block = block_size(s.d2h_block_bytes, s.chunk_bytes)
+    if not block or not on_accelerator:
+        half = max(1, s.d2h_window_bytes // 2)
+        stream = device_stream(items, s.weight_dtype, half)
+        return stage_batched_delta(
+            slot, layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
+        )
+    window = Window(s.d2h_window_bytes)
+    engine = "native" if native.available() else "python"
+    with ThreadPoolExecutor(s.staging_threads or native.default_threads(), thread_name_prefix="ws-stage") as pool:
+        blocks = device_blocks(items, s.weight_dtype, window, block)
+        return stage_blocks(
+            slot,
+            layout,
+            blocks,
+            s.chunk_bytes,
+            delta,
+            batch_bytes=block,
+            engine=engine,
+            threads=1,
+            pool=pool,
+            window=window,
+        )
