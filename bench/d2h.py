@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_agent.device_blocks import slicers
+from trainer_agent.device_blocks import cut_blocks
 
 MiB = 1 << 20
 CHECK_THREADS = 4
@@ -171,19 +171,10 @@ def row_blocks(datas: Sequence[Any], piece_bytes: int) -> Iterator[tuple[int, An
 
 def flat_blocks(datas: Sequence[Any], block_bytes: int) -> Iterator[tuple[int, Any]]:
     """Each buffer flattened and cut on its device into `block_bytes` blocks by the device
-    path's own slices (`trainer_agent.device_blocks`), lazily."""
-    block, tail = slicers()
+    path's own slices (`trainer_agent.device_blocks.cut_blocks`), lazily."""
     for i, d in enumerate(datas):
-        item = d.dtype.itemsize
-        if d.nbytes <= block_bytes or block_bytes % item:
-            yield i, tail(d, 0, d.dtype)
-            continue
-        per = block_bytes // item
-        count, rest = divmod(d.size, per)
-        for j in range(count):
-            yield i, block(d, j, per, count, d.dtype)
-        if rest:
-            yield i, tail(d, count * per, d.dtype)
+        for _, _, cut in cut_blocks(d, d.dtype, block_bytes):
+            yield i, cut()
 
 
 def warm_rows(datas: Sequence[Any], piece_bytes: int) -> None:
@@ -199,23 +190,15 @@ def warm_rows(datas: Sequence[Any], piece_bytes: int) -> None:
 
 def warm_flat(datas: Sequence[Any], block_bytes: int) -> None:
     """Compiles the device path's slices for every shard shape `flat_blocks` cuts
-    (untimed): one block and one tail per shape."""
-    block, tail = slicers()
+    (untimed): its first and last block per shape."""
     seen = set()
     for d in datas:
         key = (d.shape, str(d.dtype), d.sharding)
-        if key in seen:
-            continue
-        seen.add(key)
-        item = d.dtype.itemsize
-        if d.nbytes <= block_bytes or block_bytes % item:
-            tail(d, 0, d.dtype).block_until_ready()
-            continue
-        per = block_bytes // item
-        count, rest = divmod(d.size, per)
-        block(d, 0, per, count, d.dtype).block_until_ready()
-        if rest:
-            tail(d, count * per, d.dtype).block_until_ready()
+        if key not in seen:
+            seen.add(key)
+            cuts = cut_blocks(d, d.dtype, block_bytes)
+            for _, _, cut in cuts if len(cuts) < 3 else (cuts[0], cuts[-1]):
+                cut().block_until_ready()
 
 
 def threaded(blocks: Iterable[tuple[int, Any]], threads: int, window_bytes: int, sink: Sink) -> None:

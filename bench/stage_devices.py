@@ -104,14 +104,16 @@ class Model:
         self.devices = jax.devices()[: args.devices]
         self.mesh = Mesh(np.array(self.devices).reshape(-1, 2 if len(self.devices) % 2 == 0 else 1), ("fsdp", "tp"))
         self._seeds = iter(range(1 << 30))
-        params = self.fresh()
+        self._unread: dict[str, jax.Array] | None = self.fresh()
+        params = self._unread
         self.layout = plan_layout([m for n, v in params.items() for m in shard_metas(n, v)])
         self.nbytes = sum(int(d.nbytes) for d in replica0(params))
         self.cuts = cuts(params.values())
-        drop(params)
 
     def fresh(self) -> dict[str, jax.Array]:
-        return sharded_params(self.args.model_size, self.args.dtype, self.mesh, next(self._seeds))
+        """Arrays no one has read yet: the first ones made, then new ones each call."""
+        params, self._unread = getattr(self, "_unread", None), None
+        return params or sharded_params(self.args.model_size, self.args.dtype, self.mesh, next(self._seeds))
 
     def settings(self, window: int, block: int) -> PublisherSettings:
         a = self.args

@@ -12,11 +12,11 @@ copies in 8 MiB blocks ran at 14 GB/s.
 
 A block is whole chunks of the part (`chunk_bytes` pieces counted from the shard's first
 byte), so its chunks' digests are the shard's piece digests and the manifest is the one the
-whole shard would give. It is cut by one jitted slice of the flattened shard, cast there
-when `weight_dtype` differs, compiled once per shard shape and block size; a shard no
-larger than a block is copied whole (through the same slice: the caller's array keeps no
-host copy). On CPU devices the device memory is host memory: shards are read in place,
-never cut.
+whole shard would give. It is cut by one jitted slice (of the few leading rows that hold
+it, flattened), cast there when `weight_dtype` differs, compiled once per shard shape and
+block size; a shard no larger than a block is copied whole (through a slice too: the
+caller's array keeps no host copy). On CPU devices the device memory is host memory:
+shards are read in place, never cut.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
 
-# Measured (bench/stage.py --devices 1, docs/performance.md): on a TPU v5e host, 8 MiB blocks
+# Measured on a TPU v5e host (copy-only, docs/performance.md): 8 MiB blocks
 # copied at 14 GB/s, 16 MiB at 13.9, 4 MiB at 8.5, whole 256 MiB shards at 1.3.
 DEFAULT_BLOCK_BYTES = 8 << 20
 
@@ -170,35 +170,60 @@ def _cut(shard: HostShard, x: Any, platform: str, block_bytes: int) -> Iterator[
     dtype, n = shard.data.dtype, shard.nbytes
     if n == 0:
         yield _Job(shard, 0, 0, lambda: np.empty(0, dtype))
-        return
-    if platform in params.HOST_MEMORY_PLATFORMS:
+    elif platform in params.HOST_MEMORY_PLATFORMS:
         yield _Job(shard, 0, n, lambda: x if x.dtype == dtype else x.astype(dtype))
-        return
-    block, tail = slicers()
-    if not block_bytes or n <= block_bytes or block_bytes % dtype.itemsize:
-        yield _Job(shard, 0, n, lambda: tail(x, 0, dtype))
-        return
-    per = block_bytes // dtype.itemsize
-    count, rest = divmod(n // dtype.itemsize, per)
+    else:
+        yield from (_Job(shard, offset, nbytes, make) for offset, nbytes, make in cut_blocks(x, dtype, block_bytes))
+
+
+def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int, Callable[[], Any]]]:
+    """(byte offset, bytes, cut) of each block of device array `x` flattened and cast to
+    `dtype`: `block_bytes` each but the last (one block when `x` is no larger, or
+    `block_bytes` is not whole elements); `cut()` dispatches the block's slice on the
+    device. Each block is read from the few leading rows of `x` that hold it, so the
+    device relays out about a block's bytes, never the whole shard."""
+    item = dtype.itemsize
+    size = int(np.prod(x.shape, dtype=np.int64))
+    _, tail = slicers()
+    if not block_bytes or size * item <= block_bytes or block_bytes % item:
+        return [(0, size * item, lambda: tail(x, 0, dtype))]
+    per = block_bytes // item
+    count, rest = divmod(size, per)
+    row = size // x.shape[0]
+    rows = min(x.shape[0], -(-per // row) + 1)  # the rows any one block lies in
+    out = []
     for j in range(count):
-        yield _Job(shard, j * block_bytes, block_bytes, lambda j=j: block(x, j, per, count, dtype))
+        first = min(j * per // row, x.shape[0] - rows)
+        out.append(
+            (j * block_bytes, block_bytes, functools.partial(_block, x, first, j * per - first * row, rows, per, dtype))
+        )
     if rest:
-        yield _Job(shard, count * block_bytes, rest * dtype.itemsize, lambda: tail(x, count * per, dtype))
+        out.append((count * block_bytes, rest * item, functools.partial(tail, x, count * per, dtype)))
+    return out
+
+
+def _block(x: Any, first: int, offset: int, rows: int, per: int, dtype: np.dtype) -> Any:
+    return slicers()[0](x, first, offset, rows, per, dtype)
 
 
 @functools.cache
 def slicers() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(block(x, j, per, count, dtype): the j-th of the first `count` `per`-element blocks
-    of x flattened, cast; tail(x, start, dtype): x flattened from element `start`, cast),
-    jitted: one compile per shard shape and block size."""
+    """Jitted, compiled once per shard shape and block size: (block(x, first, offset, rows,
+    per, dtype): elements [offset, offset + per) of x's leading rows [first, first + rows)
+    flattened, cast; tail(x, start, dtype): x flattened from element `start`, cast, read
+    from the rows that hold it)."""
     import jax
     from jax import lax
 
-    def block(x: Any, j: Any, per: int, count: int, dtype: Any) -> Any:
-        rows = x.reshape(-1)[: per * count].reshape(count, per)
-        return lax.dynamic_index_in_dim(rows, j, keepdims=False).astype(dtype)
+    def block(x: Any, first: Any, offset: Any, rows: int, per: int, dtype: Any) -> Any:
+        held = lax.dynamic_slice_in_dim(x, first, rows).reshape(-1)
+        return lax.dynamic_slice_in_dim(held, offset, per).astype(dtype)
 
     def tail(x: Any, start: int, dtype: Any) -> Any:
-        return x.reshape(-1)[start:].astype(dtype)
+        if x.ndim == 0:
+            return x.reshape(-1).astype(dtype)
+        row = x.size // x.shape[0] if x.shape[0] else 1
+        first = start // row
+        return x[first:].reshape(-1)[start - first * row :].astype(dtype)
 
-    return jax.jit(block, static_argnums=(2, 3, 4)), jax.jit(tail, static_argnums=(1, 2))
+    return jax.jit(block, static_argnums=(3, 4, 5)), jax.jit(tail, static_argnums=(1, 2))

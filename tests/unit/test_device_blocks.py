@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainer_agent import params as params_module
-from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks
+from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks
 from trainer_agent.params import shard_metas
 from trainer_agent.staging import plan_layout, stage_blocks
 
@@ -51,6 +53,8 @@ def values() -> dict[str, jax.Array]:
         "big": jnp.asarray(rng.integers(-64, 64, (300, 100)) / 8, jnp.float32),  # 120,000 B: 15 blocks
         "norm": jnp.ones((100,), jnp.float32),
         "odd": jnp.asarray(rng.integers(-64, 64, (7, 2049)) / 8, jnp.float32),  # 57,372 B: a tail block
+        "even": jnp.asarray(rng.integers(-64, 64, (16, 1024)) / 8, jnp.float32),  # 8 blocks, the last in the last rows
+        "cube": jnp.asarray(rng.integers(-64, 64, (5, 7, 300)) / 8, jnp.float32),  # rows of 8,400 B
         "empty": jnp.zeros((0, 4), jnp.float32),
     }
 
@@ -96,3 +100,21 @@ def test_the_window_bounds_what_is_issued_and_not_yet_staged(accelerator_branch:
     assert window._used == 0
     for i, (off, n) in enumerate(zip(layout.offsets, layout.nbytes)):
         assert (slot[off : off + n].view(np.float32) == i).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    block_elements=st.integers(1, 700),
+    cast=st.booleans(),
+)
+def test_cut_blocks_rebuild_the_array_flattened_whatever_its_shape(
+    shape: list[int], block_elements: int, cast: bool
+) -> None:
+    x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+    dtype = np.dtype(ml_dtypes.bfloat16) if cast else np.dtype(np.float32)
+    cuts = cut_blocks(x, dtype, block_elements * dtype.itemsize)
+    got = [np.asarray(cut()) for _, _, cut in cuts]
+    assert [o for o, _, _ in cuts] == [i * block_elements * dtype.itemsize for i in range(len(cuts))]
+    assert [n for _, n, _ in cuts] == [g.nbytes for g in got]
+    assert np.concatenate(got).tobytes() == np.asarray(x).astype(dtype).reshape(-1).tobytes()
