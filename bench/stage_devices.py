@@ -188,8 +188,10 @@ def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     )
     configs: dict[str, tuple[int, int, int]] = {}  # label -> (window, block bytes, runs)
 
-    def add(window: int, blk: int, runs: int) -> None:
-        configs.setdefault(f"window_{window // MiB}MiB_block_{blk / MiB:g}MiB", (window, blk, runs))
+    def add(window: int, blk: int, runs: int) -> None:  # labelled by the blocks cut: whole chunks
+        configs.setdefault(
+            f"window_{window // MiB}MiB_block_{block_size(blk, args.chunk_bytes) / MiB:g}MiB", (window, blk, runs)
+        )
 
     add(args.window_bytes, args.block_bytes, args.repeats)
     if model.cuts:

@@ -222,8 +222,8 @@ def stage_batched_delta(
 @dataclass(frozen=True)
 class Block:
     """Bytes [offset, offset + data.nbytes) of one shard, in host memory: `shard` describes
-    the shard (its data may be an ArrayMeta), `data` is C-contiguous, of the shard's dtype.
-    A shard staged whole is one block at offset 0."""
+    the shard (its data may be an ArrayMeta), `data` holds them in the shard's dtype (C
+    order). A shard staged whole is one block at offset 0."""
 
     shard: HostShard
     offset: int

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from trainer_agent import params as params_module
 from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks
 from trainer_agent.params import shard_metas
+from trainer_agent.settings import PublisherSettings
+from trainer_agent.stage_plan import stage_device
 from trainer_agent.staging import plan_layout, stage_blocks
 
 CHUNK = 4096
@@ -118,3 +120,19 @@ def test_cut_blocks_rebuild_the_array_flattened_whatever_its_shape(
     assert [o for o, _, _ in cuts] == [i * block_elements * dtype.itemsize for i in range(len(cuts))]
     assert [n for _, n, _ in cuts] == [g.nbytes for g in got]
     assert np.concatenate(got).tobytes() == np.asarray(x).astype(dtype).reshape(-1).tobytes()
+
+
+def test_a_stream_of_pairs_takes_the_blocks_when_its_first_value_is_on_an_accelerator(
+    accelerator_branch: None,
+) -> None:
+    """`stage_device` of (name, value) pairs read once (a publish_stream with specs) stages
+    what the same values as a mapping do, cut into blocks."""
+    params = values()
+    layout = plan_layout([m for n, v in params.items() for m in shard_metas(n, v)])
+    settings = PublisherSettings(coordinator="127.0.0.1:1", chunk_bytes=CHUNK, d2h_block_bytes=BLOCK)
+    from_mapping = np.zeros(layout.total_bytes, np.uint8)
+    from_pairs = np.ones(layout.total_bytes, np.uint8)
+    want = stage_device(from_mapping, layout, params, settings)
+    pairs = ((name, value) for name, value in params.items())
+    assert stage_device(from_pairs, layout, pairs, settings) == want
+    assert from_pairs.tobytes() == from_mapping.tobytes()
