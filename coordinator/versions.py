@@ -387,7 +387,8 @@ class VersionLifecycle:
     ) -> VersionRecord:
         """-> RELEASED, by the session's current generation only (a fenced trainer releases
         nothing). Refused while a live rollout holds a lease, and for the session's newest
-        COMMITTED version, which stays servable until a newer one commits (`NewestCommitted`);
+        COMMITTED version while no newer version is COMMITTED or READY (`NewestCommitted`:
+        every newer one failed, so it is the only verified version a rollout can get);
         `unpin` lifts the second (a trainer with one arena slot overwrites that version's
         bytes), `force` both."""
         check_session_name(session)
@@ -398,10 +399,11 @@ class VersionLifecycle:
             if rec.state is S.RELEASED:
                 return rec
             check_transition(version, rec.state, S.RELEASED)
-            if rec.state is S.COMMITTED and not (force or unpin) and self._newest_committed(db, session) == version:
+            if rec.state is S.COMMITTED and not (force or unpin) and self._pinned(db, session, version):
                 raise NewestCommitted(
-                    f"version {version} is the session's newest COMMITTED version: it stays servable until a newer "
-                    "version commits (release another slot's version, or pass force)",
+                    f"version {version} is the session's newest COMMITTED version and every newer one failed: it "
+                    "stays servable until a newer version is READY or COMMITTED (release another slot's version, "
+                    "or pass force)",
                     field="version",
                 )
             holders = self._lease_holders(db, session, version, limit=11)
@@ -418,11 +420,14 @@ class VersionLifecycle:
         return rec
 
     @staticmethod
-    def _newest_committed(db: sqlite3.Connection, session: str) -> int | None:
+    def _pinned(db: sqlite3.Connection, session: str, version: int) -> bool:
+        """Whether COMMITTED `version` is the only verified version a rollout could get: no
+        newer version is COMMITTED, or READY (on its way to rollouts, which may commit it)."""
         row = db.execute(
-            "SELECT MAX(version) AS v FROM versions WHERE session=? AND state=?", (session, S.COMMITTED.value)
+            "SELECT 1 FROM versions WHERE session=? AND version>? AND state IN (?,?) LIMIT 1",
+            (session, version, S.COMMITTED.value, S.READY.value),
         ).fetchone()
-        return row["v"]
+        return row is None
 
     def _lease_holders(self, db: sqlite3.Connection, session: str, version: int, limit: int = -1) -> list[str]:
         """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
@@ -489,7 +494,7 @@ class VersionLifecycle:
             partial_counts = r["state"] != S.COMMITTED.value
             newer = db.execute(
                 "SELECT version, generation FROM versions WHERE session=? AND version>? AND "
-                "(state=? OR (? AND state=? AND generation>?)) ORDER BY version DESC LIMIT 1",
+                "(state=? OR (? AND state=? AND generation>?)) ORDER BY version LIMIT 1",
                 (name, version, S.COMMITTED.value, partial_counts, S.PARTIAL.value, r["generation"]),
             ).fetchone()
             if newer is None or self._lease_holders(db, name, version, limit=1):

@@ -885,8 +885,9 @@ class WeightPublisher:
         publish cannot overwrite bytes rollouts may be reading. The old version is
         released at the coordinator first, which is refused while a rollout holds a lease
         on it (we wait, bounded, rather than tear its bytes) and for the session's newest
-        COMMITTED version (another slot is taken: with two slots, a version that fails its
-        handshakes never costs the session its last committed one).
+        COMMITTED version while every newer one failed (another slot is taken: with two
+        slots, a version that fails its handshakes never costs the session its last
+        committed one).
         """
         if not self._started or self._closed:
             raise FailedPrecondition(
@@ -910,13 +911,13 @@ class WeightPublisher:
             raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
         # One slot: staging overwrites its version's bytes, whatever that version is.
         unpin = self.arena.slots == 1
-        for slot, entry in candidates:  # oldest first; the session's newest COMMITTED version is kept
+        for slot, entry in candidates:  # oldest first; the newest COMMITTED version may be kept (NewestCommitted)
             if self._release_for_reuse(slot, entry.version, unpin=unpin):
                 break
         else:
             raise SlotBusy(
                 f"cannot reuse a slot for version {version}: the only other one holds the session's newest COMMITTED "
-                f"version {candidates[0][1].version}, which stays servable until a newer version commits"
+                f"version {candidates[0][1].version}, which stays servable while every newer version failed"
             )
         self.table.set(slot, None)
         if self.fs_store is not None:

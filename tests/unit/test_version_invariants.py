@@ -3,7 +3,8 @@ rollouts and the clock do: publishes, refused and verified handshakes, leases, s
 trainer replacements, aborts, lapsed leases and sweeps (a real SessionStore on SQLite).
 
 - The newest version that ever committed stays COMMITTED (servable) until a newer one
-  commits: no failure, no replacement and no trainer's slot reuse releases it.
+  commits: no failure and no replacement releases it, and a trainer's slot reuse only
+  while a newer version is on its way (READY).
 - `version=0` names the newest READY or COMMITTED version, never a PARTIAL one.
 - A COMMITTED version only ever becomes RELEASED; a RELEASED or FAILED one never changes.
 - A PARTIAL version commits once every live rollout that must verify it did.
@@ -76,6 +77,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.slots: list[int] = []
         self.seen: dict[int, S] = {}  # every version's state as last observed
         self.newest_ever_committed = 0
+        self.released_for_a_ready_one: set[int] = set()  # the trainer's slot reuse, a newer version READY
 
     @initialize()
     def attach(self) -> None:
@@ -101,8 +103,12 @@ class Lifecycle(RuleBasedStateMachine):
         then the version."""
         if len(self.slots) == SLOTS:
             for v in sorted(self.slots):
+                newer_ready = any(n > v and state is S.READY for n, state in self.seen.items())
                 try:
                     self.store.release_version("job", v, generation=self.generation)
+                    if self.seen.get(v) is S.COMMITTED:
+                        assert newer_ready or any(n > v and st is S.COMMITTED for n, st in self.seen.items()), v
+                        self.released_for_a_ready_one.add(v)
                 except NewestCommitted:
                     continue
                 except WrongState:  # FAILED or RELEASED already: the slot is free
@@ -141,6 +147,20 @@ class Lifecycle(RuleBasedStateMachine):
             self.store.report_applied("job", v, r, report(m, rec.manifest_digest, ok=ok))
         except (AgentNotFound, WrongState):  # lapsed, or the version moved on meanwhile
             pass
+
+    @rule(ok=st.booleans())
+    def fleet_reports_the_newest(self, ok: bool) -> None:
+        """Every rollout verifies (or every one refuses) the newest servable version."""
+        servable = [v for v, state in self.seen.items() if state in (S.READY, S.PARTIAL, S.COMMITTED)]
+        if not servable:
+            return
+        v = max(servable)
+        for r in ROLLOUTS:
+            try:
+                rec, m = self.store.manifest("job", v, lease_for=r)
+                self.store.report_applied("job", v, r, report(m, rec.manifest_digest, ok=ok))
+            except (AgentNotFound, WrongState):
+                pass
 
     @rule(data=st.data())
     def lease_only(self, data: st.DataObject) -> None:
@@ -189,9 +209,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.newest_ever_committed = max([self.newest_ever_committed, *committed])
 
     def the_newest_committed_version_stays_servable(self) -> None:
-        if self.newest_ever_committed:
-            rec = self.store.version("job", self.newest_ever_committed)
-            assert rec.state is S.COMMITTED, (self.newest_ever_committed, rec.state, rec.reason)
+        v = self.newest_ever_committed
+        if v and v not in self.released_for_a_ready_one:
+            rec = self.store.version("job", v)
+            assert rec.state is S.COMMITTED, (v, rec.state, rec.reason)
 
     def latest_is_the_newest_ready_or_committed_version(self) -> None:
         candidates = [v for v, state in self.seen.items() if state in (S.READY, S.COMMITTED)]
@@ -204,6 +225,6 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 Lifecycle.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=300, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_version_lifecycle_keeps_its_invariants = Lifecycle.TestCase
