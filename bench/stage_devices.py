@@ -169,9 +169,73 @@ def rss_in_child(argv: list[str]) -> dict[str, Any]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def device_config(
+    model: Model, arena: Arena, label: str, config: tuple[int, int, int], out: dict[str, Any], t0: float
+) -> None:
+    """The device path at one (window, block bytes, runs), each run on fresh arrays and its
+    staged bytes checked against the devices' own sums; its row in `out`."""
+    window, blk, runs = config
+    args, layout = model.args, model.layout
+    settings = model.settings(window, blk)
+    times, exact = [], True
+    for _ in range(runs):
+        params = model.fresh()
+        datas = replica0(params)
+        if model.cuts and blk:  # the slices compiled once per shape, untimed
+            warm_flat(datas, block_size(blk, args.chunk_bytes))
+        expected = device_sums(datas)
+        del datas
+        t = time.perf_counter()
+        stage_device(arena.slot(0), layout, params, settings)
+        times.append(time.perf_counter() - t)
+        exact = exact and staged_exactly(arena.slot(0), layout, expected)
+        drop(params)
+    out[label] = {
+        "gbps": round(gbps(model.nbytes, statistics.median(times)), 3),
+        "exact": exact,
+        "runs": runs,
+        "window_bytes": window,
+        "block_bytes": block_size(blk, args.chunk_bytes),
+    }
+    progress(f"[{time.perf_counter() - t0:5.0f} s] device path {label:34} {out[label]['gbps']:8.3f} GB/s"
+             f"{'' if exact else '  NOT EXACT'}")  # fmt: skip
+
+
+def copy_method(model: Model, m: Any, out: dict[str, Any], t0: float) -> None:
+    """One copy-only method, each run on fresh arrays, `exact` when every byte it brought
+    over sums as on its device; its row in `out`."""
+    args = model.args
+    times, exact = [], True
+    for _ in range(args.slow_repeats if m.slow else args.repeats):
+        params = model.fresh()
+        datas, values = replica0(params), list(params.values())
+        try:
+            m.prepare(datas, values)
+            check = Checker(device_sums(datas))
+            t = time.perf_counter()
+            m.run(datas, values, check)
+            exact = check.finish() and exact
+            times.append(time.perf_counter() - t)
+        except Unsupported as e:
+            out[m.name] = {"unsupported": str(e)}
+            break
+        finally:
+            del datas, values
+            drop(params)
+    if m.name not in out:
+        out[m.name] = {
+            "gbps": round(gbps(model.nbytes, statistics.median(times)), 3),
+            "exact": exact,
+            "runs": len(times),
+        }
+    row = out[m.name]
+    shown = f"{row['gbps']:8.3f} GB/s{'' if row['exact'] else '  NOT EXACT'}" if "gbps" in row else row["unsupported"]
+    progress(f"[{time.perf_counter() - t0:5.0f} s] copy-only {m.name:36} {shown}")
+
+
 def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """Everything above, in order: the RSS child, the device path's configurations, the
-    copy-only methods."""
+    """Everything above, in order: the RSS child, the device path at its defaults, the fast
+    copy-only methods, the device path's other configurations, the whole-buffer methods."""
     t0 = time.perf_counter()
     rss = rss_in_child(argv)  # before this process opens a device
     progress(
@@ -200,64 +264,25 @@ def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     for w in args.windows_mib:
         add(w * MiB, args.block_bytes, args.repeats)
     add(args.window_bytes, 0, args.slow_repeats)  # whole shards
-
-    arena = Arena("bench-devices", slots=1)
     device: dict[str, dict[str, Any]] = {}
+    copy: dict[str, dict[str, Any]] = {}
+    labels = list(configs)
+    copy_only = methods(args.window_bytes, block, args.rows_mib, args.d2h_threads)
+    # What the verdict needs first (the default configuration and the fast copy-only methods),
+    # then the sweep, then the whole-buffer methods (~1 GB/s on a TPU host): a run cut short
+    # at its budget has printed the comparison already.
+    arena = Arena("bench-devices", slots=1)
     try:
         arena.ensure_slot_bytes(layout.total_bytes)
-        for label, (window, blk, runs) in configs.items():
-            settings = model.settings(window, blk)
-            times, exact = [], True
-            for _ in range(runs):
-                params = model.fresh()
-                datas = replica0(params)
-                if model.cuts and blk:  # the slices compiled once per shape, untimed
-                    warm_flat(datas, block_size(blk, args.chunk_bytes))
-                expected = device_sums(datas)
-                del datas
-                t = time.perf_counter()
-                stage_device(arena.slot(0), layout, params, settings)
-                times.append(time.perf_counter() - t)
-                exact = exact and staged_exactly(arena.slot(0), layout, expected)
-                drop(params)
-            device[label] = {
-                "gbps": round(gbps(total, statistics.median(times)), 3),
-                "exact": exact,
-                "runs": runs,
-                "window_bytes": window,
-                "block_bytes": block_size(blk, args.chunk_bytes),
-            }
-            progress(f"[{time.perf_counter() - t0:5.0f} s] device path {label:34} {device[label]['gbps']:8.3f} GB/s"
-                     f"{'' if exact else '  NOT EXACT'}")  # fmt: skip
+        device_config(model, arena, labels[0], configs[labels[0]], device, t0)
+        for m in (m for m in copy_only if not m.slow):
+            copy_method(model, m, copy, t0)
+        for label in labels[1:]:
+            device_config(model, arena, label, configs[label], device, t0)
     finally:
         arena.close()
-
-    copy: dict[str, dict[str, Any]] = {}
-    for m in methods(args.window_bytes, block, args.rows_mib, args.d2h_threads):
-        times, exact = [], True
-        for _ in range(args.slow_repeats if m.slow else args.repeats):
-            params = model.fresh()
-            datas, values = replica0(params), list(params.values())
-            try:
-                m.prepare(datas, values)
-                check = Checker(device_sums(datas))
-                t = time.perf_counter()
-                m.run(datas, values, check)
-                exact = check.finish() and exact
-                times.append(time.perf_counter() - t)
-            except Unsupported as e:
-                copy[m.name] = {"unsupported": str(e)}
-                break
-            finally:
-                del datas, values
-                drop(params)
-        if m.name not in copy:
-            copy[m.name] = {"gbps": round(gbps(total, statistics.median(times)), 3), "exact": exact, "runs": len(times)}
-        row = copy[m.name]
-        shown = (
-            f"{row['gbps']:8.3f} GB/s{'' if row['exact'] else '  NOT EXACT'}" if "gbps" in row else row["unsupported"]
-        )
-        progress(f"[{time.perf_counter() - t0:5.0f} s] copy-only {m.name:36} {shown}")
+    for m in (m for m in copy_only if m.slow):
+        copy_method(model, m, copy, t0)
 
     default = next(iter(device))
     best_device = max(device, key=lambda k: device[k]["gbps"])

@@ -35,9 +35,10 @@ from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
 
-# Measured on a TPU v5e host (copy-only, docs/performance.md): 8 MiB blocks
-# copied at 14 GB/s, 16 MiB at 13.9, 4 MiB at 8.5, whole 256 MiB shards at 1.3.
-DEFAULT_BLOCK_BYTES = 8 << 20
+# Measured on a TPU v5e host (bench/stage.py --devices 1 --model-size 4b, 2026-12-06, one run
+# each, 1 GiB window; docs/performance.md): the device path staged at 11.07 GB/s with 12 MiB
+# blocks, 7.08 with 9, 6.09 with 6, 3.21 with 3, and 1.45 with whole shards.
+DEFAULT_BLOCK_BYTES = 12 << 20
 
 
 def block_size(block_bytes: int, chunk_bytes: int) -> int:

@@ -27,10 +27,11 @@ from trainer_agent.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
 
-# Measured on a TPU v5e host (docs/performance.md): 8 MiB blocks came over at 14 GB/s through
-# a 1 GiB window of copies (whole shards: 1.52 GB/s staged with 1 GiB, 1.41 with 256 MiB);
-# on CPU devices the window changes nothing (no bytes move). bench/stage.py --devices sweeps
-# it. The window is host memory above the arena; d2h_window_bytes sets it per trainer.
+# Measured on a TPU v5e host (bench/stage.py --devices 1 --model-size 4b, 2026-12-06, one run
+# each, docs/performance.md): with 12 MiB blocks a 1 GiB window staged at 11.07 GB/s; with 9 MiB
+# blocks windows of 128 MiB, 256 MiB, 1 GiB and 2 GiB staged at 8.01, 8.06, 7.08 and 6.53. On
+# CPU devices the window changes nothing (no bytes move). The window is host memory above the
+# arena; d2h_window_bytes sets it per trainer.
 DEFAULT_WINDOW_BYTES = 1 << 30
 # Platforms whose device memory is host memory: their arrays are staged in place (the host
 # path, or whole shards read in place on the device path), never cut into blocks. A test
