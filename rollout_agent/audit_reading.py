@@ -59,9 +59,7 @@ def compare(
     (a `str` in `live` is a problem found reading the entry: replicas that disagree, an
     entry gone), named with what differs."""
     mismatched: dict[str, str] = {}
-    compared = 0
     for entry, want in expected.items():
-        compared += len(want.tensors)
         got = live.get(entry, "not in the engine")
         if got == want.fingerprint:
             continue
@@ -69,6 +67,7 @@ def compare(
         where = f"{entry}: " if want.tensors != (entry,) else ""
         for name in want.tensors:
             mismatched[name] = f"{where}{why}"
+    compared = len({name for want in expected.values() for name in want.tensors})
     return AuditReading(version, compared, mismatched, dict(unaudited or {}), method)
 
 
