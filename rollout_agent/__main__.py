@@ -57,6 +57,7 @@ def _run(cfg: RolloutConfig) -> int:
         worker = in_process(agent_id)  # the engine's weightsync backend: it audits, and reports its audits
         if worker is not None:
             worker.auditor.metrics = metrics
+            worker.auditor.exclusive = engine.held  # its audits read every layer, the engine held
         agent = RolloutAgent(
             wiring,
             engine.sync,

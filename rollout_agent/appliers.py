@@ -138,9 +138,10 @@ class DictApplier(Applier):
         if self._round.locked():
             self._round.release()
 
-    def audit(self) -> AuditReading:
+    def audit(self, *, engine_held: bool = False) -> AuditReading:
         """The arrays as they are now against the version last applied whole (an aborted
-        round's overwritten arrays differ from it: they are not that version)."""
+        round's overwritten arrays differ from it: they are not that version). Reading
+        them beside the engine is safe: `engine_held` changes nothing."""
         with self._round:
             live = {name: fingerprint(arr) for name, arr in self.weights.items()}
             return compare(self._verified_version, self._verified, live, method="host")

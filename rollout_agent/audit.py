@@ -96,14 +96,16 @@ class Audited(Applier):
     def last_report(self) -> ApplyReport | None:
         return self.inner.last_report()
 
-    def audit(self) -> AuditReading:
-        """The inner applier's audit, between update rounds. FailedPrecondition where it
-        cannot audit."""
+    def audit(self, *, engine_held: bool = False) -> AuditReading:
+        """The inner applier's audit, between update rounds. `engine_held`: the engine runs
+        nothing meanwhile (its lock is held, or this is its own thread), so reads that must
+        not run beside it may (vLLM-CPU's GEMM probes). FailedPrecondition where the
+        applier cannot audit."""
         reader = getattr(self.inner, "audit", None)
         if reader is None:
             raise FailedPrecondition(f"{type(self.inner).__name__} cannot audit the weights it serves")
         with self.lock:
-            reading = reader()
+            reading = reader(engine_held=engine_held)
         if reading is None:
             raise FailedPrecondition(f"{type(self.inner).__name__} cannot audit the weights it serves")
         return reading  # type: ignore[no-any-return]

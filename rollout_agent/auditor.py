@@ -18,11 +18,14 @@ The last audit rides every heartbeat to the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from rollout_agent.audit import Audited
 from rollout_agent.audit_reading import AuditReading
@@ -50,6 +53,9 @@ class Auditor:
         self.metrics = metrics
         self.on_mismatch: list[Callable[[int], None]] = []  # version -> make it unserved and re-apply it
         self.beat_soon: Callable[[], None] | None = None  # sends the new result on a heartbeat now
+        # held around every audit where the engine must run nothing meanwhile (a vLLM
+        # sidecar's engine lock): the applier may then read what must not be read beside it
+        self.exclusive: Callable[[], AbstractContextManager[Any]] | None = None
         self.unserved = 0  # a version an audit found not served exactly, until an exact audit
         self.heals = 0
         self.audits = 0
@@ -76,12 +82,15 @@ class Auditor:
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
-    def audit(self, request_seq: int = 0) -> tpb.AuditResult:
-        """Audits now (after an apply in progress); a mismatch calls the hooks."""
+    def audit(self, request_seq: int = 0, *, on_engine_thread: bool = False) -> tpb.AuditResult:
+        """Audits now (after an apply in progress); a mismatch calls the hooks.
+        `on_engine_thread`: called on the engine's own thread (it runs nothing meanwhile)."""
         with self._running:
-            t0 = time.perf_counter()
-            reading = self.audited.audit()
-            seconds = time.perf_counter() - t0
+            exclusive = self.exclusive() if self.exclusive is not None else contextlib.nullcontext()
+            with exclusive:
+                t0 = time.perf_counter()
+                reading = self.audited.audit(engine_held=on_engine_thread or self.exclusive is not None)
+                seconds = time.perf_counter() - t0
             heal = 0
             with self._state:
                 self.audits += 1

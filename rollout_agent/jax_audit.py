@@ -24,8 +24,10 @@ from rollout_agent.jax_fingerprint import Fingerprint, device_fingerprint
 class JaxAudit(JaxApply):
     """`audit()` and the fault tests' `inject()` for `JaxApply` (mixed into `JaxApplier`)."""
 
-    def audit(self) -> AuditReading:
-        """The leaves as they are now against the version last applied whole."""
+    def audit(self, *, engine_held: bool = False) -> AuditReading:
+        """The leaves as they are now against the version last applied whole. Reading
+        them beside the engine is safe (JAX arrays are immutable; XLA runs programs from
+        any thread): `engine_held` changes nothing."""
         if self.verified is None:
             return AuditReading(0, 0, method="device")
         version, fps, names = self.verified

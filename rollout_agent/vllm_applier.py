@@ -171,11 +171,12 @@ class VllmApplier(Applier):
         retie_parameters(self.model, self._tied)
         self._open = False
 
-    def audit(self) -> AuditReading:
+    def audit(self, *, engine_held: bool = False) -> AuditReading:
         """This worker's shard of every tensor as the engine holds it now (kept parameters'
-        bytes, and repacked CPU layers through their GEMM: `vllm_audit`) against the
-        version last applied whole."""
-        return self._audit.audit()
+        bytes, and, with `engine_held`, repacked CPU layers through their GEMM: a probe
+        beside the engine's own forward corrupts the kernels' memory) against the version
+        last applied whole (`vllm_audit`)."""
+        return self._audit.audit(kernels=engine_held)
 
     def inject(self, kind: str) -> str:
         """Testing only: damages a kept parameter's bytes (`vllm_audit.VllmAudit.inject`)."""

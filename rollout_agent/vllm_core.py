@@ -109,8 +109,10 @@ class VllmRollout:
         self.engine.unserve(version)
 
     def audit(self) -> dict[str, Any]:
-        """Audits the weights the engine serves now; the result as a plain dict."""
-        return MessageToDict(self.auditor.audit(), preserving_proto_field_name=True)
+        """Audits the weights the engine serves now, on the engine's own thread (vLLM's
+        `collective_rpc`, or a caller that holds the engine), so every layer is read,
+        repacked ones through their kernels; the result as a plain dict."""
+        return MessageToDict(self.auditor.audit(on_engine_thread=True), preserving_proto_field_name=True)
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
