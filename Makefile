@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
@@ -135,6 +135,11 @@ bench-stage: setup
 # How much of a bf16 model changes per RL step and what the delta codec makes of it (issue 15).
 bench-delta: setup
 	$(PY) bench/delta.py $(BENCH_ARGS)
+
+# vLLM's trainer-side engine: send_weights from CPU torch against publish of the same bytes
+# as NumPy (bench/vllm_trainer.py).
+bench-vllm-trainer: setup
+	$(PY) bench/vllm_trainer.py $(BENCH_ARGS)
 
 # Publishing beside a real jitted train step: blocking publish vs publish_async (bench/train_overlap.py).
 bench-overlap: setup

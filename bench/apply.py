@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fingerprint", default="auto", choices=["auto", "jit", "view"])
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (each a bound and an apply)")
     ap.add_argument("--window-mib", type=int, default=256, help="leaf bytes in flight, apply and bound alike")
+    ap.add_argument(
+        "--no-group",
+        action="store_true",
+        help="a transfer, a transform and a fingerprint program per leaf, not a layer's leaves at once",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     applier = JaxApply(
         holder, name_map, mode=args.mode, transfer=args.transfer, fingerprint=args.fingerprint,
         refresh=lambda: refreshed.append(len(jax.tree_util.tree_leaves(holder.get()))), window_bytes=window,
+        group=not args.no_group,
     )  # fmt: skip
     plans = applier._plan({n: (s.shape, s.dtype) for n, s in specs.items()})
     refs = {path: reference_leaf(plan, tensors) for path, plan in plans.items()}
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     report = applier.last
     assert report is not None
     hbm_peak = report.hbm_peak_bytes
-    bounds, applies, pauses, host_fps, builds = [], [], [], [], []
+    bounds, applies, pauses, host_fps, builds, waits = [], [], [], [], [], []
     cpu = {"bound": 0.0, "apply": 0.0}  # CPU seconds of every thread: what a busy machine cannot skew
     for _ in range(args.repeats):
         version += 1
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         pauses.append(applier.last.pause_seconds or 0.0)
         host_fps.append(applier.last.host_fingerprint_seconds)
         builds.append(applier.last.build_seconds)
+        waits.append(applier.last.wait_seconds)
     report = applier.last
 
     def exact() -> bool:
@@ -195,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": bound_s / apply_s,
         "build_seconds": statistics.median(builds),
         "transfer_ratio": bound_s / statistics.median(builds),
+        "wait_seconds": statistics.median(waits),  # of build_seconds: waiting on transfers (the rest dispatches)
+        "groups": report.groups,
         "fingerprint_seconds": report.fingerprint_seconds,
         "host_fingerprint_seconds": statistics.median(host_fps),
         "pause_seconds": statistics.median(pauses),

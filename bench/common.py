@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterable
@@ -51,8 +52,13 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 def peak_rss_bytes(pid: int | str = "self") -> int:
-    """VmHWM: the largest RSS since start or since reset_peak_rss()."""
-    return _status_kib(pid, "VmHWM") * 1024
+    """VmHWM: the largest RSS since start or since reset_peak_rss(). Where the kernel does
+    not report it (gVisor, which TPU hosts run under, has no VmHWM), this process's
+    getrusage ru_maxrss, which cannot be reset."""
+    peak = _status_kib(pid, "VmHWM") * 1024
+    if not peak and pid == "self":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
 
 
 def cpu_seconds(pids: Iterable[int | str] = ("self",)) -> float:

@@ -215,6 +215,7 @@ class Fleet:
     leases: list[float] = field(default_factory=list)  # GetManifest (with a lease) latencies
     reports: list[float] = field(default_factory=list)  # ReportApplied latencies
     errors: dict[str, int] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)  # agent id -> the agent key its registration answered
 
     def _error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -231,9 +232,10 @@ class Fleet:
 
         async def register(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
             async with sem:
-                await stub.RegisterAgent(
+                registered = await stub.RegisterAgent(
                     pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT), timeout=60
                 )
+                self.keys[agent_id] = registered.agent_key  # every later call for the agent carries it
 
         await asyncio.gather(*(register(st, a) for st, a in zip(stubs, ids)))
         stop = asyncio.Event()
@@ -267,7 +269,7 @@ class Fleet:
     async def _heartbeat(self, stub: pb_grpc.CoordinatorStub, agent_id: str, line: list[_Line]) -> None:
         """Beats as weightsync.heartbeat does: on one Heartbeats stream (or unary calls)."""
         interval = heartbeat_interval_s(self.ttl_s)
-        request = pb.HeartbeatRequest(session=self.session, agent_id=agent_id)
+        request = pb.HeartbeatRequest(session=self.session, agent_id=agent_id, agent_key=self.keys[agent_id])
         await asyncio.sleep(random.random() * interval)  # agents beat at random phases
         while True:
             t0 = time.perf_counter()
@@ -291,7 +293,9 @@ class Fleet:
         carried = self.carried_calls and not self.unary_heartbeats
         try:
             t0 = time.perf_counter()
-            lease = pb.GetManifestRequest(session=self.session, version=version, agent_id=agent_id)
+            lease = pb.GetManifestRequest(
+                session=self.session, version=version, agent_id=agent_id, agent_key=self.keys[agent_id]
+            )
             if carried and line:
                 _answered(await line[0].ask(pb.HeartbeatRequest(call_id=1, get_manifest=lease)))
             else:
@@ -302,6 +306,7 @@ class Fleet:
             report = pb.ReportAppliedRequest()
             report.CopyFrom(self.report)
             report.version, report.agent_id, report.manifest_digest = version, agent_id, digest
+            report.agent_key = self.keys[agent_id]
             t0 = time.perf_counter()
             if carried and line:
                 _answered(await line[0].ask(pb.HeartbeatRequest(call_id=2, report_applied=report)))

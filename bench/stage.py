@@ -5,29 +5,20 @@ for the JAX FFI path and the host-pointer path, each with its ratio to a plain m
 the same bytes measured in this run, plus the peak RSS above the pre-staging baseline.
 `--json` prints one JSON object instead.
 
-`--devices N` instead stages a model sharded over N devices (FSDP x TP; on CPU through
-`--xla_force_host_platform_device_count`) by the device path: per replica-0 shard, the
-device-to-host copy issued ahead within a window, each shard staged as it lands. Beside it,
-in the same run, on shards of the same shapes and shardings, it times copy-only device-to-host methods that
-stage nothing (bench/d2h.py: windows of copies in flight, every copy at once, device_get,
-pinned_host, chunked copies, several threads) and reports the device path's ratio to the
-best of them, at --window-bytes and at the best of --windows-mib; every figure on freshly
-made arrays (JAX keeps a host copy of an array once read). Peak RSS is measured at
---window-bytes, against arena + window + 256 MiB, first in the process so that it is exact
-where VmHWM cannot be reset (an ordinary user on a TPU VM).
+`--devices N` instead stages a model sharded over N devices by the device path, beside
+copy-only device-to-host methods of the same shards in the same run, every byte checked
+(bench/stage_devices.py says what and how; bench/d2h.py has the methods). Progress goes
+to stderr as each figure comes.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--devices" in sys.argv:  # XLA reads the device count once, at import
@@ -40,9 +31,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import PeakRss, rss_bytes  # noqa: E402
-from d2h import MiB, Unsupported, methods  # noqa: E402
+from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
+from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
 from trainer_agent.params import DEFAULT_WINDOW_BYTES, host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
@@ -164,188 +156,13 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     }
 
 
-def sharded_params(preset: str, dtype: str, mesh: Any, seed: int) -> dict[str, jax.Array]:
-    """The preset's tensors made on the mesh, already sharded (rows over "fsdp", columns over
-    "tp" where they divide): no whole copy on one device first. Each seed makes fresh arrays."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    key = jax.random.PRNGKey(seed)
-    out = {}
-    for i, (name, shape) in enumerate(param_shapes(PRESETS[preset]).items()):
-        spec: list[str | None] = [None] * len(shape)
-        if shape and shape[0] % mesh.shape["fsdp"] == 0:
-            spec[0] = "fsdp"
-        if len(shape) > 1 and shape[1] % mesh.shape["tp"] == 0:
-            spec[1] = "tp"
-        out[name] = _normal(jax.random.fold_in(key, i), shape, dtype, NamedSharding(mesh, PartitionSpec(*spec)))
-    return jax.block_until_ready(out)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype: str, sharding: Any) -> jax.Array:
-    return jax.lax.with_sharding_constraint(jax.random.normal(key, shape, jnp.dtype(dtype)), sharding)
-
-
-def drop(params: dict[str, jax.Array]) -> None:
-    """Frees the arrays' device buffers and the host copies JAX kept of them."""
-    for v in params.values():
-        v.delete()
-    params.clear()
-    gc.collect()
-
-
-def replica0(params: dict[str, jax.Array]) -> list[Any]:
-    return [s.data for v in params.values() for s in v.addressable_shards if s.replica_id == 0]
-
-
-def measure_devices(args: argparse.Namespace) -> dict:
-    """The device path on a sharded model at each window, against copy-only D2H methods of
-    the same shards in the same run, every measurement on freshly made arrays."""
-    from jax.sharding import Mesh
-
-    from trainer_agent.params import device_stream, shard_metas
-    from trainer_agent.staging import stage_batched
-
-    devices = jax.devices()[: args.devices]
-    mesh = Mesh(np.array(devices).reshape(-1, 2 if len(devices) % 2 == 0 else 1), ("fsdp", "tp"))
-    seeds = iter(range(1 << 30))
-
-    def fresh() -> dict[str, jax.Array]:
-        return sharded_params(args.model_size, args.dtype, mesh, next(seeds))
-
-    params = fresh()
-    layout = plan_layout([m for n, v in params.items() for m in shard_metas(n, v)])
-    total = sum(int(d.nbytes) for d in replica0(params))
-    threads = args.threads or native.default_threads()
-    windows = sorted({w * MiB for w in args.windows_mib} | {args.window_bytes})
-
-    def stage(slot: np.ndarray, params: dict[str, jax.Array], window: int) -> float:
-        half = max(1, window // 2)  # as the publisher: half in flight, half landed
-        t0 = time.perf_counter()
-        stage_batched(
-            slot, layout, device_stream(params.items(), "", half), args.chunk_bytes, batch_bytes=half, threads=threads
-        )
-        return time.perf_counter() - t0
-
-    # The device path first, at --window-bytes, while nothing else has raised the process's
-    # RSS high-water mark (exact where VmHWM cannot be reset); then the other windows.
-    arena = Arena("bench-devices", slots=1)
-    device_s: dict[int, list[float]] = {w: [] for w in windows}
-    baseline = rss_bytes()
-    try:
-        with PeakRss() as rss:
-            arena.ensure_slot_bytes(layout.total_bytes)
-            for r in range(args.repeats):
-                if r:
-                    drop(params)
-                    params = fresh()
-                device_s[args.window_bytes].append(stage(arena.slot(0), params, args.window_bytes))
-        # What dropping the staged arrays gives back: on an accelerator, the host copies JAX
-        # kept of what the device path read; on CPU devices, the arrays themselves.
-        held = rss_bytes()
-        drop(params)
-        held -= rss_bytes()
-        arena_bytes = arena.slots * arena.slot_bytes
-        for w in windows:
-            for _ in range(args.repeats if w != args.window_bytes else 0):
-                params = fresh()
-                device_s[w].append(stage(arena.slot(0), params, w))
-                drop(params)
-    finally:
-        arena.close()
-
-    dst = np.empty(total, np.uint8)
-    dst[:] = 0  # warm
-    copy_s: dict[str, list[float] | str] = {}
-    for m in methods(windows, args.piece_mib * MiB, args.d2h_threads, dst):
-        times: list[float] = []
-        for _ in range(args.repeats):
-            params = fresh()
-            datas, values = replica0(params), list(params.values())
-            try:
-                m.prepare(datas, values)
-                t0 = time.perf_counter()
-                m.run(datas, values)
-                times.append(time.perf_counter() - t0)
-            except Unsupported as e:
-                copy_s[m.name] = f"unsupported: {e}"
-                break
-            finally:
-                del datas, values
-                drop(params)
-        copy_s.setdefault(m.name, times)
-    del dst
-
-    device_gbps = {w: gbps(total, statistics.median(t)) for w, t in device_s.items()}
-    copy_gbps = {k: gbps(total, statistics.median(t)) for k, t in copy_s.items() if not isinstance(t, str)}
-    best_copy = max(copy_gbps, key=copy_gbps.__getitem__)
-    best_window = max(device_gbps, key=device_gbps.__getitem__)
-    staged_gbps = device_gbps[args.window_bytes]
-    d2h = copy_gbps["into_warm_memory"]
-    return {
-        "model_size": args.model_size,
-        "devices": len(devices),
-        "platform": devices[0].platform,
-        "path": "device",
-        "window_bytes": args.window_bytes,
-        "model_bytes": total,
-        "gbps": round(staged_gbps, 3),
-        "d2h_bound_gbps": round(d2h, 3),
-        "ratio_to_d2h_bound": round(staged_gbps / d2h, 3),
-        "peak_rss_over_baseline_bytes": rss.peak - baseline,
-        "rss_bound_bytes": arena_bytes + args.window_bytes + (256 << 20),
-        "rss_exact": rss.exact,
-        "rss_released_by_dropping_staged_arrays_bytes": held,
-        "repeats": args.repeats,
-        "device_path_gbps": {str(w): round(g, 3) for w, g in device_gbps.items()},
-        "best_window_bytes": best_window,
-        "best_window_gbps": round(device_gbps[best_window], 3),
-        "default_window_bytes": DEFAULT_WINDOW_BYTES,
-        "copy_only_gbps": {k: (round(copy_gbps[k], 3) if k in copy_gbps else t) for k, t in copy_s.items()},
-        "best_copy_only": best_copy,
-        "best_copy_only_gbps": round(copy_gbps[best_copy], 3),
-        "ratio_to_best_copy_only": round(staged_gbps / copy_gbps[best_copy], 3),
-        "best_window_ratio_to_best_copy_only": round(device_gbps[best_window] / copy_gbps[best_copy], 3),
-    }
-
-
-def print_devices(r: dict) -> None:
-    print(
-        f"{r['devices']} {r['platform']} device(s), {r['model_size']}: {r['model_bytes'] / 1e9:.3f} GB, "
-        f"{r['repeats']} run(s) per figure, each on fresh arrays"
-    )
-    if r["platform"] == "cpu":
-        print("(CPU devices: device memory is host memory, so the copy-only methods move no bytes)")
-    print("copy-only device-to-host methods, GB/s:")
-    for k, g in r["copy_only_gbps"].items():
-        print(f"  {k:34} {g if isinstance(g, str) else f'{g:8.3f}'}")
-    print("device path into the arena (window: half in flight, half landed), GB/s:")
-    for w, g in r["device_path_gbps"].items():
-        mark = " (--window-bytes)" if int(w) == r["window_bytes"] else ""
-        print(f"  window {int(w) >> 20:6} MiB {g:8.3f}{mark}")
-    print(
-        f"best copy-only: {r['best_copy_only']} {r['best_copy_only_gbps']:.3f} GB/s; device path at "
-        f"{r['window_bytes'] >> 20} MiB: ratio {r['ratio_to_best_copy_only']:.3f}; best window "
-        f"{r['best_window_bytes'] >> 20} MiB: ratio {r['best_window_ratio_to_best_copy_only']:.3f} "
-        f"(the publisher's default window: {r['default_window_bytes'] >> 20} MiB)"
-    )
-    exact = "" if r["rss_exact"] else " (an upper bound: VmHWM could not be reset and did not rise)"
-    print(
-        f"peak RSS over baseline {r['peak_rss_over_baseline_bytes'] / 1e9:.3f} GB{exact}, bound arena + window + "
-        f"256 MiB = {r['rss_bound_bytes'] / 1e9:.3f} GB; RSS released by dropping the staged arrays "
-        f"{r['rss_released_by_dropping_staged_arrays_bytes'] / 1e9:.3f} GB ("
-        + ("the arrays themselves: CPU devices" if r["platform"] == "cpu" else "host copies JAX kept of them")
-        + ")"
-    )
-
-
 def _mib_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of MiB: {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"needs at least one window of 1 MiB or more: {text!r}")
+    if min(out, default=1) < 1:
+        raise argparse.ArgumentTypeError(f"sizes are 1 MiB or more: {text!r}")
     return out
 
 
@@ -370,21 +187,45 @@ def main() -> int:
         "--window-bytes",
         type=bounded_number(1),
         default=DEFAULT_WINDOW_BYTES,
-        help="device path: the window its peak RSS is measured at (default: the publisher's)",
+        help="device path: its window, where its peak RSS is measured (default: the publisher's)",
+    )
+    p.add_argument(
+        "--block-bytes",
+        type=bounded_number(0),
+        default=DEFAULT_BLOCK_BYTES,
+        help="device path: its block size, rounded to a multiple of --chunk-bytes (default: the publisher's)",
+    )
+    p.add_argument(
+        "--blocks-mib", type=_mib_list, default=[3, 6, 12], help="device path: other block sizes, MiB (comma-separated)"
     )
     p.add_argument(
         "--windows-mib",
         type=_mib_list,
-        default=[64, 256, 1024, 2048],
-        help="device path and copy-only windows compared, MiB (comma-separated)",
+        default=[128, 256, 2048],
+        help="device path: other windows, MiB (comma-separated)",
     )
-    p.add_argument("--piece-mib", type=bounded_number(1), default=16, help="chunked copies: block size, MiB")
+    p.add_argument("--rows-mib", type=_mib_list, default=[4, 8, 16], help="copy-only row blocks compared, MiB")
     p.add_argument("--d2h-threads", type=bounded_number(1, high=64), default=4, help="threaded copies: threads")
+    p.add_argument(
+        "--slow-repeats",
+        type=bounded_number(1),
+        default=1,
+        help="runs of the whole-buffer methods (bound by faulting in fresh host memory: ~1 GB/s on a TPU host)",
+    )
+    p.add_argument(
+        "--force-blocks",
+        action="store_true",
+        help="cut shards into blocks on CPU devices too (the accelerator's branch)",
+    )
+    p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")
+    if args.devices and args.rss_child:
+        print(json.dumps(measure_rss(args)))
+        return 0
     if args.devices:
-        result = measure_devices(args)
+        result = measure_devices(args, sys.argv[1:])
         if not args.json:
             print_devices(result)
         print(json.dumps(result))

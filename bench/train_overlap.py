@@ -17,9 +17,12 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
 and prints one JSON object (also written to `--out`): the step times, `async_ratio` (the
 async phase's total over as many no-publish steps at the mean of both no-publish phases),
 `overlap_ratio` (the same over the steps that ran while a publish was in flight), versions
-published and skipped, D2H + staging GB/s, the device memory held for pending versions, and
-the host RSS high-water mark against the RSS before the publisher started + arena + window
-+ 256 MiB.
+published and skipped and published per step, the publish-to-ready latency of each
+published version (from its `publish_async` call until it was READY: staged and taken by
+the coordinator; `--stage-only`: staged) in steps and seconds, D2H + staging GB/s, the
+device memory held for pending versions, and the host RSS high-water mark against the RSS
+before the publisher started + arena + window + 256 MiB (+ the versions held for async
+publishes where the device is host memory).
 
 The publisher needs a coordinator: by default one runs in this process, on 127.0.0.1 or,
 where this host has no usable inet sockets (a TPU VM), on a unix socket in a temporary
@@ -37,7 +40,6 @@ import argparse
 import contextlib
 import json
 import math
-import resource
 import statistics
 import sys
 import tempfile
@@ -57,6 +59,7 @@ from common import peak_rss_bytes, rss_bytes  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
+from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
 from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
@@ -156,8 +159,14 @@ class StageOnly:
 
     def publish(self, params: dict[str, Any], version: int) -> PublishResult:
         started = time.perf_counter()
-        if not self.stage:  # the device-to-host copies alone, through the same window
-            total = sum(s.nbytes for s in device_stream(params.items(), "", self.settings.d2h_window_bytes))
+        if not self.stage:  # the device-to-host copies alone, through the same window and blocks
+            s = self.settings
+            block = block_size(s.d2h_block_bytes, s.chunk_bytes)
+            if block and cuts(params.values()):
+                stream = device_blocks(params.items(), "", Window(s.d2h_window_bytes, until_staged=False), block)
+            else:
+                stream = device_stream(params.items(), "", s.d2h_window_bytes)
+            total = sum(b.nbytes for b in stream)
             return PublishResult(version, "COPIED", False, total, time.perf_counter() - started, 0.0, 0)
         plan = plan_staging(params, self.settings)
         slot, self._next_slot = self._next_slot, 1 - self._next_slot
@@ -223,26 +232,37 @@ def coordinator_here(db: Path, host: str) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Variant:
-    """How the async phase publishes: D2H window, staging threads, the worker's niceness."""
+    """How the async phase publishes: D2H window and block, staging threads, the worker's
+    niceness."""
 
     window_bytes: int
+    block_bytes: int
     staging_threads: int
     nice: int
     stage: int = 1  # 0: the worker only brings the bytes to host (--stage-only), nothing staged
 
     def label(self) -> str:
-        label = f"window={self.window_bytes >> 20}M,threads={self.staging_threads},nice={self.nice}"
+        label = (
+            f"window={self.window_bytes >> 20}M,block={self.block_bytes >> 20}M,"
+            f"threads={self.staging_threads},nice={self.nice}"
+        )
         return label if self.stage else label + ",stage=0"
 
 
 def parse_variant(text: str, base: Variant) -> Variant:
-    """'window=1G,threads=4,nice=0' (any subset) over `base`."""
-    fields = {"window": "window_bytes", "threads": "staging_threads", "nice": "nice", "stage": "stage"}
+    """'window=1G,block=8M,threads=4,nice=0' (any subset) over `base`."""
+    fields = {
+        "window": "window_bytes",
+        "block": "block_bytes",
+        "threads": "staging_threads",
+        "nice": "nice",
+        "stage": "stage",
+    }
     changes = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in fields:
-            raise SystemExit(f"--variant: unknown key {key!r} (window, threads, nice, stage)")
+            raise SystemExit(f"--variant: unknown key {key!r} ({', '.join(fields)})")
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1:].upper(), 1)
         changes[fields[key]] = int(value[:-1] if scale > 1 else value) * scale
     return replace(base, **changes)
@@ -252,7 +272,11 @@ def parse_variant(text: str, base: Variant) -> Variant:
 def publisher(args: argparse.Namespace, variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
     """The publisher of one phase; `host` places its chunk server (a unix socket where this
     host has no usable inet sockets)."""
-    settings = {"d2h_window_bytes": variant.window_bytes, "staging_threads": variant.staging_threads}
+    settings = {
+        "d2h_window_bytes": variant.window_bytes,
+        "d2h_block_bytes": variant.block_bytes,
+        "staging_threads": variant.staging_threads,
+    }
     if args.stage_only:
         pub = StageOnly(PublisherSettings(coordinator="127.0.0.1:1", **settings), variant.nice, bool(variant.stage))
         try:
@@ -324,6 +348,7 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     overlapped: list[bool] = []
     calls: list[float] = []
     futures = []
+    ready: dict[int, float] = {}  # version -> seconds from its publish_async call until READY
     held_max = 0
     skipped0 = pub.publish_skipped
     for _ in range(steps):
@@ -332,7 +357,9 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
         loss = trainer.step()
         version += 1
         c = time.perf_counter()
-        futures.append(pub.publish_async(trainer.params, version, snapshot=True))
+        future = pub.publish_async(trainer.params, version, snapshot=True)
+        future.add_done_callback(lambda f, v=version, c=c: ready.__setitem__(v, time.perf_counter() - c))
+        futures.append(future)
         calls.append(time.perf_counter() - c)
         held_max = max(held_max, pub.publish_held_bytes)
         trainer.wait(loss)
@@ -343,6 +370,7 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     flush_s = time.perf_counter() - t
     results = [f.result() for f in futures if f.exception() is None]
     return {
+        "ready_s": [ready[r.version] for r in results],
         "iterations": iterations,
         "overlapped": overlapped,
         "calls": calls,
@@ -359,6 +387,7 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
     """Ratios of an async phase against the mean no-publish step `baseline`."""
     its, over = phase["iterations"], phase["overlapped"]
     n_over = sum(over)
+    ready = phase["ready_s"]
     return {
         "iteration_s": _stats(its),
         "publish_async_call_s": _stats(phase["calls"]),
@@ -367,6 +396,11 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
         "overlapped_steps": n_over,
         "published": phase["published"],
         "skipped": phase["skipped"],
+        "published_per_step": round(phase["published"] / len(its), 3),
+        "publish_to_ready_s": _stats(ready) if ready else None,
+        "publish_to_ready_steps": {k: round(v / baseline, 2) for k, v in _stats(ready).items() if k != "total"}
+        if ready
+        else None,
         "d2h_stage_gbps": round(param_bytes / statistics.fmean(phase["stages"]) / 1e9, 3) if phase["stages"] else None,
         "held_bytes_max": phase["held_max"],
         "flush_s": round(phase["flush_s"], 3),
@@ -381,7 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.wait(trainer.step())
     compile_s = time.perf_counter() - t
     trainer.alone(2)
-    base = Variant(args.window_bytes, args.staging_threads, args.nice)
+    base = Variant(args.window_bytes, args.block_bytes, args.staging_threads, args.nice)
     out: dict[str, Any] = {
         "preset": args.preset,
         "platform": device.platform,
@@ -406,6 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not coordinator and not args.stage_only:
             coordinator = stack.enter_context(coordinator_here(tmp / "c.db", f"unix:{tmp}/c.sock" if unix else host))
             out["coordinator_address"] = coordinator
+        rss_mark = peak_rss_bytes()  # the high-water mark of building and compiling the model
         rss_baseline = rss_bytes()
         with publisher(args, base, coordinator, host) as pub:
             version = 1
@@ -429,13 +464,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "async": summary(first, baseline, param_bytes),
         }
         sweep = {}
-        for text in args.variant:
-            variant = parse_variant(text, base)
+        variants = [parse_variant(text, base) for text in args.variant]
+        held_max = first["held_max"]
+        for variant in variants:
             with publisher(args, variant, coordinator, host) as pub:
                 version += 1
                 pub.publish(trainer.params, version)
                 phase = async_phase(trainer, pub, args.steps, version)
                 version = phase["version"]
+                held_max = max(held_max, phase["held_max"])
             after = trainer.alone(args.steps)
             sweep[variant.label()] = summary(phase, statistics.fmean(after), param_bytes) | {
                 "alone_after_s": _stats(after)
@@ -444,14 +481,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["variants"] = sweep
     stats = device.memory_stats() or {}
     out["device_memory"] = {k: stats[k] for k in ("peak_bytes_in_use", "bytes_limit") if k in stats}
-    # VmHWM where the kernel reports it (gVisor, which TPU hosts run under, does not): else
-    # the process's maximum RSS from getrusage
-    out["rss_peak_bytes"] = peak_rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out["rss_baseline_bytes"] = rss_baseline
+    peak = peak_rss_bytes()  # VmHWM, or getrusage's ru_maxrss where there is none (gVisor)
     # arena (two slots) + window + 256 MiB over the RSS before the publisher started; on
     # CPU the "device" is host memory, so the versions held for async publishes count too
-    held = 2 * param_bytes if device.platform == "cpu" else 0
-    out["rss_bound_bytes"] = rss_baseline + 2 * param_bytes + args.window_bytes + (256 << 20) + held
+    held = held_max if device.platform == "cpu" else 0
+    window = max(v.window_bytes for v in (base, *variants))
+    bound = rss_baseline + 2 * param_bytes + window + (256 << 20) + held
+    out |= {
+        "rss_peak_bytes": peak,
+        "rss_baseline_bytes": rss_baseline,
+        "rss_held_versions_bytes": held,
+        "rss_bound_bytes": bound,
+        "rss_within_bound": peak <= bound,
+        # the mark rose after the publisher started: its highest point came while publishing
+        # (else it came from building or compiling the model, and the peak is an upper bound)
+        "rss_peak_exact": peak > rss_mark,
+    }
     return out
 
 
@@ -474,13 +519,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512 if on_accel else 64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window-bytes", type=int, default=PublisherSettings.d2h_window_bytes)
+    p.add_argument("--block-bytes", type=int, default=PublisherSettings.d2h_block_bytes)
     p.add_argument("--staging-threads", type=int, default=0, help="threads of the staging pass; 0 = every core")
     p.add_argument("--nice", type=int, default=ASYNC_WORKER_NICE, help="niceness added to the publish worker")
     p.add_argument(
         "--variant",
         action="append",
         default=[],
-        help="another async phase, e.g. 'window=1G,threads=4,nice=0' (keys window, threads, nice); repeatable",
+        help="another async phase, e.g. 'window=1G,block=8M,threads=4,nice=0' (keys window, block, threads, "
+        "nice, stage); repeatable",
     )
     p.add_argument("--no-donate", dest="donate", action="store_false", help="the step does not donate its state")
     p.add_argument("--read-loss", action="store_true", help="read each step's loss to the host (a D2H per step)")

@@ -77,7 +77,8 @@ MIGRATIONS = (
     # yet filled in from the body, `BACKFILLS`).
     ("parts", "total_bytes", "INTEGER NOT NULL DEFAULT -1"),
     ("parts", "stage_seconds", "REAL NOT NULL DEFAULT -1"),
-    # The process a rollout's row belongs to (RegisterAgentRequest.instance; '' unknown).
+    # The process(es) a rollout's row belongs to (RegisterAgentRequest.instance, or one drawn
+    # for it; '' for trainers): the agent's key derives from it (coordinator.agent_keys).
     ("agents", "instance", "TEXT NOT NULL DEFAULT ''"),
     # A session's identity, drawn at its creation (RegisterAgentResponse.session_uid): a
     # session deleted and made again under its name, or after a lost database, has another.

@@ -33,6 +33,14 @@ class SessionRecord:
 
 
 @dataclass(frozen=True)
+class Registration:
+    """What registering an agent answers: its session, and the key its later calls carry."""
+
+    session: SessionRecord
+    agent_key: str
+
+
+@dataclass(frozen=True)
 class VersionRecord:
     session: str
     version: int

@@ -51,11 +51,12 @@ def prune(db: sqlite3.Connection, retain: int) -> int:
     return pruned
 
 
-def forget_agents(db: sqlite3.Connection, expired_before: float) -> int:
+def forget_agents(db: sqlite3.Connection, expired_before: float) -> list[tuple[str, str]]:
     """Deletes the agents whose lease ended before `expired_before` (seconds since the
-    epoch; their version leases were dropped when it ended); returns how many. Handshakes
-    they sent stay with their versions."""
-    return db.execute("DELETE FROM agents WHERE lease_expires_at<?", (expired_before,)).rowcount
+    epoch; their version leases were dropped when it ended); returns their (session, agent
+    id). Handshakes they sent stay with their versions."""
+    rows = db.execute("DELETE FROM agents WHERE lease_expires_at<? RETURNING session, agent_id", (expired_before,))
+    return [(r[0], r[1]) for r in rows.fetchall()]
 
 
 def forget_empty_sessions(db: sqlite3.Connection, made_before: float) -> list[str]:

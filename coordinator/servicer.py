@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from coordinator.agent_keys import AgentKeyCheck, AgentKeys
 from coordinator.audit import AuditBoard, check_audit
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.fleet_metrics import FleetCollector
@@ -102,6 +103,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         store.on_free = self._store_freed
         store.on_transition = self._count_transition
         metrics.registry.register(FleetCollector(store))
+
+    @property
+    def agent_keys(self) -> AgentKeys:
+        """The store's agent keys, which calls naming an agent are checked against."""
+        return self._store.agent_keys
 
     def sweep(self) -> None:
         """Drops the leases of rollouts that stopped heartbeating (counted per session)."""
@@ -199,7 +205,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             check_address(request.endpoint.address, "endpoint.address")
         if request.endpoint.tcp_address:  # a rollout's relay may serve its host on a unix socket
             check_address(request.endpoint.tcp_address, "endpoint.tcp_address", unix=role == "ROLLOUT")
-        s = self._store.register_agent(
+        r = self._store.register_agent(
             request.session,
             request.agent_id,
             role=role,
@@ -207,9 +213,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             rank=request.rank,
             generation=request.generation,
             instance=request.instance,
+            agent_key=request.agent_key,
         )
         return pb.RegisterAgentResponse(
-            generation=s.generation, lease_ttl_seconds=self._store.lease_ttl_s, session_uid=s.uid
+            generation=r.session.generation,
+            lease_ttl_seconds=self._store.lease_ttl_s,
+            session_uid=r.session.uid,
+            agent_key=r.agent_key,
         )
 
     def DeregisterAgent(
@@ -533,5 +543,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 
 def coordinator_service(servicer: CoordinatorServicer) -> Service:
-    """The servicer as `weightsync.server.start_server` mounts it."""
-    return Service(pb_grpc.add_CoordinatorServicer_to_server, servicer, SERVICE_NAME, ENDLESS_STREAMS)
+    """The servicer as `weightsync.server.start_server` mounts it: calls naming an agent
+    must carry its key (`coordinator.agent_keys`)."""
+    return Service(
+        pb_grpc.add_CoordinatorServicer_to_server,
+        servicer,
+        SERVICE_NAME,
+        ENDLESS_STREAMS,
+        checks=(AgentKeyCheck(servicer.agent_keys),),
+    )

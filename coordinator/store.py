@@ -7,17 +7,19 @@ manifest cache's.
 
 from __future__ import annotations
 
+import hmac
 import json
 import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from coordinator import events, retention
+from coordinator.agent_keys import AgentKeys
 from coordinator.database import Database
 from coordinator.recent import Recent
 from coordinator.records import (
@@ -25,6 +27,7 @@ from coordinator.records import (
     Event,
     EventListener,
     FleetGauges,
+    Registration,
     ReportRecord,
     ReportsSince,
     SessionRecord,
@@ -51,6 +54,7 @@ from weightsync.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
     SessionNotFound,
     VersionNotFound,
@@ -130,6 +134,8 @@ class SessionStore(VersionLifecycle):
         self.db = Database(db_path)
         self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
+        self.agent_keys = AgentKeys()
+        self._load_agent_keys()
         with self._read() as db:
             self._report_mark: int = db.execute("SELECT COALESCE(MAX(written), 0) FROM reports").fetchone()[0]
             self._agent_mark: int = db.execute("SELECT COALESCE(MAX(written), 0) FROM agents").fetchone()[0]
@@ -151,6 +157,29 @@ class SessionStore(VersionLifecycle):
         finally:
             self._tx_events.sessions = None
         self._appended.update(appended)  # committed: now the watchers may be told
+
+    @contextmanager
+    def _agents_tx(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction that changes agent rows, and with them `agent_keys` (inside
+        it, under the writer's lock, so keys change in the order their rows do). One that
+        fails to commit after changing keys leaves them ahead of the rows: all are read again."""
+        changes = None
+        try:
+            with self._tx() as db:
+                changes = self.agent_keys.changes
+                yield db
+        except BaseException:
+            if changes is not None and changes != self.agent_keys.changes:
+                with suppress(Exception):  # the transaction's own error is the one to raise
+                    self._load_agent_keys()
+            raise
+
+    def _load_agent_keys(self) -> None:
+        with self._read() as db:
+            rows = db.execute("SELECT session, agent_id, role, instance FROM agents").fetchall()
+        self.agent_keys.replace(
+            (r["session"], r["agent_id"], r["role"], self.tokens.agent_key(*tuple(r))) for r in rows
+        )
 
     def _appended_event(self, session: str) -> None:
         """`_event` calls this for each event it writes (always inside `_tx`)."""
@@ -288,7 +317,7 @@ class SessionStore(VersionLifecycle):
         deleted. FailedPrecondition while an agent holds a live lease, unless `force` (a
         live trainer would open it again at its next beat: stop the job first)."""
         check_session_name(name)
-        with self._tx() as db:
+        with self._agents_tx() as db:
             self._session(db, name)
             live = self._live_agents(db, name, "TRAINER") + self._live_agents(db, name, "ROLLOUT")
             if live and not force:
@@ -298,6 +327,7 @@ class SessionStore(VersionLifecycle):
                     field="force",
                 )
             counts = delete_session_rows(db, name)
+            self.agent_keys.forget_session(name)
         self._manifests.discard_where(lambda key: key[0] == name)
         if self._listener is not None:  # its watchers wake, find it gone and end
             self._listener.notify(name)
@@ -314,13 +344,19 @@ class SessionStore(VersionLifecycle):
         rank: int = 0,
         generation: int = 0,
         instance: str = "",
-    ) -> SessionRecord:
-        """Registers (or re-registers) an agent and grants a lease of lease_ttl_s.
+        agent_key: str = "",
+    ) -> Registration:
+        """Registers (or re-registers) an agent and grants a lease of lease_ttl_s; returns
+        the session and the agent's key (`coordinator.agent_keys`).
 
         A trainer's `generation` (0: the current one) is stored with it; an older one is
-        StaleGeneration, so a fenced trainer cannot come back. A rollout's `instance` (its
-        process; "" unknown) is stored too: while the id's lease is live under another
-        instance, AlreadyExists naming agent_id.
+        StaleGeneration, so a fenced trainer cannot come back. An id keeps its role while
+        its row exists: registering it as the other role is PermissionDenied naming agent_id.
+        A rollout's id is its registering process's while its lease is live: another
+        process (neither its `instance` nor its `agent_key`) is AlreadyExists naming
+        agent_id; once the lease lapsed, the id is anyone's to register. A rollout without
+        an `instance` gets one drawn here. A trainer's ids go with the session's generation
+        (OpenSession as the trainer fenced the one before): its key depends on neither.
         """
         check_session_name(session)
         check_agent_id(agent_id)
@@ -328,14 +364,19 @@ class SessionStore(VersionLifecycle):
             raise InvalidArgument(f"must be TRAINER or ROLLOUT, got {role!r}", field="role")
         if len(instance) > MAX_INSTANCE_CHARS:
             raise InvalidArgument(f"longer than {MAX_INSTANCE_CHARS} characters", field="instance")
-        with self._tx() as db:
+        with self._agents_tx() as db:
             s = self._session(db, session)
             if role == "TRAINER" and not 0 <= rank < s.trainer_ranks:
                 raise InvalidArgument(f"{rank} is not in [0, trainer_ranks={s.trainer_ranks})", field="rank")
             if role == "TRAINER":
                 check_generation(generation or s.generation, s)
-            if role == "ROLLOUT" and instance:
-                self._check_instance(db, session, agent_id, instance)
+            held = self._holder(db, session, agent_id, role, instance, agent_key)
+            if role == "TRAINER":
+                instance = ""
+            elif held is not None:
+                instance = held  # the same process(es): the same key
+            elif not instance:
+                instance = secrets.token_hex(16)
             db.execute(
                 "INSERT OR REPLACE INTO agents (session, agent_id, role, endpoint, rank, lease_expires_at, "
                 "current_version, generation, written, instance) VALUES (?,?,?,?,?,?,COALESCE((SELECT current_version "
@@ -354,17 +395,37 @@ class SessionStore(VersionLifecycle):
                     instance,
                 ),
             )
-            return s
+            key = self.tokens.agent_key(session, agent_id, role, instance)
+            self.agent_keys.bind(session, agent_id, role, key)
+        return Registration(s, key)
 
-    def _check_instance(self, db: sqlite3.Connection, session: str, agent_id: str, instance: str) -> None:
-        """AlreadyExists when the id's lease is live under another rollout process."""
+    def _holder(
+        self, db: sqlite3.Connection, session: str, agent_id: str, role: str, instance: str, agent_key: str
+    ) -> str | None:
+        """The instance of the id's row when the registering process is its holder (it
+        names the row's instance or carries its key); None when the id is free to take.
+        PermissionDenied when the row is of the other role, AlreadyExists while another
+        rollout process's lease is live."""
         row = db.execute(
-            "SELECT instance, endpoint, lease_expires_at FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT'",
+            "SELECT role, instance, endpoint, lease_expires_at FROM agents WHERE session=? AND agent_id=?",
             (session, agent_id),
         ).fetchone()
-        left = row["lease_expires_at"] - self._clock() if row is not None else -1.0
-        if left < 0 or not row["instance"] or row["instance"] == instance:
-            return
+        if row is None:
+            return None
+        if row["role"] != role:
+            raise PermissionDenied(
+                f"{agent_id!r} is registered as a {row['role'].lower()}; a {role.lower()} cannot take its id "
+                f"(it is free once deregistered, or {self.forget_agents_after_s:.0f}s after its lease lapsed)",
+                field="agent_id",
+            )
+        if role == "TRAINER":
+            return None
+        own_key = self.tokens.agent_key(session, agent_id, role, row["instance"])
+        if (instance and _same(instance, row["instance"])) or _same(agent_key, own_key):
+            return str(row["instance"])
+        left = row["lease_expires_at"] - self._clock()
+        if left < 0:
+            return None
         held = json.loads(row["endpoint"])
         where = ", ".join(x for x in (held.get("host_id", ""), held.get("address", "")) if x) or "no address"
         raise AlreadyExists(
@@ -381,9 +442,10 @@ class SessionStore(VersionLifecycle):
         """
         check_session_name(session)
         check_agent_id(agent_id)
-        with self._tx() as db:
+        with self._agents_tx() as db:
             self._session(db, session)
             removed = db.execute("DELETE FROM agents WHERE session=? AND agent_id=?", (session, agent_id)).rowcount > 0
+            self.agent_keys.forget([(session, agent_id)])
             db.execute("DELETE FROM leases WHERE session=? AND agent_id=?", (session, agent_id))
             for r in db.execute(
                 "SELECT version FROM versions WHERE session=? AND state IN (?,?)",
@@ -487,8 +549,10 @@ class SessionStore(VersionLifecycle):
     def forget_agents(self) -> int:
         """Forgets agents whose lease lapsed more than `forget_agents_after_s` ago (see
         `coordinator.retention`); returns how many. One that comes back registers again."""
-        with self._tx() as db:
-            return retention.forget_agents(db, self._clock() - self.forget_agents_after_s)
+        with self._agents_tx() as db:
+            forgotten = retention.forget_agents(db, self._clock() - self.forget_agents_after_s)
+            self.agent_keys.forget(forgotten)
+        return len(forgotten)
 
     def forget_empty_sessions(self) -> list[str]:
         """Forgets sessions made over `forget_agents_after_s` ago (and three lease TTLs:
@@ -654,3 +718,8 @@ class SessionStore(VersionLifecycle):
         """(seq, version, state at that event) after seq: the raw event log."""
         with self._read() as db:
             return events.states_since(db, session, seq)
+
+
+def _same(a: str, b: str) -> bool:
+    """`a == b` in time that does not tell how much of a secret was guessed."""
+    return hmac.compare_digest(a.encode(), b.encode())

@@ -156,7 +156,9 @@ def render() -> str:
         "\n## vLLM init_info\n\n",
         '`llm.init_weight_transfer_engine({"init_info": {...}})` with the `weightsync` backend, and the worker '
         "extension's `weightsync_attach`: the rollout's sync settings as keys; `coordinator` and `session` are "
-        "required.\n\n",
+        "required. A key not listed is refused, naming it; the backend also takes vLLM's `packed` (true or false, "
+        "ignored: weightsync chunks every version itself). A trainer using vLLM's trainer-side API sends these "
+        "from `WeightsyncTrainerInitInfo` (its `worker` dict).\n\n",
         dataclass_table(InitInfo, None, flags=False, key_label="key"),
         "\n## wsctl\n\n",
         "Options before the command; `--json` also goes after it.\n\n",

@@ -4,8 +4,9 @@
 # hypothesis cryptography safetensors pyyaml`; then, with the device tool, carry
 # [".tpu-kit"] and run
 #
-#   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # ~5 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # ~9 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging, ~7 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
@@ -78,18 +79,25 @@ case "${1:-}" in
   bench)
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
-    dev=(); [ -n "$small" ] && dev=(--devices 8 --mesh 2x4)
     step stage 270 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --json
-    step apply-swap 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode swap --json
-    step apply-inplace 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode inplace --json
     step overlap 150 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"
+    ;;
+  apply)
+    facts
+    if [ -n "$small" ]; then b=small; else b=0.6b; fi
+    dev=(); cpu=(); [ -n "$small" ] && dev=(--devices 8 --mesh 2x4) && cpu=(--cpu-devices 8)
+    step apply-swap 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode swap --repeats 3 --json
+    step apply-inplace 90 "$py" bench/apply.py "${dev[@]}" --preset "$b" --mode inplace --repeats 3 --json
+    # a rollout service holding the chip, its trainer in another process (JAX on the CPU there)
+    step tpu-service 270 "$py" devtools/tpu_service_check.py --preset "$b" "${cpu[@]}" --deadline-s 250 --out "$out/tpu-service"
+    step tpu-runtime-memory 100 "$py" devtools/tpu_service_check.py --probe-runtime --out "$out/tpu-service"
     ;;
   demo)
     facts
     step demo 240 "$py" -m devtools.demo --unix-sockets --steps 3
     ;;
   *)
-    echo "usage: $0 suite|bench|demo   (results in \$OUT, or /tmp/tpu-checks)" >&2
+    echo "usage: $0 suite|bench|apply|demo   (results in \$OUT, or /tmp/tpu-checks)" >&2
     exit 2
     ;;
 esac

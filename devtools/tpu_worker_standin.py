@@ -29,6 +29,7 @@ import numpy as np
 
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map
 from rollout_agent.jax_targets import named_leaves
+from weightsync.model_shapes import ModelShape
 from weightsync.models.qwen3_jax import Qwen3Config
 
 
@@ -49,19 +50,50 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return root
 
 
+class HfConfig(dict):  # type: ignore[type-arg]
+    """An HF config's fields for a worker where transformers is not installed (a TPU host):
+    attributes and `to_dict()`, as `transformers.PretrainedConfig` has them."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def hf_config_of(shape: ModelShape, *, rope_theta: float = 1_000_000.0, rms_norm_eps: float = 1e-6) -> HfConfig:
+    """The HF config of a Qwen3 of `shape` (a preset's)."""
+    return HfConfig(
+        model_type="qwen3", vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_word_embeddings=shape.tied,
+    )  # fmt: skip
+
+
 class TPUWorker:
     """tpu-inference's TPUWorker as the weight-update contract sees it (see the module)."""
 
     def __init__(
-        self, hf_config: Any, mesh: jax.sharding.Mesh, *, profile: str = "tpu_inference", kv_tokens: int = 256
+        self,
+        hf_config: Any,
+        mesh: jax.sharding.Mesh,
+        *,
+        profile: str = "tpu_inference",
+        kv_tokens: int = 256,
+        dtype: Any = np.float32,
     ) -> None:
+        """`dtype`: the weights' (float32, or bfloat16 as vLLM serves on TPU); the forward
+        computes in float32 either way."""
         self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
         self.rank = 0
         self.mesh = mesh
         self.shape = Qwen3Config.from_hf(hf_config.to_dict())
         name_map = family_map("qwen3", "tpu_inference", self.shape)
         flat = empty_leaves(name_map, self.shape, self.shape.layers, self.shape.tied, mesh, PROFILES[profile],
-                            dtype=np.float32)  # fmt: skip
+                            dtype=dtype)  # fmt: skip
         self.state = nest(flat)
         self._kv_shape = (self.shape.layers, 2, kv_tokens, self.shape.kv_heads, self.shape.head_dim)
         self.kv_cache: jax.Array | None = jnp.zeros(self._kv_shape, jnp.float32)
@@ -127,7 +159,7 @@ def _forward(
 ) -> jax.Array:  # fmt: skip
     hp = jax.lax.Precision.HIGHEST
     embed = p["model.embed_tokens.weight"]  # (V padded, D)
-    x = embed[tokens]
+    x = embed[tokens].astype(jnp.float32)  # float32 activations: bfloat16 weights are promoted in every einsum
     t = tokens.shape[1]
     causal = jnp.tril(jnp.ones((t, t), bool))
     for i in range(layers):

@@ -20,7 +20,9 @@ from rollout_agent.follow import (
     latest_version,
     newest_servable,
 )
+from rollout_agent.host_budget import memory_status
 from rollout_agent.outbox import ReportOutbox
+from rollout_agent.puller import WeightPuller
 from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring
@@ -439,9 +441,18 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             last_error=a.last_error,
             completion=a.last_completion,
             recent_completions=dict(a.recent_completions),
+            host_memory=_host_memory(a.wiring.puller),
             audit=a.auditor.summary() if a.auditor is not None else None,
             unserved_version=a.auditor.unserved if a.auditor is not None else 0,
         )
 
     def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> tpb.AuditResult:
         return self._agent.audit()
+
+
+def _host_memory(puller: WeightPuller | None) -> pb.HostMemory:
+    m = memory_status(puller)
+    return pb.HostMemory(
+        rss=m["rss"], anon=m["anon"], file=m["file"], shmem=m["shmem"], peak=m["peak"],
+        limit=m.get("limit", 0), receive_bytes=m.get("held", {}).get("receive", 0),
+    )  # fmt: skip

@@ -50,6 +50,21 @@ class Applier(ABC):
         copy against the host bytes takes its reference here. The default does nothing."""
         return None
 
+    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
+        """Host memory an apply of these tensors takes beyond the pulled bytes, at most:
+        the engine's copies (staged or cast tensors; weights an engine keeps in host
+        memory). The default says none."""
+        return 0
+
+    def stage(
+        self, version: int, tensors: Mapping[str, TensorSpec], groups: Sequence[Sequence[tuple[str, np.ndarray]]]
+    ) -> bool:
+        """Builds a verified version aside while the engine serves, so that its apply is
+        only the commit: an update round opened and every group applied, left open for
+        `commit_update` (or `abort_update`). True where it did; the default does not
+        (its apply writes the live weights)."""
+        return False
+
     @abstractmethod
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         """Starts an update round."""
@@ -93,6 +108,14 @@ class DictApplier(Applier):
         self._verified: dict[str, Expected] = {}  # the audit's reference: the last version applied whole
         self._verified_version = 0
         self._taking: dict[str, Expected] = {}  # the open round's
+
+    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
+        """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in place)."""
+        return sum(
+            spec.nbytes
+            for name, spec in tensors.items()
+            if (held := self.weights.get(name)) is None or held.shape != tuple(spec.shape)
+        )
 
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self._round.acquire()

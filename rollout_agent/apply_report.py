@@ -25,6 +25,8 @@ class ApplyReport:
     bytes: int = 0  # the new leaves' bytes (each global array once)
     device_bytes: int = 0  # bytes written to devices (replicas counted)
     build_seconds: float = 0.0
+    wait_seconds: float = 0.0  # of build_seconds: waiting for leaves in flight to land (the rest dispatches)
+    groups: int = 0  # leaves built a group at a time (one transfer call and one program each)
     fingerprint_seconds: float = 0.0
     host_fingerprint_seconds: float = 0.0
     swap_seconds: float = 0.0

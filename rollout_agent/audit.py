@@ -8,8 +8,9 @@ fingerprints the entries as they are now, where they live, and names every check
 tensor whose entry differs (`audit_reading.compare`).
 
 `Audited` wraps an applier so that its update rounds and its audits never overlap (one
-lock: an audit waits for an apply in progress, an apply for an audit) and an audit knows
-which version the engine was last given whole.
+lock: an audit waits for an apply in progress, an apply for an audit; a version staged
+aside, the live weights untouched, holds it only for its commit) and an audit knows which
+version the engine was last given whole.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class Audited(Applier):
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         self.inner.prepare(version, tensors)
 
+    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
+        return self.inner.host_bytes(tensors)
+
+    def stage(
+        self, version: int, tensors: Mapping[str, TensorSpec], groups: Sequence[Sequence[tuple[str, np.ndarray]]]
+    ) -> bool:
+        # Built aside, the live weights untouched: audits go on meanwhile. The commit
+        # that swaps them in takes the lock.
+        return self.inner.stage(version, tensors, groups)
+
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self.lock.acquire()
         self._open = True
@@ -77,6 +88,9 @@ class Audited(Applier):
         self.inner.apply(group)
 
     def commit_update(self, version: int) -> list[str]:
+        if not self._open:  # a round `stage` opened
+            self.lock.acquire()
+            self._open = True
         try:
             consumed = self.inner.commit_update(version)
             self.applied = version

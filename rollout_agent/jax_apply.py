@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,13 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from rollout_agent import jax_groups
 from rollout_agent.apply_report import ApplyReport
 from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
+from rollout_agent.jax_groups import groupable
 from rollout_agent.jax_names import LeafPlan, NameMap, Part, leaf_box, shapes_of
 from rollout_agent.jax_targets import Target, as_target
 from weightsync.errors import DataLoss, FailedPrecondition, InternalError, InvalidArgument
 
 MODES = ("auto", "swap", "inplace")
+_LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
 TRANSFERS = ("auto", "host", "device")
 FINGERPRINTS = ("auto", "jit", "view")
 
@@ -65,8 +70,11 @@ class _Round:
     host: dict[str, Any] = field(default_factory=dict)  # leaf path -> Fingerprint or a Future of one
     transfers: set[str] = field(default_factory=set)
     inflight: collections.deque[tuple[int, Any]] = field(default_factory=collections.deque)
+    pending: list[str] = field(default_factory=list)  # leaves waiting for their group's dispatch
+    groups: int = 0
     consumed: list[str] = field(default_factory=list)
     build_seconds: float = 0.0
+    wait_seconds: float = 0.0  # of build_seconds: waiting for leaves in flight to land
     host_seconds: float = 0.0
     device_bytes: int = 0
     hbm_before: int | None = None
@@ -94,6 +102,9 @@ class JaxApply:
         margin_bytes: free memory a device keeps beyond the new leaves for "auto" to swap.
         window_bytes: leaf bytes in flight to the devices before the apply waits for the
             oldest (bounds transient buffers: the sharded tensors the device transform reads).
+        group: leaves on a mesh checked by a jitted fingerprint (accelerators) go over a
+            layer at a time, one transfer call and one program per group (`jax_groups`);
+            False: a transfer, a transform and a fingerprint program per leaf.
         corrupt_next: testing only: a callable asked once per apply whether to flip one
             bit of the first leaf's bytes on their way to the device (after the host
             fingerprint was taken from the bytes as verified).
@@ -111,6 +122,7 @@ class JaxApply:
         strict: bool = True,
         margin_bytes: int = 256 << 20,
         window_bytes: int = 256 << 20,
+        group: bool = True,
         threads: int = 0,
         corrupt_next: Callable[[], bool] | None = None,
     ) -> None:
@@ -124,6 +136,7 @@ class JaxApply:
         self.refresh = refresh
         self.strict = strict
         self.margin_bytes, self.window_bytes = margin_bytes, window_bytes
+        self.group = group
         self.corrupt_next = corrupt_next
         self.last: ApplyReport | None = None
         self.torn = False  # an in-place apply failed part way: the engine holds a mix until the next one
@@ -152,6 +165,50 @@ class JaxApply:
         fps = {path: job.result() for path, job in jobs.items()}
         self._prepared = (version, fps, time.perf_counter() - t0)
 
+    def host_bytes(self, tensors: Mapping[str, Any]) -> int:
+        """Host memory an apply takes beyond the pulled bytes, at most: on CPU devices the
+        new leaves themselves (host memory; a swap builds all of them aside the old); on
+        accelerators the tensors cast to their leaf's dtype (kept to the check in place,
+        a window's worth in flight in a swap) and the largest leaf the host assembles
+        (grown or fused boxes). A leaf that goes over as its tensor lies takes none."""
+        plans = self._plan(shapes_of(tensors.values()))
+        inplace = self.mode == "inplace"
+        on_cpu, cast, assembled = [], 0, 0
+        for plan in plans.values():
+            nbytes = sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+            if _on_cpu(plan.sharding):
+                on_cpu.append(nbytes)
+                continue
+            cast += sum(math.prod(p.source) * plan.dtype.itemsize for p in plan.parts if p.source_dtype != p.dtype)
+            if self._device_source(plan) is None and (len(plan.parts) > 1 or not plan.parts[0].plain):
+                assembled = max(assembled, nbytes)  # boxes the host fills (`leaf_box`), one leaf at a time
+        cpu = max(on_cpu, default=0) if inplace else sum(on_cpu)
+        return cpu + (cast if inplace else min(cast, self.window_bytes)) + assembled
+
+    def stage(
+        self, version: int, tensors: Mapping[str, Any], groups: Sequence[Sequence[tuple[str, np.ndarray]]]
+    ) -> bool:
+        """Builds every new leaf aside and waits for them to land, where the round swaps
+        (the engine serves the old leaves meanwhile); the round stays open, so the apply
+        is then `commit_update` alone: the device check, the swap and the refresh. A round
+        that would write in place is not opened (False): its apply writes the live leaves."""
+        self.begin_update(version, tensors)
+        r = self._open()
+        if r.mode != "swap":
+            self.abort_update()
+            return False
+        try:
+            for group in groups:
+                self.apply(group)
+            t0 = time.perf_counter()
+            jax.block_until_ready(list(r.new.values()))
+            r.build_seconds += time.perf_counter() - t0
+            r.wait_seconds += time.perf_counter() - t0
+        except BaseException:
+            self.abort_update()
+            raise
+        return True
+
     def begin_update(self, version: int, tensors: Mapping[str, Any]) -> None:
         if self._round is not None:
             raise FailedPrecondition("an update is already open", field="version")
@@ -176,17 +233,20 @@ class JaxApply:
             r.waiting[path].discard(name)
             r.consumed.append(name)
             if not r.waiting[path]:
-                self._build(r, path)
+                self._ready(r, path)
+        self._flush(r)  # a group (a layer's worth, as sync hands them) goes over as one
 
     def commit_update(self, version: int) -> list[str]:
         r = self._open()
         try:
+            self._flush(r)
             waiting = sorted(n for names in r.waiting.values() for n in names)
             if waiting:
                 raise InternalError(f"version {version}: {len(waiting)} tensor(s) never applied, first {waiting[0]!r}")
             t0 = time.perf_counter()
             jax.block_until_ready(list(r.new.values()))
             r.build_seconds += time.perf_counter() - t0
+            r.wait_seconds += time.perf_counter() - t0
             t1 = time.perf_counter()
             bad = self._compare(r, r.checks)
             if bad and r.mode == "inplace":
@@ -267,7 +327,75 @@ class JaxApply:
         return "swap"
 
     # -- building ----------------------------------------------------------------------
-    def _build(self, r: _Round, path: str) -> None:
+    def _ready(self, r: _Round, path: str) -> None:
+        """A leaf whose tensors are all in: built now, or queued for its group (leaves on
+        a mesh checked by a jitted fingerprint: `jax_groups`). A group goes over when the
+        next leaf belongs to another layer or it holds half the in-flight window."""
+        plan = r.plans[path]
+        if not self._grouped(plan):
+            self._build(r, path)
+            return
+        if r.pending:
+            first = r.plans[r.pending[0]]
+            if _layer(first.path) != _layer(path) or first.sharding.mesh != plan.sharding.mesh:
+                self._flush(r)
+        r.pending.append(path)
+        if sum(r.plans[p].nbytes for p in r.pending) >= self.window_bytes // 2:
+            self._flush(r)
+
+    def _grouped(self, plan: LeafPlan) -> bool:
+        return self.group and groupable(plan) and self._method_for(plan.sharding) == "jit"
+
+    def _flush(self, r: _Round) -> None:
+        """Sends the queued group over and starts its program (`jax_groups.dispatch`)."""
+        paths, r.pending = r.pending, []
+        if not paths:
+            return
+        t0 = time.perf_counter()
+        leaves = [self._group_leaf(r, path) for path in paths]
+        nbytes = sum(r.plans[p].nbytes for p in paths)
+        self._wait_inflight(r, nbytes)
+        new, checks = jax_groups.dispatch(leaves, donate=r.mode == "inplace")
+        r.groups += 1
+        r.new.update(new)
+        r.checks.update(checks)
+        r.inflight.append((nbytes, list(new.values())))
+        if r.mode == "inplace":
+            self.target.replace(new)  # the group's leaves in one call; the engine does not run until the refresh
+            for leaf in leaves:
+                if leaf.old is not None and not leaf.old.is_deleted():
+                    leaf.old.delete()
+        r.build_seconds += time.perf_counter() - t0
+
+    def _group_leaf(self, r: _Round, path: str) -> jax_groups.GroupLeaf:
+        """How a queued leaf goes over: its tensor as it lies, transformed by the group's
+        program where it needs a transform and its sharding maps onto the tensor's axes;
+        the leaf's own bytes where nothing transforms it; built by the host otherwise."""
+        plan = r.plans[path]
+        cast = self._take(r, path)
+        corrupt, r.corrupt_next = r.corrupt_next, False
+        old = self._old[path] if r.mode == "inplace" else None
+        leaf = jax_groups.GroupLeaf(path, plan, jax_groups.BUILT, old=old)
+        p = plan.parts[0]
+        source = self._device_source(plan)
+        if source is not None:
+            src = cast[p.name].reshape(p.split)
+            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.TRANSFORM, _flip(src) if corrupt else src, source
+            r.transfers.add("device")
+        elif len(plan.parts) == 1 and _identity(p) and not _on_cpu(plan.sharding):  # (a CPU device adopts host bytes)
+            src = p.view(cast[p.name])
+            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.PUT, _flip(src) if corrupt else src, plan.sharding
+            r.transfers.add("host")
+        else:
+            leaf.leaf = owned(self._host_build(plan, cast, corrupt), cast.values())
+            r.transfers.add("host")
+        r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+        return leaf
+
+    def _take(self, r: _Round, path: str) -> dict[str, np.ndarray]:
+        """A complete leaf's cast tensors, taken from the round, and its host fingerprint
+        (taken in `prepare`, or computed beside the build); in place they are kept to build
+        the leaf again should its device check fail."""
         plan = r.plans[path]
         cast = {p.name: r.cast.pop(p.name) for p in plan.parts}
         prepared = self._prepared
@@ -275,13 +403,25 @@ class JaxApply:
             r.host[path] = prepared[1][path]
         else:
             r.host[path] = self._pool_().submit(host_fingerprint, plan, cast)
+        if r.mode == "inplace":
+            r.sources[path] = cast  # views of the pulled bytes unless cast: kept until the check
+        return cast
+
+    def _wait_inflight(self, r: _Round, nbytes: int) -> None:
+        """At most window_bytes (or one leaf or group) in flight: bounds the sharded
+        tensors a device transform reads, beside the leaves themselves."""
+        t0 = time.perf_counter()
+        while r.inflight and sum(n for n, _ in r.inflight) + nbytes > self.window_bytes:
+            jax.block_until_ready(r.inflight.popleft()[1])
+        r.wait_seconds += time.perf_counter() - t0
+
+    def _build(self, r: _Round, path: str) -> None:
+        plan = r.plans[path]
+        cast = self._take(r, path)
         corrupt, r.corrupt_next = r.corrupt_next, False
         old = self._old[path]
         t0 = time.perf_counter()
-        # at most window_bytes (or one leaf) in flight: bounds the sharded tensors a device
-        # transform reads, beside the leaves themselves
-        while r.inflight and sum(n for n, _ in r.inflight) + plan.nbytes > self.window_bytes:
-            jax.block_until_ready(r.inflight.popleft()[1])
+        self._wait_inflight(r, plan.nbytes)
         source = self._device_source(plan)
         if source is not None:
             new = self._device_build(plan, cast, source, old if r.mode == "inplace" else None, corrupt)
@@ -293,7 +433,6 @@ class JaxApply:
         r.new[path] = new
         r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
         if r.mode == "inplace":
-            r.sources[path] = cast  # views of the pulled bytes unless cast: kept until the check
             self.target.replace({path: new})
             if not old.is_deleted():
                 old.delete()
@@ -325,10 +464,7 @@ class JaxApply:
         if self.transfer == "host" or len(plan.parts) != 1:
             return None
         p = plan.parts[0]
-        if self.transfer == "auto" and (
-            all(d.platform == "cpu" for d in plan.sharding.device_set)
-            or (p.plain and p.perm == tuple(range(len(p.perm))))  # nothing to transform: no device copy
-        ):
+        if self.transfer == "auto" and (_on_cpu(plan.sharding) or _identity(p)):  # identity: no device copy
             return None
         return source_sharding(p, plan.sharding)
 
@@ -344,9 +480,12 @@ class JaxApply:
         return fn(x, donate) if donate is not None else fn(x)
 
     def _fingerprint_method(self, arr: Any) -> str:
+        return self._method_for(arr.sharding)
+
+    def _method_for(self, sharding: Any) -> str:
         if self.fingerprint != "auto":
             return self.fingerprint
-        return "view" if all(d.platform == "cpu" for d in arr.sharding.device_set) else "jit"
+        return "view" if _on_cpu(sharding) else "jit"
 
     # -- checking and reporting --------------------------------------------------------
     def _compare(self, r: _Round, checks: Mapping[str, ShardCheck]) -> list[tuple[str, str]]:
@@ -396,6 +535,8 @@ class JaxApply:
             bytes=sum(plan.nbytes for plan in r.plans.values()),
             device_bytes=r.device_bytes,
             build_seconds=r.build_seconds,
+            wait_seconds=r.wait_seconds,
+            groups=r.groups,
             fingerprint_seconds=fp_seconds,
             host_fingerprint_seconds=host_seconds,
             swap_seconds=swap,
@@ -419,6 +560,7 @@ class JaxApply:
                 if not arr.is_deleted():
                     arr.delete()
         r.new.clear()
+        r.pending.clear()
         r.cast.clear()
         r.sources.clear()
         r.inflight.clear()
@@ -484,17 +626,26 @@ def _transform(
     """The jitted split -> leaf transform: permute, repeat, zero-pad, into `out`."""
 
     def f(x: Any, *old: Any) -> Any:
-        y = jnp.transpose(x, perm)
-        for t, r in enumerate(repeat):
-            if r > 1:
-                y = jnp.repeat(y, r, axis=t)
-        if y.shape != region:
-            y = jnp.pad(y, [(0, g - n) for n, g in zip(y.shape, region)])
-        return y
+        return jax_groups.laid_out(x, perm, repeat, region)
 
     if donate:
         return jax.jit(f, out_shardings=out, donate_argnums=(1,), keep_unused=True)
     return jax.jit(f, out_shardings=out)
+
+
+def _on_cpu(sharding: Any) -> bool:
+    return all(d.platform == "cpu" for d in sharding.device_set)
+
+
+def _identity(p: Part) -> bool:
+    """Nothing to transform: the leaf is the tensor as it is."""
+    return p.plain and p.perm == tuple(range(len(p.perm)))
+
+
+def _layer(path: str) -> str:
+    """The layer a leaf path belongs to (`...layers.N`), or "" outside the layers."""
+    m = _LAYER_RE.match(path)
+    return m.group(1) if m else ""
 
 
 def _boxes(plan: LeafPlan) -> list[tuple[Any, int]]:

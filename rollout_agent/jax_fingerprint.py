@@ -153,17 +153,13 @@ def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None =
     from jax.sharding import NamedSharding
 
     blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]] = {}
-    starts = {
-        dev: tuple(s.start or 0 for s in index) for dev, index in arr.sharding.devices_indices_map(arr.shape).items()
-    }
+    starts = _starts(arr.sharding, tuple(arr.shape))
     if method == "jit" and isinstance(arr.sharding, NamedSharding) and arr.is_fully_addressable:
         mesh = arr.sharding.mesh
         rows = _mesh_fingerprint(mesh, arr.sharding.spec, arr.ndim, arr.dtype.itemsize)(arr)
         rows.copy_to_host_async()  # read at the commit: every leaf's in flight by then, not one round trip each
-        table = _Rows(rows)
-        for i, dev in enumerate(mesh.devices.flat):
-            blocks.setdefault(starts[dev], []).append((dev, lambda i=i: table.row(i)))
-        return ShardCheck(path, blocks)
+        length = fingerprint_length(arr.ndim, arr.dtype.itemsize)
+        return rows_checks(mesh, rows, [(path, arr.sharding, arr.shape)], [length])[path]
     shards = arr.addressable_shards
     if method == "view":  # one job per leaf: a job per shard costs more than small shards' sums
         data = [shard.data for shard in shards]
@@ -187,6 +183,37 @@ def _view_fingerprint(data: Any) -> Fingerprint:
     return array_fingerprint(bits(np.asarray(data)))
 
 
+def fingerprint_length(ndim: int, itemsize: int) -> int:
+    """How many numbers a leaf's fingerprint has: T, one F per axis, and one more for the
+    second half of 8-byte elements."""
+    return ndim + 1 + (itemsize == 8)
+
+
+def rows_checks(
+    mesh: Any, rows: Any, leaves: Sequence[tuple[str, Any, tuple[int, ...]]], lengths: Sequence[int]
+) -> dict[str, ShardCheck]:
+    """The device checks of leaves (path, sharding, shape) whose block fingerprints one
+    program wrote side by side (`lengths` each, in order) into `rows`: a row per device in
+    `mesh`'s order, read from the device once, by the first check that needs it."""
+    table = _Rows(rows)
+    devices = list(mesh.devices.flat)
+    out = {}
+    at = 0
+    for (path, sharding, shape), n in zip(leaves, lengths):
+        starts = _starts(sharding, tuple(shape))
+        blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]] = {}
+        for i, dev in enumerate(devices):
+            blocks.setdefault(starts[dev], []).append((dev, lambda i=i, lo=at, hi=at + n: table.row(i, lo, hi)))
+        out[path] = ShardCheck(path, blocks)
+        at += n
+    return out
+
+
+@cache
+def _starts(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[int, ...]]:
+    return {dev: tuple(s.start or 0 for s in index) for dev, index in sharding.devices_indices_map(shape).items()}
+
+
 class _Rows:
     """Per-device fingerprints from one program, read from the device once."""
 
@@ -194,17 +221,17 @@ class _Rows:
         self._pending = pending
         self._rows: np.ndarray | None = None
 
-    def row(self, i: int) -> Fingerprint:
+    def row(self, i: int, lo: int = 0, hi: int | None = None) -> Fingerprint:
         if self._rows is None:
             self._rows = np.asarray(self._pending)
-        return _tuple(self._rows[i])
+        return _tuple(self._rows[i, lo:hi])
 
 
 def _tuple(fp: Any) -> Fingerprint:
     return tuple(int(x) & MASK for x in np.asarray(fp).reshape(-1))
 
 
-def _local(x: Any, itemsize: int) -> Any:
+def local_fingerprint(x: Any, itemsize: int) -> Any:
     """[T, F_0, ...] of one block, traced: a wrapping uint32 sum of the bits, plain and
     weighted by each axis' index."""
     import jax.numpy as jnp
@@ -223,7 +250,7 @@ def _local(x: Any, itemsize: int) -> Any:
 def _jitted_fingerprint(ndim: int, itemsize: int) -> Any:
     import jax
 
-    return jax.jit(lambda x: _local(x, itemsize))
+    return jax.jit(lambda x: local_fingerprint(x, itemsize))
 
 
 @cache
@@ -235,7 +262,7 @@ def _mesh_fingerprint(mesh: Any, spec: Any, ndim: int, itemsize: int) -> Any:
 
     every = tuple(mesh.axis_names)
     f = jax.shard_map(
-        lambda x: _local(x, itemsize)[None, :], mesh=mesh, in_specs=(spec,), out_specs=PartitionSpec(every),
+        lambda x: local_fingerprint(x, itemsize)[None, :], mesh=mesh, in_specs=(spec,), out_specs=PartitionSpec(every),
         check_vma=False,
     )  # fmt: skip
     return jax.jit(f)

@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 class Prefetcher:
     """A thread that prefetches the newest requested version, and a watch that requests
     each new servable one (`follow=True`). The apply step runs inside `hold`, which stops
-    prefetching for its duration: the receive buffer is the caller's there.
+    prefetching for its duration: the receive buffer is the caller's there. With `stage`,
+    the applier also builds each verified version aside (`Applier.stage`, where it can: a
+    JAX engine that swaps), and the apply only commits it; `_pull` serializes every use of
+    the applier's update round.
 
     Lock order: `_pull` before `_cond`; `_cond` is never held across a pull.
     """
@@ -43,9 +46,11 @@ class Prefetcher:
         failpoints: Failpoints | None = None,
         follow: bool = True,
         nice: int = 0,
+        stage: bool = False,
     ) -> None:
         self._puller = puller
         self._applier = applier  # refuses another model's versions before they are pulled
+        self._stage = stage  # the applier builds each verified version aside (`Applier.stage`)
         self._nice = nice
         self._failpoints = failpoints
         self._pull = threading.Lock()  # whoever holds it owns the receive buffer
@@ -53,6 +58,7 @@ class Prefetcher:
         self._wanted = 0  # newest version asked for
         self._done = 0  # newest version applied (or tried) through `hold`
         self._ready: Prefetched | None = None  # pulled and checked, waiting for its apply
+        self._dropped: list[Prefetched] = []  # staged versions let go of, discarded under `_pull`
         self._held = False
         self._update_waits = 0  # the version an update (`hold`) waits for: an older pull is stale
         self._announced = NewestAnnounced()
@@ -97,13 +103,17 @@ class Prefetcher:
         self._puller.recheck()  # a prefetch of an older version is abandoned, not waited out
         try:
             with self._pull:  # waits for a pull in progress, most likely of this version
+                self._discard_dropped()
                 with self._cond:  # the caller's now: a waiting other version would be overwritten
                     ready, self._ready = self._ready, None
                 if ready is not None and ready.version != version:
+                    ready.discard(self._applier)
                     ready = None  # the caller pulls `version` itself; a newer one is fetched again after
                 try:
                     yield ready
                 finally:
+                    if ready is not None:
+                        ready.discard(self._applier)  # staged and not committed by the caller: its round aborted
                     with self._cond:
                         self._done = max(self._done, version)
         finally:
@@ -135,13 +145,21 @@ class Prefetcher:
         self._announced.forget()
         with self._cond:
             self._wanted = self._done = 0
+            if self._ready is not None:
+                self._dropped.append(self._ready)  # (its open round is the applier's: aborted under `_pull`)
             self._ready = None
             self._cond.notify_all()
 
     def status(self) -> dict[str, int]:
-        """The newest version asked for, and the one waiting verified (0: none)."""
+        """The newest version asked for, the one waiting verified and, where it was built
+        aside, staged (0: none)."""
         with self._cond:
-            return {"wanted": self._wanted, "ready": self._ready.version if self._ready else 0}
+            ready = self._ready
+            return {
+                "wanted": self._wanted,
+                "ready": ready.version if ready else 0,
+                "staged": ready.version if ready is not None and ready.staged else 0,
+            }
 
     def close(self) -> None:
         """Stops prefetching (a pull in progress finishes first); the watch thread's stream
@@ -152,6 +170,20 @@ class Prefetcher:
         self._threads[0].join(timeout=30)
         for rule in self._rules:
             self._puller.stale_rules.remove(rule)
+        with self._pull:
+            with self._cond:
+                if self._ready is not None:
+                    self._dropped.append(self._ready)
+                self._ready = None
+            self._discard_dropped()
+
+    def _discard_dropped(self) -> None:
+        """Aborts the open rounds of staged versions let go of (the caller holds `_pull`:
+        no other round of the applier is open)."""
+        with self._cond:
+            dropped, self._dropped = self._dropped, []
+        for p in dropped:
+            p.discard(self._applier)
 
     def _next(self) -> int:
         """The version to prefetch now; 0 when stopped (blocks while there is none)."""
@@ -172,13 +204,18 @@ class Prefetcher:
                 log.warning("prefetch: cannot set nice %d: %s", self._nice, e)
         while (version := self._next()) > 0:
             with self._pull:
+                self._discard_dropped()
                 with self._cond:
                     if self._held or version <= self._done:
                         continue  # an apply took the buffer first
-                    self._ready = None  # a newer version replaces a waiting older one
+                    dropped, self._ready = self._ready, None  # a newer version replaces a waiting older one
+                if dropped is not None:
+                    dropped.discard(self._applier)
                 try:
                     with version_context(version):
-                        got: Prefetched | None = prefetch(self._puller, version, self._failpoints, self._applier)
+                        got: Prefetched | None = prefetch(
+                            self._puller, version, self._failpoints, self._applier, stage=self._stage
+                        )
                 except WeightsyncError as e:  # no manifest (released, not yet servable): nothing leased
                     log.warning("prefetch of version %d: %s", version, e.message)
                     got = None

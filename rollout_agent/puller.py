@@ -35,6 +35,7 @@ from weightsync.errors import (
     TransportUnavailable,
     WeightsyncError,
 )
+from weightsync.host_memory import host_memory
 from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
@@ -45,6 +46,10 @@ from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, chec
 from weightsync.wire import endpoint_from_proto
 
 log = logging.getLogger(__name__)
+
+
+def _nbytes(buf: np.ndarray | None) -> int:
+    return 0 if buf is None else int(buf.nbytes)
 
 
 def _tcp_usable() -> bool:
@@ -155,6 +160,7 @@ class WeightPuller:
         metrics: Metrics | None = None,
         relay: RelaySource | None = None,
         security: Security | None = None,
+        host_memory_limit_bytes: int = 0,
     ) -> None:
         self.client = client
         self.session = check_session_name(session, "session")
@@ -188,6 +194,7 @@ class WeightPuller:
         self.relay_stall_s = min(timeout_s, relay_stall_s)
         self.metrics = metrics
         self.security = security  # for gRPC reads from trainer agents
+        self.host_memory_limit_bytes = host_memory_limit_bytes  # (`host_budget`; 0: none)
         self._buffers: dict[int, np.ndarray] = {}
         self._delta_buffers: dict[int, np.ndarray] = {}  # encoded delta chunks, per rank
         # The version whose verified bytes fill the receive buffers (a delta's base), and its
@@ -326,14 +333,37 @@ class WeightPuller:
             for rank in [r for r in buffers if r not in ranks]:
                 del buffers[rank]
 
+    def held(self) -> dict[str, int]:
+        """Bytes of the buffers kept between versions, by kind (receive, delta, assembly)."""
+        kinds = {"receive": self._buffers, "delta": self._delta_buffers, "assembly": self.assembly_buffers}
+        return {kind: sum(b.nbytes for b in buffers.values()) for kind, buffers in kinds.items()}
+
+    def growth(self, manifest: Manifest) -> int:
+        """Bytes a pull of `manifest` would add to the buffers held: each rank's receive
+        buffer grown to its part, a delta buffer where the version has a delta, and the
+        tensors split across ranks joined."""
+        grow = 0
+        for part in manifest.parts:
+            grow += max(0, part.total_bytes - _nbytes(self._buffers.get(part.rank)))
+            if part.delta is not None:
+                grow += max(0, part.delta.total_bytes - _nbytes(self._delta_buffers.get(part.rank)))
+        whole = held_whole(manifest)
+        for name, spec in manifest.tensors.items():
+            if name not in whole:
+                grow += max(0, spec.nbytes - _nbytes(self.assembly_buffers.get(name)))
+        return grow
+
     def note_held(self) -> None:
-        """Sets `weightsync_held_bytes` from the buffers kept between versions."""
+        """Sets `weightsync_held_bytes` from the buffers kept between versions, and
+        `weightsync_host_memory_bytes` from this process's resident memory."""
         if self.metrics is None:
             return
-        kinds = {"receive": self._buffers, "delta": self._delta_buffers, "assembly": self.assembly_buffers}
-        for kind, buffers in kinds.items():
-            held = sum(b.nbytes for b in buffers.values())
-            self.metrics.held_bytes.labels(role=self.metrics.role, session=self.session, kind=kind).set(held)
+        m = self.metrics
+        for kind, held in self.held().items():
+            m.held_bytes.labels(role=m.role, session=self.session, kind=kind).set(held)
+        for kind, n in host_memory().as_dict().items():
+            m.host_memory_bytes.labels(role=m.role, session=self.session, kind=kind).set(n)
+        m.host_memory_limit_bytes.labels(role=m.role, session=self.session).set(self.host_memory_limit_bytes)
 
     def recheck(self) -> None:
         """Abandons the pull in progress if a rule in `stale_rules` now calls its version

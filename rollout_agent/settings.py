@@ -57,13 +57,17 @@ class SyncSettings(PeerConfig):
 
     coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")
-    agent_id: str = option("", "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>).")
+    agent_id: str = option(
+        "",
+        "Unique rollout id (lowercase); default rollout-<pid> (vllm-<host>-<pid>-r<rank>). In a vLLM engine of "
+        "several workers (TP, PP, DP) worker r > 0 registers <agent_id>-r<r>.",
+    )
     host_id: str = option("", "Machine identity for same-host transports; default the hostname.")
     instance: str = option(
         "",
-        "The token this rollout registers its agent id with (while its lease is live, another process under the "
-        "id is refused); empty draws one. A sidecar hands its own to the vLLM engine it drives, which registers "
-        "under the same id.",
+        "The secret this rollout registers its agent id with (while its lease is live, another process under the "
+        "id is refused, and calls for the id need the agent key its registration answers); empty draws one. A "
+        "sidecar hands its own to the vLLM engine it drives, which registers under the same id and key.",
     )
     weight_sync_mode: str = option(
         "",
@@ -115,6 +119,12 @@ class SyncSettings(PeerConfig):
         "vLLM engines: the nice value (0-19) of the prefetch threads: the engine's threads win the cores and "
         "the pull takes what they leave (0: the same priority as the engine).",
     )
+    host_memory_limit_bytes: int = option(
+        0,
+        "The most private host memory (RssAnon) this rollout may hold: a version whose receive buffer and apply "
+        "staging would take it past this is refused before a byte of it is pulled (RESOURCE_EXHAUSTED, its "
+        "handshake failed). 0: no limit. Reported in the status and weightsync_host_memory_bytes.",
+    )
     audit_interval_s: float = option(
         60.0,
         "Seconds between audits of the weights the engine serves against the version it was last given "
@@ -147,6 +157,7 @@ class SyncSettings(PeerConfig):
             Failpoints(self.failpoints)  # refused at start
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
+            check_bounds(self, ("host_memory_limit_bytes",), 0)
             check_bounds(self, ("relay_wait_s", "audit_interval_s"), 0)
             check_positive(self, ("timeout_s",))
             self.check_peer()

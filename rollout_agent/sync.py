@@ -19,6 +19,7 @@ from rollout_agent.assembly import (
     mismatched,
     tensor_digest,
 )
+from rollout_agent.host_budget import check_host_memory
 from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.puller import PullPlan, WeightPuller
 from rollout_agent.streaming import stream_verified_groups
@@ -94,6 +95,15 @@ class Prefetched:
     started: float = field(default_factory=time.perf_counter)
     fetched: float = field(default_factory=time.perf_counter)  # the manifest's header came (made right after)
     delta_base: int = 0  # rebuilt from this version's bytes by its delta (0: pulled whole)
+    # The applier built it aside (`Applier.stage`): its update round is open, the apply only
+    # commits it. Whoever drops a staged version aborts that round (`discard`).
+    staged: bool = False
+
+    def discard(self, applier: Applier | None) -> None:
+        """Lets go of it unapplied: a staged version's open round is aborted."""
+        if self.staged and applier is not None:
+            applier.abort_update()
+        self.staged = False
 
     @property
     def version(self) -> int:
@@ -101,12 +111,18 @@ class Prefetched:
 
 
 def prefetch(
-    puller: WeightPuller, version: int = 0, failpoints: Failpoints | None = None, applier: Applier | None = None
+    puller: WeightPuller,
+    version: int = 0,
+    failpoints: Failpoints | None = None,
+    applier: Applier | None = None,
+    *,
+    stage: bool = False,
 ) -> Prefetched:
     """Fetches `version`'s manifest (0 = newest servable; the lease is taken), pulls every
     chunk and checks every assembled tensor; the live weights are not touched. A version
-    `applier` refuses from its manifest (`Applier.check`: another model's names or shapes)
-    fails before a byte of it is pulled or a receive buffer sized for it.
+    `applier` refuses from its manifest (`Applier.check`: another model's names or shapes),
+    or whose pull and apply would take this process past its host memory limit
+    (`host_budget`), fails before a byte of it is pulled or a receive buffer sized for it.
 
     One hash pass per byte: the chunks land unchecked (relays excepted) and the tensor
     check covers them, since a tensor's digest is made of its chunks' digests. A tensor
@@ -115,7 +131,9 @@ def prefetch(
     receive buffers hold is rebuilt there from its delta (`WeightPuller.pull`), then
     checked the same way: a wrong base or a bad decode fails the check, and the chunks
     that differ are fetched whole. Once every tensor checked, the buffers are the base
-    of the next delta (`WeightPuller.holds`).
+    of the next delta (`WeightPuller.holds`). With `stage`, the applier then builds the
+    version aside where it can (`Applier.stage`; `staged`): the engine serves on, and the
+    apply only commits.
 
     Raises:
         WeightsyncError: the manifest could not be had (nothing was pulled). A failed pull
@@ -129,6 +147,7 @@ def prefetch(
     try:
         if applier is not None:
             applier.check(p.version, manifest.tensors)
+        check_host_memory(puller, manifest, applier)
         pulled = puller.pull(header, manifest, check_chunks=False)
         p.bytes_pulled, p.chunk_retries, p.delta_base = pulled.bytes_pulled, pulled.chunk_retries, pulled.delta_base
         p.timings["pull_seconds"] = pulled.pull_seconds
@@ -157,6 +176,8 @@ def prefetch(
         p.timings["verify_seconds"] = time.perf_counter() - t0
         p.tensors = tensors
         puller.holds(manifest, header.version.manifest_digest)
+        if stage and applier is not None:
+            _stage(p, applier)
     except WeightsyncError as e:
         p.error = e
         p.chunk_retries = puller.last_retries
@@ -165,6 +186,22 @@ def prefetch(
         p.chunk_retries = puller.last_retries
     puller.note_held()
     return p
+
+
+def _stage(p: Prefetched, applier: Applier) -> None:
+    """Has the applier build a verified version aside (`Applier.stage`). A build that
+    fails here (the engine's memory taken by what it serves) is left to the apply, which
+    may free that memory first: the version itself is good."""
+    t0 = time.perf_counter()
+    groups = [[(n, p.tensors[n]) for n in group] for group in layer_groups(p.manifest.tensors)]
+    try:
+        p.staged = applier.stage(p.version, p.manifest.tensors, groups)
+    except Exception as e:  # noqa: BLE001 - the apply builds it again, as without staging
+        log.warning("version %d: building it aside failed (%s: %s); the apply builds it", p.version,
+                    type(e).__name__, e)  # fmt: skip
+        return
+    if p.staged:
+        log.info("version %d built aside in %.3f s", p.version, time.perf_counter() - t0)
 
 
 def sync_version(
@@ -238,8 +275,9 @@ def apply_prefetched(
     blocked_since: float | None = None,
 ) -> SyncResult:
     """Loads a prefetched version into `applier` (only bytes that verified; a prefetch that
-    failed is reported, not applied) and sends the handshake. The pause is the apply, or
-    from `blocked_since` (perf_counter) where the caller held the engine since then."""
+    failed is reported, not applied; one staged aside is committed) and sends the
+    handshake. The pause is the apply, or from `blocked_since` (perf_counter) where the
+    caller held the engine since then."""
     result = SyncResult(
         p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries, delta_base=p.delta_base
     )
@@ -248,14 +286,22 @@ def apply_prefetched(
         if p.error is not None:
             raise p.error
         t1 = time.perf_counter()
-        _engine_failpoint(failpoints)
-        applier.begin_update(p.version, p.manifest.tensors)
-        try:
-            for group in layer_groups(p.manifest.tensors):
-                applier.apply([(name, p.tensors[name]) for name in group])
-        except Exception:
-            applier.abort_update()
-            raise
+        if not p.staged:
+            _engine_failpoint(failpoints)
+            applier.begin_update(p.version, p.manifest.tensors)
+            try:
+                for group in layer_groups(p.manifest.tensors):
+                    applier.apply([(name, p.tensors[name]) for name in group])
+            except Exception:
+                applier.abort_update()
+                raise
+        else:
+            p.staged = False  # committed or discarded by the commit, whichever it comes to
+            try:
+                _engine_failpoint(failpoints)
+            except Exception:
+                applier.abort_update()
+                raise
         p.progress.consumed = applier.commit_update(p.version)
         now = time.perf_counter()
         p.timings["apply_seconds"] = now - t1

@@ -35,7 +35,7 @@ from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_names import NameMap
 from rollout_agent.jax_targets import InPlaceTree
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout
+from rollout_agent.vllm_core import VllmRollout, parse_version
 from weightsync.errors import FailedPrecondition, InvalidArgument
 
 # HF config model_type -> weightsync's family name (weightsync.model_families)
@@ -86,9 +86,14 @@ class WeightsyncTPUWorkerExtension:
 
     def weightsync_sync(self, version: Any = "latest") -> dict[str, Any]:
         """Pulls, verifies and applies `version` inside the worker's weight-update window;
-        returns the SyncResult as a dict (its `apply` holds the mode, pause and HBM peak)."""
+        returns the SyncResult as a dict (its `apply` holds the mode, pause and HBM peak).
+        A version the prefetch already built aside (`weightsync_wait_ready`) is swapped
+        in with the KV cache kept: the window is the device check, the swap and the refresh."""
         rollout = self._rollout()
-        self.start_weight_update(free_kv_cache=self._weightsync_jax["free_kv_cache"])  # type: ignore[attr-defined]
+        v = parse_version(version)
+        staged = v > 0 and rollout.prefetcher is not None and rollout.prefetcher.status()["staged"] == v
+        free = self._weightsync_jax["free_kv_cache"] and not staged
+        self.start_weight_update(free_kv_cache=free)  # type: ignore[attr-defined]
         try:
             result = rollout.sync(version)
         finally:
@@ -101,6 +106,12 @@ class WeightsyncTPUWorkerExtension:
         """Starts pulling and checking `version` while the engine serves; a later
         `weightsync_sync` of it only applies."""
         return self._rollout().prefetch(version)
+
+    def weightsync_wait_ready(self, version: Any = "latest", timeout_s: float = 60.0) -> bool:
+        """Waits, while the engine serves, until `version` is pulled, verified and built
+        aside on the devices (where the applier swaps; in place it cannot be): call it
+        before `weightsync_sync` so the engine pauses for the swap alone."""
+        return self._rollout().wait_ready(version, timeout_s)
 
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:

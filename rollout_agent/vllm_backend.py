@@ -10,17 +10,29 @@
 `update_weights` does the whole atomic round (pull, verify every byte, check names,
 layerwise reload, handshake); it raises when the version was not applied, leaving the
 previous weights serving. start/finish only bracket the round.
+
+What vLLM's own flow sends is taken as vLLM's engines take it, with two differences: an
+`init_info` key the backend does not know is refused naming it (`InvalidArgument`,
+`init_info.<key>`; vLLM's engines refuse one too, as a TypeError), except `packed`, vLLM's
+wire parameter, accepted and ignored (weightsync chunks every version itself); keys of
+`update_info` other than `version` (vLLM's NCCL flow sends names, dtype_names, shapes,
+packed) are ignored. Every worker of a TP/PP/DP engine given one `agent_id` registers as a
+rollout of its own: worker r > 0 as `<agent_id>-r<r>` (`vllm_core.worker_agent_id`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout
+from rollout_agent.vllm_core import VllmRollout, worker_index
+from weightsync.config import option
+from weightsync.errors import InvalidArgument
 
 
 @dataclass
@@ -28,12 +40,44 @@ class WeightsyncInitInfo(InitInfo, WeightTransferInitInfo):
     """`rollout_agent.settings.SyncSettings`' fields (coordinator, session, agent_id,
     weight_sync_mode, ...), named `init_info.<field>` in errors."""
 
+    packed: bool = option(
+        False, "vLLM's wire parameter of its NCCL and IPC engines: accepted and ignored (weightsync chunks itself)."
+    )
+
+    def check(self) -> None:
+        if not isinstance(self.packed, bool):
+            raise InvalidArgument(f"must be true or false, got {self.packed!r:.40}", field="init_info.packed")
+        super().check()
+
 
 @dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """Which version to sync: an integer or "latest"."""
 
     version: Any = "latest"
+
+
+def parse_init_info(init_dict: Any) -> WeightsyncInitInfo:
+    """`init_info` as the backend's settings; InvalidArgument naming a key it does not know
+    (with the closest known one), or the first bad value."""
+    if not isinstance(init_dict, dict):
+        raise InvalidArgument(f"must be a dict, got {type(init_dict).__name__}", field="init_info")
+    known = [f.name for f in dataclasses.fields(WeightsyncInitInfo)]
+    for key in init_dict:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else " (docs/configuration.md#vllm-init_info lists them)"
+            raise InvalidArgument(
+                f"is not a key of the weightsync backend's init_info{hint}", field=f"init_info.{key!s:.60}"
+            )
+    return WeightsyncInitInfo(**init_dict)
+
+
+def parse_update_info(update_dict: Any) -> WeightsyncUpdateInfo:
+    """`update_info`'s version ("latest" when absent); its other keys are ignored."""
+    if not isinstance(update_dict, dict):
+        raise InvalidArgument(f"must be a dict, got {type(update_dict).__name__}", field="update_info")
+    return WeightsyncUpdateInfo(version=update_dict.get("version", "latest"))
 
 
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -45,11 +89,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         super().__init__(config, vllm_config, device, model)
         self.rollout: VllmRollout | None = None
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightsyncInitInfo:
+        return parse_init_info(init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> WeightsyncUpdateInfo:
+        return parse_update_info(update_dict)
+
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if self.rollout is not None:
             self.rollout.close()
-        rank = getattr(self.parallel_config, "rank", 0)
-        self.rollout = VllmRollout(init_info, self.model, self.model_config, rank=rank)
+        index = worker_index(self.parallel_config)
+        self.rollout = VllmRollout(init_info, self.model, self.model_config, rank=index)
 
     def start_weight_update(self) -> None:
         if self.rollout is None:

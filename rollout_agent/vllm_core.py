@@ -20,6 +20,7 @@ from rollout_agent.audit import Audited
 from rollout_agent.auditor import Auditor
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import StaleWatch, latest_version
+from rollout_agent.host_budget import memory_status
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
@@ -43,6 +44,20 @@ def parse_version(version: Any) -> int:
     return check_int_arg(version, "update_info.version", 0, INT64_MAX)
 
 
+def worker_index(parallel_config: Any) -> int:
+    """This worker's index among every worker of a vLLM deployment (its data-parallel
+    replica's offset plus its TP/PP rank), as vLLM indexes a list of update_infos."""
+    world = getattr(parallel_config, "world_size", 1) or 1
+    return getattr(parallel_config, "data_parallel_index", 0) * world + getattr(parallel_config, "rank", 0)
+
+
+def worker_agent_id(agent_id: str, index: int) -> str:
+    """The agent id worker `index` registers under an `init_info.agent_id` every worker of
+    an engine is given: worker 0 the id itself, worker r `<id>-r<r>` (TP, PP and DP workers
+    are rollouts of their own; under one id each registration would fence the last)."""
+    return agent_id if index == 0 else f"{agent_id}-r{index}"
+
+
 _IN_PROCESS: dict[str, VllmRollout] = {}  # agent id -> the rollout of a worker in this process
 
 
@@ -60,9 +75,12 @@ class VllmRollout:
         self, info: InitInfo, model: Any, model_config: Any, rank: int = 0, applier: Applier | None = None
     ) -> None:
         """`applier` writes the engine's weights: by default a `VllmApplier` over `model`'s
-        torch parameters; a JAX engine's worker passes a `JaxApply` over its state."""
+        torch parameters; a JAX engine's worker passes a `JaxApply` over its state. `rank`:
+        this worker's index in the deployment (`worker_index`), which tells its agent id
+        apart (`worker_agent_id`)."""
         self.info = info
-        agent_id = info.agent_id or f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
+        default = f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
+        agent_id = worker_agent_id(info.agent_id, rank) if info.agent_id else default
         check_agent_id(agent_id, "init_info.agent_id")
         self.wiring = wire_rollout(info, agent_id, on_verdict=self._on_verdict)
         self.agent_id = agent_id
@@ -82,8 +100,9 @@ class VllmRollout:
         self._stale_watch: StaleWatch | None = None  # (a prefetcher abandons stale pulls itself)
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(
-                self.wiring.puller, applier=self.audited, failpoints=self.wiring.failpoints, nice=info.prefetch_nice
-            )
+                self.wiring.puller, applier=self.audited, failpoints=self.wiring.failpoints, nice=info.prefetch_nice,
+                stage=True,  # where the applier can build aside (a JAX engine that swaps): the sync only commits
+            )  # fmt: skip
         elif self.wiring.puller is not None:
             self._stale_watch = StaleWatch(self.wiring.puller)
         self.wiring.on_new_session.append(self._session_made_again)
@@ -160,6 +179,15 @@ class VllmRollout:
         self.prefetcher.request(parse_version(version) or latest_version(self.wiring.client, self.info.session))
         return self.status()
 
+    def wait_ready(self, version: Any, timeout_s: float) -> bool:
+        """Waits until `version` (or a newer one) was prefetched, verified and, where the
+        applier builds aside, built (False after `timeout_s`, or where prefetch is off):
+        a sync then only applies what is ready, and the engine pauses for no pull."""
+        if self.prefetcher is None:
+            return False
+        v = parse_version(version) or latest_version(self.wiring.client, self.info.session)
+        return self.prefetcher.wait_ready(v, timeout_s)
+
     def status(self) -> dict[str, Any]:
         audit = self.auditor.summary()
         return {
@@ -170,6 +198,7 @@ class VllmRollout:
             "prefetch": self.prefetcher.status() if self.prefetcher is not None else None,
             "audit": MessageToDict(audit, preserving_proto_field_name=True) if audit is not None else None,
             "unserved_version": self.auditor.unserved,
+            "host_memory": memory_status(self.wiring.puller),
         }
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout
+from rollout_agent.vllm_core import VllmRollout, worker_index
 
 
 class WeightsyncWorkerExtension:
@@ -25,7 +25,8 @@ class WeightsyncWorkerExtension:
             self._weightsync.close()
         model = self.model_runner.model  # type: ignore[attr-defined]
         config = self.vllm_config.model_config  # type: ignore[attr-defined]
-        self._weightsync = VllmRollout(InitInfo(**init_info), model, config, rank=getattr(self, "rank", 0))
+        index = worker_index(self.vllm_config.parallel_config)  # type: ignore[attr-defined]
+        self._weightsync = VllmRollout(InitInfo(**init_info), model, config, rank=index)
         return self._weightsync.status()
 
     def weightsync_sync(self, version: Any = "latest") -> dict[str, Any]:

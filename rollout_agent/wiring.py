@@ -165,7 +165,7 @@ def wire_rollout(
     security = settings.security()
     failpoints = Failpoints(settings.failpoints)
     client = CoordinatorClient(settings.coordinator, security=security)
-    instance = settings.instance or secrets.token_hex(8)
+    instance = settings.instance or secrets.token_hex(16)  # a secret: it registers the id again
     if on_verdict is None:
         return RolloutWiring(settings, agent_id, client, None, None, None, failpoints, instance=instance)
     relay = None
@@ -193,6 +193,7 @@ def wire_rollout(
         metrics=metrics,
         relay=relay.source if relay else None,
         security=security,
+        host_memory_limit_bytes=settings.host_memory_limit_bytes,
     )
     outbox = ReportOutbox(client, on_verdict)
     return RolloutWiring(settings, agent_id, client, puller, relay, outbox, failpoints, instance=instance)

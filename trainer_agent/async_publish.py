@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from trainer_agent import torch_tensors
 from trainer_agent.params import check_param
 from trainer_agent.staging import HostShard, tensor_spec
 from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
@@ -303,8 +304,8 @@ def held_params(params: Mapping[str, Any], *, snapshot: bool, weight_dtype: str 
     """What an async publish holds of `params`: the values themselves (JAX arrays are
     immutable), or with `snapshot` copies of them that the caller cannot delete or change:
     JAX arrays copied on their devices by one jitted call (cast to `weight_dtype` in the
-    same pass, so the copy is no larger than what is staged), host arrays copied on the
-    host."""
+    same pass, so the copy is no larger than what is staged), torch tensors on their own
+    devices, host arrays on the host."""
     if not snapshot:
         return dict(params)
     held: dict[str, Any] = {}
@@ -314,6 +315,8 @@ def held_params(params: Mapping[str, Any], *, snapshot: bool, weight_dtype: str 
             device[name] = value
         elif isinstance(value, HostShard):
             held[name] = HostShard(value.name, np.array(value.data, copy=True), value.global_shape, value.start)
+        elif torch_tensors.is_tensor(value):  # copied on its device, as a JAX array is
+            held[name] = torch_tensors.snapshot(value)
         else:
             held[name] = np.array(value, copy=True)
     if device:

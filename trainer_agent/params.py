@@ -4,10 +4,13 @@ through a bounded window of device-to-host transfers.
 
 Paths: "ffi" (the shim's XLA FFI handler stages XLA's own buffers; CPU arrays, one device
 each), "host" (host-addressable arrays staged in place: CPU or NumPy, no cast needed) and
-"device" (everything else: per shard, the runtime's device-to-host copy is issued ahead of
-use, `window_bytes` in flight, each shard staged as it lands and its host copy dropped;
-casts run on the device, one tensor at a time). No path makes a second host copy of the
-whole model.
+"device" (everything else: the runtime's device-to-host copies are issued ahead of use,
+`window_bytes` in flight and landed, each staged as it lands and its host copy dropped;
+casts run on the device. JAX arrays on an accelerator travel in blocks,
+`trainer_agent.device_blocks`; on CPU devices whole shards, read in place). No path makes
+a second host copy of the whole model. Torch tensors take the same paths
+(`trainer_agent.torch_tensors`): CPU ones staged from zero-copy views, others copied to
+pinned host memory through the window.
 """
 
 from __future__ import annotations
@@ -19,15 +22,20 @@ from typing import Any
 
 import numpy as np
 
+from trainer_agent import torch_tensors
 from trainer_agent.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
 
-# Measured (bench/stage.py --devices 1, which reports the best window per host): on a TPU v5e
-# host, an 8.0 GB bf16 model staged at 1.52 GB/s with 1 GiB and 1.41 GB/s with 256 MiB, and a
-# copy-only window at 1.68 and 1.51; on CPU devices the window changes nothing (no bytes move).
-# The window is host memory above the arena; d2h_window_bytes sets it per trainer.
+# Measured on a TPU v5e host (docs/performance.md): 8 MiB blocks came over at 14 GB/s through
+# a 1 GiB window of copies (whole shards: 1.52 GB/s staged with 1 GiB, 1.41 with 256 MiB);
+# on CPU devices the window changes nothing (no bytes move). bench/stage.py --devices sweeps
+# it. The window is host memory above the arena; d2h_window_bytes sets it per trainer.
 DEFAULT_WINDOW_BYTES = 1 << 30
+# Platforms whose device memory is host memory: their arrays are staged in place (the host
+# path, or whole shards read in place on the device path), never cut into blocks. A test
+# may empty it to take an accelerator's branch with CPU devices.
+HOST_MEMORY_PLATFORMS = frozenset({"cpu"})
 FFI_PLATFORMS = frozenset({"cpu"})  # where the shim's handler is registered
 # Why a platform has no FFI path (use_ffi=True names it).
 NO_FFI = {
@@ -52,12 +60,16 @@ class ArrayMeta:
 def _platforms(value: Any) -> set[str]:
     if hasattr(value, "addressable_shards"):
         return {getattr(s.device, "platform", "cpu") for s in value.addressable_shards}
+    if torch_tensors.is_tensor(value):
+        return {torch_tensors.platform(value)}
     return {"cpu"}
 
 
-def _dtype(value: Any) -> np.dtype:
+def _dtype(value: Any, name: str = "") -> np.dtype:
     """The dtype a value stages with before any cast (lists and scalars as NumPy reads them)."""
     data = value.data if isinstance(value, HostShard) else value
+    if torch_tensors.is_tensor(data):
+        return torch_tensors.numpy_dtype(name, data.dtype)
     dt = getattr(data, "dtype", None)
     return np.dtype(dt) if dt is not None else np.asarray(data).dtype
 
@@ -65,7 +77,9 @@ def _dtype(value: Any) -> np.dtype:
 def check_param(name: str, value: Any) -> None:
     """InvalidArgument naming `params[name]` for a value that is no array of real numbers:
     with `weight_dtype` set it was cast first, so a nested tree or None failed as a
-    TypeError mid-staging and complex values lost their imaginary part without a word."""
+    TypeError mid-staging and complex values lost their imaginary part without a word.
+    A torch tensor of a dtype weightsync cannot carry (complex, float8, ...) is refused
+    the same way, as is one whose bytes cannot be read (sparse, meta, a DTensor)."""
     field = f"params[{name!r:.200}]"
     if isinstance(value, Mapping):
         raise InvalidArgument(
@@ -73,6 +87,9 @@ def check_param(name: str, value: Any) -> None:
             "flatten a nested tree first",
             field=field,
         )
+    if torch_tensors.is_tensor(value):
+        torch_tensors.checked(name, value)
+        return
     dt = _dtype(value)
     if dt.kind not in "biuf" and dt.name not in ALLOWED:
         raise InvalidArgument(f"dtype {dt} is not a real number type (one of {', '.join(ALLOWED)})", field=field)
@@ -108,7 +125,7 @@ def choose_staging_path(
         return "ffi"
     if use_ffi is None and ffi_built and single and platforms <= FFI_PLATFORMS:
         return "ffi"
-    if platforms <= {"cpu"} and not any(_needs_cast(v, weight_dtype) for v in values):
+    if platforms <= HOST_MEMORY_PLATFORMS and not any(_needs_cast(v, weight_dtype) for v in values):
         return "host"
     return "device"
 
@@ -116,12 +133,12 @@ def choose_staging_path(
 def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard]:
     """The HostShards `host_shards` / `device_stream` will yield, with ArrayMeta instead of
     bytes: the layout is planned before any byte moves."""
-    dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value)
+    dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value, name)
     if isinstance(value, HostShard):
         return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
     if hasattr(value, "addressable_shards"):
         return [
-            HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), _start(s.index, value.ndim))
+            HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), shard_start(s.index, value.ndim))
             for s in value.addressable_shards
             if s.replica_id == 0
         ]
@@ -129,7 +146,8 @@ def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
     return [HostShard(name, ArrayMeta(shape, dt), shape, (0,) * len(shape))]
 
 
-def _start(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+def shard_start(index: tuple[slice, ...], ndim: int) -> tuple[int, ...]:
+    """A shard's first element in its global array, from its index."""
     start = tuple(0 if sl.start is None else sl.start for sl in index)
     return start + (0,) * (ndim - len(start))
 
@@ -163,7 +181,7 @@ def device_stream(
             return
         meta, data = inflight.popleft()
         inflight_bytes -= meta.data.nbytes
-        host = _host_array(meta.name, data)
+        host = host_array(meta.name, data)
         shard = HostShard(meta.name, host, meta.global_shape, meta.start)
         del data, host
         yield shard
@@ -175,6 +193,13 @@ def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tup
     their device one tensor at a time; host values pass through as host shards."""
     for name, value in items:
         check_param(name, value)
+        if torch_tensors.is_tensor(value) and torch_tensors.platform(value) != "cpu":
+            if weight_dtype:
+                value = torch_tensors.cast(name, value, dtype_info(weight_dtype).numpy)  # on its device
+            pending = torch_tensors.PendingCopy(name, value)
+            shape = pending.shape
+            yield HostShard(name, ArrayMeta(shape, pending.dtype), shape, (0,) * len(shape)), pending
+            continue
         if not hasattr(value, "addressable_shards"):
             yield from ((s, s.data) for s in host_shards(name, value, weight_dtype))
             continue
@@ -184,10 +209,11 @@ def _shards(items: Iterable[tuple[str, Any]], weight_dtype: str) -> Iterator[tup
             if s.replica_id == 0:
                 data = s.data
                 meta = ArrayMeta(tuple(data.shape), np.dtype(data.dtype))
-                yield HostShard(name, meta, tuple(value.shape), _start(s.index, value.ndim)), data
+                yield HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim)), data
 
 
-def _host_array(name: str, data: Any) -> np.ndarray:
+def host_array(name: str, data: Any) -> np.ndarray:
+    """`data`'s bytes in host memory (waiting for its copy), or InvalidArgument naming `params[name]`."""
     if isinstance(data, np.ndarray):
         return data
     try:
@@ -209,11 +235,14 @@ def host_shards(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
         if cast is not None and value.dtype != cast:
             value = value.astype(cast)
         return [
-            HostShard(name, _host_array(name, s.data), tuple(value.shape), _start(s.index, value.ndim))
+            HostShard(name, host_array(name, s.data), tuple(value.shape), shard_start(s.index, value.ndim))
             for s in value.addressable_shards
             if s.replica_id == 0
         ]
-    arr = np.asarray(value)
+    if torch_tensors.is_tensor(value):
+        arr = torch_tensors.host_array(name, value if cast is None else torch_tensors.cast(name, value, cast))
+    else:
+        arr = np.asarray(value)
     if cast is not None:
         arr = arr.astype(cast, copy=False)
     return [HostShard(name, arr, tuple(arr.shape), (0,) * arr.ndim)]

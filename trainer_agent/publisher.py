@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from types import TracebackType
@@ -35,7 +35,7 @@ from trainer_agent.chunk_server import (
 from trainer_agent.delta import StagedDelta, pack_delta
 from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import StagePlan, Stager, plan_staging
+from trainer_agent.stage_plan import StagePlan, Stager, StreamSpec, follow_plan, plan_staging, plan_stream
 from trainer_agent.staging import Layout, stage_streamed
 from trainer_agent.store_leftovers import remove_released_parts
 from weightsync import native, version_states
@@ -215,6 +215,7 @@ class WeightPublisher:
         self.fs_store = FsStore(settings.fs_root, parse_fs_options(settings.fs_option)) if settings.fs_root else None
         self.last_path = ""
         self.generation = 0
+        self.attached_latest_version = 0  # the session's newest version when start() attached
         self.fenced_by = 0  # the newer generation that fenced this publisher
         self._stager = Stager(settings)
         self._layouts: dict[int, Layout] = {}  # slot -> layout its version was staged with (`publish`)
@@ -340,6 +341,7 @@ class WeightPublisher:
             next_version=next_version,
         )
         self.generation = opened.generation
+        self.attached_latest_version = opened.latest_version
         self._token_key = opened.token_key
 
     def _reattach(self, next_version: int) -> None:
@@ -500,8 +502,10 @@ class WeightPublisher:
         The device-to-host copy, staging and publish run while the caller goes on (the next
         training steps). JAX arrays are immutable, so holding them is enough, unless the
         caller's jitted step donates them: `snapshot=True` first copies JAX arrays on their
-        devices (cast to `weight_dtype` in the same pass) and host arrays on the host. A
-        held version costs its bytes of device memory until its publish ends.
+        devices (cast to `weight_dtype` in the same pass), torch tensors on theirs (torch
+        tensors change in place: an optimizer step rewrites them, so hold them with
+        `snapshot=True`) and host arrays on the host. A held version costs its bytes of device
+        memory until its publish ends.
 
         Latest wins: one publish runs at a time and one waits; a newer version offered while
         one waits replaces it, and the replaced one's future raises `PublishSuperseded`
@@ -580,14 +584,27 @@ class WeightPublisher:
     def _stage(self, params: Mapping[str, Any], version: int, idempotency_key: str | None) -> _StagedPart:
         if not params:
             raise InvalidArgument("must contain at least one tensor", field="params")
-        key = idempotency_key or f"{self.agent_id}:{version}"
         started = time.perf_counter()
         plan = plan_staging(params, self.settings)
-        layout = plan.layout
         claim_started = time.perf_counter()
         slot = self._claim_slot(version)  # may wait for leases: not staging time
         started += time.perf_counter() - claim_started
-        self._fit_arena(layout.total_bytes)
+        self._fit_arena(plan.layout.total_bytes)
+        return self._stage_planned(plan, params, version, slot, idempotency_key, started)
+
+    def _stage_planned(
+        self,
+        plan: StagePlan,
+        params: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        version: int,
+        slot: int,
+        idempotency_key: str | None,
+        started: float,
+    ) -> _StagedPart:
+        """Stages by `plan` into `slot` (claimed, and fitted to the layout), encoding a delta
+        against the previous version where it can; `started` is when staging time began."""
+        key = idempotency_key or f"{self.agent_id}:{version}"
+        layout = plan.layout
         base = self._delta_base(plan, slot, version)
         path, shard_specs, chunks, encodings = self._stager.stage(
             plan,
@@ -670,24 +687,37 @@ class WeightPublisher:
         items: Iterable[tuple[str, Any]],
         version: int,
         *,
-        capacity_bytes: int,
+        capacity_bytes: int = 0,
+        specs: Sequence[StreamSpec] | None = None,
         idempotency_key: str | None = None,
     ) -> PublishResult:
-        """Stages tensors one by one as `items` yields them (e.g. a MaxText converter).
+        """Stages tensors one by one as `items` yields them (e.g. a MaxText converter, or a
+        trainer's parameters materialized one at a time).
 
-        Peak host memory is the arena plus one converted tensor: nothing is collected
-        first. Chunk digests are computed in a second read pass over the slot.
+        Peak host memory is the arena plus one converted tensor (with `specs`, plus the
+        device-to-host window for tensors off the host): nothing is collected first.
 
         Args:
-            capacity_bytes: slot size to reserve (the converted model's bytes, padded by
-                256 per tensor); ResourceExhausted when the stream outgrows it.
+            capacity_bytes: without `specs`: slot size to reserve (the converted model's
+                bytes, padded by 256 per tensor); ResourceExhausted when the stream
+                outgrows it. Chunk digests are then computed in a second read pass.
+            specs: (name, dtype, shape) of every item, in order, known before the first is
+                read: the layout is planned from them, and the stream is staged as fast as
+                `publish` stages (fused batches; a delta where `delta` is on). Each item
+                must be the whole tensor its spec names (InvalidArgument naming it).
 
         A failure that may pass by itself is tried again as in `publish`: finding a slot
         before the first item is taken, and sending the staged part (`items` is read once).
         """
         self._async.raise_failure()
         version = _checked_args(version, idempotency_key)
-        capacity_bytes = check_int_arg(capacity_bytes, "capacity_bytes", 1, INT64_MAX)
+        if specs is not None:
+            if capacity_bytes:
+                raise InvalidArgument("give specs or capacity_bytes, not both", field="capacity_bytes")
+            plan = plan_stream(specs, self.settings)
+            capacity_bytes = plan.layout.total_bytes
+        else:
+            capacity_bytes = check_int_arg(capacity_bytes, "capacity_bytes", 1, INT64_MAX)
         self._after_async(version)
         with self._one_publish(), version_context(version):
             deadline = time.monotonic() + self.settings.publish_wait_s
@@ -697,7 +727,12 @@ class WeightPublisher:
                 lambda: self._fitted_slot(version, capacity_bytes),
                 self._may_pass,
             )
-            return self._send(self._stage_stream(items, version, slot, idempotency_key), deadline)
+            if specs is None:
+                return self._send(self._stage_stream(items, version, slot, idempotency_key), deadline)
+            checked = follow_plan(items, plan, self.settings.weight_dtype)
+            return self._send(
+                self._stage_planned(plan, checked, version, slot, idempotency_key, time.perf_counter()), deadline
+            )
 
     def _may_pass(self, e: WeightsyncError) -> bool:
         return not self._closed and _may_pass(e)

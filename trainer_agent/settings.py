@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer_agent.delta import DELTA_MODES
+from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES
 from trainer_agent.params import DEFAULT_WINDOW_BYTES
 from weightsync.addresses import inet_refused, unix_among
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option, secret_option
@@ -79,11 +80,18 @@ class PublisherSettings(ServerConfig):
         "Stage JAX arrays through the FFI handler: unset = when built, true = required (fails naming what is "
         "missing), false = through host pointers.",
     )
-    staging_threads: int = option(0, "Threads of the native staging pass; 0 = every core.")
+    staging_threads: int = option(
+        0, "Threads of the native staging pass (on an accelerator: threads staging landed blocks); 0 = every core."
+    )
     d2h_window_bytes: int = option(
         DEFAULT_WINDOW_BYTES,
-        "Device arrays (and casts): bytes of device-to-host copies in flight ahead of staging; host memory "
+        "Device arrays (and casts): bytes of device-to-host copies issued and not yet staged; host memory "
         "above the arena stays within about this.",
+    )
+    d2h_block_bytes: int = option(
+        DEFAULT_BLOCK_BYTES,
+        "Device arrays on an accelerator: larger shards are cut on their device into blocks of about this many "
+        "bytes (rounded to a multiple of chunk_bytes), each staged as it lands; 0 copies shards whole.",
     )
     delta: str = option(
         "off",
@@ -134,6 +142,7 @@ class PublisherSettings(ServerConfig):
             raise InvalidArgument(f"{self.rank} is not in [0, world_size={self.world_size})", field="rank")
         check_bounds(self, ("slots",), 1, MAX_SLOTS)
         check_bounds(self, ("d2h_window_bytes",), 1, 1 << 62)
+        check_bounds(self, ("d2h_block_bytes",), 0, 1 << 40)
         check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
         check_bounds(self, ("min_rollouts",), 0, UINT32_MAX)  # OpenSessionRequest.min_rollouts
         check_bounds(self, ("staging_threads",), 0, 1024)

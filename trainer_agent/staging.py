@@ -11,13 +11,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from weightsync import native
-from weightsync.digests import float64_sum, piecewise_xxh3, xxh3
+from weightsync.digests import combine_pieces, float64_sum, piecewise_xxh3, xxh3
 from weightsync.dtypes import dtype_name_of, native_code
 from weightsync.errors import InternalError, InvalidArgument, ResourceExhausted
 from weightsync.layout import SHARD_ALIGN_BYTES, align_up, place_shards, plan_chunks
@@ -211,46 +212,192 @@ def stage_batched_delta(
     threads: int = 0,
 ) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
     """`stage_batched`, each batch's chunks also encoded against the same bytes of
-    `delta.base` (when given; its scratch is reused batch after batch)."""
+    `delta.base` (when given)."""
+    blocks = (Block(s, 0, s.data) for s in shards)
+    return stage_blocks(
+        slot, layout, blocks, chunk_bytes, delta, batch_bytes=batch_bytes, engine=engine, threads=threads
+    )
+
+
+@dataclass(frozen=True)
+class Block:
+    """Bytes [offset, offset + data.nbytes) of one shard, in host memory: `shard` describes
+    the shard (its data may be an ArrayMeta), `data` holds them in the shard's dtype (C
+    order). A shard staged whole is one block at offset 0."""
+
+    shard: HostShard
+    offset: int
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class StagingWindow(Protocol):
+    """Told of the bytes of each run of blocks handed to a staging thread, and again once
+    they are staged (and may be freed): what bounds the blocks landed ahead of staging."""
+
+    def submitted(self, nbytes: int) -> None: ...
+
+    def staged(self, nbytes: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A run of whole chunks [lo, hi) of the slot and the blocks that land in it: (their
+    shard's index in the layout, the block, its bytes)."""
+
+    lo: int
+    hi: int
+    blocks: list[tuple[int, Block, int]]
+    nbytes: int
+
+
+def stage_blocks(
+    slot: np.ndarray,
+    layout: Layout,
+    blocks: Iterable[Block],
+    chunk_bytes: int,
+    delta: DeltaTarget | None = None,
+    *,
+    batch_bytes: int,
+    engine: str = "auto",
+    threads: int = 0,
+    pool: Executor | None = None,
+    window: StagingWindow | None = None,
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """Stages shards that arrive in blocks (the device path) into their places in `slot`:
+    (shard specs, chunk specs, per chunk its encoding against `delta.base` when given).
+    The bytes, specs and encodings are those of `stage_shards` / `stage_shards_delta` of
+    the whole shards, float64 sums aside (a shard in several blocks sums block by block).
+
+    Blocks are gathered into runs of whole chunks of about `batch_bytes`, each staged by
+    one fused pass (`threads` threads) as soon as its last block arrives: in this thread,
+    or with `pool` on one of its threads while the next blocks land (`window` is told of
+    each run handed over and of each staged). A shard cut into several blocks must have
+    chunks of its own (larger than `pack_limit(chunk_bytes)`): its digest is then made of
+    its chunks' digests.
+
+    Blocks must come in layout order, each shard's in byte order and covering it
+    (InternalError otherwise).
+    """
     chunks = layout.chunk_plan(chunk_bytes)
     starts = [off for off, _ in chunks] + [layout.total_bytes]
-    shard_specs: list[ShardSpec] = []
-    chunk_specs_: list[ChunkSpec] = []
-    encodings: list[bytes | None] = []
-    batch: list[tuple[int, HostShard]] = []
-    lo, held, last = 0, 0, len(layout.offsets) - 1
-    for i, hs in enumerate(shards):
-        if i > last or (hs.name, tuple(hs.start), tuple(hs.stop), hs.nbytes) != (*layout.boxes[i], layout.nbytes[i]):
-            raise InternalError(f"shard {i} ({hs.name!r} at {hs.start}) is not the one the layout planned there")
-        batch.append((i, hs))
-        held += hs.nbytes
-        end = layout.offsets[i] + layout.nbytes[i]
-        nxt = layout.offsets[i + 1] if i < last else layout.total_bytes
+    scratch_at = None
+    if delta is not None:  # each run's encodings go to its own region of the scratch buffer
+        caps = (np.asarray([n for _, n in chunks], np.uint64) * delta.cap).astype(np.uint64)
+        scratch_at = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
+    staged: list[Future | tuple] = []
+
+    def stage(unit: _Unit) -> tuple:
+        try:
+            return _stage_unit(slot, layout, unit, chunks, starts, chunk_bytes, engine, threads, delta, scratch_at)
+        finally:
+            if window is not None:
+                window.staged(unit.nbytes)
+
+    unit: list[tuple[int, Block, int]] = []
+    lo, held, i, filled, last = 0, 0, -1, 0, len(layout.offsets) - 1
+    for b in blocks:
+        n = b.nbytes
+        if i < 0 or filled == layout.nbytes[i]:  # the next shard begins
+            i, filled = i + 1, 0
+            box = (b.shard.name, tuple(b.shard.start), tuple(b.shard.stop), b.shard.nbytes)
+            if i > last or b.offset != 0 or box != (*layout.boxes[i], layout.nbytes[i]):
+                raise InternalError(
+                    f"shard {i} ({b.shard.name!r} at {b.shard.start}) is not the one the layout planned there"
+                )
+        elif b.offset != filled or b.shard.name != layout.boxes[i][0] or filled + n > layout.nbytes[i]:
+            raise InternalError(
+                f"a block of {n} bytes at byte {b.offset} of {b.shard.name!r} does not continue shard {i} "
+                f"({layout.boxes[i][0]!r}, {filled} of {layout.nbytes[i]} bytes staged)"
+            )
+        unit.append((i, b, n))
+        held += n
+        filled += n
+        end = layout.offsets[i] + filled
+        whole = filled == layout.nbytes[i]
+        nxt = (layout.offsets[i + 1] if i < last else layout.total_bytes) if whole else end
         k = bisect.bisect_left(starts, end)
-        if k < len(starts) and starts[k] <= nxt and (held >= batch_bytes or i == last):
-            hi = starts[k]
-            first = bisect.bisect_left(starts, lo)
-            sub_chunks = [(off - lo, n) for off, n in chunks[first:k]]
-            sub = Layout(
-                tensors=(),
-                boxes=tuple(layout.boxes[j] for j, _ in batch),
-                nbytes=tuple(layout.nbytes[j] for j, _ in batch),
-                offsets=tuple(layout.offsets[j] - lo for j, _ in batch),
-                total_bytes=hi - lo,
-            )
-            view = slot[lo:hi]
-            view[end - lo :] = 0  # padding up to the chunk boundary (the next shard's alignment)
-            sub_delta = dataclasses.replace(delta, base=delta.base[lo:hi]) if delta is not None else None
-            specs, cspecs, encs = _stage_fused(
-                view, [s for _, s in batch], sub, sub_chunks, chunk_bytes, engine, threads, sub_delta
-            )
-            shard_specs += [dataclasses.replace(s, offset=s.offset + lo) for s in specs]
-            chunk_specs_ += [ChunkSpec(first + c.index, c.offset + lo, c.length, c.xxh3) for c in cspecs]
-            encodings += encs
-            batch, held, lo = [], 0, hi
-    if batch or lo != layout.total_bytes:
-        raise InternalError(f"the stream ended after {len(shard_specs)} of {len(layout.offsets)} planned shards")
-    return shard_specs, chunk_specs_, encodings
+        if k < len(starts) and starts[k] <= nxt and (held >= batch_bytes or (whole and i == last)):
+            run = _Unit(lo, starts[k], unit, held)
+            if window is not None:
+                window.submitted(run.nbytes)
+            staged.append(pool.submit(stage, run) if pool is not None else stage(run))
+            unit, held, lo = [], 0, starts[k]
+            del run
+        del b
+    if unit or lo != layout.total_bytes or i != last:
+        arrived = i + (i >= 0 and filled == layout.nbytes[i])
+        raise InternalError(f"the stream ended after {arrived} of {len(layout.offsets)} planned shards")
+    return _specs(layout, chunks, chunk_bytes, [r.result() if isinstance(r, Future) else r for r in staged])
+
+
+def _stage_unit(
+    slot: np.ndarray,
+    layout: Layout,
+    unit: _Unit,
+    chunks: Sequence[tuple[int, int]],
+    starts: Sequence[int],
+    chunk_bytes: int,
+    engine: str,
+    threads: int,
+    delta: DeltaTarget | None,
+    scratch_at: np.ndarray | None,
+) -> tuple[list[tuple[int, int, int, float]], list[ChunkSpec], list[bytes | None]]:
+    """One fused pass over a run of whole chunks: ((shard index, block offset, digest,
+    sum) per block, the run's chunk specs, their encodings)."""
+    lo, hi = unit.lo, unit.hi
+    first, k = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+    offsets = tuple(layout.offsets[i] + b.offset - lo for i, b, _ in unit.blocks)
+    sub = Layout(
+        tensors=(),
+        boxes=tuple(layout.boxes[i] for i, _, _ in unit.blocks),
+        nbytes=tuple(n for _, _, n in unit.blocks),
+        offsets=offsets,
+        total_bytes=hi - lo,
+    )
+    view = slot[lo:hi]
+    view[offsets[-1] + sub.nbytes[-1] :] = 0  # padding up to the chunk boundary (the next shard's alignment)
+    sub_delta = None
+    if delta is not None and scratch_at is not None:
+        sub_delta = dataclasses.replace(delta, base=delta.base[lo:hi], scratch=delta.scratch[scratch_at[first] :])
+    shards = [HostShard(b.shard.name, b.data, (), ()) for _, b, _ in unit.blocks]
+    sub_chunks = [(off - lo, n) for off, n in chunks[first:k]]
+    specs, cspecs, encs = _stage_fused(view, shards, sub, sub_chunks, chunk_bytes, engine, threads, sub_delta)
+    spans = [(i, b.offset, s.xxh3, s.sum) for (i, b, _), s in zip(unit.blocks, specs)]
+    return spans, [ChunkSpec(first + c.index, c.offset + lo, c.length, c.xxh3) for c in cspecs], encs
+
+
+def _specs(
+    layout: Layout, chunks: Sequence[tuple[int, int]], chunk_bytes: int, runs: Sequence[tuple]
+) -> tuple[list[ShardSpec], list[ChunkSpec], list[bytes | None]]:
+    """Shard specs (a shard in several blocks: its chunks' digests combined, its blocks'
+    sums added), chunk specs and encodings of the staged runs, in order."""
+    chunk_specs_ = [c for _, cs, _ in runs for c in cs]
+    encodings = [e for _, _, es in runs for e in es]
+    blocks: dict[int, list[tuple[int, int, float]]] = {}
+    for spans, _, _ in runs:
+        for i, offset, digest, total in spans:
+            blocks.setdefault(i, []).append((offset, digest, total))
+    starts = [off for off, _ in chunks]
+    specs = []
+    for i, ((name, start, stop), off, n) in enumerate(zip(layout.boxes, layout.offsets, layout.nbytes)):
+        parts = blocks[i]
+        digest, total = parts[0][1], parts[0][2]
+        if len(parts) > 1:
+            c0, c1 = bisect.bisect_left(starts, off), bisect.bisect_left(starts, off + n)
+            if [chunks[c] for c in range(c0, c1)] != [
+                (o, min(chunk_bytes, off + n - o)) for o in range(off, off + n, chunk_bytes)
+            ]:
+                raise InternalError(
+                    f"{name!r} was cut into blocks but its chunks are not its own {chunk_bytes}-byte pieces"
+                )
+            digest = combine_pieces([c.xxh3 for c in chunk_specs_[c0:c1]])
+            total = sum(t for _, _, t in parts)
+        specs.append(ShardSpec(name, start, stop, off, n, int(digest), float(total)))
+    return specs, chunk_specs_, encodings
 
 
 def stage_one(

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -21,6 +21,14 @@ from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pie
 
 log = logging.getLogger(__name__)
 DECIDED_STATES = tuple(sorted(version_states.DECIDED))
+R = TypeVar(
+    "R",
+    pb.RegisterAgentRequest,
+    pb.HeartbeatRequest,
+    pb.DeregisterAgentRequest,
+    pb.GetManifestRequest,
+    pb.ReportAppliedRequest,
+)
 
 
 class CallCarrier(Protocol):
@@ -36,6 +44,9 @@ class CoordinatorClient:
     coordinator restart of a few seconds. With a `carrier` (a rollout's heartbeat), the
     leased GetManifest and ReportApplied travel on its stream while it carries calls, and
     as RPCs otherwise (weightsync.carried_calls).
+
+    The agent key each registration answers is kept, and every later call naming that
+    agent carries it (`keyed`): the coordinator refuses calls for an agent without it.
     """
 
     def __init__(
@@ -47,9 +58,18 @@ class CoordinatorClient:
         self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.carrier: CallCarrier | None = None
+        self._agent_keys: dict[tuple[str, str], str] = {}  # (session, agent id) -> its key
 
     def close(self) -> None:
         self._channel.close()
+
+    def keyed(self, request: R) -> R:
+        """`request` (any message naming `session` and `agent_id`) carrying the key the
+        agent's last registration through this client answered; as it was without one."""
+        key = self._agent_keys.get((request.session, request.agent_id))
+        if key:
+            request.agent_key = key
+        return request
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -111,26 +131,30 @@ class CoordinatorClient:
             generation=generation,
             instance=instance,
         )
-        return rpc.unary(self._stub.RegisterAgent, req, timeout_s=self.timeout_s, retries=self.retries)
+        resp = rpc.unary(self._stub.RegisterAgent, self.keyed(req), timeout_s=self.timeout_s, retries=self.retries)
+        if resp.agent_key:
+            self._agent_keys[(session, agent_id)] = resp.agent_key
+        return resp
 
     def heartbeat(
         self, session: str, agent_id: str, current_version: int = 0, *, timeout_s: float | None = None
     ) -> pb.HeartbeatResponse:
         req = pb.HeartbeatRequest(session=session, agent_id=agent_id, current_version=current_version)
-        return rpc.unary(self._stub.Heartbeat, req, timeout_s=timeout_s or self.timeout_s)
+        return rpc.unary(self._stub.Heartbeat, self.keyed(req), timeout_s=timeout_s or self.timeout_s)
 
     def heartbeats(
         self, requests: Iterator[pb.HeartbeatRequest]
     ) -> tuple[Iterator[pb.HeartbeatResponse], Callable[[], None]]:
         """Heartbeats on one call: (the answers, errors raised as weightsync errors; a
-        cancel function, safe from any thread). The call ends when `requests` does."""
+        cancel function, safe from any thread). The call ends when `requests` does; they
+        are sent as they are (`keyed` adds an agent's key)."""
         call = self._stub.Heartbeats(requests)
         return rpc.answers(call), call.cancel
 
     def deregister_agent(self, session: str, agent_id: str, *, timeout_s: float = 2.0) -> bool:
         """Ends the agent's lease now (graceful exit); short deadline, no retries."""
         req = pb.DeregisterAgentRequest(session=session, agent_id=agent_id)
-        return rpc.unary(self._stub.DeregisterAgent, req, timeout_s=timeout_s).removed
+        return rpc.unary(self._stub.DeregisterAgent, self.keyed(req), timeout_s=timeout_s).removed
 
     def publish_part(
         self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
@@ -169,7 +193,7 @@ class CoordinatorClient:
                 time.sleep(min(2.0, 0.1 * 2**attempt))
 
     def get_manifest(self, session: str, version: int = 0, *, agent_id: str = "") -> tuple[pb.ManifestHeader, Manifest]:
-        req = pb.GetManifestRequest(session=session, version=version, agent_id=agent_id)
+        req = self.keyed(pb.GetManifestRequest(session=session, version=version, agent_id=agent_id))
         answers = self._carried("get_manifest", req) if agent_id else None
         if answers is not None:
             return manifest_from_pieces(a.manifest_piece for a in answers)
@@ -201,6 +225,7 @@ class CoordinatorClient:
     def report_applied(
         self, request: pb.ReportAppliedRequest, *, retries: int | None = None
     ) -> pb.ReportAppliedResponse:
+        request = self.keyed(request)
         answers = self._carried("report_applied", request)
         if answers is not None:
             return answers[-1].report_applied

@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,8 +44,16 @@ def piecewise_xxh3(data: Any, piece_bytes: int) -> int:
     view = memoryview(data).cast("B")
     if len(view) <= piece_bytes:
         return xxh3(view)
-    pieces = [xxh3(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes)]
-    return xxh3(struct.pack(f"<{len(pieces)}Q", *pieces))
+    return combine_pieces([xxh3(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes)])
+
+
+def combine_pieces(piece_digests: Sequence[int]) -> int:
+    """The piecewise rule's last step: one piece's digest as is, several as xxh3-64 of
+    their little-endian u64 digests (a shard staged in blocks gets its digest from its
+    chunks' this way)."""
+    if len(piece_digests) == 1:
+        return int(piece_digests[0])
+    return xxh3(struct.pack(f"<{len(piece_digests)}Q", *piece_digests))
 
 
 def combine_shard_digests(shard_digests: Iterable[int]) -> int:

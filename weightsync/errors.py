@@ -12,7 +12,8 @@
     │   ├── StaleGeneration
     │   ├── WrongState
     │   ├── NewestCommitted
-    │   └── SlotBusy
+    │   ├── SlotBusy
+    │   └── VersionNotApplied
     ├── DataLoss                 DATA_LOSS
     │   └── DigestMismatch
     ├── ResourceExhausted        RESOURCE_EXHAUSTED
@@ -98,6 +99,11 @@ class NewestCommitted(FailedPrecondition):
 
 class SlotBusy(FailedPrecondition):
     """No arena slot could be freed in time (rollouts still lease the versions in them)."""
+
+
+class VersionNotApplied(FailedPrecondition):
+    """A published version the rollouts did not apply (or did not commit in time): their
+    reasons, from their handshakes, are in the message."""
 
 
 class PullAbandoned(FailedPrecondition):

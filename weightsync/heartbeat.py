@@ -16,6 +16,7 @@ from weightsync.errors import (
     TRANSIENT_ERRORS,
     AgentNotFound,
     DeadlineExceeded,
+    PermissionDenied,
     SessionNotFound,
     TransportUnavailable,
     WeightsyncError,
@@ -115,8 +116,8 @@ class Heartbeat:
             self._interval_s = heartbeat_interval_s(ttl_s)
 
     def _request(self) -> pb.HeartbeatRequest:
-        req = pb.HeartbeatRequest(
-            session=self._session, agent_id=self._agent_id, current_version=self._current_version()
+        req = self._client.keyed(
+            pb.HeartbeatRequest(session=self._session, agent_id=self._agent_id, current_version=self._current_version())
         )
         audit = self._audit() if self._audit is not None else None
         if audit is not None:
@@ -145,6 +146,16 @@ class Heartbeat:
                     log.warning(
                         "agent %s: lease lost (expired or coordinator restarted); registering again", self._agent_id
                     )
+                    self._set_ttl(self._register())
+                    self._renewed()
+                except PermissionDenied as e:
+                    if e.field != "agent_id":
+                        raise
+                    # Another process registered the id after this one's lease lapsed (paused,
+                    # partitioned): registering is refused while it lives, and takes the id
+                    # back once its lease lapses too.
+                    if not self._failing:
+                        log.warning("agent %s: %s; registering again", self._agent_id, e.message)
                     self._set_ttl(self._register())
                     self._renewed()
             except Exception as e:  # noqa: BLE001 - the lease lives on this thread: it outlives a bug as an outage

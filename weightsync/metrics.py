@@ -47,10 +47,13 @@ class Metrics:
     chunk_retries: Counter
     pulls: Counter
     held_bytes: Gauge
+    host_memory_bytes: Gauge
+    host_memory_limit_bytes: Gauge
     pause_seconds: Histogram
     ready_to_serving_seconds: Histogram
     gc_pause_seconds: Histogram
     gc_frozen_objects: Gauge
+    auth_open: Gauge
     applies: Counter
     apply_hbm_peak_bytes: Gauge
     apply_repaired_leaves: Counter
@@ -212,6 +215,19 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             ["role", "session", "kind"],
             registry=registry,
         ),
+        host_memory_bytes=Gauge(
+            "weightsync_host_memory_bytes",
+            "This process's resident host memory (/proc/self/status), by kind: rss (VmRSS), anon (RssAnon: its "
+            "own), shmem (RssShmem: shared memory it maps, a trainer's arena), file (RssFile), peak (VmHWM).",
+            ["role", "session", "kind"],
+            registry=registry,
+        ),
+        host_memory_limit_bytes=Gauge(
+            "weightsync_host_memory_limit_bytes",
+            "A rollout's host_memory_limit_bytes (0: none): the most RssAnon a pull and apply may take it to.",
+            ["role", "session"],
+            registry=registry,
+        ),
         database_bytes=Gauge(
             "weightsync_database_bytes",
             "Size of the coordinator's SQLite file (retention keeps it bounded).",
@@ -228,6 +244,13 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "weightsync_gc_frozen_objects",
             "Objects frozen out of Python's garbage collection (weightsync.gc_freeze); reference cycles "
             "that died among them are reclaimed at the next --gc-refresh-s.",
+            registry=registry,
+        ),
+        auth_open=Gauge(
+            "weightsync_auth_open",
+            "1 when a gRPC server of this process takes calls without a credential from every user who reaches it "
+            "(TCP, loopback included, without bearer tokens or client certificates; a unix socket others may "
+            "write), else 0.",
             registry=registry,
         ),
         applies=Counter(

@@ -11,8 +11,10 @@ turns on, independently:
   reflection; the token's role decides what it may call (`ROLE_RULES`). Clients send
   `token`. A missing or unknown token is UNAUTHENTICATED, a role calling outside its
   rules PERMISSION_DENIED. Pods should get agent tokens (`agent_token`, derived from
-  the role token): one acts only for its own agent id, so a compromised rollout cannot
-  heartbeat, re-register or report as another.
+  the role token): one acts only for its own agent id. Whatever the token, the
+  coordinator binds each agent id to the process that registered it (its agent key:
+  `coordinator.agent_keys`), so a rollout cannot heartbeat, re-register or report as
+  another agent, nor as the trainer.
 
 The tcp / relay data plane is not covered: its reads carry per-version access tokens and
 every byte is checked against the manifest's digests (docs/design.md "Security").
@@ -36,12 +38,11 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from weightsync._proto import types_pb2 as tpb
-from weightsync.carried_calls import carried_call
+from weightsync.carried_calls import AGENT_METHODS, COORDINATOR, calls_in
 from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsync.validation import check_agent_id
 
 ROLES = ("trainer", "rollout", "admin")
-COORDINATOR = "/weightsync.v1.Coordinator/"  # the prefix of the coordinator's method paths
 # Methods only some roles may call (admin may call everything); unlisted: any role.
 ROLE_RULES: dict[str, frozenset[str]] = {
     **{COORDINATOR + m: frozenset({"trainer"}) for m in ("PublishVersion", "AbortVersion", "ReleaseVersion")},
@@ -56,13 +57,7 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 # Methods whose request names a role: it must be the caller's (a rollout token cannot
 # attach as the trainer and bump the generation).
 ROLE_IN_REQUEST = (COORDINATOR + "OpenSession", COORDINATOR + "RegisterAgent")
-# Methods whose request names an agent: an agent token may name only its own.
-AGENT_IN_REQUEST = tuple(
-    COORDINATOR + m
-    for m in ("RegisterAgent", "DeregisterAgent", "Heartbeat", "Heartbeats", "ReportApplied", "GetManifest")
-)
 AGENT_TOKEN_PREFIX = "wsagent:"
-HEARTBEATS = COORDINATOR + "Heartbeats"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 log = logging.getLogger(__name__)
@@ -399,9 +394,7 @@ class BearerAuth:
     def _role_allowed(self, method: str, metadata: Any) -> tuple[str, str]:
         """(role, bound agent id) of the call's token, refused when its role may not call `method`."""
         role, bound = self.identity_of(metadata)
-        allowed = ROLE_RULES.get(method)
-        if role != "admin" and allowed is not None and role not in allowed:
-            raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
+        _check_rule(role, method)
         return role, bound
 
     def __call__(self, method: str, metadata: Any, request: Any) -> None:
@@ -410,17 +403,23 @@ class BearerAuth:
         role, bound = self._role_allowed(method, metadata)
         if role == "admin":
             return
-        if method in ROLE_IN_REQUEST:
-            asked = _ROLE_OF_ENUM.get(request.role)
-            if asked is not None and asked != role:
-                raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
-        # A stream's requests are checked one by one (`request` is first the iterator).
-        if bound and method in AGENT_IN_REQUEST and getattr(request, "agent_id", "") not in ("", bound):
-            raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
-        carried = carried_call(request) if method == HEARTBEATS and hasattr(request, "WhichOneof") else None
-        if carried is not None:  # authorized as the RPC it stands for
-            name, call = carried
-            self(COORDINATOR + name, metadata, call)
+        # A stream's requests are checked one by one (`request` is first the iterator);
+        # a call carried on a Heartbeats stream is authorized as the RPC it stands for.
+        for name, message in calls_in(method, request):
+            _check_rule(role, name)
+            if name in ROLE_IN_REQUEST:
+                asked = _ROLE_OF_ENUM.get(message.role)
+                if asked is not None and asked != role:
+                    raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
+            if bound and name in AGENT_METHODS and message.agent_id not in ("", bound):
+                raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
+
+
+def _check_rule(role: str, method: str) -> None:
+    """PermissionDenied when `role` may not call `method` (`ROLE_RULES`)."""
+    allowed = ROLE_RULES.get(method)
+    if role != "admin" and allowed is not None and role not in allowed:
+        raise PermissionDenied(f"role {role!r} may not call {method.rsplit('/', 1)[-1]}")
 
 
 def agent_token(role_token: str, role: str, agent_id: str) -> str:

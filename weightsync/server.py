@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
@@ -17,18 +18,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from weightsync._proto import coordinator_pb2 as _coordinator_pb2
 from weightsync.addresses import is_unix, join_host_port, unix_path
 from weightsync.config import is_loopback
 from weightsync.errors import cannot_listen
 from weightsync.event_loop import URGENT, LaneLoop
 from weightsync.metrics import Metrics
 from weightsync.metrics_http import MetricsServer
-from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, OpenCalls, StatusInterceptor
+from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, OpenCalls, RequestCheck, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
 from weightsync.unix_sockets import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The service through which whoever may call it may attach as the trainer.
+COORDINATOR = _coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class Service:
     # Its streams that end only when their client leaves or the servicer ends them (the
     # coordinator's watch and heartbeat streams): shutdown does not wait on them.
     endless: tuple[str, ...] = ()
+    # What every call to the server must pass besides the bearer-token check (which runs
+    # first): the coordinator's agent keys.
+    checks: tuple[RequestCheck, ...] = ()
 
     def endless_methods(self) -> set[str]:
         return {f"/{self.full_name}/{name}" for name in self.endless}
@@ -191,7 +198,7 @@ def start_server(
     """
     security = security or PLAINTEXT
     credentials = security.server_credentials()
-    checks = security.request_checks()
+    checks = [*security.request_checks(), *(check for svc in services for check in svc.checks)]
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
     names = [svc.full_name for svc in services]
     calls = OpenCalls()
@@ -260,13 +267,28 @@ def start_server(
             raise cannot_listen("metrics_port", join_host_port(mhost, metrics_port), reason) from None
         mport = httpd.server_port
     address = join_host_port(host, bound)
-    if credentials is None and not security.tokens_file and not is_loopback(host):
-        log.warning(
-            "INSECURE: %s serves plaintext without bearer tokens on %s; any client that reaches it may fence the "
-            "trainer or publish versions (see --tls-cert-file / --auth-tokens-file)",
-            ", ".join(names),
-            address,
-        )
+    if open_to_everyone(security, socket_file):
+        metrics.auth_open.set(1)
+        if not is_loopback(host):
+            log.warning(
+                "INSECURE: %s serves %s without bearer tokens or client certificates on %s; any client that reaches "
+                "it may fence the trainer or publish versions (see --auth-tokens-file / --tls-require-client-cert)",
+                ", ".join(names),
+                "plaintext" if credentials is None else "TLS",
+                address,
+            )
+        else:
+            log.warning(
+                "OPEN: %s on %s takes calls without a credential from every user of this machine%s. Fine alone on "
+                "a workstation, in a pod or on a VM of one user; on a shared host require bearer tokens "
+                "(--auth-tokens-file) or serve a unix socket (--host unix:/path, mode 0660: its owner and group "
+                "decide)",
+                ", ".join(names),
+                address,
+                ": any of them may attach as the trainer, fence it and publish versions"
+                if COORDINATOR in names
+                else "",
+            )
     log.info(
         "serving %s on %s (metrics on %s; %s%s)",
         ", ".join(names),
@@ -278,6 +300,21 @@ def start_server(
     return RunningServer(
         server, address, mport, health_servicer, names, metrics, httpd, pool, calls, endless, socket_file
     )
+
+
+def open_to_everyone(security: Security, socket_file: SocketFile | None) -> bool:
+    """True when a server takes calls without a credential from anyone who reaches it:
+    neither bearer tokens nor client certificates, on TCP (loopback: every local user) or
+    on a unix socket whose file mode lets every local user connect. A unix socket made
+    here is mode 0660: its owner and group decide."""
+    if security.tokens_file or security.require_client_cert:
+        return False
+    if socket_file is None:
+        return True
+    try:
+        return bool(os.stat(socket_file.path).st_mode & stat.S_IWOTH)  # connect() needs write permission
+    except OSError:
+        return True  # cannot tell: said so rather than not
 
 
 def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:

@@ -25,7 +25,7 @@ HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 INT64_MAX = (1 << 63) - 1  # SQLite's INTEGER; versions, generations and sequence numbers live there
 MAX_KEY_CHARS = 256  # a publish's idempotency key
 UINT32_MAX = (1 << 32) - 1  # a uint32 request field (min_rollouts, version_limit)
-MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a token a rollout process draws at start
+MAX_INSTANCE_CHARS = 64  # RegisterAgentRequest.instance: a secret a rollout process draws at start
 
 
 @dataclass(frozen=True)

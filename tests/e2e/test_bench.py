@@ -92,6 +92,15 @@ def test_vllm_row_generates_while_versions_prefetch_and_reports_the_pause(no_are
     assert len(row["pause_s"]) == 2 and all(p >= a > 0 for p, a in zip(row["pause_s"], row["apply_s"]))
 
 
+def test_vllm_trainer_bench_times_send_weights_against_publish_of_the_same_bytes(no_arena_leak: None) -> None:
+    pytest.importorskip("vllm")
+    run = _bench("vllm_trainer.py", "--size", "tiny", "--rounds", "2", "--json")
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    assert row["preset"] == "tiny" and row["bytes"] > 0 and row["target_ratio"] == 1.3
+    assert len(row["publish_numpy_rounds_s"]) == len(row["send_weights_rounds_s"]) == 2
+    assert row["ratio"] == row["send_weights_torch_s"] / row["publish_numpy_s"] > 0 and row["best_ratio"] > 0
+
+
 def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Path, no_arena_leak: None) -> None:
     """At N > 2 a +delta row's processes and gloo's take turns, block by block, and every
     one of our rounds is paired with one of gloo's."""

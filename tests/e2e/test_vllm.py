@@ -50,19 +50,6 @@ ENGINE_ARGS = dict(
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with Cluster(tmp_path_factory.mktemp("cluster")) as c:
-        yield c.start_coordinator().address
-
-
-@pytest.fixture(scope="module")
 def publisher(coordinator: str) -> Iterator[WeightPublisher]:
     with WeightPublisher(
         PublisherSettings(coordinator=coordinator, session="job", min_rollouts=1, chunk_bytes=64 << 10)
@@ -119,8 +106,15 @@ def vllm_run(llm: Any) -> tuple[list[int], list[float], list[float]]:
 def transformers_run(model_dir: Path, weights: dict[str, np.ndarray]) -> tuple[list[int], list[float], list[float]]:
     import transformers
 
-    model = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
+    return transformers_logprobs(model)
+
+
+def transformers_logprobs(model: Any) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens after PROMPT, the prompt's log-probs and theirs, by a transformers
+    model with its current weights (put in eval mode)."""
+    model.eval()
     ids = list(PROMPT)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)

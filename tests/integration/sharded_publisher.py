@@ -4,10 +4,13 @@ tests/integration/test_sharded_publish.py (XLA's device count is fixed at import
     python sharded_publisher.py SPEC_JSON
 
 SPEC: coordinator, session, process_id, processes, jax_port (multi-process), devices (this
-process's), use_ffi, weight_dtype, window_bytes, model ("mesh": FSDP x TP shardings of a
-small tree; "big": a model many windows large, for the RSS bound; "maxtext": a sharded
-MaxText tree converted while it streams). Prints one JSON line: path, bytes, the RSS
-high-water mark above the pre-publish baseline, the arena size; then waits for the commit.
+process's), use_ffi, weight_dtype, window_bytes, block_bytes (optional), model ("mesh": FSDP
+x TP shardings of a small tree; "big": a model many windows large, for the RSS bound;
+"maxtext": a sharded MaxText tree converted while it streams), both_ways (optional: the
+mesh tree published as version 1 by the CPU devices' own path, then as version 2 cut into
+blocks as an accelerator's arrays are; prints both paths and exits). Prints one JSON line:
+path, bytes, the RSS high-water mark above the pre-publish baseline, the arena size; then
+waits for the commit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 # name -> (shape, partition spec over the ("fsdp", "tp") mesh); importable without jax
 MESH_TREE: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {
-    "model.embed_tokens.weight": ((256, 64), ("fsdp", "tp")),
+    "model.embed_tokens.weight": ((1024, 64), ("fsdp", "tp")),
     "model.layers.0.mlp.up_proj.weight": ((96, 64), ("tp", "fsdp")),
     "model.layers.0.self_attn.q_proj.weight": ((64, 64), ("fsdp", None)),
     "model.layers.0.input_layernorm.weight": ((64,), ("tp",)),
@@ -83,8 +86,9 @@ def main(spec: dict[str, Any]) -> int:
         weight_dtype=SPEC["weight_dtype"],
         use_ffi=SPEC["use_ffi"],
         chunk_bytes=SPEC.get("chunk_bytes", 65536),
-        slots=1,
+        slots=2 if SPEC.get("both_ways") else 1,
         d2h_window_bytes=SPEC["window_bytes"],
+        **({"d2h_block_bytes": SPEC["block_bytes"]} if "block_bytes" in SPEC else {}),
     )
     with WeightPublisher(settings) as pub:
         if SPEC["model"] == "big":  # 24 tensors of 64 MiB fp32: 1.5 GiB, staged as bf16
@@ -117,6 +121,15 @@ def main(spec: dict[str, Any]) -> int:
         else:
             params = {n: sharded(mesh, global_value(n, shape), spec) for n, (shape, spec) in MESH_TREE.items()}
         jax.block_until_ready(params)
+        if SPEC.get("both_ways"):
+            from trainer_agent import params as params_module
+
+            pub.publish(params, 1)
+            paths = [pub.last_path]
+            params_module.HOST_MEMORY_PLATFORMS = frozenset()  # the accelerator's branch: blocks
+            pub.publish(params, 2)
+            print(json.dumps({"paths": [*paths, pub.last_path]}), flush=True)
+            return 0
         baseline = _status_bytes("VmRSS")
         reset_peak_rss()
         result = pub.publish(params, 1)

@@ -33,6 +33,11 @@ def test_a_jax_sidecar_applies_each_version_and_refuses_one_corrupted_on_its_way
         assert state_name(v2) == "COMMITTED"
         (h2,) = [h for h in client.status("job").handshakes if h.version == 2]
         assert h2.ok and 0 < h2.timings.pause_seconds < h2.timings.apply_seconds  # swapped in: paused for the swap
-    assert rollout_status(jx.address).current_version == 2
+    status = rollout_status(jx.address)
+    assert status.current_version == 2
+    # its own memory, by kind, and the receive buffer it keeps (one copy of the model)
+    assert status.host_memory.anon > 0 and status.host_memory.rss >= status.host_memory.anon
+    assert status.host_memory.receive_bytes > 0 and status.host_memory.limit == 0
     text = scrape(jx.ready["metrics_port"])
     assert metric_value(text, "weightsync_applies_total", session="job", mode="swap") == 1
+    assert metric_value(text, "weightsync_host_memory_bytes", session="job", kind="anon") > 0

@@ -93,9 +93,15 @@ class World:
     agent: tpb_agent_grpc.TrainerAgentStub
     gen: int
     token: str
+    probe_key: str  # the agent key of "probe", a registered rollout
+    trainer_id: str
     part: Part
     other: Part
     before: tuple
+
+    def probe(self, request: cpb.ReportAppliedRequest) -> cpb.ReportAppliedRequest:
+        request.agent_key = self.probe_key
+        return request
 
     @property
     def overlapping(self) -> Part:
@@ -215,7 +221,8 @@ CASES = [
     Case(
         "consumed tensor name ending in a newline",
         lambda w: w.stub.ReportApplied(
-            cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["w\n"]), timeout=5
+            w.probe(cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["w\n"])),
+            timeout=5,
         ),
         C.INVALID_ARGUMENT,
         "consumed_names[0]",
@@ -254,6 +261,40 @@ CASES = [
         ),
         C.INVALID_ARGUMENT,
         "rank",
+    ),
+    # an agent's calls carry its key; its id is its registering process's while its lease lives
+    Case(
+        "heartbeat without the agent's key",
+        lambda w: w.stub.Heartbeat(cpb.HeartbeatRequest(session="job", agent_id="probe"), timeout=5),
+        C.PERMISSION_DENIED,
+        "agent_id",
+    ),
+    Case(
+        "heartbeat as the trainer with a rollout's key",
+        lambda w: w.stub.Heartbeat(
+            cpb.HeartbeatRequest(session="job", agent_id=w.trainer_id, agent_key=w.probe_key), timeout=5
+        ),
+        C.PERMISSION_DENIED,
+        "agent_id",
+    ),
+    Case(
+        "register a live rollout's id from another process",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(
+                session="job", agent_id="probe", role=tpb.ROLLOUT, endpoint=tpb.Endpoint(address="10.9.9.9:1")
+            ),
+            timeout=5,
+        ),
+        C.ALREADY_EXISTS,
+        "agent_id",
+    ),
+    Case(
+        "register the trainer's id as a rollout",
+        lambda w: w.stub.RegisterAgent(
+            cpb.RegisterAgentRequest(session="job", agent_id=w.trainer_id, role=tpb.ROLLOUT, instance="x"), timeout=5
+        ),
+        C.PERMISSION_DENIED,
+        "agent_id",
     ),
     Case(
         "heartbeat unknown agent",
@@ -316,7 +357,9 @@ CASES = [
     Case(
         "1 MiB tensor name",
         lambda w: w.stub.ReportApplied(
-            cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["x" * (1 << 20)]),
+            w.probe(
+                cpb.ReportAppliedRequest(session="job", version=1, agent_id="probe", consumed_names=["x" * (1 << 20)])
+            ),
             timeout=5,
         ),
         C.INVALID_ARGUMENT,
@@ -561,15 +604,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             eventually(
                 lambda: stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).versions, what="version 1"
             )
-            gen = stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).generation
+            st = stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5)
+            gen, trainer_id = st.generation, next(a.agent_id for a in st.agents if a.role == tpb.TRAINER)
             with CoordinatorClient(coord.address) as reader:  # a leased reader holds the access token
-                reader.register_agent("job", "probe", trainer=False, endpoint=Endpoint())
+                key = reader.register_agent("job", "probe", trainer=False, endpoint=Endpoint()).agent_key
                 token = reader.get_manifest("job", 1, agent_id="probe")[0].access_token
                 w = World(
                     stub,
                     tpb_agent_grpc.TrainerAgentStub(trainer_channel),
                     gen,
                     token,
+                    key,
+                    trainer_id,
                     make_part(sample_arrays())[0],
                     make_part(sample_arrays(seed=7))[0],
                     (),
@@ -629,6 +675,7 @@ def test_undecodable_request_bytes_are_invalid_argument_on_every_method(inproces
     with CoordinatorClient(inprocess_coordinator.address) as client:
         gen = client.open_session("job", trainer=True).generation
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        heartbeat = client.keyed(cpb.HeartbeatRequest(session="job", agent_id="r0"))
         client.publish_part("job", generation=gen, version=1, idempotency_key="k", part=make_part(sample_arrays())[0])
         before = stored(client)
     with grpc.insecure_channel(inprocess_coordinator.address) as channel:
@@ -637,7 +684,7 @@ def test_undecodable_request_bytes_are_invalid_argument_on_every_method(inproces
         methods.append(("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", None, True, True))
         for path, _cls, cstream, sstream in methods:
             good = {
-                "/weightsync.v1.Coordinator/Heartbeats": cpb.HeartbeatRequest(session="job", agent_id="r0"),
+                "/weightsync.v1.Coordinator/Heartbeats": heartbeat,
                 "/weightsync.v1.Coordinator/PublishVersion": cpb.PublishRequest(
                     header=cpb.PublishHeader(session="job", generation=gen, version=2, idempotency_key="k2")
                 ),

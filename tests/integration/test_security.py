@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -24,21 +25,26 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from devtools.cluster import Cluster
+from devtools.scrape import metric_value, scrape
+from devtools.synthetic import good_report
 from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.conftest import coordinator_in_process
 from tests.integration.support import eventually, state_name
+from tests.unit.helpers import make_part, sample_arrays
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
+from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
+from weightsync.errors import AlreadyExists, InvalidArgument, PermissionDenied, TransportUnavailable, Unauthenticated
 from weightsync.manifest import Endpoint
 from weightsync.rpc import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from weightsync.security import Security, agent_token, load_tokens
-from weightsync.server import RunningServer
+from weightsync.server import RunningServer, open_to_everyone
+from weightsync.unix_sockets import SocketFile
 
 TOKENS = {"trainer": "t" * 24, "rollout": "r" * 24, "admin": "a" * 24}
 # The deadline of calls made with no retries: a refusal comes at once, and a loaded machine
@@ -290,7 +296,7 @@ def test_an_agent_token_acts_for_its_own_agent_only(secure_coordinator: RunningS
                 call()
             assert exc.value.field == "agent_id"
         # on the Heartbeats stream every message is checked: r0's beats answered, r1's ends it
-        beats = [pb.HeartbeatRequest(session="job", agent_id=a) for a in ("r0", "r0", "r1", "r0")]
+        beats = [c.keyed(pb.HeartbeatRequest(session="job", agent_id=a)) for a in ("r0", "r0", "r1", "r0")]
         answers, _ = c.heartbeats(iter(beats))
         got = []
         with pytest.raises(PermissionDenied) as exc:
@@ -548,3 +554,189 @@ def test_an_agent_presents_its_renewed_client_certificate_without_a_restart(
         )
         eventually(alive, what="r0 registered again with its renewed certificate")
         assert cluster.procs["r0"].alive()
+
+
+def _stored(admin: CoordinatorClient, *, leases: bool = True) -> tuple:
+    """What a refused call must leave as it was: the session, its versions and handshakes,
+    and each agent's row (its lease too, where no agent beats meanwhile)."""
+    st = admin.status("job")
+    agents = sorted(
+        (a.agent_id, a.role, a.endpoint.SerializeToString(), a.rank, a.generation, a.current_version)
+        + ((a.lease_expires_at.ToNanoseconds(),) if leases else (a.alive,))
+        for a in st.agents
+    )
+    return (
+        st.generation,
+        [v.SerializeToString() for v in st.versions],
+        [h.SerializeToString() for h in st.handshakes],
+        agents,
+    )
+
+
+def test_a_rollout_credential_acts_for_its_own_agent_id_only(
+    secure_coordinator: RunningServer, pki: dict[str, str]
+) -> None:
+    """A rollout's role token (which may mint any rollout's agent token) heartbeat for the
+    trainer's agent id, keeping a dead trainer's lease alive, and registered as another
+    rollout's id with a foreign endpoint, taking its place in relays and handshakes. Calls
+    naming an agent now need the key its registration answered, whatever the token."""
+    addr = secure_coordinator.address
+    rollout = _client_side(pki, "rollout")
+    with (
+        CoordinatorClient(addr, security=_client_side(pki, "trainer")) as trainer,
+        CoordinatorClient(addr, security=rollout) as r0,
+        CoordinatorClient(addr, timeout_s=CALL_S, retries=0, security=rollout) as intruder,
+        CoordinatorClient(addr, security=_client_side(pki, "admin")) as admin,
+    ):
+        gen = trainer.open_session("job", trainer=True, incarnation="run-1").generation
+        trainer.register_agent("job", "trainer-0", trainer=True, endpoint=Endpoint("127.0.0.1:7000"), generation=gen)
+        r0.register_agent("job", "r0", trainer=False, endpoint=Endpoint("127.0.0.1:7100", host_id="a"), instance="p0")
+        part, _ = make_part(sample_arrays())
+        trainer.publish_part("job", generation=gen, version=1, idempotency_key="k", part=part)
+        header, manifest = r0.get_manifest("job", 1, agent_id="r0")
+        before = _stored(admin)
+
+        def refused(
+            call: Callable[[], object], error: type[Exception] = PermissionDenied, field: str = "agent_id"
+        ) -> str:
+            with pytest.raises(error) as exc:
+                call()
+            assert getattr(exc.value, "field", None) == field, exc.value
+            assert _stored(admin) == before, "a refused call changed what the coordinator stores"
+            return str(exc.value)
+
+        def beats(*requests: pb.HeartbeatRequest) -> list[pb.HeartbeatResponse]:
+            answers, _ = intruder.heartbeats(iter(requests))
+            return list(answers)
+
+        def report(agent_id: str) -> pb.ReportAppliedRequest:
+            made = good_report("job", 1, header.version.manifest_digest, manifest)
+            made.agent_id = agent_id
+            return made
+
+        foreign = Endpoint("10.6.6.6:7100", host_id="elsewhere")
+        # as the trainer: keep its lease, take its id, detach it, attach in its place
+        assert "'trainer-0' is registered by another trainer process" in refused(
+            lambda: intruder.heartbeat("job", "trainer-0")
+        )
+        refused(lambda: beats(pb.HeartbeatRequest(session="job", agent_id="trainer-0")))
+        refused(lambda: intruder.deregister_agent("job", "trainer-0"))
+        assert "registered as a trainer" in refused(
+            lambda: intruder.register_agent("job", "trainer-0", trainer=False, endpoint=foreign, instance="evil")
+        )
+        refused(lambda: intruder.open_session("job", trainer=True, incarnation="evil"), field="role")
+        refused(lambda: intruder.register_agent("job", "trainer-0", trainer=True, endpoint=foreign), field="role")
+        # as another rollout: take its place, beat, lease, report, leave for it
+        for instance in ("", "evil"):
+            refused(
+                lambda i=instance: intruder.register_agent("job", "r0", trainer=False, endpoint=foreign, instance=i),
+                AlreadyExists,
+            )
+        refused(lambda: intruder.heartbeat("job", "r0"))
+        lease = pb.GetManifestRequest(session="job", version=1, agent_id="r0")
+        refused(lambda: beats(pb.HeartbeatRequest(call_id=1, get_manifest=lease)))
+        refused(lambda: intruder.get_manifest("job", 1, agent_id="r0"))
+        refused(lambda: intruder.report_applied(report("r0"), retries=0))
+        refused(lambda: beats(pb.HeartbeatRequest(call_id=2, report_applied=report("r0"))))
+        refused(lambda: intruder.deregister_agent("job", "r0"))
+        # the same calls for its own id are answered, and its key is no key for another
+        own = intruder.register_agent("job", "r1", trainer=False, endpoint=Endpoint("127.0.0.1:7200")).agent_key
+        assert len(own) == 64
+        before = _stored(admin)
+        wrong = pb.HeartbeatRequest(session="job", agent_id="trainer-0", agent_key=own)
+        assert "carries another agent key" in refused(lambda: beats(wrong))
+        intruder.heartbeat("job", "r1")
+        assert beats(intruder.keyed(pb.HeartbeatRequest(session="job", agent_id="r1")))[0].generation == gen
+        assert intruder.get_manifest("job", 1, agent_id="r1")[0].access_token
+        assert intruder.report_applied(report("r1")).ok
+        assert intruder.deregister_agent("job", "r1")
+        # and the agents whose ids were tried go on as before
+        r0.heartbeat("job", "r0")
+        assert r0.report_applied(report("r0")).ok
+        # a process that shares r0's instance (the vLLM engine its sidecar drives) shares its key
+        with CoordinatorClient(addr, security=rollout) as engine:
+            engine.register_agent("job", "r0", trainer=False, endpoint=Endpoint("127.0.0.1:7100"), instance="p0")
+            engine.heartbeat("job", "r0")
+        r0.heartbeat("job", "r0")
+        trainer.heartbeat("job", "trainer-0")
+        assert trainer.register_agent("job", "trainer-0", trainer=True, endpoint=Endpoint("127.0.0.1:7000")).agent_key
+
+
+def test_a_rollout_token_neither_keeps_a_dead_trainer_alive_nor_takes_a_rollout_s_place(
+    tmp_path: Path, no_arena_leak: None
+) -> None:
+    """The issue's sequence with real processes and role tokens: the rollout token's holder
+    tries to register as r0 with its own endpoint and to beat for the SIGKILLed trainer."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    auth = ["--auth-tokens-file", str(tokens)]
+    with Cluster(tmp_path / "procs") as cluster:
+        try:
+            coord = cluster.start_coordinator(args=[*auth, "--lease-ttl-s", "2"])
+            cluster.start_rollout("r0", coord.address, "job", [*auth, "--auth-token", TOKENS["rollout"]])
+            trainer_args = ["--model-size", "tiny", "--steps", "1", "--min-rollouts", "1", "--hold"]
+            cluster.start_trainer(
+                "trainer", coord.address, "job", [*trainer_args, *auth, "--auth-token", TOKENS["trainer"]]
+            )
+            with (
+                CoordinatorClient(coord.address, security=Security(token=TOKENS["admin"])) as admin,
+                CoordinatorClient(
+                    coord.address, timeout_s=CALL_S, retries=0, security=Security(token=TOKENS["rollout"])
+                ) as intruder,
+            ):
+                assert state_name(admin.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+                trainer_id = next(a.agent_id for a in admin.status("job").agents if a.role == tpb.TRAINER)
+                before = _stored(admin, leases=False)
+                with pytest.raises(AlreadyExists) as exc:
+                    intruder.register_agent("job", "r0", trainer=False, endpoint=Endpoint("127.0.0.1:9", host_id="x"))
+                assert exc.value.field == "agent_id"
+                with pytest.raises(PermissionDenied):
+                    intruder.open_session("job", trainer=True, incarnation="evil")
+                assert _stored(admin, leases=False) == before
+                cluster.kill("trainer")  # SIGKILL: its lease ends within 2 s unless someone beats for it
+                until = time.monotonic() + 4.0
+                while time.monotonic() < until:
+                    with pytest.raises(PermissionDenied) as exc:
+                        intruder.heartbeat("job", trainer_id)
+                    assert exc.value.field == "agent_id" and trainer_id in str(exc.value)
+                    time.sleep(0.25)
+                agents = {a.agent_id: a for a in admin.status("job").agents}
+                assert not agents[trainer_id].alive, "the dead trainer's lease was kept alive"
+                assert agents["r0"].alive and agents["r0"].endpoint.host_id != "x"
+                assert admin.status("job").generation == before[0]
+                assert cluster.procs["r0"].alive()
+        finally:
+            for proc in cluster.procs.values():
+                if proc.name != "trainer" and not proc.alive():
+                    print(f"===== {proc.name} =====\n{proc.log()[-4000:]}")
+
+
+def test_a_server_every_local_user_may_call_says_so(tmp_path: Path, sockets: Path) -> None:
+    """Without bearer tokens or client certificates, a server on loopback TCP takes every
+    local user's calls (any of them may attach as the trainer): it logs OPEN at start and
+    exports weightsync_auth_open 1. With tokens, or on a unix socket (mode 0660, its owner
+    and group decide), it does neither."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    socket_path = sockets / "c.sock"
+    with Cluster(tmp_path / "procs") as cluster:
+        plain = cluster.start_coordinator(name="plain")
+        guarded = cluster.start_coordinator(
+            name="guarded", db_path=str(tmp_path / "g.db"), args=["--auth-tokens-file", str(tokens)]
+        )
+        on_socket = cluster.start_coordinator(name="socket", db_path=str(tmp_path / "s.db"), host=f"unix:{socket_path}")
+        for proc, open_ in ((plain, 1.0), (guarded, 0.0), (on_socket, 0.0)):
+            assert metric_value(scrape(proc.ready["metrics_port"]), "weightsync_auth_open") == open_, proc.name
+            assert ("OPEN: weightsync.v1.Coordinator" in proc.log()) == bool(open_), proc.log()[-2000:]
+        assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o660
+    # a socket file others may write is open to them
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sockets / "w.sock"))
+        made = os.stat(sockets / "w.sock")
+        bound = SocketFile(str(sockets / "w.sock"), made.st_dev, made.st_ino)
+        os.chmod(bound.path, 0o660)
+        assert not open_to_everyone(Security(), bound)
+        os.chmod(bound.path, 0o666)
+        assert open_to_everyone(Security(), bound)
+        assert not open_to_everyone(Security(tokens_file=str(tokens)), bound)
+    assert open_to_everyone(Security(), None)

@@ -822,6 +822,33 @@ def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets
         assert a.alive and a.endpoint.address == again.address
 
 
+def test_a_rollout_paused_while_another_process_took_its_id_takes_it_back_once_that_one_is_gone(
+    cluster: Cluster,
+) -> None:
+    """Frozen past its lease, r0's id was registered by another process. Back, r0's beats
+    renewed the other's lease under r0's id (one row, two processes answering for it); they
+    carry r0's agent key now and are refused, and r0 registers again once the other's lease
+    lapses."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1")
+    with CoordinatorClient(coord.address) as client:
+        r0.popen.send_signal(signal.SIGSTOP)
+        eventually(lambda: not agents(client)["r0"].alive, what="r0's lease to expire", timeout_s=3 * TTL)
+        twin = cluster.start_rollout("twin", coord.address, "job", ["--agent-id", "r0"])
+        r0.popen.send_signal(signal.SIGCONT)
+        until = time.monotonic() + 2 * TTL
+        while time.monotonic() < until:  # r0 beats and registers meanwhile: refused both ways
+            (a,) = [x for x in client.status("job").agents if x.agent_id == "r0"]
+            assert a.endpoint.address == twin.address
+            time.sleep(0.2)
+        eventually(lambda: "registered by another rollout process" in r0.log(), what="r0's beats refused")
+        cluster.kill("twin")
+        eventually(lambda: agents(client)["r0"].endpoint.address == r0.address, what="r0 registered again")
+        assert agents(client)["r0"].alive and r0.alive()
+
+
 def private_dev_shm(setup: str = "mount -t tmpfs tmpfs /dev/shm") -> list[str]:
     """A command prefix running a process in its own mount namespace, where `setup` has
     mounted a /dev/shm of its own (skips the test where no namespace can be made)."""

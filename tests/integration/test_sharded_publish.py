@@ -110,6 +110,31 @@ def test_two_hosts_publish_their_own_shards_and_rollouts_assemble_every_tensor(
     assert sorted(p.rank for p in parts) == [0, 1]
 
 
+@pytest.mark.parametrize("weight_dtype", ["", "bfloat16"])
+def test_shards_cut_into_blocks_publish_the_manifest_of_whole_shards(
+    inprocess_coordinator: RunningServer, no_arena_leak: None, weight_dtype: str
+) -> None:
+    """The same sharded arrays over eight CPU devices published twice: by the CPU devices'
+    own path (whole shards read in place), then cut into blocks and staged on a pool as an
+    accelerator's arrays are. Every digest, sum, chunk and the bytes served agree."""
+    spec = dict(
+        coordinator=inprocess_coordinator.address, session="job", process_id=0, processes=1, devices=8,
+        use_ffi=False, weight_dtype=weight_dtype, window_bytes=64 << 10, block_bytes=8 << 10, chunk_bytes=4096,
+        model="mesh", both_ways=True,
+    )  # fmt: skip
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        client.open_session("job", trainer=False)
+        proc = _start(spec)
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-4000:]
+        paths = json.loads(out.strip().splitlines()[-1])["paths"]
+        (whole,) = client.get_manifest("job", 1)[1].parts
+        (blocks,) = client.get_manifest("job", 2)[1].parts
+    assert paths == ["native" if not weight_dtype else "device", "device"]
+    assert any(s.nbytes > 8 << 10 for s in blocks.shards)  # some shards really were cut
+    assert blocks.content_dict() == whole.content_dict()
+
+
 @pytest.mark.timeout(600)
 def test_the_device_path_keeps_host_memory_within_arena_plus_window(
     inprocess_coordinator: RunningServer, no_arena_leak: None

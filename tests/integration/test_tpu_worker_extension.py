@@ -139,3 +139,40 @@ def test_a_misdeclared_attach_is_refused_by_field(worker: Any) -> None:
     with pytest.raises(InvalidArgument) as e:
         engine.weightsync_attach({"coordinator": "127.0.0.1:1", "session": "job"})
     assert e.value.field == "model_type" and "mistral" in e.value.message
+
+
+@pytest.mark.parametrize("mode", ["swap", "inplace"])
+def test_a_version_built_aside_swaps_in_with_the_kv_cache_kept(
+    inprocess_coordinator: RunningServer, worker: Any, no_arena_leak: None, mode: str
+) -> None:
+    """`weightsync_wait_ready` returns once the prefetch pulled, verified and (swapping)
+    built the version on the devices while the engine served the old one; the sync then
+    keeps the KV cache (no room to make) and only swaps and refreshes. In place nothing
+    can be built aside: the sync frees the cache and writes the live leaves."""
+    engine: Worker = worker(False)
+    address = inprocess_coordinator.address
+    with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
+        engine.weightsync_attach(
+            {"coordinator": address, "session": "job", "agent_id": "tpu-r0", "jax": {"mode": mode}}
+        )
+        before = engine.compute_logits(TOKENS)
+        model, tensors = _hf_model(_config(False), 21)
+        pub.publish(tensors, 1)
+        assert engine.weightsync_wait_ready(1, 30)
+        status = engine.weightsync_status()
+        assert status["prefetch"]["ready"] == 1 and status["prefetch"]["staged"] == (1 if mode == "swap" else 0)
+        assert np.array_equal(engine.compute_logits(TOKENS), before)  # the engine serves the old weights meanwhile
+        engine.events.clear()
+        result = engine.weightsync_sync(1)
+        assert result["ok"], result["mismatch"]
+        assert engine.events == [
+            f"start_weight_update(free_kv_cache={mode == 'inplace'})", "refresh_model_state_leaves",
+            "finish_weight_update",
+        ]  # fmt: skip
+        want = _hf_logits(model)
+        assert np.abs(engine.compute_logits(TOKENS) - want).max() <= 1e-5 * max(float(np.abs(want).max()), 1.0)
+        assert engine.weightsync_status()["host_memory"]["held"]["receive"] > 0
+        pub.publish(_hf_model(_config(False), 22)[1], 2)
+        engine.events.clear()
+        assert engine.weightsync_sync("latest")["ok"]  # not known to be built aside: the cache is freed for room
+        assert engine.events[0] == "start_weight_update(free_kv_cache=True)"

@@ -33,8 +33,10 @@ async def _fleet(address: str, part_manifest: Manifest, published: asyncio.Event
     ]
     stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
     ids = [f"r{i:04d}" for i in range(AGENTS)]
+    keys = {}  # agent id -> the agent key its calls carry
     for stub, agent in zip(stubs, ids):
-        await stub.RegisterAgent(pb.RegisterAgentRequest(session="job", agent_id=agent, role=tpb.ROLLOUT), timeout=30)
+        request = pb.RegisterAgentRequest(session="job", agent_id=agent, role=tpb.ROLLOUT)
+        keys[agent] = (await stub.RegisterAgent(request, timeout=30)).agent_key
     counts = {"ready": 0, "reported": 0, "committed": 0}
     opened = asyncio.Event()
     streams_open = 0
@@ -48,9 +50,10 @@ async def _fleet(address: str, part_manifest: Manifest, published: asyncio.Event
         async for ev in call:
             if ev.version.state == tpb.READY:
                 counts["ready"] += 1
-                await stub.Heartbeat(pb.HeartbeatRequest(session="job", agent_id=agent_id), timeout=30)
+                beat = pb.HeartbeatRequest(session="job", agent_id=agent_id, agent_key=keys[agent_id])
+                await stub.Heartbeat(beat, timeout=30)
                 report = good_report("job", ev.version.version, ev.version.manifest_digest, part_manifest)
-                report.agent_id = agent_id
+                report.agent_id, report.agent_key = agent_id, keys[agent_id]
                 await stub.ReportApplied(report, timeout=60)
                 counts["reported"] += 1
             elif ev.version.state == tpb.COMMITTED:

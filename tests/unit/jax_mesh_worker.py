@@ -95,7 +95,7 @@ def run(case: dict[str, Any], mesh: Any) -> dict[str, Any]:
     out["leaves"] = len(plans)
     report = applier.last_report()
     assert report is not None
-    out.update(transfer=report.transfer, fingerprint=report.fingerprint, mode=report.mode)
+    out.update(transfer=report.transfer, fingerprint=report.fingerprint, mode=report.mode, groups=report.groups)
     if case.get("corrupt"):
         served = holder.get()
         applier.corrupt_next = lambda: True

@@ -212,6 +212,8 @@ def test_vllm_init_info_requires_the_coordinator_and_the_session() -> None:
         (dict(weight_sync_mode="fs"), "fs_root"),
         (dict(weight_sync_mode="udp"), "weight_sync_mode"),
         (dict(slots=0), "slots"),
+        (dict(d2h_window_bytes=0), "d2h_window_bytes"),
+        (dict(d2h_block_bytes=-1), "d2h_block_bytes"),
         (dict(chunk_bytes=0), "chunk_bytes"),
         (dict(chunk_bytes=1024), "chunk_bytes"),  # below what the coordinator takes: refused before staging
         (dict(chunk_bytes=128 << 20), "chunk_bytes"),

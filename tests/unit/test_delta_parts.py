@@ -5,6 +5,7 @@ and special bit patterns); the coordinator refuses a delta on a base it does not
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -19,10 +20,12 @@ from rollout_agent.puller import WeightPuller
 from tests.unit.helpers import make_part
 from trainer_agent.delta import CHUNK_CAP, pack_delta
 from trainer_agent.staging import (
+    Block,
     DeltaTarget,
     HostShard,
     plan_layout,
     stage_batched_delta,
+    stage_blocks,
     stage_shards,
     stage_shards_delta,
 )
@@ -208,9 +211,11 @@ def test_the_coordinator_takes_a_delta_only_on_a_base_it_holds(tmp_path: Path) -
         store.close()
 
 
-def test_the_device_path_encodes_the_same_delta_batch_by_batch() -> None:
-    """`stage_batched_delta` (shards arriving one by one, staged in batches) yields the
-    bytes, specs and encodings of the one-pass host path."""
+@pytest.mark.parametrize("blocks", [False, True])
+def test_the_device_path_encodes_the_same_delta_batch_by_batch(blocks: bool) -> None:
+    """`stage_batched_delta` (shards arriving one by one, staged in batches) and
+    `stage_blocks` (shards cut into blocks of whole chunks, runs staged on a pool of
+    threads) yield the bytes, specs and encodings of the one-pass host path."""
     rng = np.random.default_rng(5)
     arrays = {
         f"t{i}": rng.standard_normal(n).astype(ml_dtypes.bfloat16) for i, n in enumerate((3000, 9000, 128, 20000))
@@ -223,9 +228,17 @@ def test_the_device_path_encodes_the_same_delta_batch_by_batch() -> None:
     layout = plan_layout(shards)
     slot = np.zeros(layout.total_bytes, np.uint8)
     scratch = np.empty(int(layout.total_bytes * CHUNK_CAP) + 1, np.uint8)
-    specs, chunks, batched = stage_batched_delta(
-        slot, layout, iter(shards), 4096, DeltaTarget(base, scratch, CHUNK_CAP), batch_bytes=8192
-    )
+    target = DeltaTarget(base, scratch, CHUNK_CAP)
+    if blocks:
+        cut = [
+            Block(s, at, s.data.reshape(-1)[at // 2 : at // 2 + 4096])  # 8 KiB: two chunks
+            for s in shards
+            for at in (range(0, s.nbytes, 8192) if s.nbytes > 4096 else [0])
+        ]
+        with ThreadPoolExecutor(3) as pool:
+            specs, chunks, batched = stage_blocks(slot, layout, iter(cut), 4096, target, batch_bytes=1, pool=pool)
+    else:
+        specs, chunks, batched = stage_batched_delta(slot, layout, iter(shards), 4096, target, batch_bytes=8192)
     assert slot.tobytes() == staged.tobytes()
     assert [s.to_dict() for s in specs] == [s.to_dict() for s in part.shards]  # (NaN sums: as text)
     assert tuple(chunks) == part.chunks and batched == encodings

@@ -12,6 +12,7 @@ RUN_BY = {
     "trainer": "tests/integration/test_doc_snippets.py",
     "trainer-async": "tests/integration/test_doc_snippets.py",
     "vllm": "tests/e2e/test_doc_snippet_vllm.py",
+    "vllm-trainer": "tests/e2e/test_vllm_trainer.py",
 }
 MAX_README_LINES = 250
 # History lives in git: pages say why the code is as it is, not which round of work made it so.

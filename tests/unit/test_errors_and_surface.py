@@ -101,6 +101,7 @@ def test_the_documented_entry_points_are_exported() -> None:
     assert {"convert_maxtext", "ConvertOptions", "ModelDims"} <= set(trainer_agent.__all__)
     assert {"RolloutAgent", "WeightsyncWorkerExtension"} <= set(rollout_agent.__all__)
     assert ("WeightsyncEngine" in rollout_agent.__all__) is (importlib.util.find_spec("vllm") is not None)
+    assert ("WeightsyncTrainerEngine" in trainer_agent.__all__) is (importlib.util.find_spec("vllm") is not None)
 
 
 # rollout_agent where vLLM is not installed (a JAX-only rollout, a TPU VM): a None in
@@ -131,6 +132,24 @@ def test_without_vllm_a_rollout_imports_whole_and_its_vllm_name_says_what_to_ins
     assert (
         seen["engine"]
         == "rollout_agent.WeightsyncEngine needs vllm, which is not installed here: pip install 'weightsync[vllm]'"
+    )
+
+
+_TRAINER_WITHOUT_VLLM = _WITHOUT_VLLM.replace("rollout_agent", "trainer_agent").replace(
+    "WeightsyncEngine", "WeightsyncTrainerEngine"
+)
+
+
+def test_without_vllm_a_trainer_imports_whole_and_its_vllm_names_say_what_to_install() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _TRAINER_WITHOUT_VLLM], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["all"] == seen["resolved"] and "WeightPublisher" in seen["all"]
+    assert not {"WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"} & set(seen["all"])
+    assert seen["engine"] == (
+        "trainer_agent.WeightsyncTrainerEngine needs vllm, which is not installed here: pip install 'weightsync[vllm]'"
     )
 
 

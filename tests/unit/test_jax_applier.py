@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from devtools.receive_buffer import as_received
+from rollout_agent.appliers import DictApplier, layer_groups
 from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
 from rollout_agent.jax_names import reference_leaf
@@ -43,13 +44,14 @@ def leaves() -> dict[str, jax.Array]:
 
 
 def apply(applier: JaxApplier, v: int, tensors: dict[str, np.ndarray], prepare: bool = True) -> list[str]:
+    """A version in the layer groups `sync.apply_prefetched` hands an applier."""
     applier.check(v, specs(tensors))
     if prepare:
         applier.prepare(v, tensors)
     applier.begin_update(v, specs(tensors))
     try:
-        for name, arr in tensors.items():
-            applier.apply([(name, arr)])
+        for group in layer_groups(tensors):
+            applier.apply([(name, tensors[name]) for name in group])
     except Exception:
         applier.abort_update()
         raise
@@ -125,10 +127,11 @@ def test_the_applied_leaves_own_their_memory_when_the_pulled_bytes_are_overwritt
     applier.close()
 
 
+@pytest.mark.parametrize("fingerprint", ["auto", "jit"])
 @pytest.mark.parametrize("mode", ["swap", "inplace"])
-def test_a_bit_flipped_after_the_host_check_is_caught_and_never_serves(mode: str) -> None:
+def test_a_bit_flipped_after_the_host_check_is_caught_and_never_serves(mode: str, fingerprint: str) -> None:
     holder = WeightsHolder(leaves())
-    applier = JaxApplier(holder, NAME_MAP, mode=mode)
+    applier = JaxApplier(holder, NAME_MAP, mode=mode, fingerprint=fingerprint)
     v1, v2 = version(4), version(5)
     apply(applier, 1, v1)
     served = holder.get()
@@ -138,8 +141,8 @@ def test_a_bit_flipped_after_the_host_check_is_caught_and_never_serves(mode: str
     name = "model.layers.1.mlp.down_proj.weight"
     bad[name].reshape(-1).view(np.uint8)[7] ^= 0x04
     applier.begin_update(2, specs(bad))
-    for n, a in bad.items():
-        applier.apply([(n, a)])
+    for group in layer_groups(bad):
+        applier.apply([(n, bad[n]) for n in group])
     with pytest.raises(DataLoss, match="leaf 'model.layers.1.mlp.down_proj.weight' on the device does not match"):
         applier.commit_update(2)
     if mode == "swap":
@@ -155,14 +158,16 @@ def test_a_bit_flipped_after_the_host_check_is_caught_and_never_serves(mode: str
     applier.close()
 
 
-@pytest.mark.parametrize("transfer", ["host", "device"])
-def test_bits_damaged_on_their_way_to_the_device_never_serve(transfer: str) -> None:
+@pytest.mark.parametrize(("transfer", "fingerprint"), [("host", "auto"), ("device", "auto"), ("device", "jit"),
+                                                      ("auto", "jit")])  # fmt: skip
+def test_bits_damaged_on_their_way_to_the_device_never_serve(transfer: str, fingerprint: str) -> None:
     """Swap refuses the version and the old leaves serve on; in place (no old copy left)
     the damaged leaf is built again from the verified host bytes, checked again, and the
-    version then serves whole."""
+    version then serves whole. (jit: checked a layer's group at a time.)"""
     holder = WeightsHolder(leaves())
     fire = iter([True, False])
-    applier = JaxApplier(holder, NAME_MAP, mode="swap", transfer=transfer, corrupt_next=lambda: next(fire))
+    applier = JaxApplier(holder, NAME_MAP, mode="swap", transfer=transfer, fingerprint=fingerprint,
+                         corrupt_next=lambda: next(fire))  # fmt: skip
     served = holder.get()
     with pytest.raises(DataLoss, match="does not match the verified bytes"):
         apply(applier, 1, version(6))
@@ -170,13 +175,49 @@ def test_bits_damaged_on_their_way_to_the_device_never_serve(transfer: str) -> N
     apply(applier, 2, version(6))
     assert_holds(holder.get(), applier, version(6))
 
-    applier = JaxApplier(holder, NAME_MAP, mode="inplace", transfer=transfer, corrupt_next=lambda: True)
+    applier = JaxApplier(holder, NAME_MAP, mode="inplace", transfer=transfer, fingerprint=fingerprint,
+                         corrupt_next=lambda: True)  # fmt: skip
     apply(applier, 3, version(8))
     assert_holds(holder.get(), applier, version(8))
     report = applier.last_report()
     assert report is not None and report.version == 3 and len(report.repaired_leaves) == 1
     assert not applier.torn
     applier.close()
+
+
+@pytest.mark.parametrize("mode", ["swap", "inplace"])
+@pytest.mark.parametrize("transfer", ["auto", "device"])
+def test_a_layer_goes_over_in_one_transfer_call_and_one_program(mode: str, transfer: str) -> None:
+    """Leaves checked by a jitted fingerprint go over a group at a time: one group per
+    layer, one for the leaves outside the layers (as sync hands them), read back bit for
+    bit; in place each old leaf is donated to its group's program or freed once the
+    group stands. The same version applied leaf by leaf (group=False) agrees."""
+    tree = leaves()
+    old = dict(tree)
+    applier = JaxApplier(tree, NAME_MAP, mode=mode, transfer=transfer, fingerprint="jit")
+    v1 = version(12)
+    apply(applier, 1, v1)
+    assert_holds(tree, applier, v1)
+    r = applier.last_report()
+    assert r is not None and r.mode == mode and r.fingerprint == "jit"
+    assert r.groups == TINY.layers + 1 and r.leaves == len(tree)
+    assert 0 <= r.wait_seconds <= r.build_seconds
+    assert ("device" in r.transfer) == (transfer == "device")
+    if mode == "inplace":
+        assert all(old[p].is_deleted() and not tree[p].is_deleted() for p in tree)
+    else:
+        assert not any(old[p].is_deleted() for p in tree)  # a swap target's readers keep the old tree
+    v2 = version(13)
+    apply(applier, 2, v2)
+    assert_holds(tree, applier, v2)
+    applier.close()
+
+    by_leaf = JaxApplier(WeightsHolder(leaves()), NAME_MAP, mode=mode, transfer=transfer, fingerprint="jit",
+                         group=False)  # fmt: skip
+    apply(by_leaf, 1, v1)
+    assert_holds(by_leaf.target.get(), by_leaf, v1)  # type: ignore[attr-defined]
+    assert by_leaf.last_report().groups == 0  # type: ignore[union-attr]
+    by_leaf.close()
 
 
 def test_jit_and_view_fingerprints_and_both_transfers_agree() -> None:
@@ -293,3 +334,20 @@ def test_on_the_chip_auto_mode_reports_the_memory_peak_and_catches_a_flipped_bit
     inplace = JaxApplier(holder, NAME_MAP, mode="inplace")
     apply(inplace, 3, version(12))
     assert_holds(holder.get(), inplace, version(12))
+
+
+def test_host_bytes_counts_the_new_leaves_a_cpu_engine_builds_in_host_memory() -> None:
+    """On CPU devices the leaves are host memory: a swap builds every new leaf aside the
+    old ones, in place one leaf at a time. A dict engine allocates only arrays it lacks."""
+    v1 = version(14)
+    tree = leaves()
+    swap = JaxApplier(WeightsHolder(tree), NAME_MAP, mode="swap")
+    inplace = JaxApplier(WeightsHolder(tree), NAME_MAP, mode="inplace")
+    assert swap.host_bytes(specs(v1)) == sum(a.nbytes for a in tree.values())
+    assert inplace.host_bytes(specs(v1)) == max(a.nbytes for a in tree.values())
+    engine = DictApplier()
+    assert engine.host_bytes(specs(v1)) == sum(a.nbytes for a in v1.values())
+    engine.begin_update(1, specs(v1))
+    engine.apply(list(v1.items()))
+    engine.commit_update(1)
+    assert engine.host_bytes(specs(version(15))) == 0  # overwritten in place

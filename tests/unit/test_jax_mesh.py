@@ -27,6 +27,10 @@ def _cases() -> list[dict[str, object]]:
         {"layout": "tpu_inference", "profile": "tpu_inference", "transfer": "device", "mode": "inplace"},
         {"layout": "tpu_inference", "profile": "heads", "transfer": "host", "mode": "inplace", "corrupt": True},
         {"layout": "hf", "profile": "2d", "transfer": "auto", "mode": "swap"},
+        # a layer at a time, each group's leaves transformed and fingerprinted by one program
+        {"layout": "tpu_inference", "profile": "heads", "transfer": "device", "mode": "inplace", "fingerprint": "jit",
+         "corrupt": True},
+        {"layout": "tpu_inference", "profile": "vocab", "transfer": "auto", "mode": "swap", "fingerprint": "jit"},
     ]  # fmt: skip
     return cases
 
@@ -52,3 +56,5 @@ def test_every_shard_on_every_device_is_bit_exact(mesh: tuple[int, int]) -> None
             assert found["sharded_leaves"] > 0, case  # the profile really sharded something here
         if case.startswith("tpu_inference/2d/device"):
             assert found["fingerprint"] == "jit" and "device" in found["transfer"], found
+        # jit-checked leaves on a mesh go over a layer at a time: the head, two layers, the tail
+        assert found["groups"] == (4 if found["fingerprint"] == "jit" else 0), (case, found["groups"])

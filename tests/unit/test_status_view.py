@@ -74,7 +74,7 @@ def test_kept_reply_equals_the_reply_built_whole(ops: list[tuple], limit: int) -
             replies = StatusReplies(store)
             s, _ = store.open_session("job", trainer=True, incarnation="run-1", trainer_ranks=1)
             for a in AGENTS[:2]:
-                store.register_agent("job", a, role="ROLLOUT", endpoint=ENDPOINTS[0])
+                store.register_agent("job", a, role="ROLLOUT", endpoint=ENDPOINTS[0], instance=a)
             part, _ = make_part(sample_arrays())
             published = [0]
             request = pb.GetStatusRequest(session="job", version_limit=limit)
@@ -100,7 +100,8 @@ def run(store: SessionStore, op: tuple, clock: Clock, part: object, generation: 
     elif kind == "beat":
         store.heartbeat("job", AGENTS[op[1]], op[2])
     elif kind == "register":
-        store.register_agent("job", AGENTS[op[1]], role="ROLLOUT", endpoint=ENDPOINTS[op[2]], rank=op[3])
+        agent = AGENTS[op[1]]  # registered again by its own process (another would be refused while it lives)
+        store.register_agent("job", agent, role="ROLLOUT", endpoint=ENDPOINTS[op[2]], rank=op[3], instance=agent)
     elif kind == "deregister":
         store.deregister_agent("job", AGENTS[op[1]])
     elif kind == "trainer":

@@ -366,12 +366,16 @@ def test_a_live_rollout_id_is_refused_to_another_process(store: SessionStore, cl
         store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"), instance="b")
     assert e.value.field == "agent_id"
     assert endpoint_of(store, "r0") == "10.0.0.1:7"  # nothing changed
-    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"), instance="a")  # itself again
-    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"))  # a client that names none
-    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"), instance="a")
+    key = store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.1:7"), instance="a").agent_key
+    with pytest.raises(AlreadyExists):  # a client that names none is another process too
+        store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"))
+    assert endpoint_of(store, "r0") == "10.0.0.1:7"
+    # itself again, by its instance or its key: the same key
+    assert store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint(), agent_key=key).agent_key == key
+    assert store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint(), instance="a").agent_key == key
     clock.t += 11  # a's lease lapsed: b may take the id
-    store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"), instance="b")
-    assert endpoint_of(store, "r0") == "10.0.0.2:7"
+    taken = store.register_agent("job", "r0", role="ROLLOUT", endpoint=Endpoint("10.0.0.2:7"), instance="b")
+    assert endpoint_of(store, "r0") == "10.0.0.2:7" and taken.agent_key != key
     with pytest.raises(InvalidArgument, match="instance"):
         store.register_agent("job", "r1", role="ROLLOUT", endpoint=Endpoint(), instance="x" * 65)
 

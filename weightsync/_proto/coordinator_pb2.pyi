@@ -52,7 +52,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance")
+    __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance", "agent_key")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class RegisterAgentRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     role: _types_pb2.Role
@@ -67,26 +68,30 @@ class RegisterAgentRequest(_message.Message):
     rank: int
     generation: int
     instance: str
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    agent_key: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., instance: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
-    __slots__ = ("generation", "lease_ttl_seconds", "session_uid")
+    __slots__ = ("generation", "lease_ttl_seconds", "session_uid", "agent_key")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_UID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lease_ttl_seconds: float
     session_uid: str
-    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., session_uid: _Optional[str] = ...) -> None: ...
+    agent_key: str
+    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., session_uid: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied", "audit")
+    __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied", "agent_key", "audit")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     GET_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPORT_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
@@ -94,8 +99,9 @@ class HeartbeatRequest(_message.Message):
     call_id: int
     get_manifest: GetManifestRequest
     report_applied: ReportAppliedRequest
+    agent_key: str
     audit: _types_pb2.AuditResult
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., call_id: _Optional[int] = ..., get_manifest: _Optional[_Union[GetManifestRequest, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedRequest, _Mapping]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., call_id: _Optional[int] = ..., get_manifest: _Optional[_Union[GetManifestRequest, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedRequest, _Mapping]] = ..., agent_key: _Optional[str] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation", "lease_ttl_seconds", "carries_calls", "call_id", "last", "manifest_piece", "report_applied", "error", "audit_request")
@@ -120,12 +126,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., carries_calls: _Optional[bool] = ..., call_id: _Optional[int] = ..., last: _Optional[bool] = ..., manifest_piece: _Optional[_Union[ManifestPiece, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., audit_request: _Optional[int] = ...) -> None: ...
 
 class DeregisterAgentRequest(_message.Message):
-    __slots__ = ("session", "agent_id")
+    __slots__ = ("session", "agent_id", "agent_key")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ...) -> None: ...
+    agent_key: str
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class DeregisterAgentResponse(_message.Message):
     __slots__ = ("removed",)
@@ -204,14 +212,16 @@ class PublishResponse(_message.Message):
     def __init__(self, version: _Optional[_Union[_types_pb2.VersionInfo, _Mapping]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
-    __slots__ = ("session", "version", "agent_id")
+    __slots__ = ("session", "version", "agent_id", "agent_key")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     agent_id: str
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ...) -> None: ...
+    agent_key: str
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class ManifestHeader(_message.Message):
     __slots__ = ("version", "chunk_bytes", "digest_algorithm", "parts", "aggregates", "weight_sync_mode", "access_token", "relay_chain", "ready_age_seconds")
@@ -294,7 +304,7 @@ class Timings(_message.Message):
     def __init__(self, pull_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., ready_to_serving_seconds: _Optional[float] = ...) -> None: ...
 
 class ReportAppliedRequest(_message.Message):
-    __slots__ = ("session", "version", "agent_id", "manifest_digest", "tensors", "aggregates", "consumed_names", "timings", "bytes_pulled", "local_error")
+    __slots__ = ("session", "version", "agent_id", "manifest_digest", "tensors", "aggregates", "consumed_names", "timings", "bytes_pulled", "local_error", "agent_key")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +315,7 @@ class ReportAppliedRequest(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     agent_id: str
@@ -315,7 +326,8 @@ class ReportAppliedRequest(_message.Message):
     timings: Timings
     bytes_pulled: int
     local_error: str
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., consumed_names: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., local_error: _Optional[str] = ...) -> None: ...
+    agent_key: str
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., consumed_names: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., local_error: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class ReportAppliedResponse(_message.Message):
     __slots__ = ("ok", "version", "mismatch")

@@ -119,7 +119,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterAgent(self, request, context):
-        """Registers an agent (trainer rank or rollout) and grants it a lease.
+        """Registers an agent (trainer rank or rollout) and grants it a lease; answers the agent
+        key every later call naming the agent must carry (see RegisterAgentResponse).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "audit", "unserved_version")
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory", "audit", "unserved_version")
     class RecentCompletionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class RolloutStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     RECENT_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     UNSERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session: str
@@ -63,9 +64,28 @@ class RolloutStatus(_message.Message):
     last_error: str
     completion: str
     recent_completions: _containers.ScalarMap[int, str]
+    host_memory: HostMemory
     audit: _types_pb2.AuditResult
     unserved_version: int
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., unserved_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., unserved_version: _Optional[int] = ...) -> None: ...
+
+class HostMemory(_message.Message):
+    __slots__ = ("rss", "anon", "file", "shmem", "peak", "limit", "receive_bytes")
+    RSS_FIELD_NUMBER: _ClassVar[int]
+    ANON_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHMEM_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rss: int
+    anon: int
+    file: int
+    shmem: int
+    peak: int
+    limit: int
+    receive_bytes: int
+    def __init__(self, rss: _Optional[int] = ..., anon: _Optional[int] = ..., file: _Optional[int] = ..., shmem: _Optional[int] = ..., peak: _Optional[int] = ..., limit: _Optional[int] = ..., receive_bytes: _Optional[int] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
     __slots__ = ()

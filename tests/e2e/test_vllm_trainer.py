@@ -1,0 +1,432 @@
+"""vLLM's trainer-side API with the `weightsync` backend, against vLLM's own pieces.
+
+A tiny Qwen3 is trained a step at a time by torch (float32, as the engines serve) and sent by
+`WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(...))`'s engine through
+vLLM's `HTTPVLLMWeightSyncClient` to vLLM's OpenAI server (dev mode, tensor parallel 2,
+started once for the module, dummy weights), and through a client calling an in-process
+`LLM`'s methods. After each version the served log-probs equal transformers' with the
+trainer's weights within 1e-5. Ray is not installed beside the lock: vLLM's Ray client
+has no test here. The tests run in file order: the one that makes the TP 2 server's
+workers fail a call comes last (see its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+requests = pytest.importorskip("requests")
+
+from vllm.distributed.weight_transfer import (  # noqa: E402
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    ParamMeta,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+
+from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
+from tests.unit.test_vllm_trainer import RecordingClient  # noqa: E402
+from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
+from weightsync.client import CoordinatorClient  # noqa: E402
+from weightsync.errors import FailedPrecondition, StaleGeneration, VersionNotApplied  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = [20, 21, 22, 23]  # what the training step makes more likely after PROMPT
+LOGPROB_ATOL = 1e-5
+TP = 2  # the server's workers: each pulls and registers as a rollout of its own
+MISSING = "model.layers.0.self_attn.v_proj.weight"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _vllm_shm() -> set[Path]:
+    """vLLM-CPU's shared-memory files of TP groups (its shutdown kills the workers that
+    would remove them)."""
+    return set(Path("/dev/shm").glob("vllm_dist_*"))
+
+
+def _unmapped(paths: set[Path]) -> set[Path]:
+    """Those of `paths` no live process maps (another engine's are left alone)."""
+    held: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text()
+            held |= {p for p in paths if str(p) in text}
+    return paths - held
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM's OpenAI server (multiprocess, TP 2, dummy weights) with the weightsync backend
+    in dev mode; its base URL. Its log is printed when it does not come up; its process
+    group and the shared-memory files it leaves are removed at the end."""
+    shm_before = _vllm_shm()
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy"]
+    args += ["--tensor-parallel-size", str(TP), "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20)]
+    args += ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--seed", "0"]
+    args += ["--weight-transfer-config", '{"backend": "weightsync"}']
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vLLM's server did not come up:\n{log_path.read_text()[-6000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # workers it left
+            proc.wait(10)
+        time.sleep(0.5)
+        for path in _unmapped(_vllm_shm() - shm_before):
+            path.unlink(missing_ok=True)
+
+
+class LLMClient:
+    """A `VLLMWeightSyncClient` over an in-process `vllm.LLM`: its methods, with the
+    requests vLLM's Ray client sends its actors."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+class Recorded(RecordingClient):
+    """Records each call, then makes it on `inner`."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        super().init_weight_transfer_engine(init_info)
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        super().update_weights(update_info)
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        self.inner.finish_weight_update(weight_version)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    engine = vllm.LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
+    yield engine
+    engine.shutdown_weight_transfer_engine()
+
+
+class Without(WeightSource):
+    """A module's parameters but one: what a trainer of another architecture would send."""
+
+    def __init__(self, module: Any, name: str) -> None:
+        self.inner, self.name = ModuleSource(module), name
+
+    def metadata(self) -> list[ParamMeta]:
+        return [m for m in self.inner.metadata() if m.name != self.name]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((n, t) for n, t in self.inner if n != self.name)
+
+
+def trainer_model(model_dir: Path) -> Any:
+    import transformers
+
+    model = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    return model
+
+
+def train_step(model: Any) -> None:
+    """One SGD step on PROMPT + TARGET: every parameter that takes part changes."""
+    model.train()
+    ids = torch.tensor([PROMPT + TARGET])
+    model(ids, labels=ids).loss.backward()
+    model.optimizer.step()
+    model.optimizer.zero_grad()
+
+
+def served_http(base: str) -> tuple[list[int], list[float], list[float]]:
+    """The same through the OpenAI completions API (token ids in, echo for the prompt's)."""
+    model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "logprobs": 0,
+        "echo": True,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+    }
+    choice = requests.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    lps = choice["logprobs"]["token_logprobs"]
+    assert tokens[: len(PROMPT)] == PROMPT
+    return tokens[len(PROMPT) :], lps[1 : len(PROMPT)], lps[len(PROMPT) :]
+
+
+def assert_serves(got: tuple, want: tuple) -> None:
+    assert got[0] == want[0], f"greedy tokens differ: vLLM {got[0]} vs transformers {want[0]}"
+    np.testing.assert_allclose(got[1], want[1], atol=LOGPROB_ATOL, rtol=0)
+    np.testing.assert_allclose(got[2], want[2], atol=LOGPROB_ATOL, rtol=0)
+
+
+def send_http(engine: Any, base: str) -> None:
+    """vLLM's examples' order: pause (which clears the prefix cache), send, resume."""
+    requests.post(f"{base}/pause", timeout=60).raise_for_status()
+    try:
+        engine.send_weights()
+    finally:
+        requests.post(f"{base}/resume", timeout=60).raise_for_status()
+
+
+def handshakes(coordinator: str, session: str, version: int) -> dict[str, Any]:
+    with CoordinatorClient(coordinator) as c:
+        return {h.agent_id: h for h in c.status(session).handshakes if h.version == version}
+
+
+def test_vllms_http_client_syncs_each_trained_step_to_vllms_server(
+    server: str, coordinator: str, model_dir: Path
+) -> None:
+    model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "http", rank=0, worker={"agent_id": "srv", "weight_sync_mode": "tcp"})
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=info, client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model)
+    )
+    try:
+        assert isinstance(engine, WeightsyncTrainerEngine)
+        for step in (1, 2):
+            train_step(model)
+            send_http(engine, server)
+            assert engine.version == step
+            assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == str(step)
+            assert_serves(served_http(server), transformers_logprobs(model))
+            reports = handshakes(coordinator, "http", step)
+            assert sorted(reports) == ["srv", "srv-r1"] and all(h.ok for h in reports.values())  # one per TP worker
+    finally:
+        engine.shutdown()
+
+
+def test_vllms_server_takes_what_vllms_own_flows_send(server: str, coordinator: str, model_dir: Path) -> None:
+    """update_info keys of vLLM's NCCL flow beside ours, and `packed` in the init info."""
+    post = lambda path, body=None: requests.post(f"{server}/{path}", json=body, timeout=120)  # noqa: E731
+    model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "flows", rank=0, worker={"packed": True, "weight_sync_mode": "tcp"})
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=info, client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model)
+    )
+    try:
+        train_step(model)
+        send_http(engine, server)  # version 1
+        assert post("start_weight_update").status_code == 200
+        extra = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1024, 64]], "packed": True}
+        assert post("update_weights", {"update_info": {"version": 1, **extra}}).status_code == 200
+        assert post("finish_weight_update", {"weight_version": "1"}).status_code == 200
+        assert_serves(served_http(server), transformers_logprobs(model))
+    finally:
+        engine.shutdown()
+
+
+def test_the_example_runs_against_vllms_server(server: str, coordinator: str, model_dir: Path) -> None:
+    """examples/rlhf_http_weightsync.py, as CI runs it: the checkpoint's weights replace
+    whatever the server held, which then serves transformers' log-probs."""
+    import transformers
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "rlhf_http_weightsync.py"), "--model", str(model_dir)]
+        + ["--base-url", server, "--coordinator", coordinator, "--session", "example"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "AFTER weight sync" in run.stdout and "Weight transfer complete: version 1" in run.stdout
+    checkpoint = transformers.Qwen3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    requests.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
+    assert_serves(served_http(server), transformers_logprobs(checkpoint))
+
+
+def test_the_readme_trainer_snippet_runs_as_written(server: str, coordinator: str, model_dir: Path) -> None:
+    from tests.doc_snippets import snippet
+
+    code = snippet("vllm-trainer", coordinator)
+    model = trainer_model(model_dir)
+    train_step(model)
+    scope: dict[str, Any] = {"base_url": server, "model": model}
+    exec(code, scope)  # noqa: S102 - the documented example, as written
+    try:
+        assert scope["engine"].version == 1
+        requests.post(f"{server}/reset_prefix_cache", timeout=60).raise_for_status()
+        assert_serves(served_http(server), transformers_logprobs(model))
+    finally:
+        scope["engine"].shutdown()
+
+
+def test_vllm_llm_client_runs_init_then_start_update_finish(llm: Any, coordinator: str, model_dir: Path) -> None:
+    model = trainer_model(model_dir)
+    client = Recorded(LLMClient(llm))
+    info = WeightsyncTrainerInitInfo(
+        coordinator, "llm", rank=0, worker={"agent_id": "llm-a", "weight_sync_mode": "tcp"}
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(init_info=info, client=client, source=ModuleSource(model))
+    try:
+        assert client.calls == [("init", info.worker_init_info())]
+        for step in (1, 2):
+            train_step(model)
+            engine.send_weights()
+            llm.reset_prefix_cache()  # vLLM's finish_weight_update does not
+            assert client.calls[-3:] == [("start", None), ("update", {"version": step}), ("finish", str(step))]
+            assert llm.get_weight_version() == str(step)
+            assert_serves(vllm_run(llm), transformers_logprobs(model))
+        assert client.names() == ["init"] + ["start", "update", "finish"] * 2
+        before = vllm_run(llm)
+        engine.source = Without(model, MISSING)
+        with pytest.raises(VersionNotApplied, match=f"version 3 was not applied: llm-a: .*{MISSING}"):
+            engine.send_weights()
+        assert client.names()[-2:] == ["start", "update"]  # and no finish
+        llm.reset_prefix_cache()
+        assert vllm_run(llm) == before  # the refused version changed nothing
+        engine.source = ModuleSource(model)
+        train_step(model)
+        engine.send_weights()  # the next version applies
+        llm.reset_prefix_cache()
+        assert engine.version == 4 and llm.get_weight_version() == "4"
+        assert_serves(vllm_run(llm), transformers_logprobs(model))
+    finally:
+        engine.shutdown()
+
+
+def test_a_second_trainer_generation_fences_the_first(llm: Any, coordinator: str, model_dir: Path) -> None:
+    """A restarted trainer attaches to the session: it numbers on from the last version,
+    and the first one's sends are refused before its client is called."""
+    first_model, second_model = trainer_model(model_dir), trainer_model(model_dir)
+    worker = {"agent_id": "llm-f", "weight_sync_mode": "tcp"}
+    first_client = Recorded(LLMClient(llm))
+    first = WeightTransferTrainerFactory.trainer_init(
+        init_info=WeightsyncTrainerInitInfo(coordinator, "fence", rank=0, worker=worker),
+        client=first_client,
+        source=ModuleSource(first_model),
+    )
+    second = None
+    try:
+        for _ in range(2):
+            train_step(first_model)
+            first.send_weights()
+        second = WeightTransferTrainerFactory.trainer_init(
+            init_info=WeightsyncTrainerInitInfo(coordinator, "fence", rank=0, worker=worker),
+            client=LLMClient(llm),
+            source=ModuleSource(second_model),
+        )
+        train_step(second_model)  # one step from the checkpoint: not the first's weights
+        second.send_weights()
+        llm.reset_prefix_cache()
+        assert second.version == 3 and llm.get_weight_version() == "3"
+        calls = len(first_client.calls)
+        with pytest.raises(StaleGeneration):
+            first.send_weights()
+        assert len(first_client.calls) == calls  # nothing reached the worker
+        llm.reset_prefix_cache()
+        assert_serves(vllm_run(llm), transformers_logprobs(second_model))
+    finally:
+        first.shutdown()
+        if second is not None:
+            second.shutdown()
+
+
+def test_an_init_info_key_the_worker_does_not_know_is_refused_naming_it(
+    llm: Any, coordinator: str, model_dir: Path
+) -> None:
+    info = WeightsyncTrainerInitInfo(coordinator, "keys", rank=0, worker={"master_port": 29500})
+    with pytest.raises(FailedPrecondition, match="refused its init info: InvalidArgument: init_info.master_port: "):
+        WeightTransferTrainerFactory.trainer_init(
+            init_info=info, client=LLMClient(llm), source=ModuleSource(trainer_model(model_dir))
+        )
+
+
+def test_a_refused_version_raises_the_workers_reason_through_http(
+    server: str, coordinator: str, model_dir: Path
+) -> None:
+    """Last on the server: with TP 2, vLLM 0.32's collective_rpc raises at the first worker's
+    error and leaves the other worker's reply queued (vllm-project/vllm#49972), so the
+    server answers every later call with the one before's reply (docs/vllm-cpu.md)."""
+    model = trainer_model(model_dir)
+    client = Recorded(HTTPVLLMWeightSyncClient(server))
+    info = WeightsyncTrainerInitInfo(coordinator, "refused", rank=0, worker={"weight_sync_mode": "tcp"})
+    engine = WeightTransferTrainerFactory.trainer_init(init_info=info, client=client, source=Without(model, MISSING))
+    try:
+        with pytest.raises(VersionNotApplied, match=f"version 1 was not applied: .*{MISSING}"):
+            send_http(engine, server)
+        assert client.names() == ["init", "start", "update"]  # no finish: the version was not applied
+    finally:
+        engine.shutdown()

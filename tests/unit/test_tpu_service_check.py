@@ -1,0 +1,41 @@
+"""What the service check compares: each version changes every tensor, and the logits
+bound sees one stale leaf, the smallest kind included (a norm), while the same model's
+logits pass; the host memory figures it reads are this process's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from devtools.tpu_service_check import _compare, make_base, reference_logits, version_of
+from weightsync.host_memory import host_memory, mem_available
+
+PRESET = "small"
+TOKENS = np.random.default_rng(0).integers(0, 8192, (2, 16))
+
+
+def test_every_tensor_changes_from_one_version_to_the_next() -> None:
+    base = make_base(PRESET)
+    v1, v2 = version_of(base, 1), version_of(base, 2)
+    assert all(not np.array_equal(v1[n].view(np.uint16), v2[n].view(np.uint16)) for n in base)
+    assert all(np.isfinite(a.astype(np.float32)).all() for a in v1.values())
+
+
+@pytest.mark.parametrize("stale", ["model.norm.weight", "model.layers.3.self_attn.k_norm.weight",
+                                   "model.layers.0.mlp.down_proj.weight"])  # fmt: skip
+def test_one_stale_leaf_is_far_outside_the_bound_and_the_same_model_inside(stale: str) -> None:
+    base = make_base(PRESET)
+    v1, v2 = version_of(base, 1), version_of(base, 2)
+    want = reference_logits(v2, PRESET, TOKENS)
+    assert _compare(want.copy(), want, None, 1e-4)["logits_ok"]
+    served = reference_logits({**v2, stale: v1[stale]}, PRESET, TOKENS)  # one leaf of the version before
+    got = _compare(served, want, None, 1e-4)
+    assert not got["logits_ok"] and got["logits_rel_err"] > 1e-2, got
+
+
+def test_this_process_memory_is_read_by_kind() -> None:
+    m = host_memory()
+    assert m.rss > 0 and m.anon > 0 and m.peak >= m.rss
+    assert m.anon + m.file + m.shmem == pytest.approx(m.rss, rel=0.05)
+    assert host_memory(2**22 + 7).rss == 0  # no such process: zeros, not an error
+    assert mem_available() > 0

@@ -1,0 +1,150 @@
+"""vLLM's weight-transfer API, both sides, without a server: the trainer engine's init info
+and registration, what non-sender ranks do, and how the worker side reads what vLLM's flow
+sends (init_info keys, update_info extras, an agent id per worker)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.weight_transfer import ModuleSource, WeightSource, WeightTransferTrainerFactory  # noqa: E402
+from vllm.distributed.weight_transfer.base import ParamMeta  # noqa: E402
+
+from rollout_agent.vllm_backend import parse_init_info, parse_update_info  # noqa: E402
+from rollout_agent.vllm_core import worker_agent_id, worker_index  # noqa: E402
+from trainer_agent.settings import PublisherSettings  # noqa: E402
+from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
+from weightsync.errors import InvalidArgument  # noqa: E402
+
+
+class RecordingClient:
+    """A `VLLMWeightSyncClient` that records each call (the protocol is structural)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start", None))
+
+    def update_weights(self, update_info: Any) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+class CountingSource(WeightSource):
+    """A module's parameters, counting metadata() calls and passes over them."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.inner = ModuleSource(module)
+        self.metadata_calls = self.passes = 0
+
+    def metadata(self) -> list[ParamMeta]:
+        self.metadata_calls += 1
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.passes += 1
+        yield from self.inner
+
+
+def test_the_init_info_is_vllms_and_names_what_it_refuses() -> None:
+    info = WeightsyncTrainerInitInfo("coord:1", "job", rank=0, tls_ca_file="", publisher={"weight_dtype": "bfloat16"})
+    assert info.backend == "weightsync" and info.is_sender
+    assert not WeightsyncTrainerInitInfo("coord:1", "job", rank=2).is_sender
+    assert "backend" not in {f.name for f in dataclasses.fields(info)}  # a ClassVar, as vLLM's
+    with pytest.raises(TypeError):
+        WeightsyncTrainerInitInfo("coord:1", "job")  # type: ignore[call-arg]  # rank is required, keyword-only
+    settings = info.publisher_settings()
+    assert isinstance(settings, PublisherSettings)
+    assert (settings.coordinator, settings.session, settings.rank, settings.world_size) == ("coord:1", "job", 0, 1)
+    assert settings.weight_dtype == "bfloat16"
+    for key, said in (("nope", "is not a PublisherSettings field"), ("session", "is set by the init info")):
+        with pytest.raises(InvalidArgument, match=f"^publisher.{key}: {said}"):
+            WeightsyncTrainerInitInfo("coord:1", "job", rank=0, publisher={key: 1}).publisher_settings()
+    with pytest.raises(InvalidArgument, match="^weight_dtype: "):
+        WeightsyncTrainerInitInfo("coord:1", "job", rank=0, publisher={"weight_dtype": "int4"}).publisher_settings()
+    with pytest.raises(InvalidArgument, match="^commit_timeout_s: "):
+        WeightsyncTrainerInitInfo("coord:1", "job", rank=0, commit_timeout_s=-1)
+    with pytest.raises(InvalidArgument, match="^worker: must be a dict"):
+        WeightsyncTrainerInitInfo("coord:1", "job", rank=0, worker=["x"])  # type: ignore[arg-type]
+    worker = WeightsyncTrainerInitInfo(
+        "coord:1", "job", rank=0, tls_ca_file="/ca.pem", worker={"agent_id": "eng", "coordinator": "inside:1"}
+    ).worker_init_info()
+    assert worker == {"coordinator": "inside:1", "session": "job", "tls_ca_file": "/ca.pem", "agent_id": "eng"}
+    json.dumps(worker)  # plain data: it crosses HTTP and vLLM's RPCs
+
+
+def test_importing_the_module_registered_the_engine_with_vllms_factory() -> None:
+    from trainer_agent import vllm_trainer
+
+    assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
+    vllm_trainer._register()  # again (the module imported twice): vLLM's factory raises on a name it has
+    assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
+
+
+def test_a_non_sender_rank_only_iterates_the_source_and_never_touches_the_client() -> None:
+    """As vLLM's NCCL and IPC engines: ranks other than 0 keep the trainer-side collectives
+    (metadata(), iteration) in lockstep and leave the wire to the sender."""
+    client = RecordingClient()
+    source = CountingSource(torch.nn.Linear(3, 2))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=WeightsyncTrainerInitInfo("127.0.0.1:1", "job", rank=1), client=client, source=source
+    )
+    assert isinstance(engine, WeightsyncTrainerEngine) and not engine.is_sender and engine.publisher is None
+    for _ in range(3):
+        engine.send_weights()
+    assert (source.metadata_calls, source.passes) == (3, 3)
+    assert client.calls == []
+    engine.shutdown()
+
+
+def test_a_source_is_required() -> None:
+    with pytest.raises(InvalidArgument, match="^source: "):
+        WeightsyncTrainerEngine.trainer_init(
+            WeightsyncTrainerInitInfo("127.0.0.1:1", "job", rank=1), client=RecordingClient(), source=None
+        )
+
+
+def test_the_worker_refuses_an_init_info_key_it_does_not_know_naming_it() -> None:
+    info = parse_init_info({"coordinator": "c:1", "session": "job", "packed": True, "prefetch": False})
+    assert info.packed is True and info.prefetch is False
+    with pytest.raises(InvalidArgument, match="^init_info.prefech: .*did you mean 'prefetch'"):
+        parse_init_info({"coordinator": "c:1", "session": "job", "prefech": False})
+    with pytest.raises(InvalidArgument, match="^init_info.master_port: .*configuration.md"):
+        parse_init_info({"coordinator": "c:1", "session": "job", "master_port": 1})
+    with pytest.raises(InvalidArgument, match="^init_info.packed: must be true or false"):
+        parse_init_info({"coordinator": "c:1", "session": "job", "packed": "yes"})
+    with pytest.raises(InvalidArgument, match="^init_info: must be a dict"):
+        parse_init_info([("coordinator", "c:1")])
+
+
+def test_the_worker_takes_the_version_and_ignores_the_keys_vllms_flows_add() -> None:
+    extra = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "packed": True, "is_checkpoint_format": True}
+    assert parse_update_info({"version": 7, **extra}).version == 7
+    assert parse_update_info(extra).version == "latest"
+    with pytest.raises(InvalidArgument, match="^update_info: must be a dict"):
+        parse_update_info([7])
+
+
+def test_each_worker_of_an_engine_registers_its_own_agent_id() -> None:
+    class Parallel:
+        def __init__(self, rank: int, world: int, dp: int) -> None:
+            self.rank, self.world_size, self.data_parallel_index = rank, world, dp
+
+    indices = [worker_index(Parallel(r, 2, d)) for d in range(2) for r in range(2)]
+    assert indices == [0, 1, 2, 3]  # vLLM's index into a list of update_infos
+    assert worker_index(object()) == 0
+    ids = [worker_agent_id("eng-a", i) for i in indices]
+    assert ids == ["eng-a", "eng-a-r1", "eng-a-r2", "eng-a-r3"]

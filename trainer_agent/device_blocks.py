@@ -1,0 +1,229 @@
+"""The device path's device-to-host copies at the host's rate: each large shard is cut on
+its device into blocks, the blocks' copies are issued through a window, and each block is
+handed on (to be staged into its place in the arena) as it lands.
+
+Why blocks (measured on a TPU v5e host, docs/performance.md): the runtime allocates the
+host buffer each copy lands in. glibc serves an allocation above its mmap threshold (which
+rises to at most 32 MiB) with a fresh mapping, and on that host (gVisor, no transparent
+hugepages) every fresh page costs a fault through the sandbox: filling a fresh 256 MiB
+buffer runs at ~1 GB/s, so whole-shard copies of 256 MiB ran at 1.3 GB/s. A block of a
+few MiB lands in heap memory that the blocks before it freed, already faulted in: the same
+copies in 8 MiB blocks ran at 14 GB/s.
+
+A block is whole chunks of the part (`chunk_bytes` pieces counted from the shard's first
+byte), so its chunks' digests are the shard's piece digests and the manifest is the one the
+whole shard would give. It is cut by one jitted slice (of the few leading rows that hold
+it, flattened), cast there when `weight_dtype` differs, compiled once per shard shape and
+block size; a shard no larger than a block is copied whole (through a slice too: the
+caller's array keeps no host copy). On CPU devices the device memory is host memory:
+shards are read in place, never cut.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer_agent import params
+from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_start
+from trainer_agent.staging import Block, HostShard
+from weightsync.dtypes import dtype_info
+
+# Measured on a TPU v5e host (copy-only, docs/performance.md): 8 MiB blocks
+# copied at 14 GB/s, 16 MiB at 13.9, 4 MiB at 8.5, whole 256 MiB shards at 1.3.
+DEFAULT_BLOCK_BYTES = 8 << 20
+
+
+def block_size(block_bytes: int, chunk_bytes: int) -> int:
+    """The bytes of the blocks large shards are cut into: `block_bytes` rounded to the
+    nearest multiple of `chunk_bytes` (at least one chunk); 0 when `block_bytes` is 0
+    (whole shards)."""
+    if block_bytes <= 0:
+        return 0
+    return max(1, round(block_bytes / chunk_bytes)) * chunk_bytes
+
+
+def cuts(values: Iterable[Any]) -> bool:
+    """Whether any of these values has a shard on a device whose memory is not host memory
+    (its large shards are cut into blocks)."""
+    return any(
+        getattr(s.device, "platform", "cpu") not in params.HOST_MEMORY_PLATFORMS
+        for v in values
+        if hasattr(v, "addressable_shards")
+        for s in v.addressable_shards
+    )
+
+
+class Window:
+    """Bytes of blocks whose copies were issued and that are not yet staged (with
+    `until_staged` False: not yet landed), against `limit_bytes`; the staging side reports
+    through `submitted` and `staged` (`staging.StagingWindow`)."""
+
+    def __init__(self, limit_bytes: int, *, until_staged: bool = True) -> None:
+        self.limit_bytes = limit_bytes
+        self._until_staged = until_staged
+        self._used = 0
+        self._pending = 0  # handed to staging threads, not yet staged
+        self._changed = threading.Condition()
+
+    def admits(self, nbytes: int, *, inflight: bool) -> bool:
+        """Whether a copy of `nbytes` may be issued now: it fits, or nothing is in flight
+        and nothing being staged will free room (the blocks held are the consumer's)."""
+        with self._changed:
+            return self._used + nbytes <= self.limit_bytes or (not inflight and not self._pending)
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Waits until `nbytes` fit or no staging is pending."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._used + nbytes <= self.limit_bytes or not self._pending)
+
+    def issued(self, nbytes: int) -> None:
+        with self._changed:
+            self._used += nbytes
+
+    def landed(self, nbytes: int) -> None:
+        if not self._until_staged:
+            with self._changed:
+                self._used -= nbytes
+
+    def submitted(self, nbytes: int) -> None:
+        with self._changed:
+            self._pending += nbytes
+
+    def staged(self, nbytes: int) -> None:
+        with self._changed:
+            self._pending -= nbytes
+            if self._until_staged:
+                self._used -= nbytes
+            self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A block to bring over: bytes [offset, offset + nbytes) of `shard`; `make` returns a
+    device array (its copy not yet issued) or host bytes."""
+
+    shard: HostShard
+    offset: int
+    nbytes: int
+    make: Callable[[], Any]
+
+
+def device_blocks(
+    items: Iterable[tuple[str, Any]], weight_dtype: str, window: Window, block_bytes: int
+) -> Iterator[Block]:
+    """Blocks of the replica-0 shards of `items`, in order: large shards on accelerators cut
+    into `block_bytes` blocks (a multiple of the chunk size: `block_size`), smaller ones and
+    host values whole. Copies are issued while `window` admits them, each block is yielded
+    once its bytes are in host memory, and items are pulled lazily (a tensor is cast and cut
+    as the window reaches it)."""
+    jobs = _jobs(items, weight_dtype, block_bytes)
+    inflight: deque[tuple[_Job, Any]] = deque()
+    job = next(jobs, None)
+    while True:
+        while job is not None and window.admits(job.nbytes, inflight=bool(inflight)):
+            data = job.make()
+            if not isinstance(data, np.ndarray):
+                data.copy_to_host_async()
+            window.issued(job.nbytes)
+            inflight.append((job, data))
+            del data
+            job = next(jobs, None)
+        if inflight:
+            done, data = inflight.popleft()
+            host = host_array(done.shard.name, data).reshape(-1)  # waits for this block's copy
+            del data
+            window.landed(done.nbytes)
+            yield Block(done.shard, done.offset, host)
+            del host, done
+        elif job is None:
+            return
+        else:
+            window.wait_for_room(job.nbytes)
+
+
+def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) -> Iterator[_Job]:
+    for name, value in items:
+        check_param(name, value)
+        if not hasattr(value, "addressable_shards"):
+            for s in host_shards(name, value, weight_dtype):
+                data = np.ascontiguousarray(s.data)
+                yield _Job(s, 0, data.nbytes, lambda data=data: data)
+            continue
+        dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(value.dtype)
+        for s in value.addressable_shards:
+            if s.replica_id == 0:
+                meta = ArrayMeta(tuple(s.data.shape), dtype)
+                shard = HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim))
+                yield from _cut(shard, s.data, getattr(s.device, "platform", "cpu"), block_bytes)
+
+
+def _cut(shard: HostShard, x: Any, platform: str, block_bytes: int) -> Iterator[_Job]:
+    """The jobs of one device shard `x`: read in place on a host-memory platform, else cut
+    into blocks (whole when it is no larger than one)."""
+    dtype, n = shard.data.dtype, shard.nbytes
+    if n == 0:
+        yield _Job(shard, 0, 0, lambda: np.empty(0, dtype))
+    elif platform in params.HOST_MEMORY_PLATFORMS:
+        yield _Job(shard, 0, n, lambda: x if x.dtype == dtype else x.astype(dtype))
+    else:
+        yield from (_Job(shard, offset, nbytes, make) for offset, nbytes, make in cut_blocks(x, dtype, block_bytes))
+
+
+def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int, Callable[[], Any]]]:
+    """(byte offset, bytes, cut) of each block of device array `x` flattened and cast to
+    `dtype`: `block_bytes` each but the last (one block when `x` is no larger, or
+    `block_bytes` is not whole elements); `cut()` dispatches the block's slice on the
+    device. Each block is read from the few leading rows of `x` that hold it, so the
+    device relays out about a block's bytes, never the whole shard."""
+    item = dtype.itemsize
+    size = int(np.prod(x.shape, dtype=np.int64))
+    _, tail = slicers()
+    if not block_bytes or size * item <= block_bytes or block_bytes % item:
+        return [(0, size * item, lambda: tail(x, 0, dtype))]
+    per = block_bytes // item
+    count, rest = divmod(size, per)
+    row = size // x.shape[0]
+    rows = min(x.shape[0], -(-per // row) + 1)  # the rows any one block lies in
+    out = []
+    for j in range(count):
+        first = min(j * per // row, x.shape[0] - rows)
+        out.append(
+            (j * block_bytes, block_bytes, functools.partial(_block, x, first, j * per - first * row, rows, per, dtype))
+        )
+    if rest:
+        out.append((count * block_bytes, rest * item, functools.partial(tail, x, count * per, dtype)))
+    return out
+
+
+def _block(x: Any, first: int, offset: int, rows: int, per: int, dtype: np.dtype) -> Any:
+    return slicers()[0](x, first, offset, rows, per, dtype)
+
+
+@functools.cache
+def slicers() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Jitted, compiled once per shard shape and block size: (block(x, first, offset, rows,
+    per, dtype): elements [offset, offset + per) of x's leading rows [first, first + rows)
+    flattened, cast; tail(x, start, dtype): x flattened from element `start`, cast, read
+    from the rows that hold it)."""
+    import jax
+    from jax import lax
+
+    def block(x: Any, first: Any, offset: Any, rows: int, per: int, dtype: Any) -> Any:
+        held = lax.dynamic_slice_in_dim(x, first, rows).reshape(-1)
+        return lax.dynamic_slice_in_dim(held, offset, per).astype(dtype)
+
+    def tail(x: Any, start: int, dtype: Any) -> Any:
+        if x.ndim == 0:
+            return x.reshape(-1).astype(dtype)
+        row = x.size // x.shape[0] if x.shape[0] else 1
+        first = start // row
+        return x[first:].reshape(-1)[start - first * row :].astype(dtype)
+
+    return jax.jit(block, static_argnums=(3, 4, 5)), jax.jit(tail, static_argnums=(1, 2))

@@ -1,0 +1,64 @@
+"""A process's host memory as the kernel counts it (`/proc/PID/status`), split by kind.
+
+`VmRSS` is every resident page the process maps; it adds up three kinds that mean
+different things for a host's budget:
+
+- `RssAnon`: the process's own anonymous pages (heap, NumPy arrays, receive buffers, a
+  runtime's host allocations): memory nobody else holds, gone only when the process frees it;
+- `RssShmem`: shared memory it maps (a trainer's arena read by `shm`): counted in every
+  process that maps it, but there once on the host;
+- `RssFile`: file pages (code, shared libraries): page cache, shared and reclaimable.
+
+Mapped but never touched memory is in none of them (it is not resident). `VmHWM` is the
+high-water mark of VmRSS since the process started (a host where /proc/self/clear_refs is
+not writable cannot reset it). `MemAvailable` (`/proc/meminfo`) is what the host can still
+give without swapping: where it falls by as much as a process's RSS rose, the pages are
+real memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "peak"}
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """One process's resident memory, in bytes (0 for a field the kernel does not report)."""
+
+    rss: int = 0
+    anon: int = 0
+    file: int = 0
+    shmem: int = 0
+    peak: int = 0  # VmHWM: the largest rss since the start
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def host_memory(pid: int | str = "self") -> HostMemory:
+    """The process's resident memory now (`/proc/PID/status`); zeros where there is none
+    (not Linux, or the process is gone)."""
+    values: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in _FIELDS:
+                    values[_FIELDS[key]] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return HostMemory()
+    return HostMemory(**values)
+
+
+def mem_available() -> int:
+    """The host's MemAvailable in bytes (`/proc/meminfo`); 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
