@@ -569,7 +569,7 @@ CASES = [
         lambda w: w.stub.Heartbeat(
             cpb.HeartbeatRequest(
                 session="job",
-                agent_id="probe",
+                agent_id="nobody",  # refused for the audit before the store is asked about the agent
                 audit=tpb.AuditResult(mismatches=[tpb.AuditMismatch(tensor="t")] * 100),
             ),
             timeout=5,
