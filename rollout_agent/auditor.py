@@ -50,6 +50,7 @@ class Auditor:
         self.audited = audited
         self.session = session
         self.interval_s = interval_s
+        self._metrics: Metrics | None = None
         self.metrics = metrics
         self.on_mismatch: list[Callable[[int], None]] = []  # version -> make it unserved and re-apply it
         self.beat_soon: Callable[[], None] | None = None  # sends the new result on a heartbeat now
@@ -71,6 +72,19 @@ class Auditor:
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="audit", daemon=True)
         audited.on_commit.append(self._committed)
+
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics | None) -> None:
+        """Where audits are counted. Both results' series exist from here, at 0: the first
+        mismatch is then an increase an alert sees (a series born at 1 is not)."""
+        self._metrics = metrics
+        if metrics is not None:
+            for result in ("exact", "mismatch"):
+                metrics.audits.labels(role=metrics.role, session=self.session, result=result)
 
     def start(self) -> Auditor:
         self._thread.start()
