@@ -108,6 +108,7 @@ class DictApplier(Applier):
         self._verified: dict[str, Expected] = {}  # the audit's reference: the last version applied whole
         self._verified_version = 0
         self._taking: dict[str, Expected] = {}  # the open round's
+        self._prepared: tuple[int, dict[str, Expected]] = (0, {})  # taken in `prepare`, off the apply
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
         """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in place)."""
@@ -117,11 +118,18 @@ class DictApplier(Applier):
             if (held := self.weights.get(name)) is None or held.shape != tuple(spec.shape)
         )
 
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Takes the audit's reference from the verified bytes while the engine serves
+        (a streamed apply, which has no `prepare`, takes it as it applies)."""
+        self._prepared = (version, {name: Expected(fingerprint(arr), (name,)) for name, arr in tensors.items()})
+
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self._round.acquire()
         self._consumed = []
         self._expected = tensors
-        self._taking = {}
+        prepared_version, prepared = self._prepared
+        self._taking = dict(prepared) if prepared_version == version else {}
+        self._prepared = (0, {})
 
     def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
         in_place: list[tuple[np.ndarray, np.ndarray]] = []
@@ -135,7 +143,8 @@ class DictApplier(Applier):
                 in_place.append((dst, arr))
             else:
                 np.copyto(dst, arr)
-            self._taking[name] = Expected(fingerprint(arr), (name,))  # of the verified bytes
+            if name not in self._taking:
+                self._taking[name] = Expected(fingerprint(arr), (name,))  # of the verified bytes
             self._consumed.append(name)
         if in_place:
             native.copy_many(in_place)  # the group's bytes split over every core, streaming stores
@@ -145,7 +154,8 @@ class DictApplier(Applier):
             for name in [n for n in self.weights if n not in self._expected]:
                 del self.weights[name]
             self.version = version
-            self._verified, self._verified_version = self._taking, version
+            self._verified = {n: e for n, e in self._taking.items() if n in self.weights}
+            self._verified_version = version
             if self._dump_dir is not None:
                 from safetensors.numpy import save_file
 

@@ -135,6 +135,10 @@ class VllmApplier(Applier):
                     field="manifest.tensors",
                 )
 
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """The audit's reference of the verified bytes, taken while the engine serves."""
+        self._audit.prepare(version, tensors)
+
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self.check(version, tensors)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -142,7 +146,7 @@ class VllmApplier(Applier):
         initialize_layerwise_reload(self.model)
         self._open = True
         self._consumed = []
-        self._audit.begin()
+        self._audit.begin(version)
 
     def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
         # One group = one layer: fused parts (q/k/v, gate/up, experts) arrive together.

@@ -269,13 +269,22 @@ class VllmAudit:
         self.unaudited: dict[str, str] = dict(self.layout.unaudited)
         self._taking: dict[str, Expected] = {}
         self._taking_unaudited: dict[str, str] = {}
+        self._prepared: tuple[int, dict[str, tuple[dict[str, Expected], str]]] = (0, {})
 
-    def begin(self) -> None:
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Takes the reference from the verified bytes while the engine serves (the apply
+        then only looks it up)."""
+        self._prepared = (version, {name: self.layout.expected(name, arr) for name, arr in tensors.items()})
+
+    def begin(self, version: int) -> None:
         self._taking, self._taking_unaudited = {}, dict(self.layout.unaudited)
+        if self._prepared[0] != version:
+            self._prepared = (0, {})
 
     def take(self, name: str, arr: np.ndarray) -> None:
         """`name`'s verified bytes, as they are applied."""
-        expected, why = self.layout.expected(name, arr)
+        prepared = self._prepared[1].get(name)
+        expected, why = prepared if prepared is not None else self.layout.expected(name, arr)
         self._taking.update(expected)
         if why:
             self._taking_unaudited[name] = why
@@ -284,6 +293,7 @@ class VllmAudit:
 
     def commit(self, version: int) -> None:
         self.version, self.verified, self.unaudited = version, self._taking, self._taking_unaudited
+        self._prepared = (0, {})
 
     def audit(self, kernels: bool) -> AuditReading:
         """The kept parameters, and with `kernels` the repacked layers through their GEMM
