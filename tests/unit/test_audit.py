@@ -60,20 +60,25 @@ def apply(applier: Audited, v: int, tensors: dict[str, np.ndarray]) -> None:
     applier.commit_update(v)
 
 
-def jax_applier(mode: str) -> tuple[Audited, WeightsHolder]:
+def jax_applier(mode: str, fingerprint: str = "auto", refresh: Any = None) -> tuple[Audited, WeightsHolder]:
     name_map = family_map("qwen3", "tpu_inference", TINY)
     devs = jax.devices()
     holder = WeightsHolder(
         empty_leaves(name_map, TINY, TINY.layers, TINY.tied, mesh_of((1, len(devs)), devs), PROFILES["tpu_inference"])
     )
-    return Audited(JaxApplier(holder, name_map, mode=mode)), holder
+    return Audited(JaxApplier(holder, name_map, mode=mode, fingerprint=fingerprint, refresh=refresh)), holder
 
 
 def appliers() -> list[Any]:
-    return [lambda: Audited(DictApplier()), lambda: jax_applier("swap")[0], lambda: jax_applier("inplace")[0]]
+    return [
+        lambda: Audited(DictApplier()),
+        lambda: jax_applier("swap")[0],
+        lambda: jax_applier("inplace")[0],
+        lambda: jax_applier("swap", fingerprint="jit")[0],  # the accelerators' programs, on the CPU
+    ]
 
 
-@pytest.mark.parametrize("make", appliers(), ids=["numpy", "jax-swap", "jax-inplace"])
+@pytest.mark.parametrize("make", appliers(), ids=["numpy", "jax-swap", "jax-inplace", "jax-jit"])
 def test_an_applied_version_audits_exact_and_each_damaged_tensor_is_named(make: Any) -> None:
     audited = make()
     before = audited.audit()
@@ -131,6 +136,36 @@ def test_an_audit_waits_for_an_apply_in_progress_and_an_apply_for_an_audit() -> 
     audited.commit_update(2)
     t.join(5)
     assert got[0].version == 2 and got[0].exact
+
+
+def test_audits_beside_versions_staged_aside_and_committed_are_all_exact() -> None:
+    """A JAX engine that swaps: each version is built aside while audits go on (the live
+    leaves untouched), and only its commit takes the audit lock; no audit sees a mix."""
+    # an engine's refresh between the swap and the commit's end: a window an audit must not see
+    audited, _ = jax_applier("swap", refresh=lambda: time.sleep(0.005))
+    versions = [version(s) for s in range(4)]
+    apply(audited, 1, versions[0])
+    found: list[Any] = []
+    done = threading.Event()
+
+    def audits() -> None:
+        while not done.is_set():
+            found.append(audited.audit())
+
+    t = threading.Thread(target=audits)
+    t.start()
+    try:
+        for v in range(2, 22):
+            tensors = versions[v % len(versions)]
+            audited.prepare(v, tensors)
+            groups = [[(n, tensors[n]) for n in g] for g in layer_groups(tensors)]
+            assert audited.stage(v, specs(tensors), groups)
+            audited.commit_update(v)
+    finally:
+        done.set()
+        t.join(10)
+    assert len(found) > 20 and all(f.exact for f in found), [f.mismatched for f in found if not f.exact][:2]
+    assert len({f.version for f in found}) > 5  # they interleaved with the commits
 
 
 def test_a_failpoint_damages_the_live_weights_right_after_an_apply() -> None:
