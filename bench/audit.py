@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,13 +31,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-if "--devices" in sys.argv:  # XLA reads the device count once, at import
-    n = sys.argv[sys.argv.index("--devices") + 1]
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
+# first: the apply bench's import sets XLA's CPU device count from --devices before JAX loads
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from apply import Spec, apply_once  # noqa: E402
 from common import model  # noqa: E402
 
 from devtools.receive_buffer import as_received  # noqa: E402
@@ -49,26 +45,6 @@ from rollout_agent.jax_targets import WeightsHolder  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 
 DEFAULT_INTERVAL_S = 60.0  # the sidecar's --audit-interval-s
-
-
-class Spec:
-    """A manifest TensorSpec's fields, without the manifest module (no xxhash here)."""
-
-    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-        self.name, self.shape, self.dtype = name, shape, "bfloat16"
-
-
-def apply_once(applier: Any, version: int, tensors: dict[str, np.ndarray], specs: dict[str, Spec]) -> float:
-    applier.prepare(version, tensors)  # a rollout's prefetch does this, off the apply
-    t0 = time.perf_counter()
-    applier.begin_update(version, specs)
-    try:
-        applier.apply(list(tensors.items()))
-    except Exception:
-        applier.abort_update()
-        raise
-    applier.commit_update(version)
-    return time.perf_counter() - t0
 
 
 def measure(

@@ -27,24 +27,12 @@ from rollout_agent.jax_applier import JaxApplier
 from rollout_agent.jax_audit import damaged_on_device
 from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
 from rollout_agent.jax_targets import WeightsHolder
+from tests.unit.test_jax_applier import TINY, specs, version
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
-from weightsync.manifest import Endpoint, TensorSpec
+from weightsync.manifest import Endpoint
 from weightsync.metrics import build_metrics
-from weightsync.model_shapes import ModelShape, param_shapes
-
-TINY = ModelShape(64, 2, 4, 2, 32, 128, 256, tied=False)
-
-
-def version(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(s, dtype=np.float32).astype(ml_dtypes.bfloat16)
-            for n, s in param_shapes(TINY).items()}  # fmt: skip
-
-
-def specs(tensors: dict[str, np.ndarray]) -> dict[str, TensorSpec]:
-    return {n: TensorSpec(n, "bfloat16", a.shape) for n, a in tensors.items()}
 
 
 def apply(applier: Audited, v: int, tensors: dict[str, np.ndarray]) -> None:
