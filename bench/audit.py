@@ -31,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# isort: off
 # first: the apply bench's import sets XLA's CPU device count from --devices before JAX loads
+from apply import Spec, apply_once  # noqa: E402
+
+# isort: on
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from apply import Spec, apply_once  # noqa: E402
 from common import model  # noqa: E402
 
 from devtools.receive_buffer import as_received  # noqa: E402
