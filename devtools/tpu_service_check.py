@@ -193,14 +193,14 @@ class MemoryGuard:
             available = mem_available()
             if available:
                 self.min_available = min(self.min_available or available, available)
-            own = sum(m.anon for m in now.values()) + max((m.shmem for m in now.values()), default=0)
+            own = sum(m.own for m in now.values()) + max((m.shmem for m in now.values()), default=0)
             why = ""
             if available and available < self.floor:
                 why = f"MemAvailable {available / GIB:.1f} GiB fell below {self.floor / GIB:.1f} GiB"
             elif own > self.budget:
                 why = f"the processes hold {own / GIB:.1f} GiB, past the budget of {self.budget / GIB:.1f} GiB"
             if why:
-                self.tripped = why + ": " + ", ".join(f"{n} anon {m.anon / GIB:.1f} GiB" for n, m in now.items())
+                self.tripped = why + ": " + ", ".join(f"{n} own {m.own / GIB:.1f} GiB" for n, m in now.items())
                 self.on_trip()
                 return
 

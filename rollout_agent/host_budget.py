@@ -30,14 +30,14 @@ def check_host_memory(puller: WeightPuller, manifest: Manifest, applier: Applier
     if not limit:
         return
     now = host_memory()
-    held = now.anon or now.rss  # (a kernel without RssAnon: all of it)
+    held = now.own
     grow = puller.growth(manifest)
     staging = applier.host_bytes(manifest.tensors) if applier is not None else 0
     if held + grow + staging > limit:
         raise ResourceExhausted(
             f"version {manifest.version} needs {_gib(grow)} GiB more of receive buffers and {_gib(staging)} GiB "
-            f"of apply staging; this rollout holds {_gib(held)} GiB of its own (RssAnon) and may hold "
-            f"{_gib(limit)} GiB",
+            f"of apply staging; this rollout holds {_gib(held)} GiB of its own "
+            f"({'RssAnon' if now.by_kind else 'VmRSS'}) and may hold {_gib(limit)} GiB",
             field="host_memory_limit_bytes",
         )
 

@@ -14,10 +14,17 @@ high-water mark of VmRSS since the process started (a host where /proc/self/clea
 not writable cannot reset it). `MemAvailable` (`/proc/meminfo`) is what the host can still
 give without swapping: where it falls by as much as a process's RSS rose, the pages are
 real memory.
+
+gVisor (the TPU host's sandbox) reports `VmRSS` alone: no kinds, no `VmHWM`. There
+`by_kind` is False, `own` is all of VmRSS, and this process's peak comes from
+`getrusage`'s `ru_maxrss`.
 """
 
 from __future__ import annotations
 
+import os
+import resource
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 _FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "peak"}
@@ -32,6 +39,13 @@ class HostMemory:
     file: int = 0
     shmem: int = 0
     peak: int = 0  # VmHWM: the largest rss since the start
+    by_kind: bool = False  # the kernel splits rss into anon, file and shmem
+
+    @property
+    def own(self) -> int:
+        """The process's own memory: its anonymous pages, or all of rss where the kernel
+        does not split it (a budget then counts shared and file pages too, erring high)."""
+        return self.anon if self.by_kind else self.rss
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -40,16 +54,25 @@ class HostMemory:
 def host_memory(pid: int | str = "self") -> HostMemory:
     """The process's resident memory now (`/proc/PID/status`); zeros where there is none
     (not Linux, or the process is gone)."""
-    values: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in _FIELDS:
-                    values[_FIELDS[key]] = int(rest.split()[0]) * 1024  # kB
+            m = parse_status(f)
     except (OSError, ValueError, IndexError):
         return HostMemory()
-    return HostMemory(**values)
+    if not m.peak and pid in ("self", os.getpid(), str(os.getpid())):
+        peak = max(m.rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: kB
+        m = HostMemory(m.rss, m.anon, m.file, m.shmem, peak, m.by_kind)
+    return m
+
+
+def parse_status(lines: Iterable[str]) -> HostMemory:
+    """The memory fields of a `/proc/PID/status` text."""
+    values: dict[str, int] = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in _FIELDS:
+            values[_FIELDS[key]] = int(rest.split()[0]) * 1024  # kB
+    return HostMemory(**values, by_kind="anon" in values)
 
 
 def mem_available() -> int:
