@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.audit_reading import AuditReading, Expected, compare, damage, fingerprint
-from rollout_agent.jax_fingerprint import Fingerprint, add, shifted
+from rollout_agent.jax_fingerprint import MASK, Fingerprint, add, shifted
 
 PROBE_ROWS = 1024  # identity rows per kernel probe: bounds the probe's memory at PROBE_ROWS x N
 _ALL = slice(None)
@@ -234,8 +234,41 @@ def _canonical(t: Any) -> Any:
 
 
 def _fingerprint(t: Any, kernel: bool) -> Fingerprint:
+    """A region's fingerprint where it lives: NumPy over host memory, torch's integer sums
+    on an accelerator (only the sums come back)."""
     t = _canonical(t) if kernel else t
+    if t.device.type != "cpu":
+        return torch_fingerprint(t)
     return fingerprint(_bits(t.contiguous()))
+
+
+def torch_fingerprint(t: Any, rows_per_step: int = 0) -> Fingerprint:
+    """`audit_reading.fingerprint` of a torch tensor, computed by torch where it lives:
+    the bits as int64 (8-byte elements as their two 32-bit halves on a new last axis), summed
+    plain and weighted by each axis' index, `rows_per_step` leading rows at a time (0:
+    about 16 Mi elements), each step's sums shifted to its rows. int64 sums wrap modulo
+    2^64, a multiple of 2^32."""
+    import torch
+
+    t = t.reshape(1) if t.ndim == 0 else t  # as NumPy's, whose contiguous copy of a scalar is 1-d
+    size = t.element_size()
+    b = t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+    mask = 0xFFFFFFFF if size == 8 else (1 << (8 * size)) - 1
+    per_row = max(1, b[0].numel()) if b.shape[0] else 1
+    step = rows_per_step or max(1, (16 << 20) // per_row)
+    total: list[int] = [0] * (b.ndim + 1 + (size == 8))
+    for r0 in range(0, b.shape[0], step):
+        x = b[r0 : r0 + step].to(torch.int64)
+        x = torch.stack([x & mask, (x >> 32) & mask], -1) if size == 8 else x & mask  # little-endian halves
+        sums = [int(x.sum())]
+        for k in range(x.ndim):
+            shape = [1] * x.ndim
+            shape[k] = x.shape[k]
+            index = torch.arange(x.shape[k], device=x.device, dtype=torch.int64).reshape(shape)
+            sums.append(int((x * index).sum()))
+        sums[1] += r0 * sums[0]  # this step's rows start at r0
+        total = [a + c for a, c in zip(total, sums)]
+    return tuple(v & MASK for v in total)
 
 
 def _probe(module: Any, regions: list[Region]) -> dict[str, Fingerprint]:

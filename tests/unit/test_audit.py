@@ -315,3 +315,23 @@ def test_a_reported_audit_out_of_bounds_is_refused_naming_the_field(audit: tpb.A
     with pytest.raises(InvalidArgument) as e:
         check_audit(audit)
     assert e.value.field == field
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "int8", "float64", "uint8"]),
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=3),
+    rows_per_step=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_torchs_fingerprint_where_a_tensor_lives_equals_numpys(
+    dtype: str, shape: list[int], rows_per_step: int, seed: int
+) -> None:
+    """What a vLLM audit computes on an accelerator (torch's integer sums, a few rows at a
+    time) is the host's fingerprint of the same bits."""
+    torch = pytest.importorskip("torch")
+    from rollout_agent.vllm_audit import _bits, torch_fingerprint
+
+    rng = np.random.default_rng(seed)
+    t = torch.from_numpy(np.asarray(rng.standard_normal(shape) * 100, np.float64)).to(getattr(torch, dtype))
+    assert torch_fingerprint(t, rows_per_step) == fingerprint(_bits(t.contiguous()))
