@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
 
 setup: $(STAMP)
 
@@ -149,6 +149,9 @@ bench-overlap: setup
 # bytes (bench/apply.py); 8 CPU devices by default, BENCH_ARGS='--preset 0.6b' on a TPU host.
 bench-apply: setup
 	$(PY) bench/apply.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset medium --json)
+
+bench-audit: setup
+	$(PY) bench/audit.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset 0.6b --json)
 
 # N rollout processes on one host: N pulls per version from the trainer against one pull
 # shared through unix relays (bench/host_pull.py; unix sockets only, so it runs on a TPU host).

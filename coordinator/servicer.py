@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 import grpc
 
 from coordinator.agent_keys import AgentKeyCheck, AgentKeys
+from coordinator.audit import AuditBoard, check_audit
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.fleet_metrics import FleetCollector
 from coordinator.messages import applied_report, endpoint_proto, role_name, version_info
 from coordinator.recent import Recent
-from coordinator.records import PublishOutcome, VersionRecord
+from coordinator.records import AgentRecord, PublishOutcome, VersionRecord
 from coordinator.states import VersionState
 from coordinator.status_view import StatusReplies
 from coordinator.store import SessionStore
@@ -51,6 +52,8 @@ LOOP_REPORT_TENSORS = 4096  # larger handshakes are checked on a thread, not on 
 STORE_WAIT_S = 0.25  # how long a short store call waits on the loop for a busy store
 BURST_CALLS = 2
 MANIFEST_BODIES = 4  # versions whose reader-independent pieces are kept built
+AUDIT_WAIT_S = 15.0  # how long a fresh AuditSession waits for the rollouts' answers by default
+MAX_AUDIT_WAIT_S = 120.0
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # Streams a rollout keeps for as long as it runs; the hub ends them at shutdown.
 ENDLESS_STREAMS = ("WatchVersions", "Heartbeats")
@@ -90,6 +93,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self._manifest_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="manifest")
         self._bodies: Recent[tuple[str, int, str], _ManifestBody] = Recent(MANIFEST_BODIES)
         self._status = StatusReplies(store)
+        self._audits = AuditBoard()
         # Leases and handshakes come as a fleet-wide burst on every READY; at most this many
         # at a time, so heartbeats and watches never queue behind a thousand of them.
         self._burst = asyncio.Semaphore(BURST_CALLS)
@@ -279,14 +283,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def _beat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         # A fleet's commonest call: one short statement.
+        audited = request.HasField("audit")
+        if audited:
+            check_audit(request.audit)
         generation = await self._soon(
             None, self._store.heartbeat, request.session, request.agent_id, request.current_version
         )
+        if audited:
+            self._audits.note(request.session, request.agent_id, request.audit)
         if self._sweep_due():
             await asyncio.to_thread(self.sweep)
         return pb.HeartbeatResponse(
-            generation=generation, lease_ttl_seconds=self._store.lease_ttl_s, carries_calls=True
-        )
+            generation=generation, lease_ttl_seconds=self._store.lease_ttl_s, carries_calls=True,
+            audit_request=self._audits.requested(request.session),
+        )  # fmt: skip
 
     def PublishVersion(
         self, request_iterator: Iterator[pb.PublishRequest], context: grpc.ServicerContext
@@ -473,6 +483,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # Resumed in the urgent lane when the reply is built (weightsync.event_loop).
         return await run_in_thread(self._status_pool, self._status.reply, request)
 
+    async def AuditSession(
+        self, request: pb.AuditSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AuditSessionResponse:
+        check_session_name(request.session, "session")
+        wait_s = request.wait_seconds or AUDIT_WAIT_S
+        if not (math.isfinite(wait_s) and 0 < wait_s <= MAX_AUDIT_WAIT_S):
+            raise InvalidArgument(f"{wait_s} is not in (0, {MAX_AUDIT_WAIT_S}] seconds", field="wait_seconds")
+        rollouts = await asyncio.to_thread(self._live_rollouts, request.session)  # NOT_FOUND first
+        seq = self._audits.request(request.session) if request.fresh else 0
+        deadline, next_read = time.monotonic() + wait_s, time.monotonic() + 1.0
+        while seq and time.monotonic() < deadline and not self._hub.closed:
+            if self._audits.answered(request.session, [a.agent_id for a in rollouts], seq):
+                break
+            await asyncio.sleep(0.05)
+            if time.monotonic() >= next_read:  # once a second: a rollout may have left (or come)
+                rollouts = await asyncio.to_thread(self._live_rollouts, request.session)
+                next_read += 1.0
+        rollouts = await asyncio.to_thread(self._live_rollouts, request.session)
+        committed = await asyncio.to_thread(self._store.versions, request.session, 50)
+        return pb.AuditSessionResponse(
+            session=request.session,
+            committed_version=next((v.version for v in committed if v.state is VersionState.COMMITTED), 0),
+            rollouts=self._audits.rows(request.session, rollouts, seq),
+            request_seq=seq,
+        )
+
+    def _live_rollouts(self, session: str) -> list[AgentRecord]:
+        return [a for a in self._store.agents(session) if a.alive and a.role == "ROLLOUT"]
+
     def AbortVersion(self, request: pb.AbortVersionRequest, context: grpc.ServicerContext) -> tpb.VersionInfo:
         rec = self._store.abort_version(
             request.session, generation=request.generation, version=request.version, reason=request.reason
@@ -487,6 +526,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # starts from nothing (its event seqs go on from the store's, never reused).
         self._feed.forget(request.session)
         self._status.forget(request.session)
+        self._audits.forget(request.session)
         self._metrics.forget_session(request.session)
         log.info("session %r deleted: %d version(s), %d agent(s)", request.session, versions, agents)
         return pb.DeleteSessionResponse(versions=versions, agents=agents)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
 from rollout_agent.appliers import Applier, DictApplier
+from rollout_agent.audit import Audited
+from rollout_agent.auditor import Auditor
 from rollout_agent.config import RolloutConfig
 from rollout_agent.sync import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
@@ -40,6 +42,7 @@ def _run(cfg: RolloutConfig) -> int:
     bind(session=cfg.session, agent_id=agent_id)
     metrics = build_metrics("rollout")
     if cfg.engine == "vllm":
+        from rollout_agent.vllm_core import in_process
         from rollout_agent.vllm_engine import VllmEngineSyncer
 
         # The engine's weightsync backend pulls, applies and reports (same settings, same
@@ -51,6 +54,10 @@ def _run(cfg: RolloutConfig) -> int:
             dtype=cfg.dtype,
             kv_cache_bytes=cfg.kv_cache_bytes,
         )
+        worker = in_process(agent_id)  # the engine's weightsync backend: it audits, and reports its audits
+        if worker is not None:
+            worker.auditor.metrics = metrics
+            worker.auditor.exclusive = engine.held  # its audits read every layer, the engine held
         agent = RolloutAgent(
             wiring,
             engine.sync,
@@ -58,6 +65,8 @@ def _run(cfg: RolloutConfig) -> int:
             completion=lambda: engine.complete(cfg.prompt),
             sampler=engine.sample,
             no_version_warn_s=cfg.no_version_warn_s,
+            auditor=worker.auditor if worker is not None else None,
+            owns_auditor=False,
         )
         closers = [engine.close]
     else:
@@ -69,7 +78,10 @@ def _run(cfg: RolloutConfig) -> int:
             metrics=metrics,
         )
         assert wiring.puller is not None
-        applier: Applier = DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring)
+        applier = Audited(
+            DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring),
+            wiring.failpoints,
+        )
         agent = RolloutAgent(
             wiring,
             functools.partial(
@@ -84,6 +96,7 @@ def _run(cfg: RolloutConfig) -> int:
             metrics=metrics,
             outbox=wiring.outbox,
             no_version_warn_s=cfg.no_version_warn_s,
+            auditor=Auditor(applier, session=cfg.session, interval_s=cfg.audit_interval_s, metrics=metrics),
         )
         closers = [wiring.close_data_plane]
     running = start_server(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
+from rollout_agent.auditor import Auditor
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import (
     FollowStop,
@@ -71,6 +72,8 @@ class RolloutAgent:
         sampler: Callable[[SampleSpec], list[SampledCompletion]] | None = None,
         outbox: ReportOutbox | None = None,
         no_version_warn_s: float = 60.0,
+        auditor: Auditor | None = None,
+        owns_auditor: bool = True,
     ) -> None:
         """`wiring` (`rollout_agent.wiring`) gives the client, registers the agent and
         keeps its lease; `syncer(version)` runs one round (the NumPy applier's
@@ -78,7 +81,10 @@ class RolloutAgent:
         the engine now says; `sampler(spec)` samples completions from the engine (`Sample`;
         None: the engine does not generate); `outbox` re-sends handshakes `syncer` could not deliver (its
         verdicts must reach `on_verdict`); a following rollout with nothing to sync after
-        `no_version_warn_s` logs why once (a mistyped session otherwise waited in silence)."""
+        `no_version_warn_s` logs why once (a mistyped session otherwise waited in silence);
+        `auditor` audits the engine's weights (`Audit`), and a mismatch it finds makes this
+        rollout serve no version until it re-applied one (`heal`); `owns_auditor` False:
+        another part runs it and reports its audits (a vLLM engine's worker)."""
         self.wiring = wiring
         self.client = wiring.client
         self.session = wiring.settings.session
@@ -110,6 +116,11 @@ class RolloutAgent:
         self.follows = False
         self.no_version_warn_s = no_version_warn_s
         self._no_version_since: float | None = time.monotonic()  # None once warned, or a version came
+        self.auditor = auditor
+        self._owns_auditor = owns_auditor
+        if auditor is not None:
+            auditor.on_mismatch.append(self.heal)
+            auditor.audited.on_commit.append(self.engine.applied_whole)
 
     def start(self, follow: bool) -> None:
         """Registers, starts heartbeats and, when following, the watch and sync threads.
@@ -124,7 +135,10 @@ class RolloutAgent:
                 self.wiring.puller.stale_rules.append(self._announced.stale)
             else:
                 self._stale_watch = StaleWatch(self.wiring.puller)
-        self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
+        owned = self.auditor if self._owns_auditor else None
+        self._heartbeat = self.wiring.heartbeat(lambda: self.current_version, owned)
+        if owned is not None:
+            owned.start()
         if follow:
             self._threads = [
                 threading.Thread(target=self._watch_loop, name="watch", daemon=True),
@@ -143,6 +157,8 @@ class RolloutAgent:
         rollout stops counting as required at once, not when its lease runs out)."""
         self._stop.set()
         self._wake.set()
+        if self.auditor is not None and self._owns_auditor:
+            self.auditor.stop()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         for t in self._threads:  # daemons: a pull in flight does not hold up the exit (the watch ends at once)
@@ -201,6 +217,34 @@ class RolloutAgent:
             elif result.failure != "abandoned":  # (abandoned: no handshake was sent, nothing failed)
                 self.on_verdict(result.version, False, result.mismatch)
             return result
+
+    def audit(self) -> tpb.AuditResult:
+        """Audits the weights the engine serves now (`Auditor.audit`)."""
+        if self.auditor is None:
+            raise FailedPrecondition("this rollout's engine has no audit")
+        return self.auditor.audit()
+
+    def heal(self, version: int) -> None:
+        """An audit found the engine not serving `version` exactly: it says it serves none
+        until a version is applied whole again, and re-applies: a following rollout syncs
+        the newest version it wants (this one, or newer), another this one, on a thread."""
+        if self.engine.unserve(version):
+            self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
+        if self.follows:
+            with self._state_lock:
+                self._wanted = max(self._wanted, version)
+            self._wake.set()
+            return
+
+        def resync() -> None:
+            try:
+                result = self.sync(version)
+                if not result.ok:
+                    log.error("re-applying version %d after the audit's mismatch failed: %s", version, result.mismatch)
+            except WeightsyncError as e:
+                log.error("re-applying version %d after the audit's mismatch failed: %s", version, e.message)
+
+        threading.Thread(target=resync, name="heal", daemon=True).start()
 
     def sample(self, spec: SampleSpec) -> list[SampledCompletion]:
         """Completions from the engine, each tagged with the version that sampled it."""
@@ -360,7 +404,7 @@ class RolloutAgent:
 
 
 class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
-    """Sync and GetStatus over gRPC."""
+    """Sync, Sample, Audit and GetStatus over gRPC."""
 
     def __init__(self, agent: RolloutAgent) -> None:
         self._agent = agent
@@ -398,7 +442,12 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             completion=a.last_completion,
             recent_completions=dict(a.recent_completions),
             host_memory=_host_memory(a.wiring.puller),
+            audit=a.auditor.summary() if a.auditor is not None else None,
+            unserved_version=a.auditor.unserved if a.auditor is not None else 0,
         )
+
+    def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> tpb.AuditResult:
+        return self._agent.audit()
 
 
 def _host_memory(puller: WeightPuller | None) -> pb.HostMemory:

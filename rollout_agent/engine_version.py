@@ -19,12 +19,29 @@ class EngineVersion:
         self._lock = threading.Lock()
         self.current = 0
         self.applied = 0
+        self._damaged = False  # an audit found the engine not holding `applied` exactly
 
     def after_round(self, result: SyncResult) -> None:
         """The engine holds a round's version once it applied (OK, or its verdict pending)."""
         if result.ok or result.handshake_pending:
             with self._lock:
                 self.applied = result.version
+
+    def applied_whole(self, version: int) -> None:
+        """An apply committed (called under the applier's lock, `audit.Audited.on_commit`,
+        so in order with audits): what an audit found before is gone."""
+        with self._lock:
+            self._damaged = False
+
+    def unserve(self, version: int) -> bool:
+        """An audit found the engine not holding `version` (the one it was last given
+        whole) exactly: it serves no version (`current` 0) until a version is applied whole
+        again (`applied_whole`), and an OK verdict before that makes none current. True
+        when it said it served one."""
+        with self._lock:
+            self._damaged = True
+            said, self.current = self.current, 0
+            return said != 0
 
     def confirmable(self, version: int) -> bool:
         """Whether an OK verdict for `version` would make it current (the engine holds it
@@ -41,7 +58,7 @@ class EngineVersion:
             return True
 
     def _confirmable(self, version: int) -> bool:  # (the lock held)
-        return version == self.applied and version != self.current
+        return version == self.applied and version != self.current and not self._damaged
 
     @property
     def newest(self) -> int:

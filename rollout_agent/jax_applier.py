@@ -11,8 +11,9 @@ run it (bench/apply.py).
 from __future__ import annotations
 
 from rollout_agent.appliers import Applier
-from rollout_agent.jax_apply import JaxApply
+from rollout_agent.jax_audit import JaxAudit
 
 
-class JaxApplier(JaxApply, Applier):
-    """Applies verified versions into a JAX engine's sharded weights (`JaxApply`)."""
+class JaxApplier(JaxAudit, Applier):
+    """Applies verified versions into a JAX engine's sharded weights (`JaxApply`), and
+    audits them on their devices (`JaxAudit`)."""

@@ -140,6 +140,9 @@ class JaxApply:
         self.corrupt_next = corrupt_next
         self.last: ApplyReport | None = None
         self.torn = False  # an in-place apply failed part way: the engine holds a mix until the next one
+        # the last version applied whole: (version, leaf path -> its verified fingerprint,
+        # leaf path -> the tensors in it), the reference of an audit (`jax_audit`)
+        self.verified: tuple[int, dict[str, Fingerprint], dict[str, tuple[str, ...]]] | None = None
         self._threads = threads or min(8, os.cpu_count() or 1)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._plans: dict[Any, dict[str, LeafPlan]] = {}
@@ -265,6 +268,8 @@ class JaxApply:
                 self.refresh()
             t4 = time.perf_counter()
             self.torn = False
+            self.verified = (r.version, {path: r.host[path] for path in r.plans},
+                             {path: tuple(p.name for p in plan.parts) for path, plan in r.plans.items()})  # fmt: skip
             self.last = self._report(r, fp_seconds, swap=t3 - t2, refresh=t4 - t3,
                                      pause=(t4 - t2) if r.mode == "swap" else (t4 - r.started))  # fmt: skip
             return list(r.consumed)
@@ -488,6 +493,7 @@ class JaxApply:
         the host's."""
         t0 = time.perf_counter()
         host = {path: fp.result() if isinstance(fp, concurrent.futures.Future) else fp for path, fp in r.host.items()}
+        r.host.update(host)
         r.host_seconds += time.perf_counter() - t0
         bad = []
         for path, check in checks.items():

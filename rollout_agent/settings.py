@@ -125,6 +125,13 @@ class SyncSettings(PeerConfig):
         "staging would take it past this is refused before a byte of it is pulled (RESOURCE_EXHAUSTED, its "
         "handshake failed). 0: no limit. Reported in the status and weightsync_host_memory_bytes.",
     )
+    audit_interval_s: float = option(
+        60.0,
+        "Seconds between audits of the weights the engine serves against the version it was last given "
+        "(exact fingerprints, tensor by tensor; a mismatch re-applies the version); 0: only when asked. An audit "
+        "also waits 100 times its own duration after the last one, so audits take at most 1% of the engine's "
+        "time.",
+    )
     failpoints: str = option("", "Testing only: name=count pairs, e.g. puller.corrupt_assembled=1.")
 
     def __post_init__(self) -> None:
@@ -151,7 +158,7 @@ class SyncSettings(PeerConfig):
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
             check_bounds(self, ("host_memory_limit_bytes",), 0)
-            check_bounds(self, ("relay_wait_s",), 0)
+            check_bounds(self, ("relay_wait_s", "audit_interval_s"), 0)
             check_positive(self, ("timeout_s",))
             self.check_peer()
             self.security()  # both halves of a key pair or neither

@@ -113,6 +113,11 @@ class WeightsyncTPUWorkerExtension:
         before `weightsync_sync` so the engine pauses for the swap alone."""
         return self._rollout().wait_ready(version, timeout_s)
 
+    def weightsync_audit(self) -> dict[str, Any]:
+        """Audits the live leaves on their devices against the version last applied whole
+        (design.md "Auditing the served weights"); an `AuditResult` as a dict."""
+        return self._rollout().audit()
+
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:
             return {"attached": False}

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.appliers import Applier
+from rollout_agent.audit_reading import AuditReading
+from rollout_agent.vllm_audit import VllmAudit
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
 
@@ -110,6 +112,7 @@ class VllmApplier(Applier):
         self._tied = tied_parameters(model)
         self._consumed: list[str] = []
         self._open = False
+        self._audit = VllmAudit(model, self._tied)
 
     def check(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         missing = sorted(self._expected - set(tensors))
@@ -132,6 +135,10 @@ class VllmApplier(Applier):
                     field="manifest.tensors",
                 )
 
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """The audit's reference of the verified bytes, taken while the engine serves."""
+        self._audit.prepare(version, tensors)
+
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self.check(version, tensors)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -139,22 +146,42 @@ class VllmApplier(Applier):
         initialize_layerwise_reload(self.model)
         self._open = True
         self._consumed = []
+        self._audit.begin(version)
 
     def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
         # One group = one layer: fused parts (q/k/v, gate/up, experts) arrive together.
         self.model.load_weights(iter([(name, to_torch(arr)) for name, arr in group]))
+        for name, arr in group:
+            self._audit.take(name, arr)  # the audit's reference, from the verified bytes
         self._consumed.extend(name for name, _ in group)
 
     def commit_update(self, version: int) -> list[str]:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-        retie_parameters(self.model, self._tied)
-        self._open = False
+        self._finalize()
+        self._audit.commit(version)
         return list(self._consumed)
 
     def abort_update(self) -> None:
         # After a partial load the only repair is a complete weight set (vLLM has no
         # rollback); the caller re-syncs. Finalize so the model is at least consistent.
+        # The audit keeps the last whole version's reference: a partly loaded engine is
+        # not that version, and its audit says so.
         if self._open:
-            self.commit_update(0)
+            self._finalize()
+
+    def _finalize(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        retie_parameters(self.model, self._tied)
+        self._open = False
+
+    def audit(self, *, engine_held: bool = False) -> AuditReading:
+        """This worker's shard of every tensor as the engine holds it now (kept parameters'
+        bytes, and, with `engine_held`, repacked CPU layers through their GEMM: a probe
+        beside the engine's own forward corrupts the kernels' memory) against the version
+        last applied whole (`vllm_audit`)."""
+        return self._audit.audit(kernels=engine_held)
+
+    def inject(self, kind: str) -> str:
+        """Testing only: damages a kept parameter's bytes (`vllm_audit.VllmAudit.inject`)."""
+        return self._audit.inject(kind)

@@ -13,7 +13,11 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
+from google.protobuf.json_format import MessageToDict
+
 from rollout_agent.appliers import Applier
+from rollout_agent.audit import Audited
+from rollout_agent.auditor import Auditor
 from rollout_agent.engine_version import EngineVersion
 from rollout_agent.follow import StaleWatch, latest_version
 from rollout_agent.host_budget import memory_status
@@ -83,14 +87,20 @@ class VllmRollout:
         self.applier = applier if applier is not None else VllmApplier(model, model_config)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
-        self._heartbeat = self.wiring.heartbeat(lambda: self.current_version)
+        # Every apply goes through `audited`: audits never overlap one (`rollout_agent.auditor`).
+        self.audited = Audited(self.applier, self.wiring.failpoints)
+        self.auditor = Auditor(self.audited, session=info.session, interval_s=info.audit_interval_s)
+        self.audited.on_commit.append(self.engine.applied_whole)
+        self.auditor.on_mismatch.append(self._unserve)
+        self._heartbeat = self.wiring.heartbeat(lambda: self.current_version, self.auditor)
+        self.auditor.start()
         # Pulls and checks each new version while the engine serves (a thread of this worker):
         # an update then only applies. Streaming applies hold no whole version to keep.
         self.prefetcher: Prefetcher | None = None
         self._stale_watch: StaleWatch | None = None  # (a prefetcher abandons stale pulls itself)
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(
-                self.wiring.puller, applier=self.applier, failpoints=self.wiring.failpoints, nice=info.prefetch_nice,
+                self.wiring.puller, applier=self.audited, failpoints=self.wiring.failpoints, nice=info.prefetch_nice,
                 stage=True,  # where the applier can build aside (a JAX engine that swaps): the sync only commits
             )  # fmt: skip
         elif self.wiring.puller is not None:
@@ -110,6 +120,18 @@ class VllmRollout:
             self.prefetcher.forget_versions()
         if self._stale_watch is not None:
             self._stale_watch.announced.forget()
+
+    def _unserve(self, version: int) -> None:
+        """An audit found the engine not serving `version` exactly: it serves none until a
+        version is applied whole again. The worker cannot pause the engine it lives in to
+        re-apply: its driver does (the sidecar by itself; else the next update_weights)."""
+        self.engine.unserve(version)
+
+    def audit(self) -> dict[str, Any]:
+        """Audits the weights the engine serves now, on the engine's own thread (vLLM's
+        `collective_rpc`, or a caller that holds the engine), so every layer is read,
+        repacked ones through their kernels; the result as a plain dict."""
+        return MessageToDict(self.auditor.audit(on_engine_thread=True), preserving_proto_field_name=True)
 
     def _on_verdict(self, version: int, ok: bool, mismatch: str) -> None:
         if ok:
@@ -132,12 +154,12 @@ class VllmRollout:
         with hold as ready:
             if ready is not None:  # pulled and checked while the engine served: apply only
                 result = apply_prefetched(
-                    ready, w.puller, self.applier, outbox=w.outbox, failpoints=w.failpoints,
+                    ready, w.puller, self.audited, outbox=w.outbox, failpoints=w.failpoints,
                     blocked_since=blocked_since,
                 )  # fmt: skip
             else:
                 result = sync_version(
-                    w.puller, self.applier, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
+                    w.puller, self.audited, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
                     outbox=w.outbox, engine_blocked=True,
                 )  # fmt: skip
         self.last = result
@@ -167,12 +189,15 @@ class VllmRollout:
         return self.prefetcher.wait_ready(v, timeout_s)
 
     def status(self) -> dict[str, Any]:
+        audit = self.auditor.summary()
         return {
             "agent_id": self.agent_id,
             "session": self.info.session,
             "current_version": self.current_version,
             "last": asdict(self.last) if self.last else None,
             "prefetch": self.prefetcher.status() if self.prefetcher is not None else None,
+            "audit": MessageToDict(audit, preserving_proto_field_name=True) if audit is not None else None,
+            "unserved_version": self.auditor.unserved,
             "host_memory": memory_status(self.wiring.puller),
         }
 
@@ -180,6 +205,7 @@ class VllmRollout:
         w = self.wiring
         if _IN_PROCESS.get(self.agent_id) is self:
             del _IN_PROCESS[self.agent_id]
+        self.auditor.stop()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._stale_watch is not None:

@@ -90,6 +90,10 @@ class VllmEngineSyncer:
         applied = int(self.llm.get_weight_version()) if version == 0 else version
         return SyncResult(applied, ok=True, timings={"total_seconds": time.perf_counter() - started})
 
+    def held(self) -> threading.Lock:
+        """The engine's lock: held, nothing runs in the engine (no generate, no update)."""
+        return self._engine_lock
+
     def complete(self, prompt: str, max_tokens: int = 8) -> str:
         """One greedy completion of `prompt`."""
         sp = self._sampling(temperature=0, max_tokens=max_tokens, ignore_eos=True)

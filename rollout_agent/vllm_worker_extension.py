@@ -41,6 +41,13 @@ class WeightsyncWorkerExtension:
             raise RuntimeError("weightsync: not attached; call weightsync_attach first")
         return self._weightsync.prefetch(version)
 
+    def weightsync_audit(self) -> dict[str, Any]:
+        """Audits the weights this worker's engine serves against the version it was last
+        given whole (its own tensor-parallel shard); an `AuditResult` as a dict."""
+        if self._weightsync is None:
+            raise RuntimeError("weightsync: not attached; call weightsync_attach first")
+        return self._weightsync.audit()
+
     def weightsync_detach(self) -> None:
         """Stops heartbeats and closes connections (the weights stay as they are)."""
         if self._weightsync is not None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout_agent.auditor import Auditor
 from rollout_agent.outbox import ReportOutbox
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay, relay_stall_s
@@ -121,12 +122,17 @@ class RolloutWiring:
         for react in self.on_new_session:
             react()
 
-    def heartbeat(self, current_version: Callable[[], int]) -> Heartbeat:
+    def heartbeat(self, current_version: Callable[[], int], auditor: Auditor | None = None) -> Heartbeat:
         """A started lease keeper that registers (again) through `register`; the client
-        carries the rollout's leases and handshakes on its stream."""
+        carries the rollout's leases and handshakes on its stream, and its beats the
+        `auditor`'s last audit (and bring it the coordinator's audit requests)."""
         beat = Heartbeat(
-            self.client, self.settings.session, self.agent_id, current_version=current_version, register=self.register
-        ).start()
+            self.client, self.settings.session, self.agent_id, current_version=current_version, register=self.register,
+            audit=auditor.summary if auditor is not None else None,
+            on_audit_request=auditor.requested if auditor is not None else None,
+        ).start()  # fmt: skip
+        if auditor is not None:
+            auditor.beat_soon = beat.beat_soon
         self.client.carrier = beat
         return beat
 

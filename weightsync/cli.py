@@ -245,6 +245,68 @@ def cmd_delete_session(client: CoordinatorClient, args: argparse.Namespace, cons
     return 0
 
 
+def audit_table(audits: pb.AuditSessionResponse) -> Table:
+    """One row per live rollout: the version it serves and what its last audit found."""
+    table = Table(title=f"audit of {audits.session} (newest committed version {audits.committed_version})")
+    for col in ("agent", "serves", "audited", "result", "tensors", "unaudited", "audit s", "age s", "heals", "differs"):
+        table.add_column(col)
+    for r in audits.rollouts:
+        a = r.audit
+        if not r.HasField("audit"):
+            result = "[yellow]none reported[/]"
+        elif not a.version:
+            result = "no version yet"
+        elif a.exact:
+            result = "[green]EXACT[/]"
+        else:
+            result = f"[red]MISMATCH {a.mismatch_count}[/]"
+        if audits.request_seq and r.HasField("audit") and not r.answered:
+            result += " [yellow](older: no answer)[/]"
+        if a.unserved_version:
+            result += f" [red]v{a.unserved_version} not served[/]"
+        differs = ", ".join(m.tensor for m in a.mismatches[:4])
+        if a.mismatch_count > 4:
+            differs += f" (+{a.mismatch_count - 4})"
+        table.add_row(
+            r.agent_id,
+            str(r.current_version),
+            str(a.version) if r.HasField("audit") else "-",
+            result,
+            str(a.tensors),
+            str(a.unaudited),
+            f"{a.seconds:.3f}",
+            f"{a.age_seconds:.1f}",
+            str(a.heals),
+            differs,
+        )
+    return table
+
+
+def audit_clean(audits: pb.AuditSessionResponse) -> bool:
+    """Every live rollout reported an audit (answering the request, when fresh) that found
+    the version it was given, exactly, and serves it."""
+    return all(
+        r.HasField("audit") and r.audit.exact and not r.audit.unserved_version
+        and (r.answered or not audits.request_seq)
+        for r in audits.rollouts
+    )  # fmt: skip
+
+
+def cmd_audit(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
+    """What every live rollout serves, audited bit for bit against the version it was given
+    (its last audit; --fresh: each audits now). Exit 1 unless every one is exact."""
+    audits = client.audit_session(args.session, fresh=args.fresh, wait_s=args.wait_s)
+    if args.json:
+        print(
+            json.dumps(
+                MessageToDict(audits, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            )
+        )
+    else:
+        console.print(audit_table(audits))
+    return 0 if audit_clean(audits) else 1
+
+
 def _acting_generation(client: CoordinatorClient, args: argparse.Namespace) -> int:
     """The generation a write carries: --generation, else the session's current one (the
     operator acts for the trainer that runs now; a trainer replaced meanwhile makes the
@@ -287,6 +349,7 @@ COMMANDS = {
     "delete-session": cmd_delete_session,
     "abort-version": cmd_abort_version,
     "release-version": cmd_release_version,
+    "audit": cmd_audit,
 }
 
 
@@ -324,6 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=bounded_number(0), default=0, help="exit after N events")
     s.add_argument("--timeout", type=bounded_number(0, float), default=0, help="exit after N seconds")
     s.add_argument("--limit", type=bounded_number(0, high=UINT32_MAX), default=10)
+    s = sub.add_parser(
+        "audit",
+        help="every live rollout's audit of the weights it serves (exit 1 unless all exact; trainer or admin token)",
+        parents=[json_after],
+    )
+    s.add_argument("--fresh", action="store_true", help="every live rollout audits now (default: its last audit)")
+    s.add_argument(
+        "--wait-s", type=bounded_number(0, float, high=120), default=0, help="--fresh: how long to wait (0: 15 s)"
+    )
     s = sub.add_parser(
         "delete-session", help="delete a finished job's session and all stored for it (admin)", parents=[json_after]
     )

@@ -236,6 +236,13 @@ class CoordinatorClient:
         req = pb.GetStatusRequest(session=session, version_limit=version_limit)
         return rpc.unary(self._stub.GetStatus, req, timeout_s=self.timeout_s, retries=self.retries)
 
+    def audit_session(self, session: str, *, fresh: bool = False, wait_s: float = 0.0) -> pb.AuditSessionResponse:
+        """The session's live rollouts with their last audits; `fresh`: each audits now,
+        waited for up to `wait_s` (0: the coordinator's default, 15 s)."""
+        req = pb.AuditSessionRequest(session=session, fresh=fresh, wait_seconds=wait_s)
+        timeout_s = self.timeout_s + ((wait_s or 15.0) if fresh else 0.0)
+        return rpc.unary(self._stub.AuditSession, req, timeout_s=timeout_s, retries=0 if fresh else self.retries)
+
     def abort_version(self, session: str, *, generation: int, version: int, reason: str) -> tpb.VersionInfo:
         req = pb.AbortVersionRequest(session=session, generation=generation, version=version, reason=reason)
         return rpc.unary(self._stub.AbortVersion, req, timeout_s=self.timeout_s, retries=self.retries)

@@ -27,6 +27,14 @@ KNOWN = {
         "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)"
     ),
     "sync.pause_before_report": "a rollout pauses 3 s between applying a version and its handshake, N times",
+    "audit.flip_live_bit": (
+        "right after each of the next N applies, a rollout flips one bit in its engine's live copy of the tensor "
+        "first in name order (a memory fault after the version verified; the next audit must name it)"
+    ),
+    "audit.overwrite_tensor": (
+        "right after each of the next N applies, a rollout overwrites its engine's whole live copy of the tensor "
+        "last in name order (a second loader; the next audit must name it)"
+    ),
 }
 
 

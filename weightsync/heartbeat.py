@@ -50,6 +50,10 @@ class Heartbeat:
             lease, a coordinator outage longer than the TTL).
         on_generation: called with the session generation every answer carries (a
             trainer learns from it that a newer incarnation fenced it).
+        audit: a rollout's last audit of the weights it serves (`AuditResult`, None
+            before the first), sent with every beat on the stream.
+        on_audit_request: called with the coordinator's newest audit request, which
+            every beat answer carries (0: none).
     """
 
     def __init__(
@@ -61,6 +65,8 @@ class Heartbeat:
         current_version: Callable[[], int],
         register: Callable[[], float],
         on_generation: Callable[[int], None] | None = None,
+        audit: Callable[[], Any] | None = None,
+        on_audit_request: Callable[[int], None] | None = None,
     ) -> None:
         self._client = client
         self._session = session
@@ -68,6 +74,8 @@ class Heartbeat:
         self._current_version = current_version
         self._register = register
         self._on_generation = on_generation
+        self._audit = audit
+        self._on_audit_request = on_audit_request
         self._interval_s = heartbeat_interval_s(10.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{agent_id}", daemon=True)
@@ -108,9 +116,20 @@ class Heartbeat:
             self._interval_s = heartbeat_interval_s(ttl_s)
 
     def _request(self) -> pb.HeartbeatRequest:
-        return self._client.keyed(
+        req = self._client.keyed(
             pb.HeartbeatRequest(session=self._session, agent_id=self._agent_id, current_version=self._current_version())
         )
+        audit = self._audit() if self._audit is not None else None
+        if audit is not None:
+            req.audit.CopyFrom(audit)
+        return req
+
+    def beat_soon(self) -> None:
+        """Sends a beat now on the open stream, if there is one (a new audit result
+        reaches the coordinator without waiting for the next interval)."""
+        open_stream = self._open
+        if open_stream is not None:
+            open_stream.outgoing.put(self._request())
 
     def _answer_within_s(self) -> float:
         return max(1.0, 2 * self._interval_s)
@@ -233,6 +252,8 @@ class Heartbeat:
         self._renewed()
         if resp.generation and self._on_generation is not None:
             self._on_generation(resp.generation)
+        if resp.audit_request and self._on_audit_request is not None:
+            self._on_audit_request(resp.audit_request)
 
     def _renewed(self) -> None:
         if self._failing:

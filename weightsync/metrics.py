@@ -57,6 +57,9 @@ class Metrics:
     applies: Counter
     apply_hbm_peak_bytes: Gauge
     apply_repaired_leaves: Counter
+    audits: Counter
+    audit_mismatches: Counter
+    audit_age: Gauge
 
     def forget_session(self, session: str) -> None:
         """Drops every series labelled with `session` (deleted: a platform that makes a
@@ -269,6 +272,27 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "Leaves an in-place apply built a second time because their device copy did not match the verified "
             "host bytes (damaged between host and device; the damage never served). Any rise is a host or device "
             "fault worth a look.",
+            ["role", "session"],
+            registry=registry,
+        ),
+        audits=Counter(
+            "weightsync_audits_total",
+            "Audits of the weights a rollout's engine serves against the version it was last given whole, by "
+            "result: exact (every tensor bit for bit) or mismatch (the engine served something else; it re-applies "
+            "the version).",
+            ["role", "session", "result"],
+            registry=registry,
+        ),
+        audit_mismatches=Counter(
+            "weightsync_audit_mismatches_total",
+            "Per tensor: audits that found the engine's live copy of it differing from the version it was given. "
+            "Any rise: the engine served weights that are not the version it claims (docs/runbooks.md).",
+            ["role", "session", "tensor"],
+            registry=registry,
+        ),
+        audit_age=Gauge(
+            "weightsync_audit_age_seconds",
+            "Seconds since the rollout's last audit of its served weights finished (absent before the first).",
             ["role", "session"],
             registry=registry,
         ),

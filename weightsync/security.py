@@ -50,6 +50,8 @@ ROLE_RULES: dict[str, frozenset[str]] = {
     "/weightsync.v1.TrainerAgent/ReadChunks": frozenset({"rollout"}),
     "/weightsync.v1.RolloutAgent/Sync": frozenset({"trainer"}),
     "/weightsync.v1.RolloutAgent/Sample": frozenset({"trainer"}),  # the engine's time is the trainer's
+    "/weightsync.v1.RolloutAgent/Audit": frozenset({"trainer"}),
+    COORDINATOR + "AuditSession": frozenset({"trainer"}),  # a fresh one makes every rollout audit
     COORDINATOR + "DeleteSession": frozenset(),  # admin only
 }
 # Methods whose request names a role: it must be the caller's (a rollout token cannot

@@ -24,14 +24,19 @@ torch = pytest.importorskip("torch")
 
 from safetensors.numpy import load_file  # noqa: E402
 
+from devtools.cluster import Cluster  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 from rollout_agent.appliers import DictApplier  # noqa: E402
 from rollout_agent.puller import WeightPuller  # noqa: E402
 from rollout_agent.relay import Relay  # noqa: E402
 from rollout_agent.sync import sync_version  # noqa: E402
-from tests.integration.support import state_name  # noqa: E402
+from rollout_agent.vllm_core import in_process  # noqa: E402
+from tests.integration.support import eventually, rollout_status, state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
+from weightsync._proto import rollout_agent_pb2 as rpb  # noqa: E402
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc  # noqa: E402
+from weightsync._proto import types_pb2 as tpb  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.manifest import Endpoint  # noqa: E402
 
@@ -74,6 +79,13 @@ def engine(model_dir: Path, coordinator: str) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def versions() -> Iterator[int]:
     return itertools.count(1)
+
+
+def rollout_audit(address: str) -> tpb.AuditResult:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return rpb_grpc.RolloutAgentStub(channel).Audit(rpb.AuditRequest(), timeout=60)
 
 
 def weights_for(model_dir: Path, seed: int) -> dict[str, np.ndarray]:
@@ -320,7 +332,9 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
         client.close()
 
 
-def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, coordinator: str) -> None:
+def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(
+    tmp_path: Path, coordinator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tied model (as Qwen3-0.6B to 4B are): the LM head is the embedding. vLLM's reload
     loads the embedding into a new tensor and puts back the head's old one (it received
     nothing): unless the applier ties them again, every handshake says OK while the engine
@@ -328,6 +342,7 @@ def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, co
     published weights' (our JAX forward)."""
     from weightsync.models import qwen3_jax
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its worker's audit is read in this process
     tied_dir = write_tiny_model(tmp_path / "tied", "qwen3", shape="tiny")
     cfg, base = qwen3_jax.load_checkpoint(tied_dir)
     assert cfg.tied and "lm_head.weight" not in base
@@ -346,6 +361,13 @@ def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, co
                 pub.publish(w, v)
                 sync_native(llm, v)
                 assert pub.wait_committed(v, 30) == "COMMITTED"
+                # the head's GEMM kernel (read through it) holds the new embedding, as every other weight
+                found = in_process("eng-tied").audit()  # type: ignore[union-attr]
+                assert found["exact"] and found["version"] == str(v) and found.get("unaudited", 0) == 0, found
+                # beside the engine (the worker's own audit thread) kernels are not called: only kept parameters
+                beside = in_process("eng-tied").auditor.audit()  # type: ignore[union-attr]
+                assert beside.exact and beside.method == "host" and beside.unaudited > 0
+                assert beside.tensors + beside.unaudited == len(w)
                 _, prompt_lp, _ = vllm_run(llm)
                 want = np.asarray(qwen3_jax.token_logprobs(w, cfg, np.asarray([PROMPT])))[0]
                 np.testing.assert_allclose(prompt_lp, want, atol=LOGPROB_ATOL)
@@ -354,3 +376,32 @@ def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(tmp_path: Path, co
                     assert np.max(np.abs(old - want)) > 0.1
     finally:
         llm.shutdown_weight_transfer_engine()
+
+
+def test_a_vllm_sidecar_names_its_damaged_weights_and_heals_by_itself(tmp_path: Path, cluster: Cluster) -> None:
+    """A rollout sidecar serving a vLLM-CPU engine: right after the first apply one bit of
+    one kept parameter flips and a whole other one is overwritten (failpoints, through the
+    engine's own parameters); the audit (every checkpoint tensor: kept parameters where
+    they are, repacked layers through their GEMM) names both, the sidecar serves no
+    version, re-applies it through vLLM's update API by itself and audits it exact."""
+    model_dir = write_tiny_model(tmp_path / "model", "qwen3", shape="tiny")
+    names = sorted(load_file(str(model_dir / "model.safetensors")))
+    coord = cluster.start_coordinator()
+    engine = cluster.start_rollout(
+        "vl", coord.address, "job",
+        ["--engine", "vllm", "--model", str(model_dir), "--dtype", "float32", "--audit-interval-s", "0",
+         "--failpoints", "audit.flip_live_bit=1,audit.overwrite_tensor=1"],
+        timeout_s=240,
+    )  # fmt: skip
+    trainer_args = ["--model-size", "tiny", "--weight-dtype", "float32", "--steps", "1", "--hold"]
+    trainer_args += ["--wait-commit", "false"]
+    cluster.start_trainer("trainer", coord.address, "job", trainer_args)
+    with CoordinatorClient(coord.address) as client:
+        assert state_name(client.wait_for_version("job", 1, timeout_s=240)) == "COMMITTED"
+    found = rollout_audit(engine.address)
+    assert found.version == 1 and found.tensors == len(names) and found.unaudited == 0
+    assert found.method == "host+kernel"  # the repacked linear layers read through their GEMM kernels
+    assert {m.tensor for m in found.mismatches} == {names[0], names[-1]}
+    healed = eventually(lambda: (s := rollout_status(engine.address)).current_version == 1 and s.audit.exact and s)
+    assert healed.audit.heals == 1 and healed.unserved_version == 0
+    assert rollout_audit(engine.address).exact

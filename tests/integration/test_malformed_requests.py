@@ -540,6 +540,43 @@ CASES = [
         C.INVALID_ARGUMENT,
         "version_limit",
     ),
+    Case(
+        "audit bad session",
+        lambda w: w.stub.AuditSession(cpb.AuditSessionRequest(session="Job!"), timeout=5),
+        C.INVALID_ARGUMENT,
+        "session",
+    ),
+    Case(
+        "audit unknown session",
+        lambda w: w.stub.AuditSession(cpb.AuditSessionRequest(session="nope", fresh=True), timeout=5),
+        C.NOT_FOUND,
+        None,
+    ),
+    Case(
+        "audit wait too long",
+        lambda w: w.stub.AuditSession(cpb.AuditSessionRequest(session="job", fresh=True, wait_seconds=1e9), timeout=5),
+        C.INVALID_ARGUMENT,
+        "wait_seconds",
+    ),
+    Case(
+        "audit wait not a number",
+        lambda w: w.stub.AuditSession(cpb.AuditSessionRequest(session="job", wait_seconds=float("nan")), timeout=5),
+        C.INVALID_ARGUMENT,
+        "wait_seconds",
+    ),
+    Case(
+        "beat with an audit naming too many tensors",
+        lambda w: w.stub.Heartbeat(
+            cpb.HeartbeatRequest(
+                session="job",
+                agent_id="nobody",  # refused for the audit before the store is asked about the agent
+                audit=tpb.AuditResult(mismatches=[tpb.AuditMismatch(tensor="t")] * 100),
+            ),
+            timeout=5,
+        ),
+        C.INVALID_ARGUMENT,
+        "audit.mismatches",
+    ),
     Case("read unknown version", lambda w: w.read(version=9), C.NOT_FOUND, None),
     Case("read other session", lambda w: w.read(session="other"), C.NOT_FOUND, None),
     Case("read wrong rank", lambda w: w.read(rank=1), C.INVALID_ARGUMENT, "rank"),

@@ -110,6 +110,8 @@ def test_versions_applied_through_the_extension_serve_transformers_logits(
             assert np.abs(got - want).max() <= 1e-5 * max(scale, 1.0), (np.abs(got - want).max(), scale)
             assert not served or np.abs(got - served[-1]).max() > 0.1 * scale  # the new version, not the old
             served.append(got)
+            found = engine.weightsync_audit()  # the live leaves, on their devices, are the version
+            assert found["exact"] and found["version"] == str(v) and found["tensors"] == len(tensors), found
         assert engine.weightsync_status()["current_version"] == 2 and not engine.weightsync_status()["torn"]
 
 

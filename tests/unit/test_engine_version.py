@@ -18,3 +18,15 @@ def test_a_late_verdict_makes_a_version_current_only_while_the_engine_holds_it()
     assert (engine.applied, engine.current) == (2, 2) and not engine.confirm(3)
     engine.forget()  # the session was made again
     assert (engine.applied, engine.current, engine.newest) == (0, 0, 0)
+
+
+def test_a_version_an_audit_found_damaged_is_served_again_only_after_an_apply() -> None:
+    engine = EngineVersion()
+    engine.after_round(SyncResult(4, ok=False, handshake_pending=True))
+    assert engine.unserve(4) is False  # said it served none yet
+    assert not engine.confirm(4)  # the verdict for the damaged weights arrives late: still none served
+    assert engine.current == 0 and engine.newest == 4  # a following rollout does not go back past it
+    engine.applied_whole(4)  # re-applied
+    engine.after_round(SyncResult(4, ok=True))
+    assert engine.confirm(4) and engine.current == 4
+    assert engine.unserve(4) is True and engine.current == 0

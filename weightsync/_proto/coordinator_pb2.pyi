@@ -84,7 +84,7 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., session_uid: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied", "agent_key")
+    __slots__ = ("session", "agent_id", "current_version", "call_id", "get_manifest", "report_applied", "agent_key", "audit")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class HeartbeatRequest(_message.Message):
     GET_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REPORT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
@@ -99,10 +100,11 @@ class HeartbeatRequest(_message.Message):
     get_manifest: GetManifestRequest
     report_applied: ReportAppliedRequest
     agent_key: str
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., call_id: _Optional[int] = ..., get_manifest: _Optional[_Union[GetManifestRequest, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedRequest, _Mapping]] = ..., agent_key: _Optional[str] = ...) -> None: ...
+    audit: _types_pb2.AuditResult
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., call_id: _Optional[int] = ..., get_manifest: _Optional[_Union[GetManifestRequest, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedRequest, _Mapping]] = ..., agent_key: _Optional[str] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "lease_ttl_seconds", "carries_calls", "call_id", "last", "manifest_piece", "report_applied", "error")
+    __slots__ = ("generation", "lease_ttl_seconds", "carries_calls", "call_id", "last", "manifest_piece", "report_applied", "error", "audit_request")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CARRIES_CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class HeartbeatResponse(_message.Message):
     MANIFEST_PIECE_FIELD_NUMBER: _ClassVar[int]
     REPORT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lease_ttl_seconds: float
     carries_calls: bool
@@ -119,7 +122,8 @@ class HeartbeatResponse(_message.Message):
     manifest_piece: ManifestPiece
     report_applied: ReportAppliedResponse
     error: _status_pb2.Status
-    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., carries_calls: _Optional[bool] = ..., call_id: _Optional[int] = ..., last: _Optional[bool] = ..., manifest_piece: _Optional[_Union[ManifestPiece, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    audit_request: int
+    def __init__(self, generation: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., carries_calls: _Optional[bool] = ..., call_id: _Optional[int] = ..., last: _Optional[bool] = ..., manifest_piece: _Optional[_Union[ManifestPiece, _Mapping]] = ..., report_applied: _Optional[_Union[ReportAppliedResponse, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., audit_request: _Optional[int] = ...) -> None: ...
 
 class DeregisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "agent_key")
@@ -428,3 +432,37 @@ class ReleaseVersionRequest(_message.Message):
     generation: int
     unpin: bool
     def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., force: _Optional[bool] = ..., generation: _Optional[int] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
+class AuditSessionRequest(_message.Message):
+    __slots__ = ("session", "fresh", "wait_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    fresh: bool
+    wait_seconds: float
+    def __init__(self, session: _Optional[str] = ..., fresh: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class RolloutAudit(_message.Message):
+    __slots__ = ("agent_id", "current_version", "audit", "answered")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    current_version: int
+    audit: _types_pb2.AuditResult
+    answered: bool
+    def __init__(self, agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., answered: _Optional[bool] = ...) -> None: ...
+
+class AuditSessionResponse(_message.Message):
+    __slots__ = ("session", "committed_version", "rollouts", "request_seq")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    committed_version: int
+    rollouts: _containers.RepeatedCompositeFieldContainer[RolloutAudit]
+    request_seq: int
+    def __init__(self, session: _Optional[str] = ..., committed_version: _Optional[int] = ..., rollouts: _Optional[_Iterable[_Union[RolloutAudit, _Mapping]]] = ..., request_seq: _Optional[int] = ...) -> None: ...

@@ -100,6 +100,11 @@ class CoordinatorStub:
                 request_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.AuditSession = channel.unary_unary(
+                '/weightsync.v1.Coordinator/AuditSession',
+                request_serializer=weightsync_dot_v1_dot_coordinator__pb2.AuditSessionRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_coordinator__pb2.AuditSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -210,6 +215,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuditSession(self, request, context):
+        """The session's live rollouts with the last audit each reported of the weights it
+        serves (on its heartbeats). `fresh`: every live rollout is asked to audit now (the
+        request rides its next heartbeat answer) and the reply waits up to wait_seconds for
+        their answers; a rollout that did not answer in time shows its older audit, marked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +292,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'AuditSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditSession,
+                    request_deserializer=weightsync_dot_v1_dot_coordinator__pb2.AuditSessionRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_coordinator__pb2.AuditSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -630,6 +650,33 @@ class Coordinator:
             '/weightsync.v1.Coordinator/DeleteSession',
             weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionRequest.SerializeToString,
             weightsync_dot_v1_dot_coordinator__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Coordinator/AuditSession',
+            weightsync_dot_v1_dot_coordinator__pb2.AuditSessionRequest.SerializeToString,
+            weightsync_dot_v1_dot_coordinator__pb2.AuditSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

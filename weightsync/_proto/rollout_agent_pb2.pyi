@@ -1,4 +1,5 @@
 from weightsync._proto import coordinator_pb2 as _coordinator_pb2
+from weightsync._proto import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,7 +35,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory")
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory", "audit", "unserved_version")
     class RecentCompletionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +53,8 @@ class RolloutStatus(_message.Message):
     COMPLETION_FIELD_NUMBER: _ClassVar[int]
     RECENT_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    UNSERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
@@ -62,7 +65,9 @@ class RolloutStatus(_message.Message):
     completion: str
     recent_completions: _containers.ScalarMap[int, str]
     host_memory: HostMemory
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ...) -> None: ...
+    audit: _types_pb2.AuditResult
+    unserved_version: int
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., unserved_version: _Optional[int] = ...) -> None: ...
 
 class HostMemory(_message.Message):
     __slots__ = ("rss", "anon", "file", "shmem", "peak", "limit", "receive_bytes")
@@ -81,6 +86,10 @@ class HostMemory(_message.Message):
     limit: int
     receive_bytes: int
     def __init__(self, rss: _Optional[int] = ..., anon: _Optional[int] = ..., file: _Optional[int] = ..., shmem: _Optional[int] = ..., peak: _Optional[int] = ..., limit: _Optional[int] = ..., receive_bytes: _Optional[int] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "n", "max_tokens", "seed")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from weightsync._proto import rollout_agent_pb2 as weightsync_dot_v1_dot_rollout__agent__pb2
+from weightsync._proto import types_pb2 as weightsync_dot_v1_dot_types__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,11 @@ class RolloutAgentStub:
                 request_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/weightsync.v1.RolloutAgent/Audit',
+                request_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.AuditRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_types__pb2.AuditResult.FromString,
+                _registered_method=True)
 
 
 class RolloutAgentServicer:
@@ -79,6 +85,16 @@ class RolloutAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Audits the weights the engine serves now against the version it was last given
+        whole, exactly (no float tolerance), waiting for an apply in progress to finish. A
+        mismatch marks that version not served (GetStatus) and starts a re-apply of it.
+        FAILED_PRECONDITION where the engine cannot be audited.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +112,11 @@ def add_RolloutAgentServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=weightsync_dot_v1_dot_rollout__agent__pb2.AuditRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_types__pb2.AuditResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +200,33 @@ class RolloutAgent:
             '/weightsync.v1.RolloutAgent/Sample',
             weightsync_dot_v1_dot_rollout__agent__pb2.SampleRequest.SerializeToString,
             weightsync_dot_v1_dot_rollout__agent__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.RolloutAgent/Audit',
+            weightsync_dot_v1_dot_rollout__agent__pb2.AuditRequest.SerializeToString,
+            weightsync_dot_v1_dot_types__pb2.AuditResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -222,3 +222,41 @@ class VersionInfo(_message.Message):
     ready_at: _timestamp_pb2.Timestamp
     committed_at: _timestamp_pb2.Timestamp
     def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ready_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class AuditMismatch(_message.Message):
+    __slots__ = ("tensor", "detail")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    detail: str
+    def __init__(self, tensor: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AuditResult(_message.Message):
+    __slots__ = ("version", "exact", "tensors", "mismatch_count", "mismatches", "unaudited", "seconds", "age_seconds", "request_seq", "method", "heals", "unserved_version", "audits")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    UNAUDITED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    HEALS_FIELD_NUMBER: _ClassVar[int]
+    UNSERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    exact: bool
+    tensors: int
+    mismatch_count: int
+    mismatches: _containers.RepeatedCompositeFieldContainer[AuditMismatch]
+    unaudited: int
+    seconds: float
+    age_seconds: float
+    request_seq: int
+    method: str
+    heals: int
+    unserved_version: int
+    audits: int
+    def __init__(self, version: _Optional[int] = ..., exact: _Optional[bool] = ..., tensors: _Optional[int] = ..., mismatch_count: _Optional[int] = ..., mismatches: _Optional[_Iterable[_Union[AuditMismatch, _Mapping]]] = ..., unaudited: _Optional[int] = ..., seconds: _Optional[float] = ..., age_seconds: _Optional[float] = ..., request_seq: _Optional[int] = ..., method: _Optional[str] = ..., heals: _Optional[int] = ..., unserved_version: _Optional[int] = ..., audits: _Optional[int] = ...) -> None: ...
