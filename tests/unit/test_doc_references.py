@@ -24,7 +24,7 @@ CONFIG_MODULES = {
     "trainer_agent": ("trainer_agent.config", "TrainerConfig"),
     "rollout_agent": ("rollout_agent.config", "RolloutConfig"),
 }
-# What a `make` variable's flags go to, besides the target's own script.
+# `make` variables whose value is command-line flags of the script the target runs.
 MAKE_ARG_VARS = ("DEMO_ARGS", "BENCH_ARGS")
 
 
@@ -121,17 +121,24 @@ def make_arg_options(target: str) -> frozenset[str]:
 
 
 def wsctl_problems(tokens: list[str]) -> list[str]:
+    """wsctl's command (the first word that is no global option's value) and its options."""
     from weightsync.cli import build_parser
 
     parser = build_parser()
-    known = parser_options(parser)
+    takes_value = {s for a in parser._actions if a.nargs != 0 for s in a.option_strings}
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    words = [t for t in tokens[1:] if not t.startswith("-") and t != "..."]
-    command = next((w for w in words if w in sub.choices), None)
-    if command:
-        known |= parser_options(sub.choices[command])
-    elif words and words[0].islower() and "-" in words[0]:
-        return [f"no wsctl command {words[0]!r}"]
+    command, skip = None, False
+    for token in tokens[1:]:
+        if skip or token == "...":  # `wsctl ... status`: the global options left out
+            skip = False
+        elif token.startswith("-"):
+            skip = token in takes_value
+        else:
+            command = token
+            break
+    if command is not None and command not in sub.choices:
+        return [f"no wsctl command {command!r}"]
+    known = parser_options(parser) | (parser_options(sub.choices[command]) if command else set())
     return [f"wsctl {command or ''}: no option {f}" for f in sorted(flags(tokens) - known)]
 
 
@@ -191,6 +198,8 @@ def test_the_command_check_catches_a_missing_target_or_flag() -> None:
         "make demo DEMO_ARGS: no option --no-such-flag"
     ]
     assert problems_of(["wsctl", "versions", "--json", "--handshakes"]) == ["wsctl versions: no option --handshakes"]
+    assert problems_of(["wsctl", "--session", "job", "statuss"]) == ["no wsctl command 'statuss'"]
+    assert not problems_of(["wsctl", "--coordinator", "h:1", "--session", "job", "status", "--json"])
     assert problems_of(["python", "-m", "rollout_agent", "--engine", "vllm", "--modle", "D"]) == [
         "python -m rollout_agent: no option --modle"
     ]
