@@ -132,7 +132,7 @@ bench-control: setup
 bench-stage: setup
 	$(PY) bench/stage.py $(BENCH_ARGS)
 
-# How much of a bf16 model changes per RL step and what the delta codec makes of it (issue 15).
+# How much of a bf16 model changes per RL step and what the delta codec makes of it.
 bench-delta: setup
 	$(PY) bench/delta.py $(BENCH_ARGS)
 

@@ -11,8 +11,8 @@ Three rounds, all on loopback against `python -m coordinator` (default flags):
    version: every agent sees READY on its watch, takes a lease (`GetManifest`) at once
    and reports its handshake uniform(0, --pull-s) later, as a pull would take; we time
    the fan-out and the commit after the last handshake. Both calls travel on the agent's
-   Heartbeats stream as weightsync's rollouts carry them (`--calls rpc`: an RPC each, as
-   before they were carried; the two modes compare the burst's cost).
+   Heartbeats stream as weightsync's rollouts carry them (`--calls rpc`: an RPC each, not
+   carried; the two modes compare the burst's cost).
 2. big manifest: one rank of 100,000 tensors publishes while the prober times another
    session; then `GetManifest` of it streams (pieces counted, largest message size); then
    the coordinator restarts and the first `GetManifest` (which decodes the stored part)

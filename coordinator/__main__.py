@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sessions := store.forget_empty_sessions():
                 log.info("retention: sessions no trainer opened and left empty forgotten: %s", ", ".join(sessions))
             metrics.database_bytes.set(store.database_bytes())
-        except Exception as e:  # noqa: BLE001 - a locked or full database passes; ending here ended the process
+        except Exception as e:  # noqa: BLE001 - a locked or full database passes; ending here would end the process
             if not failing:  # once per outage
                 log.warning("housekeeping failed (%s); trying again every %.1fs", e, cfg.lease_ttl_s / 2, exc_info=e)
             failing = True

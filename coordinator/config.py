@@ -41,8 +41,8 @@ class CoordinatorConfig(ServerConfig):
         super().__post_init__()
         try:
             # Upper bounds keep every value inside what SQLite and the clock take: a
-            # retain_versions past 2^63 failed every housekeeping round at its prune
-            # (OverflowError), a lease of 1e20 s ended the coordinator as it started.
+            # retain_versions past 2^63 would fail every housekeeping round at its prune
+            # (OverflowError), a lease of 1e20 s end the coordinator as it starts.
             check_bounds(self, ("lease_ttl_s",), 0.001, MAX_SECONDS)
             check_bounds(self, ("forget_agents_after_s", "gc_refresh_s"), 0, MAX_SECONDS)
             check_bounds(self, ("retain_versions", "max_sessions"), 1, MAX_COUNT)

@@ -136,8 +136,8 @@ def _storage_error(error: BaseException | None) -> WeightsyncError | None:
     RESOURCE_EXHAUSTED, a database another process holds locked past the busy timeout
     (an operator's sqlite3 shell, a backup), a damaged file or a disk that fails its reads
     or writes (an I/O error, a file system remounted read-only, a file-size limit)
-    UNAVAILABLE; all name `database`. Raised as they were, they came back INTERNAL and
-    ended the coordinator's housekeeping."""
+    UNAVAILABLE; all name `database`. Raised as they are, they would come back INTERNAL
+    and end the coordinator's housekeeping."""
     code = _primary_code(error)
     if code in _CORRUPT_CODES:
         return TransportUnavailable(

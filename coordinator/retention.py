@@ -8,10 +8,10 @@ and staging time it had, so history reads the same and no COMMITTED record is lo
 Pages freed go back to the file system through SQLite's incremental vacuum.
 
 Agents whose lease lapsed long ago are forgotten the same way: rollout pods come and go
-under new names (a Deployment's pods, preemptible nodes), and each left its row in every
-GetStatus reply and in the database for good. So are sessions no trainer ever opened once
-nothing is left in them: a rollout's registration makes its session, so a mistyped
-`--session` made one that stayed, counted against `--max-sessions`, for good.
+under new names (a Deployment's pods, preemptible nodes), and each would leave its row in
+every GetStatus reply and in the database for good. So are sessions no trainer ever opened
+once nothing is left in them: a rollout's registration makes its session, so a mistyped
+`--session` makes one, which would otherwise count against `--max-sessions` for good.
 """
 
 from __future__ import annotations

@@ -248,9 +248,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _ended_at_shutdown(self) -> Iterator[None]:
         """Around a long-lived stream's body: the hub cancels it when it closes, wherever it
         waits (on its client, or on a store read), and it ends as a return, so its call
-        completes at once. Ended by the cancel, a heartbeat stream stayed open until its
-        client gave up on it (~2 s per shutdown), and a watch that waited on a store read
-        got the server's whole grace (5 s: seen once)."""
+        completes at once. Ended by the cancel (raised), a heartbeat stream would stay open
+        until its client gives up on it (~2 s per shutdown), and a watch waiting on a store
+        read would get the server's whole grace (5 s)."""
         task = asyncio.current_task()
         if task is not None:
             self._hub.end_on_close(task)

@@ -1,9 +1,9 @@
 """GetStatus replies that stay cheap for a fleet: 1,000 agents and 1,000 handshakes per
 version, asked for by dashboards every second.
 
-Built message by message, such a reply took 55-65 ms of the coordinator's one Python core
+Built message by message, such a reply takes 55-65 ms of the coordinator's one Python core
 (1,000 agents and handshakes; most of it copying nested messages), and a prober's status
-calls alone kept it half busy. Two things make it cheap:
+calls alone keep it half busy. Two things make it cheap:
 
 - A version's handshakes change only by new or replaced reports (each written with a
   larger store-wide mark) and by pruning, so each version's list is kept, encoded, with
@@ -16,7 +16,7 @@ calls alone kept it half busy. Two things make it cheap:
   second, 4%), and the part that heartbeats do not move is kept beside it. Only the rows
   written since the kept ones are read (each write of an agent takes a store-wide mark,
   like reports): sqlite3 hands the GIL over around every row it steps to, and 1,000 rows
-  read on a status thread beside a busy event loop took ten times as long as alone.
+  read on a status thread beside a busy event loop take ten times as long as alone.
 
 The encoded repeated fields are merged into the reply (protobuf's wire format: a message
 followed by more fields of it parses as their merge, and repeated fields append).

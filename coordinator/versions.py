@@ -468,9 +468,9 @@ class VersionLifecycle:
         """Releases what replaced trainers left servable, once superseded and no live
         rollout holds it; returns the sessions touched. Only the trainer that publishes a
         version releases it (when its slot is reused), and a replaced one never comes back
-        to: its versions stayed READY or COMMITTED for good, so the retention window never
-        summarized them (each kept its descriptors and a handshake per rollout) and every
-        sweep evaluated its READY ones again.
+        to: left alone, its versions would stay READY or COMMITTED for good, never
+        summarized by the retention window (each keeping its descriptors and a handshake
+        per rollout), and every sweep would evaluate its READY ones again.
 
         Superseded means: by a newer COMMITTED version, for any version; and for one that
         never committed, also by a newer generation's PARTIAL version (its trainer moved on

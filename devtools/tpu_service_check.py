@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from weightsync.host_memory import HostMemory, host_memory, mem_available  # noqa: E402
 
 GIB = 1 << 30
-SWAP_PAUSE_S = 0.05  # the bound on a swap's pause
+SWAP_PAUSE_S = 0.05  # a swap's pause on the chip stays under this (docs/jax-applier.md)
 
 
 def build_parser() -> argparse.ArgumentParser:

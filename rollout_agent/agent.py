@@ -81,7 +81,7 @@ class RolloutAgent:
         the engine now says; `sampler(spec)` samples completions from the engine (`Sample`;
         None: the engine does not generate); `outbox` re-sends handshakes `syncer` could not deliver (its
         verdicts must reach `on_verdict`); a following rollout with nothing to sync after
-        `no_version_warn_s` logs why once (a mistyped session otherwise waited in silence);
+        `no_version_warn_s` logs why once (a mistyped session would otherwise wait in silence);
         `auditor` audits the engine's weights (`Audit`), and a mismatch it finds makes this
         rollout serve no version until it re-applied one (`heal`); `owns_auditor` False:
         another part runs it and reports its audits (a vLLM engine's worker)."""
@@ -126,8 +126,8 @@ class RolloutAgent:
         """Registers, starts heartbeats and, when following, the watch and sync threads.
         Without following, its callers choose the versions, and a `StaleWatch` still ends
         a pull that a newer trainer generation's version made stale (a `Sync` of a version
-        from a frozen trainer held the rollout for `timeout_s` per read, three reads, and
-        every `Sync` after it waited behind it)."""
+        from a frozen trainer would hold the rollout for `timeout_s` per read, three reads,
+        and every `Sync` after it would wait behind it)."""
         self.follows = follow
         self.wiring.on_new_session.append(self._session_made_again)
         if self.wiring.puller is not None:
@@ -183,8 +183,8 @@ class RolloutAgent:
                 version = latest_version(self.client, self.session)
             applied = self.engine.newest
             if self.follows and version < applied:
-                # Applying it left the engine on an older version while current_version, the
-                # heartbeats and the coordinator still said the newer one, for good.
+                # Applying it would leave the engine on an older version while current_version,
+                # the heartbeats and the coordinator say the newer one, for good.
                 raise FailedPrecondition(
                     f"{version} is older than the applied version {applied}: a following rollout does not go "
                     "back (start it with --follow false to choose its versions)",

@@ -43,7 +43,7 @@ class NewestAnnounced:
     """The newest servable version a watch announced and the trainer generation that
     published it. As a puller's stale rule (`WeightPuller.stale_rules`): a pull of an
     older version published by an older generation is abandoned. Its trainer was
-    replaced, frozen or cut off as likely as not (a pull from one waited `timeout_s` per
+    replaced, frozen or cut off as likely as not (a pull from one waits `timeout_s` per
     read, three reads: six minutes at the defaults), and the newer version is what the
     rollout syncs next either way. A pull of the same generation finishes: a fleet that
     pulls slower than its trainer publishes would otherwise never apply a version."""
@@ -56,8 +56,8 @@ class NewestAnnounced:
     def note(self, version: int, generation: int) -> None:
         """Records an announcement; generation 0: not known (a caller that asked for the
         newest version by number). The watch's later event for that version brings its
-        generation, which is taken then: it was ignored as "not newer", and a pull the
-        version made stale went on."""
+        generation, which is taken then (ignored as "not newer", it would let a pull the
+        version made stale go on)."""
         with self._lock:
             if (version, generation) > (self.version, self.generation):
                 self.version, self.generation = version, generation
@@ -80,8 +80,8 @@ class NewestAnnounced:
 
 class FollowStop:
     """Stops a `follow_servable` loop from another thread at once: its watch stream is
-    cancelled where it waits (stopping by the event alone waited for the next event, or
-    for the joiner's timeout: a rollout's SIGTERM took a second more)."""
+    cancelled where it waits (stopping by the event alone would wait for the next event,
+    or for the joiner's timeout: a second more for a rollout's SIGTERM)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -163,8 +163,8 @@ def _announced_generation(v: tpb.VersionInfo) -> int:
 class StaleWatch:
     """Follows a session only to abandon a pull its announcements make stale
     (`NewestAnnounced`), for a puller whose versions a caller chooses: a vLLM worker
-    without prefetch, whose update pulled from a frozen trainer with the engine held for
-    `timeout_s` per read, three reads, while its replacement's version was servable, and
+    without prefetch, whose update would pull from a frozen trainer with the engine held for
+    `timeout_s` per read, three reads, while its replacement's version is servable, and
     a sidecar started with `--follow false`. (A following rollout and a prefetcher watch
     the session for their own reasons and do this themselves.) Its owner calls
     `announced.forget()` when the session is made again."""

@@ -3,8 +3,8 @@ jitted fingerprint: one batched `device_put` of the group's host bytes, then one
 that lays out every leaf that needs it (permute, repeat, pad: `Part`'s transform) and
 fingerprints every leaf of the group, each device summing its own shards.
 
-Per leaf, the apply used to dispatch a transfer, a transform and a fingerprint program and
-wait for each fingerprint's row: three dispatches and a host round trip per leaf, where
+Leaf by leaf, an apply dispatches a transfer, a transform and a fingerprint program and
+waits for each fingerprint's row: three dispatches and a host round trip per leaf, where
 a transfer of the same bytes dispatches once. Here a layer of eleven leaves costs one
 `device_put` call and one program; the fingerprint rows of the whole group come back in
 one read at the commit. Host bytes go over as they lie in the receive buffer (views: no

@@ -766,8 +766,8 @@ class WeightPuller:
         reply (it waits `--relay-wait-s` for a chunk its own pull has not brought, e.g.
         from a frozen relay before it, which it leaves for the trainer within
         `relay_stall_s`), it still answers, and it brought a chunk within twice that. Left
-        at once, every rollout after a frozen relay went to the trainer, each before the
-        relay between them had left the frozen one. A relay silent past `relay_stall_s`,
+        at once, every rollout after a frozen relay would go to the trainer, each before the
+        relay between them has left the frozen one. A relay silent past `relay_stall_s`,
         one that refused (it does not hold the version, or its pull failed) and one that
         does not answer are left."""
         if lane.relay_lost != "lost" or time.monotonic() - lane.relay_heard > 2 * self.relay_stall_s:

@@ -332,8 +332,8 @@ def _applier_pause(
 def _fetch_manifest(puller: WeightPuller, version: int, failpoints: Failpoints | None) -> Prefetched:
     """The round's start: `version`'s manifest (0 = newest servable), leased. One whose
     header came but whose body does not check is the round's failure, kept in `error` for
-    the handshake: raised on, it left the version waiting READY for a handshake this
-    rollout would never send (its follow loop gave the version up)."""
+    the handshake: raised on, it would leave the version waiting READY for a handshake
+    this rollout never sends (its follow loop giving the version up)."""
     started = time.perf_counter()
     try:
         header, manifest = puller.fetch_manifest(version)

@@ -76,9 +76,9 @@ def _dtype(value: Any, name: str = "") -> np.dtype:
 
 
 def check_param(name: str, value: Any) -> None:
-    """InvalidArgument naming `params[name]` for a value that is no array of real numbers:
-    with `weight_dtype` set it was cast first, so a nested tree or None failed as a
-    TypeError mid-staging and complex values lost their imaginary part without a word.
+    """InvalidArgument naming `params[name]` for a value that is no array of real numbers,
+    before any cast to `weight_dtype` (which would fail a nested tree or None as a
+    TypeError mid-staging, and drop complex values' imaginary part without a word).
     A torch tensor of a dtype weightsync cannot carry (complex, float8, ...) is refused
     the same way, as is one whose bytes cannot be read (sparse, meta, a DTensor)."""
     field = f"params[{name!r:.200}]"

@@ -319,8 +319,8 @@ class WeightPublisher:
 
     def _attach_waiting(self, next_version: int) -> None:
         """Opens the session, waiting up to `attach_wait_s` for a coordinator that is not
-        reachable yet: pods start in any order, and a trainer that gave up after the
-        client's few retries (~9 s) ended its sidecar before the coordinator was up. The
+        reachable yet: pods start in any order, and giving up after the client's few
+        retries (~9 s) would end a sidecar before its coordinator is up. The
         incarnation makes the attach idempotent, so trying it again bumps nothing twice."""
         _ride_out(
             f"attaching to coordinator {self.settings.coordinator}",
@@ -638,7 +638,7 @@ class WeightPublisher:
         """Makes every arena slot hold `slot_bytes`. A reallocation leaves no slot's bytes,
         so their versions are forgotten first: a reader then finds the version gone
         (NOT_FOUND) or holds a view of the old mapping, which outlives it; never a slot of an
-        arena being made (that was INTERNAL) or of the new one. Raises ResourceExhausted
+        arena being made or of the new one. Raises ResourceExhausted
         (`arena`) when there is no room."""
         if self.arena.fits(slot_bytes):
             return
@@ -773,8 +773,8 @@ class WeightPublisher:
 
     def _remove_refused_copy(self, staged: _StagedPart) -> None:
         """A refused publish's fs copy (other bytes under an existing version, a version not
-        newer than the session's): written before the publish, it stayed in the store for
-        good where its version number was never the coordinator's."""
+        newer than the session's): written before the publish, it would stay in the store
+        for good where its version number is never the coordinator's."""
         assert self.fs_store is not None
         try:
             self.fs_store.remove_content(self.session, staged.version, self.rank, staged.fs_uri.rsplit("/", 1)[-1])

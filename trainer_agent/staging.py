@@ -61,9 +61,9 @@ class Layout:
 
 def tensor_spec(name: Any, dtype: Any, shape: Sequence[int]) -> TensorSpec:
     """A tensor's spec, or InvalidArgument naming it: a name or dtype the coordinator would
-    refuse is refused before its bytes are staged (a name that was not a string failed as
-    INTERNAL once the part was staged, "Exception iterating requests!"; a dtype error did
-    not say which of a model's tensors it was)."""
+    refuse is refused before its bytes are staged (after, a name that is not a string
+    fails as INTERNAL once the part is staged, "Exception iterating requests!", and a
+    dtype error does not say which of a model's tensors it is)."""
     if not isinstance(name, str):
         raise InvalidArgument(f"tensor names are strings, got {type(name).__name__} {name!r:.60}", field="params")
     field = f"params[{name!r:.200}]"

@@ -2,12 +2,12 @@
 
 A publisher removes a version's part when it reuses the version's arena slot. A trainer
 replaced by a new incarnation (preempted, crashed, frozen) never does, and its
-successor starts with empty slots: every restart left up to `slots` whole copies of the
-model in the store for good (and one more where it died between writing a part and
-publishing it). The coordinator releases such versions once the new generation committed
-a newer one and no rollout holds them; the successor removes their parts (every rank's: a
-restart may have fewer ranks) when it next claims a slot, and those of versions the
-coordinator never held.
+successor starts with empty slots: left alone, every restart would leave up to `slots`
+whole copies of the model in the store for good (and one more where it died between
+writing a part and publishing it). The coordinator releases such versions once the new
+generation committed a newer one and no rollout holds them; the successor removes their
+parts (every rank's: a restart may have fewer ranks) when it next claims a slot, and those
+of versions the coordinator never held.
 """
 
 from __future__ import annotations

@@ -2,22 +2,22 @@
 
 CPython's full (generation 2) collection walks every tracked object. A coordinator serving
 a fleet holds ~200 objects per open stream (grpc.aio's tasks, coroutines, call state):
-~190,000 at 1,000 agents, and a full collection of them took 180-230 ms of CPU here, every
+~190,000 at 1,000 agents, and a full collection of them takes 180-230 ms of CPU here, every
 ~6 s, with the event loop answering nobody meanwhile (the steady-state `GetStatus` p99).
 Those objects live as long as their streams, so walking them again finds nothing.
 
 After each collection of the middle or the oldest generation this moves the survivors to
 the permanent generation (`gc.freeze()`, which splices lists: no walk), so the next
-collections walk only what was made since. Freezing only after full collections left one
-long pause: the first full collection after a fleet connected walked every new stream's
-objects (56-63 ms at 500 agents, once a run in bench/control.py, the steady-state p99 of
-GetStatus and Health). What survived a middle collection has outlived two collections and
+collections walk only what was made since. Freezing only after full collections would
+leave one long pause: the first full collection after a fleet connects walks every new
+stream's objects (56-63 ms at 500 agents, once a run in bench/control.py, the steady-state
+p99 of GetStatus and Health). What survived a middle collection has outlived two collections and
 is as good as old. A frozen object freed by reference counting goes as usual; only
 reference cycles that die while frozen wait, and `refresh()` (every `refresh_s`, called by
 the owner from a thread of its own) unfreezes, collects everything once and freezes again,
 so they cannot pile up. The refresh is the one long pause left (as long as a full
-collection was: ~200 ms at 1,000 agents); refreshing early whenever the frozen set grew was
-tried and dropped, as it put that pause exactly where a fleet connects or a large manifest
+collection: ~200 ms at 1,000 agents); it runs on its clock, not early whenever the frozen
+set grows, which would put that pause exactly where a fleet connects or a large manifest
 is published. Such cycles are rare here: full collections of the coordinator under a fleet
 found 0-150 objects.
 """

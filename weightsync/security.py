@@ -222,9 +222,9 @@ class _FileValue(Generic[T]):
 class _RenewingChannel(grpc.Channel):
     """A TLS channel made again from its files when they change (looked at, at most once a
     second, as a call starts): grpc reads a client's certificate, key and CA only when the
-    channel is made, so an agent kept the certificate it started with, and once it expired
-    or its CA was rotated out (cert-manager, SPIFFE: hours) every new connection failed
-    until a restart. Calls in flight finish on the channel they started on; a replaced
+    channel is made, so an agent would keep the certificate it started with, and once it
+    expired or its CA was rotated out (cert-manager, SPIFFE: hours) every new connection
+    would fail until a restart. Calls in flight finish on the channel they started on; a replaced
     channel is closed `RETIRED_CHANNEL_S` later (streams still on it end as cancelled, and
     their callers open them again, as after a server restart)."""
 

@@ -43,8 +43,8 @@ class Limits:
     # Characters of a version's tensor names, all ranks together. A rollout's handshake
     # names every tensor twice (its digest, and the names the engine consumed), so with
     # `max_tensors` this keeps one inside a gRPC message (`handshake_bound_bytes`): 200,000
-    # names of 500 characters were accepted, pulled and applied, and their 205 MB handshake
-    # could never be sent, so the version waited for good.
+    # names of 500 characters, accepted, pulled and applied, would make a 205 MB handshake
+    # that can never be sent, and the version would wait for good.
     max_name_chars: int = 32 << 20
 
 
@@ -127,9 +127,9 @@ def check_int_arg(value: Any, field: str, low: int, high: int) -> int:
 
 def check_version_arg(version: Any, field: str = "version") -> int:
     """A version handed to the Python API: in [1, 2^63-1], what the coordinator stores.
-    Checked before anything is staged: a version the request could not carry (-1, 2^64)
-    failed as a ValueError only once the part was staged, and left its slot held under
-    that version, which broke every later publish and the publisher's heartbeat."""
+    Checked before anything is staged: a version the request cannot carry (-1, 2^64)
+    would otherwise fail as a ValueError only once the part is staged, leaving its slot
+    held under that version, which breaks every later publish and the heartbeat."""
     return check_int_arg(version, field, 1, INT64_MAX)
 
 

@@ -217,7 +217,7 @@ def test_another_models_manifest_is_refused_before_a_byte_is_pulled(
     engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int], spoil: Any
 ) -> None:
     """Names and the shapes vLLM loads only when equal are checked against the model from
-    the manifest: the version was pulled whole before its load refused it."""
+    the manifest, before a byte is pulled (not by the load, after the whole version)."""
     before = vllm_run(engine)
     v = next(versions)
     w = weights_for(model_dir, 31)

@@ -336,7 +336,8 @@ def test_a_rollout_carries_its_lease_and_handshake_on_its_heartbeat_stream(tmp_p
 
 
 def test_a_deleted_session_ends_its_watches_and_its_name_starts_afresh(inprocess_coordinator: RunningServer) -> None:
-    """A finished job's session kept its 50 retained versions and every handshake for good."""
+    """Deleting a finished job's session drops its retained versions and handshakes (kept
+    for good otherwise) and ends its watches; its name starts afresh."""
     address = inprocess_coordinator.address
     with CoordinatorClient(address) as client:
         gen = client.open_session("job", trainer=True, incarnation="a").generation
@@ -374,9 +375,8 @@ def test_a_deleted_session_ends_its_watches_and_its_name_starts_afresh(inprocess
 
 
 def test_shutdown_ends_a_watch_that_waits_on_a_store_read_at_once(tmp_path) -> None:  # noqa: ANN001
-    """A watch waiting on its feed's store read, not on the hub, was not woken by the hub's
-    close and got the server's whole grace (5 s: a coordinator shutdown seen once in a
-    test run); the hub now ends it, as a return, wherever it waits."""
+    """A watch waiting on its feed's store read, not on the hub, is ended by the hub's
+    close, as a return, wherever it waits, not after the server's whole grace (5 s)."""
     import asyncio
 
     from tests.conftest import coordinator_in_process

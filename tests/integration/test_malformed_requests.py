@@ -202,8 +202,8 @@ CASES = [
         C.INVALID_ARGUMENT,
         "endpoint.address",
     ),
-    # names are matched whole: `$` also matches before a final newline, and "job\n" was
-    # taken as a session of its own (a name that splits log lines and fs store paths)
+    # names are matched whole: `$` also matches before a final newline, which would take
+    # "job\n" as a session of its own (a name that splits log lines and fs store paths)
     Case(
         "session name ending in a newline",
         lambda w: w.stub.OpenSession(cpb.OpenSessionRequest(session="job\n", role=tpb.ROLLOUT), timeout=5),
@@ -302,7 +302,7 @@ CASES = [
         C.NOT_FOUND,
         None,
     ),
-    # uint64 values past SQLite's int64 once came back INTERNAL
+    # uint64 values past SQLite's int64 are refused, never INTERNAL
     Case(
         "heartbeat version 2^64-1",
         lambda w: w.stub.Heartbeat(
@@ -583,7 +583,7 @@ CASES = [
     Case("read index out of range", lambda w: w.read(indices=[0, 10_000]), C.INVALID_ARGUMENT, "indices[1]"),
     Case("read no indices", lambda w: w.read(indices=[]), C.INVALID_ARGUMENT, "indices"),
     Case("read too many indices", lambda w: w.read(indices=[0] * 5000), C.INVALID_ARGUMENT, "indices"),
-    # refused by grpc before it is buffered: a dozen 70 MiB reads at once took a trainer from 0.5 to 1.9 GB
+    # refused by grpc before it is buffered (buffered, a dozen 70 MiB reads at once take a trainer to 1.9 GB)
     Case("read larger than any chunk read", lambda w: w.read(session="a" * (2 << 20)), C.RESOURCE_EXHAUSTED, None),
 ]
 

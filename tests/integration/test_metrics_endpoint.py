@@ -91,10 +91,10 @@ def test_a_crowd_of_idle_clients_holds_few_threads_and_keeps_no_scrape_out(clust
 
 
 def test_tricklers_and_stalled_clients_are_cut_off_and_scrapes_are_served() -> None:
-    """A client that sends its request a byte at a time, each within the read timeout, held
-    its place for as long as it kept sending, and the limit's worth of them kept every scrape
-    out (answered 503). A request must now arrive whole within the timeout, and a scrape
-    takes the place of the oldest connection still sending one."""
+    """A request must arrive whole within the timeout, so a client that sends it a byte at
+    a time, each within the read timeout, cannot hold its place (the limit's worth of them
+    would keep every scrape out, answered 503), and a scrape takes the place of the oldest
+    connection still sending one."""
     registry = CollectorRegistry()
     Counter("probe_total", "a series to scrape", registry=registry).inc()
     # The request's deadline is 1 s; the default (IO_TIMEOUT_S) is 10 s, and a byte every

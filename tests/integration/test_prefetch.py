@@ -232,9 +232,8 @@ class _ModelOfOneShape(DictApplier):
 def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """A trainer of another model (same names, wider) is refused from the manifest, not after
-    its whole version was pulled into a receive buffer sized for it and the engine's load
-    refused it."""
+    """A trainer of another model (same names, wider) is refused from the manifest, before
+    a receive buffer is sized for its version or a byte of it is pulled."""
     engine = _ModelOfOneShape()
     with _prefetching(inprocess_coordinator.address, applier=engine) as (pub, client, puller, prefetcher):
         pub.publish({k: np.zeros((1024, 512), np.float32) for k in _params(1)}, 1)
@@ -251,9 +250,9 @@ def test_another_models_version_is_refused_before_a_byte_of_it_is_pulled(
 
 
 def test_an_update_abandons_an_older_prefetch_stuck_on_a_frozen_trainer(cluster: Cluster) -> None:
-    """docs/design.md: a newer version abandons an older prefetch. An update (`hold`) of version 2
-    waited for the prefetch of version 1 in progress to end; from a trainer frozen
-    mid-transfer that was `timeout_s` per read, three reads, with the engine held."""
+    """docs/design.md: a newer version abandons an older prefetch. An update (`hold`) of
+    version 2 does not wait for the prefetch of version 1 in progress to end, which from a
+    trainer frozen mid-transfer is `timeout_s` per read, three reads, with the engine held."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # r0 beats no lease here
     trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", "tcp", "--hold"]
     t1 = cluster.start_trainer("t1", coord.address, "job", trainer)

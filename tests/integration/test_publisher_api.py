@@ -34,8 +34,9 @@ def _weights(version: int, layers: int = 16) -> dict[str, np.ndarray]:
 def test_publishes_from_two_threads_take_two_slots_and_both_serve(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """Two publishes at once claimed the same free slot, staged over each other and were
-    both READY: version 1's bytes were gone (`not staged here`), and an arena leaked."""
+    """Two publishes at once claim a free slot each, never the same one (staged over each
+    other, both would be READY with version 1's bytes gone, `not staged here`), and no
+    arena leaks."""
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20, slots=3)
@@ -126,8 +127,9 @@ def test_an_argument_the_coordinator_would_refuse_is_refused_first_and_costs_not
     weight_dtype: str,
     field: str,
 ) -> None:
-    """A version the request cannot carry failed as a ValueError once staged and left its
-    slot held under it: every later publish, and the heartbeat, failed on it for good."""
+    """A version the request cannot carry is refused before anything is staged, costing
+    nothing (staged, it would hold its slot under that version, and every later publish
+    and the heartbeat would fail on it for good)."""
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     settings = PublisherSettings(
@@ -158,8 +160,8 @@ def test_a_publish_called_again_keeps_its_version_in_one_slot(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     """A call made again (same version, key and bytes: a retry after an error the caller
-    could not read) staged a second copy into the other slot: both slots held version 1,
-    and publishing version 2 released version 1 at once to free one of them."""
+    could not read) is a duplicate in the slot of the first, not a second copy in the
+    other slot, so version 2 takes the other slot and version 1 is not released for it."""
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", slots=2)
@@ -176,9 +178,9 @@ def test_a_publish_called_again_keeps_its_version_in_one_slot(
 def test_a_store_root_that_cannot_be_written_fails_the_publish_at_once(
     inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
 ) -> None:
-    """A root that is a file (or read-only, or not this user's) was UNAVAILABLE: the publish
-    tried again for publish_wait_s (120 s) before it raised. It raises at once now, frees
-    its slot, and publishes once the root is fixed."""
+    """A root that is a file (or read-only, or not this user's) fails the publish at once,
+    not after trying again for publish_wait_s (120 s): it frees its slot, and publishes
+    once the root is fixed."""
     root = tmp_path / "store"
     root.write_bytes(b"a file where the store should be")
     client = CoordinatorClient(inprocess_coordinator.address)
@@ -244,10 +246,10 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
 def test_a_commit_not_reached_in_time_says_what_it_waits_for(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """`wait_committed` ran out with "did not reach COMMITTED ... within 3s" and nothing
-    else: a trainer whose rollouts followed another session, or had not started, or one
-    that wedged, looked the same. It now says which: no live rollout at all, or the live
-    rollouts that have not reported the version (and how many hold a lease on it)."""
+    """`wait_committed` running out says what it waits for, so a trainer whose rollouts
+    follow another session, or have not started, or wedged, can tell which: no live
+    rollout at all, or the live rollouts that have not reported the version (and how many
+    hold a lease on it)."""
     client = CoordinatorClient(inprocess_coordinator.address)
     settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20)
     with WeightPublisher(settings) as pub:

@@ -157,8 +157,8 @@ def test_mtls_and_role_tokens_guard_the_coordinator(secure_coordinator: RunningS
 
 def test_a_refused_caller_s_request_is_never_read(secure_coordinator: RunningServer, pki: dict[str, str]) -> None:
     """A call without a valid token, or whose role may not call the method, is refused from
-    its metadata before grpc reads the request. Read first, a dozen concurrent 70 MiB
-    requests without a token took a coordinator from 68 MiB to 1 GiB. A request past the
+    its metadata before grpc reads the request (read first, a dozen concurrent 70 MiB
+    requests without a token take a coordinator from 68 MiB to 1 GiB). A request past the
     server's limit tells which: read, it is RESOURCE_EXHAUSTED; unread, the refusal."""
     too_big = "x" * (MAX_MESSAGE_BYTES + (1 << 20))
 
@@ -205,8 +205,9 @@ def _kept(tmp_path: Path, pem: bytes) -> str:
 def test_a_renewed_certificate_is_served_without_a_restart(
     secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
 ) -> None:
-    """cert-manager renews the mounted Secret in place; servers kept the certificate they
-    read at start, so every new connection failed once it expired."""
+    """cert-manager renews the mounted Secret in place: servers present the renewed
+    certificate to new connections without a restart (the one read at start would fail
+    every new connection once it expired)."""
     before = _served_serial(secure_coordinator.address, pki)
     ca_key = serialization.load_pem_private_key(Path(pki["ca"]).with_suffix(".key").read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
@@ -229,8 +230,8 @@ def test_a_client_keeps_its_channel_while_its_renewed_files_are_no_pem_pair(
     secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
 ) -> None:
     """A client's TLS files half-renewed (the next certificate's key beside this one, a CA
-    file cut short) were taken as they were, and no handshake succeeded until the files were
-    whole again; the client keeps the channel it has meanwhile."""
+    file cut short) are not taken as they are: the client keeps the channel it has until the
+    files are whole again, and its calls are answered meanwhile."""
     mine = {k: str(tmp_path / f"client-{k}.pem") for k in ("crt", "key", "ca")}
     for k, path in mine.items():
         Path(path).write_bytes(Path(pki[k]).read_bytes())
@@ -252,9 +253,9 @@ def test_a_client_keeps_its_channel_while_its_renewed_files_are_no_pem_pair(
 def test_rotated_bearer_tokens_are_read_again_without_a_restart(
     secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
 ) -> None:
-    """A rotated tokens Secret is swapped in place; servers kept the tokens they read at
-    start, so agents given the new ones were refused until a restart, and an agent kept
-    sending the token its channel was made with."""
+    """A rotated tokens Secret is swapped in place: servers read the tokens again, so
+    agents given the new ones are let in without a restart, and an agent sends the token
+    its file holds now, not the one its channel was made with."""
     token_file = tmp_path / "rollout.token"
     token_file.write_text(TOKENS["rollout"])
     security = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["rollout"], token_file=str(token_file))
@@ -397,9 +398,10 @@ def test_security_settings_are_checked(tmp_path: Path, pki: dict[str, str]) -> N
 
 
 def test_tls_files_that_are_no_pem_pair_are_named_at_start(tmp_path: Path, pki: dict[str, str]) -> None:
-    """grpc takes any bytes as a certificate: a coordinator given a key that is not its
-    certificate's said only that it could not bind its port, a client that it could not
-    connect. Each is refused at start now, naming the flag."""
+    """TLS files that make no PEM pair (a key that is not its certificate's, a certificate
+    that is not PEM, a CA file without a certificate) are refused at start, naming the
+    flag: grpc takes any bytes as a certificate, and then says only that a server could not
+    bind its port or a client could not connect."""
     Security(cert_file=pki["crt"], key_file=pki["key"], ca_file=pki["ca"]).check_files()
     for files, field, why in (
         ({"cert_file": pki["crt"], "key_file": pki["rogue_key"]}, "tls_cert_file", "KEY_VALUES_MISMATCH"),
@@ -516,8 +518,8 @@ def test_an_agent_presents_its_renewed_client_certificate_without_a_restart(
 ) -> None:
     """A CA rotated under mTLS: the rollout's certificate is renewed by the next CA in place
     (cert-manager, SPIFFE), then the coordinator, restarted, trusts the next CA alone. The
-    rollout's channel kept the certificate it was made with, so every new connection failed
-    and the rollout never registered again until it was restarted itself."""
+    rollout's new connections present the renewed certificate (a channel that kept the one
+    it was made with would fail every one), and it registers again without a restart."""
     ca, crt, key = _pki(tmp_path, "first")
     next_ca, next_crt, next_key = _pki(tmp_path, "next")
     trusted = tmp_path / "trusted-clients.crt"  # the coordinator's client CAs: both while rotating
@@ -576,10 +578,11 @@ def _stored(admin: CoordinatorClient, *, leases: bool = True) -> tuple:
 def test_a_rollout_credential_acts_for_its_own_agent_id_only(
     secure_coordinator: RunningServer, pki: dict[str, str]
 ) -> None:
-    """A rollout's role token (which may mint any rollout's agent token) heartbeat for the
-    trainer's agent id, keeping a dead trainer's lease alive, and registered as another
-    rollout's id with a foreign endpoint, taking its place in relays and handshakes. Calls
-    naming an agent now need the key its registration answered, whatever the token."""
+    """A rollout's role token (which may mint any rollout's agent token) may not heartbeat
+    for the trainer's agent id (keeping a dead trainer's lease alive) nor register as
+    another rollout's id with a foreign endpoint (taking its place in relays and
+    handshakes): calls naming an agent need the key its registration answered, whatever
+    the token."""
     addr = secure_coordinator.address
     rollout = _client_side(pki, "rollout")
     with (

@@ -170,9 +170,9 @@ def test_a_replaced_trainers_refused_version_leaves_the_committed_one_servable(c
 
 def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster: Cluster) -> None:
     """An operator's sqlite3 shell or a backup holding the database's write lock past
-    SQLite's 5 s busy timeout made the coordinator's housekeeping raise, and the process
-    exited; the write RPCs meanwhile came back INTERNAL. Now they are UNAVAILABLE naming
-    `database` (retryable), and housekeeping tries again until the lock is gone."""
+    SQLite's 5 s busy timeout: write RPCs meanwhile are UNAVAILABLE naming `database`
+    (retryable, not INTERNAL), and the coordinator lives on, its housekeeping trying again
+    until the lock is gone."""
     import sqlite3
 
     from weightsync.errors import TransportUnavailable
@@ -200,9 +200,9 @@ def test_a_database_another_process_holds_locked_is_waited_out_not_fatal(cluster
 
 def test_a_disk_that_fails_the_database_is_unavailable_and_the_fleet_goes_on_once_it_heals(cluster: Cluster) -> None:
     """A disk failing the database's writes (an I/O error, a file system remounted
-    read-only, a quota; here a file-size limit the WAL runs into) made every write INTERNAL,
-    a traceback each, the trainer's publishes among them. Now they are UNAVAILABLE naming
-    `database`: agents and the trainer try again, and go on once the disk does."""
+    read-only, a quota; here a file-size limit the WAL runs into): every write, the
+    trainer's publishes among them, is UNAVAILABLE naming `database`, not INTERNAL with a
+    traceback; agents and the trainer try again, and go on once the disk does."""
     db, coord, r0, _trainer = _publishing_fleet(cluster)
     largest = max(f.stat().st_size for f in cluster.workdir.glob("coordinator.db*"))
     limit = ["prlimit", "--pid", str(coord.pid)]
@@ -259,9 +259,9 @@ def _restart_on_a_new_database_and_go_on(cluster: Cluster, db: Path, coord: Proc
 
 def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cluster: Cluster) -> None:
     """A coordinator rescheduled without its volume (emptyDir) comes back knowing no
-    session: the trainer's next publish ended in SessionNotFound and the sidecar exited,
-    the rollouts waited for a session nobody opened. The trainer now opens it again as the
-    same incarnation, and the fleet goes on from its next version."""
+    session: the trainer's next publish meets SessionNotFound, opens the session again as
+    the same incarnation and trains on, and the fleet goes on from its next version (the
+    rollouts would otherwise wait for a session nobody opens)."""
     db, coord, r0, trainer = _publishing_fleet(cluster)
     cluster.kill("coordinator")
     for f in cluster.workdir.glob("coordinator.db*"):
@@ -271,11 +271,10 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
 
 
 def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> None:
-    """A training loop as the README writes it (`pub.publish(params, version=step)`) got
-    TransportUnavailable 11 s into a coordinator restart (the client's own retries) and
-    ended; only the sidecar's loop tried again. `publish` now does, for `publish_wait_s`,
-    staging the version once and sending its part again (it restaged every try), and
-    `publish_stream`, which reads its items once, does too (it raised at once)."""
+    """A training loop as the README writes it (`pub.publish(params, version=step)`)
+    rides out a coordinator restart longer than the client's own retries (11 s):
+    `publish` tries again for `publish_wait_s`, staging the version once and sending its
+    part again, and so does `publish_stream`, which reads its items once."""
     args = ["--lease-ttl-s", str(TTL)]
     coord = cluster.start_coordinator(args=args)
     port = int(coord.address.rsplit(":", 1)[1])
@@ -310,11 +309,11 @@ def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> 
 
 def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluster) -> None:
     """A new job on a session deleted and made again (or on a coordinator that lost its
-    database) publishes from version 1. A rollout at version 3 of the old session took 1
-    and 2 for versions it had passed: it stayed on the old weights and its status said 3,
-    and the new versions waited READY for its handshake. Registering again, it now finds
-    the session's identity changed and syncs the newest version of the new one. Both ways
-    in turn: deleted (3 -> the new job's 2), then the database lost (2 -> a third job's 1)."""
+    database) publishes from version 1. A rollout at version 3 of the old session,
+    registering again, finds the session's identity changed and syncs the newest version
+    of the new one, rather than taking 1 and 2 for versions it has passed (its old weights
+    serving on, and the new versions waiting READY for its handshake). Both ways in turn:
+    deleted (3 -> the new job's 2), then the database lost (2 -> a third job's 1)."""
     db = cluster.workdir / "coordinator.db"
     coord = cluster.start_coordinator(db_path=str(db), args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
@@ -322,7 +321,7 @@ def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluste
     eventually(lambda: rollout_status(r0.address).current_version == 3, what="r0 at the old job's version 3")
     port = int(coord.address.rsplit(":", 1)[1])
     for how, previous, job, steps in (("deleted", "old", "new", 2), ("database lost", "new", "third", 1)):
-        made_again = r0.log().count("was made again")  # before: the rollout may register anew at once
+        made_again = r0.log().count("was made again")  # counted first: the rollout may register anew at once
         cluster.kill(previous)
         if how == "deleted":
             with CoordinatorClient(coord.address) as client:
@@ -342,11 +341,11 @@ def test_a_session_made_again_is_followed_from_its_first_version(cluster: Cluste
 
 
 def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_goes_on(cluster: Cluster) -> None:
-    """A database damaged under a running coordinator (a torn write, a bad disk): every
-    request that touched it came back INTERNAL, for as long as the process lived, while its
-    health said SERVING. It now answers UNAVAILABLE naming `database`, moves the file aside
-    and exits 4; restarted (as Kubernetes would), it begins a new database and the fleet
-    attaches again, as after a lost volume."""
+    """A database damaged under a running coordinator (a torn write, a bad disk): the
+    coordinator answers UNAVAILABLE naming `database`, moves the file aside and exits 4,
+    rather than failing every request while its health says SERVING; restarted (as
+    Kubernetes would), it begins a new database and the fleet attaches again, as after a
+    lost volume."""
     db, coord, r0, trainer = _publishing_fleet(cluster)
     damage(db)
     assert cluster.wait_exit("coordinator", 30) == 4  # the next heartbeat's write meets it
@@ -357,10 +356,9 @@ def test_a_coordinator_whose_database_is_damaged_moves_it_aside_and_the_fleet_go
 
 
 def test_agents_started_before_their_coordinator_wait_for_it(cluster: Cluster) -> None:
-    """Pods start in any order. A trainer or rollout whose coordinator was not up yet gave
-    up after the client's retries (~9 s) with a traceback. The trainer now waits up to
-    `attach_wait_s` (120 s) to open its session; a rollout's beats register it once the
-    coordinator answers."""
+    """Pods start in any order. A trainer whose coordinator is not up yet waits up to
+    `attach_wait_s` (120 s) to open its session, well past the client's retries (~9 s); a
+    rollout's beats register it once the coordinator answers."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     trainer = cluster.start_trainer("t1", address, "job", [*TINY, "--steps", "1", "--hold"], wait=False)
@@ -458,10 +456,10 @@ def _arenas_mapped(pid: int) -> list[str]:
 
 
 def test_a_rollout_lets_go_of_a_restarted_trainers_old_sources(cluster: Cluster) -> None:
-    """Each trainer incarnation serves at a new address. The rollout kept its connection
-    to every old one open for as long as it lived: a socket per lane per restart (tcp),
-    and in shm the mapping of the old arena, whose pages (two slots of the model) stayed
-    in memory after the arena was unlinked. A version now closes what it does not read."""
+    """Each trainer incarnation serves at a new address. A version closes the sources it
+    does not read: no socket per lane per restart (tcp), and in shm no mapping of the old
+    arena, whose pages (two slots of the model) would stay in memory after the arena was
+    unlinked."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     by_tcp = cluster.start_rollout("by_tcp", coord.address, "job", ["--weight-sync-mode", "tcp"])
     by_shm = cluster.start_rollout("by_shm", coord.address, "job", ["--weight-sync-mode", "shm"])
@@ -512,14 +510,14 @@ def test_what_a_killed_trainer_left_is_released_and_its_store_parts_removed(clus
         assert states[1] == ("RELEASED", "superseded by version 2 of trainer generation 1")
         assert states[2] == ("RELEASED", "superseded by version 4 of trainer generation 2")
         assert states[4][0] == states[5][0] == "COMMITTED" and 3 not in states
-    assert FsStore(str(store)).versions("job") == [4, 5]  # before: [1, 2, 3, 4, 5], and 2-3 more per restart
+    assert FsStore(str(store)).versions("job") == [4, 5]  # nothing the replaced trainers left stays
 
 
 def test_a_trainer_restarted_with_fewer_ranks_leaves_no_buffers_of_the_old_ones(cluster: Cluster) -> None:
-    """A rollout kept a receive buffer per rank and an array per tensor split across ranks
-    for as long as it lived: after a 2-rank trainer came back as 1 rank it held rank 1's
-    half and a joined copy of every tensor on top of the new part (382 MiB for a 255 MiB
-    model). `weightsync_held_bytes` says what it keeps."""
+    """After a 2-rank trainer comes back as 1 rank, a rollout keeps neither rank 1's
+    receive buffer nor the joined copy of each tensor that was split across ranks (kept,
+    they would hold 382 MiB beside a 255 MiB model's new part). `weightsync_held_bytes`
+    says what it keeps."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
     fp32 = [*TINY, "--weight-dtype", "float32", "--steps", "1", "--hold"]
@@ -557,9 +555,8 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
     cluster: Cluster, mode: str, applies: tuple[str, ...]
 ) -> None:
     """A trainer frozen (or its host cut off) mid-transfer keeps its connections open and
-    sends nothing: its rollout waited `--timeout-s` per read, three reads (six minutes at
-    the defaults), before it took the version the trainer's replacement published. A
-    newer version from a newer trainer generation now abandons the pull at once; no
+    sends nothing. A newer version from a newer trainer generation abandons the pull at
+    once, not after `--timeout-s` per read, three reads (six minutes at the defaults); no
     handshake is sent for the abandoned version (nothing failed: it is not PARTIAL). In a
     relay chain the relay's child, left by its relay, leaves the frozen trainer too. One
     rollout per apply mode in `applies` (a streaming apply pulls in its own rounds)."""
@@ -587,11 +584,11 @@ def test_a_pull_from_a_frozen_trainer_is_abandoned_for_its_replacements_version(
                 what="every rollout at 2",
                 timeout_s=60,
             )
-            assert time.monotonic() - t0 < 60  # the old reads' deadline alone was 120 s
+            assert time.monotonic() - t0 < 60  # the frozen reads' own deadline alone is 120 s
             st = client.status("job")
             assert [h.version for h in st.handshakes] == [2] * rollouts
             # Version 1 got no handshake (not failed), and the frozen trainer will never
-            # release it: the coordinator does, once nothing holds it (before: READY for good).
+            # release it: the coordinator does, once nothing holds it.
             eventually(
                 lambda: (
                     [(v.version, state_name(v), v.reason) for v in client.status("job").versions]
@@ -628,9 +625,9 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
     cluster: Cluster, apply_mode: str
 ) -> None:
     """A vLLM worker without prefetch (`prefetch` off, or a streaming apply) has no follow
-    loop: its update of version 1 from a frozen trainer held the engine for `--timeout-s`
-    per read, three reads, while the replacement's version 2 was servable. Its
-    `StaleWatch` ends that pull once version 2 is announced, and the next update
+    loop: its update of version 1 from a frozen trainer would hold the engine for
+    `--timeout-s` per read, three reads, while the replacement's version 2 is servable.
+    Its `StaleWatch` ends that pull once version 2 is announced, and the next update
     takes 2."""
     from rollout_agent.appliers import DictApplier
     from rollout_agent.follow import StaleWatch
@@ -666,10 +663,10 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
 def test_a_sync_its_orchestrator_chose_from_a_frozen_trainer_ends_once_the_replacement_publishes(
     cluster: Cluster,
 ) -> None:
-    """A sidecar started with `--follow false` watched nothing: its `Sync` of version 1
-    from a frozen trainer waited `--timeout-s` per read, three reads, and the
-    orchestrator's `Sync` of the replacement's version 2 queued behind it. The first
-    now ends, not OK, once version 2 is announced, and the second applies 2."""
+    """A sidecar started with `--follow false` follows no version, but its `Sync` of
+    version 1 from a frozen trainer ends, not OK, once version 2 is announced (not after
+    `--timeout-s` per read, three reads), and the orchestrator's `Sync` of the
+    replacement's version 2, queued behind it, applies 2."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     chooser = cluster.start_rollout("r0", coord.address, "job", ["--follow", "false"])
     trainer = ["--model-size", "small", "--steps", "1", "--hold"]
@@ -701,11 +698,10 @@ def _vm_size(pid: int) -> int:
 
 
 def test_a_rollout_that_cannot_allocate_its_receive_buffer_reports_it_and_syncs_once_it_can(cluster: Cluster) -> None:
-    """A receive buffer that could not be allocated (`MemoryError`: a host short of
-    memory, an address-space limit) escaped the round: no handshake, and the version
-    waited `READY` for good on a rollout alive and required (it gave up after three
-    tries). It is the round's local failure now, as an engine's own is: reported (the
-    version goes `PARTIAL`, naming it), and a later sync commits it."""
+    """A receive buffer that cannot be allocated (`MemoryError`: a host short of memory,
+    an address-space limit) is the round's local failure, as an engine's own is: reported
+    (the version goes `PARTIAL`, naming it, rather than waiting `READY` on a rollout alive
+    and required), and a later sync commits it."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job", ["--weight-sync-mode", "tcp"])
     # room for the process's threads, not for the 255 MiB model (the soft limit only: any
@@ -749,9 +745,10 @@ def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) ->
     ],
 )
 def test_a_port_taken_is_one_line_naming_the_flag(cluster: Cluster, role: str, flag: str, code: int) -> None:
-    """Every sidecar ended in a traceback (grpc's RuntimeError "Failed to bind", an OSError
-    from the metrics or tcp listener); a coordinator whose metrics port was taken left its
-    gRPC server running inside the failed start."""
+    """A process whose port is taken (the coordinator, a trainer or rollout sidecar) exits
+    with its code and one line naming the flag, not a traceback (grpc's RuntimeError
+    "Failed to bind", an OSError from the metrics or tcp listener), whichever of its
+    listeners was refused."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -778,8 +775,9 @@ def test_a_second_coordinator_on_the_same_database_refuses_to_start(cluster: Clu
 
 
 def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers_again(cluster: Cluster) -> None:
-    """Rollout pods that come and go under new names each stayed in every status reply; a
-    session only a rollout made (a mistyped --session) stayed for good once it left."""
+    """Rollout pods that come and go under new names leave every status reply once they
+    are gone past the window, and so does a session only a rollout made (a mistyped
+    --session) once it left; one that returns registers again."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL), "--forget-agents-after-s", "1"])
     with CoordinatorClient(coord.address) as client:
         client.open_session("jbo", trainer=False)
@@ -798,12 +796,12 @@ def test_agents_gone_past_the_window_are_forgotten_and_a_returning_one_registers
 
 
 def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets_it_back(cluster: Cluster) -> None:
-    """Two rollout processes under one agent id (a Deployment whose template sets it) beat
-    one lease and answer for each other: a version counted one's handshake for both, and
-    the coordinator listed one endpoint. The second is refused while the first's lease is
-    live, and exits once it has waited three lease TTLs (the coordinator's; the wait was
-    30 s whatever the TTL, too short for a 60 s lease); a container restarted after
-    `kill -9` under the same id waits out its old lease and syncs."""
+    """Two rollout processes under one agent id (a Deployment whose template sets it)
+    would beat one lease and answer for each other (one's handshake counted for both, one
+    endpoint listed). The second is refused while the first's lease is live, and exits
+    once it has waited three lease TTLs (the coordinator's, so a 60 s lease is waited out
+    too); a container restarted after `kill -9` under the same id waits out its old lease
+    and syncs."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
     cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
@@ -825,9 +823,9 @@ def test_a_second_process_under_a_live_rollouts_id_is_refused_and_a_restart_gets
 def test_a_rollout_paused_while_another_process_took_its_id_takes_it_back_once_that_one_is_gone(
     cluster: Cluster,
 ) -> None:
-    """Frozen past its lease, r0's id was registered by another process. Back, r0's beats
-    renewed the other's lease under r0's id (one row, two processes answering for it); they
-    carry r0's agent key now and are refused, and r0 registers again once the other's lease
+    """Frozen past its lease, r0's id is registered by another process. Back, r0's beats
+    carry r0's agent key and are refused (they would renew the other's lease under r0's id:
+    one row, two processes answering for it), and r0 registers again once the other's lease
     lapses."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     r0 = cluster.start_rollout("r0", coord.address, "job")
@@ -894,8 +892,8 @@ def test_a_dev_shm_without_room_for_the_arena_is_refused_and_retried_until_there
 
 
 def test_a_trainer_without_a_writable_dev_shm_says_so_in_one_line(cluster: Cluster) -> None:
-    """A read-only (or missing) /dev/shm: the sidecar ended in an OSError traceback at its
-    first publish. It now names the directory, the reason and the fix, and exits 1."""
+    """A read-only (or missing) /dev/shm: the sidecar names the directory, the reason and
+    the fix in one line at its first publish, and exits 1."""
     read_only = private_dev_shm("mount -t tmpfs -o ro tmpfs /dev/shm")
     coord = cluster.start_coordinator()
     t1 = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1"], wait=False, wrapper=read_only)

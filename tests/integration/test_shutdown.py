@@ -205,10 +205,8 @@ def test_a_call_past_the_grace_is_ended_and_named(tmp_path: Path, caplog: pytest
 
 
 def test_a_follower_stops_at_once_though_its_watch_waits(tmp_path: Path) -> None:
-    """A rollout stopping set its follow loop's event and joined the thread: the thread sat
-    in its watch stream until the next event (here: none comes), so every rollout's SIGTERM
-    waited out the join. Stopping cancels the stream, so the thread ends though no event
-    comes."""
+    """Stopping a rollout cancels its follow loop's watch stream, so the thread ends at
+    once though no event comes (here: none does), and SIGTERM does not wait for one."""
     from rollout_agent.follow import FollowStop, follow_servable
     from tests.conftest import coordinator_in_process
 

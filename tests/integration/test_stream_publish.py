@@ -255,9 +255,9 @@ def test_a_refused_publish_leaves_the_stores_copy_of_that_version_intact(
 ) -> None:
     """A publish of an existing version with other bytes is refused (ALREADY_EXISTS: a
     caller's mistake, or a trainer restarted from a checkpoint publishing its step again),
-    but its fs copy was written first, over the accepted version's part: every rollout
-    that then read that version from the store got bytes its manifest does not describe
-    (DATA_LOSS, for as long as the version was the newest)."""
+    and its fs copy, written first, goes beside the accepted version's part, never over it:
+    a rollout that reads that version from the store gets the bytes its manifest describes
+    (over it, DATA_LOSS for as long as the version is the newest)."""
     from weightsync.errors import VersionConflict
     from weightsync.transports.fs import FsStore
 
@@ -293,8 +293,7 @@ def test_a_refused_publish_leaves_the_stores_copy_of_that_version_intact(
     assert outcome.ok, outcome.mismatch
     assert np.array_equal(applier.weights["model.norm.weight"], accepted["model.norm.weight"])
     assert FsStore(root).versions("job") == [1]
-    # The refused copy is gone too: its bytes are no version's (it stayed until version 1
-    # was released, and for good where version 1's publisher was replaced).
+    # The refused copy is gone too: its bytes are no version's.
     assert len(list((tmp_path / "store" / "job" / "v1" / "r0").iterdir())) == 1
     puller.close()
     client.close()
@@ -304,8 +303,8 @@ def test_a_publish_refused_as_not_newer_leaves_nothing_in_the_store(
     inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
 ) -> None:
     """A trainer restarted from an older checkpoint publishes steps the session has passed:
-    each is refused, and each wrote a whole copy of the model to the store first, under a
-    version number the coordinator never held (nothing ever removed it)."""
+    each is refused, and the whole copy of the model each wrote to the store first, under
+    a version number the coordinator never held, is removed."""
     from weightsync.errors import FailedPrecondition
     from weightsync.transports.fs import FsStore
 
@@ -326,8 +325,9 @@ def test_a_publish_refused_as_not_newer_leaves_nothing_in_the_store(
 def test_wsctl_deletes_a_finished_sessions_fs_store_directory_with_it(
     inprocess_coordinator: RunningServer, no_arena_leak: None, tmp_path: Path
 ) -> None:
-    """DeleteSession cannot reach the store: every finished job left its last versions there
-    (a whole copy of the model per slot) for good."""
+    """DeleteSession cannot reach the store, so `wsctl delete-session --fs-root` removes the
+    finished job's directory there (its last versions: a whole copy of the model per slot),
+    and nothing of another session; a root it cannot use deletes nothing."""
     import json
     import subprocess
     import sys

@@ -139,9 +139,9 @@ def test_two_trainer_ranks_assemble_bit_exactly_and_stay_staging_until_both_seal
 def test_a_following_rollout_refuses_to_go_back_and_one_that_does_not_follow_says_where_it_went(
     cluster: Cluster,
 ) -> None:
-    """`Sync(version=1)` on a rollout following at version 2 applied version 1 while its
-    status, its heartbeats and the coordinator went on saying 2, and the follow loop, at
-    "2", never moved it back: the engine served the older weights for good."""
+    """`Sync(version=1)` on a rollout following at version 2 is FAILED_PRECONDITION (applied,
+    the engine would serve the older weights for good while its status, its heartbeats and
+    the coordinator said 2); a rollout that does not follow goes back and says so."""
     coord = cluster.start_coordinator()
     follower = cluster.start_rollout("r0", coord.address, "job")
     chooser = cluster.start_rollout("r1", coord.address, "job", ["--follow", "false"])
@@ -165,10 +165,10 @@ def test_a_following_rollout_refuses_to_go_back_and_one_that_does_not_follow_say
 
 
 def test_a_rollout_with_nothing_to_sync_says_why(cluster: Cluster) -> None:
-    """A rollout started with a session name no trainer publishes under said it was ready
-    and then nothing, for good. Past `--no-version-warn-s` it logs why once, and its
-    status's last_error says it: no trainer opened the session, or one did and published
-    nothing yet. A rollout that has a version says nothing."""
+    """A rollout started with a session name no trainer publishes under says why it has
+    nothing: past `--no-version-warn-s` it logs it once, and its status's last_error says
+    it: no trainer opened the session, or one did and published nothing yet. A rollout
+    that has a version says nothing."""
     coord = cluster.start_coordinator()
     quick = ["--no-version-warn-s", "1"]
     typo = cluster.start_rollout("typo", coord.address, "jbo", quick)
@@ -250,10 +250,10 @@ def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: 
 
 
 def test_a_manifest_that_does_not_check_is_reported_failed_and_the_retry_commits(cluster: Cluster) -> None:
-    """A manifest whose body did not check (its digest, a batch that does not build) was
-    raised on before the round began: no handshake, and the follow loop gave the version
-    up, so it waited READY on a rollout that would never report it. It is now the round's
-    failure: the version goes PARTIAL naming the rollout, and the retry commits it."""
+    """A manifest whose body does not check (its digest, a batch that does not build) is
+    the round's failure, reported in a handshake: the version goes PARTIAL naming the
+    rollout (it would otherwise wait READY on a rollout that never reports it), and the
+    retry commits it."""
     from trainer_agent.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
 
@@ -321,13 +321,12 @@ def _relay_chain_with_r1_stalled(cluster: Cluster, rollout_args: list[str]) -> t
 
 
 def test_a_frozen_relays_child_reads_from_the_trainer_within_the_relay_wait(cluster: Cluster) -> None:
-    """A relay frozen (SIGSTOP) mid-reply keeps its connection open and sends nothing: its
-    child waited out the data-plane deadline (120 s) before it went to the trainer. A read
-    from a relay now gives it `--relay-wait-s` + 5 s of silence (a working relay sends a
-    byte or gives up within its wait). The rollouts after the child stay with their relays:
-    r3 went to the trainer too, when r2 ended its reply after its own wait, before r2 had
-    left r1 (each rollout after a frozen relay read the rest of the version from the
-    trainer); it now finds r2 still answering and asks it again."""
+    """A relay frozen (SIGSTOP) mid-reply keeps its connection open and sends nothing: a
+    read from a relay gives it `--relay-wait-s` + 5 s of silence (a working relay sends a
+    byte or gives up within its wait), far less than the data-plane deadline (120 s), before
+    the child goes to the trainer. The rollouts after the child stay with their relays: when
+    r2 ends its reply after its own wait, before it has left r1, r3 finds r2 still answering
+    and asks it again, rather than reading the rest of the version from the trainer."""
     coordinator, rollouts, trainer = _relay_chain_with_r1_stalled(cluster, ["--relay-wait-s", "2"])
     cluster.procs["r1"].popen.send_signal(signal.SIGSTOP)
     try:
@@ -380,9 +379,9 @@ def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: 
 
 @pytest.mark.parametrize("mode", ["tcp", "relay"])
 def test_every_server_listens_and_syncs_on_ipv6(cluster: Cluster, mode: str) -> None:
-    """IPv6-only and dual-stack clusters: `--host ::1` made `::1:0`, which gRPC read as
-    `[::0.1.0.0]:443` (the coordinator could not start), and the tcp data plane cannot bind
-    an IPv6 address on an IPv4 socket. Addresses are now `[::1]:port`."""
+    """IPv6-only and dual-stack clusters: `--host ::1` listens on `[::1]:port` (`::1:0`
+    would be read by gRPC as `[::0.1.0.0]:443`), and the tcp data plane binds an IPv6
+    socket for an IPv6 address."""
     v6 = ["--host", "::1"]
     coord = cluster.start_coordinator(args=v6)
     assert coord.address.startswith("[::1]:")

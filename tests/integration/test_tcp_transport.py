@@ -364,8 +364,9 @@ def test_handshakes_carry_the_engines_pause_and_ready_to_serving(
 def test_ready_to_serving_does_not_compare_two_hosts_clocks(
     inprocess_coordinator: RunningServer, no_arena_leak: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """It was the rollout's wall clock minus the coordinator's READY time: a rollout host
-    whose clock ran an hour ahead reported an hour (one behind: 0)."""
+    """READY -> serving is the READY age the coordinator reports plus the rollout's own
+    monotonic time since, not the rollout's wall clock minus the coordinator's READY time:
+    a rollout host whose clock runs an hour ahead (or behind) reports seconds."""
     client = CoordinatorClient(inprocess_coordinator.address)
     with WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub:
         client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
@@ -476,10 +477,10 @@ def _one_version(
 def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """A connection waited the idle timeout (5 minutes) between requests whether or not it
-    had ever shown a version's token: a stranger's connections, one per place under the
-    limit, kept every rollout out for that long. Until a valid token, it waits only the
-    stall timeout; a rollout's connection (valid token) stays for reuse."""
+    """Until it shows a valid token, a connection waits between requests only the stall
+    timeout, not the idle timeout (5 minutes), so a stranger's connections, one per place
+    under the limit, cannot keep every rollout out that long; a rollout's connection
+    (valid token) stays for reuse."""
     with _one_version(inprocess_coordinator.address) as (pub, header, manifest):
         server = pub.tcp_server
         assert server is not None
@@ -510,11 +511,11 @@ def test_a_connection_that_never_showed_a_token_is_not_kept_idle(
 def test_strangers_at_the_limit_give_way_and_rollouts_connections_do_not(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """At its limit the server refused every new connection, so anyone who could reach the
-    port kept rollouts out for as long as they cared to: connections that send nothing (or
-    trickle a request a byte at a time), opened again as the server timed them out. A new
-    connection now takes the place of the oldest that has shown no token; a connection that
-    has shown one is never displaced, and with only those held a new one is refused."""
+    """At its limit the server gives a new connection the place of the oldest that has
+    shown no token, so connections that send nothing (or trickle a request a byte at a
+    time), opened again as the server times them out, cannot keep rollouts out; a
+    connection that has shown one is never displaced, and with only those held a new one
+    is refused."""
     with _one_version(inprocess_coordinator.address) as (pub, header, manifest):
         chunk = manifest.parts[0].chunks[0]
         server = pub.tcp_server
@@ -602,11 +603,10 @@ def test_a_trainer_out_of_file_descriptors_serves_tcp_again_once_they_free(clust
 def test_a_reader_during_an_arena_reallocation_finds_its_version_or_not_found(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
-    """A publish whose layout outgrows the arena reallocates it. A chunk read between the
-    old arena's release and the slot table's clearing came back INTERNAL ("arena is not
-    allocated") while the new arena was made, or served the new arena's bytes under the old
-    version; entries are now forgotten before the release, and a view is taken with its
-    entry under the table's lock."""
+    """A publish whose layout outgrows the arena reallocates it. A chunk read meanwhile
+    finds its version or NOT_FOUND, never INTERNAL ("arena is not allocated") nor the new
+    arena's bytes under the old version: entries are forgotten before the release, and a
+    view is taken with its entry under the table's lock."""
     small = {"model.norm.weight": np.arange(1024, dtype=np.float32)}
     with WeightPublisher(PublisherSettings(coordinator=inprocess_coordinator.address, session="job")) as pub:
         pub.publish(small, 1)

@@ -1,7 +1,7 @@
 """A coordinator process on its default flags holds hundreds of watch streams.
 
-Before the coordinator served streams from the event loop, each WatchVersions held one of
-its 64 handler threads: at ~64 watchers nothing else was answered. Here 300 agents (a
+Streams are served from the event loop, not each on one of the 64 handler threads (at ~64
+watchers nothing else would be answered). Here 300 agents (a
 connection each) register, watch and heartbeat; status calls are still answered, and a
 version published meanwhile reaches every watcher and commits once all report.
 Garbage collections are timed (the streams' objects outlive them: weightsync.gc_freeze).

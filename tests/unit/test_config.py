@@ -167,8 +167,8 @@ def test_every_entry_point_relays_by_the_same_rule(mode: str, apply_mode: str, r
 
 @pytest.mark.needs_inet
 def test_a_relay_in_a_vllm_worker_binds_and_advertises_the_advertised_host() -> None:
-    # Inside a vLLM worker there is no server --host: the relay once bound 127.0.0.1 and
-    # advertised it, unreachable from every other host.
+    # Inside a vLLM worker there is no server --host: a relay bound to 127.0.0.1 and
+    # advertising it would be unreachable from every other host.
     from rollout_agent.settings import InitInfo
     from rollout_agent.wiring import wire_rollout
 
@@ -276,7 +276,7 @@ def test_every_entry_point_prints_its_help(module: str) -> None:
     import sys
 
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]  # rollout_agent's "~90% of RAM" once crashed argparse
+    assert out.returncode == 0, out.stderr[-2000:]  # a bare % in help text ("~90% of RAM") crashes argparse
     assert "usage:" in out.stdout
 
 
@@ -441,8 +441,9 @@ def test_wsctl_refuses_numbers_its_requests_cannot_carry_as_usage_errors(
 def test_the_demo_refuses_what_it_cannot_run_before_starting_anything(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--rollouts 0` waited out --timeout-s (900 s) for a handshake nobody would send; a
-    bad model size or session failed in the trainer after the engines had started."""
+    """`--rollouts 0` (it would wait out --timeout-s, 900 s, for a handshake nobody sends),
+    a bad model size or session are refused before anything starts, not in the trainer
+    after the engines started."""
     from devtools.demo import build_parser
 
     with pytest.raises(SystemExit) as e:
@@ -516,7 +517,8 @@ def test_wsctl_refuses_a_coordinator_address_grpc_would_read_as_another(
 
 @pytest.mark.parametrize("flag", ["--tls-ca-file", "--tls-cert-file"])
 def test_wsctl_names_a_tls_file_it_cannot_read(flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A missing CA file ended wsctl in a traceback when it built its channel."""
+    """A TLS file wsctl cannot read is named in its error, not a traceback from building
+    its channel."""
     from weightsync.cli import main
 
     extra = ["--tls-key-file", str(tmp_path / "k")] if flag == "--tls-cert-file" else []

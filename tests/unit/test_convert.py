@@ -248,8 +248,9 @@ def test_converted_weights_give_maxtext_logits_in_transformers(family: str) -> N
 def test_options_that_do_not_fit_the_tree_are_refused_naming_the_option(
     family: str, layout: dict, options: dict, model_dims: ModelDims, refusal: str
 ) -> None:
-    """Before anything converts: a wrong scan axis once emitted 128 bogus layers, a wrong
-    `tied` dropped the LM head and a Llama tree converted as Qwen3 lost nothing visibly."""
+    """Before anything converts, since each would otherwise pass silently: a wrong scan
+    axis emits bogus layers (128 here), a wrong `tied` drops the LM head, and a Llama tree
+    converted as Qwen3 loses nothing visibly."""
     mt = to_maxtext(hf_weights(family), family, layers=L, heads=N, kv_heads=K, head_dim=H, **layout)
     stream = convert_maxtext(mt, "qwen3", model_dims, ConvertOptions(**options))
     with pytest.raises(ValueError, match=refusal):

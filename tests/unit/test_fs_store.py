@@ -23,8 +23,8 @@ def _tree(store: FsStore) -> list[str]:
 
 
 def test_a_write_that_fails_midway_takes_its_partial_part_with_it(store: FsStore) -> None:
-    """A store that filled up after part.bin kept that partial copy of the model for good
-    (no marker: never read, and no version of the coordinator's named it)."""
+    """A store that fills up after part.bin is written removes that partial copy of the
+    model (without a marker it is never read, and no version of the coordinator's names it)."""
     store.write_part("job", 1, 0, b"kept", content="a" * 16)
 
     def full(path: str, value: bytes) -> None:
@@ -72,8 +72,8 @@ def test_a_deleted_sessions_directory_is_removed_whole_and_only_it(store: FsStor
 
 def test_a_root_that_is_a_file_is_refused_for_good_naming_fs_root(tmp_path: Path) -> None:
     """A write the store refuses until an operator acts (a root that is a file, a read-only
-    mount, a directory not this user's) was UNAVAILABLE, which a publish rode out for its
-    whole publish_wait_s (120 s) before it raised."""
+    mount, a directory not this user's) is FAILED_PRECONDITION naming `fs_root`, not
+    UNAVAILABLE, which a publish would ride out for its whole publish_wait_s (120 s)."""
     (tmp_path / "store").write_bytes(b"not a directory")
     store = FsStore(str(tmp_path / "store"))
     with pytest.raises(FailedPrecondition, match="not writable") as e:

@@ -79,8 +79,9 @@ def test_a_chosen_pull_of_a_replaced_trainers_version_is_abandoned_unless_it_rea
 @pytest.mark.needs_inet
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
 def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupted() -> None:
-    """A peer that accepts and never answers (a frozen trainer: the kernel completes the
-    connection for it) held the read for its whole timeout."""
+    """A read from a peer that accepts and never answers (a frozen trainer: the kernel
+    completes the connection for it) ends at once when interrupted, not after its whole
+    timeout, and the transport stays interrupted."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         transport = TcpTransport()
@@ -113,9 +114,9 @@ def test_an_interrupted_tcp_read_ends_at_once_and_the_transport_stays_interrupte
 @pytest.mark.needs_inet
 @pytest.mark.skipif(not native.available(), reason="the tcp transport needs the native shim")
 def test_an_interrupt_that_comes_while_the_transport_connects_ends_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`interrupt` found no socket to shut down while `_connect` was making one (a relay's
-    child falling back to a frozen trainer as a newer version was announced): the read
-    then waited its whole timeout on the frozen peer, and the stale pull with it."""
+    """An `interrupt` that comes while `_connect` makes the socket (a relay's child falling
+    back to a frozen trainer as a newer version is announced) ends the read once the
+    socket is made, rather than leaving it to wait its whole timeout on the frozen peer."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         transport = TcpTransport()

@@ -28,7 +28,7 @@ ENDPOINTS = [Endpoint(), Endpoint("127.0.0.1:7001", ("tcp", "grpc"), "host-a", t
 
 
 def built_whole(store: SessionStore, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
-    """The reply as GetStatus built it before anything was kept: every message from its row."""
+    """The reply as GetStatus builds it without what is kept: every message from its row."""
     s = store.session(request.session)
     versions = store.versions(s.name, request.version_limit or 20)
     parts = store.parts(s.name, versions[0].version) if versions else []

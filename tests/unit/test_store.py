@@ -183,9 +183,10 @@ def test_refused_requests_leave_state_unchanged(store: SessionStore, tmp_path: P
 
 
 def test_a_full_disk_is_resource_exhausted_and_changes_nothing(store: SessionStore) -> None:
-    """SQLite rolls a transaction back by itself when the disk fills (SQLITE_FULL); the
-    ROLLBACK after it failed ("no transaction is active") and hid the error as INTERNAL.
-    The database's page limit is SQLite's own way to the same error."""
+    """SQLite rolls a transaction back by itself when the disk fills (SQLITE_FULL): the
+    error is RESOURCE_EXHAUSTED naming `database`, not hidden as INTERNAL by a ROLLBACK
+    after it ("no transaction is active"), and nothing changes. The database's page limit
+    is SQLite's own way to the same error."""
     gen = attach(store, rollouts=("r0",))
     store.publish_part("job", generation=gen, version=1, idempotency_key="a", part=make_part(sample_arrays())[0])
     before = (store.versions("job"), store.parts("job", 1), store.event_states_since("job", 0))
@@ -205,7 +206,8 @@ def test_a_full_disk_is_resource_exhausted_and_changes_nothing(store: SessionSto
 
 def test_a_database_the_disk_will_not_write_is_unavailable_and_changes_nothing(store: SessionStore) -> None:
     """A file system remounted read-only (SQLITE_READONLY; query_only is SQLite's own way to
-    it) or an I/O error: writes came back INTERNAL. Reads go on."""
+    it) or an I/O error: writes are UNAVAILABLE, not INTERNAL, and change nothing. Reads
+    go on."""
     gen = attach(store, rollouts=("r0",))
     before = store.versions("job")
     store.db.writer_db.execute("PRAGMA query_only=1")
@@ -385,8 +387,8 @@ def endpoint_of(store: SessionStore, agent_id: str) -> str:
 
 
 def test_leases_ignore_steps_of_the_wall_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """NTP stepping the clock under a running coordinator: an hour forward expired every
-    lease at once; an hour back kept a dead agent's lease for an hour."""
+    """NTP stepping the clock under a running coordinator: an hour forward expires no
+    lease, and an hour back keeps no dead agent's lease for an hour."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=0.5)  # the default clock
     try:
         attach(store, rollouts=("r0",))
@@ -582,12 +584,11 @@ def test_retention_summarizes_old_versions_and_bounds_the_database(tmp_path: Pat
 def test_what_a_replaced_trainer_left_is_released_once_its_successor_commits_a_newer_version(
     tmp_path: Path, clock: Clock
 ) -> None:
-    """Only the trainer that publishes a version releases it (reusing its slot): a trainer
-    replaced by a new incarnation left its READY and COMMITTED versions so for good, each
-    with its descriptors and a handshake per rollout, which the retention window never
-    summarizes. The coordinator now releases them once the new generation committed a
-    newer version (with the commit, or in the sweep once a lease ends), and not while a
-    live rollout holds one."""
+    """Only the trainer that publishes a version releases it (reusing its slot), so the
+    READY and COMMITTED versions of a trainer replaced by a new incarnation (each with its
+    descriptors and a handshake per rollout, which the retention window never summarizes)
+    are released by the coordinator once the new generation commits a newer version (with
+    the commit, or in the sweep once a lease ends), and not while a live rollout holds one."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, retain_versions=1, clock=clock)
     try:
         old = attach(store, rollouts=("r0", "r1"), incarnation="run-1")
@@ -643,8 +644,8 @@ def test_a_version_a_replaced_trainer_left_half_sealed_fails_and_is_summarized(t
 
 
 def test_sessions_no_trainer_opened_are_forgotten_once_empty(tmp_path: Path, clock: Clock) -> None:
-    """A rollout's registration makes its session, so a mistyped --session made one that
-    stayed for good, counted against --max-sessions. Once no agent and no version is left
+    """A rollout's registration makes its session, so a mistyped --session makes one,
+    counted against --max-sessions. Once no agent and no version is left
     in it, a session no trainer opened is forgotten; a trainer's session never is, nor one
     made within three lease TTLs (a rollout makes it, then registers)."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60, max_sessions=3)
@@ -683,7 +684,8 @@ def test_sessions_no_trainer_opened_are_forgotten_once_empty(tmp_path: Path, clo
 
 
 def test_agents_expired_past_the_window_are_forgotten_and_may_register_again(tmp_path: Path, clock: Clock) -> None:
-    """Pods that come and go under new names each left a row in every status reply for good."""
+    """Agents expired past the window are forgotten (pods that come and go under new names
+    would each leave a row in every status reply for good), and may register again."""
     store = SessionStore(tmp_path / "c.db", lease_ttl_s=10, clock=clock, forget_agents_after_s=60)
     try:
         gen = attach(store, rollouts=("r0", "r1", "r2"))
@@ -831,7 +833,7 @@ def test_a_database_that_cannot_be_opened_names_its_path(tmp_path: Path) -> None
 
 def test_a_damaged_database_is_moved_aside_and_a_new_one_begun(tmp_path: Path, clock: Clock) -> None:
     """Found while serving: the first statement that meets the damage answers UNAVAILABLE
-    naming `database` (it was INTERNAL, as was every later one) and calls `on_corrupt`, once;
+    naming `database` (not INTERNAL, nor is any later one) and calls `on_corrupt`, once;
     found at start (a file that is no database, or a damaged page): moved aside, not a
     coordinator that starts and fails every request or refuses to start at all."""
     db = tmp_path / "c.db"
@@ -864,9 +866,9 @@ def test_a_damaged_database_is_moved_aside_and_a_new_one_begun(tmp_path: Path, c
 
 
 def test_calls_after_close_are_unavailable_not_internal(tmp_path: Path, clock: Clock) -> None:
-    """A handler the server's stop left running met a closed store: a write raised
-    sqlite3.ProgrammingError (INTERNAL, a traceback in the log at every shutdown) and a
-    read waited for a reader that never came back."""
+    """A handler the server's stop leaves running meets a closed store: its calls are
+    UNAVAILABLE, not sqlite3.ProgrammingError (INTERNAL, a traceback in the log at every
+    shutdown), and a read does not wait for a reader that never comes back."""
     store = SessionStore(tmp_path / "c.db", clock=clock)
     attach(store)
     store.close()

@@ -306,8 +306,9 @@ def test_addresses_with_ipv6_literals_round_trip_and_validate() -> None:
 
 
 def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None:
-    """A publisher took -1 and 2^64 as far as building the request (a ValueError that left
-    its slot held under that version); vLLM's update took 1.5 and True as version 1."""
+    """A publisher refuses -1 and 2^64 before it builds the request (which would leave its
+    slot held under that version), and vLLM's update refuses 1.5 and True, not taking
+    them as version 1."""
     from rollout_agent.vllm_core import parse_version
     from weightsync.validation import check_version_arg
 
@@ -346,9 +347,9 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
     ],
 )
 def test_a_puller_built_from_python_refuses_what_its_sidecar_settings_refuse(kwargs: dict, field: str) -> None:
-    """WeightPuller is the library half a vLLM worker builds: its arguments were checked as
-    `ValueError`s (or not at all: a session name the coordinator refuses, an infinite
-    timeout), while the sidecar's settings refused the same values naming the field."""
+    """WeightPuller is the library half a vLLM worker builds: its arguments are refused as
+    the sidecar's settings refuse them, as InvalidArgument naming the field (a session name
+    the coordinator refuses, an infinite timeout among them), not as bare `ValueError`s."""
     from rollout_agent.puller import WeightPuller
     from weightsync.client import CoordinatorClient
 

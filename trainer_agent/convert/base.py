@@ -205,8 +205,8 @@ def check_tree(flat: Mapping[tuple[str, ...], Any], spec: ConverterSpec, dims: M
         ):
             key = ".".join(norm[1:]) if norm and norm[0] == "decoder" else dotted
             global_keys.add(key)
-            # MaxText pads the vocab, never cuts it: a larger ModelDims.vocab was kept
-            # whole without a word, a shape the rollouts' model then refused at apply.
+            # MaxText pads the vocab, never cuts it: a larger ModelDims.vocab would pass
+            # without a word, and the rollouts' model refuse the shape at apply.
             axis = _VOCAB_AXIS.get(key)
             if axis is not None and dims.vocab and len(shape) == 2 and shape[axis] < dims.vocab:
                 raise ValueError(

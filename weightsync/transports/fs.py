@@ -152,8 +152,8 @@ class FsStore:
         under the `content` directory (`content_id`); returns the part's path relative to
         the root and whether this call wrote it. A part already there (its marker written)
         holds these bytes: it is left as it is, not rewritten under a reader. A write that
-        fails takes what it wrote with it (a store that filled up mid-part kept a partial
-        copy of the model for good)."""
+        fails takes what it wrote with it (a store that fills up mid-part would otherwise
+        keep a partial copy of the model for good)."""
         relative = part_path(session, version, rank, content)
         d = posixpath.join(self.root, relative)
         try:
