@@ -387,10 +387,9 @@ class VersionLifecycle:
     ) -> VersionRecord:
         """-> RELEASED, by the session's current generation only (a fenced trainer releases
         nothing). Refused while a live rollout holds a lease, and for the session's newest
-        COMMITTED version while no newer version is COMMITTED or READY (`NewestCommitted`:
-        every newer one failed, so it is the only verified version a rollout can get);
-        `unpin` lifts the second (a trainer with one arena slot overwrites that version's
-        bytes), `force` both."""
+        COMMITTED version (`NewestCommitted`: the verified version a rollout can get while
+        no newer one committed); `unpin` lifts the second (a trainer whose other slots are
+        leased, or that has one slot), `force` both."""
         check_session_name(session)
         check_version(version)
         with self._tx() as db:
@@ -401,9 +400,8 @@ class VersionLifecycle:
             check_transition(version, rec.state, S.RELEASED)
             if rec.state is S.COMMITTED and not (force or unpin) and self._pinned(db, session, version):
                 raise NewestCommitted(
-                    f"version {version} is the session's newest COMMITTED version and every newer one failed: it "
-                    "stays servable until a newer version is READY or COMMITTED (release another slot's version, "
-                    "or pass force)",
+                    f"version {version} is the session's newest COMMITTED version: it stays servable until a newer "
+                    "version commits (release another slot's version, or pass force)",
                     field="version",
                 )
             holders = self._lease_holders(db, session, version, limit=11)
@@ -421,11 +419,10 @@ class VersionLifecycle:
 
     @staticmethod
     def _pinned(db: sqlite3.Connection, session: str, version: int) -> bool:
-        """Whether COMMITTED `version` is the only verified version a rollout could get: no
-        newer version is COMMITTED, or READY (on its way to rollouts, which may commit it)."""
+        """Whether COMMITTED `version` is the session's newest COMMITTED version."""
         row = db.execute(
-            "SELECT 1 FROM versions WHERE session=? AND version>? AND state IN (?,?) LIMIT 1",
-            (session, version, S.COMMITTED.value, S.READY.value),
+            "SELECT 1 FROM versions WHERE session=? AND version>? AND state=? LIMIT 1",
+            (session, version, S.COMMITTED.value),
         ).fetchone()
         return row is None
 

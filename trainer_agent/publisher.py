@@ -885,9 +885,10 @@ class WeightPublisher:
         publish cannot overwrite bytes rollouts may be reading. The old version is
         released at the coordinator first, which is refused while a rollout holds a lease
         on it (we wait, bounded, rather than tear its bytes) and for the session's newest
-        COMMITTED version while every newer one failed (another slot is taken: with two
-        slots, a version that fails its handshakes never costs the session its last
-        committed one).
+        COMMITTED version until a newer one commits: another slot free to take is taken,
+        so a version that fails its handshakes does not cost the session its last
+        committed one; where the others are leased, that version is given up rather than
+        waited on (a lease may be a prefetch that only a newer version ends).
         """
         if not self._started or self._closed:
             raise FailedPrecondition(
@@ -911,14 +912,19 @@ class WeightPublisher:
             raise FailedPrecondition(f"every slot holds version {version}; use slots >= 2")
         # One slot: staging overwrites its version's bytes, whatever that version is.
         unpin = self.arena.slots == 1
-        for slot, entry in candidates:  # oldest first; the newest COMMITTED version may be kept (NewestCommitted)
-            if self._release_for_reuse(slot, entry.version, unpin=unpin):
+        pinned = None
+        for slot, entry in candidates:  # the oldest slot free to take now
+            released = self._release_for_reuse(slot, entry.version, unpin=unpin, wait=False)
+            if released:
                 break
+            if released is False and pinned is None:  # the session's newest COMMITTED version
+                pinned = slot, entry
         else:
-            raise SlotBusy(
-                f"cannot reuse a slot for version {version}: the only other one holds the session's newest COMMITTED "
-                f"version {candidates[0][1].version}, which stays servable while every newer version failed"
-            )
+            # Every other slot is leased or holds the newest COMMITTED version. A lease may be a
+            # prefetch waiting on its engine, which only a newer version ends: that version is
+            # given up rather than waited on; else the oldest slot's leases are waited out.
+            slot, entry = pinned or candidates[0]
+            self._release_for_reuse(slot, entry.version, unpin=True if pinned else unpin, wait=True)
         self.table.set(slot, None)
         if self.fs_store is not None:
             try:
@@ -927,11 +933,12 @@ class WeightPublisher:
                 log.warning("version %d: its part was not removed from the fs store (%s)", entry.version, e)
         return slot
 
-    def _release_for_reuse(self, slot: int, version: int, *, unpin: bool) -> bool:
-        """Releases (or, still STAGING, aborts) the version in `slot` so it can be reused,
-        waiting up to slot_wait_s for rollouts' leases on it; False where it is the
-        session's newest COMMITTED version (and not `unpin`): another slot must be used."""
-        deadline = time.monotonic() + self.settings.slot_wait_s
+    def _release_for_reuse(self, slot: int, version: int, *, unpin: bool, wait: bool) -> bool | None:
+        """Releases (or, still STAGING, aborts) the version in `slot` so it can be reused:
+        True. False where it is the session's newest COMMITTED version (and not `unpin`);
+        None where rollouts lease it and not `wait`, else their leases are waited out for
+        up to slot_wait_s (SlotBusy after)."""
+        deadline = time.monotonic() + (self.settings.slot_wait_s if wait else 0.0)
         with self._refused_as_stale_means_fenced():
             while True:
                 try:
@@ -953,6 +960,8 @@ class WeightPublisher:
                         pass
                     return True
                 except FailedPrecondition as e:
+                    if not wait:
+                        return None
                     if time.monotonic() > deadline or self._closed:
                         raise SlotBusy(f"cannot reuse slot {slot}: {e.message}; raise slots or slot_wait_s") from None
                     time.sleep(0.05)

@@ -50,13 +50,16 @@ _OWN = ("coordinator", "session", "rank", "world_size", "tls_ca_file", "tls_cert
 
 @dataclass
 class WeightsyncTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of the `weightsync` backend.
+    """Trainer-side init info of the `weightsync` backend. Its keyword-only `rank` (vLLM's
+    `TrainerInitInfo` field) is this trainer process's rank; rank 0 is the sender.
 
     Args:
         coordinator: the coordinator's address (host:port or unix:/path).
         session: the session the trainer publishes into and the worker follows.
-        tls_ca_file, tls_cert_file, tls_key_file: TLS of the trainer's channels and chunk
-            servers (PublisherSettings' fields); the CA is passed on to the worker.
+        tls_ca_file: TLS of the trainer's channels and chunk servers (PublisherSettings'
+            field); passed on to the worker.
+        tls_cert_file: the trainer's certificate (PublisherSettings' field).
+        tls_key_file: its key (PublisherSettings' field).
         publisher: further `PublisherSettings` fields (weight_dtype, chunk_bytes, host,
             advertise_host, weight_sync_mode, auth_token_file, incarnation, ...).
         worker: the worker's init_info beyond coordinator, session and tls_ca_file, which
@@ -65,7 +68,6 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
         commit_timeout_s: how long `send_weights` waits, after the round, for the version
             to be COMMITTED (every required rollout applied it); 0 returns once the engine
             behind the client applied it.
-        rank: this trainer process's rank (keyword-only, vLLM's); rank 0 is the sender.
     """
 
     backend: ClassVar[str] = BACKEND

@@ -334,7 +334,7 @@ def cmd_abort_version(client: CoordinatorClient, args: argparse.Namespace, conso
 def cmd_release_version(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
     """A version -> RELEASED, so the trainer may reuse its slot; refused while a live rollout
     holds a lease on it (the message names them), and for the session's newest COMMITTED
-    version while every newer one failed (it stays servable), unless --force."""
+    version (servable until a newer one commits), unless --force."""
     v = client.release_version(
         args.session, args.version, generation=_acting_generation(client, args), force=args.force
     )

@@ -93,8 +93,8 @@ class WrongState(FailedPrecondition):
 
 
 class NewestCommitted(FailedPrecondition):
-    """The version is the session's newest COMMITTED one and every newer version failed: it
-    stays servable, so it is not released (a trainer reuses another slot)."""
+    """The version is the session's newest COMMITTED one: it stays servable until a newer
+    version commits, so it is not released (a trainer reuses another slot)."""
 
 
 class SlotBusy(FailedPrecondition):

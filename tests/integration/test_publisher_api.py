@@ -204,9 +204,10 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
     inprocess_coordinator: RunningServer, no_arena_leak: None
 ) -> None:
     """The operator's way out that the README gives: a rollout that leases version 1 and
-    never reports (an engine wedged while its heartbeats go on) keeps the trainer's oldest
-    slot, so publishing version 3 waits for it (up to slot_wait_s, then SlotBusy).
-    `wsctl release-version 1 --force` lets that publish go on at once."""
+    never reports (an engine wedged while its heartbeats go on), while another reads
+    version 2, keeps both of the trainer's slots, so publishing version 3 waits for the
+    oldest (up to slot_wait_s, then SlotBusy). `wsctl release-version 1 --force` lets that
+    publish go on at once."""
     client = CoordinatorClient(inprocess_coordinator.address)
     client.open_session("job", trainer=False)
     settings = PublisherSettings(
@@ -215,8 +216,9 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
     with WeightPublisher(settings) as publisher:
         for version in (1, 2):
             publisher.publish(_weights(version, layers=2), version)
-        client.register_agent("job", "r9", trainer=False, endpoint=publisher.endpoint)
-        client.get_manifest("job", 1, agent_id="r9")  # the wedged rollout's lease
+        for agent, version in (("r9", 1), ("r8", 2)):  # the wedged rollout's lease, and one reading 2
+            client.register_agent("job", agent, trainer=False, endpoint=publisher.endpoint)
+            client.get_manifest("job", version, agent_id=agent)
         done: list[PublishResult] = []
         third = threading.Thread(target=lambda: done.append(publisher.publish(_weights(3, layers=2), 3)))
         third.start()
@@ -239,7 +241,7 @@ def test_a_forced_release_from_wsctl_frees_the_slot_a_wedged_rollout_holds(
         third.join(30)  # a publish still waiting raises SlotBusy at slot_wait_s (60 s)
         assert done and done[0].state == "READY"
         states = {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
-        assert states[1] == "RELEASED" and states[3] == "READY"
+        assert states[1] == "RELEASED" and states[2] == "READY" and states[3] == "READY"
     client.close()
 
 
@@ -269,4 +271,46 @@ def test_a_commit_not_reached_in_time_says_what_it_waits_for(
         with pytest.raises(DeadlineExceeded, match=r"\(1 hold a lease on it; min_rollouts 1\)"):
             pub.wait_committed(2, 0.3)
         puller.close()
+    client.close()
+
+
+class _RefusingApplier(DictApplier):
+    """An engine that fails to take any version (its own exception, as out of memory)."""
+
+    def apply(self, tensors):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the engine refused the weights")
+
+
+def test_a_slot_reuse_keeps_the_newest_committed_version_unless_every_other_slot_is_leased(
+    inprocess_coordinator: RunningServer, no_arena_leak: None
+) -> None:
+    """Version 1 commits, version 2 fails its handshake (PARTIAL): publishing 3 reuses 2's
+    slot, and 1 stays COMMITTED. Version 3 fails too (1 is what `latest` names) while a
+    rollout still leases it: publishing 4 gives 1 up (its slot is the only one not leased)
+    rather than wait on a lease only a newer version ends."""
+    client = CoordinatorClient(inprocess_coordinator.address)
+    client.open_session("job", trainer=False)
+    settings = PublisherSettings(coordinator=inprocess_coordinator.address, session="job", chunk_bytes=1 << 20)
+
+    def states() -> dict[int, str]:
+        return {v.version: tpb.VersionState.Name(v.state) for v in client.status("job").versions}
+
+    with WeightPublisher(settings) as publisher:
+        client.register_agent("job", "r0", trainer=False, endpoint=publisher.endpoint)
+        puller = WeightPuller(client, "job", "r0", mode="tcp")
+        try:
+            for version, applier in ((1, DictApplier()), (2, _RefusingApplier())):
+                publisher.publish(_weights(version, layers=2), version)
+                outcome = sync_version(puller, applier, version)
+                assert outcome.ok == (version == 1), outcome.mismatch
+            assert states() == {1: "COMMITTED", 2: "PARTIAL"}
+            assert publisher.publish(_weights(3, layers=2), 3).slot == 1  # 2's slot
+            assert states() == {1: "COMMITTED", 2: "RELEASED", 3: "READY"}
+            assert not sync_version(puller, _RefusingApplier(), 3).ok
+            assert client.get_manifest("job", 0)[0].version.version == 1  # latest: 3 failed
+            client.get_manifest("job", 3, agent_id="r0")  # r0 pulls 3 again: its lease
+            assert publisher.publish(_weights(4, layers=2), 4).slot == 0  # 1's slot, given up
+            assert states() == {1: "RELEASED", 2: "RELEASED", 3: "PARTIAL", 4: "READY"}
+        finally:
+            puller.close()
     client.close()

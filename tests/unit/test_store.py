@@ -982,11 +982,11 @@ def test_a_replaced_trainers_refused_version_never_releases_the_committed_one(tm
         store.close()
 
 
-def test_the_newest_committed_version_is_kept_while_every_newer_one_failed(store: SessionStore) -> None:
+def test_the_newest_committed_version_is_released_only_once_a_newer_one_commits(store: SessionStore) -> None:
     """A trainer reusing a slot may not release the session's newest COMMITTED version
-    (NewestCommitted, naming `version`) while every newer version failed; a newer READY
-    version (on its way, which may commit) lets it go, and so do `unpin` (one arena slot)
-    and `force`; an older COMMITTED version is released as before."""
+    (NewestCommitted, naming `version`) while no newer one committed, not even for a newer
+    READY one (which may fail yet); `unpin` and `force` may; an older COMMITTED version is
+    released as before."""
     gen = attach(store, rollouts=("r0",))
     part, _ = make_part(sample_arrays())
     for v in (1, 2):
@@ -1002,8 +1002,10 @@ def test_the_newest_committed_version_is_kept_while_every_newer_one_failed(store
     assert store.release_version("job", 1, generation=gen).state is S.RELEASED
     assert store.release_version("job", 3, generation=gen).state is S.RELEASED  # PARTIAL: not protected
     store.publish_part("job", generation=gen, version=4, idempotency_key="k4", part=part)  # READY, not yet reported
-    assert store.release_version("job", 2, generation=gen).state is S.RELEASED  # a newer one is on its way
+    with pytest.raises(NewestCommitted):
+        store.release_version("job", 2, generation=gen)
     store.report_applied("job", 4, "r0", good_report(store, 4))
+    assert store.release_version("job", 2, generation=gen).state is S.RELEASED  # 4 committed
     store.publish_part("job", generation=gen, version=5, idempotency_key="k5", part=part)
     store.report_applied("job", 5, "r0", dataclasses.replace(good_report(store, 5), local_error="boom"))
     with pytest.raises(NewestCommitted):

@@ -3,8 +3,8 @@ rollouts and the clock do: publishes, refused and verified handshakes, leases, s
 trainer replacements, aborts, lapsed leases and sweeps (a real SessionStore on SQLite).
 
 - The newest version that ever committed stays COMMITTED (servable) until a newer one
-  commits: no failure and no replacement releases it, and a trainer's slot reuse only
-  while a newer version is on its way (READY).
+  commits: no failure and no replacement releases it, and a trainer reusing a slot gives
+  it up only where every other slot is leased (as the publisher does, `unpin`).
 - `version=0` names the newest READY or COMMITTED version, never a PARTIAL one.
 - A COMMITTED version only ever becomes RELEASED; a RELEASED or FAILED one never changes.
 - A PARTIAL version commits once every live rollout that must verify it did.
@@ -77,7 +77,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.slots: list[int] = []
         self.seen: dict[int, S] = {}  # every version's state as last observed
         self.newest_ever_committed = 0
-        self.released_for_a_ready_one: set[int] = set()  # the trainer's slot reuse, a newer version READY
+        self.given_up: set[int] = set()  # committed versions a trainer released, every other slot leased
 
     @initialize()
     def attach(self) -> None:
@@ -102,23 +102,30 @@ class Lifecycle(RuleBasedStateMachine):
         """The publisher's slot claim (oldest first, the newest COMMITTED version kept),
         then the version."""
         if len(self.slots) == SLOTS:
+            pinned, leased = None, []
             for v in sorted(self.slots):
-                newer_ready = any(n > v and state is S.READY for n, state in self.seen.items())
                 try:
                     self.store.release_version("job", v, generation=self.generation)
-                    if self.seen.get(v) is S.COMMITTED:
-                        assert newer_ready or any(n > v and st is S.COMMITTED for n, st in self.seen.items()), v
-                        self.released_for_a_ready_one.add(v)
                 except NewestCommitted:
+                    pinned = v
                     continue
                 except WrongState:  # FAILED or RELEASED already: the slot is free
                     pass
-                except FailedPrecondition:  # leased: the publisher would wait; this step gives up
-                    return
+                except FailedPrecondition:  # leased
+                    leased.append(v)
+                    continue
                 self.slots.remove(v)
                 break
             else:
-                pytest.fail(f"no slot of {self.slots} could be reused")
+                if pinned is None:
+                    return  # every slot leased: the publisher would wait; this step gives up
+                assert leased, "the newest COMMITTED version given up with another slot free"
+                try:
+                    self.store.release_version("job", pinned, generation=self.generation, unpin=True)
+                except FailedPrecondition:  # leased too: the publisher would wait
+                    return
+                self.given_up.add(pinned)
+                self.slots.remove(pinned)
         v = self.next_version
         self.store.publish_part("job", generation=self.generation, version=v, idempotency_key=f"k{v}", part=PART)
         self.next_version += 1
@@ -210,7 +217,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def the_newest_committed_version_stays_servable(self) -> None:
         v = self.newest_ever_committed
-        if v and v not in self.released_for_a_ready_one:
+        if v and v not in self.given_up:
             rec = self.store.version("job", v)
             assert rec.state is S.COMMITTED, (v, rec.state, rec.reason)
 
