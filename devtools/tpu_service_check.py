@@ -185,6 +185,7 @@ class MemoryGuard:
             peak = self.peaks.setdefault(name, {})
             for kind, n in m.as_dict().items():
                 peak[kind] = max(peak.get(kind, 0), n)
+            peak["by_kind"] = m.by_kind
         return now
 
     def _run(self) -> None:

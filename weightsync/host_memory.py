@@ -48,7 +48,8 @@ class HostMemory:
         return self.anon if self.by_kind else self.rss
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The byte counts by kind (`by_kind` is not one of them)."""
+        return {k: v for k, v in asdict(self).items() if k != "by_kind"}
 
 
 def host_memory(pid: int | str = "self") -> HostMemory:

@@ -44,6 +44,7 @@ def test_a_status_without_kinds_counts_all_of_rss_as_the_process_own() -> None:
 def test_this_process_memory_is_read_by_kind() -> None:
     m = host_memory()
     assert m.rss > 0 and m.peak >= m.rss
+    assert set(m.as_dict()) == {"rss", "anon", "file", "shmem", "peak"}  # byte counts only (metric kinds)
     if m.by_kind:  # Linux; gVisor (the TPU host) reports VmRSS alone
         assert m.anon > 0 and m.own == m.anon
         assert m.anon + m.file + m.shmem == pytest.approx(m.rss, rel=0.05)
