@@ -270,7 +270,8 @@ def _device_bytes(value: Any) -> int:
     """Bytes a JAX array holds on this host's devices (every replica), else its nbytes."""
     sharding = getattr(value, "sharding", None)
     if sharding is None:
-        return int(getattr(value, "nbytes", 0) or np.asarray(value).nbytes)
+        nbytes = getattr(value, "nbytes", None)
+        return int(nbytes if nbytes is not None else np.asarray(value).nbytes)
     shard = math.prod(sharding.shard_shape(value.shape))
     return len(sharding.addressable_devices) * shard * np.dtype(value.dtype).itemsize
 
@@ -300,12 +301,15 @@ def check_not_deleted(params: Mapping[str, Any]) -> None:
             )
 
 
-def held_params(params: Mapping[str, Any], *, snapshot: bool, weight_dtype: str = "") -> dict[str, Any]:
+def held_params(
+    params: Mapping[str, Any], *, snapshot: bool, weight_dtype: str = "", block_bytes: int = 0
+) -> dict[str, Any]:
     """What an async publish holds of `params`: the values themselves (JAX arrays are
     immutable), or with `snapshot` copies of them that the caller cannot delete or change:
     JAX arrays copied on their devices by one jitted call (cast to `weight_dtype` in the
-    same pass, so the copy is no larger than what is staged), torch tensors on their own
-    devices, host arrays on the host."""
+    same pass, so the copy is no larger than what is staged; with `block_bytes`, arrays on
+    one device of an accelerator come as the device path's blocks, `CutArray`), torch
+    tensors on their own devices, host arrays on the host."""
     if not snapshot:
         return dict(params)
     held: dict[str, Any] = {}
@@ -321,11 +325,11 @@ def held_params(params: Mapping[str, Any], *, snapshot: bool, weight_dtype: str 
             held[name] = np.array(value, copy=True)
     if device:
         check_not_deleted(device)
-        held |= _device_copy(device, weight_dtype)
+        held |= _device_copy(device, weight_dtype, block_bytes)
     return {name: held[name] for name in params}
 
 
-def _device_copy(arrays: dict[str, Any], weight_dtype: str) -> dict[str, Any]:
+def _device_copy(arrays: dict[str, Any], weight_dtype: str, block_bytes: int) -> dict[str, Any]:
     from trainer_agent.snapshot import device_copy  # imports JAX; host-only publishers skip it
 
-    return device_copy(arrays, weight_dtype)
+    return device_copy(arrays, weight_dtype, block_bytes)

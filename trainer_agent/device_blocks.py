@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from trainer_agent import params
+from trainer_agent.cut_array import CutArray
 from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_start
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
@@ -52,8 +53,9 @@ def block_size(block_bytes: int, chunk_bytes: int) -> int:
 
 def cuts(values: Iterable[Any]) -> bool:
     """Whether any of these values has a shard on a device whose memory is not host memory
-    (its large shards are cut into blocks)."""
-    return any(
+    (its large shards are cut into blocks), or was cut already (a `CutArray`)."""
+    values = list(values)
+    return any(isinstance(v, CutArray) for v in values) or any(
         getattr(s.device, "platform", "cpu") not in params.HOST_MEMORY_PLATFORMS
         for v in values
         if hasattr(v, "addressable_shards")
@@ -152,6 +154,13 @@ def device_blocks(
 def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) -> Iterator[_Job]:
     for name, value in items:
         check_param(name, value)
+        if isinstance(value, CutArray):  # cut by the snapshot's program: only the copies to issue
+            shard = HostShard(name, ArrayMeta(value.shape, value.dtype), value.shape, (0,) * value.ndim)
+            if not value.nbytes:
+                yield _Job(shard, 0, 0, lambda dtype=value.dtype: np.empty(0, dtype))
+            for offset, nbytes, block in value.take(name):
+                yield _Job(shard, offset, nbytes, lambda block=block: block)
+            continue
         if not hasattr(value, "addressable_shards"):
             for s in host_shards(name, value, weight_dtype):
                 data = np.ascontiguousarray(s.data)

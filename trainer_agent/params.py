@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from trainer_agent import torch_tensors
+from trainer_agent.cut_array import CutArray
 from trainer_agent.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
@@ -59,6 +60,8 @@ class ArrayMeta:
 
 
 def _platforms(value: Any) -> set[str]:
+    if isinstance(value, CutArray):
+        return {value.platform}
     if hasattr(value, "addressable_shards"):
         return {getattr(s.device, "platform", "cpu") for s in value.addressable_shards}
     if torch_tensors.is_tensor(value):
@@ -137,6 +140,8 @@ def shard_metas(name: str, value: Any, weight_dtype: str = "") -> list[HostShard
     dt = dtype_info(weight_dtype).numpy if weight_dtype else _dtype(value, name)
     if isinstance(value, HostShard):
         return [HostShard(name, ArrayMeta(tuple(value.data.shape), dt), value.global_shape, value.start)]
+    if isinstance(value, CutArray):
+        return [HostShard(name, ArrayMeta(value.shape, dt), value.shape, (0,) * value.ndim)]
     if hasattr(value, "addressable_shards"):
         return [
             HostShard(name, ArrayMeta(tuple(s.data.shape), dt), tuple(value.shape), shard_start(s.index, value.ndim))

@@ -33,6 +33,7 @@ from trainer_agent.chunk_server import (
     add_trainer_agent_service,
 )
 from trainer_agent.delta import StagedDelta, pack_delta
+from trainer_agent.device_blocks import block_size
 from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import StagePlan, Stager, StreamSpec, follow_plan, plan_staging, plan_stream
@@ -532,7 +533,9 @@ class WeightPublisher:
         check_names(params)
         # an older version still waiting goes before the copy is made: two versions held at most
         self._async.supersede_older(version)
-        held = held_params(params, snapshot=snapshot, weight_dtype=self.settings.weight_dtype)
+        s = self.settings
+        block = block_size(s.d2h_block_bytes, s.chunk_bytes)  # the snapshot cuts the device path's blocks
+        held = held_params(params, snapshot=snapshot, weight_dtype=s.weight_dtype, block_bytes=block)
 
         def run() -> PublishResult:
             return self._publish_now(held, version, idempotency_key, check=check_not_deleted)

@@ -16,6 +16,7 @@ from rollout_agent.appliers import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import eventually
+from trainer_agent import params as params_module
 from trainer_agent.async_publish import PublishSuperseded
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -204,3 +205,28 @@ def test_close_with_async_work_pending(
     with pytest.raises(FailedPrecondition, match="closed"):
         pub.publish_async(_params(3), 3)
     pub.close()  # idempotent
+
+
+def test_a_snapshot_cut_into_blocks_by_its_program_publishes_the_manifest_of_a_blocking_publish(
+    inprocess_coordinator: RunningServer,
+    client: CoordinatorClient,
+    no_arena_leak: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an accelerator (CPU devices take its branch here) the snapshot's program writes the
+    device path's blocks; after a donating step, the version's chunks are those a blocking
+    publish of the same arrays gives, and it reads back bit-exact."""
+    monkeypatch.setattr(params_module, "HOST_MEMORY_PLATFORMS", frozenset())
+    step = jax.jit(lambda p: {k: v * 2 for k, v in p.items()}, donate_argnums=0)
+    with _publisher(inprocess_coordinator, weight_dtype="bfloat16", d2h_block_bytes=8192) as pub:
+        client.register_agent("job", "r0", trainer=False, endpoint=pub.endpoint)
+        params = _params(1)
+        pub.publish(params, 1)
+        with pub._one_publish():  # the worker reads only after the step donated them
+            future = pub.publish_async(params, 2, snapshot=True)
+            params = step(params)
+        assert future.result(60).state == "READY"
+        blocking, cut = ([c for p in client.get_manifest("job", v)[1].parts for c in p.chunks] for v in (1, 2))
+        assert [(c.offset, c.xxh3) for c in cut] == [(c.offset, c.xxh3) for c in blocking]
+        want = {k: np.asarray(v.astype(jnp.bfloat16)) for k, v in _params(1).items()}
+        assert all(np.array_equal(w, want[k]) for k, w in _pulled(client, 2).items())

@@ -15,11 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_agent import params as params_module
+from trainer_agent.async_publish import held_bytes, held_params
+from trainer_agent.cut_array import CutArray
 from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import stage_device
+from trainer_agent.snapshot import device_copy
+from trainer_agent.stage_plan import plan_staging, stage_device
 from trainer_agent.staging import plan_layout, stage_blocks
+from weightsync.errors import FailedPrecondition
 
 CHUNK = 4096
 BLOCK = 2 * CHUNK
@@ -136,3 +140,51 @@ def test_a_stream_of_pairs_takes_the_blocks_when_its_first_value_is_on_an_accele
     pairs = ((name, value) for name, value in params.items())
     assert stage_device(from_pairs, layout, pairs, settings) == want
     assert from_pairs.tobytes() == from_mapping.tobytes()
+
+
+@pytest.mark.parametrize("weight_dtype", ["", "bfloat16"])
+def test_an_async_snapshot_cut_by_its_program_stages_as_the_blocks_cut_later(
+    accelerator_branch: None, weight_dtype: str
+) -> None:
+    """`held_params(snapshot=True)` with a block size holds single-device arrays as the
+    blocks the device path would cut (`CutArray`, written by the snapshot's one program):
+    staged, they give the slot bytes, specs and chunks of the arrays cut when copied."""
+    params = values()
+    settings = PublisherSettings(
+        coordinator="127.0.0.1:1", chunk_bytes=CHUNK, d2h_block_bytes=BLOCK, weight_dtype=weight_dtype
+    )
+    held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
+    assert all(isinstance(v, CutArray) for v in held.values())
+    assert held_bytes(held) == sum(m.nbytes for n, v in params.items() for m in shard_metas(n, v, weight_dtype))
+    plan = plan_staging(held, settings)
+    assert plan.path == "device" and plan.layout == plan_staging(params, settings).layout
+    want_slot = np.zeros(plan.layout.total_bytes, np.uint8)
+    want = stage_device(want_slot, plan.layout, params, settings)
+    slot = np.ones(plan.layout.total_bytes, np.uint8)
+    assert stage_device(slot, plan.layout, held, settings) == want
+    assert slot.tobytes() == want_slot.tobytes()
+    with pytest.raises(FailedPrecondition, match="staged once already") as again:
+        stage_device(slot, plan.layout, held, settings)
+    assert again.value.field == f"params[{next(iter(params))!r}]"
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(0, 40), max_size=3), block_elements=st.integers(1, 300), cast=st.booleans())
+def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
+    shape: list[int], block_elements: int, cast: bool
+) -> None:
+    saved = params_module.HOST_MEMORY_PLATFORMS
+    params_module.HOST_MEMORY_PLATFORMS = frozenset()
+    try:
+        x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
+        dtype = np.dtype(ml_dtypes.bfloat16) if cast else np.dtype(np.float32)
+        held = device_copy({"x": x}, "bfloat16" if cast else "", block_elements * dtype.itemsize)["x"]
+    finally:
+        params_module.HOST_MEMORY_PLATFORMS = saved
+    assert isinstance(held, CutArray) and held.shape == tuple(shape) and held.dtype == dtype
+    blocks = list(held.take("x"))
+    assert [o for o, _, _ in blocks] == [i * block_elements * dtype.itemsize for i in range(len(blocks))]
+    got = [np.asarray(b) for _, _, b in blocks]
+    assert [n for _, n, _ in blocks] == [g.nbytes for g in got]
+    flat = np.asarray(x).astype(dtype).reshape(-1)
+    assert (np.concatenate(got) if got else np.empty(0, dtype)).tobytes() == flat.tobytes()
