@@ -141,11 +141,15 @@ def staged_exactly(slot: np.ndarray, layout: Layout, expected: list[int]) -> boo
 
 
 def measure_rss(args: argparse.Namespace) -> dict[str, Any]:
-    """The device path's peak RSS at --window-bytes / --block-bytes, in this (fresh) process."""
+    """The device path's peak RSS at --window-bytes / --block-bytes, in this (fresh) process,
+    over its RSS with the device path's programs compiled."""
     if args.compile_cache:
         share_compiled(args.compile_cache)
     model = Model(args)
     params = model.fresh()
+    block = block_size(args.block_bytes, args.chunk_bytes)
+    if model.cuts and block:  # the slices compiled first: a trainer compiles them once, at its first publish
+        warm_flat(replica0(params), block)
     gc.collect()
     baseline = rss_bytes()
     reset = reset_peak_rss()  # where this host allows it (not as an ordinary user on a TPU VM)
