@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
 
 setup: $(STAMP)
 
@@ -105,6 +105,14 @@ config-docs: setup
 deploy-rules: setup
 	$(PY) -m devtools.prometheus_rule
 
+# The offline kit for a TPU host without a package index, in .tpu-kit/ (docs/install-tpu.md):
+# wheels of what weightsync needs beside the host's JAX stack, the built shim, an activate
+# script. TPU_KIT_EXTRAS: more distributions of this venv (by default what the host's test
+# run, devtools/tpu_checks.sh, needs).
+TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml
+tpu-kit: setup
+	devtools/tpu_kit.sh $(TPU_KIT_EXTRAS)
+
 # The docs site (mkdocs.yml) in site/, from its own venv: mkdocstrings reads the sources
 # statically, so the main venv is not needed (.ci/run installs it beside `setup`). --strict:
 # a broken link, a missing anchor or a page outside the nav fails the build.
@@ -184,4 +192,4 @@ lock:
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) .weightsync build *.egg-info site
+	rm -rf $(VENV) .weightsync build *.egg-info site .tpu-kit
