@@ -357,7 +357,8 @@ def figure_sources() -> dict[str, dict]:
 
 
 def _numbers(text: str) -> list[float]:
-    return [float(n.replace(",", "")) for n in re.findall(NUMBER, text)]
+    """Every decimal a source printed, whatever follows it (`6.4G`, `0.6b`)."""
+    return [float(n.replace(",", "")) for n in re.findall(r"(?<![\w.])\d[\d,]*\.\d+(?!\.?\d)", text)]
 
 
 def _sourced(figure: str, printed: list[float]) -> bool:
