@@ -196,15 +196,15 @@ def main() -> int:
         help="device path: its block size, rounded to a multiple of --chunk-bytes (default: the publisher's)",
     )
     p.add_argument(
-        "--blocks-mib", type=_mib_list, default=[6, 9, 18], help="device path: other block sizes, MiB (comma-separated)"
+        "--blocks-mib", type=_mib_list, default=[18, 24], help="device path: other block sizes, MiB (comma-separated)"
     )
     p.add_argument(
         "--windows-mib",
         type=_mib_list,
-        default=[128, 256, 2048],
+        default=[256, 2048],
         help="device path: other windows, MiB (comma-separated)",
     )
-    p.add_argument("--rows-mib", type=_mib_list, default=[4, 8, 16], help="copy-only row blocks compared, MiB")
+    p.add_argument("--rows-mib", type=_mib_list, default=[8, 16], help="copy-only row blocks compared, MiB")
     p.add_argument("--d2h-threads", type=bounded_number(1, high=64), default=4, help="threaded copies: threads")
     p.add_argument(
         "--slow-repeats",
@@ -217,7 +217,14 @@ def main() -> int:
         action="store_true",
         help="cut shards into blocks on CPU devices too (the accelerator's branch)",
     )
+    p.add_argument(
+        "--deadline-s",
+        type=bounded_number(0),
+        default=0,
+        help="device path: skip the rows that would end past this many seconds (0: none); the verdict comes first",
+    )
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")

@@ -15,7 +15,11 @@ read) and printed as it comes (stderr):
   (block 0); each run's staged bytes checked against the devices' own sums;
 - the copy-only methods, each `exact` when every byte it brought over sums as on its device.
 
-The device path's ratio is to the best exact copy-only method.
+The device path's ratio is to the best exact copy-only method. The arena's slot is faulted
+in before the first row (a trainer's arena is, after its first publish), the child's
+compiled programs are shared with this process through a compilation cache, and
+--deadline-s skips the rows that would end past it (the default configuration runs first
+and always), naming them in `skipped`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -137,6 +142,8 @@ def staged_exactly(slot: np.ndarray, layout: Layout, expected: list[int]) -> boo
 
 def measure_rss(args: argparse.Namespace) -> dict[str, Any]:
     """The device path's peak RSS at --window-bytes / --block-bytes, in this (fresh) process."""
+    if args.compile_cache:
+        share_compiled(args.compile_cache)
     model = Model(args)
     params = model.fresh()
     gc.collect()
@@ -160,9 +167,21 @@ def measure_rss(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def rss_in_child(argv: list[str]) -> dict[str, Any]:
+def share_compiled(cache_dir: str) -> None:
+    """Keeps every compiled program in `cache_dir` and reuses what is there: the RSS child
+    compiles the device path's programs, this process loads them (one process holds a TPU,
+    so the two run one after the other)."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def rss_in_child(argv: list[str], cache_dir: str) -> dict[str, Any]:
     run = subprocess.run(
-        [sys.executable, sys.argv[0], *argv, "--rss-child"], capture_output=True, text=True, timeout=600
+        [sys.executable, sys.argv[0], *argv, "--rss-child", "--compile-cache", cache_dir],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if run.returncode != 0:
         raise RuntimeError(f"the RSS child failed: {run.stderr[-4000:]}")
@@ -233,22 +252,59 @@ def copy_method(model: Model, m: Any, out: dict[str, Any], t0: float) -> None:
     progress(f"[{time.perf_counter() - t0:5.0f} s] copy-only {m.name:36} {shown}")
 
 
+class Rows:
+    """Runs the bench's rows while --deadline-s allows: a row is skipped when the longest
+    row so far but the first (which compiles) would not end before the deadline (0: no
+    deadline). The first row (the default configuration: the verdict's) always runs."""
+
+    def __init__(self, t0: float, deadline_s: float) -> None:
+        self.t0 = t0
+        self.deadline = t0 + deadline_s if deadline_s else 0.0
+        self.longest = 0.0
+        self.ran = 0
+        self.skipped: list[str] = []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def run(self, label: str, row: Any) -> None:
+        now = time.perf_counter()
+        if self.ran and self.deadline and now + self.longest > self.deadline:
+            self.skipped.append(label)
+            progress(f"[{self.elapsed():5.0f} s] skipped {label}: it would end past --deadline-s")
+            return
+        row()
+        if self.ran:
+            self.longest = max(self.longest, time.perf_counter() - now)
+        self.ran += 1
+
+
 def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """Everything above, in order: the RSS child, the device path at its defaults, the fast
-    copy-only methods, the device path's other configurations, the whole-buffer methods."""
+    copy-only methods, the device path's other configurations, the whole-buffer methods.
+    With --deadline-s, a row that would likely end past it is skipped (named in `skipped`),
+    so the verdict is printed in time."""
+    with tempfile.TemporaryDirectory(prefix="ws-stage-xla-") as cache:
+        return _measure_devices(args, argv, cache)
+
+
+def _measure_devices(args: argparse.Namespace, argv: list[str], cache: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    rss = rss_in_child(argv)  # before this process opens a device
+    rows = Rows(t0, args.deadline_s)
+    rss = rss_in_child(argv, cache)  # before this process opens a device
     progress(
-        f"[{time.perf_counter() - t0:5.0f} s] peak RSS over baseline {rss['peak_rss_over_baseline_bytes'] / 2**20:.0f} "
+        f"[{rows.elapsed():5.0f} s] peak RSS over baseline {rss['peak_rss_over_baseline_bytes'] / 2**20:.0f} "
         f"MiB, bound arena + window + 256 MiB = {rss['rss_bound_bytes'] / 2**20:.0f} MiB"
         + ("" if rss["rss_exact"] else " (an upper bound: the mark did not rise while staging)")
     )
+    share_compiled(cache)
     model = Model(args)
     total, layout = model.nbytes, model.layout
     block = block_size(args.block_bytes, args.chunk_bytes)
     progress(
-        f"{len(model.devices)} {model.devices[0].platform} device(s), {args.model_size}: {total / 1e9:.3f} GB in "
-        f"{len(layout.offsets)} shards; blocks {'cut' if model.cuts else 'not cut (host memory: shards read in place)'}"
+        f"[{rows.elapsed():5.0f} s] {len(model.devices)} {model.devices[0].platform} device(s), {args.model_size}: "
+        f"{total / 1e9:.3f} GB in {len(layout.offsets)} shards; blocks "
+        f"{'cut' if model.cuts else 'not cut (host memory: shards read in place)'}"
     )
     configs: dict[str, tuple[int, int, int]] = {}  # label -> (window, block bytes, runs)
 
@@ -274,15 +330,20 @@ def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     arena = Arena("bench-devices", slots=1)
     try:
         arena.ensure_slot_bytes(layout.total_bytes)
-        device_config(model, arena, labels[0], configs[labels[0]], device, t0)
+        # A trainer's arena is written every version: its pages are faulted in once, at the
+        # first publish (on a TPU host, under gVisor, at ~1 GB/s). The rows are steady state.
+        t = time.perf_counter()
+        arena.slot(0).fill(0)
+        progress(f"[{rows.elapsed():5.0f} s] the arena's slot faulted in: {time.perf_counter() - t:.1f} s (untimed)")
+        rows.run(labels[0], lambda: device_config(model, arena, labels[0], configs[labels[0]], device, t0))
         for m in (m for m in copy_only if not m.slow):
-            copy_method(model, m, copy, t0)
+            rows.run(m.name, lambda m=m: copy_method(model, m, copy, t0))
         for label in labels[1:]:
-            device_config(model, arena, label, configs[label], device, t0)
+            rows.run(label, lambda label=label: device_config(model, arena, label, configs[label], device, t0))
     finally:
         arena.close()
     for m in (m for m in copy_only if m.slow):
-        copy_method(model, m, copy, t0)
+        rows.run(m.name, lambda m=m: copy_method(model, m, copy, t0))
 
     default = next(iter(device))
     best_device = max(device, key=lambda k: device[k]["gbps"])
@@ -314,6 +375,7 @@ def measure_devices(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
         "slow_repeats": args.slow_repeats,
         "device_path": device,
         "copy_only": copy,
+        "skipped": rows.skipped,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 

@@ -78,7 +78,7 @@ case "${1:-}" in
   bench)
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
-    step stage 270 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --json
+    step stage 270 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
     step overlap 150 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"
     ;;
   apply)

@@ -1,8 +1,9 @@
 """The audit of a JAX engine's live leaves, on their devices.
 
 Every leaf the last whole version wrote is fingerprinted where its shards live, as the
-apply's device check does (`jax_fingerprint.device_fingerprint`: one jitted program per
-leaf shape over the mesh on accelerators, NumPy over a CPU device's memory), replicas
+apply's device check does, but a layer at a time: one jitted program over the mesh for a
+layer's leaves (`jax_fingerprint.mesh_fingerprints`; alike layers share its compiled
+code), NumPy over a CPU device's memory), replicas
 compared, and the sums compared with the leaf's fingerprint from the verified host bytes
 that the apply kept (`JaxApply.verified`). Only the sums leave the devices: a few
 integers per device and leaf.
@@ -15,10 +16,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from rollout_agent.audit_reading import AuditReading, Expected, compare, damage
-from rollout_agent.jax_apply import JaxApply
-from rollout_agent.jax_fingerprint import Fingerprint, device_fingerprint
+from rollout_agent.jax_apply import JaxApply, _layer
+from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, mesh_fingerprints
 
 
 class JaxAudit(JaxApply):
@@ -33,7 +35,9 @@ class JaxAudit(JaxApply):
         version, fps, names = self.verified
         leaves = self.target.leaves()
         live: dict[str, Fingerprint | str] = {}
-        checks, methods = {}, set()
+        checks: dict[str, ShardCheck] = {}
+        methods: set[str] = set()
+        layers: dict[str, list[tuple[str, jax.Array]]] = {}  # leaves on a mesh, by layer
         for path in fps:  # every program dispatched before the first result is read
             leaf = leaves.get(path)
             if not isinstance(leaf, jax.Array) or leaf.is_deleted():
@@ -41,7 +45,11 @@ class JaxAudit(JaxApply):
                 continue
             method = self._fingerprint_method(leaf)
             methods.add(method)
-            checks[path] = device_fingerprint(path, leaf, method, self._pool_())
+            if method == "jit" and isinstance(leaf.sharding, NamedSharding) and leaf.is_fully_addressable:
+                layers.setdefault(_layer(path), []).append((path, leaf))  # a program a layer, below
+            else:
+                checks[path] = device_fingerprint(path, leaf, method, self._pool_())
+        checks |= mesh_fingerprints(list(layers.values()))
         for path, check in checks.items():
             got, problem = check.result()
             live[path] = problem or got

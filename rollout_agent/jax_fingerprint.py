@@ -179,6 +179,45 @@ def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None =
     return ShardCheck(path, blocks)
 
 
+def mesh_fingerprints(groups: Sequence[Sequence[tuple[str, Any]]]) -> dict[str, ShardCheck]:
+    """Starts the fingerprints of groups of leaves (path, array), each device summing its
+    own shards: one program per group and mesh (dispatched, its rows copied to the host
+    as they come). Groups alike in shapes, shardings and dtypes (a model's layers) share
+    one compiled program. Every leaf must have a fully addressable NamedSharding."""
+    out: dict[str, ShardCheck] = {}
+    for group in groups:
+        by_mesh: dict[Any, list[tuple[str, Any]]] = {}
+        for path, arr in group:
+            by_mesh.setdefault(arr.sharding.mesh, []).append((path, arr))
+        for mesh, held in by_mesh.items():
+            signature = tuple((arr.sharding.spec, arr.dtype.itemsize) for _, arr in held)
+            rows = _leaves_fingerprint(mesh, signature)(*(arr for _, arr in held))
+            rows.copy_to_host_async()
+            lengths = [fingerprint_length(arr.ndim, arr.dtype.itemsize) for _, arr in held]
+            out |= rows_checks(mesh, rows, [(path, arr.sharding, arr.shape) for path, arr in held], lengths)
+    return out
+
+
+@cache
+def _leaves_fingerprint(mesh: Any, signature: tuple[tuple[Any, int], ...]) -> Any:
+    """One program over the mesh: for each device, the block fingerprints of every leaf
+    (spec, itemsize in `signature`) side by side in its row."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    every = tuple(mesh.axis_names)
+
+    def local(*xs: Any) -> Any:
+        return jnp.concatenate([local_fingerprint(x, size) for x, (_, size) in zip(xs, signature)])[None, :]
+
+    f = jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(spec for spec, _ in signature), out_specs=PartitionSpec(every),
+        check_vma=False,
+    )  # fmt: skip
+    return jax.jit(f)
+
+
 def _view_fingerprint(data: Any) -> Fingerprint:
     return array_fingerprint(bits(np.asarray(data)))
 

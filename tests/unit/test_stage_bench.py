@@ -1,0 +1,46 @@
+"""bench/stage.py's device-path mode end to end on 8 CPU devices, shards cut into blocks as
+on an accelerator: every row's bytes are checked, the verdict (the default configuration
+against the best exact copy-only method) is there, the peak RSS comes from a child of its
+own, and with --deadline-s the rows that would end past it are skipped and named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def stage_bench(*extra: str) -> dict[str, Any]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    args = ["--devices", "8", "--model-size", "small", "--repeats", "1", "--force-blocks", "--json", *extra]
+    proc = subprocess.run(
+        [sys.executable, "bench/stage.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "persistent compilation cache" not in proc.stderr  # the cache shared with the RSS child works
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_every_row_is_exact_and_the_verdict_compares_the_default_with_the_best_copy() -> None:
+    out = stage_bench()
+    assert out["platform"] == "cpu" and out["devices"] == 8 and out["blocks_cut"]
+    assert out["skipped"] == []
+    assert all(row["exact"] for row in out["device_path"].values())
+    assert all(row["exact"] for row in out["copy_only"].values() if "gbps" in row)
+    default = next(iter(out["device_path"]))
+    assert out["gbps"] == out["device_path"][default]["gbps"]
+    assert out["best_copy_only"] in out["copy_only"]
+    assert out["ratio_to_best_copy_only"] == round(out["gbps"] / out["best_copy_only_gbps"], 3)
+    assert out["rss_exact"] and 0 < out["peak_rss_over_baseline_bytes"] <= out["rss_bound_bytes"]
+
+
+def test_rows_past_the_deadline_are_skipped_and_the_default_is_still_measured() -> None:
+    out = stage_bench("--deadline-s", "1")
+    assert list(out["device_path"]) == ["window_1024MiB_block_12MiB"] and out["exact"]
+    assert "whole_pinned_host" in out["skipped"] and "window_1024MiB_block_0MiB" in out["skipped"]
+    assert not set(out["skipped"]) & (set(out["device_path"]) | set(out["copy_only"]))
