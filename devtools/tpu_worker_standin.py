@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map
-from rollout_agent.jax_targets import named_leaves
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map
+from rollout_agent.engines.jax.targets import named_leaves
 from weightsync.model_shapes import ModelShape
 from weightsync.models.qwen3_jax import Qwen3Config
 

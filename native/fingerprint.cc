@@ -1,5 +1,5 @@
 // Row and column sums of a matrix of unsigned integers, modulo 2^32, in one pass: the
-// device check's leaf fingerprint (rollout_agent/jax_fingerprint.py) reads each leaf's
+// device check's leaf fingerprint (rollout_agent/engines/jax/fingerprint.py) reads each leaf's
 // bytes once instead of once per reduction. Columns go in blocks whose uint32
 // accumulators stay in L1, so a wide matrix (a vocabulary axis) does not stream its
 // accumulators from L2 for every row.

@@ -10,10 +10,10 @@ import sys
 from collections.abc import Sequence
 
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
-from rollout_agent.appliers import Applier, DictApplier
 from rollout_agent.audit import Audited
 from rollout_agent.auditor import Auditor
 from rollout_agent.config import RolloutConfig
+from rollout_agent.engines.applier import Applier, DictApplier
 from rollout_agent.sync import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
@@ -130,9 +130,9 @@ def _jax_applier(cfg: RolloutConfig, wiring: RolloutWiring) -> Applier:
     devices as its layout's engine shards it, and the applier that writes into it."""
     import jax
 
-    from rollout_agent.jax_applier import JaxApplier
-    from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-    from rollout_agent.jax_targets import WeightsHolder
+    from rollout_agent.engines.jax.applier import JaxApplier
+    from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
+    from rollout_agent.engines.jax.targets import WeightsHolder
     from weightsync.model_shapes import PRESETS
 
     shape = PRESETS[cfg.jax_preset]

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from rollout_agent.audit import Audited
-from rollout_agent.audit_reading import AuditReading
+from rollout_agent.engines.audit_reading import AuditReading
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import Metrics

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_agent.appliers import Applier
+from rollout_agent.engines.applier import Applier
 from rollout_agent.puller import WeightPuller
 from weightsync.errors import ResourceExhausted
 from weightsync.host_memory import host_memory

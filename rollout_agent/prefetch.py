@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from rollout_agent.appliers import Applier
+from rollout_agent.engines.applier import Applier
 from rollout_agent.follow import FollowStop, NewestAnnounced, follow_servable
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import Prefetched, prefetch

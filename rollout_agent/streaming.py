@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import layer_groups
 from rollout_agent.assembly import assemble_tensor
+from rollout_agent.engines.applier import layer_groups
 from rollout_agent.puller import PullPlan, WeightPuller
 from weightsync.manifest import Manifest
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import Applier, layer_groups
 from rollout_agent.assembly import (
     assemble,
     describe_difference,
@@ -19,6 +18,7 @@ from rollout_agent.assembly import (
     mismatched,
     tensor_digest,
 )
+from rollout_agent.engines.applier import Applier, layer_groups
 from rollout_agent.host_budget import check_host_memory
 from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.puller import PullPlan, WeightPuller

@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from rollout_agent.jax_applier import JaxApplier
-from rollout_agent.jax_names import NameMap
-from rollout_agent.jax_targets import InPlaceTree
+from rollout_agent.engines.jax.applier import JaxApplier
+from rollout_agent.engines.jax.names import NameMap
+from rollout_agent.engines.jax.targets import InPlaceTree
 from rollout_agent.settings import InitInfo
 from rollout_agent.vllm_core import VllmRollout, parse_version
 from weightsync.errors import FailedPrecondition, InvalidArgument

@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
 from rollout_agent.assembly import assemble, digest_all, mismatched
+from rollout_agent.engines.applier import DictApplier
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import Relay

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from devtools.object_stores import Emulator, ObjectStore, emulators, missing_packages
-from rollout_agent.appliers import DictApplier
+from rollout_agent.engines.applier import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import publish_and_sync

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from devtools.cluster import Cluster
-from rollout_agent.appliers import Applier, DictApplier
+from rollout_agent.engines.applier import Applier, DictApplier
 from rollout_agent.prefetch import Prefetcher
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import apply_prefetched, sync_version

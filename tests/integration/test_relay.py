@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
+from rollout_agent.engines.applier import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.relay import RELAY_PROBE_S, Relay
 from rollout_agent.sync import SyncResult, sync_version

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
+from rollout_agent.engines.applier import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.sharded_publisher import MESH_TREE, global_value

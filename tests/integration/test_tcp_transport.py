@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from devtools.cluster import Cluster
-from rollout_agent.appliers import DictApplier
+from rollout_agent.engines.applier import DictApplier
 from rollout_agent.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import eventually

@@ -66,7 +66,7 @@ def _hf_logits(model: Any) -> np.ndarray:
 def worker() -> Iterator[Worker]:
     import jax
 
-    from rollout_agent.jax_model import mesh_of
+    from rollout_agent.engines.jax.model import mesh_of
 
     made: list[Worker] = []
 

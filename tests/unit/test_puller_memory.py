@@ -7,8 +7,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier, layer_groups
 from rollout_agent.assembly import assemble, digest_all, first_difference
+from rollout_agent.engines.applier import DictApplier, layer_groups
 from rollout_agent.puller import WeightPuller
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb

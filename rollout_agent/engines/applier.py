@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollout_agent.apply_report import ApplyReport
-from rollout_agent.audit_reading import AuditReading, Expected, compare, damage, fingerprint
+from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
 from weightsync import native
 from weightsync.manifest import TensorSpec
 

@@ -10,8 +10,8 @@ run it (bench/apply.py).
 
 from __future__ import annotations
 
-from rollout_agent.appliers import Applier
-from rollout_agent.jax_audit import JaxAudit
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.jax.audit import JaxAudit
 
 
 class JaxApplier(JaxAudit, Applier):

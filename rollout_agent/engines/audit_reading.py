@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout_agent.jax_fingerprint import Fingerprint, array_fingerprint, bits
+from rollout_agent.engines.jax.fingerprint import Fingerprint, array_fingerprint, bits
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from rollout_agent import jax_groups
-from rollout_agent.apply_report import ApplyReport
-from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
-from rollout_agent.jax_groups import groupable
-from rollout_agent.jax_names import LeafPlan, NameMap, Part, leaf_box, shapes_of
-from rollout_agent.jax_targets import Target, as_target
+from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.jax import groups as jax_groups
+from rollout_agent.engines.jax.fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
+from rollout_agent.engines.jax.groups import groupable
+from rollout_agent.engines.jax.names import LeafPlan, NameMap, Part, leaf_box, shapes_of
+from rollout_agent.engines.jax.targets import Target, as_target
 from weightsync.errors import DataLoss, FailedPrecondition, InternalError, InvalidArgument
 
 MODES = ("auto", "swap", "inplace")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.jax_names import LeafPlan, Part
+from rollout_agent.engines.jax.names import LeafPlan, Part
 
 try:
     from weightsync import native

@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from rollout_agent.audit_reading import AuditReading, Expected, compare, damage
-from rollout_agent.jax_apply import JaxApply
-from rollout_agent.jax_fingerprint import Fingerprint, device_fingerprint
+from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage
+from rollout_agent.engines.jax.apply import JaxApply
+from rollout_agent.engines.jax.fingerprint import Fingerprint, device_fingerprint
 
 
 class JaxAudit(JaxApply):

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import Applier
-from rollout_agent.audit_reading import AuditReading
-from rollout_agent.vllm_audit import VllmAudit
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.audit_reading import AuditReading
+from rollout_agent.engines.vllm.audit import VllmAudit
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
 
