@@ -16,8 +16,8 @@ from weightsync.exports import Extra, available, lazy_exports
 _EXPORTS = {
     "RolloutAgent": "rollout_agent.agent",
     "RolloutConfig": "rollout_agent.config",
-    "WeightPuller": "rollout_agent.puller",
-    "PulledVersion": "rollout_agent.puller",
+    "WeightPuller": "rollout_agent.pull.puller",
+    "PulledVersion": "rollout_agent.pull.puller",
     "WeightsyncWorkerExtension": "rollout_agent.vllm_worker_extension",
     "WeightsyncEngine": "rollout_agent.vllm_backend",
 }

@@ -22,7 +22,7 @@ from rollout_agent.follow import (
 )
 from rollout_agent.host_budget import memory_status
 from rollout_agent.outbox import ReportOutbox
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync import SyncResult
 from rollout_agent.wiring import RolloutWiring

@@ -27,8 +27,8 @@ from safetensors.numpy import load_file  # noqa: E402
 from devtools.cluster import Cluster  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 from rollout_agent.engines.applier import DictApplier  # noqa: E402
-from rollout_agent.puller import WeightPuller  # noqa: E402
-from rollout_agent.relay import Relay  # noqa: E402
+from rollout_agent.pull.puller import WeightPuller  # noqa: E402
+from rollout_agent.pull.relay import Relay  # noqa: E402
 from rollout_agent.sync import sync_version  # noqa: E402
 from rollout_agent.vllm_core import in_process  # noqa: E402
 from tests.integration.support import eventually, rollout_status, state_name  # noqa: E402

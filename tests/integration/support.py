@@ -20,7 +20,7 @@ from weightsync._proto import trainer_agent_pb2_grpc as tapb_grpc
 from weightsync._proto import types_pb2 as tpb
 
 if TYPE_CHECKING:
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from trainer_agent.publisher import WeightPublisher
 
 T = TypeVar("T")

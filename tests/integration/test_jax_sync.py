@@ -20,7 +20,7 @@ from rollout_agent.engines.jax.names import NameMap, reference_leaf
 from rollout_agent.engines.jax.targets import WeightsHolder
 from rollout_agent.host_budget import memory_status
 from rollout_agent.prefetch import Prefetcher
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync import apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher

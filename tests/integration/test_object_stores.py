@@ -21,7 +21,7 @@ import pytest
 
 from devtools.object_stores import Emulator, ObjectStore, emulators, missing_packages
 from rollout_agent.engines.applier import DictApplier
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import publish_and_sync
 from trainer_agent.publisher import WeightPublisher

@@ -17,7 +17,7 @@ import numpy as np
 from devtools.cluster import Cluster
 from rollout_agent.engines.applier import Applier, DictApplier
 from rollout_agent.prefetch import Prefetcher
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync import apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rollout_agent.engines.applier import DictApplier
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import eventually
 from trainer_agent.async_publish import PublishSuperseded

@@ -631,7 +631,7 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
     takes 2."""
     from rollout_agent.engines.applier import DictApplier
     from rollout_agent.follow import StaleWatch
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from rollout_agent.sync import SyncResult, sync_version
 
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # the test's rollout beats no lease
@@ -909,7 +909,7 @@ def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coord
     arena, and the shm copy re-read the mapping to hash it instead of hashing what it had
     written; together a toggled byte passed both checks.)"""
     from rollout_agent.engines.applier import DictApplier
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from rollout_agent.sync import sync_version
 
     rng = np.random.default_rng(7)

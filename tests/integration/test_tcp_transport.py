@@ -18,7 +18,7 @@ import pytest
 
 from devtools.cluster import Cluster
 from rollout_agent.engines.applier import DictApplier
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync import sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher

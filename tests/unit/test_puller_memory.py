@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from rollout_agent.assembly import assemble, digest_all, first_difference
 from rollout_agent.engines.applier import DictApplier, layer_groups
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.assembly import assemble, digest_all, first_difference
+from rollout_agent.pull.puller import WeightPuller
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync.errors import DigestMismatch, TransportUnavailable, VersionNotFound
@@ -136,7 +136,7 @@ def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None
 def test_a_relay_source_serves_only_verified_chunks_through_any_server(sources: dict) -> None:
     # One ChunkSource protocol: a relay's buffers are served by the same read path as the
     # trainer's arena (here the in-memory server), chunk by chunk as they verify.
-    from rollout_agent.relay import RelaySource
+    from rollout_agent.pull.relay import RelaySource
 
     arrays = sample_arrays()
     part, staged = make_part(arrays, chunk_bytes=4096, address="mem-relay:1")

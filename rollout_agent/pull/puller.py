@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.assembly import held_whole
-from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
+from rollout_agent.pull.assembly import held_whole
+from rollout_agent.pull.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
 from rollout_agent.settings import check_pull_args
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
