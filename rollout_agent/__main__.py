@@ -14,7 +14,7 @@ from rollout_agent.audit import Audited
 from rollout_agent.auditor import Auditor
 from rollout_agent.config import RolloutConfig
 from rollout_agent.engines.applier import Applier, DictApplier
-from rollout_agent.sync import sync_version
+from rollout_agent.sync.round import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config

@@ -94,7 +94,7 @@ def publish_and_sync(
     """Per version, publishes `params` one higher and syncs it through `puller` into a fresh
     DictApplier, which must then hold exactly what was published; returns the last params."""
     from rollout_agent.engines.applier import DictApplier
-    from rollout_agent.sync import sync_version
+    from rollout_agent.sync.round import sync_version
 
     for version in versions:
         params = {k: v + 1 for k, v in params.items()}

@@ -22,7 +22,7 @@ import pytest
 from devtools.object_stores import Emulator, ObjectStore, emulators, missing_packages
 from rollout_agent.engines.applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.sync.round import sync_version
 from tests.integration.support import publish_and_sync
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings

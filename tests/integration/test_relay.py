@@ -14,7 +14,7 @@ import pytest
 from rollout_agent.engines.applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.pull.relay import RELAY_PROBE_S, Relay
-from rollout_agent.sync import SyncResult, sync_version
+from rollout_agent.sync.round import SyncResult, sync_version
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient

@@ -29,7 +29,7 @@ from devtools.scrape import metric_value, scrape
 from devtools.synthetic import good_report
 from rollout_agent.engines.applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.sync.round import sync_version
 from tests.conftest import coordinator_in_process
 from tests.integration.support import eventually, state_name
 from tests.unit.helpers import make_part, sample_arrays

@@ -17,7 +17,7 @@ import pytest
 
 from rollout_agent.engines.applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.sync.round import sync_version
 from tests.integration.sharded_publisher import MESH_TREE, global_value
 from tests.integration.support import free_port
 from weightsync.client import CoordinatorClient

@@ -9,7 +9,7 @@ import pytest
 
 from rollout_agent.engines.applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.sync.round import sync_version
 from tests.integration.support import publish_and_sync
 from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights

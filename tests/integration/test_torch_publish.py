@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from rollout_agent.engines.applier import DictApplier  # noqa: E402
 from rollout_agent.pull.puller import WeightPuller  # noqa: E402
-from rollout_agent.sync import sync_version  # noqa: E402
+from rollout_agent.sync.round import sync_version  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402

@@ -121,7 +121,7 @@ def test_dict_applier_reuses_buffers_and_drops_stale_names() -> None:
 
 
 def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None:
-    from rollout_agent.streaming import _run_of, _runs
+    from rollout_agent.sync.streaming import _run_of, _runs
 
     spans = {
         "model.embed_tokens.weight": {0: (0, 3), 1: (0, 1)},

@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterator
 
 from rollout_agent.engines.applier import Applier
-from rollout_agent.follow import FollowStop, NewestAnnounced, follow_servable
 from rollout_agent.pull.puller import WeightPuller
-from rollout_agent.sync import Prefetched, prefetch
+from rollout_agent.sync.follow import FollowStop, NewestAnnounced, follow_servable
+from rollout_agent.sync.round import Prefetched, prefetch
 from weightsync.errors import WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.logs import version_context

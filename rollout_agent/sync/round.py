@@ -10,8 +10,6 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.engines.applier import Applier, layer_groups
-from rollout_agent.host_budget import check_host_memory
-from rollout_agent.outbox import ReportOutbox, send_report
 from rollout_agent.pull.assembly import (
     assemble,
     describe_difference,
@@ -22,7 +20,9 @@ from rollout_agent.pull.assembly import (
     tensor_digest,
 )
 from rollout_agent.pull.puller import PullPlan, WeightPuller
-from rollout_agent.streaming import stream_verified_groups
+from rollout_agent.sync.host_budget import check_host_memory
+from rollout_agent.sync.outbox import ReportOutbox, send_report
+from rollout_agent.sync.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from rollout_agent.sync import SyncResult
+from rollout_agent.sync.round import SyncResult
 
 
 class EngineVersion:
