@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
-from rollout_agent.audit import Audited
-from rollout_agent.auditor import Auditor
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import Auditor
 from rollout_agent.config import RolloutConfig
 from rollout_agent.engines.applier import Applier, DictApplier
 from rollout_agent.sync.round import sync_version

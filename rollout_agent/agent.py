@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.auditor import Auditor
+from rollout_agent.audit.auditor import Auditor
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync.engine_version import EngineVersion

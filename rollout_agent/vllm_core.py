@@ -15,8 +15,8 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from rollout_agent.audit import Audited
-from rollout_agent.auditor import Auditor
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import Auditor
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.vllm.applier import VllmApplier
 from rollout_agent.settings import InitInfo
@@ -87,7 +87,7 @@ class VllmRollout:
         self.applier = applier if applier is not None else VllmApplier(model, model_config)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
-        # Every apply goes through `audited`: audits never overlap one (`rollout_agent.auditor`).
+        # Every apply goes through `audited`: audits never overlap one (`rollout_agent.audit.auditor`).
         self.audited = Audited(self.applier, self.wiring.failpoints)
         self.auditor = Auditor(self.audited, session=info.session, interval_s=info.audit_interval_s)
         self.audited.on_commit.append(self.engine.applied_whole)

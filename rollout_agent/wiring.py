@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout_agent.auditor import Auditor
+from rollout_agent.audit.auditor import Auditor
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.pull.relay import Relay, relay_stall_s
 from rollout_agent.settings import SyncSettings

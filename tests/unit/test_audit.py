@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from coordinator.audit import AuditBoard, check_audit
 from coordinator.records import AgentRecord
-from rollout_agent.audit import Audited
-from rollout_agent.auditor import HEAL_LIMIT, MAX_SHARE, Auditor
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import HEAL_LIMIT, MAX_SHARE, Auditor
 from rollout_agent.engines.applier import DictApplier, layer_groups
 from rollout_agent.engines.audit_reading import damage, fingerprint
 from rollout_agent.engines.jax.applier import JaxApplier

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from rollout_agent.audit import Audited
+from rollout_agent.audit.audited import Audited
 from rollout_agent.engines.audit_reading import AuditReading
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import WeightsyncError
