@@ -2,7 +2,7 @@
 
 vLLM's TPU backend (vllm-tpu, tpu-inference) cannot install here: its builds are for
 CPython 3.12 and a newer JAX than this project's Python 3.11 venv has. So the worker
-extension (`rollout_agent.tpu_worker_extension`) is driven through this class, which
+extension (`rollout_agent.vllm_worker.tpu_extension`) is driven through this class, which
 copies the names and signatures of the methods the extension calls on the real worker
 (`get_weights_state`, `start_weight_update(free_kv_cache=True)`, `update_weights`,
 `finish_weight_update`, `refresh_model_state_leaves`, `vllm_config.model_config.hf_config`)

@@ -18,10 +18,10 @@ _EXPORTS = {
     "RolloutConfig": "rollout_agent.config",
     "WeightPuller": "rollout_agent.pull.puller",
     "PulledVersion": "rollout_agent.pull.puller",
-    "WeightsyncWorkerExtension": "rollout_agent.vllm_worker_extension",
-    "WeightsyncEngine": "rollout_agent.vllm_backend",
+    "WeightsyncWorkerExtension": "rollout_agent.vllm_worker.extension",
+    "WeightsyncEngine": "rollout_agent.vllm_worker.backend",
 }
-_NEEDS = {"rollout_agent.vllm_backend": Extra("vllm", "vllm")}
+_NEEDS = {"rollout_agent.vllm_worker.backend": Extra("vllm", "vllm")}
 __all__ = available(_EXPORTS, _NEEDS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS, _NEEDS)

@@ -42,8 +42,8 @@ def _run(cfg: RolloutConfig) -> int:
     bind(session=cfg.session, agent_id=agent_id)
     metrics = build_metrics("rollout")
     if cfg.engine == "vllm":
-        from rollout_agent.vllm_core import in_process
-        from rollout_agent.vllm_engine import VllmEngineSyncer
+        from rollout_agent.vllm_worker.engine import VllmEngineSyncer
+        from rollout_agent.vllm_worker.rollout import in_process
 
         # The engine's weightsync backend pulls, applies and reports (same settings, same
         # agent id, same instance); this process follows the session and drives its update API.

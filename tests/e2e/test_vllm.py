@@ -30,7 +30,7 @@ from rollout_agent.engines.applier import DictApplier  # noqa: E402
 from rollout_agent.pull.puller import WeightPuller  # noqa: E402
 from rollout_agent.pull.relay import Relay  # noqa: E402
 from rollout_agent.sync.round import sync_version  # noqa: E402
-from rollout_agent.vllm_core import in_process  # noqa: E402
+from rollout_agent.vllm_worker.rollout import in_process  # noqa: E402
 from tests.integration.support import eventually, rollout_status, state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402

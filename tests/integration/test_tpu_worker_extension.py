@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from devtools.tpu_worker_standin import TPUWorker
-from rollout_agent.tpu_worker_extension import WeightsyncTPUWorkerExtension
+from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.errors import FailedPrecondition, InvalidArgument

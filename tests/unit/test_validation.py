@@ -309,7 +309,7 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
     """A publisher refuses -1 and 2^64 before it builds the request (which would leave its
     slot held under that version), and vLLM's update refuses 1.5 and True, not taking
     them as version 1."""
-    from rollout_agent.vllm_core import parse_version
+    from rollout_agent.vllm_worker.rollout import parse_version
     from weightsync.validation import check_version_arg
 
     assert check_version_arg(np.int64(7)) == 7 and check_version_arg((1 << 63) - 1) == (1 << 63) - 1

@@ -35,7 +35,7 @@ from rollout_agent.engines.jax.applier import JaxApplier
 from rollout_agent.engines.jax.names import NameMap
 from rollout_agent.engines.jax.targets import InPlaceTree
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout, parse_version
+from rollout_agent.vllm_worker.rollout import VllmRollout, parse_version
 from weightsync.errors import FailedPrecondition, InvalidArgument
 
 # HF config model_type -> weightsync's family name (weightsync.model_families)

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout, worker_index
+from rollout_agent.vllm_worker.rollout import VllmRollout, worker_index
 
 
 class WeightsyncWorkerExtension:
