@@ -19,7 +19,8 @@ from rollout_agent.pull.assembly import (
     mismatched,
     tensor_digest,
 )
-from rollout_agent.pull.puller import PullPlan, WeightPuller
+from rollout_agent.pull.lanes import PullPlan
+from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.host_budget import check_host_memory
 from rollout_agent.sync.outbox import ReportOutbox, send_report
 from rollout_agent.sync.streaming import stream_verified_groups

@@ -17,7 +17,8 @@ import numpy as np
 
 from rollout_agent.engines.applier import layer_groups
 from rollout_agent.pull.assembly import assemble_tensor
-from rollout_agent.pull.puller import PullPlan, WeightPuller
+from rollout_agent.pull.lanes import PullPlan
+from rollout_agent.pull.puller import WeightPuller
 from weightsync.manifest import Manifest
 
 
