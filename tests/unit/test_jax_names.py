@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_agent.engines.jax.fingerprint import array_fingerprint, bits, host_fingerprint
+from rollout_agent.engines.fingerprint import array_fingerprint, bits
+from rollout_agent.engines.jax.fingerprint import host_fingerprint
 from rollout_agent.engines.jax.model import padded_head_dim, padded_heads
 from rollout_agent.engines.jax.names import NameMap, leaf_box, reference_leaf
 from trainer_agent.convert.base import head_axes

@@ -4,7 +4,7 @@
     applier = JaxApplier(holder, NameMap.of("qwen3", "tpu_inference", head_dim=128))
     sync_version(puller, applier)
 
-`jax_apply` holds the work and imports nothing of the data plane, so a bare JAX host can
+`engines.jax.apply` holds the work and imports nothing of the data plane, so a bare JAX host can
 run it (bench/apply.py).
 """
 

@@ -15,7 +15,7 @@ new one stands). "auto" picks swap where every device's free memory (`memory_sta
 holds the new leaves plus `margin_bytes`, in place otherwise.
 
 Before the swap, every new leaf's fingerprint on the device must equal the one the host
-computes from the verified bytes through the transform (`jax_fingerprint`). In swap mode a
+computes from the verified bytes through the transform (`engines.jax.fingerprint`). In swap mode a
 mismatch leaves the old leaves serving and fails the round naming the leaf. In place the
 old leaf is already gone, so a mismatching leaf is built once more from the host bytes and
 checked again: bits damaged on their way to the device never serve, and the version
@@ -43,8 +43,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.fingerprint import Fingerprint
 from rollout_agent.engines.jax import groups as jax_groups
-from rollout_agent.engines.jax.fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
+from rollout_agent.engines.jax.fingerprint import ShardCheck, device_fingerprint, host_fingerprint
 from rollout_agent.engines.jax.groups import groupable
 from rollout_agent.engines.jax.names import LeafPlan, NameMap, Part, leaf_box, shapes_of
 from rollout_agent.engines.jax.targets import Target, as_target
@@ -84,7 +85,7 @@ class _Round:
 
 
 class JaxApply:
-    """Applies versions into `target` (a `jax_targets.Target`, or any pytree, written in
+    """Applies versions into `target` (a `targets.Target`, or any pytree, written in
     place) through `name_map`. The Applier protocol's methods, plus `prepare`.
 
     Args:
@@ -141,7 +142,7 @@ class JaxApply:
         self.last: ApplyReport | None = None
         self.torn = False  # an in-place apply failed part way: the engine holds a mix until the next one
         # the last version applied whole: (version, leaf path -> its verified fingerprint,
-        # leaf path -> the tensors in it), the reference of an audit (`jax_audit`)
+        # leaf path -> the tensors in it), the reference of an audit (`engines.jax.audit`)
         self.verified: tuple[int, dict[str, Fingerprint], dict[str, tuple[str, ...]]] | None = None
         self._threads = threads or min(8, os.cpu_count() or 1)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None

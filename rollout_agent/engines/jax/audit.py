@@ -1,7 +1,7 @@
 """The audit of a JAX engine's live leaves, on their devices.
 
 Every leaf the last whole version wrote is fingerprinted where its shards live, as the
-apply's device check does (`jax_fingerprint.device_fingerprint`: one jitted program per
+apply's device check does (`engines.jax.fingerprint.device_fingerprint`: one jitted program per
 leaf shape over the mesh on accelerators, NumPy over a CPU device's memory), replicas
 compared, and the sums compared with the leaf's fingerprint from the verified host bytes
 that the apply kept (`JaxApply.verified`). Only the sums leave the devices: a few
@@ -17,8 +17,9 @@ import jax
 import numpy as np
 
 from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage
+from rollout_agent.engines.fingerprint import Fingerprint
 from rollout_agent.engines.jax.apply import JaxApply
-from rollout_agent.engines.jax.fingerprint import Fingerprint, device_fingerprint
+from rollout_agent.engines.jax.fingerprint import device_fingerprint
 
 
 class JaxAudit(JaxApply):

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
-from rollout_agent.engines.jax.fingerprint import MASK, Fingerprint, add, shifted
+from rollout_agent.engines.fingerprint import MASK, Fingerprint, add, shifted
 
 PROBE_ROWS = 1024  # identity rows per kernel probe: bounds the probe's memory at PROBE_ROWS x N
 _ALL = slice(None)
