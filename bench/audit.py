@@ -113,7 +113,7 @@ def jax_engine(args: argparse.Namespace, tensors: dict[str, np.ndarray]) -> dict
 
 def numpy_engine(args: argparse.Namespace, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     try:
-        from rollout_agent.engines.applier import DictApplier
+        from rollout_agent.engines.dict_applier import DictApplier
     except ImportError as e:  # a bare host: no xxhash for the native shim's module
         return {"skipped": f"{type(e).__name__}: {e}"}
     applier = DictApplier()

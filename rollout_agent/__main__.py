@@ -13,7 +13,8 @@ from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
 from rollout_agent.audit.audited import Audited
 from rollout_agent.audit.auditor import Auditor
 from rollout_agent.config import RolloutConfig
-from rollout_agent.engines.applier import Applier, DictApplier
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.sync.round import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc

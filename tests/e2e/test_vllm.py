@@ -26,7 +26,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
-from rollout_agent.engines.applier import DictApplier  # noqa: E402
+from rollout_agent.engines.dict_applier import DictApplier  # noqa: E402
 from rollout_agent.pull.puller import WeightPuller  # noqa: E402
 from rollout_agent.pull.relay import Relay  # noqa: E402
 from rollout_agent.sync.round import sync_version  # noqa: E402

@@ -93,7 +93,7 @@ def publish_and_sync(
 ) -> dict[str, np.ndarray]:
     """Per version, publishes `params` one higher and syncs it through `puller` into a fresh
     DictApplier, which must then hold exactly what was published; returns the last params."""
-    from rollout_agent.engines.applier import DictApplier
+    from rollout_agent.engines.dict_applier import DictApplier
     from rollout_agent.sync.round import sync_version
 
     for version in versions:

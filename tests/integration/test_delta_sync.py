@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rollout_agent.engines.applier import DictApplier
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.assembly import assemble, digest_all, mismatched
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.pull.relay import Relay

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from devtools.cluster import Cluster
-from rollout_agent.engines.applier import Applier, DictApplier
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.prefetch import Prefetcher
 from rollout_agent.sync.round import apply_prefetched, sync_version

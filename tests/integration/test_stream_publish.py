@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.engines.applier import DictApplier
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.round import sync_version
 from tests.integration.support import publish_and_sync

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollout_agent.engines.applier import DictApplier  # noqa: E402
+from rollout_agent.engines.dict_applier import DictApplier  # noqa: E402
 from rollout_agent.pull.puller import WeightPuller  # noqa: E402
 from rollout_agent.sync.round import sync_version  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402

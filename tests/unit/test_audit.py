@@ -21,8 +21,9 @@ from coordinator.audit import AuditBoard, check_audit
 from coordinator.records import AgentRecord
 from rollout_agent.audit.audited import Audited
 from rollout_agent.audit.auditor import HEAL_LIMIT, MAX_SHARE, Auditor
-from rollout_agent.engines.applier import DictApplier, layer_groups
+from rollout_agent.engines.applier import layer_groups
 from rollout_agent.engines.audit_reading import damage, fingerprint
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.engines.jax.applier import JaxApplier
 from rollout_agent.engines.jax.audit import damaged_on_device
 from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from devtools.receive_buffer import as_received
-from rollout_agent.engines.applier import DictApplier, layer_groups
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.engines.jax.applier import JaxApplier
 from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
 from rollout_agent.engines.jax.names import reference_leaf

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from rollout_agent.engines.applier import DictApplier, layer_groups
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.assembly import assemble, digest_all, first_difference
 from rollout_agent.pull.puller import WeightPuller
 from tests.unit.helpers import make_part, row_shards, sample_arrays
