@@ -46,7 +46,8 @@ import numpy as np  # noqa: E402
 from common import model  # noqa: E402
 
 from devtools.receive_buffer import as_received  # noqa: E402
-from rollout_agent.engines.jax.apply import JaxApply, owned  # noqa: E402
+from rollout_agent.engines.jax.apply import JaxApply  # noqa: E402
+from rollout_agent.engines.jax.build import owned  # noqa: E402
 from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
 from rollout_agent.engines.jax.names import reference_leaf  # noqa: E402
 from rollout_agent.engines.jax.targets import WeightsHolder  # noqa: E402
