@@ -1,6 +1,6 @@
 """Prefetch: pull and verify each new servable version in the background, into the
 puller's receive buffer, while the engine keeps serving; the apply step then loads only
-verified bytes (`sync.apply_prefetched`), so the engine pauses for the apply alone.
+verified bytes (`round.apply_prefetched`), so the engine pauses for the apply alone.
 
 Memory stays one receive buffer: a prefetched version waits there until it is applied or
 a newer one replaces it (leasing the newer version drops the older lease at the
