@@ -2,10 +2,10 @@
 taken from the verified host bytes while the applier applies them (`Expected`), and the
 outcome of comparing it with the entry's live fingerprint (`AuditReading`).
 
-The fingerprint is `engines.fingerprint`'s: wrapping uint32 sums of the elements' bits, plain
-and weighted by each axis' index. It is exact (no float tolerance: a single flipped bit
-changes the plain sum, an element moved a weighted one) and a few integers per entry, so
-an audit keeps and moves no copy of the model. It guards against faults, not an
+The fingerprint is `engines.fingerprint`'s: wrapping uint32 sums of the elements' bits,
+plain and weighted by each axis' index. It is exact (no float tolerance: a single flipped
+bit changes the plain sum, an element moved a weighted one) and a few integers per entry,
+so an audit keeps and moves no copy of the model. It guards against faults, not an
 adversary: several changes can be made to cancel in every sum.
 """
 

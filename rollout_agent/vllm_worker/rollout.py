@@ -87,7 +87,7 @@ class VllmRollout:
         self.applier = applier if applier is not None else VllmApplier(model, model_config)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
-        # Every apply goes through `audited`: audits never overlap one (`rollout_agent.audit.auditor`).
+        # Every apply goes through `audited`: audits never overlap one (`audit.auditor`).
         self.audited = Audited(self.applier, self.wiring.failpoints)
         self.auditor = Auditor(self.audited, session=info.session, interval_s=info.audit_interval_s)
         self.audited.on_commit.append(self.engine.applied_whole)

@@ -4,8 +4,8 @@
     applier = JaxApplier(holder, NameMap.of("qwen3", "tpu_inference", head_dim=128))
     sync_version(puller, applier)
 
-`engines.jax.apply` holds the work and imports nothing of the data plane, so a bare JAX host can
-run it (bench/apply.py).
+`engines.jax.apply` holds the work and imports nothing of the data plane, so a bare JAX
+host can run it (bench/apply.py).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ new one stands). "auto" picks swap where every device's free memory (`memory_sta
 holds the new leaves plus `margin_bytes`, in place otherwise.
 
 Before the swap, every new leaf's fingerprint on the device must equal the one the host
-computes from the verified bytes through the transform (`engines.jax.fingerprint`). In swap mode a
-mismatch leaves the old leaves serving and fails the round naming the leaf. In place the
-old leaf is already gone, so a mismatching leaf is built once more from the host bytes and
-checked again: bits damaged on their way to the device never serve, and the version
-commits whole (`ApplyReport.repaired_leaves`). Only bytes that no longer match the host
-fingerprint (changed on the host after the check) fail the round there, with the engine
-holding a mix (`torn`) that must not serve until a version applies whole.
+computes from the verified bytes through the transform (`engines.jax.fingerprint`). In
+swap mode a mismatch leaves the old leaves serving and fails the round naming the leaf. In
+place the old leaf is already gone, so a mismatching leaf is built once more from the host
+bytes and checked again: bits damaged on their way to the device never serve, and the
+version commits whole (`ApplyReport.repaired_leaves`). Only bytes that no longer match the
+host fingerprint (changed on the host after the check) fail the round there, with the
+engine holding a mix (`torn`) that must not serve until a version applies whole.
 """
 
 from __future__ import annotations

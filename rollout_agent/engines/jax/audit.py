@@ -1,11 +1,11 @@
 """The audit of a JAX engine's live leaves, on their devices.
 
 Every leaf the last whole version wrote is fingerprinted where its shards live, as the
-apply's device check does (`engines.jax.fingerprint.device_fingerprint`: one jitted program per
-leaf shape over the mesh on accelerators, NumPy over a CPU device's memory), replicas
-compared, and the sums compared with the leaf's fingerprint from the verified host bytes
-that the apply kept (`JaxApply.verified`). Only the sums leave the devices: a few
-integers per device and leaf.
+apply's device check does (`engines.jax.fingerprint.device_fingerprint`: one jitted
+program per leaf shape over the mesh on accelerators, NumPy over a CPU device's memory),
+replicas compared, and the sums compared with the leaf's fingerprint from the verified
+host bytes that the apply kept (`JaxApply.verified`). Only the sums leave the devices: a
+few integers per device and leaf.
 """
 
 from __future__ import annotations

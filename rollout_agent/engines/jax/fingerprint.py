@@ -1,13 +1,13 @@
 """Exact fingerprints of a leaf's bits: on the device, and from the host bytes through the
 transform, so a leaf is served only when the two agree.
 
-A leaf's fingerprint is its bits' (`engines.fingerprint`: T = sum(b), F_k = sum(b · index_k),
-modulo 2^32). Both are linear in position, so the host works them out from per-axis sums
-of the tensor in its own (HF) layout, through the transform's permutation, repeats and
-offset (`host_fingerprint`), without building the leaf; padding is zeros and adds
-nothing. The device side sums each device's shard where it lives (a jitted reduction, or
-NumPy over the shard's memory on CPU devices, where it is host memory), then shifts each
-shard's F_k by its offset in the leaf.
+A leaf's fingerprint is its bits' (`engines.fingerprint`): modulo 2^32, T = sum(b) and
+per axis F_k = sum(b · index_k). Both are linear in position, so the host works them out
+from per-axis sums of the tensor in its own (HF) layout, through the transform's
+permutation, repeats and offset (`host_fingerprint`), without building the leaf; padding
+is zeros and adds nothing. The device side sums each device's shard where it lives (a
+jitted reduction, or NumPy over the shard's memory on CPU devices, where it is host
+memory), then shifts each shard's F_k by its offset in the leaf.
 """
 
 from __future__ import annotations
