@@ -46,10 +46,11 @@ import numpy as np  # noqa: E402
 from common import model  # noqa: E402
 
 from devtools.receive_buffer import as_received  # noqa: E402
-from rollout_agent.jax_apply import JaxApply, owned  # noqa: E402
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
-from rollout_agent.jax_names import reference_leaf  # noqa: E402
-from rollout_agent.jax_targets import WeightsHolder  # noqa: E402
+from rollout_agent.engines.jax.apply import JaxApply  # noqa: E402
+from rollout_agent.engines.jax.build import owned  # noqa: E402
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
+from rollout_agent.engines.jax.names import reference_leaf  # noqa: E402
+from rollout_agent.engines.jax.targets import WeightsHolder  # noqa: E402
 from weightsync.errors import DataLoss  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 

@@ -41,10 +41,10 @@ import numpy as np  # noqa: E402
 from common import model  # noqa: E402
 
 from devtools.receive_buffer import as_received  # noqa: E402
-from rollout_agent.audit_reading import AuditReading  # noqa: E402
-from rollout_agent.jax_audit import JaxAudit  # noqa: E402
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
-from rollout_agent.jax_targets import WeightsHolder  # noqa: E402
+from rollout_agent.engines.audit_reading import AuditReading  # noqa: E402
+from rollout_agent.engines.jax.audit import JaxAudit  # noqa: E402
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of  # noqa: E402
+from rollout_agent.engines.jax.targets import WeightsHolder  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 
 DEFAULT_INTERVAL_S = 60.0  # the sidecar's --audit-interval-s
@@ -113,7 +113,7 @@ def jax_engine(args: argparse.Namespace, tensors: dict[str, np.ndarray]) -> dict
 
 def numpy_engine(args: argparse.Namespace, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     try:
-        from rollout_agent.appliers import DictApplier
+        from rollout_agent.engines.dict_applier import DictApplier
     except ImportError as e:  # a bare host: no xxhash for the native shim's module
         return {"skipped": f"{type(e).__name__}: {e}"}
     applier = DictApplier()

@@ -74,7 +74,7 @@ def main() -> int:
 
     from devtools.cluster import Cluster
     from devtools.tiny_models import write_tiny_model
-    from rollout_agent import vllm_core
+    from rollout_agent.vllm_worker.rollout import in_process
     from trainer_agent.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
     from weightsync.client import CoordinatorClient
@@ -89,7 +89,7 @@ def main() -> int:
             llm = vllm.LLM(model=str(model_dir), weight_transfer_config={"backend": "weightsync"}, **ENGINE_ARGS)
             info = {"coordinator": coord, "session": "vllm", "agent_id": "vllm-0", "weight_sync_mode": "tcp"}
             llm.init_weight_transfer_engine({"init_info": info})  # prefetch on: the default
-            rollout = vllm_core.in_process("vllm-0")
+            rollout = in_process("vllm-0")
             assert rollout is not None and rollout.prefetcher is not None
             sp = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
             prompts = [{"prompt_token_ids": [1, 5 + i, 6, 7, 8, 9]} for i in range(PROMPTS)]

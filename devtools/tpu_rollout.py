@@ -83,9 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ml_dtypes
 
     from devtools.tpu_worker_standin import TPUWorker, hf_config_of
-    from rollout_agent.follow import FollowStop, follow_servable
-    from rollout_agent.jax_model import mesh_of
-    from rollout_agent.tpu_worker_extension import WeightsyncTPUWorkerExtension
+    from rollout_agent.engines.jax.model import mesh_of
+    from rollout_agent.sync.follow import FollowStop, follow_servable
+    from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
     from weightsync.client import CoordinatorClient
     from weightsync.host_memory import host_memory
     from weightsync.metrics import build_metrics

@@ -2,7 +2,7 @@
 
 vLLM's TPU backend (vllm-tpu, tpu-inference) cannot install here: its builds are for
 CPython 3.12 and a newer JAX than this project's Python 3.11 venv has. So the worker
-extension (`rollout_agent.tpu_worker_extension`) is driven through this class, which
+extension (`rollout_agent.vllm_worker.tpu_extension`) is driven through this class, which
 copies the names and signatures of the methods the extension calls on the real worker
 (`get_weights_state`, `start_weight_update(free_kv_cache=True)`, `update_weights`,
 `finish_weight_update`, `refresh_model_state_leaves`, `vllm_config.model_config.hf_config`)
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map
-from rollout_agent.jax_targets import named_leaves
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map
+from rollout_agent.engines.jax.targets import named_leaves
 from weightsync.model_shapes import ModelShape
 from weightsync.models.qwen3_jax import Qwen3Config
 

@@ -1,6 +1,6 @@
-// Row and column sums of a matrix of unsigned integers, modulo 2^32, in one pass: the
-// device check's leaf fingerprint (rollout_agent/jax_fingerprint.py) reads each leaf's
-// bytes once instead of once per reduction. Columns go in blocks whose uint32
+// Row and column sums of a matrix of unsigned integers, modulo 2^32, in one pass: an
+// array's exact fingerprint (rollout_agent/engines/fingerprint.py) reads its bytes once
+// instead of once per reduction. Columns go in blocks whose uint32
 // accumulators stay in L1, so a wide matrix (a vocabulary axis) does not stream its
 // accumulators from L2 for every row.
 #include <cstring>

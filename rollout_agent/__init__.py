@@ -16,12 +16,12 @@ from weightsync.exports import Extra, available, lazy_exports
 _EXPORTS = {
     "RolloutAgent": "rollout_agent.agent",
     "RolloutConfig": "rollout_agent.config",
-    "WeightPuller": "rollout_agent.puller",
-    "PulledVersion": "rollout_agent.puller",
-    "WeightsyncWorkerExtension": "rollout_agent.vllm_worker_extension",
-    "WeightsyncEngine": "rollout_agent.vllm_backend",
+    "WeightPuller": "rollout_agent.pull.puller",
+    "PulledVersion": "rollout_agent.pull.puller",
+    "WeightsyncWorkerExtension": "rollout_agent.vllm_worker.extension",
+    "WeightsyncEngine": "rollout_agent.vllm_worker.backend",
 }
-_NEEDS = {"rollout_agent.vllm_backend": Extra("vllm", "vllm")}
+_NEEDS = {"rollout_agent.vllm_worker.backend": Extra("vllm", "vllm")}
 __all__ = available(_EXPORTS, _NEEDS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS, _NEEDS)

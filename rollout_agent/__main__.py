@@ -10,11 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from rollout_agent.agent import SERVICE_NAME, RolloutAgent, RolloutAgentServicer
-from rollout_agent.appliers import Applier, DictApplier
-from rollout_agent.audit import Audited
-from rollout_agent.auditor import Auditor
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import Auditor
 from rollout_agent.config import RolloutConfig
-from rollout_agent.sync import sync_version
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.sync.round import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync.config import load_config
@@ -42,8 +43,8 @@ def _run(cfg: RolloutConfig) -> int:
     bind(session=cfg.session, agent_id=agent_id)
     metrics = build_metrics("rollout")
     if cfg.engine == "vllm":
-        from rollout_agent.vllm_core import in_process
-        from rollout_agent.vllm_engine import VllmEngineSyncer
+        from rollout_agent.vllm_worker.engine import VllmEngineSyncer
+        from rollout_agent.vllm_worker.rollout import in_process
 
         # The engine's weightsync backend pulls, applies and reports (same settings, same
         # agent id, same instance); this process follows the session and drives its update API.
@@ -130,9 +131,9 @@ def _jax_applier(cfg: RolloutConfig, wiring: RolloutWiring) -> Applier:
     devices as its layout's engine shards it, and the applier that writes into it."""
     import jax
 
-    from rollout_agent.jax_applier import JaxApplier
-    from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-    from rollout_agent.jax_targets import WeightsHolder
+    from rollout_agent.engines.jax.applier import JaxApplier
+    from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
+    from rollout_agent.engines.jax.targets import WeightsHolder
     from weightsync.model_shapes import PRESETS
 
     shape = PRESETS[cfg.jax_preset]

@@ -10,9 +10,11 @@ from collections.abc import Callable
 
 import grpc
 
-from rollout_agent.auditor import Auditor
-from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import (
+from rollout_agent.audit.auditor import Auditor
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
+from rollout_agent.sync.engine_version import EngineVersion
+from rollout_agent.sync.follow import (
     FollowStop,
     NewestAnnounced,
     StaleWatch,
@@ -20,11 +22,9 @@ from rollout_agent.follow import (
     latest_version,
     newest_servable,
 )
-from rollout_agent.host_budget import memory_status
-from rollout_agent.outbox import ReportOutbox
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
-from rollout_agent.sync import SyncResult
+from rollout_agent.sync.host_budget import memory_status
+from rollout_agent.sync.outbox import ReportOutbox
+from rollout_agent.sync.round import SyncResult
 from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import rollout_agent_pb2 as pb

@@ -12,6 +12,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
-        WeightTransferEngineFactory.register_engine("weightsync", "rollout_agent.vllm_backend", "WeightsyncEngine")
+        WeightTransferEngineFactory.register_engine(
+            "weightsync", "rollout_agent.vllm_worker.backend", "WeightsyncEngine"
+        )
     except ValueError:
         pass  # already registered in this process

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout_agent.auditor import Auditor
-from rollout_agent.outbox import ReportOutbox
-from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import Relay, relay_stall_s
+from rollout_agent.audit.auditor import Auditor
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.pull.relay import Relay, relay_stall_s
 from rollout_agent.settings import SyncSettings
+from rollout_agent.sync.outbox import ReportOutbox
 from weightsync.client import CoordinatorClient
 from weightsync.config import advertised
 from weightsync.errors import AlreadyExists

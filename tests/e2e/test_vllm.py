@@ -26,11 +26,11 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
 from devtools.tiny_models import write_tiny_model  # noqa: E402
-from rollout_agent.appliers import DictApplier  # noqa: E402
-from rollout_agent.puller import WeightPuller  # noqa: E402
-from rollout_agent.relay import Relay  # noqa: E402
-from rollout_agent.sync import sync_version  # noqa: E402
-from rollout_agent.vllm_core import in_process  # noqa: E402
+from rollout_agent.engines.dict_applier import DictApplier  # noqa: E402
+from rollout_agent.pull.puller import WeightPuller  # noqa: E402
+from rollout_agent.pull.relay import Relay  # noqa: E402
+from rollout_agent.sync.round import sync_version  # noqa: E402
+from rollout_agent.vllm_worker.rollout import in_process  # noqa: E402
 from tests.integration.support import eventually, rollout_status, state_name  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402

@@ -20,7 +20,7 @@ from weightsync._proto import trainer_agent_pb2_grpc as tapb_grpc
 from weightsync._proto import types_pb2 as tpb
 
 if TYPE_CHECKING:
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from trainer_agent.publisher import WeightPublisher
 
 T = TypeVar("T")
@@ -93,8 +93,8 @@ def publish_and_sync(
 ) -> dict[str, np.ndarray]:
     """Per version, publishes `params` one higher and syncs it through `puller` into a fresh
     DictApplier, which must then hold exactly what was published; returns the last params."""
-    from rollout_agent.appliers import DictApplier
-    from rollout_agent.sync import sync_version
+    from rollout_agent.engines.dict_applier import DictApplier
+    from rollout_agent.sync.round import sync_version
 
     for version in versions:
         params = {k: v + 1 for k, v in params.items()}

@@ -15,12 +15,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
-from rollout_agent.assembly import assemble, digest_all, mismatched
-from rollout_agent.prefetch import Prefetcher
-from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import Relay
-from rollout_agent.sync import SyncResult, apply_prefetched, sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.assembly import assemble, digest_all, mismatched
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.pull.relay import Relay
+from rollout_agent.sync.prefetch import Prefetcher
+from rollout_agent.sync.round import SyncResult, apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.__main__ import rank_rows
 from trainer_agent.publisher import WeightPublisher

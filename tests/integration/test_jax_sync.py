@@ -14,14 +14,14 @@ import numpy as np
 from prometheus_client import generate_latest
 
 from devtools.scrape import metric_value
-from rollout_agent.host_budget import memory_status
-from rollout_agent.jax_applier import JaxApplier
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-from rollout_agent.jax_names import NameMap, reference_leaf
-from rollout_agent.jax_targets import WeightsHolder
-from rollout_agent.prefetch import Prefetcher
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import apply_prefetched, sync_version
+from rollout_agent.engines.jax.applier import JaxApplier
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
+from rollout_agent.engines.jax.names import NameMap, reference_leaf
+from rollout_agent.engines.jax.targets import WeightsHolder
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.host_budget import memory_status
+from rollout_agent.sync.prefetch import Prefetcher
+from rollout_agent.sync.round import apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from devtools.cluster import Cluster
-from rollout_agent.appliers import Applier, DictApplier
-from rollout_agent.prefetch import Prefetcher
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import apply_prefetched, sync_version
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.prefetch import Prefetcher
+from rollout_agent.sync.round import apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -202,7 +203,7 @@ def test_the_prefetch_thread_outlives_an_unexpected_exception(
 ) -> None:  # noqa: ANN001
     """An exception that is not a weightsync error (an allocation, a bug) must not end the
     prefetch thread, or every later update waits out `prefetch_wait_s` for nothing."""
-    import rollout_agent.prefetch as prefetch_module
+    import rollout_agent.sync.prefetch as prefetch_module
 
     real, calls = prefetch_module.prefetch, []
 

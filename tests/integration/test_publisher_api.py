@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.round import sync_version
 from tests.integration.support import eventually
 from trainer_agent.publisher import PublishResult, WeightPublisher
 from trainer_agent.settings import PublisherSettings

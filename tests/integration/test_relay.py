@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import RELAY_PROBE_S, Relay
-from rollout_agent.sync import SyncResult, sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.pull.relay import RELAY_PROBE_S, Relay
+from rollout_agent.sync.round import SyncResult, sync_version
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient

@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from devtools.cluster import Cluster
 from devtools.scrape import metric_value, scrape
 from devtools.synthetic import good_report
-from rollout_agent.appliers import DictApplier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.round import sync_version
 from tests.conftest import coordinator_in_process
 from tests.integration.support import eventually, state_name
 from tests.unit.helpers import make_part, sample_arrays

@@ -629,10 +629,10 @@ def test_a_pull_its_caller_chose_from_a_frozen_trainer_is_abandoned_once_its_rep
     `--timeout-s` per read, three reads, while the replacement's version 2 is servable.
     Its `StaleWatch` ends that pull once version 2 is announced, and the next update
     takes 2."""
-    from rollout_agent.appliers import DictApplier
-    from rollout_agent.follow import StaleWatch
-    from rollout_agent.puller import WeightPuller
-    from rollout_agent.sync import SyncResult, sync_version
+    from rollout_agent.engines.dict_applier import DictApplier
+    from rollout_agent.pull.puller import WeightPuller
+    from rollout_agent.sync.follow import StaleWatch
+    from rollout_agent.sync.round import SyncResult, sync_version
 
     coord = cluster.start_coordinator(args=["--lease-ttl-s", "60"])  # the test's rollout beats no lease
     trainer = ["--model-size", "small", "--steps", "1", "--weight-sync-mode", "tcp", "--hold"]
@@ -908,9 +908,9 @@ def test_shm_rounds_verify_what_they_apply_under_a_racing_writer(inprocess_coord
     bytes. (Found by the chaos suite: staging hashed small shards a second time from the
     arena, and the shm copy re-read the mapping to hash it instead of hashing what it had
     written; together a toggled byte passed both checks.)"""
-    from rollout_agent.appliers import DictApplier
-    from rollout_agent.puller import WeightPuller
-    from rollout_agent.sync import sync_version
+    from rollout_agent.engines.dict_applier import DictApplier
+    from rollout_agent.pull.puller import WeightPuller
+    from rollout_agent.sync.round import sync_version
 
     rng = np.random.default_rng(7)
     params = {f"model.layers.{i}.input_layernorm.weight": rng.standard_normal(64).astype(np.float32) for i in range(8)}

@@ -15,9 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.round import sync_version
 from tests.integration.sharded_publisher import MESH_TREE, global_value
 from tests.integration.support import free_port
 from weightsync.client import CoordinatorClient

@@ -207,7 +207,7 @@ def test_a_call_past_the_grace_is_ended_and_named(tmp_path: Path, caplog: pytest
 def test_a_follower_stops_at_once_though_its_watch_waits(tmp_path: Path) -> None:
     """Stopping a rollout cancels its follow loop's watch stream, so the thread ends at
     once though no event comes (here: none does), and SIGTERM does not wait for one."""
-    from rollout_agent.follow import FollowStop, follow_servable
+    from rollout_agent.sync.follow import FollowStop, follow_servable
     from tests.conftest import coordinator_in_process
 
     with coordinator_in_process(tmp_path / "c.db") as running, CoordinatorClient(running.address) as client:

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import sync_version
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.round import sync_version
 from tests.integration.support import publish_and_sync
 from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollout_agent.appliers import DictApplier  # noqa: E402
-from rollout_agent.puller import WeightPuller  # noqa: E402
-from rollout_agent.sync import sync_version  # noqa: E402
+from rollout_agent.engines.dict_applier import DictApplier  # noqa: E402
+from rollout_agent.pull.puller import WeightPuller  # noqa: E402
+from rollout_agent.sync.round import sync_version  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from devtools.tpu_worker_standin import TPUWorker
-from rollout_agent.tpu_worker_extension import WeightsyncTPUWorkerExtension
+from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.errors import FailedPrecondition, InvalidArgument
@@ -66,7 +66,7 @@ def _hf_logits(model: Any) -> np.ndarray:
 def worker() -> Iterator[Worker]:
     import jax
 
-    from rollout_agent.jax_model import mesh_of
+    from rollout_agent.engines.jax.model import mesh_of
 
     made: list[Worker] = []
 

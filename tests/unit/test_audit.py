@@ -19,14 +19,15 @@ from hypothesis import strategies as st
 
 from coordinator.audit import AuditBoard, check_audit
 from coordinator.records import AgentRecord
-from rollout_agent.appliers import DictApplier, layer_groups
-from rollout_agent.audit import Audited
-from rollout_agent.audit_reading import damage, fingerprint
-from rollout_agent.auditor import HEAL_LIMIT, MAX_SHARE, Auditor
-from rollout_agent.jax_applier import JaxApplier
-from rollout_agent.jax_audit import damaged_on_device
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-from rollout_agent.jax_targets import WeightsHolder
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import HEAL_LIMIT, MAX_SHARE, Auditor
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.engines.audit_reading import damage, fingerprint
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.engines.jax.applier import JaxApplier
+from rollout_agent.engines.jax.audit import damaged_on_device
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
+from rollout_agent.engines.jax.targets import WeightsHolder
 from tests.unit.test_jax_applier import TINY, specs, version
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument
@@ -330,7 +331,7 @@ def test_torchs_fingerprint_where_a_tensor_lives_equals_numpys(
     """What a vLLM audit computes on an accelerator (torch's integer sums, a few rows at a
     time) is the host's fingerprint of the same bits."""
     torch = pytest.importorskip("torch")
-    from rollout_agent.vllm_audit import _bits, torch_fingerprint
+    from rollout_agent.engines.vllm.audit import _bits, torch_fingerprint
 
     rng = np.random.default_rng(seed)
     t = torch.from_numpy(np.asarray(rng.standard_normal(shape) * 100, np.float64)).to(getattr(torch, dtype))

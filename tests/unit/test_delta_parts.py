@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from coordinator.records import PublishOutcome
 from coordinator.store import SessionStore
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from tests.unit.helpers import make_part
 from trainer_agent.delta import CHUNK_CAP, pack_delta
 from trainer_agent.staging import (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rollout_agent.engine_version import EngineVersion
-from rollout_agent.sync import SyncResult
+from rollout_agent.sync.engine_version import EngineVersion
+from rollout_agent.sync.round import SyncResult
 
 
 def test_a_late_verdict_makes_a_version_current_only_while_the_engine_holds_it() -> None:

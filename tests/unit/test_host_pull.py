@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.puller import WeightPuller
-from rollout_agent.relay import RelaySource
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.pull.relay import RelaySource
 from rollout_agent.settings import InitInfo, SyncSettings
 from tests.unit.helpers import without_inet
 from weightsync.errors import FailedPrecondition, InvalidArgument
@@ -61,7 +61,7 @@ def test_a_rollout_reads_from_the_first_unix_relay_of_its_host() -> None:
 
 
 _UPSTREAM = """
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
 from tests.unit.test_host_pull import _here, _inet
 chain = [_inet(1), _here("a", "h2"), _inet(2)]
 print(WeightPuller(None, "job", "r3", host_id="h1").upstream_of(chain))

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from devtools.receive_buffer import as_received
-from rollout_agent.appliers import DictApplier, layer_groups
-from rollout_agent.jax_applier import JaxApplier
-from rollout_agent.jax_model import PROFILES, empty_leaves, family_map, mesh_of
-from rollout_agent.jax_names import reference_leaf
-from rollout_agent.jax_targets import CallbackTarget, InPlaceTree, WeightsHolder
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.engines.jax.applier import JaxApplier
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, mesh_of
+from rollout_agent.engines.jax.names import reference_leaf
+from rollout_agent.engines.jax.targets import CallbackTarget, InPlaceTree, WeightsHolder
 from weightsync.errors import DataLoss, InvalidArgument
 from weightsync.manifest import TensorSpec
 from weightsync.model_shapes import ModelShape, param_shapes

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_agent.jax_fingerprint import array_fingerprint, bits, host_fingerprint
-from rollout_agent.jax_model import padded_head_dim, padded_heads
-from rollout_agent.jax_names import NameMap, leaf_box, reference_leaf
+from rollout_agent.engines.fingerprint import array_fingerprint, bits
+from rollout_agent.engines.jax.fingerprint import host_fingerprint
+from rollout_agent.engines.jax.model import padded_head_dim, padded_heads
+from rollout_agent.engines.jax.names import NameMap, leaf_box, reference_leaf
 from trainer_agent.convert.base import head_axes
 from trainer_agent.convert.qwen3 import QWEN3 as QWEN3_CONVERTER
 from weightsync.errors import InvalidArgument

@@ -7,9 +7,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from rollout_agent.appliers import DictApplier, layer_groups
-from rollout_agent.assembly import assemble, digest_all, first_difference
-from rollout_agent.puller import WeightPuller
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.pull.assembly import assemble, digest_all, first_difference
+from rollout_agent.pull.puller import WeightPuller
 from tests.unit.helpers import make_part, row_shards, sample_arrays
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync.errors import DigestMismatch, TransportUnavailable, VersionNotFound
@@ -121,7 +122,7 @@ def test_dict_applier_reuses_buffers_and_drops_stale_names() -> None:
 
 
 def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None:
-    from rollout_agent.streaming import _run_of, _runs
+    from rollout_agent.sync.streaming import _run_of, _runs
 
     spans = {
         "model.embed_tokens.weight": {0: (0, 3), 1: (0, 1)},
@@ -136,7 +137,7 @@ def test_streaming_pulls_distant_tensors_of_one_group_as_separate_runs() -> None
 def test_a_relay_source_serves_only_verified_chunks_through_any_server(sources: dict) -> None:
     # One ChunkSource protocol: a relay's buffers are served by the same read path as the
     # trainer's arena (here the in-memory server), chunk by chunk as they verify.
-    from rollout_agent.relay import RelaySource
+    from rollout_agent.pull.relay import RelaySource
 
     arrays = sample_arrays()
     part, staged = make_part(arrays, chunk_bytes=4096, address="mem-relay:1")

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_agent.follow import NewestAnnounced, StaleWatch
-from rollout_agent.puller import WeightPuller
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.follow import NewestAnnounced, StaleWatch
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import types_pb2 as tpb

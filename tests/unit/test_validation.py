@@ -309,7 +309,7 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
     """A publisher refuses -1 and 2^64 before it builds the request (which would leave its
     slot held under that version), and vLLM's update refuses 1.5 and True, not taking
     them as version 1."""
-    from rollout_agent.vllm_core import parse_version
+    from rollout_agent.vllm_worker.rollout import parse_version
     from weightsync.validation import check_version_arg
 
     assert check_version_arg(np.int64(7)) == 7 and check_version_arg((1 << 63) - 1) == (1 << 63) - 1
@@ -320,7 +320,7 @@ def test_a_version_from_python_is_an_integer_the_coordinator_can_store() -> None
     for bad in (1.5, True, False, 1 << 64, -1, "-1", " 3", "٣"):
         with pytest.raises(InvalidArgument, match="^update_info.version: "):
             parse_version(bad)
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from weightsync.client import CoordinatorClient
 
     with CoordinatorClient("127.0.0.1:1") as client:  # never dialled: refused first
@@ -350,7 +350,7 @@ def test_a_puller_built_from_python_refuses_what_its_sidecar_settings_refuse(kwa
     """WeightPuller is the library half a vLLM worker builds: its arguments are refused as
     the sidecar's settings refuse them, as InvalidArgument naming the field (a session name
     the coordinator refuses, an infinite timeout among them), not as bare `ValueError`s."""
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
     from weightsync.client import CoordinatorClient
 
     args = {"session": "job", "agent_id": "r0", **kwargs}

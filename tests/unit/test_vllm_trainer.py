@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from vllm.distributed.weight_transfer import ModuleSource, WeightSource, WeightTransferTrainerFactory  # noqa: E402
 from vllm.distributed.weight_transfer.base import ParamMeta  # noqa: E402
 
-from rollout_agent.vllm_backend import parse_init_info, parse_update_info  # noqa: E402
-from rollout_agent.vllm_core import worker_agent_id, worker_index  # noqa: E402
+from rollout_agent.vllm_worker.backend import parse_init_info, parse_update_info  # noqa: E402
+from rollout_agent.vllm_worker.rollout import worker_agent_id, worker_index  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
 from weightsync.errors import InvalidArgument  # noqa: E402

@@ -9,7 +9,7 @@ land, and every chunk of the rebuilt version once its tensors checked. Nothing h
 trusted downstream: every chunk is verified by its reader against the manifest, and a
 reader whose relay fails or lags falls back to the trainer (one that ended a reply after
 its wait but still answers is asked again: it waits on its own pull, e.g. on a frozen
-relay before it that it is about to leave; `WeightPuller._relay_still_pulling`).
+relay before it that it is about to leave; `lanes.LaneReader._relay_still_pulling`).
 
 On a unix socket (`--relay-host unix:DIR`) it serves the rollouts of its host, which map
 its receive buffers (shared memory) instead of reading the bytes (`transports.hostshm`):

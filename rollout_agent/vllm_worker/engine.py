@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from rollout_agent.sampling import SampledCompletion, SampleSpec, check_fits, version_of_label
-from rollout_agent.sync import SyncResult
-from rollout_agent.vllm_core import in_process
+from rollout_agent.sync.round import SyncResult
+from rollout_agent.vllm_worker.rollout import in_process
 
 
 class VllmEngineSyncer:

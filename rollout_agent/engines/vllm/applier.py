@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import Applier
-from rollout_agent.audit_reading import AuditReading
-from rollout_agent.vllm_audit import VllmAudit
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.audit_reading import AuditReading
+from rollout_agent.engines.vllm.audit import VllmAudit
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
 
@@ -179,9 +179,9 @@ class VllmApplier(Applier):
         """This worker's shard of every tensor as the engine holds it now (kept parameters'
         bytes, and, with `engine_held`, repacked CPU layers through their GEMM: a probe
         beside the engine's own forward corrupts the kernels' memory) against the version
-        last applied whole (`vllm_audit`)."""
+        last applied whole (`engines.vllm.audit`)."""
         return self._audit.audit(kernels=engine_held)
 
     def inject(self, kind: str) -> str:
-        """Testing only: damages a kept parameter's bytes (`vllm_audit.VllmAudit.inject`)."""
+        """Testing only: damages a kept parameter's bytes (`engines.vllm.audit.VllmAudit.inject`)."""
         return self._audit.inject(kind)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from rollout_agent.sync import SyncResult
+from rollout_agent.sync.round import SyncResult
 
 
 class EngineVersion:
@@ -28,7 +28,7 @@ class EngineVersion:
                 self.applied = result.version
 
     def applied_whole(self, version: int) -> None:
-        """An apply committed (called under the applier's lock, `audit.Audited.on_commit`,
+        """An apply committed (called under the applier's lock, `audited.Audited.on_commit`,
         so in order with audits): what an audit found before is gone."""
         with self._lock:
             self._damaged = False

@@ -1,11 +1,15 @@
-"""WeightPuller: fetches a version's chunks from every trainer rank and verifies each one."""
+"""WeightPuller: fetches a version's chunks from every trainer rank and verifies each one.
+
+The puller plans each version (its mode, its relay upstream), sizes and keeps the receive
+buffers, rebuilds a version from its delta where the buffers hold the delta's base, and
+abandons a pull gone stale; reading the chunks, lane by lane, is `lanes.LaneReader`'s.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -16,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.assembly import held_whole
-from rollout_agent.relay import DEFAULT_RELAY_WAIT_S, RELAY_PROBE_S, RelaySource, relay_stall_s
+from rollout_agent.pull.assembly import held_whole
+from rollout_agent.pull.lanes import Lane, LaneReader, PullPlan
+from rollout_agent.pull.relay import DEFAULT_RELAY_WAIT_S, RelaySource, relay_stall_s
 from rollout_agent.settings import check_pull_args
 from weightsync import native
 from weightsync._proto import coordinator_pb2 as pb
@@ -26,22 +31,13 @@ from weightsync.client import CoordinatorClient
 from weightsync.config import check_positive
 from weightsync.digests import xxh3
 from weightsync.dtypes import dtype_info
-from weightsync.errors import (
-    TRANSIENT_ERRORS,
-    DigestMismatch,
-    InvalidArgument,
-    PullAbandoned,
-    TransportStalled,
-    TransportUnavailable,
-    WeightsyncError,
-)
+from weightsync.errors import InvalidArgument
 from weightsync.host_memory import host_memory
-from weightsync.manifest import ChunkSpec, Endpoint, Manifest, Part
+from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.metrics import Metrics
 from weightsync.modes import normalize_mode
 from weightsync.security import Security
-from weightsync.transports import FetchRequest, Transport, available_transports, create_transport
-from weightsync.transports.tcp import answers
+from weightsync.transports import Transport, available_transports
 from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg, check_session_name
 from weightsync.wire import endpoint_from_proto
 
@@ -50,11 +46,6 @@ log = logging.getLogger(__name__)
 
 def _nbytes(buf: np.ndarray | None) -> int:
     return 0 if buf is None else int(buf.nbytes)
-
-
-def _tcp_usable() -> bool:
-    """The native tcp reader can run here: the shim is built and inet sockets open."""
-    return native.available() and not inet_refused()
 
 
 # (version, trainer generation) of a pull in progress -> why it is stale ("": it is not)
@@ -78,45 +69,7 @@ class PulledVersion:
     digests: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
-class _Lane:
-    """One stream's share of one rank's chunks (indices into `chunks`: the part's, or its
-    `fetch_chunks` for delta chunks), the source it reads them from (the trainer rank's
-    endpoint, or an upstream relay's), bytes and retries."""
-
-    def __init__(self, part: Part, stream: int, indices: list[int], chunks: tuple[ChunkSpec, ...] = ()) -> None:
-        self.part = part
-        self.chunks = chunks or part.chunks
-        self.stream = stream
-        self.indices = indices
-        self.bytes = 0
-        self.retries = 0
-        self.mode = ""  # transport name; set by WeightPuller._plan
-        self.endpoint = part.endpoint
-        self.relayed = False
-        self.check = True  # hash each chunk as it lands (else the caller checks the tensors)
-        self.digest_failures = 0  # chunks whose bytes arrived but did not verify
-        # Reading from a relay: when it last brought a chunk, and how the last read from it
-        # ended ("lost": it ended the reply; "stalled": silent; "refused": an error reply).
-        self.relay_heard = 0.0
-        self.relay_lost = ""
-
-    @property
-    def checks_on_arrival(self) -> bool:
-        """Hash each chunk as it lands: asked for, or read from a relay (which may be wrong)."""
-        return self.check or self.relayed
-
-
-@dataclass(frozen=True)
-class PullPlan:
-    """Where one version's chunks come from (`WeightPuller.plan(header)`)."""
-
-    mode: str  # in force for this version: the puller's, else the session's, else grpc
-    token: str = ""  # the version's access token (tcp and relay servers check it)
-    upstream: Endpoint | None = None  # relay mode: the relay before this rollout in the chain
-    downstream: bool = False  # relay mode: a rollout after this one in the chain reads from it
-
-
-class WeightPuller:
+class WeightPuller(LaneReader):
     """Pulls versions with parallel streams and a bounded in-flight window.
 
     `mode` is a weight-sync mode ("" = the session's default, read from each
@@ -216,115 +169,6 @@ class WeightPuller:
         self._abandoned = ""
         self._interrupted: list[Transport] = []
 
-    def transport_for(self, part: Part, mode: str = "") -> str:
-        """The transport for one rank's part under `mode` (default: this puller's, else
-        grpc): shm only where asked for and possible."""
-        mode = mode or self.mode or "grpc"
-        ep = part.endpoint
-        if mode == "fs":
-            if "fs" in ep.transports and ep.fs_uri and self.fs_root:
-                return "fs"
-            return self._fallback(part, "offers no fs copy (or no fs_root here)")
-        if mode in ("tcp", "relay"):  # relay: the trainer is read over tcp too
-            if "tcp" in ep.transports and ep.tcp_address and _tcp_usable():
-                return "tcp"
-            return self._fallback(
-                part,
-                "offers no tcp address (or the native shim is not built here, or this host has no usable inet sockets)",
-            )
-        if mode == "shm":
-            if "shm" in ep.transports and ep.shm_path and ep.host_id and ep.host_id == self.host_id:
-                return "shm"
-            return self._off_shm(part, f"is on host {ep.host_id!r}, we are on {self.host_id!r} (or offers no shm)")
-        return mode
-
-    def _off_shm(self, part: Part, why: str) -> str:
-        """Where a rank's shm cannot be used: tcp when offered and built here, else grpc."""
-        ep = part.endpoint
-        offers_tcp = "tcp" in ep.transports and ep.tcp_address and _tcp_usable()
-        return self._fallback(part, why, "tcp" if offers_tcp else "grpc")
-
-    def _fallback(self, part: Part, why: str, mode: str = "grpc") -> str:
-        """`mode` for a rank that cannot be read as asked; logged once per (rank, reason)."""
-        if (part.rank, why) not in self._fallbacks_logged:
-            self._fallbacks_logged.add((part.rank, why))
-            log.info("rank %d %s: pulling over %s", part.rank, why, mode)
-        return mode
-
-    def _route(self, lanes: list[_Lane], plan: PullPlan) -> list[_Lane]:
-        """Chooses each lane's source: the upstream relay in relay mode, else the rank."""
-        for lane in lanes:
-            if plan.upstream is not None:  # a relay on a unix socket is on this host: its buffers are mapped
-                mode = "hostshm" if is_unix(plan.upstream.tcp_address) else "tcp"
-                lane.mode, lane.endpoint, lane.relayed = mode, plan.upstream, True
-            else:
-                lane.mode, lane.endpoint, lane.relayed = (
-                    self.transport_for(lane.part, plan.mode),
-                    lane.part.endpoint,
-                    False,
-                )
-        return lanes
-
-    def _open_lane(self, lane: _Lane) -> Transport:
-        """The lane's open transport. A local shm mapping that cannot be opened (no shared
-        /dev/shm although host ids are equal) is not a fault of the source: the lane moves
-        to the next mode the rank offers, costing no attempt."""
-        try:
-            return self._transport(lane)
-        except TransportUnavailable as e:
-            if lane.mode != "shm":
-                raise
-            lane.mode = self._off_shm(lane.part, f"arena not mappable here ({e.message})")
-            return self._transport(lane)
-
-    def _from_trainer(self, lane: _Lane, why: str, plan: PullPlan) -> None:
-        """A relay failed or lagged: this lane reads the rest from the trainer rank."""
-        log.warning("relay for rank %d failed (%s): pulling the rest from the trainer", lane.part.rank, why)
-        self.relay_fallbacks += 1
-        lane.mode, lane.endpoint, lane.relayed = self.transport_for(lane.part, plan.mode), lane.part.endpoint, False
-
-    def _key(self, lane: _Lane) -> tuple[str, str, int]:
-        address = lane.endpoint.tcp_address if lane.mode in ("tcp", "hostshm") else lane.endpoint.address
-        return (lane.mode, address, lane.stream)
-
-    def _transport(self, lane: _Lane) -> Transport:
-        key = self._key(lane)
-        with self._transports_lock:
-            if self._abandoned:  # (a lane between its check and here)
-                raise TransportUnavailable("the pull was abandoned")
-            transport = self._transports.get(key)
-            if transport is None:
-                options = {
-                    "fs": {"root": self.fs_root, "options": self.fs_options},
-                    "grpc": {"security": self.security},
-                }.get(key[0], {})
-                transport = create_transport(key[0], **options)
-                transport.open(lane.endpoint)
-                self._transports[key] = transport
-            elif key[0] in ("shm", "fs"):
-                transport.open(lane.endpoint)  # this version's slot offset / directory
-            return transport
-
-    def _drop_transport(self, lane: _Lane) -> None:
-        with self._transports_lock:
-            transport = self._transports.pop(self._key(lane), None)
-        if transport is not None:
-            transport.close()
-
-    def _close_unused(self, manifest: Manifest, plan: PullPlan) -> None:
-        """Closes the open transports to sources `manifest` is not read from: a trainer
-        restarted at a new address, a relay that left the place before this rollout in the chain.
-        Each held a socket, a channel or, for shm, a mapping of an arena its trainer
-        unlinked, whose pages stay in memory for as long as a mapping does."""
-        sources = {a for p in manifest.parts for a in (p.endpoint.address, p.endpoint.tcp_address) if a}
-        if plan.upstream is not None:
-            sources.add(plan.upstream.tcp_address)
-        with self._transports_lock:
-            gone = [key for key in self._transports if key[1] not in sources]
-            unused = [self._transports.pop(key) for key in gone]
-        for transport in unused:
-            transport.close()
-
     def _drop_other_ranks(self, manifest: Manifest) -> None:
         """Lets go of receive and delta buffers of ranks `manifest` does not have (a trainer
         restarted with fewer ranks): each held its part for as long as this rollout lived."""
@@ -408,10 +252,6 @@ class WeightPuller:
                 interrupted, self._interrupted = self._interrupted, []
             for transport in interrupted:
                 transport.close()
-
-    def _check_abandoned(self, version: int) -> None:
-        if why := self._abandoned:
-            raise PullAbandoned(f"pull of version {version} abandoned: {why}", field="version")
 
     def close(self) -> None:
         """Closes every open transport."""
@@ -533,7 +373,7 @@ class WeightPuller:
         return self._pulled(header, manifest, buffers, lanes, started)
 
     @contextlib.contextmanager
-    def _pulling(self, manifest: Manifest, lanes: list[_Lane]) -> Iterator[None]:
+    def _pulling(self, manifest: Manifest, lanes: list[Lane]) -> Iterator[None]:
         """Around a pull: a failure tells the relay (its readers go elsewhere); the
         re-fetches of `lanes` (appended to meanwhile) count in `last_retries` either way."""
         try:
@@ -550,7 +390,7 @@ class WeightPuller:
         header: pb.ManifestHeader,
         manifest: Manifest,
         buffers: dict[int, np.ndarray],
-        lanes: list[_Lane],
+        lanes: list[Lane],
         started: float,
         delta_base: int = 0,
     ) -> PulledVersion:
@@ -579,7 +419,7 @@ class WeightPuller:
         relaying = self.relay is not None and plan.downstream  # raw chunks passed on are checked as they land
         if self.relay is not None:
             self.relay.begin(manifest, plan.token, buffers, scratch)
-        lanes: list[_Lane] = []
+        lanes: list[Lane] = []
         digests: dict[str, tuple[int, float]] = {}
         whole = held_whole(manifest)
         with self._pulling(manifest, lanes):
@@ -655,19 +495,6 @@ class WeightPuller:
         self._run_lanes(plan, manifest, lanes, buf, base)
         return sum(lane.bytes for lane in lanes), sum(lane.retries for lane in lanes)
 
-    def _split(self, plan: PullPlan, part: Part, indices: list[int], chunks: tuple[ChunkSpec, ...] = ()) -> list[_Lane]:
-        per = max(1, -(-len(indices) // self.streams))
-        return self._route(
-            [_Lane(part, k, indices[i : i + per], chunks) for k, i in enumerate(range(0, len(indices), per))], plan
-        )
-
-    def _run_lanes(
-        self, plan: PullPlan, manifest: Manifest, lanes: list[_Lane], buf: np.ndarray, base: int, **how: object
-    ) -> None:
-        with ThreadPoolExecutor(max_workers=max(1, len(lanes)), thread_name_prefix="pull") as pool:
-            for future in [pool.submit(self._run_lane, plan, manifest, lane, buf, base, **how) for lane in lanes]:
-                future.result()
-
     def repair(self, plan: PullPlan, manifest: Manifest, buffers: dict[int, np.ndarray], names: Sequence[str]) -> None:
         """After a pull without chunk checks: hashes the chunks under the named tensors'
         shards in the receive buffers and re-fetches, verified, each that differs from the
@@ -707,157 +534,3 @@ class WeightPuller:
                 self._run_lanes(plan, manifest, lanes, buf, 0, first_attempt=2, why="found by the tensor check")
             finally:
                 self.last_retries += sum(lane.retries for lane in lanes)
-
-    def _run_lane(
-        self,
-        plan: PullPlan,
-        manifest: Manifest,
-        lane: _Lane,
-        buf: np.ndarray,
-        base: int = 0,
-        first_attempt: int = 1,
-        why: str = "",
-    ) -> None:
-        pending = lane.indices
-        last_error = why and f"digest mismatch {why}"
-        unreachable = False  # the last attempt failed to reach the source (not a bad byte)
-        for attempt in range(first_attempt, self.max_attempts + 1):
-            if not pending:
-                return
-            self._check_abandoned(manifest.version)
-            if attempt > 1:
-                lane.retries += len(pending)
-                log.warning(
-                    "version %d rank %d: re-fetching %d chunk(s) (attempt %d/%d): %s",
-                    manifest.version,
-                    lane.part.rank,
-                    len(pending),
-                    attempt,
-                    self.max_attempts,
-                    last_error,
-                )
-                if unreachable:  # give a restarting source time; jitter spreads the lanes
-                    time.sleep(min(2.0, 0.1 * 2**attempt) * (0.5 + random.random()))
-            failures_before = lane.digest_failures
-            try:
-                pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
-                while pending and lane.relayed:  # a relay's failure costs no attempt
-                    self._check_abandoned(manifest.version)
-                    if not self._relay_still_pulling(lane, last_error):
-                        self._from_trainer(lane, last_error, plan)
-                    lane.retries += len(pending)
-                    pending, last_error = self._fetch(plan, manifest, lane, pending, buf, base)
-                unreachable = bool(pending) and lane.digest_failures == failures_before
-            except TRANSIENT_ERRORS as e:
-                last_error, unreachable = e.message, True
-            except WeightsyncError:
-                self._check_abandoned(manifest.version)  # an interrupted read may fail in any way
-                raise
-        if pending:
-            self._check_abandoned(manifest.version)
-            what = (
-                f"version {manifest.version} rank {lane.part.rank}: chunk {pending[0]} (and {len(pending) - 1} more) "
-                f"failed after {self.max_attempts} attempts: {last_error}"
-            )
-            raise TransportUnavailable(what) if unreachable else DigestMismatch(what)
-
-    def _relay_still_pulling(self, lane: _Lane, why: str) -> bool:
-        """Whether to ask the relay again rather than leave it for the trainer: it ended its
-        reply (it waits `--relay-wait-s` for a chunk its own pull has not brought, e.g.
-        from a frozen relay before it, which it leaves for the trainer within
-        `relay_stall_s`), it still answers, and it brought a chunk within twice that. Left
-        at once, every rollout after a frozen relay would go to the trainer, each before the
-        relay between them has left the frozen one. A relay silent past `relay_stall_s`,
-        one that refused (it does not hold the version, or its pull failed) and one that
-        does not answer are left."""
-        if lane.relay_lost != "lost" or time.monotonic() - lane.relay_heard > 2 * self.relay_stall_s:
-            return False
-        if not answers(lane.endpoint.tcp_address, RELAY_PROBE_S):
-            return False
-        log.info("relay for rank %d ended a reply (%s) and still answers: asking it again", lane.part.rank, why)
-        return True
-
-    def _count_digest_failure(self, lane: _Lane) -> None:
-        lane.digest_failures += 1
-        if self.metrics is not None:
-            self.metrics.digest_failures.labels(role=self.metrics.role, session=self.session).inc()
-
-    def _fetch(
-        self, plan: PullPlan, manifest: Manifest, lane: _Lane, indices: Sequence[int], buf: np.ndarray, base: int = 0
-    ) -> tuple[list[int], str]:
-        """One pass over `indices`; returns (indices still to fetch, last problem)."""
-        chunks = lane.chunks
-        chunk_count = len(lane.part.chunks)  # (delta chunks follow)
-        received: set[int] = set()
-        problem = ""
-        transport = self._open_lane(lane)
-        if lane.relayed:
-            lane.relay_heard, lane.relay_lost = lane.relay_heard or time.monotonic(), ""
-        for w in range(0, len(indices), self.window_chunks):
-            if self._abandoned:
-                break
-            window = list(indices[w : w + self.window_chunks])
-            spans = [(chunks[i].offset, chunks[i].length) for i in window]
-            timeout_s = self.relay_stall_s if lane.relayed else self.timeout_s
-            request = FetchRequest(
-                self.session, manifest.version, lane.part.rank, window, timeout_s, spans, plan.token, chunk_count
-            )
-            try:
-                if transport.receives_in_place:
-                    digests = [chunks[i].xxh3 for i in window] if lane.checks_on_arrival else None
-                    ok = transport.fetch_into(request, buf, base, digests)
-                    for i, good in zip(window, ok):
-                        if good:
-                            received.add(i)
-                            lane.bytes += chunks[i].length
-                        else:
-                            problem = f"chunk {i} digest mismatch"
-                            self._count_digest_failure(lane)
-                    if self.relay is not None:
-                        self.relay.mark(manifest.version, lane.part.rank, [i for i, good in zip(window, ok) if good])
-                    if lane.relayed and any(ok):
-                        lane.relay_heard = time.monotonic()
-                    continue
-                for payload in transport.fetch(request):
-                    c = chunks[payload.index] if payload.index < len(chunks) else None
-                    if (
-                        c is None
-                        or payload.index not in window
-                        or payload.offset != c.offset
-                        or len(payload.data) != c.length
-                    ):
-                        problem = (
-                            f"unexpected chunk {payload.index} (offset {payload.offset}, {len(payload.data)} bytes)"
-                        )
-                        self._count_digest_failure(lane)  # wrong bytes from the source, not an absent source
-                        continue
-                    dst = buf[c.offset - base : c.offset - base + c.length]
-                    if not lane.checks_on_arrival:  # the caller checks the tensors
-                        dst[:] = np.frombuffer(payload.data, np.uint8)
-                        good = True
-                    elif native.available():  # copy and hash in one pass, GIL released
-                        good = native.copy_digest(dst, np.frombuffer(payload.data, np.uint8)) == c.xxh3
-                    elif good := xxh3(payload.data) == c.xxh3:
-                        dst[:] = np.frombuffer(payload.data, np.uint8)
-                    if not good:  # whatever landed in dst is overwritten by the re-fetch
-                        problem = f"chunk {payload.index} digest mismatch"
-                        self._count_digest_failure(lane)
-                        continue
-                    received.add(payload.index)
-                    if self.relay is not None:
-                        self.relay.mark(manifest.version, lane.part.rank, [payload.index])
-                    lane.bytes += c.length
-                    if lane.relayed:
-                        lane.relay_heard = time.monotonic()
-            except TransportUnavailable as e:
-                problem = e.message
-                lane.relay_lost = "stalled" if isinstance(e, TransportStalled) else "lost"
-                self._drop_transport(lane)
-                break
-            except WeightsyncError as e:  # a relay that does not hold the version (yet)
-                if not lane.relayed:
-                    raise
-                problem, lane.relay_lost = e.message, "refused"
-                break
-        missing = [i for i in indices if i not in received]
-        return missing, problem

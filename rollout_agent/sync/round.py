@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import Applier, layer_groups
-from rollout_agent.assembly import (
+from rollout_agent.engines.applier import Applier, layer_groups
+from rollout_agent.pull.assembly import (
     assemble,
     describe_difference,
     digest_all,
@@ -19,10 +19,11 @@ from rollout_agent.assembly import (
     mismatched,
     tensor_digest,
 )
-from rollout_agent.host_budget import check_host_memory
-from rollout_agent.outbox import ReportOutbox, send_report
-from rollout_agent.puller import PullPlan, WeightPuller
-from rollout_agent.streaming import stream_verified_groups
+from rollout_agent.pull.lanes import PullPlan
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.host_budget import check_host_memory
+from rollout_agent.sync.outbox import ReportOutbox, send_report
+from rollout_agent.sync.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import (

@@ -15,16 +15,16 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from rollout_agent.appliers import Applier
-from rollout_agent.audit import Audited
-from rollout_agent.auditor import Auditor
-from rollout_agent.engine_version import EngineVersion
-from rollout_agent.follow import StaleWatch, latest_version
-from rollout_agent.host_budget import memory_status
-from rollout_agent.prefetch import Prefetcher
+from rollout_agent.audit.audited import Audited
+from rollout_agent.audit.auditor import Auditor
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.vllm.applier import VllmApplier
 from rollout_agent.settings import InitInfo
-from rollout_agent.sync import Prefetched, SyncResult, apply_prefetched, sync_version
-from rollout_agent.vllm_applier import VllmApplier
+from rollout_agent.sync.engine_version import EngineVersion
+from rollout_agent.sync.follow import StaleWatch, latest_version
+from rollout_agent.sync.host_budget import memory_status
+from rollout_agent.sync.prefetch import Prefetcher
+from rollout_agent.sync.round import Prefetched, SyncResult, apply_prefetched, sync_version
 from rollout_agent.wiring import wire_rollout
 from weightsync.errors import InvalidArgument, WeightsyncError
 from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg
@@ -87,7 +87,7 @@ class VllmRollout:
         self.applier = applier if applier is not None else VllmApplier(model, model_config)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
-        # Every apply goes through `audited`: audits never overlap one (`rollout_agent.auditor`).
+        # Every apply goes through `audited`: audits never overlap one (`audit.auditor`).
         self.audited = Audited(self.applier, self.wiring.failpoints)
         self.auditor = Auditor(self.audited, session=info.session, interval_s=info.audit_interval_s)
         self.audited.on_commit.append(self.engine.applied_whole)

@@ -1,6 +1,6 @@
 """Prefetch: pull and verify each new servable version in the background, into the
 puller's receive buffer, while the engine keeps serving; the apply step then loads only
-verified bytes (`sync.apply_prefetched`), so the engine pauses for the apply alone.
+verified bytes (`round.apply_prefetched`), so the engine pauses for the apply alone.
 
 Memory stays one receive buffer: a prefetched version waits there until it is applied or
 a newer one replaces it (leasing the newer version drops the older lease at the
@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-from rollout_agent.appliers import Applier
-from rollout_agent.follow import FollowStop, NewestAnnounced, follow_servable
-from rollout_agent.puller import WeightPuller
-from rollout_agent.sync import Prefetched, prefetch
+from rollout_agent.engines.applier import Applier
+from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.follow import FollowStop, NewestAnnounced, follow_servable
+from rollout_agent.sync.round import Prefetched, prefetch
 from weightsync.errors import WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.logs import version_context

@@ -4,8 +4,8 @@ Each leaf is built in the sharding of the leaf it replaces, each device getting 
 own slice of the host bytes: either the host sends every device its box of the
 transformed tensor (a strided view where it can be; `transfer="host"`), or the tensor
 goes over as it is, sharded to match, and one jitted transform per leaf permutes and pads
-it on the devices (`transfer="device"`: no host transpose, for accelerators). Nothing is
-gathered onto one device.
+it on the devices (`transfer="device"`: no host transpose, for accelerators;
+`engines.jax.build`). Nothing is gathered onto one device.
 
 Mode "swap" builds every new leaf aside while the engine keeps serving the old ones, then
 swaps them in at once and calls the engine's `refresh`: the pause. Mode "inplace" is for
@@ -15,13 +15,13 @@ new one stands). "auto" picks swap where every device's free memory (`memory_sta
 holds the new leaves plus `margin_bytes`, in place otherwise.
 
 Before the swap, every new leaf's fingerprint on the device must equal the one the host
-computes from the verified bytes through the transform (`jax_fingerprint`). In swap mode a
-mismatch leaves the old leaves serving and fails the round naming the leaf. In place the
-old leaf is already gone, so a mismatching leaf is built once more from the host bytes and
-checked again: bits damaged on their way to the device never serve, and the version
-commits whole (`ApplyReport.repaired_leaves`). Only bytes that no longer match the host
-fingerprint (changed on the host after the check) fail the round there, with the engine
-holding a mix (`torn`) that must not serve until a version applies whole.
+computes from the verified bytes through the transform (`engines.jax.fingerprint`). In
+swap mode a mismatch leaves the old leaves serving and fails the round naming the leaf. In
+place the old leaf is already gone, so a mismatching leaf is built once more from the host
+bytes and checked again: bits damaged on their way to the device never serve, and the
+version commits whole (`ApplyReport.repaired_leaves`). Only bytes that no longer match the
+host fingerprint (changed on the host after the check) fail the round there, with the
+engine holding a mix (`torn`) that must not serve until a version applies whole.
 """
 
 from __future__ import annotations
@@ -32,22 +32,30 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from rollout_agent import jax_groups
-from rollout_agent.apply_report import ApplyReport
-from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, host_fingerprint
-from rollout_agent.jax_groups import groupable
-from rollout_agent.jax_names import LeafPlan, NameMap, Part, leaf_box, shapes_of
-from rollout_agent.jax_targets import Target, as_target
+from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.fingerprint import Fingerprint
+from rollout_agent.engines.jax import groups as jax_groups
+from rollout_agent.engines.jax.build import (
+    all_on_cpu,
+    device_boxes,
+    device_build,
+    flipped,
+    host_build,
+    is_identity,
+    owned,
+    source_sharding,
+)
+from rollout_agent.engines.jax.fingerprint import ShardCheck, device_fingerprint, host_fingerprint
+from rollout_agent.engines.jax.groups import groupable
+from rollout_agent.engines.jax.names import LeafPlan, NameMap, shapes_of
+from rollout_agent.engines.jax.targets import Target, as_target
 from weightsync.errors import DataLoss, FailedPrecondition, InternalError, InvalidArgument
 
 MODES = ("auto", "swap", "inplace")
@@ -84,7 +92,7 @@ class _Round:
 
 
 class JaxApply:
-    """Applies versions into `target` (a `jax_targets.Target`, or any pytree, written in
+    """Applies versions into `target` (a `targets.Target`, or any pytree, written in
     place) through `name_map`. The Applier protocol's methods, plus `prepare`.
 
     Args:
@@ -141,7 +149,7 @@ class JaxApply:
         self.last: ApplyReport | None = None
         self.torn = False  # an in-place apply failed part way: the engine holds a mix until the next one
         # the last version applied whole: (version, leaf path -> its verified fingerprint,
-        # leaf path -> the tensors in it), the reference of an audit (`jax_audit`)
+        # leaf path -> the tensors in it), the reference of an audit (`engines.jax.audit`)
         self.verified: tuple[int, dict[str, Fingerprint], dict[str, tuple[str, ...]]] | None = None
         self._threads = threads or min(8, os.cpu_count() or 1)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -175,8 +183,8 @@ class JaxApply:
         inplace = self.mode == "inplace"
         on_cpu, cast, assembled = [], 0, 0
         for plan in plans.values():
-            nbytes = sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
-            if _on_cpu(plan.sharding):
+            nbytes = sum(box for _, box in device_boxes(plan)) * plan.dtype.itemsize
+            if all_on_cpu(plan.sharding):
                 on_cpu.append(nbytes)
                 continue
             cast += sum(math.prod(p.source) * plan.dtype.itemsize for p in plan.parts if p.source_dtype != p.dtype)
@@ -316,7 +324,7 @@ class JaxApply:
             return self.mode
         need: dict[Any, int] = collections.Counter()
         for plan in plans.values():
-            for dev, box in _boxes(plan):
+            for dev, box in device_boxes(plan):
                 need[dev] += box * plan.dtype.itemsize
         for dev, n in need.items():
             stats = _stats(dev)
@@ -380,16 +388,16 @@ class JaxApply:
         source = self._device_source(plan)
         if source is not None:
             src = cast[p.name].reshape(p.split)
-            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.TRANSFORM, _flip(src) if corrupt else src, source
+            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.TRANSFORM, flipped(src) if corrupt else src, source
             r.transfers.add("device")
-        elif len(plan.parts) == 1 and _identity(p) and not _on_cpu(plan.sharding):  # (a CPU device adopts host bytes)
+        elif len(plan.parts) == 1 and is_identity(p) and not all_on_cpu(plan.sharding):  # (CPU: adopts the bytes)
             src = p.view(cast[p.name])
-            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.PUT, _flip(src) if corrupt else src, plan.sharding
+            leaf.kind, leaf.src, leaf.src_sharding = jax_groups.PUT, flipped(src) if corrupt else src, plan.sharding
             r.transfers.add("host")
         else:
-            leaf.leaf = owned(self._host_build(plan, cast, corrupt), cast.values())
+            leaf.leaf = owned(host_build(plan, cast, corrupt), cast.values())
             r.transfers.add("host")
-        r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+        r.device_bytes += sum(box for _, box in device_boxes(plan)) * plan.dtype.itemsize
         return leaf
 
     def _take(self, r: _Round, path: str) -> dict[str, np.ndarray]:
@@ -424,14 +432,14 @@ class JaxApply:
         self._wait_inflight(r, plan.nbytes)
         source = self._device_source(plan)
         if source is not None:
-            new = self._device_build(plan, cast, source, old if r.mode == "inplace" else None, corrupt)
+            new = device_build(plan, cast, source, old if r.mode == "inplace" else None, corrupt)
             r.transfers.add("device")
         else:
-            new = self._host_build(plan, cast, corrupt)
+            new = host_build(plan, cast, corrupt)
             r.transfers.add("host")
         new = owned(new, cast.values())
         r.new[path] = new
-        r.device_bytes += sum(box for _, box in _boxes(plan)) * plan.dtype.itemsize
+        r.device_bytes += sum(box for _, box in device_boxes(plan)) * plan.dtype.itemsize
         if r.mode == "inplace":
             self.target.replace({path: new})
             if not old.is_deleted():
@@ -440,44 +448,15 @@ class JaxApply:
         r.inflight.append((plan.nbytes, new))
         r.build_seconds += time.perf_counter() - t0
 
-    def _host_build(self, plan: LeafPlan, cast: Mapping[str, np.ndarray], corrupt: bool) -> Any:
-        # may_alias=False says what is meant, but JAX ignores it for NumPy input and a CPU
-        # device may keep the host bytes as its memory (jax#37830): `owned` checks the result
-        p = plan.parts[0]
-        if len(plan.parts) == 1 and p.plain and not corrupt:
-            # one strided view of the whole leaf: JAX slices it per device and copies each
-            # slice (transposing as it copies) without a Python step per device
-            return jax.device_put(p.view(cast[p.name]), plan.sharding, may_alias=False)
-        devices, boxes = [], []
-        for dev, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
-            box = leaf_box(plan, cast, index)
-            if corrupt and not boxes:
-                box = _flip(box)
-            devices.append(dev)
-            boxes.append(box)
-        arrays = jax.device_put(boxes, devices, may_alias=False)
-        return jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, arrays)
-
     def _device_source(self, plan: LeafPlan) -> Any:
         """The sharding the tensor goes over in, for a device transform; None where the
         host builds the leaf (chosen so, a fused leaf, or a sharding that does not map)."""
         if self.transfer == "host" or len(plan.parts) != 1:
             return None
         p = plan.parts[0]
-        if self.transfer == "auto" and (_on_cpu(plan.sharding) or _identity(p)):  # identity: no device copy
+        if self.transfer == "auto" and (all_on_cpu(plan.sharding) or is_identity(p)):  # identity: no device copy
             return None
         return source_sharding(p, plan.sharding)
-
-    def _device_build(
-        self, plan: LeafPlan, cast: Mapping[str, np.ndarray], source: Any, donate: Any, corrupt: bool
-    ) -> Any:
-        p = plan.parts[0]
-        src = cast[p.name].reshape(p.split)
-        if corrupt:
-            src = _flip(src)
-        x = jax.device_put(src, source, may_alias=False)
-        fn = _transform(p.perm, p.repeat, p.region, plan.sharding, donate is not None)
-        return fn(x, donate) if donate is not None else fn(x)
 
     def _fingerprint_method(self, arr: Any) -> str:
         return self._method_for(arr.sharding)
@@ -485,7 +464,7 @@ class JaxApply:
     def _method_for(self, sharding: Any) -> str:
         if self.fingerprint != "auto":
             return self.fingerprint
-        return "view" if _on_cpu(sharding) else "jit"
+        return "view" if all_on_cpu(sharding) else "jit"
 
     # -- checking and reporting --------------------------------------------------------
     def _compare(self, r: _Round, checks: Mapping[str, ShardCheck]) -> list[tuple[str, str]]:
@@ -509,7 +488,7 @@ class JaxApply:
         checks = {}
         for path, _ in bad:
             plan = r.plans[path]
-            new = owned(self._host_build(plan, r.sources[path], corrupt=False), r.sources[path].values())
+            new = owned(host_build(plan, r.sources[path], corrupt=False), r.sources[path].values())
             old, r.new[path] = r.new[path], new
             self.target.replace({path: new})
             if not old.is_deleted():
@@ -577,86 +556,10 @@ def _mismatch(bad: Sequence[tuple[str, str]]) -> str:
     return f"leaf {path!r} on the device does not match the verified bytes ({why}){more}"
 
 
-def owned(arr: Any, sources: Iterable[np.ndarray]) -> Any:
-    """`arr`, or a copy of it on its devices where a shard's buffer lies inside the host
-    bytes it was built from. A CPU device adopts an aligned, contiguous host array as its
-    own buffer whatever device_put's `may_alias` says (jax#37830); the pulled bytes are
-    overwritten by the next pull, and the engine would serve them as they change."""
-    if all(d.platform != "cpu" for d in arr.sharding.device_set):
-        return arr  # an accelerator's memory is never the host's
-    ranges = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in sources if a.nbytes]
-    for shard in arr.addressable_shards:
-        ptr = shard.data.unsafe_buffer_pointer()
-        if any(lo <= ptr < hi for lo, hi in ranges):
-            return jnp.array(arr, copy=True)
-    return arr
-
-
-def _flip(a: np.ndarray) -> np.ndarray:
-    """A copy of `a` with one bit flipped (the corruption the device check must catch)."""
-    out = np.array(a, copy=True)
-    if out.size:
-        out.reshape(-1).view(np.uint8)[out.nbytes // 2] ^= 0x10
-    return out
-
-
-def source_sharding(p: Part, target: Any) -> Any:
-    """The sharding of the split tensor under which each device holds exactly what its
-    target shard needs (each sharded leaf axis maps to the tensor axis it comes from); None
-    where that does not exist (growth along a sharded axis, an unknown sharding kind)."""
-    if isinstance(target, SingleDeviceSharding):
-        return target
-    if not isinstance(target, NamedSharding) or p.start != (0,) * len(p.start):
-        return None
-    spec = tuple(target.spec) + (None,) * (len(p.region) - len(target.spec))
-    src: list[Any] = [None] * len(p.split)
-    for t, axes in enumerate(spec):
-        if axes is None:
-            continue
-        if not isinstance(axes, (str, tuple)) or p.repeat[t] != 1 or p.moved[t] != p.region[t]:
-            return None
-        src[p.perm[t]] = axes
-    return NamedSharding(target.mesh, PartitionSpec(*src), memory_kind=target.memory_kind)
-
-
-@cache
-def _transform(
-    perm: tuple[int, ...], repeat: tuple[int, ...], region: tuple[int, ...], out: Any, donate: bool
-) -> Callable[..., Any]:
-    """The jitted split -> leaf transform: permute, repeat, zero-pad, into `out`."""
-
-    def f(x: Any, *old: Any) -> Any:
-        return jax_groups.laid_out(x, perm, repeat, region)
-
-    if donate:
-        return jax.jit(f, out_shardings=out, donate_argnums=(1,), keep_unused=True)
-    return jax.jit(f, out_shardings=out)
-
-
-def _on_cpu(sharding: Any) -> bool:
-    return all(d.platform == "cpu" for d in sharding.device_set)
-
-
-def _identity(p: Part) -> bool:
-    """Nothing to transform: the leaf is the tensor as it is."""
-    return p.plain and p.perm == tuple(range(len(p.perm)))
-
-
 def _layer(path: str) -> str:
     """The layer a leaf path belongs to (`...layers.N`), or "" outside the layers."""
     m = _LAYER_RE.match(path)
     return m.group(1) if m else ""
-
-
-def _boxes(plan: LeafPlan) -> list[tuple[Any, int]]:
-    """(device, elements of its box) for every device holding part of the leaf."""
-    out = []
-    for dev, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
-        n = 1
-        for s, size in zip(index, plan.shape):
-            n *= len(range(*s.indices(size)))
-        out.append((dev, n))
-    return out
 
 
 def _devices(plans: Any) -> list[Any]:

@@ -17,7 +17,7 @@ What vLLM's own flow sends is taken as vLLM's engines take it, with two differen
 wire parameter, accepted and ignored (weightsync chunks every version itself); keys of
 `update_info` other than `version` (vLLM's NCCL flow sends names, dtype_names, shapes,
 packed) are ignored. Every worker of a TP/PP/DP engine given one `agent_id` registers as a
-rollout of its own: worker r > 0 as `<agent_id>-r<r>` (`vllm_core.worker_agent_id`).
+rollout of its own: worker r > 0 as `<agent_id>-r<r>` (`rollout.worker_agent_id`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_core import VllmRollout, worker_index
+from rollout_agent.vllm_worker.rollout import VllmRollout, worker_index
 from weightsync.config import option
 from weightsync.errors import InvalidArgument
 

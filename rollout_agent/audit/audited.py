@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import Applier
-from rollout_agent.apply_report import ApplyReport
-from rollout_agent.audit_reading import AuditReading
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.audit_reading import AuditReading
 from weightsync.errors import FailedPrecondition
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import TensorSpec

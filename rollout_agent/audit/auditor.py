@@ -6,7 +6,7 @@ extension), when the coordinator asks (a request on a heartbeat answer: `wsctl a
 --fresh`), every `interval_s` (0: never), and once right after an apply that follows a
 mismatch (to show the heal took). A periodic audit waits at least 100 times the last
 audit's duration (`MAX_SHARE`), so the audits take at most 1% of the engine's time
-whatever the model's size. Every audit holds the apply's lock (`audit.Audited`): it never
+whatever the model's size. Every audit holds the apply's lock (`audited.Audited`): it never
 sees a version half applied, and an apply waits for it.
 
 A mismatch marks the version not served (`unserved`) and calls the `on_mismatch` hooks,
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from rollout_agent.audit import Audited
-from rollout_agent.audit_reading import AuditReading
+from rollout_agent.audit.audited import Audited
+from rollout_agent.engines.audit_reading import AuditReading
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import Metrics

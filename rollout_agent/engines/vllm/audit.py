@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.audit_reading import AuditReading, Expected, compare, damage, fingerprint
-from rollout_agent.jax_fingerprint import MASK, Fingerprint, add, shifted
+from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
+from rollout_agent.engines.fingerprint import MASK, Fingerprint, add, shifted
 
 PROBE_ROWS = 1024  # identity rows per kernel probe: bounds the probe's memory at PROBE_ROWS x N
 _ALL = slice(None)
@@ -166,7 +166,7 @@ class VllmLayout:
         audited, if they are not ("": they are)."""
         import torch
 
-        from rollout_agent.vllm_applier import to_torch
+        from rollout_agent.engines.vllm.applier import to_torch
 
         out, why = {}, ""
         for r in self.regions.get(name, ()):

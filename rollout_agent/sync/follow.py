@@ -13,7 +13,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.errors import VersionNotFound, WeightsyncError
 
 if TYPE_CHECKING:
-    from rollout_agent.puller import WeightPuller
+    from rollout_agent.pull.puller import WeightPuller
 
 log = logging.getLogger(__name__)
 SERVABLE_STATES = frozenset(tpb.VersionState.Value(name) for name in version_states.SERVABLE)

@@ -2,10 +2,10 @@
 taken from the verified host bytes while the applier applies them (`Expected`), and the
 outcome of comparing it with the entry's live fingerprint (`AuditReading`).
 
-The fingerprint is `jax_fingerprint`'s: wrapping uint32 sums of the elements' bits, plain
-and weighted by each axis' index. It is exact (no float tolerance: a single flipped bit
-changes the plain sum, an element moved a weighted one) and a few integers per entry, so
-an audit keeps and moves no copy of the model. It guards against faults, not an
+The fingerprint is `engines.fingerprint`'s: wrapping uint32 sums of the elements' bits,
+plain and weighted by each axis' index. It is exact (no float tolerance: a single flipped
+bit changes the plain sum, an element moved a weighted one) and a few integers per entry,
+so an audit keeps and moves no copy of the model. It guards against faults, not an
 adversary: several changes can be made to cancel in every sum.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout_agent.jax_fingerprint import Fingerprint, array_fingerprint, bits
+from rollout_agent.engines.fingerprint import Fingerprint, array_fingerprint, bits
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class AuditReading:
 
 
 def fingerprint(a: np.ndarray) -> Fingerprint:
-    """The exact fingerprint of an array's bits in its own layout (`jax_fingerprint`)."""
+    """The exact fingerprint of an array's bits in its own layout (`engines.fingerprint`)."""
     return array_fingerprint(bits(a))
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_agent.appliers import Applier
-from rollout_agent.puller import WeightPuller
+from rollout_agent.engines.applier import Applier
+from rollout_agent.pull.puller import WeightPuller
 from weightsync.errors import ResourceExhausted
 from weightsync.host_memory import host_memory
 from weightsync.manifest import Manifest

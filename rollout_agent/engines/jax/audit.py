@@ -2,11 +2,11 @@
 
 Every leaf the last whole version wrote is fingerprinted where its shards live, as the
 apply's device check does, but a layer at a time: one jitted program over the mesh for a
-layer's leaves (`jax_fingerprint.mesh_fingerprints`; alike layers share its compiled
-code), NumPy over a CPU device's memory), replicas
-compared, and the sums compared with the leaf's fingerprint from the verified host bytes
-that the apply kept (`JaxApply.verified`). Only the sums leave the devices: a few
-integers per device and leaf.
+layer's leaves (`engines.jax.fingerprint.mesh_fingerprints`; alike layers share its
+compiled code), NumPy over a CPU device's memory; replicas compared, and the sums
+compared with the leaf's fingerprint from the verified host bytes that the apply kept
+(`JaxApply.verified`). Only the sums leave the devices: a few integers per device and
+leaf.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from rollout_agent.audit_reading import AuditReading, Expected, compare, damage
-from rollout_agent.jax_apply import JaxApply, _layer
-from rollout_agent.jax_fingerprint import Fingerprint, ShardCheck, device_fingerprint, mesh_fingerprints
+from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage
+from rollout_agent.engines.fingerprint import Fingerprint
+from rollout_agent.engines.jax.apply import JaxApply, _layer
+from rollout_agent.engines.jax.fingerprint import ShardCheck, device_fingerprint, mesh_fingerprints
 
 
 class JaxAudit(JaxApply):

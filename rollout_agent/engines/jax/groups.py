@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollout_agent.jax_fingerprint import ShardCheck, fingerprint_length, local_fingerprint, rows_checks
-from rollout_agent.jax_names import LeafPlan
+from rollout_agent.engines.jax.fingerprint import ShardCheck, fingerprint_length, local_fingerprint, rows_checks
+from rollout_agent.engines.jax.names import LeafPlan
 
 TRANSFORM, PUT, BUILT = "transform", "put", "built"
 

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollout_agent.jax_names import NameMap
+from rollout_agent.engines.jax.names import NameMap
 from weightsync.model_families import FAMILIES, Dims, role_shape
 
 PROFILES: dict[str, dict[str, str]] = {

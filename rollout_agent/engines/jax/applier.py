@@ -4,14 +4,14 @@
     applier = JaxApplier(holder, NameMap.of("qwen3", "tpu_inference", head_dim=128))
     sync_version(puller, applier)
 
-`jax_apply` holds the work and imports nothing of the data plane, so a bare JAX host can
-run it (bench/apply.py).
+`engines.jax.apply` holds the work and imports nothing of the data plane, so a bare JAX
+host can run it (bench/apply.py).
 """
 
 from __future__ import annotations
 
-from rollout_agent.appliers import Applier
-from rollout_agent.jax_audit import JaxAudit
+from rollout_agent.engines.applier import Applier
+from rollout_agent.engines.jax.audit import JaxAudit
 
 
 class JaxApplier(JaxAudit, Applier):

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from rollout_agent.appliers import layer_groups
-from rollout_agent.assembly import assemble_tensor
-from rollout_agent.puller import PullPlan, WeightPuller
+from rollout_agent.engines.applier import layer_groups
+from rollout_agent.pull.assembly import assemble_tensor
+from rollout_agent.pull.lanes import PullPlan
+from rollout_agent.pull.puller import WeightPuller
 from weightsync.manifest import Manifest
 
 

@@ -1,0 +1,1 @@
+"""Audits of the weights an engine serves: kept apart from applies (`Audited`), run and acted on (`Auditor`)."""

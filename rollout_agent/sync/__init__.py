@@ -1,0 +1,1 @@
+"""Sync rounds (pull, verify, apply, handshake) and what drives them: following the session, prefetch, the outbox."""
