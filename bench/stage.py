@@ -196,7 +196,7 @@ def main() -> int:
         help="device path: its block size, rounded to a multiple of --chunk-bytes (default: the publisher's)",
     )
     p.add_argument(
-        "--blocks-mib", type=_mib_list, default=[18, 24], help="device path: other block sizes, MiB (comma-separated)"
+        "--blocks-mib", type=_mib_list, default=[12, 24], help="device path: other block sizes, MiB (comma-separated)"
     )
     p.add_argument(
         "--windows-mib",

@@ -16,7 +16,8 @@ read) and printed as it comes (stderr):
 - the copy-only methods, each `exact` when every byte it brought over sums as on its device.
 
 The device path's ratio is to the best exact copy-only method. The arena's slot is faulted
-in before the first row (a trainer's arena is, after its first publish), the child's
+in before the first row and the first row's configuration runs once untimed (a trainer's
+arena and the host memory its copies land in are warm after its first publish), the child's
 compiled programs are shared with this process through a compilation cache, and
 --deadline-s skips the rows that would end past it (the default configuration runs first
 and always), naming them in `skipped`.
@@ -193,15 +194,22 @@ def rss_in_child(argv: list[str], cache_dir: str) -> dict[str, Any]:
 
 
 def device_config(
-    model: Model, arena: Arena, label: str, config: tuple[int, int, int], out: dict[str, Any], t0: float
+    model: Model,
+    arena: Arena,
+    label: str,
+    config: tuple[int, int, int],
+    out: dict[str, Any],
+    t0: float,
+    warmups: int = 0,
 ) -> None:
     """The device path at one (window, block bytes, runs), each run on fresh arrays and its
-    staged bytes checked against the devices' own sums; its row in `out`."""
+    staged bytes checked against the devices' own sums, after `warmups` runs untimed; its
+    row in `out`."""
     window, blk, runs = config
     args, layout = model.args, model.layout
     settings = model.settings(window, blk)
     times, exact = [], True
-    for _ in range(runs):
+    for run in range(runs + warmups):
         params = model.fresh()
         datas = replica0(params)
         if model.cuts and blk:  # the slices compiled once per shape, untimed
@@ -210,7 +218,8 @@ def device_config(
         del datas
         t = time.perf_counter()
         stage_device(arena.slot(0), layout, params, settings)
-        times.append(time.perf_counter() - t)
+        if run >= warmups:
+            times.append(time.perf_counter() - t)
         exact = exact and staged_exactly(arena.slot(0), layout, expected)
         drop(params)
     out[label] = {
@@ -339,7 +348,8 @@ def _measure_devices(args: argparse.Namespace, argv: list[str], cache: str) -> d
         t = time.perf_counter()
         arena.slot(0).fill(0)
         progress(f"[{rows.elapsed():5.0f} s] the arena's slot faulted in: {time.perf_counter() - t:.1f} s (untimed)")
-        rows.run(labels[0], lambda: device_config(model, arena, labels[0], configs[labels[0]], device, t0))
+        # one untimed run first: the host memory the copies land in is warm in a trainer
+        rows.run(labels[0], lambda: device_config(model, arena, labels[0], configs[labels[0]], device, t0, warmups=1))
         for m in (m for m in copy_only if not m.slow):
             rows.run(m.name, lambda m=m: copy_method(model, m, copy, t0))
         for label in labels[1:]:

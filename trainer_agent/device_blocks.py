@@ -36,10 +36,12 @@ from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
 
-# Measured on a TPU v5e host (bench/stage.py --devices 1 --model-size 4b, 2026-12-06, one run
-# each, 1 GiB window; docs/performance.md): the device path staged at 11.07 GB/s with 12 MiB
-# blocks, 7.08 with 9, 6.09 with 6, 3.21 with 3, and 1.45 with whole shards.
-DEFAULT_BLOCK_BYTES = 12 << 20
+# Measured on a TPU v5e host (bench/stage.py --devices 1 --model-size 4b --repeats 2, 1 GiB
+# window, 2026-12-06, docs/performance.md): 18 MiB blocks staged at 13.89 and 14.32 GB/s in two
+# runs (1.006x the best exact copy-only method of the second run), 24 MiB at 14.09; 12 MiB at
+# 8.0-11.1, 9 MiB at 7.1-7.9, 6 MiB at 6.1, whole shards at 1.45-1.78. Below glibc's largest
+# mmap threshold (32 MiB), so the host buffers the copies land in are reused heap memory.
+DEFAULT_BLOCK_BYTES = 18 << 20
 
 
 def block_size(block_bytes: int, chunk_bytes: int) -> int:

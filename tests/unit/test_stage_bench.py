@@ -41,6 +41,6 @@ def test_every_row_is_exact_and_the_verdict_compares_the_default_with_the_best_c
 
 def test_rows_past_the_deadline_are_skipped_and_the_default_is_still_measured() -> None:
     out = stage_bench("--deadline-s", "1")
-    assert list(out["device_path"]) == ["window_1024MiB_block_12MiB"] and out["exact"]
+    assert list(out["device_path"]) == ["window_1024MiB_block_18MiB"] and out["exact"]
     assert "whole_pinned_host" in out["skipped"] and "window_1024MiB_block_0MiB" in out["skipped"]
     assert not set(out["skipped"]) & (set(out["device_path"]) | set(out["copy_only"]))
