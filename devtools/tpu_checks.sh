@@ -4,7 +4,7 @@
 # (docs/install-tpu.md); carry .tpu-kit/ to the host with the project and run there
 #
 #   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
-#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging, ~7 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~7.5 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #
@@ -78,8 +78,8 @@ case "${1:-}" in
   bench)
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
-    step stage 270 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
-    step overlap 150 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"
+    step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
+    step overlap 200 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"
     ;;
   apply)
     facts
