@@ -36,8 +36,9 @@ from trainer_agent.delta import StagedDelta, pack_delta
 from trainer_agent.params import device_stream
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import StagePlan, Stager, StreamSpec, follow_plan, plan_staging, plan_stream
-from trainer_agent.staging import Layout, stage_streamed
+from trainer_agent.staging import Layout
 from trainer_agent.store_leftovers import remove_released_parts
+from trainer_agent.stream_staging import stage_streamed
 from weightsync import native, version_states
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync._proto import types_pb2 as _tpb
