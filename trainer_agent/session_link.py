@@ -107,9 +107,14 @@ class SessionLink:
                 self.session, agent_id, trainer=True, endpoint=endpoint, rank=rank, generation=self.generation
             )
 
-        beat = Heartbeat(self.client, self.session, agent_id, current_version=latest, register=register,
-                         on_generation=self.notice_generation)  # fmt: skip
-        return beat.start()
+        return Heartbeat(
+            self.client,
+            self.session,
+            agent_id,
+            current_version=latest,
+            register=register,
+            on_generation=self.notice_generation,
+        ).start()
 
     def leave(self, agent_id: str) -> None:
         """Deregisters, unless fenced (the session is another incarnation's now)."""
