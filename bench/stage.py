@@ -105,7 +105,7 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     """
     from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
     from trainer_agent.params import host_shards
-    from trainer_agent.staging import stage_streamed
+    from trainer_agent.stream_staging import stage_streamed
 
     shape = PRESETS[preset]
     d, h, L = shape.hidden, shape.head_dim, shape.layers

@@ -17,8 +17,10 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -27,7 +29,7 @@ import numpy as np
 from trainer_agent import torch_tensors
 from trainer_agent.params import check_param
 from trainer_agent.staging import HostShard, tensor_spec
-from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
+from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, WeightsyncError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,6 +166,21 @@ class PublishQueue(Generic[T]):
         """The version that replaced `version`, if it was skipped (among the last 64 skipped)."""
         with self._cond:
             return self._superseded.get(version)
+
+    def wait_version(self, version: int, timeout_s: float) -> float:
+        """Waits for `version`'s job while it waits or runs (its failure raised, and
+        PublishSuperseded for a version that was skipped); the part of `timeout_s` left.
+        DeadlineExceeded where the job did not end within `timeout_s`."""
+        if (by := self.superseded_by(version)) is not None:
+            raise PublishSuperseded(version, by)
+        if (pending := self.future_of(version)) is None:
+            return timeout_s
+        started = time.monotonic()
+        try:
+            pending.result(timeout_s)
+        except FutureTimeout:
+            raise DeadlineExceeded(f"version {version}'s async publish did not end within {timeout_s}s") from None
+        return max(0.001, timeout_s - (time.monotonic() - started))
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Waits until no job waits or runs; False if `timeout_s` passed first."""

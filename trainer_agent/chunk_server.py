@@ -1,7 +1,11 @@
-"""Serves a rank's staged versions: the slot table (a ChunkSource) and the TrainerAgent servicer."""
+"""Serves a rank's staged versions: the slot table (a ChunkSource), the TrainerAgent servicer,
+and the servers started over them (gRPC, and the native tcp server where it can run)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -10,14 +14,21 @@ import grpc
 import numpy as np
 
 from trainer_agent.arena import Arena
+from trainer_agent.settings import PublisherSettings
 from weightsync import native
 from weightsync._proto import trainer_agent_pb2 as pb
+from weightsync.addresses import inet_unusable
+from weightsync.config import advertised
 from weightsync.errors import InvalidArgument, NotFound, VersionNotFound
 from weightsync.failpoints import Failpoints
-from weightsync.manifest import ChunkSpec
+from weightsync.manifest import ChunkSpec, Endpoint
 from weightsync.metrics import Metrics
+from weightsync.security import Security
+from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start_server
 from weightsync.transports.grpc import serialize_response, serve_chunks
-from weightsync.transports.tcp import check_token
+from weightsync.transports.tcp import TcpChunkServer, check_token
+
+log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 
@@ -75,6 +86,10 @@ class SlotTable:
     def entries(self) -> dict[int, SlotEntry]:
         with self._lock:
             return dict(self._slots)
+
+    def latest_version(self) -> int:
+        """The newest version a slot holds (0: none)."""
+        return max((e.version for e in self.entries().values()), default=0)
 
     def _find(self, session: str, version: int, rank: int) -> SlotEntry:
         with self._lock:
@@ -192,3 +207,66 @@ def add_trainer_agent_service(servicer: TrainerAgentServicer, server: grpc.Serve
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+@dataclass
+class ChunkServers:
+    """A rank's running chunk servers and the endpoint that advertises them."""
+
+    servicer: TrainerAgentServicer
+    tcp_server: TcpChunkServer | None
+    server: RunningServer
+    endpoint: Endpoint
+
+
+def start_chunk_servers(
+    table: SlotTable,
+    settings: PublisherSettings,
+    metrics: Metrics,
+    generation: Callable[[], int],
+    security: Security,
+    resources: contextlib.ExitStack,
+    leave: Callable[[], None],
+) -> ChunkServers:
+    """Serves `table` over gRPC (and its health and `/metrics`), and over the native tcp
+    path where this host has inet sockets and the shim is built; each server's stop goes
+    on `resources` as it starts (the gRPC server's health first, then `leave()`, then its
+    calls' grace)."""
+    s, failpoints = settings, table.failpoints
+    servicer = TrainerAgentServicer(table, metrics, failpoints, generation)
+    transports = ("grpc", "shm")
+    tcp_server: TcpChunkServer | None = None
+    if why := inet_unusable(host=s.host):
+        log.info("the tcp transport is not offered: %s", why)
+    elif native.available():  # the native bulk path ("tcp"): sends from the mapped arena
+        tcp_server = TcpChunkServer(
+            table, host=s.host, port=s.tcp_port, on_sent=servicer.count_served, failpoints=failpoints
+        )
+        resources.callback(tcp_server.close)
+        transports += ("tcp",)
+    else:
+        log.warning("native shim missing (%s): the tcp transport is not offered", native.missing_reason())
+    server = start_server(
+        [Service(add_trainer_agent_service, servicer, SERVICE_NAME)],
+        host=s.host,
+        port=s.port,
+        metrics=metrics,
+        metrics_port=s.metrics_port,
+        metrics_host=s.metrics_host,
+        security=security,
+        max_request_bytes=SMALL_REQUEST_BYTES,
+    )
+
+    def stop() -> None:
+        server.enter_graceful_shutdown()  # health first: nobody new is sent here
+        leave()
+        server.stop(grace_s=1.0)
+
+    resources.callback(stop)
+    endpoint = Endpoint(
+        advertised(server.address, s.advertise_host),
+        transports,
+        s.host_id or socket.gethostname(),
+        tcp_address=advertised(tcp_server.address, s.advertise_host) if tcp_server else "",
+    )
+    return ChunkServers(servicer, tcp_server, server, endpoint)

@@ -237,7 +237,8 @@ def test_a_deleted_sessions_series_are_dropped_and_others_kept() -> None:
 
 
 def test_a_publish_tries_again_only_what_may_pass_and_only_for_its_wait() -> None:
-    from trainer_agent.publisher import _may_pass, _ride_out
+    from trainer_agent.retry import may_pass as _may_pass
+    from trainer_agent.retry import ride_out as _ride_out
 
     calls: list[int] = []
 
