@@ -31,6 +31,7 @@ What the steps stand on:
 - `params`: from a parameter tree to host shards, and which staging path a publish takes.
 - `device_blocks`: device arrays cut into blocks, copied to the host through a window.
 - `torch_tensors`: torch tensors as host arrays; `snapshot`: an on-device copy of a tree.
+- `cut_array`: what a snapshot holds of an array: already cut into the device path's blocks.
 - `staging`: host shards into their places in a slot as a `Layout` planned them.
 - `stream_staging`: a stream of unknown length staged in arrival order.
 - `ffi_staging`: the JAX FFI path, XLA's own buffers handed to the shim.
