@@ -10,6 +10,8 @@ Garbage collections are timed (the streams' objects outlive them: weightsync.gc_
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+from typing import Any
 
 import grpc
 
@@ -27,7 +29,11 @@ from .support import eventually
 AGENTS = 300
 
 
-async def _fleet(address: str, part_manifest: Manifest, published: asyncio.Event) -> dict[str, int]:
+def _fleet_process(address: str, part_manifest: Manifest, published: Any, results: Any) -> None:
+    results.put(asyncio.run(_fleet(address, part_manifest, published)))
+
+
+async def _fleet(address: str, part_manifest: Manifest, published: Any) -> dict[str, int]:
     channels = [
         grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(AGENTS)
     ]
@@ -77,18 +83,25 @@ def test_hundreds_of_watch_streams_leave_the_coordinator_answering(tmp_path) -> 
             gen = client.open_session("job", trainer=True, trainer_ranks=1, min_rollouts=1).generation
             part = synthetic_part(8)
             manifest = Manifest("job", 1, gen, part.chunk_bytes, (part,))
-            loop = asyncio.new_event_loop()
-            published = asyncio.Event()
-            fleet = loop.create_task(_fleet(coord.address, manifest, published))
-            while not published.is_set():
-                loop.run_until_complete(asyncio.sleep(0.1))
-            # 300 streams are open: far more than handler threads; unary calls still answer.
-            for _ in range(5):
-                got = client.status("job")
-            assert len(got.agents) == AGENTS and all(a.alive for a in got.agents)
-            client.publish_part("job", generation=gen, version=1, idempotency_key="v1", part=part)
-            counts = loop.run_until_complete(fleet)
-            loop.close()
+            # the fleet in a process of its own: grpc.aio stays bound to the first event loop a
+            # process used, and later in-process servers of this test run would not answer
+            ctx = multiprocessing.get_context("spawn")
+            published, results = ctx.Event(), ctx.Queue()
+            fleet = ctx.Process(target=_fleet_process, args=(coord.address, manifest, published, results))
+            fleet.start()
+            try:
+                assert published.wait(120), "the fleet's watch streams did not open"
+                # 300 streams are open: far more than handler threads; unary calls still answer.
+                for _ in range(5):
+                    got = client.status("job")
+                assert len(got.agents) == AGENTS and all(a.alive for a in got.agents)
+                client.publish_part("job", generation=gen, version=1, idempotency_key="v1", part=part)
+                counts = results.get(timeout=180)
+            finally:
+                fleet.join(30)
+                if fleet.is_alive():
+                    fleet.kill()
+                    fleet.join()
             assert counts == {"ready": AGENTS, "reported": AGENTS, "committed": AGENTS}
             assert tpb.VersionState.Name(client.status("job").versions[0].state) == "COMMITTED"
             with open(f"/proc/{coord.pid}/status") as f:
