@@ -16,12 +16,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage
 from rollout_agent.engines.fingerprint import Fingerprint
 from rollout_agent.engines.jax.apply import JaxApply, _layer
-from rollout_agent.engines.jax.fingerprint import ShardCheck, device_fingerprint, mesh_fingerprints
+from rollout_agent.engines.jax.fingerprint import ShardCheck, device_fingerprint, mesh_fingerprints, on_one_mesh
 
 
 class JaxAudit(JaxApply):
@@ -46,7 +45,7 @@ class JaxAudit(JaxApply):
                 continue
             method = self._fingerprint_method(leaf)
             methods.add(method)
-            if method == "jit" and isinstance(leaf.sharding, NamedSharding) and leaf.is_fully_addressable:
+            if method == "jit" and on_one_mesh(leaf.sharding):
                 layers.setdefault(_layer(path), []).append((path, leaf))  # a program a layer, below
             else:
                 checks[path] = device_fingerprint(path, leaf, method, self._pool_())

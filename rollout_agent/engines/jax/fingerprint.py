@@ -73,16 +73,10 @@ def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None =
     not waited for: one program over the mesh for a NamedSharding, one per shard
     otherwise) or "view" (NumPy over a CPU device's memory: on `pool`'s threads, beside
     the next leaves' copies, or here without one)."""
-    from jax.sharding import NamedSharding
-
+    if method == "jit" and on_one_mesh(arr.sharding):
+        return mesh_fingerprints([[(path, arr)]])[path]
     blocks: dict[tuple[int, ...], list[tuple[Any, Callable[[], Fingerprint]]]] = {}
     starts = _starts(arr.sharding, tuple(arr.shape))
-    if method == "jit" and isinstance(arr.sharding, NamedSharding) and arr.is_fully_addressable:
-        mesh = arr.sharding.mesh
-        rows = _mesh_fingerprint(mesh, arr.sharding.spec, arr.ndim, arr.dtype.itemsize)(arr)
-        rows.copy_to_host_async()  # read at the commit: every leaf's in flight by then, not one round trip each
-        length = fingerprint_length(arr.ndim, arr.dtype.itemsize)
-        return rows_checks(mesh, rows, [(path, arr.sharding, arr.shape)], [length])[path]
     shards = arr.addressable_shards
     if method == "view":  # one job per leaf: a job per shard costs more than small shards' sums
         data = [shard.data for shard in shards]
@@ -102,11 +96,20 @@ def device_fingerprint(path: str, arr: Any, method: str, pool: Executor | None =
     return ShardCheck(path, blocks)
 
 
+def on_one_mesh(sharding: Any) -> bool:
+    """Whether one program over a mesh can fingerprint a leaf of this sharding: a
+    NamedSharding whose every device is this process's."""
+    from jax.sharding import NamedSharding
+
+    return isinstance(sharding, NamedSharding) and sharding.is_fully_addressable
+
+
 def mesh_fingerprints(groups: Sequence[Sequence[tuple[str, Any]]]) -> dict[str, ShardCheck]:
     """Starts the fingerprints of groups of leaves (path, array), each device summing its
     own shards: one program per group and mesh (dispatched, its rows copied to the host
-    as they come). Groups alike in shapes, shardings and dtypes (a model's layers) share
-    one compiled program. Every leaf must have a fully addressable NamedSharding."""
+    as they come: read at the commit, every group's in flight by then). Groups alike in
+    shapes, shardings and dtypes (a model's layers) share one compiled program. Every leaf
+    must be `on_one_mesh` by its sharding."""
     out: dict[str, ShardCheck] = {}
     for group in groups:
         by_mesh: dict[Any, list[tuple[str, Any]]] = {}
@@ -213,18 +216,3 @@ def _jitted_fingerprint(ndim: int, itemsize: int) -> Any:
     import jax
 
     return jax.jit(lambda x: local_fingerprint(x, itemsize))
-
-
-@cache
-def _mesh_fingerprint(mesh: Any, spec: Any, ndim: int, itemsize: int) -> Any:
-    """One program over the mesh: each device's block fingerprint, a row per device in the
-    mesh's device order."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    every = tuple(mesh.axis_names)
-    f = jax.shard_map(
-        lambda x: local_fingerprint(x, itemsize)[None, :], mesh=mesh, in_specs=(spec,), out_specs=PartitionSpec(every),
-        check_vma=False,
-    )  # fmt: skip
-    return jax.jit(f)

@@ -25,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollout_agent.engines.jax.fingerprint import ShardCheck, fingerprint_length, local_fingerprint, rows_checks
+from rollout_agent.engines.jax.fingerprint import (
+    ShardCheck,
+    fingerprint_length,
+    local_fingerprint,
+    on_one_mesh,
+    rows_checks,
+)
 from rollout_agent.engines.jax.names import LeafPlan
 
 TRANSFORM, PUT, BUILT = "transform", "put", "built"
@@ -55,10 +61,8 @@ class GroupLeaf:
 
 
 def groupable(plan: LeafPlan) -> bool:
-    """A leaf whose sharding one program over its mesh can fingerprint: a NamedSharding
-    whose every device is this process's."""
-    s = plan.sharding
-    return isinstance(s, NamedSharding) and s.is_fully_addressable
+    """A leaf whose sharding one program over its mesh can fingerprint."""
+    return on_one_mesh(plan.sharding)
 
 
 def dispatch(leaves: Sequence[GroupLeaf], *, donate: bool) -> tuple[dict[str, Any], dict[str, ShardCheck]]:
