@@ -32,7 +32,7 @@ import numpy as np
 
 from trainer_agent import params
 from trainer_agent.cut_array import CutArray
-from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_start
+from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_metas, shard_start
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
 
@@ -51,6 +51,15 @@ def block_size(block_bytes: int, chunk_bytes: int) -> int:
     if block_bytes <= 0:
         return 0
     return max(1, round(block_bytes / chunk_bytes)) * chunk_bytes
+
+
+def block_elements(size: int, itemsize: int, block_bytes: int) -> int:
+    """Elements in each block of a tensor of `size` elements cut into `block_bytes` blocks
+    (the last one holds what is left): all of them (at least one) when the tensor is no
+    larger than a block or a block is not whole elements."""
+    if not block_bytes or size * itemsize <= block_bytes or block_bytes % itemsize:
+        return max(size, 1)
+    return block_bytes // itemsize
 
 
 def cuts(values: Iterable[Any]) -> bool:
@@ -157,7 +166,7 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
     for name, value in items:
         check_param(name, value)
         if isinstance(value, CutArray):  # cut by the snapshot's program: only the copies to issue
-            shard = HostShard(name, ArrayMeta(value.shape, value.dtype), value.shape, (0,) * value.ndim)
+            (shard,) = shard_metas(name, value)
             if not value.nbytes:
                 yield _Job(shard, 0, 0, lambda dtype=value.dtype: np.empty(0, dtype))
             for offset, nbytes, block in value.take(name):
@@ -197,9 +206,9 @@ def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int
     item = dtype.itemsize
     size = int(np.prod(x.shape, dtype=np.int64))
     _, tail = slicers()
-    if not block_bytes or size * item <= block_bytes or block_bytes % item:
+    per = block_elements(size, item, block_bytes)
+    if per >= size:
         return [(0, size * item, lambda: tail(x, 0, dtype))]
-    per = block_bytes // item
     count, rest = divmod(size, per)
     row = size // x.shape[0]
     rows = min(x.shape[0], -(-per // row) + 1)  # the rows any one block lies in

@@ -14,6 +14,7 @@ import numpy as np
 
 from trainer_agent import params as params_module
 from trainer_agent.cut_array import CutArray
+from trainer_agent.device_blocks import block_elements
 from weightsync.dtypes import dtype_info
 
 # per array cut into blocks: (elements per block, blocks of that many, elements left after them)
@@ -44,21 +45,19 @@ def device_copy(arrays: dict[str, Any], weight_dtype: str = "", block_bytes: int
     `weight_dtype` on the way when set), dispatched without waiting for them. With
     `block_bytes` (whole chunks: `device_blocks.block_size`), an array on one device of an
     accelerator comes back as a `CutArray` of blocks of that size instead."""
-    cuts = []
+    cuts, held = [], {}
     for name, x in arrays.items():
         devices = x.sharding.device_set
         platform = next(iter(devices)).platform
         if block_bytes and len(devices) == 1 and platform not in params_module.HOST_MEMORY_PLATFORMS:
-            item = (dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)).itemsize
+            dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)
             size = int(np.prod(x.shape, dtype=np.int64))
-            per = block_bytes // item if block_bytes % item == 0 and size * item > block_bytes else max(size, 1)
-            count, rest = divmod(size, per)
-            cuts.append((name, per, count, rest))
+            per = block_elements(size, dtype.itemsize, block_bytes)
+            cuts.append((name, per, *divmod(size, per)))
+            held[name] = CutArray(tuple(x.shape), dtype, platform, [])
     out = _copy(arrays, weight_dtype, tuple(cuts))
-    for name, per, _, _ in cuts:
-        x = arrays[name]
-        dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)
-        platform = next(iter(x.sharding.device_set)).platform
-        blocks = [(j * per * dtype.itemsize, int(b.size) * dtype.itemsize, b) for j, b in enumerate(out[name])]
-        out[name] = CutArray(tuple(x.shape), dtype, platform, blocks)
+    for (name, per, _, _), cut in zip(cuts, held.values()):
+        item = cut.dtype.itemsize
+        cut.blocks = [(j * per * item, int(b.size) * item, b) for j, b in enumerate(out[name])]
+        out[name] = cut
     return out
