@@ -218,7 +218,9 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
         host_memory_bytes=Gauge(
             "weightsync_host_memory_bytes",
             "This process's resident host memory (/proc/self/status), by kind: rss (VmRSS), anon (RssAnon: its "
-            "own), shmem (RssShmem: shared memory it maps, a trainer's arena), file (RssFile), peak (VmHWM).",
+            "own), shmem (RssShmem: shared memory it maps, a trainer's arena), file (RssFile), peak (VmHWM, or "
+            "getrusage's maximum where the kernel has none). Where the kernel splits no kinds (gVisor), anon, "
+            "shmem and file read 0.",
             ["role", "session", "kind"],
             registry=registry,
         ),
