@@ -4,7 +4,7 @@
 # (docs/install-tpu.md); carry .tpu-kit/ to the host with the project and run there
 #
 #   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
-#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~7.5 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #
@@ -79,7 +79,10 @@ case "${1:-}" in
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
-    step overlap 200 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json"
+    # the run's settings, then what the trainer's habits change: Python's garbage collector
+    # frozen or off during the steps, fewer staging threads
+    step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
+      --variant gc=freeze --variant gc=off --variant threads=4
     ;;
   apply)
     facts

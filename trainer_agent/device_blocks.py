@@ -22,6 +22,7 @@ shards are read in place, never cut.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -204,7 +205,7 @@ def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int
     device. Each block is read from the few leading rows of `x` that hold it, so the
     device relays out about a block's bytes, never the whole shard."""
     item = dtype.itemsize
-    size = int(np.prod(x.shape, dtype=np.int64))
+    size = math.prod(x.shape)
     _, tail = slicers()
     per = block_elements(size, item, block_bytes)
     if per >= size:

@@ -15,6 +15,7 @@ pinned host memory through the window.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class ArrayMeta:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _platforms(value: Any) -> set[str]:

@@ -1,10 +1,12 @@
 """An on-device copy of a parameter tree: new buffers, at the device's memory bandwidth.
 
 With a block size, single-device arrays on an accelerator are copied straight into the
-device path's blocks (`trainer_agent.cut_array`), in the same program as the rest."""
+device path's blocks (`trainer_agent.cut_array`), in the same program as the rest: large
+ones cut, small ones packed."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -13,16 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer_agent import params as params_module
-from trainer_agent.cut_array import CutArray
+from trainer_agent.cut_array import CutArray, PackSlice
 from trainer_agent.device_blocks import block_elements
 from weightsync.dtypes import dtype_info
 
 # per array cut into blocks: (elements per block, blocks of that many, elements left after them)
 _Cuts = tuple[tuple[str, int, int, int], ...]
+# per pack: the arrays (no larger than a block, one device, one staged dtype) it holds, in order
+_Packs = tuple[tuple[str, ...], ...]
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def _copy(arrays: dict[str, jax.Array], weight_dtype: str, cuts: _Cuts) -> dict[str, Any]:
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _copy(
+    arrays: dict[str, jax.Array], weight_dtype: str, cuts: _Cuts, packs: _Packs
+) -> tuple[dict[str, Any], tuple[jax.Array, ...]]:
     cast = dtype_info(weight_dtype).numpy if weight_dtype else None
 
     def staged(x: jax.Array) -> jax.Array:
@@ -33,31 +39,53 @@ def _copy(arrays: dict[str, jax.Array], weight_dtype: str, cuts: _Cuts) -> dict[
         flat = staged(arrays[name]).reshape(-1)
         tail = (flat[count * per :],) if rest else ()
         out[name] = tuple(flat[j * per : (j + 1) * per] for j in range(count)) + tail
-    cut = {name for name, *_ in cuts}
     # jnp.copy: an output that is an input unchanged would be the same buffer, which the
-    # caller's next donating step deletes
-    out |= {k: jnp.copy(staged(x)) for k, x in arrays.items() if k not in cut}
-    return out
+    # caller's next donating step deletes (a pack of one 1-D array would be)
+    packed = tuple(jnp.copy(jnp.concatenate([staged(arrays[n]).reshape(-1) for n in names])) for names in packs)
+    done = {name for name, *_ in cuts} | {n for names in packs for n in names}
+    out |= {k: jnp.copy(staged(x)) for k, x in arrays.items() if k not in done}
+    return out, packed
 
 
 def device_copy(arrays: dict[str, Any], weight_dtype: str = "", block_bytes: int = 0) -> dict[str, Any]:
     """Copies of `arrays` in new buffers on the same devices and shardings (cast to
     `weight_dtype` on the way when set), dispatched without waiting for them. With
     `block_bytes` (whole chunks: `device_blocks.block_size`), an array on one device of an
-    accelerator comes back as a `CutArray` of blocks of that size instead."""
-    cuts, held = [], {}
+    accelerator comes back as a `CutArray`: a larger one in blocks of that size, and runs
+    of smaller ones (consecutive, on one device, of one staged dtype) packed together into
+    blocks of at most that size, each array a `PackSlice` of its pack. So a version's
+    device-to-host copies are about its bytes over `block_bytes`, not one per tensor."""
+    cuts: list[tuple[str, int, int, int]] = []
+    packs: list[list[str]] = []
+    held: dict[str, CutArray] = {}
+    pack_key, pack_bytes = None, 0
     for name, x in arrays.items():
         devices = x.sharding.device_set
         platform = next(iter(devices)).platform
-        if block_bytes and len(devices) == 1 and platform not in params_module.HOST_MEMORY_PLATFORMS:
-            dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)
-            size = int(np.prod(x.shape, dtype=np.int64))
-            per = block_elements(size, dtype.itemsize, block_bytes)
+        if not block_bytes or len(devices) != 1 or platform in params_module.HOST_MEMORY_PLATFORMS:
+            continue
+        dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)
+        size = math.prod(x.shape)
+        held[name] = CutArray(tuple(x.shape), dtype, platform, [])
+        per = block_elements(size, dtype.itemsize, block_bytes)
+        if per < size or not size:  # an empty one: no blocks
             cuts.append((name, per, *divmod(size, per)))
-            held[name] = CutArray(tuple(x.shape), dtype, platform, [])
-    out = _copy(arrays, weight_dtype, tuple(cuts))
-    for (name, per, _, _), cut in zip(cuts, held.values()):
-        item = cut.dtype.itemsize
-        cut.blocks = [(j * per * item, int(b.size) * item, b) for j, b in enumerate(out[name])]
-        out[name] = cut
-    return out
+            continue
+        key, nbytes = (next(iter(devices)), dtype), size * dtype.itemsize
+        if key != pack_key or pack_bytes + nbytes > block_bytes:
+            packs.append([])
+            pack_key, pack_bytes = key, 0
+        packs[-1].append(name)
+        pack_bytes += nbytes
+    out, packed = _copy(arrays, weight_dtype, tuple(cuts), tuple(map(tuple, packs)))
+    for name, per, _, _ in cuts:
+        item = held[name].dtype.itemsize
+        held[name].blocks = [(j * per * item, int(b.size) * item, b) for j, b in enumerate(out[name])]
+    for names, pack in zip(packs, packed):
+        start = 0
+        for name in names:
+            cut = held[name]
+            count = cut.nbytes // cut.dtype.itemsize
+            cut.blocks = [(0, cut.nbytes, PackSlice(pack, start, count))]
+            start += count
+    return out | held

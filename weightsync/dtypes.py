@@ -33,6 +33,9 @@ _INFOS = [
     DTypeInfo("bool", 1, np.dtype(np.bool_), 10),
 ]
 BY_NAME = {i.name: i for i in _INFOS}
+# by NumPy dtype: equal dtypes hash alike, and a lookup is a hash, not ml_dtypes' slow
+# comparisons (a publish asks once per tensor, beside the training loop)
+_BY_NUMPY = {i.numpy: i.name for i in _INFOS}
 BY_PROTO = {i.proto: i for i in _INFOS}
 ALLOWED = tuple(BY_NAME)
 
@@ -58,9 +61,9 @@ def dtype_from_proto(value: int, field: str = "dtype") -> DTypeInfo:
 def dtype_name_of(array_dtype: object, field: str = "dtype") -> str:
     """The whitelist name of a NumPy/JAX dtype, or InvalidArgument naming `field`."""
     dt = np.dtype(array_dtype)  # type: ignore[call-overload]
-    for info in _INFOS:
-        if info.numpy == dt:
-            return info.name
+    name = _BY_NUMPY.get(dt)
+    if name is not None:
+        return name
     raise InvalidArgument(f"dtype {dt} is not allowed; use one of {', '.join(ALLOWED)}", field=field)
 
 

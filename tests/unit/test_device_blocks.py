@@ -5,6 +5,7 @@ blocks that cover every shard in order, cast on the device."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
-from trainer_agent.cut_array import CutArray
+from trainer_agent.cut_array import CutArray, PackSlice
 from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
@@ -188,3 +189,56 @@ def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
     assert [n for _, n, _ in blocks] == [g.nbytes for g in got]
     flat = np.asarray(x).astype(dtype).reshape(-1)
     assert (np.concatenate(got) if got else np.empty(0, dtype)).tobytes() == flat.tobytes()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tensors=st.lists(
+        st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "bfloat16"])), min_size=1, max_size=12
+    ),
+    weight_dtype=st.sampled_from(["", "bfloat16"]),
+)
+def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_tensors(
+    tensors: list[tuple[int, str]], weight_dtype: str
+) -> None:
+    """Consecutive tensors no larger than a block, of one staged dtype, share a pack of at
+    most a block (one device-to-host copy; empty ones between them take no place); larger
+    ones are cut; staged, the snapshot gives the slot bytes and specs of the tensors."""
+    rng = np.random.default_rng(len(tensors))
+    params = {
+        f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
+        for i, (size, dtype) in enumerate(tensors)
+    }
+    settings_ = PublisherSettings(
+        coordinator="127.0.0.1:1", chunk_bytes=CHUNK, d2h_block_bytes=BLOCK, weight_dtype=weight_dtype
+    )
+    saved = params_module.HOST_MEMORY_PLATFORMS
+    params_module.HOST_MEMORY_PLATFORMS = frozenset()
+    try:
+        held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
+        packs: list[tuple[Any, list[str]]] = []  # (pack, its tensors) in the order first seen
+        for name, cut in held.items():
+            assert isinstance(cut, CutArray)
+            small = cut.nbytes <= BLOCK and cut.nbytes > 0
+            kinds = {type(b) for _, _, b in cut.blocks}
+            assert kinds <= ({PackSlice} if small else {type(jnp.zeros(1))})
+            if small:
+                ((_, _, piece),) = cut.blocks
+                if not packs or packs[-1][0] is not piece.pack:
+                    packs.append((piece.pack, []))
+                packs[-1][1].append(name)
+        filled = [n for n, cut in held.items() if cut.nbytes]  # an empty tensor has no block, nor a place in a pack
+        for pack, names in packs:
+            assert pack.nbytes <= BLOCK and len({held[n].dtype for n in names}) == 1
+            assert names == filled[filled.index(names[0]) :][: len(names)]
+        for (_, names), (_, after) in zip(packs, packs[1:]):  # a pack ends where the next tensor would not fit
+            nxt = held[after[0]]
+            assert sum(held[n].nbytes for n in names) + nxt.nbytes > BLOCK or held[names[0]].dtype != nxt.dtype
+        plan = plan_staging(held, settings_)
+        want_slot = np.zeros(plan.layout.total_bytes, np.uint8)
+        want = stage_device(want_slot, plan.layout, params, settings_)
+        slot = np.ones(plan.layout.total_bytes, np.uint8)
+        assert stage_device(slot, plan.layout, held, settings_) == want
+    finally:
+        params_module.HOST_MEMORY_PLATFORMS = saved
+    assert slot.tobytes() == want_slot.tobytes()
