@@ -447,6 +447,9 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     calls: list[float] = []
     futures = []
     ready: dict[int, float] = {}  # version -> seconds from its publish_async call until READY
+    started = time.perf_counter()
+    starts: list[float] = []  # each iteration's start, from the phase's
+    ends: dict[int, float] = {}  # version -> when it was READY, from the phase's start
     held_max = 0
     skipped0 = pub.publish_skipped
     cpu0 = time.process_time()
@@ -454,6 +457,7 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     gc.callbacks.append(pauses)
     for _ in range(steps):
         t = time.perf_counter()
+        starts.append(t - started)
         busy_before = pub._async.busy
         loss = trainer.step()
         version += 1
@@ -461,6 +465,7 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
         dispatches.append(c - t)
         future = pub.publish_async(trainer.params, version, snapshot=True)
         future.add_done_callback(lambda f, v=version, c=c: ready.__setitem__(v, time.perf_counter() - c))
+        future.add_done_callback(lambda f, v=version: ends.__setitem__(v, time.perf_counter() - started))
         futures.append(future)
         calls.append(time.perf_counter() - c)
         held_max = max(held_max, pub.publish_held_bytes)
@@ -475,6 +480,8 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     results = [f.result() for f in futures if f.exception() is None]
     return {
         "ready_s": [ready[r.version] for r in results],
+        "starts": starts,
+        "ready_at": [ends[r.version] for r in results],
         "iterations": iterations,
         "dispatches": dispatches,
         "cpu_s": cpu_s,
@@ -506,6 +513,8 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
             "iteration": [round(x * 1e3, 1) for x in its],
             "dispatch": [round(x * 1e3, 1) for x in phase["dispatches"]],
             "call": [round(x * 1e3, 1) for x in phase["calls"]],
+            "start": [round(x * 1e3, 1) for x in phase["starts"]],
+            "published_ready_at": [round(x * 1e3, 1) for x in phase["ready_at"]],  # from the phase's start
         },
         "async_ratio": round(sum(its) / (len(its) * baseline), 3),
         "overlap_ratio": round(sum(t for t, o in zip(its, over) if o) / (n_over * baseline), 3) if n_over else None,

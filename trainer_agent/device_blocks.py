@@ -14,9 +14,12 @@ A block is whole chunks of the part (`chunk_bytes` pieces counted from the shard
 byte), so its chunks' digests are the shard's piece digests and the manifest is the one the
 whole shard would give. It is cut by one jitted slice (of the few leading rows that hold
 it, flattened), cast there when `weight_dtype` differs, compiled once per shard shape and
-block size; a shard no larger than a block is copied whole (through a slice too: the
-caller's array keeps no host copy). On CPU devices the device memory is host memory:
-shards are read in place, never cut.
+block size. Shards no larger than a block are packed: a run of consecutive ones on one
+device, of one staged dtype, laid end to end by one program into a pack of at most a
+block, copied once (`cut_array.PackSlice`; through a program, so the caller's array keeps
+no host copy). A small model's version is then about its bytes over the block size in
+copies, not one per tensor. On CPU devices the device memory is host memory: shards are
+read in place, never cut.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from trainer_agent import params
-from trainer_agent.cut_array import CutArray
+from trainer_agent.cut_array import CutArray, PackSlice
 from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_metas, shard_start
 from trainer_agent.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
@@ -164,9 +167,11 @@ def device_blocks(
 
 
 def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) -> Iterator[_Job]:
+    packer = _Packer(block_bytes)
     for name, value in items:
         check_param(name, value)
         if isinstance(value, CutArray):  # cut by the snapshot's program: only the copies to issue
+            yield from packer.flush()
             (shard,) = shard_metas(name, value)
             if not value.nbytes:
                 yield _Job(shard, 0, 0, lambda dtype=value.dtype: np.empty(0, dtype))
@@ -174,6 +179,7 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
                 yield _Job(shard, offset, nbytes, lambda block=block: block)
             continue
         if not hasattr(value, "addressable_shards"):
+            yield from packer.flush()
             for s in host_shards(name, value, weight_dtype):
                 data = np.ascontiguousarray(s.data)
                 yield _Job(s, 0, data.nbytes, lambda data=data: data)
@@ -183,7 +189,68 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
             if s.replica_id == 0:
                 meta = ArrayMeta(tuple(s.data.shape), dtype)
                 shard = HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim))
-                yield from _cut(shard, s.data, getattr(s.device, "platform", "cpu"), block_bytes)
+                platform = getattr(s.device, "platform", "cpu")
+                if packer.takes(shard, platform):
+                    yield from packer.add(shard, s.data, s.device)
+                    continue
+                yield from packer.flush()
+                yield from _cut(shard, s.data, platform, block_bytes)
+    yield from packer.flush()
+
+
+class _Packer:
+    """Consecutive shards no larger than a block, on one accelerator device, of one staged
+    dtype, gathered into a pack of at most `block_bytes` (`cut_array.PackSlice`): one
+    device program and one copy to host for them all, where each would cost its own (a
+    model's norms and biases, a small model's projections)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._members: list[tuple[HostShard, Any]] = []
+        self._key: tuple[Any, np.dtype] | None = None
+        self._bytes = 0
+
+    def takes(self, shard: HostShard, platform: str) -> bool:
+        """Whether `shard` goes into a pack: blocks are cut, it is on an accelerator, and it
+        holds bytes, no more than a block."""
+        n = shard.nbytes
+        return bool(self.block_bytes) and platform not in params.HOST_MEMORY_PLATFORMS and 0 < n <= self.block_bytes
+
+    def add(self, shard: HostShard, x: Any, device: Any) -> Iterator[_Job]:
+        """Adds `shard` (device array `x`); yields the jobs of the pack it closes, if any."""
+        key = (device, shard.data.dtype)
+        if self._members and (key != self._key or self._bytes + shard.nbytes > self.block_bytes):
+            yield from self.flush()
+        self._members.append((shard, x))
+        self._key = key
+        self._bytes += shard.nbytes
+
+    def flush(self) -> Iterator[_Job]:
+        """The jobs of the pack gathered so far, one per shard, in order."""
+        members, self._members, self._bytes = self._members, [], 0
+        if not members:
+            return
+        pack = _LazyPack(tuple(x for _, x in members), members[0][0].data.dtype)
+        start = 0
+        for shard, _ in members:
+            count = shard.nbytes // shard.data.dtype.itemsize
+            yield _Job(shard, 0, shard.nbytes, functools.partial(pack.slice, start, count))
+            start += count
+
+
+class _LazyPack:
+    """A pack's device program, dispatched when its first shard's copy is issued."""
+
+    def __init__(self, arrays: tuple[Any, ...], dtype: np.dtype) -> None:
+        self._arrays: tuple[Any, ...] | None = arrays
+        self._dtype = dtype
+        self._pack: Any = None
+
+    def slice(self, start: int, count: int) -> PackSlice:
+        if self._pack is None:
+            assert self._arrays is not None
+            self._pack, self._arrays = slicers()[2](self._arrays, self._dtype), None
+        return PackSlice(self._pack, start, count)
 
 
 def _cut(shard: HostShard, x: Any, platform: str, block_bytes: int) -> Iterator[_Job]:
@@ -206,7 +273,7 @@ def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int
     device relays out about a block's bytes, never the whole shard."""
     item = dtype.itemsize
     size = math.prod(x.shape)
-    _, tail = slicers()
+    tail = slicers()[1]
     per = block_elements(size, item, block_bytes)
     if per >= size:
         return [(0, size * item, lambda: tail(x, 0, dtype))]
@@ -229,11 +296,12 @@ def _block(x: Any, first: int, offset: int, rows: int, per: int, dtype: np.dtype
 
 
 @functools.cache
-def slicers() -> tuple[Callable[..., Any], Callable[..., Any]]:
+def slicers() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """Jitted, compiled once per shard shape and block size: (block(x, first, offset, rows,
     per, dtype): elements [offset, offset + per) of x's leading rows [first, first + rows)
     flattened, cast; tail(x, start, dtype): x flattened from element `start`, cast, read
-    from the rows that hold it)."""
+    from the rows that hold it; pack(xs, dtype): the arrays `xs` flattened, cast and laid
+    end to end)."""
     import jax
     from jax import lax
 
@@ -248,4 +316,15 @@ def slicers() -> tuple[Callable[..., Any], Callable[..., Any]]:
         first = start // row
         return x[first:].reshape(-1)[start - first * row :].astype(dtype)
 
-    return jax.jit(block, static_argnums=(3, 4, 5)), jax.jit(tail, static_argnums=(1, 2))
+    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
+        import jax.numpy as jnp
+
+        # jnp.copy: a pack of one array already flat and of its dtype would be that array,
+        # and its host copy would stay with the caller's array
+        return jnp.copy(jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs]))
+
+    return (
+        jax.jit(block, static_argnums=(3, 4, 5)),
+        jax.jit(tail, static_argnums=(1, 2)),
+        jax.jit(pack, static_argnums=1),
+    )

@@ -68,8 +68,9 @@ def device_copy(arrays: dict[str, Any], weight_dtype: str = "", block_bytes: int
         size = math.prod(x.shape)
         held[name] = CutArray(tuple(x.shape), dtype, platform, [])
         per = block_elements(size, dtype.itemsize, block_bytes)
-        if per < size or not size:  # an empty one: no blocks
+        if per < size or not size:  # an empty one: no blocks; either ends the pack before it
             cuts.append((name, per, *divmod(size, per)))
+            pack_key = None
             continue
         key, nbytes = (next(iter(devices)), dtype), size * dtype.itemsize
         if key != pack_key or pack_bytes + nbytes > block_bytes:

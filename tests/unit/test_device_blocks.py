@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from trainer_agent import device_blocks as device_blocks_module
 from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
 from trainer_agent.cut_array import CutArray, PackSlice
@@ -28,6 +29,7 @@ from weightsync.errors import FailedPrecondition
 
 CHUNK = 4096
 BLOCK = 2 * CHUNK
+_SLICERS = device_blocks_module.slicers  # the cached jitted programs, put back after a test wraps them
 
 
 @pytest.fixture
@@ -174,6 +176,8 @@ def test_an_async_snapshot_cut_by_its_program_stages_as_the_blocks_cut_later(
 def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
     shape: list[int], block_elements: int, cast: bool
 ) -> None:
+    # a program of tens of thousands of outputs takes XLA minutes and GBs to compile
+    assume(int(np.prod(shape)) <= 400 * block_elements)
     saved = params_module.HOST_MEMORY_PLATFORMS
     params_module.HOST_MEMORY_PLATFORMS = frozenset()
     try:
@@ -202,8 +206,8 @@ def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_te
     tensors: list[tuple[int, str]], weight_dtype: str
 ) -> None:
     """Consecutive tensors no larger than a block, of one staged dtype, share a pack of at
-    most a block (one device-to-host copy; empty ones between them take no place); larger
-    ones are cut; staged, the snapshot gives the slot bytes and specs of the tensors."""
+    most a block (one device-to-host copy); larger ones are cut and, as empty ones, end a
+    pack; staged, the snapshot gives the slot bytes and specs of the tensors."""
     rng = np.random.default_rng(len(tensors))
     params = {
         f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
@@ -227,13 +231,15 @@ def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_te
                 if not packs or packs[-1][0] is not piece.pack:
                     packs.append((piece.pack, []))
                 packs[-1][1].append(name)
-        filled = [n for n, cut in held.items() if cut.nbytes]  # an empty tensor has no block, nor a place in a pack
-        for pack, names in packs:
+        order = list(held)
+        for pack, names in packs:  # runs of consecutive tensors
             assert pack.nbytes <= BLOCK and len({held[n].dtype for n in names}) == 1
-            assert names == filled[filled.index(names[0]) :][: len(names)]
-        for (_, names), (_, after) in zip(packs, packs[1:]):  # a pack ends where the next tensor would not fit
-            nxt = held[after[0]]
-            assert sum(held[n].nbytes for n in names) + nxt.nbytes > BLOCK or held[names[0]].dtype != nxt.dtype
+            assert names == order[order.index(names[0]) :][: len(names)]
+        for _, names in packs:  # a pack ends where the next tensor would not fit, or is cut or empty
+            if (i := order.index(names[-1]) + 1) < len(order):
+                nxt = held[order[i]]
+                full = sum(held[n].nbytes for n in names) + nxt.nbytes > BLOCK
+                assert full or held[names[0]].dtype != nxt.dtype or not 0 < nxt.nbytes <= BLOCK
         plan = plan_staging(held, settings_)
         want_slot = np.zeros(plan.layout.total_bytes, np.uint8)
         want = stage_device(want_slot, plan.layout, params, settings_)
@@ -242,3 +248,49 @@ def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_te
     finally:
         params_module.HOST_MEMORY_PLATFORMS = saved
     assert slot.tobytes() == want_slot.tobytes()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tensors=st.lists(
+        st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "bfloat16"])), min_size=1, max_size=12
+    ),
+    weight_dtype=st.sampled_from(["", "bfloat16"]),
+)
+def test_blocks_of_live_arrays_pack_runs_of_small_shards_into_one_copy_each(
+    tensors: list[tuple[int, str]], weight_dtype: str
+) -> None:
+    """Cut as the copies are issued (a blocking publish, `snapshot=False`), consecutive
+    shards no larger than a block, of one staged dtype, come over in one program and one
+    copy per pack of at most a block, as the snapshot packs them; each shard's block holds
+    its bytes, cast on the device, in order."""
+    rng = np.random.default_rng(len(tensors))
+    params = {
+        f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
+        for i, (size, dtype) in enumerate(tensors)
+    }
+    saved, real = params_module.HOST_MEMORY_PLATFORMS, device_blocks_module.slicers()
+    packed: list[int] = []  # bytes of each pack made
+
+    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
+        out = real[2](xs, dtype)
+        packed.append(int(out.nbytes))
+        return out
+
+    params_module.HOST_MEMORY_PLATFORMS = frozenset()
+    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
+    try:
+        blocks = list(device_blocks(params.items(), weight_dtype, Window(1 << 30, until_staged=False), BLOCK))
+        held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
+    finally:
+        params_module.HOST_MEMORY_PLATFORMS = saved
+        device_blocks_module.slicers = _SLICERS
+    snapshot_packs = {id(b.pack) for v in held.values() for _, _, b in v.blocks if isinstance(b, PackSlice)}
+    assert len(packed) == len(snapshot_packs) and all(n <= BLOCK for n in packed)
+    got: dict[str, list[np.ndarray]] = {}
+    for b in blocks:
+        got.setdefault(b.shard.name, []).append(b.data)
+    assert list(got) == list(params)
+    for name, value in params.items():
+        want = np.asarray(value).astype(ml_dtypes.bfloat16 if weight_dtype else value.dtype).reshape(-1)
+        assert np.concatenate(got[name]).tobytes() == want.tobytes(), name

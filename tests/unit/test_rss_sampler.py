@@ -1,0 +1,30 @@
+"""bench/rss_sampler.py: a process's RSS sampled from outside it, its peak per phase."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from rss_sampler import RssSampler  # noqa: E402
+
+MB = 1 << 20
+
+
+def test_each_phase_keeps_its_own_peak_from_outside_the_process() -> None:
+    with RssSampler(interval_ms=1.0) as rss:
+        rss.phase("idle")
+        time.sleep(0.05)
+        rss.phase("big")
+        block = np.ones(256 * MB, np.uint8)  # every page touched
+        time.sleep(0.05)
+        del block
+        rss.phase("after")
+        time.sleep(0.05)
+    assert set(rss.peaks) >= {"idle", "big", "after"}
+    assert rss.peaks["big"] >= rss.peaks["idle"] + 200 * MB
+    assert rss.peaks["after"] < rss.peaks["big"] - 200 * MB  # freed: glibc unmaps a block that large
