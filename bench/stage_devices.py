@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import peak_rss_bytes, reset_peak_rss, rss_bytes
-from d2h import Checker, MiB, Unsupported, device_sums, methods, warm_flat
+from d2h import Checker, MiB, Unsupported, device_sums, methods
 
 from trainer_agent import params as params_module
 from trainer_agent.arena import Arena
-from trainer_agent.device_blocks import block_size, cuts
+from trainer_agent.device_blocks import block_size, cuts, warm
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import stage_device
@@ -149,8 +149,8 @@ def measure_rss(args: argparse.Namespace) -> dict[str, Any]:
     model = Model(args)
     params = model.fresh()
     block = block_size(args.block_bytes, args.chunk_bytes)
-    if model.cuts and block:  # the slices compiled first: a trainer compiles them once, at its first publish
-        warm_flat(replica0(params), block)
+    if model.cuts and block:  # the programs compiled first: a trainer compiles them once, at its first publish
+        warm(params.items(), "", block)
     gc.collect()
     baseline = rss_bytes()
     reset = reset_peak_rss()  # where this host allows it (not as an ordinary user on a TPU VM)
@@ -212,8 +212,8 @@ def device_config(
     for run in range(runs + warmups):
         params = model.fresh()
         datas = replica0(params)
-        if model.cuts and blk:  # the slices compiled once per shape, untimed
-            warm_flat(datas, block_size(blk, args.chunk_bytes))
+        if model.cuts and blk:  # the slices and packs compiled once per shape, untimed
+            warm(params.items(), "", block_size(blk, args.chunk_bytes))
         expected = device_sums(datas)
         del datas
         t = time.perf_counter()

@@ -19,7 +19,7 @@ from trainer_agent import device_blocks as device_blocks_module
 from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
 from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks
+from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks, warm
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.snapshot import device_copy
@@ -294,3 +294,24 @@ def test_blocks_of_live_arrays_pack_runs_of_small_shards_into_one_copy_each(
     for name, value in params.items():
         want = np.asarray(value).astype(ml_dtypes.bfloat16 if weight_dtype else value.dtype).reshape(-1)
         assert np.concatenate(got[name]).tobytes() == want.tobytes(), name
+
+
+def test_warm_runs_each_program_a_publish_dispatches_and_leaves_snapshots_alone(accelerator_branch: None) -> None:
+    """`warm` compiles what a publish of the arrays would (its slices and packs) without
+    taking a snapshot's blocks: the snapshot stages whole afterwards."""
+    params = values() | {"n1": jnp.ones((10,), jnp.float32), "n2": jnp.zeros((3, 5), jnp.float32)}
+    made: list[int] = []
+    real = device_blocks_module.slicers()
+
+    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
+        made.append(len(xs))
+        return real[2](xs, dtype)
+
+    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
+    try:
+        snapshot = held_params({"big": params["big"]}, snapshot=True, block_bytes=BLOCK)
+        warm([*params.items(), ("snap", snapshot["big"])], "", BLOCK)
+    finally:
+        device_blocks_module.slicers = _SLICERS
+    assert made and sum(made) == sum(1 for v in params.values() if 0 < v.nbytes <= BLOCK)
+    assert len(snapshot["big"].blocks) == 15 and not snapshot["big"].taken
