@@ -48,7 +48,9 @@ class PackSlice:
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         view = np.asarray(self.pack).reshape(-1)[self.start : self.start + self.count]
-        return view if dtype is None else view.astype(dtype, copy=False)
+        if dtype is not None:
+            return view.astype(dtype, copy=bool(copy))
+        return view.copy() if copy else view
 
 
 @dataclass

@@ -181,11 +181,11 @@ def warm(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) 
 
 
 def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) -> Iterator[_Job]:
-    packer = _Packer(block_bytes)
+    runs = PackRuns(block_bytes)
     for name, value in items:
         check_param(name, value)
         if isinstance(value, CutArray):  # cut by the snapshot's program: only the copies to issue
-            yield from packer.flush()
+            yield from _pack_jobs(runs.close())
             (shard,) = shard_metas(name, value)
             if not value.nbytes:
                 yield _Job(shard, 0, 0, lambda dtype=value.dtype: np.empty(0, dtype))
@@ -193,7 +193,7 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
                 yield _Job(shard, offset, nbytes, lambda block=block: block)
             continue
         if not hasattr(value, "addressable_shards"):
-            yield from packer.flush()
+            yield from _pack_jobs(runs.close())
             for s in host_shards(name, value, weight_dtype):
                 data = np.ascontiguousarray(s.data)
                 yield _Job(s, 0, data.nbytes, lambda data=data: data)
@@ -204,52 +204,56 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
                 meta = ArrayMeta(tuple(s.data.shape), dtype)
                 shard = HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim))
                 platform = getattr(s.device, "platform", "cpu")
-                if packer.takes(shard, platform):
-                    yield from packer.add(shard, s.data, s.device)
+                if platform not in params.HOST_MEMORY_PLATFORMS and runs.takes(shard.nbytes):
+                    yield from _pack_jobs(runs.add((s.device, dtype), shard.nbytes, (shard, s.data)))
                     continue
-                yield from packer.flush()
+                yield from _pack_jobs(runs.close())
                 yield from _cut(shard, s.data, platform, block_bytes)
-    yield from packer.flush()
+    yield from _pack_jobs(runs.close())
 
 
-class _Packer:
-    """Consecutive shards no larger than a block, on one accelerator device, of one staged
-    dtype, gathered into a pack of at most `block_bytes` (`cut_array.PackSlice`): one
-    device program and one copy to host for them all, where each would cost its own (a
-    model's norms and biases, a small model's projections)."""
+class PackRuns:
+    """The rule both the snapshot and a publish of live arrays pack by: consecutive entries
+    no larger than a block, of one key (their device and staged dtype), run together into
+    packs of at most `block_bytes`; anything else between them ends the run."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
-        self._members: list[tuple[HostShard, Any]] = []
-        self._key: tuple[Any, np.dtype] | None = None
+        self._run: list[Any] = []
+        self._key: Any = None
         self._bytes = 0
 
-    def takes(self, shard: HostShard, platform: str) -> bool:
-        """Whether `shard` goes into a pack: blocks are cut, it is on an accelerator, and it
-        holds bytes, no more than a block."""
-        n = shard.nbytes
-        return bool(self.block_bytes) and platform not in params.HOST_MEMORY_PLATFORMS and 0 < n <= self.block_bytes
+    def takes(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` goes into a pack: blocks are cut, and it holds
+        bytes, no more than a block."""
+        return bool(self.block_bytes) and 0 < nbytes <= self.block_bytes
 
-    def add(self, shard: HostShard, x: Any, device: Any) -> Iterator[_Job]:
-        """Adds `shard` (device array `x`); yields the jobs of the pack it closes, if any."""
-        key = (device, shard.data.dtype)
-        if self._members and (key != self._key or self._bytes + shard.nbytes > self.block_bytes):
-            yield from self.flush()
-        self._members.append((shard, x))
+    def add(self, key: Any, nbytes: int, entry: Any) -> list[Any]:
+        """Adds `entry` to the open run; returns the run it closed (empty if none)."""
+        full = self._bytes + nbytes > self.block_bytes
+        closed = self.close() if self._run and (key != self._key or full) else []
+        self._run.append(entry)
         self._key = key
-        self._bytes += shard.nbytes
+        self._bytes += nbytes
+        return closed
 
-    def flush(self) -> Iterator[_Job]:
-        """The jobs of the pack gathered so far, one per shard, in order."""
-        members, self._members, self._bytes = self._members, [], 0
-        if not members:
-            return
-        pack = _LazyPack(tuple(x for _, x in members), members[0][0].data.dtype)
-        start = 0
-        for shard, _ in members:
-            count = shard.nbytes // shard.data.dtype.itemsize
-            yield _Job(shard, 0, shard.nbytes, functools.partial(pack.slice, start, count))
-            start += count
+    def close(self) -> list[Any]:
+        """Ends the open run; returns it (empty if none)."""
+        run, self._run, self._bytes = self._run, [], 0
+        return run
+
+
+def _pack_jobs(members: list[tuple[HostShard, Any]]) -> Iterator[_Job]:
+    """The jobs of one pack of (shard, device array), one per shard, in order; the pack's
+    program runs when the first one's copy is issued."""
+    if not members:
+        return
+    pack = _LazyPack(tuple(x for _, x in members), members[0][0].data.dtype)
+    start = 0
+    for shard, _ in members:
+        count = shard.nbytes // shard.data.dtype.itemsize
+        yield _Job(shard, 0, shard.nbytes, functools.partial(pack.slice, start, count))
+        start += count
 
 
 class _LazyPack:

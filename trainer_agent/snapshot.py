@@ -16,7 +16,7 @@ import numpy as np
 
 from trainer_agent import params as params_module
 from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import block_elements
+from trainer_agent.device_blocks import PackRuns, block_elements
 from weightsync.dtypes import dtype_info
 
 # per array cut into blocks: (elements per block, blocks of that many, elements left after them)
@@ -58,26 +58,23 @@ def device_copy(arrays: dict[str, Any], weight_dtype: str = "", block_bytes: int
     cuts: list[tuple[str, int, int, int]] = []
     packs: list[list[str]] = []
     held: dict[str, CutArray] = {}
-    pack_key, pack_bytes = None, 0
+    runs = PackRuns(block_bytes)
     for name, x in arrays.items():
         devices = x.sharding.device_set
         platform = next(iter(devices)).platform
         if not block_bytes or len(devices) != 1 or platform in params_module.HOST_MEMORY_PLATFORMS:
+            packs.append(runs.close())
             continue
         dtype = dtype_info(weight_dtype).numpy if weight_dtype else np.dtype(x.dtype)
         size = math.prod(x.shape)
         held[name] = CutArray(tuple(x.shape), dtype, platform, [])
-        per = block_elements(size, dtype.itemsize, block_bytes)
-        if per < size or not size:  # an empty one: no blocks; either ends the pack before it
-            cuts.append((name, per, *divmod(size, per)))
-            pack_key = None
+        if runs.takes(size * dtype.itemsize):
+            packs.append(runs.add((next(iter(devices)), dtype), size * dtype.itemsize, name))
             continue
-        key, nbytes = (next(iter(devices)), dtype), size * dtype.itemsize
-        if key != pack_key or pack_bytes + nbytes > block_bytes:
-            packs.append([])
-            pack_key, pack_bytes = key, 0
-        packs[-1].append(name)
-        pack_bytes += nbytes
+        packs.append(runs.close())
+        per = block_elements(size, dtype.itemsize, block_bytes)
+        cuts.append((name, per, *divmod(size, per)))  # an empty one: no blocks
+    packs = [run for run in [*packs, runs.close()] if run]
     out, packed = _copy(arrays, weight_dtype, tuple(cuts), tuple(map(tuple, packs)))
     for name, per, _, _ in cuts:
         item = held[name].dtype.itemsize

@@ -19,7 +19,7 @@ from trainer_agent import device_blocks as device_blocks_module
 from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
 from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import Window, block_size, cut_blocks, cuts, device_blocks, warm
+from trainer_agent.device_blocks import PackRuns, Window, block_size, cut_blocks, cuts, device_blocks, warm
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.snapshot import device_copy
@@ -315,3 +315,14 @@ def test_warm_runs_each_program_a_publish_dispatches_and_leaves_snapshots_alone(
         device_blocks_module.slicers = _SLICERS
     assert made and sum(made) == sum(1 for v in params.values() if 0 < v.nbytes <= BLOCK)
     assert len(snapshot["big"].blocks) == 15 and not snapshot["big"].taken
+
+
+def test_pack_runs_end_at_another_device_or_dtype_a_full_block_or_an_entry_not_packed() -> None:
+    runs = PackRuns(100)
+    assert not runs.takes(0) and runs.takes(1) and runs.takes(100) and not runs.takes(101)
+    assert not PackRuns(0).takes(1)  # no blocks: nothing packed
+    assert runs.add("a", 60, 1) == [] and runs.add("a", 40, 2) == []  # exactly a block
+    assert runs.add("a", 1, 3) == [1, 2]  # full
+    assert runs.add("b", 1, 4) == [3]  # another key
+    assert runs.close() == [4] and runs.close() == []  # an entry not packed ends the run
+    assert runs.add("b", 100, 5) == [] and runs.close() == [5]
