@@ -13,7 +13,8 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
   alone2    `--steps` steps, no publish again (drift between phases shows here)
   variants  per `--variant`, another async phase with its own publisher, then as many
             steps without: D2H window and block, staging threads, worker niceness, the
-            interpreter's switch interval, and how far each publish goes (`work`:
+            interpreter's switch interval, Python's garbage collector during the steps
+            (`gc`: auto, freeze, off), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
             apart what costs the steps
