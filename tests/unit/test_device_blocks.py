@@ -4,6 +4,8 @@ blocks that cover every shard in order, cast on the device."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,9 +34,55 @@ BLOCK = 2 * CHUNK
 _SLICERS = device_blocks_module.slicers  # the cached jitted programs, put back after a test wraps them
 
 
+@contextlib.contextmanager
+def on_accelerator_branch() -> Iterator[None]:
+    """CPU devices take the accelerator's branch inside (a hypothesis test cannot take a
+    function-scoped fixture)."""
+    saved = params_module.HOST_MEMORY_PLATFORMS
+    params_module.HOST_MEMORY_PLATFORMS = frozenset()
+    try:
+        yield
+    finally:
+        params_module.HOST_MEMORY_PLATFORMS = saved
+
+
 @pytest.fixture
-def accelerator_branch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(params_module, "HOST_MEMORY_PLATFORMS", frozenset())
+def accelerator_branch() -> Iterator[None]:
+    with on_accelerator_branch():
+        yield
+
+
+@contextlib.contextmanager
+def recording_packs() -> Iterator[list[tuple[int, int]]]:
+    """(arrays, bytes) of each pack program the device path runs inside."""
+    real = _SLICERS()
+    made: list[tuple[int, int]] = []
+
+    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
+        out = real[2](xs, dtype)
+        made.append((len(xs), int(out.nbytes)))
+        return out
+
+    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
+    try:
+        yield made
+    finally:
+        device_blocks_module.slicers = _SLICERS
+
+
+# up to 12 tensors of up to 3,000 elements (a block is 2,048 float32), float32 or bfloat16
+SMALL_TENSORS = st.lists(
+    st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "bfloat16"])), min_size=1, max_size=12
+)
+
+
+def small_tensors(tensors: list[tuple[int, str]]) -> dict[str, jax.Array]:
+    """The arrays `SMALL_TENSORS` drew, named t00, t01, ... in order."""
+    rng = np.random.default_rng(len(tensors))
+    return {
+        f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
+        for i, (size, dtype) in enumerate(tensors)
+    }
 
 
 class RecordingWindow(Window):
@@ -178,14 +226,10 @@ def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
 ) -> None:
     # a program of tens of thousands of outputs takes XLA minutes and GBs to compile
     assume(int(np.prod(shape)) <= 400 * block_elements)
-    saved = params_module.HOST_MEMORY_PLATFORMS
-    params_module.HOST_MEMORY_PLATFORMS = frozenset()
-    try:
+    with on_accelerator_branch():
         x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape)
         dtype = np.dtype(ml_dtypes.bfloat16) if cast else np.dtype(np.float32)
         held = device_copy({"x": x}, "bfloat16" if cast else "", block_elements * dtype.itemsize)["x"]
-    finally:
-        params_module.HOST_MEMORY_PLATFORMS = saved
     assert isinstance(held, CutArray) and held.shape == tuple(shape) and held.dtype == dtype
     blocks = list(held.take("x"))
     assert [o for o, _, _ in blocks] == [i * block_elements * dtype.itemsize for i in range(len(blocks))]
@@ -196,29 +240,18 @@ def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    tensors=st.lists(
-        st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "bfloat16"])), min_size=1, max_size=12
-    ),
-    weight_dtype=st.sampled_from(["", "bfloat16"]),
-)
+@given(tensors=SMALL_TENSORS, weight_dtype=st.sampled_from(["", "bfloat16"]))
 def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_tensors(
     tensors: list[tuple[int, str]], weight_dtype: str
 ) -> None:
     """Consecutive tensors no larger than a block, of one staged dtype, share a pack of at
     most a block (one device-to-host copy); larger ones are cut and, as empty ones, end a
     pack; staged, the snapshot gives the slot bytes and specs of the tensors."""
-    rng = np.random.default_rng(len(tensors))
-    params = {
-        f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
-        for i, (size, dtype) in enumerate(tensors)
-    }
+    params = small_tensors(tensors)
     settings_ = PublisherSettings(
         coordinator="127.0.0.1:1", chunk_bytes=CHUNK, d2h_block_bytes=BLOCK, weight_dtype=weight_dtype
     )
-    saved = params_module.HOST_MEMORY_PLATFORMS
-    params_module.HOST_MEMORY_PLATFORMS = frozenset()
-    try:
+    with on_accelerator_branch():
         held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
         packs: list[tuple[Any, list[str]]] = []  # (pack, its tensors) in the order first seen
         for name, cut in held.items():
@@ -245,18 +278,11 @@ def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_te
         want = stage_device(want_slot, plan.layout, params, settings_)
         slot = np.ones(plan.layout.total_bytes, np.uint8)
         assert stage_device(slot, plan.layout, held, settings_) == want
-    finally:
-        params_module.HOST_MEMORY_PLATFORMS = saved
     assert slot.tobytes() == want_slot.tobytes()
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    tensors=st.lists(
-        st.tuples(st.integers(0, 3000), st.sampled_from(["float32", "bfloat16"])), min_size=1, max_size=12
-    ),
-    weight_dtype=st.sampled_from(["", "bfloat16"]),
-)
+@given(tensors=SMALL_TENSORS, weight_dtype=st.sampled_from(["", "bfloat16"]))
 def test_blocks_of_live_arrays_pack_runs_of_small_shards_into_one_copy_each(
     tensors: list[tuple[int, str]], weight_dtype: str
 ) -> None:
@@ -264,29 +290,12 @@ def test_blocks_of_live_arrays_pack_runs_of_small_shards_into_one_copy_each(
     shards no larger than a block, of one staged dtype, come over in one program and one
     copy per pack of at most a block, as the snapshot packs them; each shard's block holds
     its bytes, cast on the device, in order."""
-    rng = np.random.default_rng(len(tensors))
-    params = {
-        f"t{i:02d}": jnp.asarray(rng.integers(-64, 64, size) / 8, jnp.dtype(dtype))
-        for i, (size, dtype) in enumerate(tensors)
-    }
-    saved, real = params_module.HOST_MEMORY_PLATFORMS, device_blocks_module.slicers()
-    packed: list[int] = []  # bytes of each pack made
-
-    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
-        out = real[2](xs, dtype)
-        packed.append(int(out.nbytes))
-        return out
-
-    params_module.HOST_MEMORY_PLATFORMS = frozenset()
-    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
-    try:
+    params = small_tensors(tensors)
+    with on_accelerator_branch(), recording_packs() as packed:
         blocks = list(device_blocks(params.items(), weight_dtype, Window(1 << 30, until_staged=False), BLOCK))
         held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
-    finally:
-        params_module.HOST_MEMORY_PLATFORMS = saved
-        device_blocks_module.slicers = _SLICERS
     snapshot_packs = {id(b.pack) for v in held.values() for _, _, b in v.blocks if isinstance(b, PackSlice)}
-    assert len(packed) == len(snapshot_packs) and all(n <= BLOCK for n in packed)
+    assert len(packed) == len(snapshot_packs) and all(n <= BLOCK for _, n in packed)
     got: dict[str, list[np.ndarray]] = {}
     for b in blocks:
         got.setdefault(b.shard.name, []).append(b.data)
@@ -300,20 +309,10 @@ def test_warm_runs_each_program_a_publish_dispatches_and_leaves_snapshots_alone(
     """`warm` compiles what a publish of the arrays would (its slices and packs) without
     taking a snapshot's blocks: the snapshot stages whole afterwards."""
     params = values() | {"n1": jnp.ones((10,), jnp.float32), "n2": jnp.zeros((3, 5), jnp.float32)}
-    made: list[int] = []
-    real = device_blocks_module.slicers()
-
-    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
-        made.append(len(xs))
-        return real[2](xs, dtype)
-
-    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
-    try:
+    with recording_packs() as made:
         snapshot = held_params({"big": params["big"]}, snapshot=True, block_bytes=BLOCK)
         warm([*params.items(), ("snap", snapshot["big"])], "", BLOCK)
-    finally:
-        device_blocks_module.slicers = _SLICERS
-    assert made and sum(made) == sum(1 for v in params.values() if 0 < v.nbytes <= BLOCK)
+    assert made and sum(n for n, _ in made) == sum(1 for v in params.values() if 0 < v.nbytes <= BLOCK)
     assert len(snapshot["big"].blocks) == 15 and not snapshot["big"].taken
 
 
