@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from d2h import Checker, MiB, Unsupported, device_sums, methods
+from glibc_heap import heap_stats
 
 from trainer_agent import params as params_module
 from trainer_agent.arena import Arena
@@ -228,6 +229,7 @@ def device_config(
         "runs": runs,
         "window_bytes": window,
         "block_bytes": block_size(blk, args.chunk_bytes),
+        "heap_at_end": heap_stats(),  # glibc's: whether the copies' host buffers stay in its heap
     }
     progress(f"[{time.perf_counter() - t0:5.0f} s] device path {label:34} {out[label]['gbps']:8.3f} GB/s"
              f"{'' if exact else '  NOT EXACT'}")  # fmt: skip

@@ -14,7 +14,9 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
   variants  per `--variant`, another async phase with its own publisher, then as many
             steps without: D2H window and block, staging threads, worker niceness, the
             interpreter's switch interval, Python's garbage collector during the steps
-            (`gc`: auto, freeze, off), and how far each publish goes (`work`:
+            (`gc`: auto, freeze, off), glibc's malloc (`malloc`: auto, or held: freed heap
+            kept, `hold_freed_memory`; it stays so for later phases), where a superseded
+            snapshot is dropped (`release`: caller, thread), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
             apart what costs the steps
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import json
 import math
@@ -70,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import peak_rss_bytes, rss_bytes  # noqa: E402
+from glibc_heap import heap_stats, hold_freed_memory  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
@@ -252,7 +256,12 @@ def coordinator_here(db: Path, host: str) -> Iterator[str]:
         store.close()
 
 
-CHOICES = {"work": ("publish", "stage", "d2h", "snapshot"), "gc": ("auto", "freeze", "off")}
+CHOICES = {
+    "work": ("publish", "stage", "d2h", "snapshot"),
+    "gc": ("auto", "freeze", "off"),
+    "malloc": ("auto", "held"),
+    "release": ("caller", "thread"),
+}
 
 
 @contextlib.contextmanager
@@ -275,7 +284,10 @@ class Variant:
     thread switch interval during the phase (`switch_us`, 0: Python's own, 5 ms); and how
     the trainer runs Python's garbage collector (`gc`: "auto" as Python does, "freeze":
     `gc.freeze()` before the phase, as vLLM does after it starts, "off": disabled during
-    the phase, as trainers that collect on a schedule do)."""
+    the phase, as trainers that collect on a schedule do); and glibc's malloc (`malloc`:
+    "auto" as glibc does, "held": `hold_freed_memory()` from the phase on); and where a
+    superseded version's snapshot is dropped (`release`: "caller", the training loop's
+    thread, or "thread", a thread of the publisher's own)."""
 
     window_bytes: int
     block_bytes: int
@@ -284,6 +296,8 @@ class Variant:
     work: str = "publish"
     switch_us: int = 0
     gc: str = "auto"
+    malloc: str = "auto"
+    release: str = "caller"
 
     def label(self) -> str:
         label = (
@@ -292,11 +306,14 @@ class Variant:
         )
         label += f",work={self.work}" if self.work != "publish" else ""
         label += f",switch={self.switch_us}" if self.switch_us else ""
-        return label + (f",gc={self.gc}" if self.gc != "auto" else "")
+        label += f",gc={self.gc}" if self.gc != "auto" else ""
+        label += f",malloc={self.malloc}" if self.malloc != "auto" else ""
+        return label + (f",release={self.release}" if self.release != "caller" else "")
 
 
 def parse_variant(text: str, base: Variant) -> Variant:
-    """'window=1G,block=8M,threads=4,nice=0,work=d2h,switch=500,gc=off' (any subset) over `base`."""
+    """'window=1G,block=8M,threads=4,nice=0,work=d2h,switch=500,gc=off,malloc=held' (any subset)
+    over `base`."""
     fields = {
         "window": "window_bytes",
         "block": "block_bytes",
@@ -305,6 +322,8 @@ def parse_variant(text: str, base: Variant) -> Variant:
         "work": "work",
         "switch": "switch_us",
         "gc": "gc",
+        "malloc": "malloc",
+        "release": "release",
     }
     changes: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
@@ -333,6 +352,8 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
     switch, collecting = sys.getswitchinterval(), gc.isenabled()
     if variant.switch_us:
         sys.setswitchinterval(variant.switch_us / 1e6)
+    if variant.malloc == "held" and not hold_freed_memory():
+        raise SystemExit("--variant malloc=held: this C library has no mallopt")
     if variant.gc == "freeze":
         gc.freeze()
     elif variant.gc == "off":
@@ -350,6 +371,7 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
             PublisherSettings(coordinator=coordinator, session=session, weight_sync_mode="shm", host=host, **settings)
         ) as pub:
             pub._async.nice = variant.nice  # read when its worker starts, at the first publish_async
+            pub._async.release_apart = variant.release == "thread"
             yield pub
     finally:
         sys.setswitchinterval(switch)
@@ -414,6 +436,29 @@ def blocking_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict
     return {"iterations": iterations, "publishes": publishes, "stages": stages, "version": version}
 
 
+class StallTraces:
+    """Every thread's Python stack, written to `path` when a loop iteration passes
+    `threshold_ms` (once: `faulthandler`'s watchdog, which needs no interpreter lock: it sees the
+    thread that holds the lock and where)."""
+
+    def __init__(self, path: str, threshold_ms: float) -> None:
+        self.file = open(path, "a")  # noqa: SIM115 (open for the run, closed in close())
+        self.threshold_s = threshold_ms / 1e3
+        self.label = ""
+
+    def arm(self, iteration: int) -> None:
+        self.file.write(f"\n== {self.label} iteration {iteration} at {time.perf_counter():.4f}\n")
+        self.file.flush()
+        faulthandler.dump_traceback_later(self.threshold_s, file=self.file)
+
+    def disarm(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def close(self) -> None:
+        self.disarm()
+        self.file.close()
+
+
 class GcPauses:
     """A `gc.callbacks` entry: how long each collection of Python's garbage collector
     stopped the interpreter, by generation."""
@@ -440,8 +485,11 @@ class GcPauses:
         }
 
 
-def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[str, Any]:
-    """`steps` steps, each followed by publish_async of its parameters (snapshot=True)."""
+def async_phase(
+    trainer: Trainer, pub: Any, steps: int, version: int, stalls: StallTraces | None = None
+) -> dict[str, Any]:
+    """`steps` steps, each followed by publish_async of its parameters (snapshot=True);
+    `stalls` traces the iterations that pass its threshold."""
     iterations: list[float] = []
     overlapped: list[bool] = []
     dispatches: list[float] = []
@@ -456,7 +504,9 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
     cpu0 = time.process_time()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
-    for _ in range(steps):
+    for i in range(steps):
+        if stalls:
+            stalls.arm(i)
         t = time.perf_counter()
         starts.append(t - started)
         busy_before = pub._async.busy
@@ -472,6 +522,8 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
         held_max = max(held_max, pub.publish_held_bytes)
         trainer.wait(loss)
         iterations.append(time.perf_counter() - t)
+        if stalls:
+            stalls.disarm()
         overlapped.append(busy_before or pub._async.busy)
     cpu_s = time.process_time() - cpu0
     gc.callbacks.remove(pauses)
@@ -486,6 +538,7 @@ def async_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict[st
         "iterations": iterations,
         "dispatches": dispatches,
         "cpu_s": cpu_s,
+        "heap": heap_stats(),
         "gc": pauses.summary(),
         "overlapped": overlapped,
         "calls": calls,
@@ -509,6 +562,7 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
         "publish_async_call_s": _stats(phase["calls"]),
         "cpu_s_per_step": round(phase["cpu_s"] / len(its), 4),
         "gc_pauses": phase["gc"],
+        "heap_at_end": phase["heap"],  # glibc's arenas and own mappings when the phase ended
         # each iteration's times, to line up slow ones with pauses
         "each_ms": {
             "iteration": [round(x * 1e3, 1) for x in its],
@@ -544,6 +598,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Variant(args.window_bytes, args.block_bytes, args.staging_threads, args.nice)
     base = replace(base, work="stage" if args.stage_only else "publish")
     variants = [parse_variant(text, base) for text in args.variant]
+    held = [v.malloc == "held" for v in (base, *variants)]
+    if any(held) and not all(held[held.index(True) :]):
+        raise SystemExit("--variant malloc=held: glibc's thresholds stay set, so later variants must hold too")
     out: dict[str, Any] = {
         "preset": args.preset,
         "platform": device.platform,
@@ -567,6 +624,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # held versions count where the "device" is host memory (CPU)
     held_counted = device.platform == "cpu"
     with contextlib.ExitStack() as stack:
+        stalls = None
+        if args.trace_stalls_ms:
+            stalls = StallTraces(args.trace_file or "stall-traces.txt", args.trace_stalls_ms)
+            stack.callback(stalls.close)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
         unix = bool(inet_refused())
         host = f"unix:{tmp}/trainer.sock" if unix else "127.0.0.1"
@@ -593,7 +654,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rss.phase("blocking")
             blocking = blocking_phase(trainer, pub, args.blocking_steps, version)
             rss.phase("async")
-            first = async_phase(trainer, pub, args.steps, blocking["version"])
+            if stalls:
+                stalls.label = base.label()
+            first = async_phase(trainer, pub, args.steps, blocking["version"], stalls)
             version = first["version"]
         rss.phase("alone2")
         alone2 = trainer.alone(args.steps, dispatches)
@@ -619,7 +682,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 version += 1
                 pub.publish(trainer.params, version)
                 rss.phase(label)
-                phase = async_phase(trainer, pub, args.steps, version)
+                if stalls:
+                    stalls.label = label
+                phase = async_phase(trainer, pub, args.steps, version, stalls)
                 version = phase["version"]
                 held_max[label] = phase["held_max"]
             rss.phase("alone-after:" + label)
@@ -709,7 +774,7 @@ def main() -> None:
         action="append",
         default=[],
         help="another async phase, e.g. 'window=1G,block=8M,threads=4,nice=0' (keys window, block, threads, "
-        "nice, stage); repeatable",
+        "nice, work, switch, gc, malloc, release); repeatable",
     )
     p.add_argument("--no-donate", dest="donate", action="store_false", help="the step does not donate its state")
     p.add_argument("--read-loss", action="store_true", help="read each step's loss to the host (a D2H per step)")
@@ -723,6 +788,13 @@ def main() -> None:
     )
     p.add_argument("--stage-only", action="store_true", help="no coordinator, no servers: snapshot + D2H + staging")
     p.add_argument("--out", default="", help="also write the JSON object here")
+    p.add_argument(
+        "--trace-stalls-ms",
+        type=float,
+        default=0,
+        help="write every thread's stack when an async iteration passes this many ms (0: never)",
+    )
+    p.add_argument("--trace-file", default="", help="where --trace-stalls-ms writes (default stall-traces.txt)")
     args = p.parse_args()
     args.blocking_steps = args.blocking_steps or min(args.steps, 10)
     out = run(args)

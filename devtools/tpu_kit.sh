@@ -41,7 +41,8 @@ cat > "$kit/activate" <<'SH'
 # source .tpu-kit/activate   (bash, from the project root, on the TPU host)
 # Installs the kit's wheels once into $WEIGHTSYNC_KIT_SITE (default /tmp/weightsync-kit), puts
 # them and the project on PYTHONPATH after the host's own entries (its JAX stays first), and
-# puts the kit's shim into weightsync/_native/.
+# puts the kit's shim into weightsync/_native/. WEIGHTSYNC_KIT names the kit: the tests that
+# check this machine's own build and environment skip under it.
 _ws_kit=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 _ws_root=$(dirname "$_ws_kit")
 _ws_site=${WEIGHTSYNC_KIT_SITE:-/tmp/weightsync-kit}
@@ -52,6 +53,7 @@ if ! cmp -s "$_ws_kit/requirements.txt" "$_ws_site/.kit-requirements.txt"; then
   cp "$_ws_kit/requirements.txt" "$_ws_site/.kit-requirements.txt"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_ws_site:$_ws_root" PATH="$PATH:$_ws_site/bin" PYTHONUNBUFFERED=1
+export WEIGHTSYNC_KIT="$_ws_kit"
 cp "$_ws_kit"/native/*.so "$_ws_root/weightsync/_native/"
 unset _ws_kit _ws_root _ws_site
 SH

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -120,6 +121,9 @@ class PublishQueue(Generic[T]):
         self._superseded: dict[int, int] = {}  # the newest skipped versions -> what replaced each
         self._thread: threading.Thread | None = None
         self._closing = False
+        # where a superseded job's params are dropped: on a thread of its own, or the caller's
+        self.release_apart = False
+        self._releaser = Releaser(f"{name}-release")
 
     def submit(self, version: int, run: Callable[[], T], held_bytes: int) -> PublishFuture[T]:
         """Queues `run` as `version`'s publish; a job already waiting is superseded.
@@ -218,6 +222,7 @@ class PublishQueue(Generic[T]):
         if job is not None:
             job.future.cancel()
             log.info("version %d: its async publish was cancelled by close()", job.version)
+        self._releaser.close()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 
@@ -227,7 +232,10 @@ class PublishQueue(Generic[T]):
         return self._running is not None
 
     def _supersede(self, job: _Job[T], by: int) -> None:
-        job.run = None
+        box, job.run = [job.run], None  # the box holds the params' last reference
+        if self.release_apart:
+            self._releaser.release(box)
+        del box
         with self._cond:
             self.skipped += 1
             self._superseded[job.version] = by
@@ -271,6 +279,37 @@ class PublishQueue(Generic[T]):
                     self._held_changed()
                     self._cond.notify_all()
             _settle(job.future, result=result, error=error)
+
+
+class Releaser:
+    """Drops what it is handed on a thread of its own (started at the first), so the
+    caller does not wait for the destructors (a device buffer's free can wait for the
+    runtime). Each item is a list holding the only references: the thread clears it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._items: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def release(self, box: list[Any]) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._items.put(box)
+
+    def close(self) -> None:
+        """Ends the thread once what it was handed is dropped (not waited for)."""
+        with self._lock:
+            if self._thread is not None:
+                self._items.put(None)
+                self._thread = None
+
+    def _run(self) -> None:
+        while (box := self._items.get()) is not None:
+            box.clear()
+            del box
 
 
 def lower_priority(nice: int) -> None:

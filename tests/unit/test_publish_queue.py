@@ -71,6 +71,33 @@ def test_a_version_offered_while_one_waits_replaces_it(queue: PublishQueue[int])
     assert nice == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)]  # the worker's own, not the caller's
 
 
+class _Held:
+    """Stands for what a job holds: records the thread its destructor ran on."""
+
+    def __init__(self, dropped: list[str]) -> None:
+        self.dropped = dropped
+
+    def __del__(self) -> None:
+        self.dropped.append(threading.current_thread().name)
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_superseded_versions_params_are_dropped_where_the_queue_says(queue: PublishQueue[int], apart: bool) -> None:
+    gate, ran, dropped = threading.Event(), [], []
+    queue.release_apart = apart
+    queue.submit(1, _job(ran, 1, gate), 100)
+    _until(lambda: queue.busy)
+    held = _Held(dropped)
+    queue.submit(2, lambda held=held: held and 2, 200)
+    del held  # the job's closure holds the only reference now
+    f3 = queue.submit(3, _job(ran, 3), 300)  # supersedes 2, which never runs
+    _until(lambda: bool(dropped))
+    assert dropped == ["test-publish-release" if apart else threading.current_thread().name]
+    gate.set()
+    assert f3.result(10) == 30
+    assert ran == [1, 3]
+
+
 def test_a_version_not_newer_than_one_pending_is_refused(queue: PublishQueue[int]) -> None:
     gate, ran = threading.Event(), []
     queue.submit(5, _job(ran, 5, gate), 1)

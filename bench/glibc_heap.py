@@ -1,0 +1,56 @@
+"""glibc's malloc, seen and steered from Python (ctypes), for the benches.
+
+A TPU runtime's device-to-host copies land in host buffers from malloc. By default glibc
+returns a free heap top above a threshold to the kernel (trim), and serves a request above
+another threshold from a mapping of its own, unmapped at free; both thresholds grow with
+what the process frees (up to 64 and 32 MiB). A process that frees and allocates blocks of
+tens of MiB over and over may then fault in fresh pages for many of them, which a host under
+gVisor pays dearly. `hold_freed_memory` fixes the thresholds for a process already running
+(as MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ do from its start); `heap_stats` says
+how much memory glibc holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
+#: the largest mmap threshold glibc takes on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
+MMAP_THRESHOLD_MAX = 32 << 20
+_INT_MAX = (1 << 31) - 1
+
+
+def hold_freed_memory(trim_bytes: int = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
+    """From now on, heap tops up to `trim_bytes` stay with the process and requests up to
+    `mmap_bytes` come from the heap (each capped at what mallopt takes); the thresholds no
+    longer grow. Returns whether glibc took both (False off glibc: nothing changed)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    trim, mmap = min(trim_bytes, _INT_MAX), min(mmap_bytes, MMAP_THRESHOLD_MAX)
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim)) & bool(mallopt(_M_MMAP_THRESHOLD, mmap))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+        )
+    ]  # fmt: skip
+
+
+def heap_stats() -> dict[str, int]:
+    """glibc's account (`mallinfo2`, every arena): bytes of its arenas (`arena`), of its
+    own mappings for large requests (`mapped`), free within the arenas (`free`); empty
+    where there is no mallinfo2 (not glibc, or before 2.33)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = _MallInfo2
+    m = fn()
+    return {"arena": m.arena, "mapped": m.hblkhd, "free": m.fordblks}

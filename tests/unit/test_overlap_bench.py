@@ -1,0 +1,73 @@
+"""bench/train_overlap.py's phase settings and stall traces, and bench/glibc_heap.py, with
+the real interpreter and C library (no model is trained here)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import train_overlap  # noqa: E402
+
+BASE = train_overlap.Variant(1 << 30, 18 << 20, 0, 10)
+
+
+def test_a_variant_names_what_it_changes_and_refuses_unknown_keys_and_values() -> None:
+    v = train_overlap.parse_variant("block=8M,malloc=held,release=thread", BASE)
+    assert (v.block_bytes, v.malloc, v.release, v.window_bytes) == (8 << 20, "held", "thread", 1 << 30)
+    assert v.label() == "window=1024M,block=8M,threads=0,nice=10,malloc=held,release=thread"
+    assert BASE.label() == "window=1024M,block=18M,threads=0,nice=10"
+    with pytest.raises(SystemExit, match="malloc='kept'"):
+        train_overlap.parse_variant("malloc=kept", BASE)
+    with pytest.raises(SystemExit, match="unknown key 'heap'"):
+        train_overlap.parse_variant("heap=held", BASE)
+
+
+def test_a_stall_past_the_threshold_leaves_every_threads_stack_and_a_quick_iteration_none(tmp_path: Path) -> None:
+    path = tmp_path / "stalls.txt"
+    traces = train_overlap.StallTraces(str(path), threshold_ms=50)
+    traces.label = "phase"
+    try:
+        traces.arm(0)
+        traces.disarm()  # well within 50 ms: nothing dumped
+        traces.arm(1)
+        time.sleep(0.3)
+        traces.disarm()
+    finally:
+        traces.close()
+    text = path.read_text()
+    assert "== phase iteration 0" in text and "== phase iteration 1" in text
+    quick, slow = text.split("== phase iteration 1")
+    assert "Timeout" not in quick
+    assert slow.count("Timeout") == 1  # once per iteration, not repeated
+    assert "test_a_stall_past_the_threshold" in slow  # the sleeping thread's own frame
+
+
+_HELD_CHECK = """
+import json, numpy as np, glibc_heap
+took = glibc_heap.hold_freed_memory()
+block = np.ones(20 << 20, np.uint8)  # under the 32 MiB mmap threshold: from the heap
+held = glibc_heap.heap_stats()
+del block
+print(json.dumps({"took": took, "held": held, "after": glibc_heap.heap_stats()}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+def test_held_freed_memory_stays_in_the_heap_for_the_next_block() -> None:
+    # in a process of its own: the thresholds stay set for the life of the process
+    out = subprocess.run(
+        [sys.executable, "-c", _HELD_CHECK], cwd=BENCH, capture_output=True, text=True, timeout=60, check=True
+    )
+    r = json.loads(out.stdout)
+    assert r["took"]
+    assert r["after"]["arena"] == r["held"]["arena"]  # not trimmed back to the kernel
+    assert r["after"]["free"] - r["held"]["free"] > 19 << 20  # free in it, for the next block
