@@ -109,7 +109,7 @@ deploy-rules: setup
 # wheels of what weightsync needs beside the host's JAX stack, the built shim, an activate
 # script. TPU_KIT_EXTRAS: more distributions of this venv (by default what the host's test
 # run, devtools/tpu_checks.sh, needs).
-TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml
+TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml py-spy
 tpu-kit: setup
 	devtools/tpu_kit.sh $(TPU_KIT_EXTRAS)
 

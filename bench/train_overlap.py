@@ -75,6 +75,7 @@ import jax.numpy as jnp  # noqa: E402
 from common import peak_rss_bytes, rss_bytes  # noqa: E402
 from glibc_heap import heap_stats, hold_freed_memory  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
+from stall_dumper import StallDumper  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
@@ -439,23 +440,31 @@ def blocking_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict
 class StallTraces:
     """Every thread's Python stack, written to `path` when a loop iteration passes
     `threshold_ms` (once: `faulthandler`'s watchdog, which needs no interpreter lock: it sees the
-    thread that holds the lock and where)."""
+    thread that holds the lock and where); with `native`, also every thread's native stack and
+    which holds the lock (py-spy from a child, `stall_dumper.py`), in `path` + ".native"."""
 
-    def __init__(self, path: str, threshold_ms: float) -> None:
+    def __init__(self, path: str, threshold_ms: float, native: bool = False) -> None:
         self.file = open(path, "a")  # noqa: SIM115 (open for the run, closed in close())
         self.threshold_s = threshold_ms / 1e3
         self.label = ""
+        self.native = StallDumper(path + ".native", threshold_ms).__enter__() if native else None
 
     def arm(self, iteration: int) -> None:
         self.file.write(f"\n== {self.label} iteration {iteration} at {time.perf_counter():.4f}\n")
         self.file.flush()
+        if self.native:
+            self.native.arm(iteration)
         faulthandler.dump_traceback_later(self.threshold_s, file=self.file)
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+        if self.native:
+            self.native.disarm()
 
     def close(self) -> None:
         self.disarm()
+        if self.native:
+            self.native.__exit__(None, None, None)
         self.file.close()
 
 
@@ -626,7 +635,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         stalls = None
         if args.trace_stalls_ms:
-            stalls = StallTraces(args.trace_file or "stall-traces.txt", args.trace_stalls_ms)
+            stalls = StallTraces(args.trace_file or "stall-traces.txt", args.trace_stalls_ms, args.native_stacks)
             stack.callback(stalls.close)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
         unix = bool(inet_refused())
@@ -795,6 +804,11 @@ def main() -> None:
         help="write every thread's stack when an async iteration passes this many ms (0: never)",
     )
     p.add_argument("--trace-file", default="", help="where --trace-stalls-ms writes (default stall-traces.txt)")
+    p.add_argument(
+        "--native-stacks",
+        action="store_true",
+        help="with --trace-stalls-ms: also each thread's native stack (py-spy), in the trace file + .native",
+    )
     args = p.parse_args()
     args.blocking_steps = args.blocking_steps or min(args.steps, 10)
     out = run(args)

@@ -7,6 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # glibc's heap, the overlap's stalls, ~7 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -79,10 +80,21 @@ case "${1:-}" in
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
-    # the run's settings, then what the trainer's habits change: Python's garbage collector
-    # frozen or off during the steps, fewer staging threads
+    # the run's settings, then a superseded snapshot dropped off the training loop's thread,
+    # then glibc's freed heap held (it stays so: last)
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant gc=freeze --variant gc=off --variant threads=4
+      --variant release=thread --variant release=thread,malloc=held
+    ;;
+  diagnose)
+    facts
+    if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
+    # a process's first row with glibc's thresholds held from its start (`bench` runs without)
+    step stage-heap-env 230 env MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=33554432 \
+      "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 165 --json
+    # where the steps stall: every thread's Python and native stack (py-spy) past 150 ms
+    step overlap-traced 220 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
+      --out "$out/overlap-traced.json" --trace-stalls-ms 150 --native-stacks \
+      --trace-file "$out/stall-traces.txt" --variant release=thread
     ;;
   apply)
     facts
@@ -99,7 +111,7 @@ case "${1:-}" in
     step demo 240 "$py" -m devtools.demo --unix-sockets --steps 3
     ;;
   *)
-    echo "usage: $0 suite|bench|apply|demo   (results in \$OUT, or /tmp/tpu-checks)" >&2
+    echo "usage: $0 suite|bench|apply|demo|diagnose   (results in \$OUT, or /tmp/tpu-checks)" >&2
     exit 2
     ;;
 esac

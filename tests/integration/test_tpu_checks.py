@@ -34,7 +34,7 @@ def test_the_demo_stage_runs_and_reports_into_out(tmp_path: Path) -> None:
 def test_an_unknown_stage_is_refused_with_the_stages(tmp_path: Path) -> None:
     proc = subprocess.run([str(SCRIPT), "everything"], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
                           capture_output=True, text=True, timeout=30)  # fmt: skip
-    assert proc.returncode == 2 and "suite|bench|apply|demo" in proc.stderr
+    assert proc.returncode == 2 and "suite|bench|apply|demo|diagnose" in proc.stderr
 
 
 def _sourced(tmp_path: Path, commands: str, **env: str) -> subprocess.CompletedProcess[str]:

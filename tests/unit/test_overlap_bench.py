@@ -4,9 +4,11 @@ the real interpreter and C library (no model is trained here)."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import stall_dumper  # noqa: E402
 import train_overlap  # noqa: E402
 
 BASE = train_overlap.Variant(1 << 30, 18 << 20, 0, 10)
@@ -71,3 +74,36 @@ def test_held_freed_memory_stays_in_the_heap_for_the_next_block() -> None:
     assert r["took"]
     assert r["after"]["arena"] == r["held"]["arena"]  # not trimmed back to the kernel
     assert r["after"]["free"] - r["held"]["free"] > 19 << 20  # free in it, for the next block
+
+
+def _py_spy_or_skip() -> None:
+    try:
+        spy = stall_dumper.py_spy()
+    except SystemExit:
+        pytest.skip("no py-spy here (make setup installs it)")
+    probe = subprocess.run([spy, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"py-spy may not trace processes here: {probe.stderr.strip()[:200]}")
+
+
+def test_a_stall_gets_one_native_dump_naming_the_thread_that_holds_the_interpreter(tmp_path: Path) -> None:
+    _py_spy_or_skip()
+    out = tmp_path / "stalls.native"
+
+    def spin() -> None:  # pure Python: holds the interpreter lock but at switch points
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            sum(range(1000))
+
+    with stall_dumper.StallDumper(str(out), threshold_ms=100) as dumper:
+        dumper.arm(0)
+        dumper.disarm()  # quick: no dump
+        dumper.arm(1)
+        spinner = threading.Thread(target=spin, name="the-spinner")
+        spinner.start()
+        spinner.join()
+        dumper.disarm()
+    text = out.read_text()
+    assert text.count("== iteration") == 1 and "== iteration 1," in text
+    assert '(active+gil): "the-spinner"' in text  # the thread holding the lock, marked
+    assert "spin (" in text  # and its frame, by name
