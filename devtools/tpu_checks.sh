@@ -90,7 +90,7 @@ case "${1:-}" in
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     # a process's first row with glibc's thresholds held from its start (`bench` runs without)
     step stage-heap-env 230 env MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=33554432 \
-      "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 165 --json
+      "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 185 --json
     # where the steps stall: every thread's Python and native stack (py-spy) past 150 ms
     step overlap-traced 220 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
       --out "$out/overlap-traced.json" --trace-stalls-ms 150 --native-stacks \

@@ -36,11 +36,15 @@ def test_every_row_is_exact_and_the_verdict_compares_the_default_with_the_best_c
     assert out["gbps"] == out["device_path"][default]["gbps"]
     assert out["best_copy_only"] in out["copy_only"]
     assert out["ratio_to_best_copy_only"] == round(out["gbps"] / out["best_copy_only_gbps"], 3)
+    # the default configuration once more, after the copy-only rows: a later publish of the process
+    assert out["gbps_again"] == out["device_path"][default + "_again"]["gbps"]
+    assert out["ratio_again_to_best_copy_only"] == round(out["gbps_again"] / out["best_copy_only_gbps"], 3)
     assert out["rss_exact"] and 0 < out["peak_rss_over_baseline_bytes"] <= out["rss_bound_bytes"]
 
 
 def test_rows_past_the_deadline_are_skipped_and_the_default_is_still_measured() -> None:
     out = stage_bench("--deadline-s", "1")
     assert list(out["device_path"]) == ["window_1024MiB_block_18MiB"] and out["exact"]
+    assert "window_1024MiB_block_18MiB_again" in out["skipped"] and out["gbps_again"] is None
     assert "whole_pinned_host" in out["skipped"] and "window_1024MiB_block_0MiB" in out["skipped"]
     assert not set(out["skipped"]) & (set(out["device_path"]) | set(out["copy_only"]))
