@@ -27,13 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from common import rss_bytes
 
 
 class RssSampler:
@@ -84,7 +78,7 @@ def sample(pid: int, interval_s: float) -> dict[str, int]:
                 phase = name.decode()
                 peaks.setdefault(phase, 0)
         try:
-            rss = _rss_bytes(pid)
+            rss = rss_bytes(pid)
         except OSError:  # the process ended
             break
         peaks[phase] = max(peaks.get(phase, 0), rss)

@@ -440,14 +440,14 @@ def blocking_phase(trainer: Trainer, pub: Any, steps: int, version: int) -> dict
 class StallTraces:
     """Every thread's Python stack, written to `path` when a loop iteration passes
     `threshold_ms` (once: `faulthandler`'s watchdog, which needs no interpreter lock: it sees the
-    thread that holds the lock and where); with `native`, also every thread's native stack and
-    which holds the lock (py-spy from a child, `stall_dumper.py`), in `path` + ".native"."""
+    thread that holds the lock and where); with a `native` dumper (`stall_dumper.py`), also
+    every thread's native stack and which holds the lock, armed with the same iterations."""
 
-    def __init__(self, path: str, threshold_ms: float, native: bool = False) -> None:
+    def __init__(self, path: str, threshold_ms: float, native: StallDumper | None = None) -> None:
         self.file = open(path, "a")  # noqa: SIM115 (open for the run, closed in close())
         self.threshold_s = threshold_ms / 1e3
         self.label = ""
-        self.native = StallDumper(path + ".native", threshold_ms).__enter__() if native else None
+        self.native = native  # entered and left by the caller
 
     def arm(self, iteration: int) -> None:
         self.file.write(f"\n== {self.label} iteration {iteration} at {time.perf_counter():.4f}\n")
@@ -463,8 +463,6 @@ class StallTraces:
 
     def close(self) -> None:
         self.disarm()
-        if self.native:
-            self.native.__exit__(None, None, None)
         self.file.close()
 
 
@@ -635,7 +633,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         stalls = None
         if args.trace_stalls_ms:
-            stalls = StallTraces(args.trace_file or "stall-traces.txt", args.trace_stalls_ms, args.native_stacks)
+            path = args.trace_file or "stall-traces.txt"
+            native = None
+            if args.native_stacks:
+                native = stack.enter_context(StallDumper(path + ".native", args.trace_stalls_ms))
+            stalls = StallTraces(path, args.trace_stalls_ms, native)
             stack.callback(stalls.close)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
         unix = bool(inet_refused())

@@ -28,7 +28,7 @@ import functools
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,15 +334,19 @@ def slicers() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any
         first = start // row
         return x[first:].reshape(-1)[start - first * row :].astype(dtype)
 
-    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
-        import jax.numpy as jnp
-
-        # jnp.copy: a pack of one array already flat and of its dtype would be that array,
-        # and its host copy would stay with the caller's array
-        return jnp.copy(jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs]))
-
     return (
         jax.jit(block, static_argnums=(3, 4, 5)),
         jax.jit(tail, static_argnums=(1, 2)),
-        jax.jit(pack, static_argnums=1),
+        jax.jit(pack_flat, static_argnums=1),
     )
+
+
+def pack_flat(xs: Sequence[Any], dtype: Any) -> Any:
+    """The arrays `xs` flattened, cast to `dtype` and laid end to end: a pack, traced inside
+    a device program (the live arrays' own, `slicers`, or the snapshot's). In a buffer of
+    its own (`jnp.copy`): a pack of one array already flat and of its dtype would otherwise
+    be that array, so its host copy would stay with the caller's array, and a snapshot's
+    pack would be the buffer the caller's next donating step deletes."""
+    import jax.numpy as jnp
+
+    return jnp.copy(jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs]))

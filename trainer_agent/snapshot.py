@@ -16,7 +16,7 @@ import numpy as np
 
 from trainer_agent import params as params_module
 from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import PackRuns, block_elements
+from trainer_agent.device_blocks import PackRuns, block_elements, pack_flat
 from weightsync.dtypes import dtype_info
 
 # per array cut into blocks: (elements per block, blocks of that many, elements left after them)
@@ -39,10 +39,14 @@ def _copy(
         flat = staged(arrays[name]).reshape(-1)
         tail = (flat[count * per :],) if rest else ()
         out[name] = tuple(flat[j * per : (j + 1) * per] for j in range(count)) + tail
-    # jnp.copy: an output that is an input unchanged would be the same buffer, which the
-    # caller's next donating step deletes (a pack of one 1-D array would be)
-    packed = tuple(jnp.copy(jnp.concatenate([staged(arrays[n]).reshape(-1) for n in names])) for names in packs)
+
+    def pack(names: tuple[str, ...]) -> jax.Array:  # its arrays share one staged dtype (the run's key)
+        return pack_flat([arrays[n] for n in names], cast if cast is not None else arrays[names[0]].dtype)
+
+    packed = tuple(map(pack, packs))
     done = {name for name, *_ in cuts} | {n for names in packs for n in names}
+    # jnp.copy: an output that is an input unchanged would be the same buffer, which the
+    # caller's next donating step deletes
     out |= {k: jnp.copy(staged(x)) for k, x in arrays.items() if k not in done}
     return out, packed
 
