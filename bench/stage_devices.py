@@ -43,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from d2h import Checker, MiB, Unsupported, device_sums, methods
-from glibc_heap import heap_stats
 
 from trainer_agent import params as params_module
 from trainer_agent.arena import Arena
 from trainer_agent.device_blocks import block_size, cuts, warm
+from trainer_agent.host_heap import heap_stats
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import stage_device

@@ -61,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
@@ -73,13 +73,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import peak_rss_bytes, rss_bytes  # noqa: E402
-from glibc_heap import heap_stats, hold_freed_memory  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
+from trainer_agent.host_heap import heap_stats, hold_freed_memory  # noqa: E402
 from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
@@ -262,6 +262,7 @@ CHOICES = {
     "gc": ("auto", "freeze", "off"),
     "malloc": ("auto", "held"),
     "release": ("caller", "thread"),
+    "requests": ("first", "lazy"),
 }
 
 
@@ -288,7 +289,9 @@ class Variant:
     the phase, as trainers that collect on a schedule do); and glibc's malloc (`malloc`:
     "auto" as glibc does, "held": `hold_freed_memory()` from the phase on); and where a
     superseded version's snapshot is dropped (`release`: "caller", the training loop's
-    thread, or "thread", a thread of the publisher's own)."""
+    thread, or "thread", a thread of the publisher's own); and where PublishVersion's
+    requests are built (`requests`: "first", serialized by the publish before its call, or
+    "lazy", as gRPC's per-call thread reads them)."""
 
     window_bytes: int
     block_bytes: int
@@ -299,6 +302,7 @@ class Variant:
     gc: str = "auto"
     malloc: str = "auto"
     release: str = "caller"
+    requests: str = "first"
 
     def label(self) -> str:
         label = (
@@ -309,7 +313,20 @@ class Variant:
         label += f",switch={self.switch_us}" if self.switch_us else ""
         label += f",gc={self.gc}" if self.gc != "auto" else ""
         label += f",malloc={self.malloc}" if self.malloc != "auto" else ""
-        return label + (f",release={self.release}" if self.release != "caller" else "")
+        label += f",release={self.release}" if self.release != "caller" else ""
+        return label + (f",requests={self.requests}" if self.requests != "first" else "")
+
+
+def phase_labels(phases: Sequence[Variant]) -> list[str]:
+    """Each phase's label, a repeat of an earlier one's numbered (" #2"): the phases of an
+    ABAB comparison are reported and bounded each on its own."""
+    seen: dict[str, int] = {}
+    out = []
+    for v in phases:
+        label = v.label()
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
 
 
 def parse_variant(text: str, base: Variant) -> Variant:
@@ -325,6 +342,7 @@ def parse_variant(text: str, base: Variant) -> Variant:
         "gc": "gc",
         "malloc": "malloc",
         "release": "release",
+        "requests": "requests",
     }
     changes: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
@@ -373,6 +391,7 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
         ) as pub:
             pub._async.nice = variant.nice  # read when its worker starts, at the first publish_async
             pub._async.release_apart = variant.release == "thread"
+            pub.client.publish_serialized_first = variant.requests == "first"
             yield pub
     finally:
         sys.setswitchinterval(switch)
@@ -605,6 +624,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Variant(args.window_bytes, args.block_bytes, args.staging_threads, args.nice)
     base = replace(base, work="stage" if args.stage_only else "publish")
     variants = [parse_variant(text, base) for text in args.variant]
+    labels = phase_labels([base, *variants])
     held = [v.malloc == "held" for v in (base, *variants)]
     if any(held) and not all(held[held.index(True) :]):
         raise SystemExit("--variant malloc=held: glibc's thresholds stay set, so later variants must hold too")
@@ -686,8 +706,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sweep = {}
         held_max = {base.label(): first["held_max"]}
         baselines = {base.label(): rss_baseline}
-        for variant in variants:
-            label = variant.label()
+        for variant, label in zip(variants, labels[1:], strict=True):
             baselines[label] = rss_bytes()  # what earlier phases left in the heap is not this one's
             with publisher(variant, coordinator, host) as pub:
                 version += 1
@@ -711,8 +730,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # high-water mark) against the RSS before its publisher started + arena (two slots) +
     # window + 256 MiB (+ the versions held, where they are in host memory)
     bounds = {}
-    for v in (base, *variants):
-        label = v.label()
+    for v, label in zip((base, *variants), labels, strict=True):
         phase_peak = rss.peaks.get("async" if v is base else label, 0)
         bound = baselines[label] + 2 * param_bytes + v.window_bytes + (256 << 20) + held_max[label] * held_counted
         bounds[label] = {

@@ -81,9 +81,9 @@ case "${1:-}" in
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
     # the run's settings, then a superseded snapshot dropped off the training loop's thread,
-    # then glibc's freed heap held (it stays so: last)
+    # then fewer staging threads
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant release=thread --variant release=thread,malloc=held
+      --variant release=thread --variant threads=4
     ;;
   diagnose)
     facts

@@ -93,6 +93,12 @@ class PublisherSettings(ServerConfig):
         "Device arrays on an accelerator: larger shards are cut on their device into blocks of about this many "
         "bytes (rounded to a multiple of chunk_bytes), each staged as it lands; 0 copies shards whole.",
     )
+    d2h_hold_freed_heap: bool = option(
+        True,
+        "Device arrays on an accelerator: before the first blocks' copies, fix glibc's trim and mmap thresholds "
+        "(2 GiB, 32 MiB; process-wide, once) so each block's host buffer reuses memory the blocks before it "
+        "freed instead of faulting in fresh pages; false leaves malloc's settings alone.",
+    )
     delta: str = option(
         "off",
         "auto: also publish each version as a delta against the previous one (rollouts holding it pull only "

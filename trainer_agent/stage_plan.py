@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from trainer_agent import torch_tensors
+from trainer_agent import host_heap, torch_tensors
 from trainer_agent.delta import CHUNK_CAP
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks
 from trainer_agent.params import ArrayMeta, check_param, choose_staging_path, device_stream, host_shards, shard_metas
@@ -27,6 +26,7 @@ from trainer_agent.staging import (
     stage_shards,
     stage_shards_delta,
 )
+from trainer_agent.staging_pool import staging_pool
 from weightsync import native
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
@@ -234,19 +234,21 @@ def stage_device(
         return stage_batched_delta(
             slot, layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
         )
+    if s.d2h_hold_freed_heap:
+        host_heap.hold_for_device_path()
     window = Window(s.d2h_window_bytes)
     engine = "native" if native.available() else "python"
-    with ThreadPoolExecutor(s.staging_threads or native.default_threads(), thread_name_prefix="ws-stage") as pool:
-        blocks = device_blocks(items, s.weight_dtype, window, block)
-        return stage_blocks(
-            slot,
-            layout,
-            blocks,
-            s.chunk_bytes,
-            delta,
-            batch_bytes=block,
-            engine=engine,
-            threads=1,
-            pool=pool,
-            window=window,
-        )
+    pool = staging_pool(s.staging_threads or native.default_threads())
+    blocks = device_blocks(items, s.weight_dtype, window, block)
+    return stage_blocks(
+        slot,
+        layout,
+        blocks,
+        s.chunk_bytes,
+        delta,
+        batch_bytes=block,
+        engine=engine,
+        threads=1,
+        pool=pool,
+        window=window,
+    )

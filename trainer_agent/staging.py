@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -299,6 +300,26 @@ def stage_blocks(
             if window is not None:
                 window.staged(unit.nbytes)
 
+    try:
+        _submit_runs(blocks, layout, starts, batch_bytes, window, pool, stage, staged)
+    finally:  # the pool's threads may outlive this call: none still writes into the slot after it
+        futures.wait([r for r in staged if isinstance(r, Future)])
+    return _specs(layout, chunks, chunk_bytes, [r.result() if isinstance(r, Future) else r for r in staged])
+
+
+def _submit_runs(
+    blocks: Iterable[Block],
+    layout: Layout,
+    starts: Sequence[int],
+    batch_bytes: int,
+    window: StagingWindow | None,
+    pool: Executor | None,
+    stage: Callable[[_Unit], tuple],
+    staged: list[Future | tuple],
+) -> None:
+    """Gathers `blocks` into runs of whole chunks and stages each (`stage`, on `pool` when
+    given), appending its result or future to `staged`; InternalError where the blocks do
+    not follow the layout."""
     unit: list[tuple[int, Block, int]] = []
     lo, held, i, filled, last = 0, 0, -1, 0, len(layout.offsets) - 1
     for b in blocks:
@@ -333,7 +354,6 @@ def stage_blocks(
     if unit or lo != layout.total_bytes or i != last:
         arrived = i + (i >= 0 and filled == layout.nbytes[i])
         raise InternalError(f"the stream ended after {arrived} of {len(layout.offsets)} planned shards")
-    return _specs(layout, chunks, chunk_bytes, [r.result() if isinstance(r, Future) else r for r in staged])
 
 
 def _stage_unit(

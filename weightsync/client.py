@@ -57,6 +57,15 @@ class CoordinatorClient:
         self.retries = retries
         self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        # PublishVersion's requests serialized by the caller (see publish_part)
+        self._publish_bytes = self._channel.stream_unary(
+            "/weightsync.v1.Coordinator/PublishVersion",
+            request_serializer=None,
+            response_deserializer=pb.PublishResponse.FromString,
+        )
+        #: build and serialize PublishVersion's requests in the calling thread before the
+        #: call (True), or as gRPC's own per-call thread reads them (False: the benches compare)
+        self.publish_serialized_first = True
         self.carrier: CallCarrier | None = None
         self._agent_keys: dict[tuple[str, str], str] = {}  # (session, agent id) -> its key
 
@@ -159,7 +168,14 @@ class CoordinatorClient:
     def publish_part(
         self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
     ) -> pb.PublishResponse:
-        """Streams one rank's part; safe to retry thanks to the idempotency key."""
+        """Streams one rank's part; safe to retry thanks to the idempotency key.
+
+        The requests are built and serialized here, before the call: gRPC reads a request
+        stream on a thread it starts for each call, and Python work there (a part's
+        descriptors are thousands of messages) holds the interpreter lock on a fresh thread
+        just as a publish ends, beside a training loop that needs it (measured on a TPU
+        host, docs/performance.md). A part's descriptors are bounded by the coordinator's
+        limits; serialized they are tens of bytes each."""
         header = pb.PublishHeader(
             session=session,
             generation=generation,
@@ -182,9 +198,12 @@ class CoordinatorClient:
                 yield pb.PublishRequest(batch=batch)
             yield pb.PublishRequest(seal=pb.PublishSeal(part_digest=part.digest()))
 
+        serialized = [r.SerializeToString() for r in requests()] if self.publish_serialized_first else None
         attempt = 0
         while True:
             try:
+                if serialized is not None:
+                    return rpc.unary(self._publish_bytes, iter(serialized), timeout_s=self.timeout_s)
                 return rpc.unary(self._stub.PublishVersion, requests(), timeout_s=self.timeout_s)
             except TransportUnavailable:
                 attempt += 1

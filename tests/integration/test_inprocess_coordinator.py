@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -10,16 +11,18 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
 
 from tests.integration.support import eventually
 from tests.unit.helpers import make_part, sample_arrays
+from weightsync import wire
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
-from weightsync.manifest import Endpoint
+from weightsync.manifest import Endpoint, Part
 from weightsync.server import RunningServer
 
 
@@ -453,3 +456,38 @@ def test_wsctl_aborts_and_releases_versions_for_the_current_trainer(inprocess_co
     assert states() == {1: "RELEASED", 2: "FAILED"}
     again = wsctl("abort-version", "2", "--reason", "twice")
     assert again.returncode == 2 and "FAILED_PRECONDITION" in again.stderr
+
+
+def _publish_noting_threads(address: str, session: str, part: Part, serialized_first: bool) -> tuple[set[str], Any]:
+    """Publishes `part` as version 1 of `session`: (the threads that built its
+    DescriptorBatches, the committed manifest)."""
+    built_in: set[str] = set()
+    real = tpb.DescriptorBatch
+
+    def noting(*args: Any, **kwargs: Any) -> tpb.DescriptorBatch:
+        built_in.add(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    with CoordinatorClient(address) as client:
+        client.publish_serialized_first = serialized_first
+        gen = client.open_session(session, trainer=True, incarnation="a").generation
+        wire._tpb.DescriptorBatch = noting  # type: ignore[misc]
+        try:
+            client.publish_part(session, generation=gen, version=1, idempotency_key="k", part=part)
+        finally:
+            wire._tpb.DescriptorBatch = real  # type: ignore[misc]
+        return built_in, client.get_manifest(session, 1)[1]
+
+
+def test_a_part_serialized_before_its_call_commits_what_a_lazily_read_stream_does(
+    inprocess_coordinator: RunningServer,
+) -> None:
+    """publish_part serializes its requests in the caller's thread (gRPC's per-call thread
+    only sends bytes); the version it commits is the one the generated stub's lazily read
+    stream commits, descriptor for descriptor."""
+    part, _ = make_part(sample_arrays())
+    here = {threading.current_thread().name}
+    first_threads, first = _publish_noting_threads(inprocess_coordinator.address, "first", part, True)
+    lazy_threads, lazy = _publish_noting_threads(inprocess_coordinator.address, "lazy", part, False)
+    assert first_threads == here and lazy_threads and lazy_threads.isdisjoint(here)
+    assert first.tensors and dataclasses.replace(lazy, session="first") == first

@@ -1,11 +1,11 @@
-"""bench/train_overlap.py's phase settings and stall traces, and bench/glibc_heap.py, with
-the real interpreter and C library (no model is trained here)."""
+"""bench/train_overlap.py's phase settings and stall traces, and bench/stall_dumper.py, with
+the real interpreter (no model is trained here)."""
 
 from __future__ import annotations
 
-import json
+import ctypes
 import os
-import platform
+import re
 import subprocess
 import sys
 import threading
@@ -21,12 +21,13 @@ import stall_dumper  # noqa: E402
 import train_overlap  # noqa: E402
 
 BASE = train_overlap.Variant(1 << 30, 18 << 20, 0, 10)
+_PR_SET_NAME = 15
 
 
 def test_a_variant_names_what_it_changes_and_refuses_unknown_keys_and_values() -> None:
-    v = train_overlap.parse_variant("block=8M,malloc=held,release=thread", BASE)
+    v = train_overlap.parse_variant("block=8M,malloc=held,release=thread,requests=lazy", BASE)
     assert (v.block_bytes, v.malloc, v.release, v.window_bytes) == (8 << 20, "held", "thread", 1 << 30)
-    assert v.label() == "window=1024M,block=8M,threads=0,nice=10,malloc=held,release=thread"
+    assert v.label() == "window=1024M,block=8M,threads=0,nice=10,malloc=held,release=thread,requests=lazy"
     assert BASE.label() == "window=1024M,block=18M,threads=0,nice=10"
     with pytest.raises(SystemExit, match="malloc='kept'"):
         train_overlap.parse_variant("malloc=kept", BASE)
@@ -54,28 +55,6 @@ def test_a_stall_past_the_threshold_leaves_every_threads_stack_and_a_quick_itera
     assert "test_a_stall_past_the_threshold" in slow  # the sleeping thread's own frame
 
 
-_HELD_CHECK = """
-import json, numpy as np, glibc_heap
-took = glibc_heap.hold_freed_memory()
-block = np.ones(20 << 20, np.uint8)  # under the 32 MiB mmap threshold: from the heap
-held = glibc_heap.heap_stats()
-del block
-print(json.dumps({"took": took, "held": held, "after": glibc_heap.heap_stats()}))
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
-def test_held_freed_memory_stays_in_the_heap_for_the_next_block() -> None:
-    # in a process of its own: the thresholds stay set for the life of the process
-    out = subprocess.run(
-        [sys.executable, "-c", _HELD_CHECK], cwd=BENCH, capture_output=True, text=True, timeout=60, check=True
-    )
-    r = json.loads(out.stdout)
-    assert r["took"]
-    assert r["after"]["arena"] == r["held"]["arena"]  # not trimmed back to the kernel
-    assert r["after"]["free"] - r["held"]["free"] > 19 << 20  # free in it, for the next block
-
-
 def _py_spy_or_skip() -> None:
     try:
         spy = stall_dumper.py_spy()
@@ -91,6 +70,7 @@ def test_a_stall_gets_one_native_dump_naming_the_thread_that_holds_the_interpret
     out = tmp_path / "stalls.native"
 
     def spin() -> None:  # pure Python: holds the interpreter lock but at switch points
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, b"the-spinner", 0, 0, 0)  # its name in /proc
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             sum(range(1000))
@@ -104,6 +84,23 @@ def test_a_stall_gets_one_native_dump_naming_the_thread_that_holds_the_interpret
         spinner.join()
         dumper.disarm()
     text = out.read_text()
-    assert text.count("== iteration") == 1 and "== iteration 1," in text
+    stalls = re.findall(r"== iteration (\d+), (\d+) ms in", text)
+    assert 1 <= len(stalls) <= 3 and {i for i, _ in stalls} == {"1"}  # a few dumps, all of the stall
+    assert all(int(b) - int(a) >= 150 for (_, a), (_, b) in zip(stalls, stalls[1:]))  # spaced
     assert '(active+gil): "the-spinner"' in text  # the thread holding the lock, marked
     assert "spin (" in text  # and its frame, by name
+    busy = re.search(r"threads busy over 50 ms \(\d+ threads\):\n((?:  .*\n)+)", text)
+    assert busy and "the-spinner" in busy.group(1).splitlines()[0]  # the busiest thread, named
+
+
+def test_thread_cpu_names_each_thread_of_a_process_with_its_state_and_time() -> None:
+    threads = stall_dumper.thread_cpu(os.getpid())
+    name, state, ticks = threads[os.getpid()]  # the main thread's id is the process's
+    assert state in "RSDI" and ticks > 0 and name
+
+
+def test_repeated_phases_of_an_abab_comparison_get_labels_of_their_own() -> None:
+    lazy = train_overlap.parse_variant("requests=lazy", BASE)
+    first = train_overlap.parse_variant("requests=first", BASE)
+    labels = train_overlap.phase_labels([BASE, lazy, first, lazy])
+    assert labels == [BASE.label(), lazy.label(), BASE.label() + " #2", lazy.label() + " #2"]

@@ -4,7 +4,14 @@ on a pool of threads, writes the same bytes and specs as one fused pass over who
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_agent.staging import Block, HostShard, plan_layout, stage_batched, stage_blocks, stage_shards
+from trainer_agent.staging_pool import staging_pool
 from weightsync import native
 from weightsync.errors import InternalError
 from weightsync.layout import pack_limit
@@ -135,3 +143,58 @@ def test_blocks_out_of_order_or_cut_across_shared_chunks_are_refused() -> None:
     with pytest.raises(InternalError, match="ended after 1 of 3"):
         whole_big = [Block(big, 0, flat[:1024]), Block(big, 4096, flat[1024:])]
         stage_blocks(slot, layout, iter(whole_big), 4096, batch_bytes=1)
+
+
+def test_a_stream_that_fails_midway_returns_only_once_no_run_still_writes_into_the_slot() -> None:
+    """The pool's threads outlive the call (`staging_pool`): when the blocks' stream fails,
+    every run already handed over is staged before the error reaches the caller."""
+    shards = [HostShard(f"t{i}", np.ones(4096, np.float32), (4096,), (0,)) for i in range(8)]
+    layout = plan_layout(shards)
+    slot = np.zeros(layout.total_bytes, np.uint8)
+    window = CountingWindow()
+    gate = threading.Event()
+
+    def blocks() -> Iterator[Block]:
+        for s in shards[:5]:
+            yield Block(s, 0, s.data)
+        gate.set()
+        raise RuntimeError("the copies failed")
+
+    def slow(fn: Any, *args: Any) -> Any:  # each run waits until the stream has failed
+        gate.wait(10)
+        time.sleep(0.05)
+        return fn(*args)
+
+    with ThreadPoolExecutor(2) as real:
+
+        class SlowPool:
+            def submit(self, fn: Any, *args: Any) -> Any:
+                return real.submit(slow, fn, *args)
+
+        with pytest.raises(RuntimeError, match="the copies failed"):
+            stage_blocks(slot, layout, blocks(), 4096, batch_bytes=1, pool=SlowPool(), window=window)  # type: ignore[arg-type]
+        assert window.submitted_bytes == window.staged_bytes == 5 * 4096 * 4  # all five staged by then
+
+
+_FORK_CHECK = """
+import os
+from trainer_agent.staging_pool import staging_pool
+pool = staging_pool(3)
+pid = os.fork()
+if pid == 0:  # the child: a pool of its own, whose threads run
+    ok = staging_pool(3) is not pool and staging_pool(3).submit(lambda: 7).result(timeout=10) == 7
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_the_staging_pool_is_one_per_thread_count_for_the_process_and_a_childs_own() -> None:
+    pool = staging_pool(3)
+    assert staging_pool(3) is pool and staging_pool(2) is not pool
+    idents = {pool.submit(threading.get_ident).result() for _ in range(20)}
+    assert staging_pool(3).submit(threading.get_ident).result() in idents  # the same threads serve on
+    # a fork in a process of its own (JAX, imported here, warns at any fork)
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.run([sys.executable, "-c", _FORK_CHECK], cwd=root, timeout=60, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr

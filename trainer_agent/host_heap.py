@@ -1,4 +1,4 @@
-"""glibc's malloc, seen and steered from Python (ctypes), for the benches.
+"""glibc's malloc, seen and steered from Python (ctypes).
 
 A TPU runtime's device-to-host copies land in host buffers from malloc. By default glibc
 returns a free heap top above a threshold to the kernel (trim), and serves a request above
@@ -6,13 +6,18 @@ another threshold from a mapping of its own, unmapped at free; both thresholds g
 what the process frees (up to 64 and 32 MiB). A process that frees and allocates blocks of
 tens of MiB over and over may then fault in fresh pages for many of them, which a host under
 gVisor pays dearly. `hold_freed_memory` fixes the thresholds for a process already running
-(as MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ do from its start); `heap_stats` says
-how much memory glibc holds.
+(as MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ do from its start); the device path
+calls `hold_for_device_path` before its first copies on an accelerator (the setting
+`d2h_hold_freed_heap`). `heap_stats` says how much memory glibc holds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
+
+log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
@@ -32,6 +37,23 @@ def hold_freed_memory(trim_bytes: int = _INT_MAX, mmap_bytes: int = MMAP_THRESHO
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     trim, mmap = min(trim_bytes, _INT_MAX), min(mmap_bytes, MMAP_THRESHOLD_MAX)
     return bool(mallopt(_M_TRIM_THRESHOLD, trim)) & bool(mallopt(_M_MMAP_THRESHOLD, mmap))
+
+
+_held = False
+_held_lock = threading.Lock()
+
+
+def hold_for_device_path() -> bool:
+    """Once per process: glibc's thresholds held (`hold_freed_memory`'s defaults: heap tops
+    up to 2 GiB kept, requests up to 32 MiB from the heap), so the host buffers of the
+    device path's blocks, freed as each block is staged, serve the next blocks' copies
+    instead of fresh pages. Returns whether they are held (False off glibc)."""
+    global _held
+    with _held_lock:
+        if not _held:
+            _held = hold_freed_memory()
+            log.info("glibc's trim and mmap thresholds %s for the device path's blocks", "held" if _held else "not set")
+        return _held
 
 
 class _MallInfo2(ctypes.Structure):

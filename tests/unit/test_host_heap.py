@@ -1,0 +1,63 @@
+"""trainer_agent/host_heap.py with the real C library: the device path holds glibc's freed
+heap once per process, and a block freed there serves the next one."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# in a process of its own: the thresholds stay set for the life of a process
+_STAGE_TWICE = """
+import json, logging, sys, numpy as np
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from trainer_agent import host_heap, params
+from trainer_agent.settings import PublisherSettings
+from trainer_agent.stage_plan import stage_device
+from trainer_agent.staging import plan_layout
+from trainer_agent.params import shard_metas
+import jax.numpy as jnp
+params.HOST_MEMORY_PLATFORMS = frozenset()  # CPU devices take the accelerator's branch
+hold = sys.argv[1] == "hold"
+s = PublisherSettings(coordinator="127.0.0.1:1", chunk_bytes=4096, d2h_block_bytes=8192, d2h_hold_freed_heap=hold)
+values = {"w": jnp.arange(6000, dtype=jnp.float32), "b": jnp.ones(10, jnp.float32)}
+layout = plan_layout([m for n, v in values.items() for m in shard_metas(n, v)])
+for _ in range(2):
+    stage_device(np.zeros(layout.total_bytes, np.uint8), layout, values, s)
+out = {"held": host_heap._held}
+if hold:
+    block = np.ones(20 << 20, np.uint8)  # under the 32 MiB mmap threshold: from the heap
+    out["with_block"] = host_heap.heap_stats()
+    del block
+    out["after"] = host_heap.heap_stats()
+print(json.dumps(out))
+"""
+
+
+def _stage_twice(mode: str) -> tuple[dict, str]:
+    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", _STAGE_TWICE, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_next() -> None:
+    r, log = _stage_twice("hold")
+    assert r["held"]
+    assert log.count("glibc's trim and mmap thresholds held") == 1  # two publishes, set once
+    assert r["after"]["arena"] == r["with_block"]["arena"]  # not trimmed back to the kernel
+    assert r["after"]["free"] - r["with_block"]["free"] > 19 << 20  # free in it, for the next block
+
+
+def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
+    r, log = _stage_twice("leave")
+    assert not r["held"] and "thresholds" not in log
