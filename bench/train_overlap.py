@@ -263,6 +263,7 @@ CHOICES = {
     "malloc": ("auto", "held"),
     "release": ("caller", "thread"),
     "requests": ("first", "lazy"),
+    "offer": ("every", "idle"),
 }
 
 
@@ -291,7 +292,9 @@ class Variant:
     superseded version's snapshot is dropped (`release`: "caller", the training loop's
     thread, or "thread", a thread of the publisher's own); and where PublishVersion's
     requests are built (`requests`: "first", serialized by the publish before its call, or
-    "lazy", as gRPC's per-call thread reads them)."""
+    "lazy", as gRPC's per-call thread reads them); and which steps offer their version
+    (`offer`: "every" step, the newest waiting one superseded, or only where no publish
+    runs or waits, "idle": no snapshot taken that would be superseded)."""
 
     window_bytes: int
     block_bytes: int
@@ -303,6 +306,7 @@ class Variant:
     malloc: str = "auto"
     release: str = "caller"
     requests: str = "first"
+    offer: str = "every"
 
     def label(self) -> str:
         label = (
@@ -314,7 +318,8 @@ class Variant:
         label += f",gc={self.gc}" if self.gc != "auto" else ""
         label += f",malloc={self.malloc}" if self.malloc != "auto" else ""
         label += f",release={self.release}" if self.release != "caller" else ""
-        return label + (f",requests={self.requests}" if self.requests != "first" else "")
+        label += f",requests={self.requests}" if self.requests != "first" else ""
+        return label + (f",offer={self.offer}" if self.offer != "every" else "")
 
 
 def phase_labels(phases: Sequence[Variant]) -> list[str]:
@@ -343,6 +348,7 @@ def parse_variant(text: str, base: Variant) -> Variant:
         "malloc": "malloc",
         "release": "release",
         "requests": "requests",
+        "offer": "offer",
     }
     changes: dict[str, Any] = {}
     for item in filter(None, text.split(",")):
@@ -511,11 +517,60 @@ class GcPauses:
         }
 
 
+class PublishTimeline:
+    """When each publish of a phase staged and when it sent its part (ms from the phase's
+    start), from wrappers around the publisher's own two steps: where in a publish a slow
+    iteration falls. A `StageOnly` publisher has no such steps (nothing recorded)."""
+
+    def __init__(self, pub: Any, started: float) -> None:
+        self.started = started
+        self.events: list[tuple[str, int, float, float]] = []  # (step, version, start ms, end ms)
+        self._version = 0
+        for name in ("_stage", "_send"):
+            if hasattr(pub, name):
+                setattr(pub, name, self._timed(name[1:], getattr(pub, name)))
+
+    def _timed(self, step: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if step == "stage":
+                self._version = args[1]  # _stage(params, version, idempotency_key)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ms = lambda t: round((t - self.started) * 1e3, 1)  # noqa: E731
+                self.events.append((step, self._version, ms(t0), ms(time.perf_counter())))
+
+        return timed
+
+    def during(self, start_ms: float, end_ms: float) -> list[str]:
+        """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2'."""
+        return [f"{s} v{v} {a}-{b}" for s, v, a, b in self.events if a < end_ms and b > start_ms]
+
+
+def slow_iterations(iterations_ms: list[float], starts_ms: list[float], timeline: PublishTimeline) -> list[str]:
+    """Each iteration past 1.5 times the median, with the publish steps it overlapped:
+    'it 12 259 ms: send v9 1151.0-1405.2'."""
+    limit = 1.5 * statistics.median(iterations_ms)
+    return [
+        f"it {i} {t:.0f} ms: " + (", ".join(timeline.during(s, s + t)) or "no publish step")
+        for i, (t, s) in enumerate(zip(iterations_ms, starts_ms, strict=True))
+        if t > limit
+    ]
+
+
 def async_phase(
-    trainer: Trainer, pub: Any, steps: int, version: int, stalls: StallTraces | None = None
+    trainer: Trainer,
+    pub: Any,
+    steps: int,
+    version: int,
+    stalls: StallTraces | None = None,
+    *,
+    offer: str = "every",
 ) -> dict[str, Any]:
-    """`steps` steps, each followed by publish_async of its parameters (snapshot=True);
-    `stalls` traces the iterations that pass its threshold."""
+    """`steps` steps, each followed by publish_async of its parameters (snapshot=True), or
+    with `offer` "idle" only those where no publish runs or waits; `stalls` traces the
+    iterations that pass its threshold."""
     iterations: list[float] = []
     overlapped: list[bool] = []
     dispatches: list[float] = []
@@ -530,6 +585,8 @@ def async_phase(
     cpu0 = time.process_time()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
+    timeline = PublishTimeline(pub, started)
+    not_offered = 0
     for i in range(steps):
         if stalls:
             stalls.arm(i)
@@ -540,10 +597,13 @@ def async_phase(
         version += 1
         c = time.perf_counter()
         dispatches.append(c - t)
-        future = pub.publish_async(trainer.params, version, snapshot=True)
-        future.add_done_callback(lambda f, v=version, c=c: ready.__setitem__(v, time.perf_counter() - c))
-        future.add_done_callback(lambda f, v=version: ends.__setitem__(v, time.perf_counter() - started))
-        futures.append(future)
+        if offer == "idle" and pub.publish_held_bytes:  # a publish runs or waits (public: a trainer can do this)
+            not_offered += 1
+        else:
+            future = pub.publish_async(trainer.params, version, snapshot=True)
+            future.add_done_callback(lambda f, v=version, c=c: ready.__setitem__(v, time.perf_counter() - c))
+            future.add_done_callback(lambda f, v=version: ends.__setitem__(v, time.perf_counter() - started))
+            futures.append(future)
         calls.append(time.perf_counter() - c)
         held_max = max(held_max, pub.publish_held_bytes)
         trainer.wait(loss)
@@ -571,6 +631,9 @@ def async_phase(
         "stages": [r.stage_seconds for r in results if r.total_bytes],  # none where only held
         "published": len(results),
         "skipped": pub.publish_skipped - skipped0,
+        "not_offered": not_offered,
+        "timeline": timeline.events,
+        "slow": slow_iterations([x * 1e3 for x in iterations], [x * 1e3 for x in starts], timeline),
         "held_max": held_max,
         "flush_s": flush_s,
         "version": version,
@@ -597,6 +660,11 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
             "start": [round(x * 1e3, 1) for x in phase["starts"]],
             "published_ready_at": [round(x * 1e3, 1) for x in phase["ready_at"]],  # from the phase's start
         },
+        # each publish's staging and sending (step, version, start and end ms from the phase's
+        # start), and the slow iterations with the steps they overlapped
+        "publish_steps_ms": phase["timeline"],
+        "slow_iterations": phase["slow"],
+        "not_offered": phase["not_offered"],
         "async_ratio": round(sum(its) / (len(its) * baseline), 3),
         "overlap_ratio": round(sum(t for t, o in zip(its, over) if o) / (n_over * baseline), 3) if n_over else None,
         "overlapped_steps": n_over,
@@ -687,7 +755,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rss.phase("async")
             if stalls:
                 stalls.label = base.label()
-            first = async_phase(trainer, pub, args.steps, blocking["version"], stalls)
+            first = async_phase(trainer, pub, args.steps, blocking["version"], stalls, offer=base.offer)
             version = first["version"]
         rss.phase("alone2")
         alone2 = trainer.alone(args.steps, dispatches)
@@ -714,7 +782,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rss.phase(label)
                 if stalls:
                     stalls.label = label
-                phase = async_phase(trainer, pub, args.steps, version, stalls)
+                phase = async_phase(trainer, pub, args.steps, version, stalls, offer=variant.offer)
                 version = phase["version"]
                 held_max[label] = phase["held_max"]
             rss.phase("alone-after:" + label)
@@ -771,9 +839,12 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
         f"{s['publish_async_call_s']['median'] * 1e3:.1f} median / "
         f"{s['publish_async_call_s']['max'] * 1e3:.0f} max ms; "
         f"published {s['published']}; to READY {s['publish_to_ready_steps'] or {}}; "
-        f"{s['d2h_stage_gbps']} GB/s; CPU {s['cpu_s_per_step'] * 1e3:.0f} ms/step; GC {s['gc_pauses']}",
+        f"{s['d2h_stage_gbps']} GB/s; CPU {s['cpu_s_per_step'] * 1e3:.0f} ms/step; GC {s['gc_pauses']}"
+        + (f"; not offered {s['not_offered']}" if s["not_offered"] else ""),
         file=sys.stderr,
     )
+    for line in s["slow_iterations"]:
+        print(f"  slow {line}", file=sys.stderr)
 
 
 def _stats(xs: list[float]) -> dict[str, float]:

@@ -7,7 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # glibc's heap, the overlap's stalls, ~7 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # where the overlap's stalls fall, ~9 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -80,21 +80,24 @@ case "${1:-}" in
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
-    # the run's settings, then a superseded snapshot dropped off the training loop's thread,
-    # then fewer staging threads
+    # the run's settings, then steps that offer a version only while no publish runs or
+    # waits, then PublishVersion's requests read by gRPC's per-call thread
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant release=thread --variant threads=4
+      --variant offer=idle --variant requests=lazy
     ;;
   diagnose)
     facts
-    if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
-    # a process's first row with glibc's thresholds held from its start (`bench` runs without)
-    step stage-heap-env 230 env MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=33554432 \
-      "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 185 --json
-    # where the steps stall: every thread's Python and native stack (py-spy) past 150 ms
-    step overlap-traced 220 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
-      --out "$out/overlap-traced.json" --trace-stalls-ms 150 --native-stacks \
-      --trace-file "$out/stall-traces.txt" --variant release=thread
+    if [ -n "$small" ]; then b=small; else b=0.6b; fi
+    # where the slow steps fall in each publish (staging, sending: printed per phase), ABAB:
+    # every step offering its version against only the idle ones
+    # (each log ends with the bench's JSON: a device call brings back 8 files at most)
+    step overlap-abab 230 "$py" bench/train_overlap.py --preset "$b" \
+      --variant offer=idle --variant offer=every --variant offer=idle
+    # glibc's arenas capped from the process's start (a fresh thread then shares one)
+    step overlap-arenas 170 env MALLOC_ARENA_MAX=4 "$py" bench/train_overlap.py --preset "$b"
+    # where the steps stall, traced: every thread's Python stack and the busy threads past 150 ms
+    step overlap-traced 170 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
+      --trace-stalls-ms 150 --native-stacks --trace-file "$out/stall-traces.txt"
     ;;
   apply)
     facts

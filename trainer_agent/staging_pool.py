@@ -1,9 +1,10 @@
 """The device path's staging threads, kept for the process and shared by its publishes.
 
-A pool per publish started and ended its threads every version: each start maps a stack
-and takes a malloc arena, each end gives them back, and on the TPU host (gVisor) those
-mapping calls queue behind the ones the runtime's copies make. One pool per thread count,
-made on first use, serves every publish after it; a forked child makes its own.
+Starting a thread maps a stack and attaches a malloc arena, and ending it gives them back:
+a pool per publish would do both at the end of every version, beside a training loop that
+may be waiting for the interpreter. One pool per thread count, made on first use, serves
+every publish after it; a forked child makes its own. (On a TPU v5e host keeping it did not
+change the overlap bench's stalls: docs/performance.md.)
 """
 
 from __future__ import annotations

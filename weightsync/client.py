@@ -171,11 +171,11 @@ class CoordinatorClient:
         """Streams one rank's part; safe to retry thanks to the idempotency key.
 
         The requests are built and serialized here, before the call: gRPC reads a request
-        stream on a thread it starts for each call, and Python work there (a part's
-        descriptors are thousands of messages) holds the interpreter lock on a fresh thread
-        just as a publish ends, beside a training loop that needs it (measured on a TPU
-        host, docs/performance.md). A part's descriptors are bounded by the coordinator's
-        limits; serialized they are tens of bytes each."""
+        stream on a thread it starts for each call, and on a TPU host that thread, building
+        a part's descriptors (thousands of messages), was found holding the interpreter
+        lock through a training loop's stalled step (docs/performance.md). Here it only
+        sends bytes. A part's descriptors are bounded by the coordinator's limits;
+        serialized they are tens of bytes each."""
         header = pb.PublishHeader(
             session=session,
             generation=generation,

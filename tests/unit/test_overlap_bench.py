@@ -104,3 +104,35 @@ def test_repeated_phases_of_an_abab_comparison_get_labels_of_their_own() -> None
     first = train_overlap.parse_variant("requests=first", BASE)
     labels = train_overlap.phase_labels([BASE, lazy, first, lazy])
     assert labels == [BASE.label(), lazy.label(), BASE.label() + " #2", lazy.label() + " #2"]
+
+
+class _Steps:
+    """A publisher's two steps as the timeline wraps them (no publisher behind)."""
+
+    def _stage(self, params: object, version: int, key: object) -> str:
+        time.sleep(0.02)
+        return f"staged {version}"
+
+    def _send(self, staged: str, deadline: float) -> str:
+        time.sleep(0.03)
+        return f"sent {staged}"
+
+
+def test_the_timeline_records_each_publish_step_and_names_those_a_slow_iteration_overlaps() -> None:
+    pub = _Steps()
+    started = time.perf_counter()
+    timeline = train_overlap.PublishTimeline(pub, started)
+    assert pub._send(pub._stage({}, 7, None), 0.0) == "sent staged 7"  # wrapped, answers unchanged
+    (stage, v1, a1, b1), (send, v2, a2, b2) = timeline.events
+    assert (stage, send, v1, v2) == ("stage", "send", 7, 7)
+    assert 0 <= a1 < b1 <= a2 < b2 and b1 - a1 >= 19 and b2 - a2 >= 29
+    assert timeline.during(b1 + 1, b1 + 2) == [f"send v7 {a2}-{b2}"]
+    slow = train_overlap.slow_iterations([10.0, 10.0, 40.0, 10.0], [0.0, 10.0, a1, 200.0], timeline)
+    assert slow == [f"it 2 40 ms: stage v7 {a1}-{b1}" + (f", send v7 {a2}-{b2}" if a2 < a1 + 40 else "")]
+
+
+def test_the_offer_variant_names_itself() -> None:
+    v = train_overlap.parse_variant("offer=idle", BASE)
+    assert v.offer == "idle" and v.label() == BASE.label() + ",offer=idle"
+    with pytest.raises(SystemExit, match="offer"):
+        train_overlap.parse_variant("offer=sometimes", BASE)
