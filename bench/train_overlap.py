@@ -16,10 +16,12 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             interpreter's switch interval, Python's garbage collector during the steps
             (`gc`: auto, freeze, off), glibc's malloc (`malloc`: auto, or held: freed heap
             kept, `hold_freed_memory`; it stays so for later phases), where a superseded
-            snapshot is dropped (`release`: caller, thread), and how far each publish goes (`work`:
+            snapshot is dropped (`release`: caller, thread), how PublishVersion's requests
+            are built and sent (`requests`: first, lazy, loop), which steps offer their
+            version (`offer`: every, idle), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
-            apart what costs the steps
+            apart what costs the steps; a phase repeated is numbered (" #2")
 
 and prints one JSON object (also written to `--out`) and a line per async phase on
 stderr: the step times and how long each step's call took to return (its dispatch: where
@@ -262,7 +264,7 @@ CHOICES = {
     "gc": ("auto", "freeze", "off"),
     "malloc": ("auto", "held"),
     "release": ("caller", "thread"),
-    "requests": ("first", "lazy"),
+    "requests": ("first", "lazy", "loop"),
     "offer": ("every", "idle"),
 }
 
@@ -291,8 +293,9 @@ class Variant:
     "auto" as glibc does, "held": `hold_freed_memory()` from the phase on); and where a
     superseded version's snapshot is dropped (`release`: "caller", the training loop's
     thread, or "thread", a thread of the publisher's own); and where PublishVersion's
-    requests are built (`requests`: "first", serialized by the publish before its call, or
-    "lazy", as gRPC's per-call thread reads them); and which steps offer their version
+    requests are built and sent (`requests`: "first", serialized by the publish before its
+    call; "lazy", as gRPC's per-call thread reads them; "loop", serialized first and sent
+    from the client's own loop thread); and which steps offer their version
     (`offer`: "every" step, the newest waiting one superseded, or only where no publish
     runs or waits, "idle": no snapshot taken that would be superseded)."""
 
@@ -397,7 +400,7 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
         ) as pub:
             pub._async.nice = variant.nice  # read when its worker starts, at the first publish_async
             pub._async.release_apart = variant.release == "thread"
-            pub.client.publish_serialized_first = variant.requests == "first"
+            pub.client.publish_requests = variant.requests
             yield pub
     finally:
         sys.setswitchinterval(switch)
@@ -874,7 +877,7 @@ def main() -> None:
         action="append",
         default=[],
         help="another async phase, e.g. 'window=1G,block=8M,threads=4,nice=0' (keys window, block, threads, "
-        "nice, work, switch, gc, malloc, release); repeatable",
+        "nice, work, switch, gc, malloc, release, requests, offer); repeatable",
     )
     p.add_argument("--no-donate", dest="donate", action="store_false", help="the step does not donate its state")
     p.add_argument("--read-loss", action="store_true", help="read each step's loss to the host (a D2H per step)")

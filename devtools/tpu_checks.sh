@@ -81,22 +81,22 @@ case "${1:-}" in
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
     # the run's settings, then steps that offer a version only while no publish runs or
-    # waits, then PublishVersion's requests read by gRPC's per-call thread
+    # waits, then PublishVersion sent from the client's own loop thread
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant offer=idle --variant requests=lazy
+      --variant offer=idle --variant requests=loop
     ;;
   diagnose)
     facts
     if [ -n "$small" ]; then b=small; else b=0.6b; fi
-    # where the slow steps fall in each publish (staging, sending: printed per phase), ABAB:
-    # every step offering its version against only the idle ones
-    # (each log ends with the bench's JSON: a device call brings back 8 files at most)
-    step overlap-abab 230 "$py" bench/train_overlap.py --preset "$b" \
-      --variant offer=idle --variant offer=every --variant offer=idle
+    # where the slow steps fall in each publish (staging, sending: printed per phase), twice
+    # each: every step offering its version, only the idle ones, PublishVersion sent from the
+    # client's own loop thread (each log ends with the bench's JSON: a call brings back 8 files)
+    step overlap-abab 280 "$py" bench/train_overlap.py --preset "$b" --variant offer=idle \
+      --variant requests=loop --variant offer=every --variant offer=idle --variant requests=loop
     # glibc's arenas capped from the process's start (a fresh thread then shares one)
-    step overlap-arenas 170 env MALLOC_ARENA_MAX=4 "$py" bench/train_overlap.py --preset "$b"
+    step overlap-arenas 150 env MALLOC_ARENA_MAX=4 "$py" bench/train_overlap.py --preset "$b"
     # where the steps stall, traced: every thread's Python stack and the busy threads past 150 ms
-    step overlap-traced 170 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
+    step overlap-traced 130 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
       --trace-stalls-ms 150 --native-stacks --trace-file "$out/stall-traces.txt"
     ;;
   apply)

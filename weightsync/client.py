@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -14,12 +15,15 @@ from weightsync import rpc, version_states
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import DeadlineExceeded, TransportUnavailable
+from weightsync.errors import DeadlineExceeded, InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
+from weightsync.publish_sender import PUBLISH_METHOD, LoopSender
 from weightsync.security import Security
 from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches
 
 log = logging.getLogger(__name__)
+#: CoordinatorClient.publish_requests: how PublishVersion's requests are built and sent
+PUBLISH_REQUESTS = ("first", "lazy", "loop")
 DECIDED_STATES = tuple(sorted(version_states.DECIDED))
 R = TypeVar(
     "R",
@@ -59,18 +63,31 @@ class CoordinatorClient:
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # PublishVersion's requests serialized by the caller (see publish_part)
         self._publish_bytes = self._channel.stream_unary(
-            "/weightsync.v1.Coordinator/PublishVersion",
+            PUBLISH_METHOD,
             request_serializer=None,
             response_deserializer=pb.PublishResponse.FromString,
         )
-        #: build and serialize PublishVersion's requests in the calling thread before the
-        #: call (True), or as gRPC's own per-call thread reads them (False: the benches compare)
-        self.publish_serialized_first = True
+        #: how PublishVersion's requests go (the benches compare): "first", serialized in the
+        #: calling thread before the call; "lazy", built as gRPC's per-call thread reads them;
+        #: "loop", serialized first and sent from a loop thread that lives with this client
+        #: (`LoopSender`: no thread started per call)
+        self.publish_requests = "first"
+        self._security = security
+        self._sender: LoopSender | None = None
+        self._sender_lock = threading.Lock()
         self.carrier: CallCarrier | None = None
         self._agent_keys: dict[tuple[str, str], str] = {}  # (session, agent id) -> its key
 
     def close(self) -> None:
         self._channel.close()
+        if self._sender is not None:
+            self._sender.close()
+
+    def _loop_sender(self) -> LoopSender:
+        with self._sender_lock:
+            if self._sender is None:
+                self._sender = LoopSender(self.address, self._security)
+            return self._sender
 
     def keyed(self, request: R) -> R:
         """`request` (any message naming `session` and `agent_id`) carrying the key the
@@ -198,10 +215,15 @@ class CoordinatorClient:
                 yield pb.PublishRequest(batch=batch)
             yield pb.PublishRequest(seal=pb.PublishSeal(part_digest=part.digest()))
 
-        serialized = [r.SerializeToString() for r in requests()] if self.publish_serialized_first else None
+        if self.publish_requests not in PUBLISH_REQUESTS:
+            raise InvalidArgument(f"one of {', '.join(PUBLISH_REQUESTS)}", field="publish_requests")
+        lazy = self.publish_requests == "lazy"
+        serialized = None if lazy else [r.SerializeToString() for r in requests()]
         attempt = 0
         while True:
             try:
+                if self.publish_requests == "loop":
+                    return self._loop_sender().publish(serialized, timeout_s=self.timeout_s)
                 if serialized is not None:
                     return rpc.unary(self._publish_bytes, iter(serialized), timeout_s=self.timeout_s)
                 return rpc.unary(self._stub.PublishVersion, requests(), timeout_s=self.timeout_s)

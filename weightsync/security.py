@@ -178,6 +178,50 @@ class Security:
 PLAINTEXT = Security()
 
 
+class AioCalls:
+    """An asyncio channel to `address` with `security`'s TLS (the files as they are now:
+    made again when they change, looked at most once a second as a call starts), and the
+    metadata each call carries (the bearer token, read again when its file changes). Made,
+    used and closed inside one event loop."""
+
+    def __init__(self, security: Security, address: str, options: Sequence[tuple[str, Any]]) -> None:
+        self._security, self._address, self._options = security, address, list(options)
+        paths = (security.cert_file, security.key_file, security.ca_file) if security.ca_file else ()
+        self._channel = _FileValue(self._make(), paths, self._make, "TLS client files", 1.0)
+        self._token = _FileValue(
+            security.token, (security.token_file,), lambda: read_token(security.token_file), "bearer token file", 1.0
+        )
+        self._retired: list[grpc.aio.Channel] = []
+
+    def _make(self) -> grpc.aio.Channel:
+        s = self._security
+        if not s.ca_file:
+            return grpc.aio.insecure_channel(self._address, options=self._options)
+        _check_pem(s.cert_file, s.key_file, s.ca_file)  # a bad renewal keeps the last channel
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(s.ca_file, "tls_ca_file"),
+            private_key=_read(s.key_file, "tls_key_file") if s.key_file else None,
+            certificate_chain=_read(s.cert_file, "tls_cert_file") if s.cert_file else None,
+        )
+        return grpc.aio.secure_channel(self._address, creds, options=self._options)
+
+    def channel(self) -> grpc.aio.Channel:
+        """The channel made from the files as they are now (one replaced is closed with
+        this object: calls in flight finish on it)."""
+        before = self._channel.value
+        if self._channel.refresh():
+            self._retired.append(before)
+        return self._channel.value
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self._token.get()
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    async def close(self) -> None:
+        for channel in (*self._retired, self._channel.value):
+            await channel.close()
+
+
 class _FileValue(Generic[T]):
     """A value read from files (`paths`; none for a value that came from no file), read
     again when any of them changes (looking at most every `every_s`): a Secret volume

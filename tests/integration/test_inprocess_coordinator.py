@@ -458,9 +458,9 @@ def test_wsctl_aborts_and_releases_versions_for_the_current_trainer(inprocess_co
     assert again.returncode == 2 and "FAILED_PRECONDITION" in again.stderr
 
 
-def _publish_noting_threads(address: str, session: str, part: Part, serialized_first: bool) -> tuple[set[str], Any]:
-    """Publishes `part` as version 1 of `session`: (the threads that built its
-    DescriptorBatches, the committed manifest)."""
+def _publish_noting_threads(address: str, session: str, part: Part, requests: str) -> tuple[set[str], Any]:
+    """Publishes `part` as version 1 of `session` (`publish_requests` = `requests`): (the
+    threads that built its DescriptorBatches, the committed manifest)."""
     built_in: set[str] = set()
     real = tpb.DescriptorBatch
 
@@ -469,7 +469,7 @@ def _publish_noting_threads(address: str, session: str, part: Part, serialized_f
         return real(*args, **kwargs)
 
     with CoordinatorClient(address) as client:
-        client.publish_serialized_first = serialized_first
+        client.publish_requests = requests
         gen = client.open_session(session, trainer=True, incarnation="a").generation
         wire._tpb.DescriptorBatch = noting  # type: ignore[misc]
         try:
@@ -482,12 +482,47 @@ def _publish_noting_threads(address: str, session: str, part: Part, serialized_f
 def test_a_part_serialized_before_its_call_commits_what_a_lazily_read_stream_does(
     inprocess_coordinator: RunningServer,
 ) -> None:
-    """publish_part serializes its requests in the caller's thread (gRPC's per-call thread
-    only sends bytes); the version it commits is the one the generated stub's lazily read
-    stream commits, descriptor for descriptor."""
+    """publish_part serializes its requests in the caller's thread (gRPC's per-call thread,
+    or the client's loop thread, only sends bytes); the version it commits is the one the
+    generated stub's lazily read stream commits, descriptor for descriptor."""
     part, _ = make_part(sample_arrays())
     here = {threading.current_thread().name}
-    first_threads, first = _publish_noting_threads(inprocess_coordinator.address, "first", part, True)
-    lazy_threads, lazy = _publish_noting_threads(inprocess_coordinator.address, "lazy", part, False)
-    assert first_threads == here and lazy_threads and lazy_threads.isdisjoint(here)
-    assert first.tensors and dataclasses.replace(lazy, session="first") == first
+    lazy_threads, lazy = _publish_noting_threads(inprocess_coordinator.address, "lazy", part, "lazy")
+    assert lazy_threads and lazy_threads.isdisjoint(here)
+    for requests in ("first", "loop"):
+        threads, manifest = _publish_noting_threads(inprocess_coordinator.address, requests, part, requests)
+        assert threads == here
+        assert manifest.tensors and dataclasses.replace(lazy, session=requests) == manifest
+
+
+def test_the_loop_sender_starts_no_thread_per_call_and_answers_typed_errors(
+    inprocess_coordinator: RunningServer,
+) -> None:
+    part, _ = make_part(sample_arrays())
+    with CoordinatorClient(inprocess_coordinator.address) as client:
+        client.publish_requests = "loop"
+        old = client.open_session("job", trainer=True, incarnation="a").generation
+        gen = client.open_session("job", trainer=True, incarnation="b").generation
+        with pytest.raises(FailedPrecondition, match="generation"):  # the status and its field, mapped
+            client.publish_part("job", generation=old, version=1, idempotency_key="k", part=part)
+        started = []
+        real_start = threading.Thread.start
+
+        def noting_start(self: threading.Thread) -> None:
+            started.append(self.name)
+            real_start(self)
+
+        threading.Thread.start = noting_start  # type: ignore[method-assign]
+        try:
+            for v in (1, 2, 3):
+                client.publish_part("job", generation=gen, version=v, idempotency_key=f"k{v}", part=part)
+        finally:
+            threading.Thread.start = real_start  # type: ignore[method-assign]
+        assert started == []  # the loop's thread serves every call
+        assert [v.version for v in client.status("job").versions][0] == 3
+        client.publish_requests = "sometimes"
+        with pytest.raises(InvalidArgument) as bad:
+            client.publish_part("job", generation=gen, version=4, idempotency_key="k4", part=part)
+        assert bad.value.field == "publish_requests"
+    names = {t.name for t in threading.enumerate()}
+    assert "weightsync-publish-send" not in names  # closed with its client

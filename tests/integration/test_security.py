@@ -743,3 +743,38 @@ def test_a_server_every_local_user_may_call_says_so(tmp_path: Path, sockets: Pat
         assert open_to_everyone(Security(), bound)
         assert not open_to_everyone(Security(tokens_file=str(tokens)), bound)
     assert open_to_everyone(Security(), None)
+
+
+def test_the_loop_sender_publishes_over_mtls_with_the_token_its_file_holds_now(
+    secure_coordinator: RunningServer, pki: dict[str, str], tmp_path: Path
+) -> None:
+    """`publish_requests = "loop"` sends from an asyncio channel of its own: the same TLS
+    and bearer token as the client's other calls, a rotated token read again, and a
+    caller with a token no longer valid refused with the same error."""
+    part, _ = make_part(sample_arrays())
+    token_file = tmp_path / "trainer.token"
+    token_file.write_text(TOKENS["trainer"])
+    security = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["trainer"], token_file=str(token_file))
+    stale = Security(pki["crt"], pki["key"], pki["ca"], token=TOKENS["trainer"])
+    with (
+        CoordinatorClient(secure_coordinator.address, timeout_s=CALL_S, retries=0, security=security) as trainer,
+        CoordinatorClient(secure_coordinator.address, timeout_s=CALL_S, retries=0, security=stale) as old,
+    ):
+        trainer.publish_requests = old.publish_requests = "loop"
+        gen = trainer.open_session("job", trainer=True).generation
+
+        def publish(client: CoordinatorClient, v: int) -> bool:
+            try:
+                answer = client.publish_part("job", generation=gen, version=v, idempotency_key=f"k{v}", part=part)
+            except Unauthenticated as e:
+                assert "bearer token" in str(e)
+                return False
+            return answer.version.version == v
+
+        assert publish(trainer, 1)
+        rotated = {role: token.upper() for role, token in TOKENS.items()}
+        for path, text in ((Path(pki["tokens"]), json.dumps(rotated)), (token_file, rotated["trainer"])):
+            path.with_suffix(".new").write_text(text)
+            os.replace(path.with_suffix(".new"), path)
+        eventually(lambda: not publish(old, 2), what="the old token refused")
+        eventually(lambda: publish(trainer, 2), what="the same sender, with the rotated token")

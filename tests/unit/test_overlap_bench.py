@@ -131,8 +131,8 @@ def test_the_timeline_records_each_publish_step_and_names_those_a_slow_iteration
     assert slow == [f"it 2 40 ms: stage v7 {a1}-{b1}" + (f", send v7 {a2}-{b2}" if a2 < a1 + 40 else "")]
 
 
-def test_the_offer_variant_names_itself() -> None:
-    v = train_overlap.parse_variant("offer=idle", BASE)
-    assert v.offer == "idle" and v.label() == BASE.label() + ",offer=idle"
+def test_the_offer_and_requests_variants_name_themselves() -> None:
+    v = train_overlap.parse_variant("offer=idle,requests=loop", BASE)
+    assert (v.offer, v.requests) == ("idle", "loop") and v.label() == BASE.label() + ",requests=loop,offer=idle"
     with pytest.raises(SystemExit, match="offer"):
         train_overlap.parse_variant("offer=sometimes", BASE)
