@@ -151,6 +151,17 @@ class Security:
         """The bearer-token check, when this server has a tokens file."""
         return [BearerAuth(load_tokens(self.tokens_file), path=self.tokens_file)] if self.tokens_file else []
 
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS credentials from the files as they are now (this process's certificate where
+        it has one); InvalidArgument naming the flag of a file that is no PEM pair, so a
+        bad renewal keeps the channel made before it."""
+        _check_pem(self.cert_file, self.key_file, self.ca_file)
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file, "tls_ca_file"),
+            private_key=_read(self.key_file, "tls_key_file") if self.key_file else None,
+            certificate_chain=_read(self.cert_file, "tls_cert_file") if self.cert_file else None,
+        )
+
     def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
         """A channel to `address`: TLS when a CA is set (with this process's certificate
         for servers that demand one), carrying the bearer token when one is set."""
@@ -161,13 +172,7 @@ class Security:
             return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
 
         def secure() -> grpc.Channel:
-            _check_pem(self.cert_file, self.key_file, self.ca_file)  # a bad renewal keeps the last channel
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(self.ca_file, "tls_ca_file"),
-                private_key=_read(self.key_file, "tls_key_file") if self.key_file else None,
-                certificate_chain=_read(self.cert_file, "tls_cert_file") if self.cert_file else None,
-            )
-            return grpc.secure_channel(address, creds, options=list(options))
+            return grpc.secure_channel(address, self.channel_credentials(), options=list(options))
 
         # The interceptor asks the renewing channel for a callable at every call, so each
         # call goes out on the channel made from the files as they are now.
@@ -194,16 +199,9 @@ class AioCalls:
         self._retired: list[grpc.aio.Channel] = []
 
     def _make(self) -> grpc.aio.Channel:
-        s = self._security
-        if not s.ca_file:
+        if not self._security.ca_file:
             return grpc.aio.insecure_channel(self._address, options=self._options)
-        _check_pem(s.cert_file, s.key_file, s.ca_file)  # a bad renewal keeps the last channel
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(s.ca_file, "tls_ca_file"),
-            private_key=_read(s.key_file, "tls_key_file") if s.key_file else None,
-            certificate_chain=_read(s.cert_file, "tls_cert_file") if s.cert_file else None,
-        )
-        return grpc.aio.secure_channel(self._address, creds, options=self._options)
+        return grpc.aio.secure_channel(self._address, self._security.channel_credentials(), options=self._options)
 
     def channel(self) -> grpc.aio.Channel:
         """The channel made from the files as they are now (one replaced is closed with
