@@ -191,8 +191,9 @@ class CoordinatorClient:
         stream on a thread it starts for each call, and on a TPU host that thread, building
         a part's descriptors (thousands of messages), was found holding the interpreter
         lock through a training loop's stalled step (docs/performance.md). Here it only
-        sends bytes. A part's descriptors are bounded by the coordinator's limits;
-        serialized they are tens of bytes each."""
+        sends bytes; with `publish_requests` "loop" no thread is started at all (the
+        client's `LoopSender` sends them). A part's descriptors are bounded by the
+        coordinator's limits; serialized they are tens of bytes each."""
         header = pb.PublishHeader(
             session=session,
             generation=generation,
