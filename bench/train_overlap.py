@@ -312,17 +312,15 @@ class Variant:
     offer: str = "every"
 
     def label(self) -> str:
+        # the keys of CHOICES that differ from their first value (each one's default)
+        chosen = {k: getattr(self, k) for k, values in CHOICES.items() if getattr(self, k) != values[0]}
         label = (
             f"window={self.window_bytes >> 20}M,block={self.block_bytes >> 20}M,"
             f"threads={self.staging_threads},nice={self.nice}"
         )
-        label += f",work={self.work}" if self.work != "publish" else ""
+        label += f",work={chosen.pop('work')}" if "work" in chosen else ""
         label += f",switch={self.switch_us}" if self.switch_us else ""
-        label += f",gc={self.gc}" if self.gc != "auto" else ""
-        label += f",malloc={self.malloc}" if self.malloc != "auto" else ""
-        label += f",release={self.release}" if self.release != "caller" else ""
-        label += f",requests={self.requests}" if self.requests != "first" else ""
-        return label + (f",offer={self.offer}" if self.offer != "every" else "")
+        return label + "".join(f",{k}={v}" for k, v in chosen.items())
 
 
 def phase_labels(phases: Sequence[Variant]) -> list[str]:
@@ -345,13 +343,8 @@ def parse_variant(text: str, base: Variant) -> Variant:
         "block": "block_bytes",
         "threads": "staging_threads",
         "nice": "nice",
-        "work": "work",
         "switch": "switch_us",
-        "gc": "gc",
-        "malloc": "malloc",
-        "release": "release",
-        "requests": "requests",
-        "offer": "offer",
+        **{key: key for key in CHOICES},
     }
     changes: dict[str, Any] = {}
     for item in filter(None, text.split(",")):

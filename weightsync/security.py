@@ -193,9 +193,7 @@ class AioCalls:
         self._security, self._address, self._options = security, address, list(options)
         paths = (security.cert_file, security.key_file, security.ca_file) if security.ca_file else ()
         self._channel = _FileValue(self._make(), paths, self._make, "TLS client files", 1.0)
-        self._token = _FileValue(
-            security.token, (security.token_file,), lambda: read_token(security.token_file), "bearer token file", 1.0
-        )
+        self._token = _token_value(security.token, security.token_file)
         self._retired: list[grpc.aio.Channel] = []
 
     def _make(self) -> grpc.aio.Channel:
@@ -212,8 +210,7 @@ class AioCalls:
         return self._channel.value
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self._token.get()
-        return (("authorization", f"Bearer {token}"),) if token else ()
+        return _bearer(self._token.get())
 
     async def close(self) -> None:
         for channel in (*self._retired, self._channel.value):
@@ -259,6 +256,17 @@ class _FileValue(Generic[T]):
     def get(self) -> T:
         self.refresh()
         return self.value
+
+
+def _token_value(token: str, path: str) -> _FileValue[str]:
+    """A client's bearer token, read again from `path` (where it came from one) when the
+    file changes, looked at most once a second."""
+    return _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries `token` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class _RenewingChannel(grpc.Channel):
@@ -364,13 +372,13 @@ class _BearerToken(
     long-lived channel follows a rotated Secret."""
 
     def __init__(self, token: str, *, path: str = "") -> None:
-        self._token = _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
+        self._token = _token_value(token, path)
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        token = self._token.get()
-        if not token:  # a TLS channel without a token: the interceptor only renews the channel
+        bearer = _bearer(self._token.get())
+        if not bearer:  # a TLS channel without a token: the interceptor only renews the channel
             return details
-        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {token}")]
+        metadata = [*(details.metadata or ()), *bearer]
         return _CallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
         )

@@ -136,3 +136,14 @@ def test_the_offer_and_requests_variants_name_themselves() -> None:
     assert (v.offer, v.requests) == ("idle", "loop") and v.label() == BASE.label() + ",requests=loop,offer=idle"
     with pytest.raises(SystemExit, match="offer"):
         train_overlap.parse_variant("offer=sometimes", BASE)
+
+
+def test_each_choice_s_first_value_is_the_variant_s_default() -> None:
+    """A label names what differs from the first value of each of CHOICES: that value must
+    be the field's default, or a default phase would be labelled as a variant."""
+    assert {key: getattr(BASE, key) for key in train_overlap.CHOICES} == {
+        key: values[0] for key, values in train_overlap.CHOICES.items()
+    }
+    assert train_overlap.parse_variant("work=d2h,switch=500,gc=off", BASE).label() == (
+        BASE.label() + ",work=d2h,switch=500,gc=off"
+    )
