@@ -15,7 +15,8 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             steps without: D2H window and block, staging threads, worker niceness, the
             interpreter's switch interval, Python's garbage collector during the steps
             (`gc`: auto, freeze, off), glibc's malloc (`malloc`: auto, or held: freed heap
-            kept, `hold_freed_memory`; it stays so for later phases), where a superseded
+            kept, `hold_freed_memory`; it stays so for later phases; `trim`: held, never),
+            where a superseded
             snapshot is dropped (`release`: caller, thread), how PublishVersion's requests
             are built and sent (`requests`: first, lazy, loop), which steps offer their
             version (`offer`: every, idle), and how far each publish goes (`work`:
@@ -59,6 +60,7 @@ import faulthandler
 import gc
 import json
 import math
+import resource
 import statistics
 import sys
 import tempfile
@@ -263,6 +265,7 @@ CHOICES = {
     "work": ("publish", "stage", "d2h", "snapshot"),
     "gc": ("auto", "freeze", "off"),
     "malloc": ("auto", "held"),
+    "trim": ("held", "never"),
     "release": ("caller", "thread"),
     "requests": ("first", "lazy", "loop"),
     "offer": ("every", "idle"),
@@ -307,6 +310,7 @@ class Variant:
     switch_us: int = 0
     gc: str = "auto"
     malloc: str = "auto"
+    trim: str = "held"
     release: str = "caller"
     requests: str = "first"
     offer: str = "every"
@@ -375,6 +379,8 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
         sys.setswitchinterval(variant.switch_us / 1e6)
     if variant.malloc == "held" and not hold_freed_memory():
         raise SystemExit("--variant malloc=held: this C library has no mallopt")
+    if variant.trim == "never" and not hold_freed_memory(trim_bytes=None):
+        raise SystemExit("--variant trim=never: this C library has no mallopt")
     if variant.gc == "freeze":
         gc.freeze()
     elif variant.gc == "off":
@@ -401,6 +407,8 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
             gc.unfreeze()
         if collecting:
             gc.enable()
+        if variant.trim == "never":  # back to what the device path holds (2 GiB) for the next phase
+            hold_freed_memory()
 
 
 # -- phases ----------------------------------------------------------------------------
@@ -492,14 +500,19 @@ class GcPauses:
     stopped the interpreter, by generation."""
 
     def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self.pauses: list[tuple[int, float, float]] = []  # (generation, seconds, perf_counter at its start)
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._started))
+            self.pauses.append((info["generation"], time.perf_counter() - self._started, self._started))
+
+    def during(self, start: float, end: float, min_s: float = 0.01) -> list[str]:
+        """The collections of at least `min_s` that began in [start, end) (perf_counter
+        seconds), as 'gc2 70 ms'."""
+        return [f"gc{g} {d * 1e3:.0f} ms" for g, d, t in self.pauses if start <= t < end and d >= min_s]
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -509,50 +522,82 @@ class GcPauses:
                 "max_ms": round(max(ds) * 1e3, 1),
             }
             for g in (0, 1, 2)
-            if (ds := [d for gen, d in self.pauses if gen == g])
+            if (ds := [d for gen, d, _ in self.pauses if gen == g])
         }
 
 
 class PublishTimeline:
     """When each publish of a phase staged and when it sent its part (ms from the phase's
     start), from wrappers around the publisher's own two steps: where in a publish a slow
-    iteration falls. A `StageOnly` publisher has no such steps (nothing recorded)."""
+    iteration falls. With each step, what the process's memory did meanwhile (glibc's
+    arenas and its own mappings, `heap_stats`; page faults): a heap given back to the kernel
+    and faulted in again shows there. A `StageOnly` publisher has no such steps."""
 
     def __init__(self, pub: Any, started: float) -> None:
         self.started = started
-        self.events: list[tuple[str, int, float, float]] = []  # (step, version, start ms, end ms)
+        # (step, version, start ms, end ms, memory at its start, memory at its end: `memory()`)
+        self.events: list[tuple[str, int, float, float, tuple[int, int, int], tuple[int, int, int]]] = []
         self._version = 0
         for name in ("_stage", "_send"):
             if hasattr(pub, name):
                 setattr(pub, name, self._timed(name[1:], getattr(pub, name)))
 
+    @staticmethod
+    def memory() -> tuple[int, int, int]:
+        """(bytes of glibc's arenas, bytes of its own mappings, the process's minor page
+        faults so far); 0 where unknown."""
+        heap = heap_stats()
+        return heap.get("arena", 0), heap.get("mapped", 0), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if step == "stage":
                 self._version = args[1]  # _stage(params, version, idempotency_key)
+            before = self.memory()
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 ms = lambda t: round((t - self.started) * 1e3, 1)  # noqa: E731
-                self.events.append((step, self._version, ms(t0), ms(time.perf_counter())))
+                t1 = ms(time.perf_counter())
+                self.events.append((step, self._version, ms(t0), t1, before, self.memory()))
 
         return timed
 
     def during(self, start_ms: float, end_ms: float) -> list[str]:
-        """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2'."""
-        return [f"{s} v{v} {a}-{b}" for s, v, a, b in self.events if a < end_ms and b > start_ms]
+        """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2', with the
+        memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB') and the page
+        faults ('faults 310k') where there were 1000 or more."""
+        out = []
+        for s, v, a, b, before, after in self.events:
+            if a < end_ms and b > start_ms:
+                (h0, m0, f0), (h1, m1, f1) = before, after
+                notes = [
+                    f"{k} {(y - x) / 1e9:+.2f} GB"
+                    for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
+                    if abs(y - x) >= 64 << 20
+                ]
+                notes += [f"faults {(f1 - f0) / 1e3:.0f}k"] if f1 - f0 >= 1000 else []
+                out.append(f"{s} v{v} {a}-{b}" + "".join(f" {n}" for n in notes))
+        return out
 
 
-def slow_iterations(iterations_ms: list[float], starts_ms: list[float], timeline: PublishTimeline) -> list[str]:
-    """Each iteration past 1.5 times the median, with the publish steps it overlapped:
-    'it 12 259 ms: send v9 1151.0-1405.2'."""
+def slow_iterations(
+    iterations_ms: list[float], starts_ms: list[float], timeline: PublishTimeline, pauses: GcPauses | None = None
+) -> list[str]:
+    """Each iteration past 1.5 times the median, with the publish steps it overlapped and
+    the garbage collections of 10 ms or more that began in it: 'it 12 259 ms: send v9
+    1151.0-1405.2, gc2 70 ms'."""
     limit = 1.5 * statistics.median(iterations_ms)
-    return [
-        f"it {i} {t:.0f} ms: " + (", ".join(timeline.during(s, s + t)) or "no publish step")
-        for i, (t, s) in enumerate(zip(iterations_ms, starts_ms, strict=True))
-        if t > limit
-    ]
+    out = []
+    for i, (t, s) in enumerate(zip(iterations_ms, starts_ms, strict=True)):
+        if t > limit:
+            seen = timeline.during(s, s + t)
+            if pauses is not None:
+                at = lambda ms: timeline.started + ms / 1e3  # noqa: E731
+                seen += pauses.during(at(s), at(s + t))
+            out.append(f"it {i} {t:.0f} ms: " + (", ".join(seen) or "no publish step"))
+    return out
 
 
 def async_phase(
@@ -629,7 +674,7 @@ def async_phase(
         "skipped": pub.publish_skipped - skipped0,
         "not_offered": not_offered,
         "timeline": timeline.events,
-        "slow": slow_iterations([x * 1e3 for x in iterations], [x * 1e3 for x in starts], timeline),
+        "slow": slow_iterations([x * 1e3 for x in iterations], [x * 1e3 for x in starts], timeline, pauses),
         "held_max": held_max,
         "flush_s": flush_s,
         "version": version,

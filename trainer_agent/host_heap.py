@@ -24,18 +24,21 @@ _M_MMAP_THRESHOLD = -3
 #: the largest mmap threshold glibc takes on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 MMAP_THRESHOLD_MAX = 32 << 20
 _INT_MAX = (1 << 31) - 1
+_NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
 
-def hold_freed_memory(trim_bytes: int = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
-    """From now on, heap tops up to `trim_bytes` stay with the process and requests up to
-    `mmap_bytes` come from the heap (each capped at what mallopt takes); the thresholds no
-    longer grow. Returns whether glibc took both (False off glibc: nothing changed)."""
+def hold_freed_memory(trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
+    """From now on, heap tops up to `trim_bytes` stay with the process (None: every heap
+    top, glibc never trims) and requests up to `mmap_bytes` come from the heap (each capped
+    at what mallopt takes); the thresholds no longer grow. Returns whether glibc took both
+    (False off glibc: nothing changed)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    trim, mmap = min(trim_bytes, _INT_MAX), min(mmap_bytes, MMAP_THRESHOLD_MAX)
+    trim = _NEVER if trim_bytes is None else min(trim_bytes, _INT_MAX)
+    mmap = min(mmap_bytes, MMAP_THRESHOLD_MAX)
     return bool(mallopt(_M_TRIM_THRESHOLD, trim)) & bool(mallopt(_M_MMAP_THRESHOLD, mmap))
 
 

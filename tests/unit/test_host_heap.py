@@ -61,3 +61,37 @@ def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_n
 def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
     r, log = _stage_twice("leave")
     assert not r["held"] and "thresholds" not in log
+
+
+
+# 220 MiB of heap (10 blocks of 22 MiB, under the mmap threshold) freed as one top, past a
+# trim threshold of 64 MiB. np.empty touches no page, so little of it is resident.
+_FREE_A_TOP = """
+import json, sys, numpy as np
+from trainer_agent import host_heap
+assert host_heap.hold_freed_memory(trim_bytes=None if sys.argv[1] == "never" else 64 << 20)
+blocks = [np.empty(22 << 20, np.uint8) for _ in range(10)]
+with_blocks = host_heap.heap_stats()["arena"]
+del blocks
+print(json.dumps({"with_blocks": with_blocks, "after": host_heap.heap_stats()["arena"]}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+@pytest.mark.parametrize("trim", ["never", "64M"])
+def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(trim: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREE_A_TOP, trim],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    assert r["with_blocks"] > 10 * (22 << 20)
+    if trim == "never":
+        assert r["after"] == r["with_blocks"]  # the whole top stays with the process
+    else:
+        assert r["after"] < r["with_blocks"] - (150 << 20)  # glibc gave the top back
