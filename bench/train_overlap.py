@@ -60,7 +60,6 @@ import faulthandler
 import gc
 import json
 import math
-import resource
 import statistics
 import sys
 import tempfile
@@ -529,25 +528,29 @@ class GcPauses:
 class PublishTimeline:
     """When each publish of a phase staged and when it sent its part (ms from the phase's
     start), from wrappers around the publisher's own two steps: where in a publish a slow
-    iteration falls. With each step, what the process's memory did meanwhile (glibc's
-    arenas and its own mappings, `heap_stats`; page faults): a heap given back to the kernel
-    and faulted in again shows there. A `StageOnly` publisher has no such steps."""
+    iteration falls. With `memory`, also glibc's account at each step's start and end
+    (`heap_stats`: its arenas, its own mappings, the free chunks): a heap given back to the
+    kernel, or one of millions of free chunks, shows there. That reading locks each arena
+    while it walks its free chunks (tens of ms on such a heap), so it is asked for
+    (`--heap-timeline`), not taken by default. A `StageOnly` publisher has no such steps."""
 
-    def __init__(self, pub: Any, started: float) -> None:
+    def __init__(self, pub: Any, started: float, *, memory: bool = False) -> None:
         self.started = started
         # (step, version, start ms, end ms, memory at its start, memory at its end: `memory()`)
         self.events: list[tuple[str, int, float, float, tuple[int, int, int], tuple[int, int, int]]] = []
         self._version = 0
+        self._memory = memory
         for name in ("_stage", "_send"):
             if hasattr(pub, name):
                 setattr(pub, name, self._timed(name[1:], getattr(pub, name)))
 
-    @staticmethod
-    def memory() -> tuple[int, int, int]:
-        """(bytes of glibc's arenas, bytes of its own mappings, the process's minor page
-        faults so far); 0 where unknown."""
+    def memory(self) -> tuple[int, int, int]:
+        """(bytes of glibc's arenas, bytes of its own mappings, its free chunks); zeros where
+        unknown or not asked for."""
+        if not self._memory:
+            return 0, 0, 0
         heap = heap_stats()
-        return heap.get("arena", 0), heap.get("mapped", 0), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return heap.get("arena", 0), heap.get("mapped", 0), heap.get("free_chunks", 0)
 
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -566,18 +569,18 @@ class PublishTimeline:
 
     def during(self, start_ms: float, end_ms: float) -> list[str]:
         """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2', with the
-        memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB') and the page
-        faults ('faults 310k') where there were 1000 or more."""
+        memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB') and glibc's
+        free chunks at the step's end where it read them ('1,210,000 free chunks')."""
         out = []
         for s, v, a, b, before, after in self.events:
             if a < end_ms and b > start_ms:
-                (h0, m0, f0), (h1, m1, f1) = before, after
+                (h0, m0, _), (h1, m1, chunks) = before, after
                 notes = [
                     f"{k} {(y - x) / 1e9:+.2f} GB"
                     for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
                     if abs(y - x) >= 64 << 20
                 ]
-                notes += [f"faults {(f1 - f0) / 1e3:.0f}k"] if f1 - f0 >= 1000 else []
+                notes += [f"{chunks:,} free chunks"] if chunks else []
                 out.append(f"{s} v{v} {a}-{b}" + "".join(f" {n}" for n in notes))
         return out
 
@@ -608,10 +611,12 @@ def async_phase(
     stalls: StallTraces | None = None,
     *,
     offer: str = "every",
+    heap_timeline: bool = False,
 ) -> dict[str, Any]:
     """`steps` steps, each followed by publish_async of its parameters (snapshot=True), or
     with `offer` "idle" only those where no publish runs or waits; `stalls` traces the
-    iterations that pass its threshold."""
+    iterations that pass its threshold; `heap_timeline` reads glibc's account around each
+    publish step (`PublishTimeline`)."""
     iterations: list[float] = []
     overlapped: list[bool] = []
     dispatches: list[float] = []
@@ -626,7 +631,7 @@ def async_phase(
     cpu0 = time.process_time()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
-    timeline = PublishTimeline(pub, started)
+    timeline = PublishTimeline(pub, started, memory=heap_timeline)
     not_offered = 0
     for i in range(steps):
         if stalls:
@@ -796,7 +801,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rss.phase("async")
             if stalls:
                 stalls.label = base.label()
-            first = async_phase(trainer, pub, args.steps, blocking["version"], stalls, offer=base.offer)
+            first = async_phase(
+                trainer,
+                pub,
+                args.steps,
+                blocking["version"],
+                stalls,
+                offer=base.offer,
+                heap_timeline=args.heap_timeline,
+            )
             version = first["version"]
         rss.phase("alone2")
         alone2 = trainer.alone(args.steps, dispatches)
@@ -823,7 +836,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rss.phase(label)
                 if stalls:
                     stalls.label = label
-                phase = async_phase(trainer, pub, args.steps, version, stalls, offer=variant.offer)
+                phase = async_phase(
+                    trainer, pub, args.steps, version, stalls, offer=variant.offer, heap_timeline=args.heap_timeline
+                )
                 version = phase["version"]
                 held_max[label] = phase["held_max"]
             rss.phase("alone-after:" + label)
@@ -940,6 +955,12 @@ def main() -> None:
         "--native-stacks",
         action="store_true",
         help="with --trace-stalls-ms: also each thread's native stack (py-spy), in the trace file + .native",
+    )
+    p.add_argument(
+        "--heap-timeline",
+        action="store_true",
+        help="read glibc's arenas, mappings and free chunks around each publish step (mallinfo2: it locks "
+        "each arena while it counts, tens of ms on a heap of millions of free chunks)",
     )
     args = p.parse_args()
     args.blocking_steps = args.blocking_steps or min(args.steps, 10)

@@ -7,7 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # where the overlap's stalls fall, ~9 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # what the overlap's stalls come with, ~8 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -64,6 +64,15 @@ print(json.dumps({"devices": [str(d) for d in jax.devices()], "platform": jax.de
 PY
   local rc=$?
   [ "$rc" = 0 ] || printf '%-22s rc=%-3s (host.err says why)\n' facts "$rc" | tee -a "$summary"
+  printf 'allocator to preload: %s\n' "$(preloadable_allocator)" >> "$out/host.err"
+}
+
+preloadable_allocator() {  # the first tcmalloc or jemalloc the host has (Debian's and RHEL's paths), or nothing
+  local lib
+  for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
+    /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 /usr/lib64/libtcmalloc.so.4 /usr/lib64/libjemalloc.so.2; do
+    [ -e "$lib" ] && { echo "$lib"; return; }
+  done
 }
 
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced (tests/integration/test_tpu_checks.py): the functions only
@@ -88,15 +97,19 @@ case "${1:-}" in
   diagnose)
     facts
     if [ -n "$small" ]; then b=small; else b=0.6b; fi
-    # where the slow steps fall in each publish (staging, sending: printed per phase), twice
-    # each: every step offering its version, only the idle ones, PublishVersion sent from the
-    # client's own loop thread (each log ends with the bench's JSON: a call brings back 8 files)
-    step overlap-abab 280 "$py" bench/train_overlap.py --preset "$b" --variant offer=idle \
-      --variant requests=loop --variant offer=every --variant offer=idle --variant requests=loop
-    # glibc's arenas capped from the process's start (a fresh thread then shares one)
-    step overlap-arenas 150 env MALLOC_ARENA_MAX=4 "$py" bench/train_overlap.py --preset "$b"
+    # glibc's account (arenas, own mappings, free chunks) around each publish step, twice:
+    # whether a slow send comes with a heap of millions of free chunks (each log ends with
+    # the bench's JSON: a call brings back 8 files)
+    step overlap-heap 170 "$py" bench/train_overlap.py --preset "$b" --heap-timeline --variant offer=every
+    # the same steps with another allocator preloaded, where the host has one
+    lib=$(preloadable_allocator)
+    if [ -n "$lib" ]; then
+      step overlap-preload 150 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    else
+      printf '%-22s skipped: no tcmalloc or jemalloc on this host\n' overlap-preload | tee -a "$summary"
+    fi
     # where the steps stall, traced: every thread's Python stack and the busy threads past 150 ms
-    step overlap-traced 130 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
+    step overlap-traced 150 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
       --trace-stalls-ms 150 --native-stacks --trace-file "$out/stall-traces.txt"
     ;;
   apply)

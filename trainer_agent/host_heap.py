@@ -70,12 +70,21 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_stats() -> dict[str, int]:
     """glibc's account (`mallinfo2`, every arena): bytes of its arenas (`arena`), of its
-    own mappings for large requests (`mapped`), free within the arenas (`free`); empty
-    where there is no mallinfo2 (not glibc, or before 2.33)."""
+    own mappings for large requests (`mapped`), free within the arenas (`free`), and how
+    many free chunks hold that (`free_chunks`; `fast_chunks` of them in fastbins, not yet
+    merged); empty where there is no mallinfo2 (not glibc, or before 2.33). It walks every
+    free chunk under each arena's lock: on a heap of millions of free chunks a call takes
+    tens of ms, and mallocs in that arena wait for it."""
     try:
         fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
         return {}
     fn.restype = _MallInfo2
     m = fn()
-    return {"arena": m.arena, "mapped": m.hblkhd, "free": m.fordblks}
+    return {
+        "arena": m.arena,
+        "mapped": m.hblkhd,
+        "free": m.fordblks,
+        "free_chunks": m.ordblks,
+        "fast_chunks": m.smblks,
+    }

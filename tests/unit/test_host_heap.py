@@ -95,3 +95,12 @@ def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(tri
         assert r["after"] == r["with_blocks"]  # the whole top stays with the process
     else:
         assert r["after"] < r["with_blocks"] - (150 << 20)  # glibc gave the top back
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+def test_heap_stats_counts_the_free_chunks_beside_the_bytes() -> None:
+    from trainer_agent.host_heap import heap_stats
+
+    stats = heap_stats()
+    assert set(stats) == {"arena", "mapped", "free", "free_chunks", "fast_chunks"}
+    assert stats["free_chunks"] >= 1 and stats["fast_chunks"] >= 0
