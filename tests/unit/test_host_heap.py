@@ -63,7 +63,6 @@ def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
     assert not r["held"] and "thresholds" not in log
 
 
-
 # 220 MiB of heap (10 blocks of 22 MiB, under the mmap threshold) freed as one top, past a
 # trim threshold of 64 MiB. np.empty touches no page, so little of it is resident.
 _FREE_A_TOP = """
