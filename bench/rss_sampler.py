@@ -32,14 +32,22 @@ from common import rss_bytes
 
 class RssSampler:
     """Samples this process's RSS from a child process; `phase(name)` starts a phase,
-    `peaks` (after the block) holds each phase's highest sample in bytes."""
+    `peaks` (after the block) holds each phase's highest sample in bytes. An interval of
+    0 samples nothing (no child; `peaks` stays empty): a run can tell whether the sampling
+    itself costs what it measures beside."""
 
     def __init__(self, interval_ms: float = 1.0) -> None:
         self.interval_ms = interval_ms
         self.peaks: dict[str, int] = {}
         self._child: subprocess.Popen[str] | None = None
 
+    @property
+    def sampling(self) -> bool:
+        return self.interval_ms > 0
+
     def __enter__(self) -> RssSampler:
+        if not self.sampling:
+            return self
         self._child = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), str(os.getpid()), "--interval-ms", str(self.interval_ms)],
             stdin=subprocess.PIPE,
@@ -50,11 +58,15 @@ class RssSampler:
 
     def phase(self, name: str) -> None:
         """Samples from now on count toward `name` (a phase seen twice keeps its highest)."""
+        if not self.sampling:
+            return
         assert self._child is not None and self._child.stdin is not None
         self._child.stdin.write(name + "\n")
         self._child.stdin.flush()
 
     def __exit__(self, *exc: object) -> None:
+        if not self.sampling:
+            return
         assert self._child is not None
         out, _ = self._child.communicate(timeout=30)
         self.peaks = json.loads(out) if out.strip() else {}

@@ -15,7 +15,8 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             steps without: D2H window and block, staging threads, worker niceness, the
             interpreter's switch interval, Python's garbage collector during the steps
             (`gc`: auto, freeze, off), glibc's malloc (`malloc`: auto, or held: freed heap
-            kept, `hold_freed_memory`; it stays so for later phases; `trim`: held, never),
+            kept, `hold_freed_memory`; it stays so for later phases; `trim`: held, never;
+            `fastbins`: on, off),
             where a superseded
             snapshot is dropped (`release`: caller, thread), how PublishVersion's requests
             are built and sent (`requests`: first, lazy, loop), which steps offer their
@@ -82,7 +83,7 @@ from stall_dumper import StallDumper  # noqa: E402
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
-from trainer_agent.host_heap import heap_stats, hold_freed_memory  # noqa: E402
+from trainer_agent.host_heap import MXFAST_DEFAULT, heap_stats, hold_freed_memory, set_max_fast  # noqa: E402
 from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
@@ -265,6 +266,7 @@ CHOICES = {
     "gc": ("auto", "freeze", "off"),
     "malloc": ("auto", "held"),
     "trim": ("held", "never"),
+    "fastbins": ("on", "off"),
     "release": ("caller", "thread"),
     "requests": ("first", "lazy", "loop"),
     "offer": ("every", "idle"),
@@ -310,6 +312,7 @@ class Variant:
     gc: str = "auto"
     malloc: str = "auto"
     trim: str = "held"
+    fastbins: str = "on"
     release: str = "caller"
     requests: str = "first"
     offer: str = "every"
@@ -380,6 +383,8 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
         raise SystemExit("--variant malloc=held: this C library has no mallopt")
     if variant.trim == "never" and not hold_freed_memory(trim_bytes=None):
         raise SystemExit("--variant trim=never: this C library has no mallopt")
+    if variant.fastbins == "off" and not set_max_fast(0):
+        raise SystemExit("--variant fastbins=off: this C library has no mallopt")
     if variant.gc == "freeze":
         gc.freeze()
     elif variant.gc == "off":
@@ -408,6 +413,8 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
             gc.enable()
         if variant.trim == "never":  # back to what the device path holds (2 GiB) for the next phase
             hold_freed_memory()
+        if variant.fastbins == "off":
+            set_max_fast(MXFAST_DEFAULT)
 
 
 # -- phases ----------------------------------------------------------------------------
@@ -527,10 +534,11 @@ class GcPauses:
 
 class PublishTimeline:
     """When each publish of a phase staged and when it sent its part (ms from the phase's
-    start), from wrappers around the publisher's own two steps: where in a publish a slow
-    iteration falls. With `memory`, also glibc's account at each step's start and end
-    (`heap_stats`: its arenas, its own mappings, the free chunks): a heap given back to the
-    kernel, or one of millions of free chunks, shows there. That reading locks each arena
+    start; within the send, PublishVersion's call as "rpc"), from wrappers around the
+    publisher's own steps: where in a publish a slow iteration falls. With `memory`, also
+    glibc's account at each step's start and end (`heap_stats`: its arenas, its own
+    mappings, the free chunks): a heap given back to the kernel, or one of millions of free
+    chunks, shows there. That reading locks each arena
     while it walks its free chunks (tens of ms on such a heap), so it is asked for
     (`--heap-timeline`), not taken by default. A `StageOnly` publisher has no such steps."""
 
@@ -543,6 +551,11 @@ class PublishTimeline:
         for name in ("_stage", "_send"):
             if hasattr(pub, name):
                 setattr(pub, name, self._timed(name[1:], getattr(pub, name)))
+        # within a send, PublishVersion's call itself (its requests serialized before it):
+        # the transport and the coordinator's handling, apart from the trainer's own work
+        client = getattr(pub, "client", None)
+        if hasattr(client, "_publish_bytes"):
+            client._publish_bytes = self._timed("rpc", client._publish_bytes)
 
     def memory(self) -> tuple[int, int, int]:
         """(bytes of glibc's arenas, bytes of its own mappings, its free chunks); zeros where
@@ -786,7 +799,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["coordinator_address"] = coordinator
         rss_mark = peak_rss_bytes()  # the high-water mark of building and compiling the model
         rss_baseline = rss_bytes()
-        rss = stack.enter_context(RssSampler())
+        rss = stack.enter_context(RssSampler(args.rss_interval_ms))
         rss.phase("warm-up")
         with publisher(base, coordinator, host) as pub:
             version = 1
@@ -861,7 +874,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_bytes": baselines[label],
             "peak_bytes": phase_peak,
             "bound_bytes": bound,
-            "within": phase_peak <= bound,
+            "within": phase_peak <= bound if rss.sampling else None,  # None: not sampled
         }
     out |= {
         "rss_baseline_bytes": rss_baseline,
@@ -876,6 +889,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rss_process_peak_bytes": peak,
         "rss_process_peak_after_publishing": peak > rss_mark,
     }
+    if not rss.sampling:
+        print(f"RSS: not sampled (--rss-interval-ms 0); process high-water mark {peak / 1e9:.2f} GB", file=sys.stderr)
+        return out
     print(
         f"RSS: async phase peak {bounds[base.label()]['peak_bytes'] / 1e9:.2f} GB, bound "
         f"{bounds[base.label()]['bound_bytes'] / 1e9:.2f} GB, within: {out['rss_within_bound']}; variants within: "
@@ -930,7 +946,7 @@ def main() -> None:
         action="append",
         default=[],
         help="another async phase, e.g. 'window=1G,block=8M,threads=4,nice=0' (keys window, block, threads, "
-        "nice, work, switch, gc, malloc, release, requests, offer); repeatable",
+        "nice, work, switch, gc, malloc, trim, fastbins, release, requests, offer); repeatable",
     )
     p.add_argument("--no-donate", dest="donate", action="store_false", help="the step does not donate its state")
     p.add_argument("--read-loss", action="store_true", help="read each step's loss to the host (a D2H per step)")
@@ -955,6 +971,13 @@ def main() -> None:
         "--native-stacks",
         action="store_true",
         help="with --trace-stalls-ms: also each thread's native stack (py-spy), in the trace file + .native",
+    )
+    p.add_argument(
+        "--rss-interval-ms",
+        type=float,
+        default=1.0,
+        help="how often another process reads this one's RSS (/proc/PID/status) for each phase's peak; 0: never "
+        "(no RSS bound judged: whether the sampling costs the steps)",
     )
     p.add_argument(
         "--heap-timeline",

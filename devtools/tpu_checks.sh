@@ -7,7 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # what the overlap's stalls come with, ~8 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # what the overlap's stalls come with, ~9 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -97,10 +97,13 @@ case "${1:-}" in
   diagnose)
     facts
     if [ -n "$small" ]; then b=small; else b=0.6b; fi
-    # glibc's account (arenas, own mappings, free chunks) around each publish step, twice:
-    # whether a slow send comes with a heap of millions of free chunks (each log ends with
-    # the bench's JSON: a call brings back 8 files)
-    step overlap-heap 170 "$py" bench/train_overlap.py --preset "$b" --heap-timeline --variant offer=every
+    # glibc's account (arenas, own mappings, free chunks) around each publish step, with
+    # glibc's fastbins on and off, twice each: whether a slow send comes with a heap of
+    # millions of free chunks (each log ends with the bench's JSON)
+    step overlap-heap 200 "$py" bench/train_overlap.py --preset "$b" --heap-timeline \
+      --variant fastbins=off --variant offer=every --variant fastbins=off
+    # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
+    step overlap-unsampled 150 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     # the same steps with another allocator preloaded, where the host has one
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
@@ -108,9 +111,6 @@ case "${1:-}" in
     else
       printf '%-22s skipped: no tcmalloc or jemalloc on this host\n' overlap-preload | tee -a "$summary"
     fi
-    # where the steps stall, traced: every thread's Python stack and the busy threads past 150 ms
-    step overlap-traced 150 "$py" bench/train_overlap.py --preset "$b" --blocking-steps 2 \
-      --trace-stalls-ms 150 --native-stacks --trace-file "$out/stall-traces.txt"
     ;;
   apply)
     facts

@@ -19,8 +19,11 @@ import threading
 
 log = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
+_M_MXFAST = 1  # mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+#: glibc's own largest fastbin request on 64-bit hosts (DEFAULT_MXFAST: 64 * sizeof(size_t) / 4)
+MXFAST_DEFAULT = 128
 #: the largest mmap threshold glibc takes on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 MMAP_THRESHOLD_MAX = 32 << 20
 _INT_MAX = (1 << 31) - 1
@@ -40,6 +43,18 @@ def hold_freed_memory(trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_
     trim = _NEVER if trim_bytes is None else min(trim_bytes, _INT_MAX)
     mmap = min(mmap_bytes, MMAP_THRESHOLD_MAX)
     return bool(mallopt(_M_TRIM_THRESHOLD, trim)) & bool(mallopt(_M_MMAP_THRESHOLD, mmap))
+
+
+def set_max_fast(nbytes: int) -> bool:
+    """Frees of chunks up to `nbytes` go to glibc's fastbins, kept apart unmerged until a
+    later request merges them all at once; 0: no fastbins, every free merges at once
+    (`MXFAST_DEFAULT` is glibc's own). Returns whether glibc took it (False off glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MXFAST, nbytes))
 
 
 _held = False

@@ -103,3 +103,41 @@ def test_heap_stats_counts_the_free_chunks_beside_the_bytes() -> None:
     stats = heap_stats()
     assert set(stats) == {"arena", "mapped", "free", "free_chunks", "fast_chunks"}
     assert stats["free_chunks"] >= 1 and stats["fast_chunks"] >= 0
+
+
+# 1000 chunks of 64 bytes freed (past the 7 of each size glibc's per-thread cache keeps)
+_FREE_SMALL = """
+import ctypes, json, sys
+from trainer_agent import host_heap
+if sys.argv[1] == "off":
+    assert host_heap.set_max_fast(0)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
+mallinfo2 = libc.mallinfo2
+mallinfo2.restype = host_heap._MallInfo2  # looked up first: a large request on the way would merge the fastbins
+held = [libc.malloc(64) for _ in range(2000)]
+odd = held[::2]
+for p in odd:  # every other one: neighbours stay in use, so nothing merges with them
+    libc.free(p)
+m = mallinfo2()
+print(json.dumps({"fast_chunks": m.smblks}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+@pytest.mark.parametrize("fastbins", ["on", "off"])
+def test_with_fastbins_off_small_frees_are_not_kept_in_fastbins(fastbins: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREE_SMALL, fastbins],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    stats = json.loads(out.stdout)
+    if fastbins == "on":
+        assert stats["fast_chunks"] >= 900
+    else:
+        assert stats["fast_chunks"] == 0

@@ -106,29 +106,43 @@ def test_repeated_phases_of_an_abab_comparison_get_labels_of_their_own() -> None
     assert labels == [BASE.label(), lazy.label(), BASE.label() + " #2", lazy.label() + " #2"]
 
 
+class _Client:
+    """The client's raw PublishVersion call as the timeline wraps it."""
+
+    def _publish_bytes(self, requests: object, timeout: float, metadata: object) -> str:
+        time.sleep(0.01)
+        return "answer"
+
+
 class _Steps:
-    """A publisher's two steps as the timeline wraps them (no publisher behind)."""
+    """A publisher's two steps as the timeline wraps them (no publisher behind); the send
+    makes its call through the client."""
+
+    def __init__(self) -> None:
+        self.client = _Client()
 
     def _stage(self, params: object, version: int, key: object) -> str:
         time.sleep(0.02)
         return f"staged {version}"
 
     def _send(self, staged: str, deadline: float) -> str:
-        time.sleep(0.03)
-        return f"sent {staged}"
+        time.sleep(0.02)
+        return f"sent {staged}: {self.client._publish_bytes(iter(()), timeout=1.0, metadata=None)}"
 
 
 def test_the_timeline_records_each_publish_step_and_names_those_a_slow_iteration_overlaps() -> None:
     pub = _Steps()
     started = time.perf_counter()
     timeline = train_overlap.PublishTimeline(pub, started)
-    assert pub._send(pub._stage({}, 7, None), 0.0) == "sent staged 7"  # wrapped, answers unchanged
-    (stage, v1, a1, b1, *heap1), (send, v2, a2, b2, *heap2) = timeline.events
-    assert (stage, send, v1, v2) == ("stage", "send", 7, 7)
-    assert 0 <= a1 < b1 <= a2 < b2 and b1 - a1 >= 19 and b2 - a2 >= 29
+    assert pub._send(pub._stage({}, 7, None), 0.0) == "sent staged 7: answer"  # wrapped, answers unchanged
+    (stage, v1, a1, b1, *heap1), (rpc, v3, a3, b3, *_), (send, v2, a2, b2, *heap2) = timeline.events
+    assert (stage, rpc, send, v1, v3, v2) == ("stage", "rpc", "send", 7, 7, 7)
+    assert 0 <= a1 < b1 <= a2 < a3 < b3 <= b2 and b1 - a1 >= 19 and b2 - a2 >= 29 and b3 - a3 >= 9
     assert timeline.during(b1 + 1, b1 + 2) == [f"send v7 {a2}-{b2}"]
     slow = train_overlap.slow_iterations([10.0, 10.0, 40.0, 10.0], [0.0, 10.0, a1, 200.0], timeline)
-    assert slow == [f"it 2 40 ms: stage v7 {a1}-{b1}" + (f", send v7 {a2}-{b2}" if a2 < a1 + 40 else "")]
+    within = [f"rpc v7 {a3}-{b3}"] if a3 < a1 + 40 else []
+    within += [f"send v7 {a2}-{b2}"] if a2 < a1 + 40 else []
+    assert slow == [", ".join([f"it 2 40 ms: stage v7 {a1}-{b1}", *within])]
     assert heap1 == heap2 == [(0, 0, 0), (0, 0, 0)]  # glibc's account not read unless asked (it locks arenas)
 
 

@@ -28,3 +28,10 @@ def test_each_phase_keeps_its_own_peak_from_outside_the_process() -> None:
     assert set(rss.peaks) >= {"idle", "big", "after"}
     assert rss.peaks["big"] >= rss.peaks["idle"] + 200 * MB
     assert rss.peaks["after"] < rss.peaks["big"] - 200 * MB  # freed: glibc unmaps a block that large
+
+
+def test_an_interval_of_zero_samples_nothing_and_starts_no_process() -> None:
+    with RssSampler(interval_ms=0) as rss:
+        rss.phase("idle")
+        assert rss._child is None
+    assert not rss.sampling and rss.peaks == {}
