@@ -63,6 +63,21 @@ def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
     assert not r["held"] and "thresholds" not in log
 
 
+def _script_json(script: str, arg: str) -> dict:
+    """What `script` prints (JSON) run in a process of its own with `arg`: mallopt's
+    settings stay for the life of a process."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, arg],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 # 220 MiB of heap (10 blocks of 22 MiB, under the mmap threshold) freed as one top, past a
 # trim threshold of 64 MiB. np.empty touches no page, so little of it is resident.
 _FREE_A_TOP = """
@@ -79,16 +94,7 @@ print(json.dumps({"with_blocks": with_blocks, "after": host_heap.heap_stats()["a
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 @pytest.mark.parametrize("trim", ["never", "64M"])
 def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(trim: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _FREE_A_TOP, trim],
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout)
+    r = _script_json(_FREE_A_TOP, trim)
     assert r["with_blocks"] > 10 * (22 << 20)
     if trim == "never":
         assert r["after"] == r["with_blocks"]  # the whole top stays with the process
@@ -127,16 +133,7 @@ print(json.dumps({"fast_chunks": m.smblks}))
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 @pytest.mark.parametrize("fastbins", ["on", "off"])
 def test_with_fastbins_off_small_frees_are_not_kept_in_fastbins(fastbins: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _FREE_SMALL, fastbins],
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    stats = json.loads(out.stdout)
+    stats = _script_json(_FREE_SMALL, fastbins)
     if fastbins == "on":
         assert stats["fast_chunks"] >= 900
     else:
