@@ -545,7 +545,7 @@ class PublishTimeline:
     def __init__(self, pub: Any, started: float, *, memory: bool = False) -> None:
         self.started = started
         # (step, version, start ms, end ms, memory at its start, memory at its end: `memory()`)
-        self.events: list[tuple[str, int, float, float, tuple[int, int, int], tuple[int, int, int]]] = []
+        self.events: list[tuple[str, int, float, float, tuple[int, ...], tuple[int, ...]]] = []
         self._version = 0
         self._memory = memory
         for name in ("_stage", "_send"):
@@ -557,13 +557,13 @@ class PublishTimeline:
         if hasattr(client, "_publish_bytes"):
             client._publish_bytes = self._timed("rpc", client._publish_bytes)
 
-    def memory(self) -> tuple[int, int, int]:
-        """(bytes of glibc's arenas, bytes of its own mappings, its free chunks); zeros where
-        unknown or not asked for."""
+    def memory(self) -> tuple[int, ...]:
+        """(bytes of glibc's arenas, bytes of its own mappings, its free chunks in bins, in
+        fastbins); zeros where unknown or not asked for."""
         if not self._memory:
-            return 0, 0, 0
+            return 0, 0, 0, 0
         heap = heap_stats()
-        return heap.get("arena", 0), heap.get("mapped", 0), heap.get("free_chunks", 0)
+        return tuple(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks"))
 
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -583,17 +583,18 @@ class PublishTimeline:
     def during(self, start_ms: float, end_ms: float) -> list[str]:
         """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2', with the
         memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB') and glibc's
-        free chunks at the step's end where it read them ('1,210,000 free chunks')."""
+        free chunks at the step's end where it read them ('1,210,000 free chunks, 3,000 in
+        fastbins')."""
         out = []
         for s, v, a, b, before, after in self.events:
             if a < end_ms and b > start_ms:
-                (h0, m0, _), (h1, m1, chunks) = before, after
+                (h0, m0, *_), (h1, m1, chunks, fast) = before, after
                 notes = [
                     f"{k} {(y - x) / 1e9:+.2f} GB"
                     for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
                     if abs(y - x) >= 64 << 20
                 ]
-                notes += [f"{chunks:,} free chunks"] if chunks else []
+                notes += [f"{chunks:,} free chunks, {fast:,} in fastbins"] if chunks or fast else []
                 out.append(f"{s} v{v} {a}-{b}" + "".join(f" {n}" for n in notes))
         return out
 

@@ -30,31 +30,31 @@ _INT_MAX = (1 << 31) - 1
 _NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
 
-def hold_freed_memory(trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
-    """From now on, heap tops up to `trim_bytes` stay with the process (None: every heap
-    top, glibc never trims) and requests up to `mmap_bytes` come from the heap (each capped
-    at what mallopt takes); the thresholds no longer grow. Returns whether glibc took both
-    (False off glibc: nothing changed)."""
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """Each (parameter, value) given to glibc's mallopt; whether it took them all (False
+    off glibc: nothing changed)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all([bool(mallopt(param, value)) for param, value in settings])  # every one set, even after a refusal
+
+
+def hold_freed_memory(trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
+    """From now on, heap tops up to `trim_bytes` stay with the process (None: every heap
+    top, glibc never trims) and requests up to `mmap_bytes` come from the heap (each capped
+    at what mallopt takes); the thresholds no longer grow. Returns whether glibc took both
+    (False off glibc: nothing changed)."""
     trim = _NEVER if trim_bytes is None else min(trim_bytes, _INT_MAX)
-    mmap = min(mmap_bytes, MMAP_THRESHOLD_MAX)
-    return bool(mallopt(_M_TRIM_THRESHOLD, trim)) & bool(mallopt(_M_MMAP_THRESHOLD, mmap))
+    return _mallopt((_M_TRIM_THRESHOLD, trim), (_M_MMAP_THRESHOLD, min(mmap_bytes, MMAP_THRESHOLD_MAX)))
 
 
 def set_max_fast(nbytes: int) -> bool:
     """Frees of chunks up to `nbytes` go to glibc's fastbins, kept apart unmerged until a
     later request merges them all at once; 0: no fastbins, every free merges at once
     (`MXFAST_DEFAULT` is glibc's own). Returns whether glibc took it (False off glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MXFAST, nbytes))
+    return _mallopt((_M_MXFAST, nbytes))
 
 
 _held = False
@@ -85,11 +85,12 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_stats() -> dict[str, int]:
     """glibc's account (`mallinfo2`, every arena): bytes of its arenas (`arena`), of its
-    own mappings for large requests (`mapped`), free within the arenas (`free`), and how
-    many free chunks hold that (`free_chunks`; `fast_chunks` of them in fastbins, not yet
-    merged); empty where there is no mallinfo2 (not glibc, or before 2.33). It walks every
-    free chunk under each arena's lock: on a heap of millions of free chunks a call takes
-    tens of ms, and mallocs in that arena wait for it."""
+    own mappings for large requests (`mapped`), free within the arenas (`free`), the free
+    chunks in its bins (`free_chunks`) and, beside them, those in its fastbins, not yet
+    merged (`fast_chunks`); empty where there is no mallinfo2 (not glibc, or before 2.33).
+    It walks every free chunk under each arena's lock, so its time grows with them, and
+    mallocs in that arena wait for it (about 20 ms a call on a v5e trainer's heap,
+    docs/performance.md)."""
     try:
         fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):

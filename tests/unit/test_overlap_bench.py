@@ -143,23 +143,30 @@ def test_the_timeline_records_each_publish_step_and_names_those_a_slow_iteration
     within = [f"rpc v7 {a3}-{b3}"] if a3 < a1 + 40 else []
     within += [f"send v7 {a2}-{b2}"] if a2 < a1 + 40 else []
     assert slow == [", ".join([f"it 2 40 ms: stage v7 {a1}-{b1}", *within])]
-    assert heap1 == heap2 == [(0, 0, 0), (0, 0, 0)]  # glibc's account not read unless asked (it locks arenas)
+    assert heap1 == heap2 == [(0, 0, 0, 0), (0, 0, 0, 0)]  # glibc's account not read unless asked (it locks arenas)
 
 
 def test_the_timeline_names_what_memory_did_in_a_step_and_the_collections_in_a_slow_iteration() -> None:
     timeline = train_overlap.PublishTimeline(object(), 100.0)
     timeline.events = [
-        ("stage", 3, 0.0, 10.0, (4_000_000_000, 0, 10), (4_000_010_000, 0, 20)),
-        ("send", 3, 10.0, 30.0, (4_850_000_000, 5_000_000_000, 1000), (2_790_000_000, 5_000_000_000, 1_210_000)),
+        ("stage", 3, 0.0, 10.0, (4_000_000_000, 0, 10, 0), (4_000_010_000, 0, 20, 0)),
+        (
+            "send",
+            3,
+            10.0,
+            30.0,
+            (4_850_000_000, 5_000_000_000, 1000, 5),
+            (2_790_000_000, 5_000_000_000, 1_210_000, 3000),
+        ),
     ]
     assert timeline.during(0.0, 40.0) == [
-        "stage v3 0.0-10.0 20 free chunks",
-        "send v3 10.0-30.0 heap -2.06 GB 1,210,000 free chunks",
+        "stage v3 0.0-10.0 20 free chunks, 0 in fastbins",
+        "send v3 10.0-30.0 heap -2.06 GB 1,210,000 free chunks, 3,000 in fastbins",
     ]
     pauses = train_overlap.GcPauses()
     pauses.pauses = [(2, 0.07, 100.012), (0, 0.001, 100.013), (1, 0.02, 100.5)]
     slow = train_overlap.slow_iterations([5.0, 5.0, 30.0, 5.0], [-20.0, -10.0, 10.0, 45.0], timeline, pauses)
-    assert slow == ["it 2 30 ms: send v3 10.0-30.0 heap -2.06 GB 1,210,000 free chunks, gc2 70 ms"]
+    assert slow == ["it 2 30 ms: send v3 10.0-30.0 heap -2.06 GB 1,210,000 free chunks, 3,000 in fastbins, gc2 70 ms"]
     assert pauses.summary()["gen2"] == {"count": 1, "total_ms": 70.0, "max_ms": 70.0}
 
 
