@@ -16,11 +16,10 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             interpreter's switch interval, Python's garbage collector during the steps
             (`gc`: auto, freeze, off), glibc's malloc (`malloc`: auto, or held: freed heap
             kept, `hold_freed_memory`; it stays so for later phases; `trim`: held, never;
-            `fastbins`: on, off),
-            where a superseded
-            snapshot is dropped (`release`: caller, thread), how PublishVersion's requests
-            are built and sent (`requests`: first, lazy, loop), which steps offer their
-            version (`offer`: every, idle), and how far each publish goes (`work`:
+            `fastbins`: on, off), where a superseded snapshot is dropped (`release`:
+            caller, thread), how PublishVersion's requests are built and sent
+            (`requests`: first, lazy, loop), which steps offer their version (`offer`:
+            every, idle), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
             apart what costs the steps; a phase repeated is numbered (" #2")
@@ -36,9 +35,12 @@ until it was READY: staged and taken by the coordinator; with no coordinator: st
 steps and seconds, D2H + staging GB/s, the device memory held for pending versions, and
 each async phase's RSS peak against its bound: the RSS before its publisher started +
 arena (two slots) + window + 256 MiB (+ the versions held, where the device is host
-memory). The RSS is sampled from another process (`rss_sampler.py`): gVisor, which TPU
-hosts run under, has no high-water mark that can be reset, so the process's own
-(`ru_maxrss`) keeps the peak of compiling the model.
+memory). The RSS is sampled from another process (`rss_sampler.py`, every
+`--rss-interval-ms`; 0: not sampled, no bound judged): gVisor, which TPU hosts run under,
+has no high-water mark that can be reset, so the process's own (`ru_maxrss`) keeps the
+peak of compiling the model. Each slow iteration is printed with the publish steps it
+overlapped (stage, send, and PublishVersion's call within it as rpc) and the garbage
+collections in it; `--heap-timeline` adds glibc's account around each step.
 
 The publisher needs a coordinator: by default one runs in a process of its own (as a
 deployment runs it beside the trainer), on 127.0.0.1 or, where this host has no usable
@@ -411,7 +413,7 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
             gc.unfreeze()
         if collecting:
             gc.enable()
-        if variant.trim == "never":  # back to what the device path holds (2 GiB) for the next phase
+        if variant.trim == "never":  # back to what the device path holds on an accelerator (2 GiB)
             hold_freed_memory()
         if variant.fastbins == "off":
             set_max_fast(MXFAST_DEFAULT)
@@ -538,9 +540,9 @@ class PublishTimeline:
     publisher's own steps: where in a publish a slow iteration falls. With `memory`, also
     glibc's account at each step's start and end (`heap_stats`: its arenas, its own
     mappings, the free chunks): a heap given back to the kernel, or one of millions of free
-    chunks, shows there. That reading locks each arena
-    while it walks its free chunks (tens of ms on such a heap), so it is asked for
-    (`--heap-timeline`), not taken by default. A `StageOnly` publisher has no such steps."""
+    chunks, shows there. That reading locks each arena while it walks its free chunks
+    (about 20 ms a call on a v5e trainer's heap), so it is asked for (`--heap-timeline`),
+    not taken by default. A `StageOnly` publisher has no such steps."""
 
     def __init__(self, pub: Any, started: float, *, memory: bool = False) -> None:
         self.started = started
