@@ -40,10 +40,12 @@ print(json.dumps(out))
 """
 
 
-def _stage_twice(mode: str) -> tuple[dict, str]:
+def _script_json(script: str, arg: str) -> tuple[dict, str]:
+    """What `script` prints last (JSON) and its log, run with `arg` in a process of its
+    own (mallopt's settings stay for the life of a process; JAX on the CPU)."""
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [sys.executable, "-c", _STAGE_TWICE, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, arg], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1]), out.stderr
@@ -51,7 +53,7 @@ def _stage_twice(mode: str) -> tuple[dict, str]:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_next() -> None:
-    r, log = _stage_twice("hold")
+    r, log = _script_json(_STAGE_TWICE, "hold")
     assert r["held"]
     assert log.count("glibc's trim and mmap thresholds held") == 1  # two publishes, set once
     assert r["after"]["arena"] == r["with_block"]["arena"]  # not trimmed back to the kernel
@@ -59,23 +61,8 @@ def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_n
 
 
 def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
-    r, log = _stage_twice("leave")
+    r, log = _script_json(_STAGE_TWICE, "leave")
     assert not r["held"] and "thresholds" not in log
-
-
-def _script_json(script: str, arg: str) -> dict:
-    """What `script` prints (JSON) run in a process of its own with `arg`: mallopt's
-    settings stay for the life of a process."""
-    out = subprocess.run(
-        [sys.executable, "-c", script, arg],
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
 
 
 # 220 MiB of heap (10 blocks of 22 MiB, under the mmap threshold) freed as one top, past a
@@ -94,7 +81,7 @@ print(json.dumps({"with_blocks": with_blocks, "after": host_heap.heap_stats()["a
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 @pytest.mark.parametrize("trim", ["never", "64M"])
 def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(trim: str) -> None:
-    r = _script_json(_FREE_A_TOP, trim)
+    r, _ = _script_json(_FREE_A_TOP, trim)
     assert r["with_blocks"] > 10 * (22 << 20)
     if trim == "never":
         assert r["after"] == r["with_blocks"]  # the whole top stays with the process
@@ -133,7 +120,7 @@ print(json.dumps({"fast_chunks": m.smblks}))
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 @pytest.mark.parametrize("fastbins", ["on", "off"])
 def test_with_fastbins_off_small_frees_are_not_kept_in_fastbins(fastbins: str) -> None:
-    stats = _script_json(_FREE_SMALL, fastbins)
+    stats, _ = _script_json(_FREE_SMALL, fastbins)
     if fastbins == "on":
         assert stats["fast_chunks"] >= 900
     else:
