@@ -14,8 +14,11 @@ calls `hold_for_device_path` before its first copies on an accelerator (the sett
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +33,25 @@ _INT_MAX = (1 << 31) - 1
 _NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
 
+@functools.cache
+def _libc_function(name: str, restype: type, *argtypes: type) -> Callable[..., Any] | None:
+    """The C library's function `name` (None where it has none), looked up once: each
+    lookup through a fresh `CDLL` makes a class of its own, memory from malloc that can land
+    above a freed heap top and keep glibc from trimming it."""
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
 def _mallopt(*settings: tuple[int, int]) -> bool:
     """Each (parameter, value) given to glibc's mallopt; whether it took them all (False
     off glibc: nothing changed)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all([bool(mallopt(param, value)) for param, value in settings])  # every one set, even after a refusal
 
 
@@ -91,12 +105,10 @@ def heap_stats() -> dict[str, int]:
     It walks every free chunk under each arena's lock, so its time grows with them, and
     mallocs in that arena wait for it (about 20 ms a call on a v5e trainer's heap,
     docs/performance.md)."""
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = _libc_function("mallinfo2", _MallInfo2)
+    if mallinfo2 is None:
         return {}
-    fn.restype = _MallInfo2
-    m = fn()
+    m = mallinfo2()
     return {
         "arena": m.arena,
         "mapped": m.hblkhd,
