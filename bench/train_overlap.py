@@ -82,10 +82,18 @@ from common import peak_rss_bytes, rss_bytes  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
+from trainer_agent import params as params_module  # noqa: E402
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
-from trainer_agent.host_heap import MXFAST_DEFAULT, heap_stats, hold_freed_memory, set_max_fast  # noqa: E402
+from trainer_agent.host_heap import (  # noqa: E402
+    MXFAST_DEFAULT,
+    TOP_PAD_DEFAULT,
+    heap_stats,
+    hold_for_device_path,
+    hold_freed_memory,
+    set_max_fast,
+)
 from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
@@ -773,6 +781,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "coordinator_address": args.coordinator_address,
         "coordinator_in_process": args.coordinator_in_process,
         "variant": base.label(),
+        "heaps": args.heaps,
+        "blocks_forced": args.force_blocks,
         "compile_s": round(compile_s, 3),
     }
     # the snapshot's program compiled before the baseline: compiling is once per trainer,
@@ -988,8 +998,24 @@ def main() -> None:
         help="read glibc's arenas, mappings and free chunks around each publish step (mallinfo2: it locks "
         "each arena while it counts, tens of ms on a heap of millions of free chunks)",
     )
+    p.add_argument(
+        "--heaps",
+        choices=("kept", "unmapped"),
+        default="kept",
+        help="a thread arena's heaps, for the whole run: kept as the device path holds them, or unmapped when a "
+        "free empties one (glibc's own top pad; the device path's hold takes it)",
+    )
+    p.add_argument(
+        "--force-blocks",
+        action="store_true",
+        help="cut shards into blocks on CPU devices too (the accelerator's branch, its held heap included)",
+    )
     args = p.parse_args()
     args.blocking_steps = args.blocking_steps or min(args.steps, 10)
+    if args.force_blocks:
+        params_module.HOST_MEMORY_PLATFORMS = frozenset()
+    if args.heaps == "unmapped" and not hold_for_device_path(top_pad_bytes=TOP_PAD_DEFAULT):
+        raise SystemExit("--heaps unmapped: this C library has no mallopt")
     out = run(args)
     text = json.dumps(out, indent=1)
     print(text)

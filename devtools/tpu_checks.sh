@@ -96,18 +96,20 @@ case "${1:-}" in
     ;;
   diagnose)
     facts
-    if [ -n "$small" ]; then b=small; else b=0.6b; fi
-    # glibc's account (arenas, own mappings, free chunks) around each publish step, with
-    # glibc's fastbins on and off, twice each: whether a slow send comes with a heap of
-    # millions of free chunks (each log ends with the bench's JSON)
-    step overlap-heap 200 "$py" bench/train_overlap.py --preset "$b" --heap-timeline \
-      --variant fastbins=off --variant offer=every --variant fastbins=off
+    if [ -n "$small" ]; then b=small; r=(--version-mib 256 --window-mib 128); else b=0.6b; r=(); fi
+    # a publish worker's block buffers with a thread arena's heaps kept and unmapped (glibc's
+    # own top pad), against the same copies into buffers made once: what a fresh heap costs here
+    step heap-reuse 60 "$py" bench/heap_reuse.py "${r[@]}" --rounds 3 --out "$out/heap-reuse.json"
+    # the run's settings (heaps kept), then the same with heaps unmapped as glibc does, each
+    # with two async phases; a process each (a thread's arena outlives it: reused by the next)
+    step overlap-kept 130 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    step overlap-unmapped 130 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
-    step overlap-unsampled 150 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
+    step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     # the same steps with another allocator preloaded, where the host has one
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
-      step overlap-preload 150 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+      step overlap-preload 130 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     else
       printf '%-22s skipped: no tcmalloc or jemalloc on this host\n' overlap-preload | tee -a "$summary"
     fi

@@ -3,12 +3,16 @@
 A TPU runtime's device-to-host copies land in host buffers from malloc. By default glibc
 returns a free heap top above a threshold to the kernel (trim), and serves a request above
 another threshold from a mapping of its own, unmapped at free; both thresholds grow with
-what the process frees (up to 64 and 32 MiB). A process that frees and allocates blocks of
-tens of MiB over and over may then fault in fresh pages for many of them, which a host under
-gVisor pays dearly. `hold_freed_memory` fixes the thresholds for a process already running
-(as MALLOC_TRIM_THRESHOLD_ and MALLOC_MMAP_THRESHOLD_ do from its start); the device path
-calls `hold_for_device_path` before its first copies on an accelerator (the setting
-`d2h_hold_freed_heap`). `heap_stats` says how much memory glibc holds.
+what the process frees (up to 64 and 32 MiB). A thread other than the main one allocates
+from an arena of its own, made of heaps of 64 MiB each: glibc unmaps such a heap as soon as
+a free leaves it empty, whatever the trim threshold, unless its top pad is a heap's size.
+A process that frees and allocates blocks of tens of MiB over and over (a publish worker's
+device-to-host copies) may then fault in fresh pages for many of them, which a host under
+gVisor pays dearly. `hold_freed_memory` fixes the thresholds and the pad for a process
+already running (as MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ and MALLOC_TOP_PAD_ do
+from its start); the device path calls `hold_for_device_path` before its first copies on an
+accelerator (the setting `d2h_hold_freed_heap`). `heap_stats` says how much memory glibc
+holds.
 """
 
 from __future__ import annotations
@@ -24,11 +28,17 @@ log = logging.getLogger(__name__)
 
 _M_MXFAST = 1  # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 #: glibc's own largest fastbin request on 64-bit hosts (DEFAULT_MXFAST: 64 * sizeof(size_t) / 4)
 MXFAST_DEFAULT = 128
 #: the largest mmap threshold glibc takes on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 MMAP_THRESHOLD_MAX = 32 << 20
+#: the size of each heap a thread's arena is made of on 64-bit hosts (HEAP_MAX_SIZE, twice the
+#: above): a top pad this large keeps glibc from unmapping a heap a free left empty
+HEAP_BYTES = 2 * MMAP_THRESHOLD_MAX
+#: glibc's own top pad (mallopt(3): 128 KiB)
+TOP_PAD_DEFAULT = 128 << 10
 _INT_MAX = (1 << 31) - 1
 _NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
@@ -55,13 +65,21 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
     return all([bool(mallopt(param, value)) for param, value in settings])  # every one set, even after a refusal
 
 
-def hold_freed_memory(trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
+def hold_freed_memory(
+    trim_bytes: int | None = _INT_MAX, mmap_bytes: int = MMAP_THRESHOLD_MAX, top_pad_bytes: int = HEAP_BYTES
+) -> bool:
     """From now on, heap tops up to `trim_bytes` stay with the process (None: every heap
     top, glibc never trims) and requests up to `mmap_bytes` come from the heap (each capped
-    at what mallopt takes); the thresholds no longer grow. Returns whether glibc took both
-    (False off glibc: nothing changed)."""
+    at what mallopt takes); the thresholds no longer grow. Each heap grows by `top_pad_bytes`
+    beyond a request, and keeps as much free at its top: with `HEAP_BYTES` (the default),
+    no free unmaps a thread arena's heap (`TOP_PAD_DEFAULT`: glibc's own). Returns whether
+    glibc took all three (False off glibc: nothing changed)."""
     trim = _NEVER if trim_bytes is None else min(trim_bytes, _INT_MAX)
-    return _mallopt((_M_TRIM_THRESHOLD, trim), (_M_MMAP_THRESHOLD, min(mmap_bytes, MMAP_THRESHOLD_MAX)))
+    return _mallopt(
+        (_M_TRIM_THRESHOLD, trim),
+        (_M_MMAP_THRESHOLD, min(mmap_bytes, MMAP_THRESHOLD_MAX)),
+        (_M_TOP_PAD, min(top_pad_bytes, _INT_MAX)),
+    )
 
 
 def set_max_fast(nbytes: int) -> bool:
@@ -75,16 +93,22 @@ _held = False
 _held_lock = threading.Lock()
 
 
-def hold_for_device_path() -> bool:
+def hold_for_device_path(top_pad_bytes: int = HEAP_BYTES) -> bool:
     """Once per process: glibc's thresholds held (`hold_freed_memory`'s defaults: heap tops
-    up to 2 GiB kept, requests up to 32 MiB from the heap), so the host buffers of the
-    device path's blocks, freed as each block is staged, serve the next blocks' copies
-    instead of fresh pages. Returns whether they are held (False off glibc)."""
+    up to 2 GiB kept, requests up to 32 MiB from the heap, thread arenas' heaps kept), so
+    the host buffers of the device path's blocks, freed as each block is staged, serve the
+    next blocks' copies instead of fresh pages, in whichever thread publishes. The first
+    call's `top_pad_bytes` stays (a bench passes `TOP_PAD_DEFAULT` to measure glibc's own).
+    Returns whether they are held (False off glibc)."""
     global _held
     with _held_lock:
         if not _held:
-            _held = hold_freed_memory()
-            log.info("glibc's trim and mmap thresholds %s for the device path's blocks", "held" if _held else "not set")
+            _held = hold_freed_memory(top_pad_bytes=top_pad_bytes)
+            log.info(
+                "glibc's trim and mmap thresholds and top pad (%d MiB) %s for the device path's blocks",
+                top_pad_bytes >> 20,
+                "held" if _held else "not set",
+            )
         return _held
 
 

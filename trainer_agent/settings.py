@@ -96,8 +96,9 @@ class PublisherSettings(ServerConfig):
     d2h_hold_freed_heap: bool = option(
         True,
         "Device arrays on an accelerator: before the first blocks' copies, fix glibc's trim and mmap thresholds "
-        "(2 GiB, 32 MiB; process-wide, once) so each block's host buffer reuses memory the blocks before it "
-        "freed instead of faulting in fresh pages; false leaves malloc's settings alone.",
+        "(2 GiB, 32 MiB) and its top pad (64 MiB, so no free unmaps a thread arena's heap; process-wide, once) "
+        "so each block's host buffer reuses memory the blocks before it freed instead of faulting in fresh "
+        "pages, in whichever thread publishes; false leaves malloc's settings alone.",
     )
     delta: str = option(
         "off",

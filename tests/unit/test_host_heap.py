@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # in a process of its own: the thresholds stay set for the life of a process
 _STAGE_TWICE = """
-import json, logging, sys, numpy as np
+import json, logging, sys, threading, numpy as np
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from trainer_agent import host_heap, params
 from trainer_agent.settings import PublisherSettings
@@ -37,6 +37,14 @@ if hold:
     out["with_block"] = host_heap.heap_stats()
     del block
     out["after"] = host_heap.heap_stats()
+    def in_a_thread():  # a publish worker's arena: heaps of its own, kept when a free empties one
+        blocks = [np.ones(20 << 20, np.uint8) for _ in range(3)]
+        out["thread_with_blocks"] = host_heap.heap_stats()["arena"]
+        blocks.clear()
+        out["thread_after"] = host_heap.heap_stats()["arena"]
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
 print(json.dumps(out))
 """
 
@@ -57,9 +65,10 @@ def _script_json(script: str, arg: str, env_pad: int = 0) -> tuple[dict, str]:
 def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_next() -> None:
     r, log = _script_json(_STAGE_TWICE, "hold")
     assert r["held"]
-    assert log.count("glibc's trim and mmap thresholds held") == 1  # two publishes, set once
+    assert log.count("glibc's trim and mmap thresholds and top pad (64 MiB) held") == 1  # two publishes, set once
     assert r["after"]["arena"] == r["with_block"]["arena"]  # not trimmed back to the kernel
     assert r["after"]["free"] - r["with_block"]["free"] > 19 << 20  # free in it, for the next block
+    assert r["thread_after"] == r["thread_with_blocks"]  # nor a thread arena's heaps unmapped
 
 
 def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
@@ -98,6 +107,39 @@ def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(tri
         assert [pad for pad, r in runs.items() if r["after"] != r["with_blocks"]] == []
     else:  # glibc gave the top back
         assert [pad for pad, r in runs.items() if r["after"] >= r["with_blocks"] - (150 << 20)] == []
+
+
+# A thread other than the main one allocates from an arena of its own, made of 64 MiB heaps:
+# eight 18 MiB blocks (under the mmap threshold) span three, freed every round.
+_FREE_IN_A_THREAD = """
+import json, sys, threading, numpy as np
+from trainer_agent import host_heap
+pad = host_heap.HEAP_BYTES if sys.argv[1] == "kept" else host_heap.TOP_PAD_DEFAULT
+assert host_heap.hold_freed_memory(top_pad_bytes=pad)
+host_heap.heap_stats()
+rounds = []
+def publish_worker():
+    for _ in range(4):
+        blocks = [np.ones(18 << 20, np.uint8) for _ in range(8)]
+        with_blocks = host_heap.heap_stats()["arena"]
+        blocks.clear()
+        rounds.append((with_blocks, host_heap.heap_stats()["arena"]))
+worker = threading.Thread(target=publish_worker)
+worker.start()
+worker.join()
+print(json.dumps(rounds))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+@pytest.mark.parametrize("heaps", ["kept", "glibc's pad"])
+def test_a_thread_arenas_heaps_stay_mapped_only_with_a_heap_sized_top_pad(heaps: str) -> None:
+    rounds, _ = _script_json(_FREE_IN_A_THREAD, "kept" if heaps == "kept" else "default")
+    assert all(with_blocks > 8 * (18 << 20) for with_blocks, _ in rounds)
+    if heaps == "kept":  # every heap stays, for the next round's blocks
+        assert all(after == with_blocks for with_blocks, after in rounds)
+    else:  # whatever the trim threshold, glibc unmaps a heap the frees left empty, every round
+        assert all(after < with_blocks for with_blocks, after in rounds)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
