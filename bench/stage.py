@@ -8,7 +8,8 @@ the same bytes measured in this run, plus the peak RSS above the pre-staging bas
 `--devices N` instead stages a model sharded over N devices by the device path, beside
 copy-only device-to-host methods of the same shards in the same run, every byte checked
 (bench/stage_devices.py says what and how; bench/d2h.py has the methods). Progress goes
-to stderr as each figure comes.
+to stderr as each figure comes. `--publish-thread` stages there on a worker thread, as
+`publish_async` does, and `--heaps unmapped` gives glibc's own top pad to the device path.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--devices" in sys.argv:  # XLA reads the device count once, at import
@@ -36,6 +41,7 @@ from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
+from trainer_agent.host_heap import TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
 from trainer_agent.params import DEFAULT_WINDOW_BYTES, host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
@@ -44,6 +50,8 @@ from weightsync.config import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 
+T = TypeVar("T")
+
 
 def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
     key = jax.random.PRNGKey(0)
@@ -51,6 +59,19 @@ def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
     for i, (name, shape) in enumerate(param_shapes(PRESETS[preset]).items()):
         out[name] = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype))
     return jax.block_until_ready(out)
+
+
+def on_thread(worker: bool, fn: Callable[..., T], *fn_args: Any) -> T:
+    """`fn(*fn_args)`, where `worker` on a thread of its own, as publish_async stages (glibc
+    gives such a thread an arena of its own), else on this one."""
+    if not worker:
+        return fn(*fn_args)
+    with ThreadPoolExecutor(1, thread_name_prefix="publish-worker") as pool:
+        return pool.submit(fn, *fn_args).result()
+
+
+def _named(fn: Callable[..., dict[str, Any]], *fn_args: Any) -> dict[str, Any]:
+    return {**fn(*fn_args), "staging_thread": threading.current_thread().name}
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -223,16 +244,30 @@ def main() -> int:
         default=0,
         help="device path: skip the rows that would end past this many seconds (0: none); the verdict comes first",
     )
+    p.add_argument(
+        "--publish-thread",
+        action="store_true",
+        help="device path: stage on a worker thread, as publish_async does (its own glibc arena), not the main one",
+    )
+    p.add_argument(
+        "--heaps",
+        choices=("kept", "unmapped"),
+        default="kept",
+        help="device path: a thread arena's heaps kept as the device path holds them, or unmapped when a free "
+        "empties one (glibc's own top pad)",
+    )
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile-cache", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")
+    if args.heaps == "unmapped" and not hold_for_device_path(top_pad_bytes=TOP_PAD_DEFAULT):
+        sys.exit("--heaps unmapped: this C library has no mallopt")
     if args.devices and args.rss_child:
-        print(json.dumps(measure_rss(args)))
+        print(json.dumps(on_thread(args.publish_thread, measure_rss, args)))
         return 0
     if args.devices:
-        result = measure_devices(args, sys.argv[1:])
+        result = {**on_thread(args.publish_thread, _named, measure_devices, args, sys.argv[1:]), "heaps": args.heaps}
         if not args.json:
             print_devices(result)
         print(json.dumps(result))

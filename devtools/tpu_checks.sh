@@ -16,9 +16,10 @@
 # until then stays in its log (Python runs unbuffered). The steps of one call also share
 # TPU_CHECKS_DEADLINE_S (570 s, under the device call's 600): a step gets what is left
 # of it when that is less than its budget, and none is started once less than 20 s are
-# left. A failing step is recorded and the next one runs. JAX takes its default platform
-# (the chip); one process holds it, so steps run one by one. `TPU_CHECKS_CPU=1` runs the
-# same steps on 8 CPU devices, to try the script off the host.
+# left. A failing step is recorded and the next one runs. `TPU_CHECKS_ONLY="a b"` runs only
+# the steps of those names (a second call for what the first had no time left for). JAX
+# takes its default platform (the chip); one process holds it, so steps run one by one.
+# `TPU_CHECKS_CPU=1` runs the same steps on 8 CPU devices, to try the script off the host.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-/tmp/tpu-checks}; mkdir -p "$out"
@@ -36,8 +37,13 @@ summary="$out/summary.txt"
 GRACE_S=10   # SIGTERM to SIGKILL
 MIN_STEP_S=20
 
+asked() {  # asked NAME: whether TPU_CHECKS_ONLY (when set) names the step
+  [ -z "${TPU_CHECKS_ONLY:-}" ] || [[ " $TPU_CHECKS_ONLY " == *" $1 "* ]]
+}
+
 step() {  # step NAME BUDGET_S COMMAND...: runs it within its budget, logs to $out/NAME.log
   local name=$1 budget=$2; shift 2
+  asked "$name" || return 0
   local left=$((deadline - SECONDS)) limit t0=$SECONDS rc note=""
   if [ "$left" -lt "$MIN_STEP_S" ]; then
     printf '%-22s skipped: %ss left of the call\n' "$name" "$left" | tee -a "$summary"
@@ -106,11 +112,16 @@ case "${1:-}" in
     step overlap-unmapped 130 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
+    # the device path staged on a worker thread, as publish_async does, heaps kept and unmapped
+    step stage-thread-kept 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
+      --deadline-s 85 --json
+    step stage-thread-unmapped 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
+      --heaps unmapped --deadline-s 85 --json
     # the same steps with another allocator preloaded, where the host has one
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
       step overlap-preload 130 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every
-    else
+    elif asked overlap-preload; then
       printf '%-22s skipped: no tcmalloc or jemalloc on this host\n' overlap-preload | tee -a "$summary"
     fi
     ;;

@@ -72,6 +72,13 @@ def test_steps_share_the_calls_deadline(tmp_path: Path) -> None:
     assert not (tmp_path / "late.log").exists()
 
 
+def test_only_the_steps_asked_for_run(tmp_path: Path) -> None:
+    done = _sourced(tmp_path, "step first 30 true && step second 30 true", TPU_CHECKS_ONLY="second")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"second +rc=0 +\d+s\n", (tmp_path / "summary.txt").read_text())
+    assert not (tmp_path / "first.log").exists()
+
+
 def test_the_host_facts_are_json_whatever_the_interpreter_warns(tmp_path: Path) -> None:
     """JAX on the TPU host warns about transparent hugepages on stderr: host.err, not host.json."""
     warns = tmp_path / "python"

@@ -48,3 +48,10 @@ def test_rows_past_the_deadline_are_skipped_and_the_default_is_still_measured() 
     assert "window_1024MiB_block_18MiB_again" in out["skipped"] and out["gbps_again"] is None
     assert "whole_pinned_host" in out["skipped"] and "window_1024MiB_block_0MiB" in out["skipped"]
     assert not set(out["skipped"]) & (set(out["device_path"]) | set(out["copy_only"]))
+
+
+def test_on_a_publish_worker_thread_with_glibcs_own_top_pad_the_rows_are_still_exact() -> None:
+    out = stage_bench("--deadline-s", "1", "--publish-thread", "--heaps", "unmapped")
+    assert out["staging_thread"].startswith("publish-worker") and out["heaps"] == "unmapped"
+    assert out["exact"] and out["rss_exact"] and 0 < out["peak_rss_over_baseline_bytes"] <= out["rss_bound_bytes"]
+    assert stage_bench("--deadline-s", "1")["staging_thread"] == "MainThread"
