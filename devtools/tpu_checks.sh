@@ -110,13 +110,13 @@ case "${1:-}" in
     # with two async phases; a process each (a thread's arena outlives it: reused by the next)
     step overlap-kept 130 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     step overlap-unmapped 130 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
-    # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
-    step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     # the device path staged on a worker thread, as publish_async does, heaps kept and unmapped
     step stage-thread-kept 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
       --deadline-s 85 --json
     step stage-thread-unmapped 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
       --heaps unmapped --deadline-s 85 --json
+    # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
+    step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     # the same steps with another allocator preloaded, where the host has one
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
