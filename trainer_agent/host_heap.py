@@ -105,8 +105,8 @@ def hold_for_device_path(top_pad_bytes: int = HEAP_BYTES) -> bool:
         if not _held:
             _held = hold_freed_memory(top_pad_bytes=top_pad_bytes)
             log.info(
-                "glibc's trim and mmap thresholds and top pad (%d MiB) %s for the device path's blocks",
-                top_pad_bytes >> 20,
+                "glibc's trim and mmap thresholds and top pad (%g MiB) %s for the device path's blocks",
+                top_pad_bytes / (1 << 20),
                 "held" if _held else "not set",
             )
         return _held
