@@ -1,13 +1,13 @@
 """A publish worker's host buffers under glibc: what unmapping a thread arena's heaps costs.
 
-The device path lands each block's D2H in a host buffer from malloc, in the thread that
-publishes: `publish_async`'s worker, not the main thread, so a thread arena, made of
-heaps of 64 MiB. By glibc's default a free that empties such a heap unmaps it, whatever
-the trim threshold; the next version's blocks fault in fresh pages (`trainer_agent/
-host_heap.py`). This replays that pattern without a device: per version, `--version-mib`
-in blocks of `--block-mib`, at most `--window-mib` in flight, each allocated and written
-(as a D2H lands) on one worker thread and freed first in, first out as if staged, the rest
-at the version's end. Modes, interleaved (ABAB), each on a worker thread:
+The device path lands each block's D2H in a host buffer from malloc. Allocated in a thread
+other than the main one (`publish_async`'s worker), it comes from that thread's arena, made
+of heaps of 64 MiB, and by glibc's default a free that empties such a heap unmaps it,
+whatever the trim threshold: the next version's blocks fault in fresh pages
+(`trainer_agent/host_heap.py`). This replays that pattern without a device: per version,
+`--version-mib` in blocks of `--block-mib`, at most `--window-mib` in flight, each
+allocated and written (as a D2H lands) on one worker thread and freed first in, first out
+as if staged, the rest at the version's end. Modes, interleaved (ABAB):
 
   kept      the device path's `hold_freed_memory()`: a heap-sized top pad, heaps stay
   unmapped  the same thresholds with glibc's own top pad: emptied heaps are unmapped
@@ -15,9 +15,9 @@ at the version's end. Modes, interleaved (ABAB), each on a worker thread:
 
 Each mode runs `--versions` versions a round in a process of its own (mallopt's settings,
 and the heaps they leave, stay with a process), the first not counted (its heaps, or the
-bound's buffers, are made then). Prints, per mode, the median GB/s and its ratio
-to the bound's, and the page faults and system CPU seconds of the worker per version
-(RUSAGE_THREAD), as one JSON object (also to `--out`).
+bound's buffers, are made then). Prints, per mode, the median GB/s and its ratio to the
+bound's, and the worker's page faults and system CPU seconds per version (RUSAGE_THREAD),
+as one JSON object (also to `--out`).
 
     python bench/heap_reuse.py                        # a 0.6b-sized version, 1 GiB window
     python bench/heap_reuse.py --version-mib 8192     # a 4b-sized one
