@@ -29,7 +29,7 @@ stderr: the step times and how long each step's call took to return (its dispatc
 the loop waits for the interpreter or the runtime, it shows here), `async_ratio` (the
 async phase's total over as many no-publish steps at the mean of both no-publish phases),
 `overlap_ratio` (the same over the steps that ran while a publish was in flight), the
-process's CPU seconds per step, versions published and skipped and published per step,
+process's CPU seconds and page faults per step, versions published and skipped and published per step,
 the publish-to-ready latency of each published version (from its `publish_async` call
 until it was READY: staged and taken by the coordinator; with no coordinator: staged) in
 steps and seconds, D2H + staging GB/s, the device memory held for pending versions, and
@@ -39,8 +39,8 @@ memory). The RSS is sampled from another process (`rss_sampler.py`, every
 `--rss-interval-ms`; 0: not sampled, no bound judged): gVisor, which TPU hosts run under,
 has no high-water mark that can be reset, so the process's own (`ru_maxrss`) keeps the
 peak of compiling the model. Each slow iteration is printed with the publish steps it
-overlapped (stage, send, and PublishVersion's call within it as rpc) and the garbage
-collections in it; `--heap-timeline` adds glibc's account around each step.
+overlapped (stage, send, and PublishVersion's call within it as rpc, each with the page
+faults in it where 1,000 or more) and the garbage collections in it; `--heap-timeline` adds glibc's account around each step.
 
 The publisher needs a coordinator: by default one runs in a process of its own (as a
 deployment runs it beside the trainer), on 127.0.0.1 or, where this host has no usable
@@ -63,6 +63,7 @@ import faulthandler
 import gc
 import json
 import math
+import resource
 import statistics
 import sys
 import tempfile
@@ -569,11 +570,13 @@ class PublishTimeline:
 
     def memory(self) -> tuple[int, ...]:
         """(bytes of glibc's arenas, bytes of its own mappings, its free chunks in bins, in
-        fastbins); zeros where unknown or not asked for."""
+        fastbins: zeros where unknown or not asked for; the process's page faults so far,
+        always: getrusage costs microseconds)."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if not self._memory:
-            return 0, 0, 0, 0
+            return 0, 0, 0, 0, faults
         heap = heap_stats()
-        return tuple(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks"))
+        return (*(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks")), faults)
 
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -592,19 +595,22 @@ class PublishTimeline:
 
     def during(self, start_ms: float, end_ms: float) -> list[str]:
         """The steps that overlap [start_ms, end_ms], as 'send v12 1151.0-1405.2', with the
-        memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB') and glibc's
-        free chunks at the step's end where it read them ('1,210,000 free chunks, 3,000 in
-        fastbins')."""
+        memory changes of 64 MiB or more ('heap -2.06 GB', 'mapped +1.20 GB'), glibc's free
+        chunks at the step's end where it read them ('1,210,000 free chunks, 3,000 in
+        fastbins') and the process's page faults in the step, 1,000 or more ('26,537
+        faults': fresh pages, 4 KiB each without transparent hugepages)."""
         out = []
         for s, v, a, b, before, after in self.events:
             if a < end_ms and b > start_ms:
-                (h0, m0, *_), (h1, m1, chunks, fast) = before, after
+                (h0, m0, *_), (h1, m1, chunks, fast, *faulted) = before, after
+                faults = faulted[0] - before[4] if faulted else 0
                 notes = [
                     f"{k} {(y - x) / 1e9:+.2f} GB"
                     for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
                     if abs(y - x) >= 64 << 20
                 ]
                 notes += [f"{chunks:,} free chunks, {fast:,} in fastbins"] if chunks or fast else []
+                notes += [f"{faults:,} faults"] if faults >= 1000 else []
                 out.append(f"{s} v{v} {a}-{b}" + "".join(f" {n}" for n in notes))
         return out
 
@@ -652,7 +658,7 @@ def async_phase(
     ends: dict[int, float] = {}  # version -> when it was READY, from the phase's start
     held_max = 0
     skipped0 = pub.publish_skipped
-    cpu0 = time.process_time()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     pauses = GcPauses()
     gc.callbacks.append(pauses)
     timeline = PublishTimeline(pub, started, memory=heap_timeline)
@@ -681,7 +687,7 @@ def async_phase(
         if stalls:
             stalls.disarm()
         overlapped.append(busy_before or pub._async.busy)
-    cpu_s = time.process_time() - cpu0
+    cpu_s, faults = time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     gc.callbacks.remove(pauses)
     t = time.perf_counter()
     pub.flush()
@@ -694,6 +700,7 @@ def async_phase(
         "iterations": iterations,
         "dispatches": dispatches,
         "cpu_s": cpu_s,
+        "faults": faults,
         "heap": heap_stats(),
         "gc": pauses.summary(),
         "overlapped": overlapped,
@@ -720,6 +727,7 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
         "step_dispatch_s": _stats(phase["dispatches"]),
         "publish_async_call_s": _stats(phase["calls"]),
         "cpu_s_per_step": round(phase["cpu_s"] / len(its), 4),
+        "faults_per_step": round(phase["faults"] / len(its)),  # the process's page faults (0: not counted)
         "gc_pauses": phase["gc"],
         "heap_at_end": phase["heap"],  # glibc's arenas and own mappings when the phase ended
         # each iteration's times, to line up slow ones with pauses
@@ -924,7 +932,8 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
         f"{s['publish_async_call_s']['median'] * 1e3:.1f} median / "
         f"{s['publish_async_call_s']['max'] * 1e3:.0f} max ms; "
         f"published {s['published']}; to READY {s['publish_to_ready_steps'] or {}}; "
-        f"{s['d2h_stage_gbps']} GB/s; CPU {s['cpu_s_per_step'] * 1e3:.0f} ms/step; GC {s['gc_pauses']}"
+        f"{s['d2h_stage_gbps']} GB/s; CPU {s['cpu_s_per_step'] * 1e3:.0f} ms/step; "
+        f"{s['faults_per_step']:,} page faults/step; GC {s['gc_pauses']}"
         + (f"; not offered {s['not_offered']}" if s["not_offered"] else ""),
         file=sys.stderr,
     )
