@@ -40,7 +40,8 @@ memory). The RSS is sampled from another process (`rss_sampler.py`, every
 has no high-water mark that can be reset, so the process's own (`ru_maxrss`) keeps the
 peak of compiling the model. Each slow iteration is printed with the publish steps it
 overlapped (stage, send, and PublishVersion's call within it as rpc, each with the page
-faults in it where 1,000 or more) and the garbage collections in it; `--heap-timeline` adds glibc's account around each step.
+faults in it where 1,000 or more) and the garbage collections in it; `--heap-timeline`
+adds glibc's account around each step.
 
 The publisher needs a coordinator: by default one runs in a process of its own (as a
 deployment runs it beside the trainer), on 127.0.0.1 or, where this host has no usable
