@@ -105,7 +105,7 @@ case "${1:-}" in
     if [ -n "$small" ]; then b=small; r=(--version-mib 256 --window-mib 128); else b=0.6b; r=(); fi
     # a publish worker's block buffers with a thread arena's heaps kept and unmapped (glibc's
     # own top pad), against the same copies into buffers made once: what a fresh heap costs here
-    step heap-reuse 60 "$py" bench/heap_reuse.py "${r[@]}" --rounds 3 --out "$out/heap-reuse.json"
+    step heap-reuse 75 "$py" bench/heap_reuse.py "${r[@]}" --rounds 3 --out "$out/heap-reuse.json"
     # the run's settings (heaps kept), then the same with heaps unmapped as glibc does, each
     # with two async phases; a process each (a thread's arena outlives it: reused by the next)
     step overlap-kept 130 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
