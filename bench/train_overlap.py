@@ -29,13 +29,13 @@ stderr: the step times and how long each step's call took to return (its dispatc
 the loop waits for the interpreter or the runtime, it shows here), `async_ratio` (the
 async phase's total over as many no-publish steps at the mean of both no-publish phases),
 `overlap_ratio` (the same over the steps that ran while a publish was in flight), the
-process's CPU seconds and page faults per step, versions published and skipped and published per step,
-the publish-to-ready latency of each published version (from its `publish_async` call
-until it was READY: staged and taken by the coordinator; with no coordinator: staged) in
-steps and seconds, D2H + staging GB/s, the device memory held for pending versions, and
-each async phase's RSS peak against its bound: the RSS before its publisher started +
-arena (two slots) + window + 256 MiB (+ the versions held, where the device is host
-memory). The RSS is sampled from another process (`rss_sampler.py`, every
+process's CPU seconds and page faults per step, versions published and skipped and
+published per step, the publish-to-ready latency of each published version (from its
+`publish_async` call until it was READY: staged and taken by the coordinator; with no
+coordinator: staged) in steps and seconds, D2H + staging GB/s, the device memory held for
+pending versions, and each async phase's RSS peak against its bound: the RSS before its
+publisher started + arena (two slots) + window + 256 MiB (+ the versions held, where the
+device is host memory). The RSS is sampled from another process (`rss_sampler.py`, every
 `--rss-interval-ms`; 0: not sampled, no bound judged): gVisor, which TPU hosts run under,
 has no high-water mark that can be reset, so the process's own (`ru_maxrss`) keeps the
 peak of compiling the model. Each slow iteration is printed with the publish steps it
