@@ -1,4 +1,5 @@
-"""Shared by the transfer benchmark's driver and its worker processes: the model, RSS, CPU time."""
+"""Shared by the benchmarks (the transfer benchmark's driver and its worker processes among them):
+the model, RSS, CPU time, and the `--heaps` choice."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer_agent.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
 from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -120,3 +122,15 @@ class PeakRss:
     def __exit__(self, *exc: object) -> None:
         self.peak = peak_rss_bytes()
         self.exact = self.reset or self.peak > self.start
+
+
+#: a thread arena's heaps, by the benches' `--heaps` choice: the top pad that keeps them (the
+#: device path's) or glibc's own, with which a free that empties one unmaps it
+HEAP_PADS = {"kept": HEAP_BYTES, "unmapped": TOP_PAD_DEFAULT}
+
+
+def hold_heaps(choice: str) -> None:
+    """The device path's hold, taken now with the top pad of `choice` ("kept": as the device
+    path takes it at its first copies, so nothing is done here); exits off glibc."""
+    if choice != "kept" and not hold_for_device_path(top_pad_bytes=HEAP_PADS[choice]):
+        raise SystemExit(f"--heaps {choice}: this C library has no mallopt")

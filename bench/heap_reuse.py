@@ -42,7 +42,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer_agent.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_freed_memory  # noqa: E402
+from common import HEAP_PADS  # noqa: E402
+
+from trainer_agent.host_heap import hold_freed_memory  # noqa: E402
 
 MODES = ("kept", "unmapped", "bound")
 
@@ -60,15 +62,19 @@ def one_version(n_blocks: int, in_flight: int, block: np.ndarray, new_buffer: Ca
     held.clear()
 
 
+def blocks(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(bytes of a block, blocks of a version, blocks in flight at most)."""
+    block_bytes = args.block_mib << 20
+    return block_bytes, max(1, (args.version_mib << 20) // block_bytes), max(1, (args.window_mib << 20) // block_bytes)
+
+
 def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float]]:
     """`args.versions` versions in `mode` on one worker thread of this process, the first
     not counted (its heaps, or the bound's buffers, are made then): seconds, page faults and
     system CPU seconds of each."""
-    block_bytes = args.block_mib << 20
-    n_blocks = max(1, (args.version_mib << 20) // block_bytes)
-    in_flight = max(1, (args.window_mib << 20) // block_bytes)
+    block_bytes, n_blocks, in_flight = blocks(args)
     block = np.full(block_bytes, 7, np.uint8)
-    if mode != "bound" and not hold_freed_memory(top_pad_bytes=TOP_PAD_DEFAULT if mode == "unmapped" else HEAP_BYTES):
+    if mode != "bound" and not hold_freed_memory(top_pad_bytes=HEAP_PADS[mode]):
         raise SystemExit("this C library has no mallopt: nothing to compare")
     ring: list[np.ndarray] = []
 
@@ -102,12 +108,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for mode in MODES:
             child = [sys.executable, __file__, "--child", mode, *_sizes(args)]
             rows[mode] += json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout)
-    block_bytes = args.block_mib << 20
-    nbytes = max(1, (args.version_mib << 20) // block_bytes) * block_bytes
+    block_bytes, n_blocks, in_flight = blocks(args)
+    nbytes = n_blocks * block_bytes
     out: dict[str, Any] = {
         "version_bytes": nbytes,
         "block_bytes": block_bytes,
-        "in_flight_blocks": max(1, (args.window_mib << 20) // block_bytes),
+        "in_flight_blocks": in_flight,
         "versions_counted": len(rows["bound"]),
     }
     for mode in MODES:

@@ -35,13 +35,12 @@ if "--devices" in sys.argv:  # XLA reads the device count once, at import
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import PeakRss, rss_bytes  # noqa: E402
+from common import HEAP_PADS, PeakRss, hold_heaps, rss_bytes  # noqa: E402
 from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES  # noqa: E402
 from trainer_agent.ffi_staging import FfiStager  # noqa: E402
-from trainer_agent.host_heap import TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
 from trainer_agent.params import DEFAULT_WINDOW_BYTES, host_shards  # noqa: E402
 from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
@@ -251,7 +250,7 @@ def main() -> int:
     )
     p.add_argument(
         "--heaps",
-        choices=("kept", "unmapped"),
+        choices=tuple(HEAP_PADS),
         default="kept",
         help="device path: a thread arena's heaps kept as the device path holds them, or unmapped when a free "
         "empties one (glibc's own top pad)",
@@ -261,8 +260,7 @@ def main() -> int:
     args = p.parse_args()
     if not native.available():
         sys.exit(f"the native shim is not built: {native.missing_reason()}")
-    if args.heaps == "unmapped" and not hold_for_device_path(top_pad_bytes=TOP_PAD_DEFAULT):
-        sys.exit("--heaps unmapped: this C library has no mallopt")
+    hold_heaps(args.heaps)
     if args.devices and args.rss_child:
         print(json.dumps(on_thread(args.publish_thread, measure_rss, args)))
         return 0

@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import peak_rss_bytes, rss_bytes  # noqa: E402
+from common import HEAP_PADS, hold_heaps, peak_rss_bytes, rss_bytes  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
@@ -90,9 +90,7 @@ from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  #
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
 from trainer_agent.host_heap import (  # noqa: E402
     MXFAST_DEFAULT,
-    TOP_PAD_DEFAULT,
     heap_stats,
-    hold_for_device_path,
     hold_freed_memory,
     set_max_fast,
 )
@@ -544,6 +542,12 @@ class GcPauses:
         }
 
 
+def page_faults() -> int:
+    """The process's page faults so far (minor: a fresh page mapped in; 0 where the kernel
+    does not count them)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class PublishTimeline:
     """When each publish of a phase staged and when it sent its part (ms from the phase's
     start; within the send, PublishVersion's call as "rpc"), from wrappers around the
@@ -573,11 +577,10 @@ class PublishTimeline:
         """(bytes of glibc's arenas, bytes of its own mappings, its free chunks in bins, in
         fastbins: zeros where unknown or not asked for; the process's page faults so far,
         always: getrusage costs microseconds)."""
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if not self._memory:
-            return 0, 0, 0, 0, faults
+            return 0, 0, 0, 0, page_faults()
         heap = heap_stats()
-        return (*(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks")), faults)
+        return (*(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks")), page_faults())
 
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -603,8 +606,8 @@ class PublishTimeline:
         out = []
         for s, v, a, b, before, after in self.events:
             if a < end_ms and b > start_ms:
-                (h0, m0, *_), (h1, m1, chunks, fast, *faulted) = before, after
-                faults = faulted[0] - before[4] if faulted else 0
+                (h0, m0, _, _, f0), (h1, m1, chunks, fast, f1) = before, after
+                faults = f1 - f0
                 notes = [
                     f"{k} {(y - x) / 1e9:+.2f} GB"
                     for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
@@ -659,7 +662,7 @@ def async_phase(
     ends: dict[int, float] = {}  # version -> when it was READY, from the phase's start
     held_max = 0
     skipped0 = pub.publish_skipped
-    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    cpu0, faults0 = time.process_time(), page_faults()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
     timeline = PublishTimeline(pub, started, memory=heap_timeline)
@@ -688,7 +691,7 @@ def async_phase(
         if stalls:
             stalls.disarm()
         overlapped.append(busy_before or pub._async.busy)
-    cpu_s, faults = time.process_time() - cpu0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+    cpu_s, faults = time.process_time() - cpu0, page_faults() - faults0
     gc.callbacks.remove(pauses)
     t = time.perf_counter()
     pub.flush()
@@ -1010,7 +1013,7 @@ def main() -> None:
     )
     p.add_argument(
         "--heaps",
-        choices=("kept", "unmapped"),
+        choices=tuple(HEAP_PADS),
         default="kept",
         help="a thread arena's heaps, for the whole run: kept as the device path holds them, or unmapped when a "
         "free empties one (glibc's own top pad; the device path's hold takes it)",
@@ -1024,8 +1027,7 @@ def main() -> None:
     args.blocking_steps = args.blocking_steps or min(args.steps, 10)
     if args.force_blocks:
         params_module.HOST_MEMORY_PLATFORMS = frozenset()
-    if args.heaps == "unmapped" and not hold_for_device_path(top_pad_bytes=TOP_PAD_DEFAULT):
-        raise SystemExit("--heaps unmapped: this C library has no mallopt")
+    hold_heaps(args.heaps)
     out = run(args)
     text = json.dumps(out, indent=1)
     print(text)

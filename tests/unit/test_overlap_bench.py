@@ -159,14 +159,14 @@ def test_the_timeline_names_a_step_that_faulted_in_a_thousand_pages_or_more() ->
 def test_the_timeline_names_what_memory_did_in_a_step_and_the_collections_in_a_slow_iteration() -> None:
     timeline = train_overlap.PublishTimeline(object(), 100.0)
     timeline.events = [
-        ("stage", 3, 0.0, 10.0, (4_000_000_000, 0, 10, 0), (4_000_010_000, 0, 20, 0)),
+        ("stage", 3, 0.0, 10.0, (4_000_000_000, 0, 10, 0, 100), (4_000_010_000, 0, 20, 0, 120)),
         (
             "send",
             3,
             10.0,
             30.0,
-            (4_850_000_000, 5_000_000_000, 1000, 5),
-            (2_790_000_000, 5_000_000_000, 1_210_000, 3000),
+            (4_850_000_000, 5_000_000_000, 1000, 5, 120),
+            (2_790_000_000, 5_000_000_000, 1_210_000, 3000, 999),
         ),
     ]
     assert timeline.during(0.0, 40.0) == [
