@@ -20,8 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "devtools" / "tpu_checks.sh"
 
 
+def _env(**env: str) -> dict[str, str]:
+    """This process's environment without the script's own settings (a suite run by the
+    script itself has TPU_CHECKS_ONLY and TPU_CHECKS_DEADLINE_S set), plus `env`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("TPU_CHECKS_")}, **env}
+
+
 def test_the_demo_stage_runs_and_reports_into_out(tmp_path: Path) -> None:
-    env = {**os.environ, "TPU_CHECKS_CPU": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env = _env(TPU_CHECKS_CPU="1", OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run([str(SCRIPT), "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "demo" in proc.stdout and "rc=0" in proc.stdout
@@ -32,7 +38,7 @@ def test_the_demo_stage_runs_and_reports_into_out(tmp_path: Path) -> None:
 
 
 def test_an_unknown_stage_is_refused_with_the_stages(tmp_path: Path) -> None:
-    proc = subprocess.run([str(SCRIPT), "everything"], cwd=ROOT, env={**os.environ, "OUT": str(tmp_path)},
+    proc = subprocess.run([str(SCRIPT), "everything"], cwd=ROOT, env=_env(OUT=str(tmp_path)),
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode == 2 and "suite|bench|apply|demo|diagnose" in proc.stderr
 
@@ -40,7 +46,7 @@ def test_an_unknown_stage_is_refused_with_the_stages(tmp_path: Path) -> None:
 def _sourced(tmp_path: Path, commands: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`commands` run by bash after sourcing the script (its functions, no stage), JAX on
     the CPU (on the TPU host this test's process may hold the chip)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "TPU_CHECKS_CPU": "1", **env}
+    env = _env(**{"OUT": str(tmp_path), "PYTHON": sys.executable, "TPU_CHECKS_CPU": "1", **env})
     return subprocess.run(
         ["bash", "-c", f'source "{SCRIPT}" && {commands}'],
         cwd=tmp_path,
