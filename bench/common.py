@@ -134,3 +134,14 @@ def hold_heaps(choice: str) -> None:
     path takes it at its first copies, so nothing is done here); exits off glibc."""
     if choice != "kept" and not hold_for_device_path(top_pad_bytes=HEAP_PADS[choice]):
         raise SystemExit(f"--heaps {choice}: this C library has no mallopt")
+
+
+#: the TPU runtime's host-transfer settings (libtpu reads them when JAX first uses the chip):
+#: the size of its premapped, pinned host buffer for DMA (4 GiB by default, Cloud TPU
+#: performance guide) and the largest transfer it moves through that buffer
+TPU_TRANSFER_ENV = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES")
+
+
+def tpu_transfer_env() -> dict[str, str]:
+    """Those of `TPU_TRANSFER_ENV` this process was started with (empty: the runtime's own)."""
+    return {k: os.environ[k] for k in TPU_TRANSFER_ENV if k in os.environ}

@@ -35,7 +35,7 @@ if "--devices" in sys.argv:  # XLA reads the device count once, at import
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import HEAP_PADS, PeakRss, hold_heaps, rss_bytes  # noqa: E402
+from common import HEAP_PADS, PeakRss, hold_heaps, rss_bytes, tpu_transfer_env  # noqa: E402
 from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
@@ -265,7 +265,8 @@ def main() -> int:
         print(json.dumps(on_thread(args.publish_thread, measure_rss, args)))
         return 0
     if args.devices:
-        result = {**on_thread(args.publish_thread, _named, measure_devices, args, sys.argv[1:]), "heaps": args.heaps}
+        measured = on_thread(args.publish_thread, _named, measure_devices, args, sys.argv[1:])
+        result = {**measured, "heaps": args.heaps, "tpu_transfer_env": tpu_transfer_env()}
         if not args.json:
             print_devices(result)
         print(json.dumps(result))

@@ -80,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import HEAP_PADS, hold_heaps, peak_rss_bytes, rss_bytes  # noqa: E402
+from common import HEAP_PADS, hold_heaps, peak_rss_bytes, rss_bytes, tpu_transfer_env  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
@@ -770,6 +770,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t = time.perf_counter()
     trainer.wait(trainer.step())
     compile_s = time.perf_counter() - t
+    # the heap the compile leaves (JAX's compilation cache, where it hits, leaves far less):
+    # every protobuf malloc_trim walks its free chunks (bench/descriptor_trim.py)
+    print(
+        f"step compiled in {compile_s:.1f} s; glibc's free chunks after it: {heap_stats().get('free_chunks', 0):,}"
+        + "".join(f"; {k}={v}" for k, v in tpu_transfer_env().items()),
+        file=sys.stderr,
+    )
     trainer.alone(2)
     base = Variant(args.window_bytes, args.block_bytes, args.staging_threads, args.nice)
     base = replace(base, work="stage" if args.stage_only else "publish")
@@ -795,6 +802,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "variant": base.label(),
         "heaps": args.heaps,
         "blocks_forced": args.force_blocks,
+        "tpu_transfer_env": tpu_transfer_env(),
         "compile_s": round(compile_s, 3),
     }
     # the snapshot's program compiled before the baseline: compiling is once per trainer,

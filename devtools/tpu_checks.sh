@@ -7,7 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # what the overlap's stalls come with, ~9 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # the overlap's stalls and the D2H's runtime settings, ~9 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -105,22 +105,25 @@ case "${1:-}" in
     ;;
   diagnose)
     facts
-    if [ -n "$small" ]; then b=small; r=(--version-mib 256 --window-mib 128); else b=0.6b; r=(); fi
-    # a publish worker's block buffers with a thread arena's heaps kept and unmapped (glibc's
-    # own top pad), against the same copies into buffers made once: what a fresh heap costs here
-    step heap-reuse 75 "$py" bench/heap_reuse.py "${r[@]}" --rounds 3 --out "$out/heap-reuse.json"
-    # the run's settings (heaps kept), then the same with heaps unmapped as glibc does, each
-    # with two async phases; a process each (a thread's arena outlives it: reused by the next)
-    step overlap-kept 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    if [ -n "$small" ]; then b=small; else b=0.6b; fi
+    # what a protobuf malloc_trim costs a publish's requests on a heap of ~300,000 free
+    # chunks (what XLA's compile leaves), built a message per descriptor and in place
+    step descriptor-trim 60 "$py" bench/descriptor_trim.py
+    # the run's settings twice: the first process compiles its step, the second loads it
+    # from JAX's compilation cache (a heap without the compile's free chunks)
+    step overlap 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    step overlap-cached 110 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    # the TPU runtime's premapped host buffer: whole buffers and 64 MiB blocks with its own
+    # transfer threshold, then with the threshold at the buffer's default size (4 GiB)
+    premapped=(--devices 1 --model-size "$b" --repeats 1 --rows-mib 16,64 --blocks-mib 64 --windows-mib 256
+      --deadline-s 75 --json)
+    step stage-premap-default 90 "$py" bench/stage.py "${premapped[@]}"
+    step stage-premap-raised 90 env TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296 \
+      "$py" bench/stage.py "${premapped[@]}"
+    # for a second call (TPU_CHECKS_ONLY): a thread arena's heaps unmapped as glibc does, no
+    # process reading the trainer's /proc/PID/status, another allocator where the host has one
     step overlap-unmapped 170 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
-    # the device path staged on a worker thread, as publish_async does, heaps kept and unmapped
-    step stage-thread-kept 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
-      --deadline-s 85 --json
-    step stage-thread-unmapped 100 "$py" bench/stage.py --devices 1 --model-size "$b" --repeats 2 --publish-thread \
-      --heaps unmapped --deadline-s 85 --json
-    # no process reading this one's /proc/PID/status every ms: whether that sampling costs the steps
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
-    # the same steps with another allocator preloaded, where the host has one
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
       step overlap-preload 130 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every

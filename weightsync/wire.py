@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -60,28 +61,8 @@ def shard_from_proto(p: _tpb.ShardDescriptor) -> ShardSpec:
     return ShardSpec(p.tensor_name, tuple(p.start), tuple(p.stop), p.offset, p.nbytes, p.xxh3, p.sum)
 
 
-def shard_to_proto(s: ShardSpec) -> _tpb.ShardDescriptor:
-    return _tpb.ShardDescriptor(
-        tensor_name=s.tensor_name,
-        start=list(s.start),
-        stop=list(s.stop),
-        offset=s.offset,
-        nbytes=s.nbytes,
-        xxh3=s.xxh3,
-        sum=s.sum,
-    )
-
-
 def chunk_from_proto(p: _tpb.ChunkDescriptor) -> ChunkSpec:
     return ChunkSpec(p.index, p.offset, p.length, p.xxh3)
-
-
-def chunk_to_proto(c: ChunkSpec) -> _tpb.ChunkDescriptor:
-    return _tpb.ChunkDescriptor(index=c.index, offset=c.offset, length=c.length, xxh3=c.xxh3)
-
-
-def delta_chunk_to_proto(c: DeltaChunkSpec) -> _tpb.DeltaChunkDescriptor:
-    return _tpb.DeltaChunkDescriptor(index=c.index, target=c.target, offset=c.offset, length=c.length, xxh3=c.xxh3)
 
 
 def delta_to_proto(d: PartDelta | None) -> _tpb.PartDelta | None:
@@ -99,19 +80,49 @@ def delta_to_proto(d: PartDelta | None) -> _tpb.PartDelta | None:
 
 
 def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb.DescriptorBatch]:
-    """Splits a part's descriptors into batches of at most batch_items each kind."""
+    """Splits a part's descriptors into batches of at most batch_items each kind.
+
+    Each batch is one message with its descriptors added in place: its tensors and the
+    shards' placement are copied from a batch kept per layout (`_placement`), the shards'
+    digests set, the chunks added. Protobuf's Python module (upb) calls glibc's
+    `malloc_trim(0)` on every 10,000th block it frees, and a descriptor made as a message
+    of its own, or one whose repeated field (a shape, a shard's start) is filled, frees
+    about one each: a 0.6b part's ~1,800 a publish brought a trim every fifth or sixth
+    publish, which walks every free chunk in the process (a trainer's heap after XLA's
+    compile holds ~300,000) with the interpreter lock held (docs/performance.md)."""
     delta_chunks = part.delta.chunks if part.delta else ()
     raw = part.delta.raw if part.delta else ()
     n = max(len(part.tensors), len(part.shards), len(part.chunks), len(delta_chunks), len(raw))
     for i in range(0, max(n, 1), batch_items):
-        yield _tpb.DescriptorBatch(
-            rank=part.rank,
-            tensors=[tensor_to_proto(t) for t in part.tensors[i : i + batch_items]],
-            shards=[shard_to_proto(s) for s in part.shards[i : i + batch_items]],
-            chunks=[chunk_to_proto(c) for c in part.chunks[i : i + batch_items]],
-            delta_chunks=[delta_chunk_to_proto(c) for c in delta_chunks[i : i + batch_items]],
-            raw_chunks=raw[i : i + batch_items],
-        )
+        shards = part.shards[i : i + batch_items]
+        batch = _tpb.DescriptorBatch()
+        batch.CopyFrom(_placement(part.rank, part.tensors[i : i + batch_items], tuple(map(_shard_place, shards))))
+        for proto, s in zip(batch.shards, shards, strict=True):
+            proto.xxh3, proto.sum = s.xxh3, s.sum
+        for c in part.chunks[i : i + batch_items]:
+            batch.chunks.add(index=c.index, offset=c.offset, length=c.length, xxh3=c.xxh3)
+        for d in delta_chunks[i : i + batch_items]:
+            batch.delta_chunks.add(index=d.index, target=d.target, offset=d.offset, length=d.length, xxh3=d.xxh3)
+        batch.raw_chunks.extend(raw[i : i + batch_items])
+        yield batch
+
+
+ShardPlace = tuple[str, tuple[int, ...], tuple[int, ...], int, int]  # name, start, stop, offset, nbytes
+
+
+def _shard_place(s: ShardSpec) -> ShardPlace:
+    """Where a shard sits (what stays from version to version; its digests do not)."""
+    return s.tensor_name, s.start, s.stop, s.offset, s.nbytes
+
+
+@functools.lru_cache(maxsize=16)
+def _placement(rank: int, tensors: tuple[TensorSpec, ...], shards: tuple[ShardPlace, ...]) -> _tpb.DescriptorBatch:
+    """A batch of `tensors` and the shards' placement (digests unset), built once per layout
+    and only copied from (never handed out: a caller could change it)."""
+    batch = _tpb.DescriptorBatch(rank=rank, tensors=[tensor_to_proto(t) for t in tensors])
+    for name, start, stop, offset, nbytes in shards:
+        batch.shards.add(tensor_name=name, start=start, stop=stop, offset=offset, nbytes=nbytes)
+    return batch
 
 
 class PartBuilder:
