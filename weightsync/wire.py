@@ -87,7 +87,7 @@ def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb
     digests set, the chunks added. Protobuf's Python module (upb) calls glibc's
     `malloc_trim(0)` on every 10,000th block it frees, and a descriptor made as a message
     of its own, or one whose repeated field (a shape, a shard's start) is filled, frees
-    about one each: a 0.6b part's ~1,800 a publish brought a trim every fifth or sixth
+    about one each: a 0.6b part's ~1,650 a publish brought a trim every fifth or sixth
     publish, which walks every free chunk in the process (a trainer's heap after XLA's
     compile holds ~300,000) with the interpreter lock held (docs/performance.md)."""
     delta_chunks = part.delta.chunks if part.delta else ()
