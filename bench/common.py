@@ -4,12 +4,14 @@ the model, RSS, CPU time, and the `--heaps` choice."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import resource
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -145,3 +147,11 @@ TPU_TRANSFER_ENV = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_
 def tpu_transfer_env() -> dict[str, str]:
     """Those of `TPU_TRANSFER_ENV` this process was started with (empty: the runtime's own)."""
     return {k: os.environ[k] for k in TPU_TRANSFER_ENV if k in os.environ}
+
+
+def emit_json(result: dict[str, Any], out: str = "") -> None:
+    """The result as indented JSON on stdout, and into `out` where one is named."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

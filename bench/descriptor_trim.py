@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import json
 import math
 import random
 import statistics
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import emit_json  # noqa: E402
 
 from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
@@ -193,10 +194,7 @@ def main() -> None:
             f"{w['mean_to_in_place']}x the in-place mean",
             file=sys.stderr,
         )
-    text = json.dumps(r, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(r, args.out)
 
 
 if __name__ == "__main__":

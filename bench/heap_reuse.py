@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import HEAP_PADS  # noqa: E402
+from common import HEAP_PADS, emit_json  # noqa: E402
 
 from trainer_agent.host_heap import hold_freed_memory  # noqa: E402
 
@@ -160,10 +160,7 @@ def main() -> None:
             f"{r['sys_s_per_version']} s system CPU a version",
             file=sys.stderr,
         )
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_json(out, args.out)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import faulthandler
 import gc
-import json
 import math
 import resource
 import statistics
@@ -80,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import HEAP_PADS, hold_heaps, peak_rss_bytes, rss_bytes, tpu_transfer_env  # noqa: E402
+from common import HEAP_PADS, emit_json, hold_heaps, peak_rss_bytes, rss_bytes, tpu_transfer_env  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
@@ -1037,10 +1036,8 @@ def main() -> None:
         params_module.HOST_MEMORY_PLATFORMS = frozenset()
     hold_heaps(args.heaps)
     out = run(args)
-    text = json.dumps(out, indent=1)
-    print(text)
+    emit_json(out, args.out)
     if args.out:
-        Path(args.out).write_text(text + "\n")
         print(f"results: {args.out}", file=sys.stderr)
 
 

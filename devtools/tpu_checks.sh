@@ -120,8 +120,11 @@ case "${1:-}" in
     step stage-premap-default 90 "$py" bench/stage.py "${premapped[@]}"
     step stage-premap-raised 90 env TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296 \
       "$py" bench/stage.py "${premapped[@]}"
-    # for a second call (TPU_CHECKS_ONLY): a thread arena's heaps unmapped as glibc does, no
-    # process reading the trainer's /proc/PID/status, another allocator where the host has one
+    # for a second call (TPU_CHECKS_ONLY): the overlap with the threshold raised, blocks cut
+    # and whole buffers; a thread arena's heaps unmapped as glibc does; no process reading the
+    # trainer's /proc/PID/status; another allocator where the host has one
+    step overlap-premap 200 env TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296 \
+      "$py" bench/train_overlap.py --preset "$b" --variant block=0
     step overlap-unmapped 170 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     lib=$(preloadable_allocator)

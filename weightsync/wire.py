@@ -115,11 +115,13 @@ def _shard_place(s: ShardSpec) -> ShardPlace:
     return s.tensor_name, s.start, s.stop, s.offset, s.nbytes
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)  # a batch each: 2,048 tensors and shards at most, under 1 MB
 def _placement(rank: int, tensors: tuple[TensorSpec, ...], shards: tuple[ShardPlace, ...]) -> _tpb.DescriptorBatch:
     """A batch of `tensors` and the shards' placement (digests unset), built once per layout
     and only copied from (never handed out: a caller could change it)."""
-    batch = _tpb.DescriptorBatch(rank=rank, tensors=[tensor_to_proto(t) for t in tensors])
+    batch = _tpb.DescriptorBatch(rank=rank)
+    for t in tensors:
+        batch.tensors.add(name=t.name, dtype=dtype_info(t.dtype).proto, shape=t.shape)
     for name, start, stop, offset, nbytes in shards:
         batch.shards.add(tensor_name=name, start=start, stop=stop, offset=offset, nbytes=nbytes)
     return batch
