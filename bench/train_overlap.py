@@ -19,7 +19,7 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             `fastbins`: on, off), where a superseded snapshot is dropped (`release`:
             caller, thread), how PublishVersion's requests are built and sent
             (`requests`: first, lazy, loop), which steps offer their version (`offer`:
-            every, idle), and how far each publish goes (`work`:
+            every, idle, unqueued), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
             apart what costs the steps; a phase repeated is numbered (" #2")
@@ -278,7 +278,7 @@ CHOICES = {
     "fastbins": ("on", "off"),
     "release": ("caller", "thread"),
     "requests": ("first", "lazy", "loop"),
-    "offer": ("every", "idle"),
+    "offer": ("every", "idle", "unqueued"),
 }
 
 
@@ -309,8 +309,9 @@ class Variant:
     requests are built and sent (`requests`: "first", serialized by the publish before its
     call; "lazy", as gRPC's per-call thread reads them; "loop", serialized first and sent
     from the client's own loop thread); and which steps offer their version
-    (`offer`: "every" step, the newest waiting one superseded, or only where no publish
-    runs or waits, "idle": no snapshot taken that would be superseded)."""
+    (`offer`: "every" step, the newest waiting one superseded; "idle", only where no
+    publish runs or waits; "unqueued", only where none waits: no snapshot taken that
+    would be superseded, the worker kept busy)."""
 
     window_bytes: int
     block_bytes: int
@@ -647,7 +648,8 @@ def async_phase(
     heap_timeline: bool = False,
 ) -> dict[str, Any]:
     """`steps` steps, each followed by publish_async of its parameters (snapshot=True), or
-    with `offer` "idle" only those where no publish runs or waits; `stalls` traces the
+    with `offer` "idle" only those where no publish runs or waits, "unqueued" only those
+    where none waits; `stalls` traces the
     iterations that pass its threshold; `heap_timeline` reads glibc's account around each
     publish step (`PublishTimeline`)."""
     iterations: list[float] = []
@@ -676,8 +678,8 @@ def async_phase(
         version += 1
         c = time.perf_counter()
         dispatches.append(c - t)
-        if offer == "idle" and pub.publish_held_bytes:  # a publish runs or waits (public: a trainer can do this)
-            not_offered += 1
+        if (offer == "idle" and pub.publish_held_bytes) or (offer == "unqueued" and pub.publish_waiting):
+            not_offered += 1  # a publish runs or waits, or one waits (public: a trainer can do this)
         else:
             future = pub.publish_async(trainer.params, version, snapshot=True)
             future.add_done_callback(lambda f, v=version, c=c: ready.__setitem__(v, time.perf_counter() - c))

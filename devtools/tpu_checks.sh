@@ -98,10 +98,10 @@ case "${1:-}" in
     facts
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
-    # the run's settings, then steps that offer a version only while no publish runs or
-    # waits, then PublishVersion sent from the client's own loop thread
+    # the run's settings (every step offers its version), then steps that offer one only
+    # while no publish runs or waits, then only while none waits
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant offer=idle --variant requests=loop
+      --variant offer=idle --variant offer=unqueued
     ;;
   diagnose)
     facts

@@ -231,6 +231,11 @@ class PublishQueue(Generic[T]):
         """Whether a job runs now."""
         return self._running is not None
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a job waits for the running one (the next submit supersedes it)."""
+        return self._queued is not None
+
     def _supersede(self, job: _Job[T], by: int) -> None:
         box, job.run = [job.run], None  # the box holds the params' last reference
         if self.release_apart:

@@ -91,7 +91,9 @@ def test_a_newer_version_replaces_the_waiting_one(
         with pub._one_publish():  # the gate: the worker takes version 1 and waits for it
             f1 = pub.publish_async(versions[1], 1)
             eventually(lambda: pub._async.busy, timeout_s=10, what="the worker on version 1")
+            assert not pub.publish_waiting
             f2 = pub.publish_async(versions[2], 2)
+            assert pub.publish_waiting  # a publish_async now would supersede version 2
             f3 = pub.publish_async(versions[3], 3)
             skipped = f2.exception(0)
             assert isinstance(skipped, PublishSuperseded) and (skipped.version, skipped.by) == (2, 3)
@@ -100,7 +102,7 @@ def test_a_newer_version_replaces_the_waiting_one(
             registry = pub.metrics.registry
             assert registry.get_sample_value("weightsync_publish_held_bytes", {"session": "job"}) == 2 * one
         assert f1.result(60).state == "READY" and f3.result(60).state == "READY"
-        assert pub.publish_skipped == 1
+        assert pub.publish_skipped == 1 and not pub.publish_waiting
         assert registry.get_sample_value("weightsync_publish_skipped_total", {"session": "job"}) == 1
         with pytest.raises(PublishSuperseded, match="superseded by version 3"):
             pub.wait_committed(2, 5)

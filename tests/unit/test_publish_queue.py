@@ -56,8 +56,9 @@ def test_a_version_offered_while_one_waits_replaces_it(queue: PublishQueue[int])
 
     f1 = queue.submit(1, first, 100)
     _until(lambda: queue.busy)
+    assert not queue.waiting  # one runs, none waits: an offer now supersedes nothing
     f2 = queue.submit(2, _job(ran, 2), 200)
-    assert queue.held_bytes == 300
+    assert queue.held_bytes == 300 and queue.waiting
     f3 = queue.submit(3, _job(ran, 3), 400)
     assert queue.held_bytes == 500  # the running version and the newest waiting one: never three
     assert isinstance(e := f2.exception(0), PublishSuperseded) and (e.version, e.by) == (2, 3)
@@ -65,7 +66,7 @@ def test_a_version_offered_while_one_waits_replaces_it(queue: PublishQueue[int])
     assert queue.skipped == 1 and queue.skips == [(2, 3)] and queue.superseded_by(2) == 3  # type: ignore[attr-defined]
     gate.set()
     assert (f1.result(10), f3.result(10)) == (10, 30)
-    assert queue.drain(10) and ran == [1, 3]
+    assert queue.drain(10) and ran == [1, 3] and not queue.waiting
     assert queue.held_bytes == 0 and queue.held_seen[-1] == 0  # type: ignore[attr-defined]
     assert f1.version == 1 and not queue.busy
     assert nice == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)]  # the worker's own, not the caller's

@@ -16,10 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.unit.helpers import make_part, sample_arrays
 from weightsync._proto import types_pb2 as tpb
-from weightsync.wire import part_to_batches
+from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Part, PartDelta, ShardSpec, TensorSpec
+from weightsync.wire import PartBuilder, part_to_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -97,3 +100,45 @@ def test_batches_built_in_place_are_the_messages_a_descriptor_each_would_make() 
                 assert batch.rank == 2 and max(len(batch.tensors), len(batch.shards), len(batch.chunks)) <= n
                 merged.MergeFrom(batch)
             assert merged == whole
+
+
+_u64 = st.integers(0, (1 << 64) - 1)
+_u32 = st.integers(0, (1 << 32) - 1)
+
+
+@st.composite
+def _parts(draw: st.DrawFn) -> Part:
+    """Parts of random counts, shapes, placements and digests, a delta or none."""
+    n = draw(st.integers(0, 9))
+    shapes = draw(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=n, max_size=n))
+    tensors = tuple(
+        TensorSpec(f"t{i}", draw(st.sampled_from(["float32", "bfloat16"])), tuple(s)) for i, s in enumerate(shapes)
+    )
+    shards = tuple(
+        ShardSpec(t.name, (0,) * len(t.shape), t.shape, draw(_u64), draw(_u64), draw(_u64), draw(st.floats(-1e9, 1e9)))
+        for t in tensors
+    )
+    chunks = tuple(ChunkSpec(i, draw(_u64), draw(_u64), draw(_u64)) for i in range(draw(st.integers(0, 9))))
+    delta = None
+    if draw(st.booleans()):
+        deltas = tuple(
+            DeltaChunkSpec(len(chunks) + i, draw(_u32), draw(_u64), draw(_u64), draw(_u64))
+            for i in range(draw(st.integers(0, 7)))
+        )
+        delta = PartDelta(3, "d" * 64, draw(_u64), deltas, tuple(draw(st.lists(_u32, max_size=7))))
+    return Part(1, 0, 4096, tensors, shards, chunks, delta=delta)
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(_parts(), min_size=1, max_size=3), batch_items=st.integers(1, 12))
+def test_any_part_comes_back_whole_from_its_batches(parts: list[Part], batch_items: int) -> None:
+    """One after another (the kept placements reused where layouts repeat), each part's
+    batches give back every descriptor, digests included, in order."""
+    for part in parts + parts:
+        builder = PartBuilder(1, max_items=1 << 20)
+        for batch in part_to_batches(part, batch_items):
+            builder.add(batch)
+        assert tuple(builder.tensors) == part.tensors and tuple(builder.shards) == part.shards
+        assert tuple(builder.chunks) == part.chunks
+        assert tuple(builder.delta_chunks) == (part.delta.chunks if part.delta else ())
+        assert tuple(builder.raw) == (part.delta.raw if part.delta else ())
