@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import google.protobuf as protobuf
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,7 +81,9 @@ def _trims(shim: Path, way: str, versions: int) -> dict[str, int]:
 def test_a_publishs_requests_bring_protobufs_malloc_trim_almost_never(shim: Path) -> None:
     # the control: a message per descriptor, as the requests were built before
     old = _trims(shim, "per-descriptor", 60)
-    assert old["trims"] >= 4, old  # the shim counts: one trim every few versions
+    if old["trims"] == 0:  # protobuf 7.36.2's module trims; a release that stops would make this moot
+        pytest.skip(f"protobuf {protobuf.__version__}'s Python module calls no malloc_trim")
+    assert old["trims"] >= 4, old  # one trim every few versions
     new = _trims(shim, "in-place", 60)
     assert new["requests"] == old["requests"] == 2  # a batch and the seal
     assert new["trims"] <= 1, new
