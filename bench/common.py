@@ -9,9 +9,10 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer_agent.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
 from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
 
+T = TypeVar("T")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -147,6 +149,15 @@ TPU_TRANSFER_ENV = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_
 def tpu_transfer_env() -> dict[str, str]:
     """Those of `TPU_TRANSFER_ENV` this process was started with (empty: the runtime's own)."""
     return {k: os.environ[k] for k in TPU_TRANSFER_ENV if k in os.environ}
+
+
+def on_thread(worker: bool, fn: Callable[..., T], *fn_args: Any) -> T:
+    """`fn(*fn_args)`, where `worker` on a thread of its own, as publish_async stages (glibc
+    gives such a thread an arena of its own), else on this one; its exception is raised here."""
+    if not worker:
+        return fn(*fn_args)
+    with ThreadPoolExecutor(1, thread_name_prefix="publish-worker") as pool:
+        return pool.submit(fn, *fn_args).result()
 
 
 def emit_json(result: dict[str, Any], out: str = "") -> None:

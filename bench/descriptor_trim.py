@@ -32,7 +32,6 @@ import math
 import random
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,15 +39,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit_json  # noqa: E402
+from common import emit_json, on_thread  # noqa: E402
 
-from weightsync._proto import coordinator_pb2 as pb  # noqa: E402
+from trainer_agent.host_heap import libc_function  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
 from weightsync.dtypes import dtype_info  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 from weightsync.manifest import ChunkSpec, Part, ShardSpec, TensorSpec  # noqa: E402
 from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
-from weightsync.wire import part_to_batches  # noqa: E402
+from weightsync.wire import part_to_batches, publish_requests  # noqa: E402
 
 # free chunks of these sizes (bytes), between live ones: ~17 KB on average, as XLA's
 # leftovers on the v5e host (3.9 GB free in 294,000 chunks: ~13 KB)
@@ -111,50 +110,42 @@ def version_of(part: Part, version: int) -> Part:
 
 
 def requests(build: Callable[[Part], Iterator[tpb.DescriptorBatch]], part: Part) -> list[bytes]:
-    """The batches and the seal of PublishVersion's stream, serialized (its header aside)."""
-    out = [pb.PublishRequest(batch=b).SerializeToString() for b in build(part)]
-    out.append(pb.PublishRequest(seal=pb.PublishSeal(part_digest=part.digest())).SerializeToString())
-    return out
+    """The batches and the seal of PublishVersion's stream, serialized as the client does
+    (its header aside)."""
+    return [r.SerializeToString() for r in publish_requests(part, build(part))]
 
 
 def fragment(free_chunks: int, seed: int = 0) -> list[int]:
     """Leaves `free_chunks` free chunks in the calling thread's arena, each between two live
     blocks (so none merges); returns the live blocks (kept for the run)."""
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    malloc = libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)
+    free = libc_function("free", None, ctypes.c_void_p)
+    if malloc is None or free is None:
+        raise SystemExit("this C library has no malloc and free to look up")
     rng = random.Random(seed)
-    blocks = [libc.malloc(rng.choice(FRAGMENT_SIZES)) for _ in range(2 * free_chunks + 1)]
+    blocks = [malloc(rng.choice(FRAGMENT_SIZES)) for _ in range(2 * free_chunks + 1)]
     for p in blocks[1::2]:
-        libc.free(p)
+        free(p)
     return blocks[::2]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     part = synthetic_part(args.preset)
     ms: dict[str, list[float]] = {w: [] for w in WAYS}
-    error: list[BaseException] = []
 
     def worker() -> None:
-        try:
-            _live = fragment(args.free_chunks)  # noqa: F841 (live for the run)
-            version = 0
-            for _ in range(args.rounds):
-                for way, build in WAYS.items():
-                    for _ in range(args.versions):
-                        version += 1
-                        v = version_of(part, version)
-                        t0 = time.perf_counter()
-                        requests(build, v)
-                        ms[way].append((time.perf_counter() - t0) * 1e3)
-        except BaseException as e:  # reported from the main thread
-            error.append(e)
+        _live = fragment(args.free_chunks)  # noqa: F841 (live for the run)
+        version = 0
+        for _ in range(args.rounds):
+            for way, build in WAYS.items():
+                for _ in range(args.versions):
+                    version += 1
+                    v = version_of(part, version)
+                    t0 = time.perf_counter()
+                    requests(build, v)
+                    ms[way].append((time.perf_counter() - t0) * 1e3)
 
-    t = threading.Thread(target=worker, name="publish-like")
-    t.start()
-    t.join()
-    if error:
-        raise error[0]
+    on_thread(True, worker)
     base = statistics.median(ms["in-place"])
     result: dict[str, Any] = {
         "preset": args.preset,

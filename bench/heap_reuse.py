@@ -31,7 +31,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import HEAP_PADS, emit_json  # noqa: E402
+from common import HEAP_PADS, emit_json, on_thread  # noqa: E402
 
 from trainer_agent.host_heap import hold_freed_memory  # noqa: E402
 
@@ -94,9 +93,7 @@ def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float]]:
             seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_THREAD)
             rows.append({"s": seconds, "faults": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime})
 
-    t = threading.Thread(target=worker, name="publish-worker")
-    t.start()
-    t.join()
+    on_thread(True, worker)
     return rows[1:]
 
 

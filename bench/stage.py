@@ -21,9 +21,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--devices" in sys.argv:  # XLA reads the device count once, at import
@@ -35,7 +34,7 @@ if "--devices" in sys.argv:  # XLA reads the device count once, at import
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import HEAP_PADS, PeakRss, hold_heaps, rss_bytes, tpu_transfer_env  # noqa: E402
+from common import HEAP_PADS, PeakRss, hold_heaps, on_thread, rss_bytes, tpu_transfer_env  # noqa: E402
 from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E402
 
 from trainer_agent.arena import Arena  # noqa: E402
@@ -49,8 +48,6 @@ from weightsync.config import bounded_number  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402
 from weightsync.validation import DEFAULT_LIMITS  # noqa: E402
 
-T = TypeVar("T")
-
 
 def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
     key = jax.random.PRNGKey(0)
@@ -58,15 +55,6 @@ def make_params(preset: str, dtype: str) -> dict[str, jax.Array]:
     for i, (name, shape) in enumerate(param_shapes(PRESETS[preset]).items()):
         out[name] = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.dtype(dtype))
     return jax.block_until_ready(out)
-
-
-def on_thread(worker: bool, fn: Callable[..., T], *fn_args: Any) -> T:
-    """`fn(*fn_args)`, where `worker` on a thread of its own, as publish_async stages (glibc
-    gives such a thread an arena of its own), else on this one."""
-    if not worker:
-        return fn(*fn_args)
-    with ThreadPoolExecutor(1, thread_name_prefix="publish-worker") as pool:
-        return pool.submit(fn, *fn_args).result()
 
 
 def _named(fn: Callable[..., dict[str, Any]], *fn_args: Any) -> dict[str, Any]:

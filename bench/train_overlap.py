@@ -773,9 +773,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compile_s = time.perf_counter() - t
     # the heap the compile leaves (JAX's compilation cache, where it hits, leaves far less):
     # every protobuf malloc_trim walks its free chunks (bench/descriptor_trim.py)
+    transfer_env = tpu_transfer_env()
     print(
         f"step compiled in {compile_s:.1f} s; glibc's free chunks after it: {heap_stats().get('free_chunks', 0):,}"
-        + "".join(f"; {k}={v}" for k, v in tpu_transfer_env().items()),
+        + "".join(f"; {k}={v}" for k, v in transfer_env.items()),
         file=sys.stderr,
     )
     trainer.alone(2)
@@ -803,7 +804,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "variant": base.label(),
         "heaps": args.heaps,
         "blocks_forced": args.force_blocks,
-        "tpu_transfer_env": tpu_transfer_env(),
+        "tpu_transfer_env": transfer_env,
         "compile_s": round(compile_s, 3),
     }
     # the snapshot's program compiled before the baseline: compiling is once per trainer,

@@ -44,7 +44,7 @@ _NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
 
 @functools.cache
-def _libc_function(name: str, restype: type, *argtypes: type) -> Callable[..., Any] | None:
+def libc_function(name: str, restype: type, *argtypes: type) -> Callable[..., Any] | None:
     """The C library's function `name` (None where it has none), looked up once: each
     lookup through a fresh `CDLL` makes a class of its own, memory from malloc that can land
     above a freed heap top and keep glibc from trimming it."""
@@ -59,7 +59,7 @@ def _libc_function(name: str, restype: type, *argtypes: type) -> Callable[..., A
 def _mallopt(*settings: tuple[int, int]) -> bool:
     """Each (parameter, value) given to glibc's mallopt; whether it took them all (False
     off glibc: nothing changed)."""
-    mallopt = _libc_function("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
+    mallopt = libc_function("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
     if mallopt is None:
         return False
     return all([bool(mallopt(param, value)) for param, value in settings])  # every one set, even after a refusal
@@ -129,7 +129,7 @@ def heap_stats() -> dict[str, int]:
     It walks every free chunk under each arena's lock, so its time grows with them, and
     mallocs in that arena wait for it (about 20 ms a call on a v5e trainer's heap,
     docs/performance.md)."""
-    mallinfo2 = _libc_function("mallinfo2", _MallInfo2)
+    mallinfo2 = libc_function("mallinfo2", _MallInfo2)
     if mallinfo2 is None:
         return {}
     m = mallinfo2()

@@ -19,7 +19,7 @@ from weightsync.errors import DeadlineExceeded, InvalidArgument, TransportUnavai
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.publish_sender import PUBLISH_METHOD, LoopSender
 from weightsync.security import Security
-from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches
+from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches, publish_requests
 
 log = logging.getLogger(__name__)
 #: CoordinatorClient.publish_requests: how PublishVersion's requests are built and sent
@@ -212,9 +212,7 @@ class CoordinatorClient:
 
         def requests() -> Iterator[pb.PublishRequest]:
             yield pb.PublishRequest(header=header)
-            for batch in part_to_batches(part):
-                yield pb.PublishRequest(batch=batch)
-            yield pb.PublishRequest(seal=pb.PublishSeal(part_digest=part.digest()))
+            yield from publish_requests(part, part_to_batches(part))
 
         if self.publish_requests not in PUBLISH_REQUESTS:
             raise InvalidArgument(f"one of {', '.join(PUBLISH_REQUESTS)}", field="publish_requests")

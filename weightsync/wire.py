@@ -107,6 +107,14 @@ def part_to_batches(part: Part, batch_items: int = BATCH_ITEMS) -> Iterator[_tpb
         yield batch
 
 
+def publish_requests(part: Part, batches: Iterable[_tpb.DescriptorBatch]) -> Iterator[_cpb.PublishRequest]:
+    """PublishVersion's stream after its header: `batches` (the part's, `part_to_batches`),
+    then the seal with the part's digest."""
+    for batch in batches:
+        yield _cpb.PublishRequest(batch=batch)
+    yield _cpb.PublishRequest(seal=_cpb.PublishSeal(part_digest=part.digest()))
+
+
 ShardPlace = tuple[str, tuple[int, ...], tuple[int, ...], int, int]  # name, start, stop, offset, nbytes
 
 
