@@ -89,6 +89,8 @@ from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  #
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
 from trainer_agent.host_heap import (  # noqa: E402
     MXFAST_DEFAULT,
+    arena_stats,
+    arenas_summary,
     heap_stats,
     hold_freed_memory,
     set_max_fast,
@@ -279,6 +281,7 @@ CHOICES = {
     "release": ("caller", "thread"),
     "requests": ("first", "lazy", "loop"),
     "offer": ("every", "idle", "unqueued"),
+    "d2h": ("one", "caller"),
 }
 
 
@@ -311,7 +314,9 @@ class Variant:
     from the client's own loop thread); and which steps offer their version
     (`offer`: "every" step, the newest waiting one superseded; "idle", only where no
     publish runs or waits; "unqueued", only where none waits: no snapshot taken that
-    would be superseded, the worker kept busy)."""
+    would be superseded, the worker kept busy); and which thread issues the blocks' copies
+    (`d2h`: "one", the process's D2H thread; "caller", the publishing thread:
+    `d2h_one_thread` false)."""
 
     window_bytes: int
     block_bytes: int
@@ -326,6 +331,7 @@ class Variant:
     release: str = "caller"
     requests: str = "first"
     offer: str = "every"
+    d2h: str = "one"
 
     def label(self) -> str:
         # the keys of CHOICES that differ from their first value (each one's default)
@@ -385,6 +391,7 @@ def publisher(variant: Variant, coordinator: str, host: str) -> Iterator[Any]:
         "d2h_window_bytes": variant.window_bytes,
         "d2h_block_bytes": variant.block_bytes,
         "staging_threads": variant.staging_threads,
+        "d2h_one_thread": variant.d2h == "one",
     }
     switch, collecting = sys.getswitchinterval(), gc.isenabled()
     if variant.switch_us:
@@ -706,7 +713,7 @@ def async_phase(
         "dispatches": dispatches,
         "cpu_s": cpu_s,
         "faults": faults,
-        "heap": heap_stats(),
+        "heap": heap_stats() | arenas_summary(arena_stats()),
         "gc": pauses.summary(),
         "overlapped": overlapped,
         "calls": calls,
@@ -781,7 +788,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     trainer.alone(2)
     base = Variant(args.window_bytes, args.block_bytes, args.staging_threads, args.nice)
-    base = replace(base, work="stage" if args.stage_only else "publish")
+    base = parse_variant(args.base, replace(base, work="stage" if args.stage_only else "publish"))
     variants = [parse_variant(text, base) for text in args.variant]
     labels = phase_labels([base, *variants])
     held = [v.malloc == "held" for v in (base, *variants)]
@@ -841,9 +848,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pub.publish(trainer.params, version)  # the arena made, any staging call compiled
             version += 1
             pub.publish_async(trainer.params, version, snapshot=True).result()
+            out["heap_after_warm_up"] = heap_stats() | arenas_summary(arena_stats())
+            print(
+                f"heap after the warm-up's publishes (blocking, async): {_heap_line(out['heap_after_warm_up'])}",
+                file=sys.stderr,
+            )
             rss.phase("alone")
             dispatches: list[float] = []
+            alone_gc = GcPauses()
+            gc.callbacks.append(alone_gc)  # what the collector stops the loop for without publishing
             alone = trainer.alone(args.steps, dispatches)
+            gc.callbacks.remove(alone_gc)
             rss.phase("blocking")
             blocking = blocking_phase(trainer, pub, args.blocking_steps, version)
             rss.phase("async")
@@ -860,10 +875,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             version = first["version"]
         rss.phase("alone2")
+        gc.callbacks.append(alone_gc)
         alone2 = trainer.alone(args.steps, dispatches)
+        gc.callbacks.remove(alone_gc)
         baseline = statistics.fmean(alone + alone2)
         out |= {
             "step_s": {"alone": _stats(alone), "alone2": _stats(alone2), "dispatch": _stats(dispatches)},
+            "gc_pauses_alone": alone_gc.summary(),  # the alone and alone2 phases' collections
             "blocking": {
                 "iteration_s": _stats(blocking["iterations"]),
                 "publish_s": _stats(blocking["publishes"]),
@@ -872,6 +890,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
             "async": summary(first, baseline, param_bytes),
         }
+        print(f"GC in the {2 * args.steps} steps alone: {out['gc_pauses_alone']}", file=sys.stderr)
         _report(base.label(), out["async"], baseline)
         sweep = {}
         held_max = {base.label(): first["held_max"]}
@@ -951,8 +970,23 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
         + (f"; not offered {s['not_offered']}" if s["not_offered"] else ""),
         file=sys.stderr,
     )
+    if heap := s["heap_at_end"]:
+        print(f"  heap at its end: {_heap_line(heap)}", file=sys.stderr)
     for line in s["slow_iterations"]:
         print(f"  slow {line}", file=sys.stderr)
+
+
+def _heap_line(heap: dict[str, Any]) -> str:
+    """glibc's account in a line: '4.43 GB free of 5.01 GB in 9 arenas; 64 MiB or more:
+    main 2.10/1.90 GB, 1.22/1.20 GB' (each arena's bytes from the kernel / free)."""
+    gb = lambda pair: f"{pair[0] / 1e9:.2f}/{pair[1] / 1e9:.2f} GB"  # noqa: E731
+    large = [gb(p) for p in heap.get("large", [])]
+    if heap.get("main") in heap.get("large", []):
+        large[heap["large"].index(heap["main"])] = "main " + gb(heap["main"])
+    return (
+        f"{heap.get('free', 0) / 1e9:.2f} GB free of {heap.get('arena', 0) / 1e9:.2f} GB in {heap.get('arenas', 0)} "
+        f"arenas; 64 MiB or more: {', '.join(large) or 'none'}"
+    )
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -982,7 +1016,13 @@ def main() -> None:
         action="append",
         default=[],
         help="another async phase, e.g. 'window=1G,block=8M,threads=4,nice=0' (keys window, block, threads, "
-        "nice, work, switch, gc, malloc, trim, fastbins, release, requests, offer); repeatable",
+        "nice, work, switch, gc, malloc, trim, fastbins, release, requests, offer, d2h); repeatable",
+    )
+    p.add_argument(
+        "--base",
+        default="",
+        help="the run's own settings (the warm-up, blocking and first async phases), in --variant's form, "
+        "e.g. 'd2h=caller'",
     )
     p.add_argument("--no-donate", dest="donate", action="store_false", help="the step does not donate its state")
     p.add_argument("--read-loss", action="store_true", help="read each step's loss to the host (a D2H per step)")

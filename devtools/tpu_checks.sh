@@ -113,6 +113,9 @@ case "${1:-}" in
     # from JAX's compilation cache (a heap without the compile's free chunks)
     step overlap 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     step overlap-cached 110 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    # the control: each publish's block copies on the thread that publishes (the warm-up's
+    # blocking publish on the main thread, the rest on the worker), not on one D2H thread
+    step overlap-caller 110 "$py" bench/train_overlap.py --preset "$b" --base d2h=caller --variant d2h=caller
     # the TPU runtime's premapped host buffer: whole buffers and 64 MiB blocks with its own
     # transfer threshold, then with the threshold at the buffer's default size (4 GiB)
     premapped=(--devices 1 --model-size "$b" --repeats 1 --rows-mib 16,64 --blocks-mib 64 --windows-mib 256

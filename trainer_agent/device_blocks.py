@@ -88,7 +88,19 @@ class Window:
         self._until_staged = until_staged
         self._used = 0
         self._pending = 0  # handed to staging threads, not yet staged
+        self._closed = False
         self._changed = threading.Condition()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the staging side stopped taking blocks (`close`)."""
+        return self._closed
+
+    def close(self) -> None:
+        """The staging side takes no more blocks: a copier waiting for room stops waiting."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def admits(self, nbytes: int, *, inflight: bool) -> bool:
         """Whether a copy of `nbytes` may be issued now: it fits, or nothing is in flight
@@ -97,9 +109,9 @@ class Window:
             return self._used + nbytes <= self.limit_bytes or (not inflight and not self._pending)
 
     def wait_for_room(self, nbytes: int) -> None:
-        """Waits until `nbytes` fit or no staging is pending."""
+        """Waits until `nbytes` fit, no staging is pending, or the window is closed."""
         with self._changed:
-            self._changed.wait_for(lambda: self._used + nbytes <= self.limit_bytes or not self._pending)
+            self._changed.wait_for(lambda: self._used + nbytes <= self.limit_bytes or not self._pending or self._closed)
 
     def issued(self, nbytes: int) -> None:
         with self._changed:
@@ -144,7 +156,7 @@ def device_blocks(
     jobs = _jobs(items, weight_dtype, block_bytes)
     inflight: deque[tuple[_Job, Any]] = deque()
     job = next(jobs, None)
-    while True:
+    while not window.closed:
         while job is not None and window.admits(job.nbytes, inflight=bool(inflight)):
             data = job.make()
             if not isinstance(data, np.ndarray):

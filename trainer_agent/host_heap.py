@@ -140,3 +140,70 @@ def heap_stats() -> dict[str, int]:
         "free_chunks": m.ordblks,
         "fast_chunks": m.smblks,
     }
+
+
+def arena_stats() -> list[dict[str, int]]:
+    """glibc's account arena by arena (`malloc_info`): for each, the bytes it holds from the
+    kernel (`system`), of them free in its bins and fastbins (`free`), and its heaps beyond
+    the first (`subheaps`; a thread's arena only), the main arena first; empty off glibc.
+    A thread mallocs from the arena it was given at its first malloc, so this tells which
+    threads' frees a process keeps (one arena per thread that copied blocks keeps up to a
+    window). Walks every free chunk under each arena's lock, as `heap_stats` does."""
+    memstream = libc_function(
+        "open_memstream", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    )
+    malloc_info = libc_function("malloc_info", ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+    fclose = libc_function("fclose", ctypes.c_int, ctypes.c_void_p)
+    free = libc_function("free", None, ctypes.c_void_p)
+    if memstream is None or malloc_info is None or fclose is None or free is None:
+        return []
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    stream = memstream(ctypes.byref(buf), ctypes.byref(size))
+    if not stream:
+        return []
+    try:
+        malloc_info(0, stream)
+    finally:
+        fclose(stream)  # sets buf and size
+    try:
+        text = ctypes.string_at(buf, size.value).decode() if buf.value else ""
+    finally:
+        free(buf)
+    return _parse_malloc_info(text)
+
+
+def _parse_malloc_info(text: str) -> list[dict[str, int]]:
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError:
+        return []
+    out = []
+    for heap in root.findall("heap"):
+        totals = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("total")}
+        system = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("system")}
+        aspace = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("aspace")}
+        out.append(
+            {
+                "system": system.get("current", 0),
+                "free": totals.get("fast", 0) + totals.get("rest", 0),
+                "subheaps": aspace.get("subheaps", 0),
+            }
+        )
+    return out
+
+
+def arenas_summary(arenas: list[dict[str, int]], min_bytes: int = 64 << 20) -> dict[str, Any]:
+    """`arena_stats` in short: how many arenas, and those holding `min_bytes` or more from
+    the kernel, as [system, free] bytes each, largest first (the main arena marked by its
+    index 0 in `main`)."""
+    large = sorted(
+        ([a["system"], a["free"], i] for i, a in enumerate(arenas) if a["system"] >= min_bytes),
+        reverse=True,
+    )
+    return {
+        "arenas": len(arenas),
+        "large": [[s, f] for s, f, _ in large],
+        "main": next(([s, f] for s, f, i in large if i == 0), None),
+    }

@@ -100,6 +100,12 @@ class PublisherSettings(ServerConfig):
         "so each block's host buffer reuses memory the blocks before it freed instead of faulting in fresh "
         "pages, in whichever thread publishes; false leaves malloc's settings alone.",
     )
+    d2h_one_thread: bool = option(
+        True,
+        "Device arrays on an accelerator: every publish's block copies are issued and land on one thread of the "
+        "process (weightsync-d2h), whichever thread publishes, so glibc keeps their freed host buffers in one "
+        "arena (about a window) instead of one per publishing thread; false copies on the publishing thread.",
+    )
     delta: str = option(
         "off",
         "auto: also publish each version as a delta against the previous one (rollouts holding it pull only "

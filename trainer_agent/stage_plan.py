@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from trainer_agent import host_heap, torch_tensors
+from trainer_agent.d2h_thread import blocks_on_d2h_thread
 from trainer_agent.delta import CHUNK_CAP
 from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks
 from trainer_agent.params import ArrayMeta, check_param, choose_staging_path, device_stream, host_shards, shard_metas
@@ -239,7 +240,10 @@ def stage_device(
     window = Window(s.d2h_window_bytes)
     engine = "native" if native.available() else "python"
     pool = staging_pool(s.staging_threads or native.default_threads())
-    blocks = device_blocks(items, s.weight_dtype, window, block)
+    if s.d2h_one_thread:
+        blocks = blocks_on_d2h_thread(lambda: device_blocks(items, s.weight_dtype, window, block), window.close)
+    else:
+        blocks = device_blocks(items, s.weight_dtype, window, block)
     return stage_blocks(
         slot,
         layout,

@@ -178,3 +178,37 @@ def test_with_fastbins_off_small_frees_are_not_kept_in_fastbins(fastbins: str) -
         assert stats["fast_chunks"] >= 900
     else:
         assert stats["fast_chunks"] == 0
+
+
+_ARENAS = """
+import json, sys, threading, numpy as np
+from trainer_agent import host_heap
+host_heap.hold_freed_memory()
+out = {"before": host_heap.arena_stats()}
+def blocks():  # a thread's 18 MiB blocks, freed: they stay in its arena (heaps held)
+    xs = [np.ones(18 << 20, np.uint8) for _ in range(6)]
+    del xs
+for _ in range(int(sys.argv[1])):
+    t = threading.Thread(target=blocks)
+    t.start()
+    t.join()
+out["after"] = host_heap.arena_stats()
+out["summary"] = host_heap.arenas_summary(out["after"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_info is glibc's")
+def test_arena_stats_show_the_arena_a_threads_freed_blocks_stay_in() -> None:
+    """The main arena first, then each thread's; a thread's freed blocks stay in its arena
+    (heaps held), and a second thread started after the first ended takes the same arena
+    (glibc reuses a dead thread's), so the freed blocks are not kept twice."""
+    r, _ = _script_json(_ARENAS, "2")
+    blocks = 6 * (18 << 20)
+    assert r["before"] and all(a["system"] >= a["free"] >= 0 for a in r["after"])
+    grown = [a for a in r["after"][1:] if a["free"] >= blocks]
+    assert len(grown) == 1, r["after"]  # one arena holds them, not one per thread
+    summary = r["summary"]
+    assert summary["arenas"] == len(r["after"])
+    assert [grown[0]["system"], grown[0]["free"]] in summary["large"]
+    assert summary["main"] is None or summary["main"] in summary["large"]
