@@ -91,6 +91,7 @@ from trainer_agent.host_heap import (  # noqa: E402
     MXFAST_DEFAULT,
     arena_stats,
     arenas_summary,
+    heap_room,
     heap_stats,
     hold_freed_memory,
     set_max_fast,
@@ -203,7 +204,7 @@ class StageOnly:
             s = self.settings
             block = block_size(s.d2h_block_bytes, s.chunk_bytes)
             if block and cuts(params.values()):
-                stream = device_blocks(params.items(), "", Window(s.d2h_window_bytes, until_staged=False), block)
+                stream = device_blocks(params.items(), "", Window(s.d2h_window_bytes, until_staged=False, room=heap_room), block)
             else:
                 stream = device_stream(params.items(), "", s.d2h_window_bytes)
             total = sum(b.nbytes for b in stream)

@@ -81,11 +81,17 @@ def cuts(values: Iterable[Any]) -> bool:
 class Window:
     """Bytes of blocks whose copies were issued and that are not yet staged (with
     `until_staged` False: not yet landed), against `limit_bytes`; the staging side reports
-    through `submitted` and `staged` (`staging.StagingWindow`)."""
+    through `submitted` and `staged` (`staging.StagingWindow`). With `room`, each block
+    counts as `room(its bytes)`: the host memory its buffer takes (`host_heap.heap_room`,
+    where the buffers come from a thread's arena), so that the memory the copies hold,
+    and glibc keeps once they are freed, stays within `limit_bytes`."""
 
-    def __init__(self, limit_bytes: int, *, until_staged: bool = True) -> None:
+    def __init__(
+        self, limit_bytes: int, *, until_staged: bool = True, room: Callable[[int], int] | None = None
+    ) -> None:
         self.limit_bytes = limit_bytes
         self._until_staged = until_staged
+        self._room = room or (lambda nbytes: nbytes)
         self._used = 0
         self._pending = 0  # handed to staging threads, not yet staged
         self._closed = False
@@ -105,22 +111,24 @@ class Window:
     def admits(self, nbytes: int, *, inflight: bool) -> bool:
         """Whether a copy of `nbytes` may be issued now: it fits, or nothing is in flight
         and nothing being staged will free room (the blocks held are the consumer's)."""
+        nbytes = self._room(nbytes)
         with self._changed:
             return self._used + nbytes <= self.limit_bytes or (not inflight and not self._pending)
 
     def wait_for_room(self, nbytes: int) -> None:
         """Waits until `nbytes` fit, no staging is pending, or the window is closed."""
+        nbytes = self._room(nbytes)
         with self._changed:
             self._changed.wait_for(lambda: self._used + nbytes <= self.limit_bytes or not self._pending or self._closed)
 
     def issued(self, nbytes: int) -> None:
         with self._changed:
-            self._used += nbytes
+            self._used += self._room(nbytes)
 
     def landed(self, nbytes: int) -> None:
         if not self._until_staged:
             with self._changed:
-                self._used -= nbytes
+                self._used -= self._room(nbytes)
 
     def submitted(self, nbytes: int) -> None:
         with self._changed:
@@ -130,7 +138,7 @@ class Window:
         with self._changed:
             self._pending -= nbytes
             if self._until_staged:
-                self._used -= nbytes
+                self._used -= self._room(nbytes)
             self._changed.notify_all()
 
 

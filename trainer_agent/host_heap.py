@@ -112,6 +112,26 @@ def hold_for_device_path(top_pad_bytes: int = HEAP_BYTES) -> bool:
         return _held
 
 
+#: what a heap holds besides its chunks, rounded up: its header and, in an arena's first
+#: heap, the arena's own
+_HEAP_HEADER = 4096
+#: what a chunk takes besides its bytes, rounded up: its size field and an alignment of 64
+_CHUNK_SLACK = 64
+
+
+def heap_room(nbytes: int) -> int:
+    """The bytes an allocation of `nbytes` takes from a thread's arena while many of its
+    size are live: glibc lays them in heaps of `HEAP_BYTES` (64 MiB), so as many as fit
+    whole share a heap and the rest of it stays empty (three 18 MiB blocks take 64 MiB:
+    21.3 MiB each). Past the mmap threshold, a mapping of its own (whole pages)."""
+    if nbytes <= 0:
+        return 0
+    if nbytes + 8 >= MMAP_THRESHOLD_MAX:  # with its size field, at the threshold held
+        return -(-nbytes // 4096) * 4096
+    per_heap = (HEAP_BYTES - _HEAP_HEADER) // (nbytes + _CHUNK_SLACK)
+    return -(-HEAP_BYTES // per_heap)
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)

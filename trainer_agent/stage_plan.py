@@ -237,7 +237,9 @@ def stage_device(
         )
     if s.d2h_hold_freed_heap:
         host_heap.hold_for_device_path()
-    window = Window(s.d2h_window_bytes)
+    # the blocks' host buffers come from one thread's arena (the D2H thread's, or the
+    # publishing thread's): counted as the heap room each takes there
+    window = Window(s.d2h_window_bytes, room=host_heap.heap_room)
     engine = "native" if native.available() else "python"
     pool = staging_pool(s.staging_threads or native.default_threads())
     if s.d2h_one_thread:

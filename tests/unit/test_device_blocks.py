@@ -325,3 +325,15 @@ def test_pack_runs_end_at_another_device_or_dtype_a_full_block_or_an_entry_not_p
     assert runs.add("b", 1, 4) == [3]  # another key
     assert runs.close() == [4] and runs.close() == []  # an entry not packed ends the run
     assert runs.add("b", 100, 5) == [] and runs.close() == [5]
+
+
+def test_a_window_with_room_counts_each_block_as_the_memory_its_buffer_takes() -> None:
+    room = lambda nbytes: 2 * nbytes  # noqa: E731
+    window = Window(10 * BLOCK, room=room)
+    assert window.admits(5 * BLOCK, inflight=True)
+    assert not window.admits(6 * BLOCK, inflight=True)
+    window.issued(4 * BLOCK)  # counts 8 blocks' room
+    assert not window.admits(2 * BLOCK, inflight=True) and window.admits(BLOCK, inflight=True)
+    window.submitted(4 * BLOCK)
+    window.staged(4 * BLOCK)
+    assert window._used == 0  # what was counted in comes out the same

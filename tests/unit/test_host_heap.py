@@ -212,3 +212,47 @@ def test_arena_stats_show_the_arena_a_threads_freed_blocks_stay_in() -> None:
     assert summary["arenas"] == len(r["after"])
     assert [grown[0]["system"], grown[0]["free"]] in summary["large"]
     assert summary["main"] is None or summary["main"] in summary["large"]
+
+
+def test_heap_room_counts_the_heap_a_block_shares_with_others_of_its_size() -> None:
+    from trainer_agent.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, heap_room
+
+    assert heap_room(0) == 0
+    assert heap_room(18 << 20) == -(-HEAP_BYTES // 3)  # three to a 64 MiB heap, 10 MiB of it empty
+    assert heap_room(21 << 20) == heap_room(18 << 20)  # three fit all the same: the empty room is theirs
+    assert heap_room(24 << 20) == HEAP_BYTES // 2
+    assert 8192 < heap_room(8192) < 8192 + 128  # small: its bytes and a chunk's header
+    assert heap_room(MMAP_THRESHOLD_MAX) == MMAP_THRESHOLD_MAX  # a mapping of its own, whole pages
+    assert heap_room((40 << 20) + 1) == (40 << 20) + 4096
+
+
+_SLIDING = """
+import json, sys, threading, numpy as np
+from trainer_agent import host_heap
+host_heap.hold_freed_memory()
+n, size = int(sys.argv[1]), 18 << 20
+out = {}
+def window():  # n blocks live, sliding first in, first out; every 7th a shard's shorter tail
+    live = [np.empty(size, np.uint8) for _ in range(n)]
+    for i in range(300):
+        live.pop(0)
+        live.append(np.empty(size if i % 7 else size // 3, np.uint8))
+    live.clear()
+    out["heaps"] = max(a["system"] for a in host_heap.arena_stats()[1:])
+t = threading.Thread(target=window)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heaps' geometry is glibc's")
+@pytest.mark.parametrize("blocks", [48, 57])
+def test_a_threads_arena_holds_a_sliding_window_of_blocks_in_their_heap_room(blocks: int) -> None:
+    """What `heap_room` predicts is what glibc keeps: 57 blocks of 18 MiB (a 1 GiB window
+    counted by their bytes) take 19 heaps, 1,216 MiB; 48 (the same window counted by
+    their room) take 16, 1,024 MiB (dev machine: both exactly)."""
+    from trainer_agent.host_heap import HEAP_BYTES, heap_room
+
+    r, _ = _script_json(_SLIDING, str(blocks))
+    assert blocks * (18 << 20) < r["heaps"] <= blocks * heap_room(18 << 20) + HEAP_BYTES
