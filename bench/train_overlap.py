@@ -204,7 +204,8 @@ class StageOnly:
             s = self.settings
             block = block_size(s.d2h_block_bytes, s.chunk_bytes)
             if block and cuts(params.values()):
-                stream = device_blocks(params.items(), "", Window(s.d2h_window_bytes, until_staged=False, room=heap_room), block)
+                window = Window(s.d2h_window_bytes, until_staged=False, room=heap_room)
+                stream = device_blocks(params.items(), "", window, block)
             else:
                 stream = device_stream(params.items(), "", s.d2h_window_bytes)
             total = sum(b.nbytes for b in stream)
