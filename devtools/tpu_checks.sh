@@ -7,7 +7,7 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
-#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # the overlap's stalls and the D2H's runtime settings, ~9 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # the D2H's runtime settings, the overlap's controls, ~9 min
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -99,23 +99,14 @@ case "${1:-}" in
     if [ -n "$small" ]; then s=small; b=small; else s=4b; b=0.6b; fi
     step stage 250 "$py" bench/stage.py --devices 1 --model-size "$s" --repeats 2 --deadline-s 235 --json
     # the run's settings (every step offers its version), then steps that offer one only
-    # while no publish runs or waits, then only while none waits
+    # while no publish runs or waits, then the run's settings with the trainer's objects
+    # frozen out of Python's collector (gc.freeze(), as vLLM does once it has started)
     step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
-      --variant offer=idle --variant offer=unqueued
+      --variant offer=idle --variant gc=freeze
     ;;
   diagnose)
     facts
     if [ -n "$small" ]; then b=small; else b=0.6b; fi
-    # what a protobuf malloc_trim costs a publish's requests on a heap of ~300,000 free
-    # chunks (what XLA's compile leaves), built a message per descriptor and in place
-    step descriptor-trim 60 "$py" bench/descriptor_trim.py
-    # the run's settings twice: the first process compiles its step, the second loads it
-    # from JAX's compilation cache (a heap without the compile's free chunks)
-    step overlap 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
-    step overlap-cached 110 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
-    # the control: each publish's block copies on the thread that publishes (the warm-up's
-    # blocking publish on the main thread, the rest on the worker), not on one D2H thread
-    step overlap-caller 110 "$py" bench/train_overlap.py --preset "$b" --base d2h=caller --variant d2h=caller
     # the TPU runtime's premapped host buffer: whole buffers and 64 MiB blocks with its own
     # transfer threshold, then with the threshold at the buffer's default size (4 GiB)
     premapped=(--devices 1 --model-size "$b" --repeats 1 --rows-mib 16,64 --blocks-mib 64 --windows-mib 256
@@ -123,11 +114,21 @@ case "${1:-}" in
     step stage-premap-default 90 "$py" bench/stage.py "${premapped[@]}"
     step stage-premap-raised 90 env TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296 \
       "$py" bench/stage.py "${premapped[@]}"
-    # for a second call (TPU_CHECKS_ONLY): the overlap with the threshold raised, blocks cut
-    # and whole buffers; a thread arena's heaps unmapped as glibc does; no process reading the
-    # trainer's /proc/PID/status; another allocator where the host has one
+    # the overlap with the threshold raised, blocks cut and whole buffers (this process
+    # compiles the step; the steps after it load it from JAX's compilation cache)
     step overlap-premap 200 env TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES=4294967296 \
       "$py" bench/train_overlap.py --preset "$b" --variant block=0
+    # the control: each publish's block copies on the thread that publishes (the warm-up's
+    # blocking publish on the main thread, the rest on the worker), not on one D2H thread
+    step overlap-caller 110 "$py" bench/train_overlap.py --preset "$b" --base d2h=caller --variant d2h=caller
+    # what a protobuf malloc_trim costs a publish's requests on a heap of ~100,000 free
+    # chunks (what XLA's compile leaves is ~300,000), built a message per descriptor and in place
+    step descriptor-trim 90 "$py" bench/descriptor_trim.py --free-chunks 100000
+    # for a second call (TPU_CHECKS_ONLY): the run's settings twice, a thread arena's heaps
+    # unmapped as glibc does; no process reading the trainer's /proc/PID/status; another
+    # allocator where the host has one
+    step overlap 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    step overlap-cached 110 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     step overlap-unmapped 170 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     lib=$(preloadable_allocator)
