@@ -19,6 +19,7 @@ process-wide caller waits for the thread.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -39,6 +40,15 @@ def _thread() -> ThreadPoolExecutor:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
         return _executor
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: its first copies start one anew."""
+    global _executor, _lock
+    _executor, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _Failed:

@@ -5,8 +5,11 @@ publishes, with the same bytes as on the caller's thread."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +110,25 @@ def test_the_device_paths_copies_run_on_the_d2h_thread_with_the_same_bytes(
         assert slot[off : off + n].tobytes() == np.asarray(value).tobytes(), name
     on_d2h = {name.startswith(THREAD_NAME) for name in threads}
     assert on_d2h == {one_thread}
+
+
+_FORK = """
+import os, signal, sys
+from trainer_agent.d2h_thread import blocks_on_d2h_thread
+assert list(blocks_on_d2h_thread(lambda: iter(range(3)))) == [0, 1, 2]  # the parent's thread exists
+pid = os.fork()
+if pid == 0:  # the child has none of its parent's threads: it would wait forever for that one
+    signal.alarm(20)  # and then end
+    os._exit(0 if list(blocks_on_d2h_thread(lambda: iter(range(3)))) == [0, 1, 2] else 1)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_starts_a_d2h_thread_of_its_own() -> None:
+    """In a process of its own without JAX (which warns at every fork)."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", _FORK], cwd=root, env={"PYTHONPATH": str(root)}, capture_output=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
