@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="publish-objects-")))
         unix = bool(inet_refused())
         host = f"unix:{tmp}/trainer.sock" if unix else "127.0.0.1"
-        coordinator = stack.enter_context(coordinator_process(tmp / "coordinator", f"unix:{tmp}/c.sock" if unix else host))
+        listen = f"unix:{tmp}/c.sock" if unix else host
+        coordinator = stack.enter_context(coordinator_process(tmp / "coordinator", listen))
         settings = PublisherSettings(coordinator=coordinator, session="objects", weight_sync_mode="shm", host=host)
         pub = stack.enter_context(WeightPublisher(settings))
         for version in (1, 2):  # programs compiled, slots made, layout cached
