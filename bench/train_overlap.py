@@ -19,10 +19,17 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
             `fastbins`: on, off), where a superseded snapshot is dropped (`release`:
             caller, thread), how PublishVersion's requests are built and sent
             (`requests`: first, lazy, loop), which steps offer their version (`offer`:
-            every, idle, unqueued), and how far each publish goes (`work`:
+            every, idle, unqueued), which thread copies the blocks (`d2h`: one, the
+            process's D2H thread; caller), and how far each publish goes (`work`:
             publish | stage | d2h | snapshot, the last three with no coordinator: staged
             into an arena, only brought to host, only the device snapshot held), to tell
             apart what costs the steps; a phase repeated is numbered (" #2")
+
+`--base` sets the same keys for the run's own phases (`--base d2h=caller`: the control of
+the D2H thread). Before the phases a warm-up publishes once blocking and once async; glibc's
+account arena by arena after it and after each async phase (`host_heap.arena_stats`: which
+threads' freed blocks the process keeps) and the collector's pauses in the phases without
+publishing are printed beside the phases' own.
 
 and prints one JSON object (also written to `--out`) and a line per async phase on
 stderr: the step times and how long each step's call took to return (its dispatch: where

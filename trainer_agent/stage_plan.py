@@ -214,7 +214,9 @@ def stage_device(
     JAX arrays on an accelerator (for pairs: when the first one is): large shards are cut
     on their device into blocks (`device_blocks`), and a pool of `staging_threads` threads
     (0: every core) stages each run of landed blocks into its place while the next copies
-    land; `d2h_window_bytes` bounds what was issued and is not yet staged. Else (CPU
+    land; `d2h_window_bytes` bounds what was issued and is not yet staged, each block
+    counted as the heap room its host buffer takes. With `d2h_one_thread` the copies are
+    issued, and pairs read, on the process's D2H thread (`d2h_thread`). Else (CPU
     devices, torch tensors, or `d2h_block_bytes` 0) whole shards come through the window:
     half in flight, half landed and waiting for their fused pass (CPU devices' shards are
     read in place, nothing is copied but into the slot).
