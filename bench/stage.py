@@ -9,7 +9,9 @@ the same bytes measured in this run, plus the peak RSS above the pre-staging bas
 copy-only device-to-host methods of the same shards in the same run, every byte checked
 (bench/stage_devices.py says what and how; bench/d2h.py has the methods). Progress goes
 to stderr as each figure comes. `--publish-thread` stages there on a worker thread, as
-`publish_async` does, and `--heaps unmapped` gives glibc's own top pad to the device path.
+`publish_async` does (the device path's copies still run on the process's D2H thread,
+`d2h_one_thread`; the copy-only rows on the staging thread), and `--heaps unmapped` gives
+glibc's own top pad to the device path.
 """
 
 from __future__ import annotations
@@ -234,7 +236,8 @@ def main() -> int:
     p.add_argument(
         "--publish-thread",
         action="store_true",
-        help="device path: stage on a worker thread, as publish_async does (its own glibc arena), not the main one",
+        help="device path: stage on a worker thread, as publish_async does, not the main one (the copy-only rows' "
+        "buffers then come from its own glibc arena; the device path's from the D2H thread's)",
     )
     p.add_argument(
         "--heaps",
