@@ -37,12 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 from common import emit_json  # noqa: E402
-from train_overlap import coordinator_process, init_params  # noqa: E402
+from train_overlap import coordinator_process, init_params, loopback_addresses  # noqa: E402
 
 from trainer_agent import params as params_module  # noqa: E402
 from trainer_agent.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
-from weightsync.addresses import inet_refused  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 
 
@@ -63,9 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = init_params(PRESETS[args.preset], 0)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="publish-objects-")))
-        unix = bool(inet_refused())
-        host = f"unix:{tmp}/trainer.sock" if unix else "127.0.0.1"
-        listen = f"unix:{tmp}/c.sock" if unix else host
+        host, listen = loopback_addresses(tmp)
         coordinator = stack.enter_context(coordinator_process(tmp / "coordinator", listen))
         settings = PublisherSettings(coordinator=coordinator, session="objects", weight_sync_mode="shm", host=host)
         pub = stack.enter_context(WeightPublisher(settings))

@@ -294,6 +294,19 @@ CHOICES = {
 }
 
 
+def loopback_addresses(tmp: Path) -> tuple[str, str]:
+    """(the publisher's chunk server host, the coordinator's listen address): unix sockets
+    in `tmp` where this host has no usable inet sockets (a TPU VM), else 127.0.0.1."""
+    if inet_refused():
+        return f"unix:{tmp}/trainer.sock", f"unix:{tmp}/c.sock"
+    return "127.0.0.1", "127.0.0.1"
+
+
+def heap_account() -> dict[str, Any]:
+    """glibc's account (`heap_stats`) with its arenas in short (`arenas_summary`)."""
+    return heap_stats() | arenas_summary(arena_stats())
+
+
 @contextlib.contextmanager
 def coordinator_process(workdir: Path, host: str) -> Iterator[str]:
     """A coordinator in its own process on `host` (127.0.0.1 on a free port, or
@@ -722,7 +735,7 @@ def async_phase(
         "dispatches": dispatches,
         "cpu_s": cpu_s,
         "faults": faults,
-        "heap": heap_stats() | arenas_summary(arena_stats()),
+        "heap": heap_account(),
         "gc": pauses.summary(),
         "overlapped": overlapped,
         "calls": calls,
@@ -838,11 +851,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stalls = StallTraces(path, args.trace_stalls_ms, native)
             stack.callback(stalls.close)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overlap-")))
-        unix = bool(inet_refused())
-        host = f"unix:{tmp}/trainer.sock" if unix else "127.0.0.1"
+        host, listen = loopback_addresses(tmp)
         coordinator = args.coordinator_address
         if not coordinator and any(v.work == "publish" for v in (base, *variants)):
-            listen = f"unix:{tmp}/c.sock" if unix else host
             if args.coordinator_in_process:
                 coordinator = stack.enter_context(coordinator_here(tmp / "c.db", listen))
             else:
@@ -857,7 +868,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pub.publish(trainer.params, version)  # the arena made, any staging call compiled
             version += 1
             pub.publish_async(trainer.params, version, snapshot=True).result()
-            out["heap_after_warm_up"] = heap_stats() | arenas_summary(arena_stats())
+            out["heap_after_warm_up"] = heap_account()
             print(
                 f"heap after the warm-up's publishes (blocking, async): {_heap_line(out['heap_after_warm_up'])}",
                 file=sys.stderr,

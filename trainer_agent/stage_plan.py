@@ -4,6 +4,7 @@ stream not read yet), and the staging run into that slot."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,10 +245,8 @@ def stage_device(
     window = Window(s.d2h_window_bytes, room=host_heap.heap_room)
     engine = "native" if native.available() else "python"
     pool = staging_pool(s.staging_threads or native.default_threads())
-    if s.d2h_one_thread:
-        blocks = blocks_on_d2h_thread(lambda: device_blocks(items, s.weight_dtype, window, block), window.close)
-    else:
-        blocks = device_blocks(items, s.weight_dtype, window, block)
+    copies = functools.partial(device_blocks, items, s.weight_dtype, window, block)
+    blocks = blocks_on_d2h_thread(copies, window.close) if s.d2h_one_thread else copies()
     return stage_blocks(
         slot,
         layout,

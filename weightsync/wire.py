@@ -128,8 +128,7 @@ def _placement(rank: int, tensors: tuple[TensorSpec, ...], shards: tuple[ShardPl
     """A batch of `tensors` and the shards' placement (digests unset), built once per layout
     and only copied from (never handed out: a caller could change it)."""
     batch = _tpb.DescriptorBatch(rank=rank)
-    for t in tensors:
-        batch.tensors.add(name=t.name, dtype=dtype_info(t.dtype).proto, shape=t.shape)
+    batch.tensors.extend(tensor_to_proto(t) for t in tensors)
     for name, start, stop, offset, nbytes in shards:
         batch.shards.add(tensor_name=name, start=start, stop=stop, offset=offset, nbytes=nbytes)
     return batch
