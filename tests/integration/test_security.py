@@ -689,6 +689,12 @@ def test_a_rollout_token_neither_keeps_a_dead_trainer_alive_nor_takes_a_rollout_
             ):
                 assert state_name(admin.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
                 trainer_id = next(a.agent_id for a in admin.status("job").agents if a.role == tpb.TRAINER)
+                # r0's heartbeat carries the version it serves after the commit: the row settles then
+                eventually(
+                    lambda: {a.agent_id: a.current_version for a in admin.status("job").agents}["r0"] == 1,
+                    timeout_s=30,
+                    what="r0's heartbeat to report version 1",
+                )
                 before = _stored(admin, leases=False)
                 with pytest.raises(AlreadyExists) as exc:
                     intruder.register_agent("job", "r0", trainer=False, endpoint=Endpoint("127.0.0.1:9", host_id="x"))
