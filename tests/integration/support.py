@@ -71,6 +71,17 @@ def rollout_status(address: str) -> rpb.RolloutStatus:
         return rpb_grpc.RolloutAgentStub(channel).GetStatus(rpb.RolloutStatusRequest(), timeout=10)
 
 
+def serving(address: str, version: int, timeout_s: float = 30.0) -> rpb.RolloutStatus:
+    """The rollout's status once it serves `version`. A commit is visible at the coordinator
+    before the rollout has read the verdict that makes the version current (the answer to
+    its own report), so a test that saw COMMITTED waits here rather than reading at once."""
+    return eventually(
+        lambda: (s := rollout_status(address)).current_version == version and s,
+        timeout_s=timeout_s,
+        what=f"the rollout at {address} to serve version {version}",
+    )
+
+
 def trainer_bytes_served(address: str) -> int:
     """Chunk bytes a trainer sidecar has served, every transport (its GetStatus)."""
     with grpc.insecure_channel(address) as channel:

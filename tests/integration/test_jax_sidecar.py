@@ -8,7 +8,7 @@ import pytest
 
 from devtools.cluster import Cluster
 from devtools.scrape import metric_value, scrape
-from tests.integration.support import rollout_status, state_name
+from tests.integration.support import serving, state_name
 from weightsync.client import CoordinatorClient
 
 pytestmark = pytest.mark.slow
@@ -33,8 +33,7 @@ def test_a_jax_sidecar_applies_each_version_and_refuses_one_corrupted_on_its_way
         assert state_name(v2) == "COMMITTED"
         (h2,) = [h for h in client.status("job").handshakes if h.version == 2]
         assert h2.ok and 0 < h2.timings.pause_seconds < h2.timings.apply_seconds  # swapped in: paused for the swap
-    status = rollout_status(jx.address)
-    assert status.current_version == 2
+    status = serving(jx.address, 2)
     # its own memory, by kind, and the receive buffer it keeps (one copy of the model)
     assert status.host_memory.anon > 0 and status.host_memory.rss >= status.host_memory.anon
     assert status.host_memory.receive_bytes > 0 and status.host_memory.limit == 0

@@ -23,7 +23,7 @@ import pytest
 
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
-from tests.integration.support import eventually, free_port, rollout_status, state_name
+from tests.integration.support import eventually, free_port, rollout_status, serving, state_name
 from tests.unit.helpers import damage
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -370,7 +370,7 @@ def test_agents_started_before_their_coordinator_wait_for_it(cluster: Cluster) -
     with CoordinatorClient(address) as client:
         eventually(lambda: client.status("job"), what="the session opened")
         assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
-    assert rollout_status(r0.address).current_version == 1
+    serving(r0.address, 1)
 
 
 def test_a_fenced_trainer_changes_nothing_and_exits(cluster: Cluster) -> None:
@@ -717,7 +717,7 @@ def test_a_rollout_that_cannot_allocate_its_receive_buffer_reports_it_and_syncs_
         with grpc.insecure_channel(r0.address) as channel:
             assert rpb_grpc.RolloutAgentStub(channel).Sync(rpb.SyncRequest(version=1), timeout=60).ok
         assert state_name(client.wait_for_version("job", 1, states=("COMMITTED",), timeout_s=30)) == "COMMITTED"
-    assert rollout_status(r0.address).current_version == 1
+    serving(r0.address, 1)
 
 
 def test_sigterm_flips_health_deregisters_and_exits_quickly(cluster: Cluster) -> None:
@@ -865,8 +865,8 @@ def test_shm_without_a_shared_dev_shm_falls_back_to_tcp_without_spending_attempt
     cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
     with CoordinatorClient(coord.address) as client:
         assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
-    st = rollout_status(r0.address)
-    assert st.current_version == 1 and st.chunk_retries == 0
+    st = serving(r0.address, 1)
+    assert st.chunk_retries == 0
     assert "arena not mappable here" in r0.log() and "pulling over tcp" in r0.log()
     assert metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total") == 0
 
@@ -888,7 +888,7 @@ def test_a_dev_shm_without_room_for_the_arena_is_refused_and_retried_until_there
     Path(f"/proc/{t1.pid}/root/dev/shm/ballast").unlink()  # the file, seen from inside its namespace
     with CoordinatorClient(coord.address) as client:
         assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
-    assert rollout_status(r0.address).current_version == 1
+    serving(r0.address, 1)
 
 
 def test_a_trainer_without_a_writable_dev_shm_says_so_in_one_line(cluster: Cluster) -> None:

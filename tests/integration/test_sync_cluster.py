@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
-from tests.integration.support import eventually, reflected_services, rollout_status, state_name
+from tests.integration.support import eventually, reflected_services, rollout_status, serving, state_name
 from trainer_agent import synthetic
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
@@ -43,8 +43,8 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
             (2, "r0", True),
             (2, "r1", True),
         ]
-    assert rollout_status(r0.address).current_version == 2
-    assert rollout_status(r1.address).current_version == 2
+    serving(r0.address, 2)
+    serving(r1.address, 2)
     with grpc.insecure_channel(r0.address) as channel:  # a NumPy applier holds weights, samples nothing
         with pytest.raises(grpc.RpcError) as e:
             rpb_grpc.RolloutAgentStub(channel).Sample(
@@ -215,8 +215,8 @@ def test_chunk_corrupted_in_flight_is_refetched(cluster: Cluster, mode: str) -> 
         ],
     )
     assert cluster.wait_exit("trainer", 120) == 0  # waited for COMMITTED
-    status = rollout_status(r0.address)
-    assert status.current_version == 1 and 1 <= status.chunk_retries <= 2 and status.syncs_failed == 0
+    status = serving(r0.address, 1)
+    assert 1 <= status.chunk_retries <= 2 and status.syncs_failed == 0
     failures = metric_value(scrape(r0.ready["metrics_port"]), "weightsync_digest_failures_total")
     assert failures == status.chunk_retries
 
@@ -240,13 +240,13 @@ def test_wrong_assembled_byte_fails_handshake_and_next_version_applies(cluster: 
         assert hs["good"].ok and not hs["bad"].ok and "model.embed_tokens.weight" in hs["bad"].mismatch
     assert rollout_status(bad.address).current_version == 0  # live weights untouched
     assert not (tmp_path / "bad" / "v1.safetensors").exists()
-    assert rollout_status(good.address).current_version == 1
+    serving(good.address, 1)
     cluster.stop("trainer")
     cluster.start_trainer(
         "trainer2", coord.address, "job", [*TINY, "--steps", "1", "--start-version", "2", "--min-rollouts", "2"]
     )
     assert cluster.wait_exit("trainer2", 120) == 0
-    assert rollout_status(bad.address).current_version == 2
+    serving(bad.address, 2)
 
 
 def test_a_manifest_that_does_not_check_is_reported_failed_and_the_retry_commits(cluster: Cluster) -> None:
@@ -374,7 +374,7 @@ def test_relay_killed_mid_transfer_its_child_finishes_from_the_trainer(cluster: 
         )
         assert served == model_bytes
     for proc in rollouts.values():
-        assert rollout_status(proc.address).current_version == 2
+        serving(proc.address, 2)
 
 
 @pytest.mark.parametrize("mode", ["tcp", "relay"])
@@ -399,4 +399,5 @@ def test_every_server_listens_and_syncs_on_ipv6(cluster: Cluster, mode: str) -> 
     assert all(e.address.startswith("[::1]:") for e in endpoints)
     assert all(e.tcp_address.startswith("[::1]:") for e in endpoints if e.tcp_address)
     assert any(e.tcp_address for e in endpoints)  # the native data plane served
-    assert rollout_status(r0.address).current_version == rollout_status(r1.address).current_version == 1
+    serving(r0.address, 1)
+    serving(r1.address, 1)

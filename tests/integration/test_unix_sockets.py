@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from devtools.cluster import Cluster
-from tests.integration.support import eventually, reflected_services, rollout_status, state_name
+from tests.integration.support import eventually, reflected_services, serving, state_name
 from tests.unit.helpers import unshare_missing
 from weightsync.client import CoordinatorClient
 from weightsync.unix_sockets import SOCKET_MODE
@@ -66,7 +66,7 @@ def test_a_cluster_over_unix_sockets_commits_and_every_server_lists_its_services
     endpoint = manifest.parts[0].endpoint
     assert endpoint.address == trainer.address == f"unix:{sockets}/trainer.sock"
     assert "tcp" not in endpoint.transports and not endpoint.tcp_address  # no inet socket to offer
-    assert rollout_status(rollout.address).current_version == 2
+    serving(rollout.address, 2)
     for proc, service in ((coord, "Coordinator"), (rollout, "RolloutAgent"), (trainer, "TrainerAgent")):
         assert f"weightsync.v1.{service}" in reflected_services(proc.address)  # `grpcurl -unix PATH list`
         assert _is_socket_0660(Path(proc.address.removeprefix("unix:")))
