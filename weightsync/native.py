@@ -25,18 +25,21 @@ _ABI_VERSION = 13
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
-class _Span(ctypes.Structure):
-    _fields_ = [
-        ("src", ctypes.c_void_p),
-        ("nbytes", ctypes.c_uint64),
-        ("dst_offset", ctypes.c_uint64),
-        ("dtype", ctypes.c_int32),
-        ("_pad", ctypes.c_int32),
-    ]
+# ws_span (weightsync_native.h): built as a NumPy table and passed by address, as every
+# array is here. ctypes' `data_as` casts and per-length array types leave reference cycles
+# (a few objects a call, the collector's to find: each chunk a rollout receives made some).
+_SPAN = np.dtype(
+    [("src", np.uint64), ("nbytes", np.uint64), ("dst_offset", np.uint64), ("dtype", np.int32), ("pad", np.int32)]
+)
+_ADDR = ctypes.c_void_p  # an array's address: int(array.ctypes.data), or None
 
 
-_I64P = ctypes.POINTER(ctypes.c_int64)
-_U64P = ctypes.POINTER(ctypes.c_uint64)
+def _span_table(rows: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
+    """ws_span rows (source address or 0, nbytes, destination offset, dtype code)."""
+    table = np.zeros(max(1, len(rows)), _SPAN)
+    if rows:
+        table[: len(rows)] = [(*row, 0) for row in rows]
+    return table
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -52,48 +55,48 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ws_stage.argtypes = [
         ctypes.c_void_p,
         ctypes.c_uint64,
-        _U64P,
+        _ADDR,
         ctypes.c_uint64,
         ctypes.c_uint64,
-        ctypes.POINTER(_Span),
+        _ADDR,
         ctypes.c_uint64,
-        _U64P,
-        ctypes.POINTER(ctypes.c_double),
-        _U64P,
+        _ADDR,
+        _ADDR,
+        _ADDR,
         ctypes.c_int,
     ]
     lib.ws_stage_delta.argtypes = [
         *lib.ws_stage.argtypes[:-1],
         ctypes.c_void_p,
         ctypes.c_void_p,
-        _U64P,
-        _I64P,
+        _ADDR,
+        _ADDR,
         ctypes.c_int,
     ]
     lib.ws_rebuild_digest.argtypes = [
         *lib.ws_stage.argtypes[:-1],
         ctypes.c_void_p,
         ctypes.c_uint64,
-        _U64P,
-        _I64P,
+        _ADDR,
+        _ADDR,
         ctypes.c_void_p,
         ctypes.c_int,
     ]
     lib.ws_digest_spans.argtypes = [
-        ctypes.POINTER(_Span),
+        _ADDR,
         ctypes.c_uint64,
         ctypes.c_uint64,
-        _U64P,
-        ctypes.POINTER(ctypes.c_double),
+        _ADDR,
+        _ADDR,
         ctypes.c_int,
     ]
-    lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _U64P, _U64P, ctypes.c_uint64, _U64P, ctypes.c_int]
+    lib.ws_digest_ranges.argtypes = [ctypes.c_void_p, _ADDR, _ADDR, ctypes.c_uint64, _ADDR, ctypes.c_int]
     lib.ws_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
-    lib.ws_copy_many.argtypes = [_U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_int]
-    lib.ws_copy_digest.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, _U64P]
-    lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _U64P, _U64P, ctypes.c_uint64]
+    lib.ws_copy_many.argtypes = [_ADDR, _ADDR, _ADDR, ctypes.c_uint64, ctypes.c_int]
+    lib.ws_copy_digest.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, _ADDR]
+    lib.ws_send_mem_ranges.argtypes = [ctypes.c_int, _ADDR, _ADDR, ctypes.c_uint64]
     lib.ws_send_mem_ranges.restype = ctypes.c_int64
-    lib.ws_recv_verify.argtypes = [ctypes.c_int, ctypes.c_void_p, _U64P, _U64P, _U64P, ctypes.c_uint64, ctypes.c_void_p]
+    lib.ws_recv_verify.argtypes = [ctypes.c_int, ctypes.c_void_p, _ADDR, _ADDR, _ADDR, ctypes.c_uint64, ctypes.c_void_p]
     lib.ws_recv_verify.restype = ctypes.c_int64
     lib.ws_delta16_encode.argtypes = [
         ctypes.c_void_p,
@@ -101,7 +104,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         ctypes.c_uint64,
         ctypes.c_void_p,
         ctypes.c_uint64,
-        _U64P,
+        _ADDR,
     ]
     lib.ws_delta16_encode.restype = ctypes.c_int64
     lib.ws_delta16_decode.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
@@ -259,11 +262,10 @@ def stage(
     lib = _require()
     if dst.dtype != np.uint8 or dst.nbytes < total or not dst.flags.c_contiguous:
         raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {total} bytes", field="dst")
-    spans = (_Span * max(1, len(sources)))()
-    for i, (arr, offset, dtype) in enumerate(sources):
+    for i, (arr, _, _) in enumerate(sources):
         if not arr.flags.c_contiguous:
             raise InvalidArgument("array is not C-contiguous", field=f"sources[{i}]")
-        spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, offset, dtype, 0)
+    spans = _span_table([(_ptr(arr) if arr.nbytes else 0, arr.nbytes, offset, dtype) for arr, offset, dtype in sources])
     lengths = _chunk_plan(chunk_lengths, total)
     args, digests, sums, chunks = _pass_args(_ptr(dst), total, lengths, piece_bytes, spans, len(sources))
     if base is None:
@@ -282,9 +284,7 @@ def stage(
     if out.dtype != np.uint8 or out.nbytes < int(caps.sum()) or not out.flags.c_contiguous:
         raise InvalidArgument(f"needs a contiguous uint8 buffer of at least {int(caps.sum())} bytes", field="delta_out")
     sizes = np.zeros(max(len(lengths), 1), np.int64)
-    rc = lib.ws_stage_delta(
-        *args, _ptr(base), _ptr(out), caps.ctypes.data_as(_U64P), sizes.ctypes.data_as(_I64P), threads
-    )
+    rc = lib.ws_stage_delta(*args, _ptr(base), _ptr(out), _ptr(caps), _ptr(sizes), threads)
     _check(rc, "ws_stage_delta")
     starts = np.concatenate([[0], np.cumsum(caps)])
     deltas = [None if n < 0 else out[int(a) : int(a) + int(n)].tobytes() for a, n in zip(starts, sizes[: len(lengths)])]
@@ -300,24 +300,25 @@ class RebuildResult(StageResult):
 
 
 def _pass_args(
-    dst: int | None, total: int, lengths: np.ndarray, piece_bytes: int, spans: ctypes.Array, n_spans: int
+    dst: int | None, total: int, lengths: np.ndarray, piece_bytes: int, spans: np.ndarray, n_spans: int
 ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """The arguments every staging pass takes (ws_stage's, less the threads), and the span
-    digests, span sums and chunk digests they point at."""
+    digests, span sums and chunk digests they point at (addresses only: the caller keeps
+    `lengths` and `spans` alive through the call)."""
     digests = np.zeros(max(n_spans, 1), np.uint64)
     sums = np.zeros(max(n_spans, 1), np.float64)
     chunks = np.zeros(max(len(lengths), 1), np.uint64)
     args = [
         dst,
         total,
-        lengths.ctypes.data_as(_U64P),
+        _ptr(lengths),
         len(lengths),
         piece_bytes,
-        spans,
+        _ptr(spans),
         n_spans,
-        digests.ctypes.data_as(_U64P),
-        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-        chunks.ctypes.data_as(_U64P),
+        _ptr(digests),
+        _ptr(sums),
+        _ptr(chunks),
     ]
     return args, digests, sums, chunks
 
@@ -362,9 +363,7 @@ def rebuild_digest(
         if not 0 <= index < len(lengths):
             raise InvalidArgument(f"chunk {index} is not one of the {len(lengths)} chunks", field="encoded")
         offsets[index], sizes[index] = offset, length
-    c_spans = (_Span * max(1, len(spans)))()
-    for i, (offset, nbytes, dtype) in enumerate(spans):
-        c_spans[i] = _Span(None, nbytes, offset, dtype, 0)
+    c_spans = _span_table([(0, nbytes, offset, dtype) for offset, nbytes, dtype in spans])
     args, digests, sums, chunks = _pass_args(
         _ptr(buf) if total else None, total, lengths, piece_bytes, c_spans, len(spans)
     )
@@ -373,8 +372,8 @@ def rebuild_digest(
         *args,
         _ptr(enc) if enc.size else None,
         enc.size,
-        offsets.ctypes.data_as(_U64P),
-        sizes.ctypes.data_as(_I64P),
+        _ptr(offsets),
+        _ptr(sizes),
         _ptr(broken),
         threads,
     )
@@ -393,19 +392,18 @@ def digest_arrays(
     """(piecewise xxh3-64 per array, float64 sum per array) of C-contiguous (array, dtype
     code) pairs, in place and in parallel."""
     lib = _require()
-    spans = (_Span * max(1, len(arrays)))()
-    for i, (arr, dtype) in enumerate(arrays):
+    for i, (arr, _) in enumerate(arrays):
         if not arr.flags.c_contiguous:
             raise InvalidArgument("array is not C-contiguous", field=f"arrays[{i}]")
-        spans[i] = _Span(_ptr(arr) if arr.nbytes else None, arr.nbytes, 0, dtype, 0)
+    spans = _span_table([(_ptr(arr) if arr.nbytes else 0, arr.nbytes, 0, dtype) for arr, dtype in arrays])
     digests = np.zeros(max(len(arrays), 1), np.uint64)
     sums = np.zeros(max(len(arrays), 1), np.float64)
     rc = lib.ws_digest_spans(
-        spans,
+        _ptr(spans),
         len(arrays),
         piece_bytes,
-        digests.ctypes.data_as(_U64P),
-        sums.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+        _ptr(digests),
+        _ptr(sums),
         threads,
     )
     _check(rc, "ws_digest_spans")
@@ -422,9 +420,7 @@ def digest_ranges(base: np.ndarray, offsets: Sequence[int], lengths: Sequence[in
     if len(off) and int((off + ln).max()) > base.nbytes:
         raise InvalidArgument("a range leaves the buffer", field="offsets")
     out = np.zeros(max(len(off), 1), np.uint64)
-    rc = lib.ws_digest_ranges(
-        _ptr(base), off.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(off), out.ctypes.data_as(_U64P), threads
-    )
+    rc = lib.ws_digest_ranges(_ptr(base), _ptr(off), _ptr(ln), len(off), _ptr(out), threads)
     _check(rc, "ws_digest_ranges")
     return out[: len(off)]
 
@@ -449,9 +445,7 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *, threads: int = 
     dsts = np.array([_ptr(d) for d, _ in pairs] or [0], np.uint64)
     srcs = np.array([_ptr(s) for _, s in pairs] or [0], np.uint64)
     lengths = np.array([s.nbytes for _, s in pairs] or [0], np.uint64)
-    rc = lib.ws_copy_many(
-        dsts.ctypes.data_as(_U64P), srcs.ctypes.data_as(_U64P), lengths.ctypes.data_as(_U64P), len(pairs), threads
-    )
+    rc = lib.ws_copy_many(_ptr(dsts), _ptr(srcs), _ptr(lengths), len(pairs), threads)
     _check(rc, "ws_copy_many")
 
 
@@ -467,7 +461,7 @@ def copy_digest(dst: np.ndarray, src: np.ndarray) -> int:
         return xxh3(b"")
     lib = _require()
     out = np.zeros(1, np.uint64)
-    _check(lib.ws_copy_digest(_ptr(dst), _ptr(src), n, out.ctypes.data_as(_U64P)), "ws_copy_digest")
+    _check(lib.ws_copy_digest(_ptr(dst), _ptr(src), n, _ptr(out)), "ws_copy_digest")
     return int(out[0])
 
 
@@ -482,7 +476,7 @@ def send_views(sock_fd: int, views: Sequence[np.ndarray]) -> int:
     lib = _require()
     ptrs = np.ascontiguousarray([_ptr(v) for v in views], np.uint64)
     ln = np.ascontiguousarray([v.nbytes for v in views], np.uint64)
-    rc = lib.ws_send_mem_ranges(sock_fd, ptrs.ctypes.data_as(_U64P), ln.ctypes.data_as(_U64P), len(views))
+    rc = lib.ws_send_mem_ranges(sock_fd, _ptr(ptrs), _ptr(ln), len(views))
     return _moved(rc, "send")
 
 
@@ -507,9 +501,9 @@ def recv_verify(
     rc = lib.ws_recv_verify(
         sock_fd,
         _ptr(buf),
-        off.ctypes.data_as(_U64P),
-        ln.ctypes.data_as(_U64P),
-        None if want is None else want.ctypes.data_as(_U64P),
+        _ptr(off),
+        _ptr(ln),
+        None if want is None else _ptr(want),
         len(off),
         _ptr(ok),
     )
@@ -533,7 +527,7 @@ def delta16_encode(base: np.ndarray, now: np.ndarray, *, cap: int | None = None)
         raise InvalidArgument(f"must be >= 0, got {cap}", field="cap")
     out = np.empty(max(cap, 1), np.uint8)
     changed = np.zeros(1, np.uint64)
-    n = lib.ws_delta16_encode(_ptr(base), _ptr(now), now.size, _ptr(out), cap, changed.ctypes.data_as(_U64P))
+    n = lib.ws_delta16_encode(_ptr(base), _ptr(now), now.size, _ptr(out), cap, _ptr(changed))
     if n == -1:
         return None, 0
     if n < 0:
