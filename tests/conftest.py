@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,33 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _OWN_JAX_CACHE is not None:
         shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
+
+
+def unmapped(paths: set[Path]) -> set[Path]:
+    """Those of `paths` no live process maps (another process's are left alone)."""
+    held: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text()
+            held |= {p for p in paths if str(p) in text}
+    return paths - held
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_leak() -> Iterator[None]:
+    """Fails the run if it leaves files in /dev/shm that no live process maps: arenas,
+    receive buffers, and the shared memory vLLM's engines make (TP groups' `vllm_dist_*`,
+    the message queues' `psm_*`). Each test removes what its processes made; a process
+    killed before it could is the test's to clean up after."""
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    deadline = time.monotonic() + 10.0  # processes the last tests stopped may still be exiting
+    while (left := unmapped(set(shm.iterdir()) - before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"the run left shared memory behind: {sorted(p.name for p in left)}"
 
 
 def _arenas() -> set[str]:

@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateRequest,
 )
 
+from tests.conftest import unmapped  # noqa: E402
 from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
 from tests.unit.test_vllm_trainer import RecordingClient  # noqa: E402
 from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
@@ -63,19 +64,11 @@ def _free_port() -> int:
 
 
 def _vllm_shm() -> set[Path]:
-    """vLLM-CPU's shared-memory files of TP groups (its shutdown kills the workers that
-    would remove them)."""
-    return set(Path("/dev/shm").glob("vllm_dist_*"))
-
-
-def _unmapped(paths: set[Path]) -> set[Path]:
-    """Those of `paths` no live process maps (another engine's are left alone)."""
-    held: set[Path] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            text = maps.read_text()
-            held |= {p for p in paths if str(p) in text}
-    return paths - held
+    """vLLM-CPU's shared-memory files: its TP groups' and its message queues' (Python's
+    `shared_memory`, `psm_*`). Its shutdown kills the workers that would remove them, and
+    a server killed past its grace removes none."""
+    shm = Path("/dev/shm")
+    return set(shm.glob("vllm_dist_*")) | set(shm.glob("psm_*"))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +117,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 os.killpg(proc.pid, signal.SIGKILL)  # workers it left
             proc.wait(10)
         time.sleep(0.5)
-        for path in _unmapped(_vllm_shm() - shm_before):
+        for path in unmapped(_vllm_shm() - shm_before):
             path.unlink(missing_ok=True)
 
 
