@@ -199,11 +199,13 @@ def _parse_malloc_info(text: str) -> list[dict[str, int]]:
         root = ET.fromstring(text)
     except ET.ParseError:
         return []
+
+    def sizes(heap: ET.Element, tag: str) -> dict[str | None, int]:  # <tag type=".." size=".."/> by type
+        return {t.get("type"): int(t.get("size", 0)) for t in heap.findall(tag)}
+
     out = []
     for heap in root.findall("heap"):
-        totals = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("total")}
-        system = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("system")}
-        aspace = {t.get("type"): int(t.get("size", 0)) for t in heap.findall("aspace")}
+        totals, system, aspace = (sizes(heap, tag) for tag in ("total", "system", "aspace"))
         out.append(
             {
                 "system": system.get("current", 0),
