@@ -6,15 +6,15 @@ Cutting blocks when the copies are issued costs a device program per block, disp
 from the publish's thread while the training steps run: each waits its turn behind the
 steps queued on the device. The snapshot's one program writes the blocks instead, right
 behind the step that made the parameters, and the publish only issues copies. The blocks
-are the ones a publish of the live arrays would cut (`device_blocks.PackStream`: the
-tensors end to end in packs of a block, a large one's middle in whole blocks), so staging
-and the manifest are the same.
+are the ones `device_blocks.cut_blocks` would cut (whole chunks from the tensor's first
+byte), so staging and the manifest are the same.
 
-Each piece of a tensor is a `PackSlice` of its pack. A model's many small tensors (norms,
-biases, the projections of a small model) then cost one device-to-host copy per pack
-instead of one each: every copy has a fixed cost on the host (its Python, the runtime's
-setup, on a TPU host some 0.1 ms or more), paid while the training loop waits for the
-interpreter.
+Tensors no larger than a block are packed: consecutive ones share one device buffer (a
+pack of at most a block), and each is a `PackSlice` of it. A model's many small tensors
+(norms, biases, the projections of a small model) then cost one device-to-host copy per
+pack instead of one each: every copy has a fixed cost on the host (its Python, the
+runtime's setup, on a TPU host some 0.1 ms or more), paid while the training loop waits
+for the interpreter.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class PackSlice:
 
 @dataclass
 class CutArray:
-    """A tensor of `shape` and staged `dtype` on one device of `platform`, as flat pieces
-    (byte offset, bytes, `PackSlice`) covering it in order. The blocks are handed out
+    """A tensor of `shape` and staged `dtype` on one device of `platform`, as flat blocks
+    (byte offset, bytes, device array or `PackSlice`) covering it in order. The blocks are handed out
     once (`take`): each goes as soon as its copy is staged, with the host copy JAX keeps
     of it."""
 

@@ -10,23 +10,16 @@ buffer runs at ~1 GB/s, so whole-shard copies of 256 MiB ran at 1.3 GB/s. A bloc
 few MiB lands in heap memory that the blocks before it freed, already faulted in: the same
 copies in 8 MiB blocks ran at 14 GB/s.
 
-A version's shards on one device and of one staged dtype run end to end, in order, and are
-cut into packs of exactly a block (`PackStream`): a large shard's middle is whole blocks,
-its first and last pieces share packs with its neighbours, and small shards are laid end
-to end between them; a pack that ends short is padded to its size class (a block, a half,
-a quarter, ...). Where a device's shards run together (a trainer of one chip) every host
-buffer the copies land in but a version's last is then one size, so a freed one serves a
-later copy whole and the heap stays what the window counts (mixed sizes fragment it: on
-the v5e host a 0.6b model's 18 MiB blocks and 12 MiB packs kept 19 heaps of 64 MiB for a 1
-GiB window, docs/performance.md). Where the pieces end is nothing to the manifest: a shard
-split between packs is larger than the layout's `pack_limit`, so its chunks are its own
-`chunk_bytes` pieces and its digest is theirs, hashed from the slot. A block of one shard
-is one jitted slice (of the few leading rows that hold it, flattened, cast there when
-`weight_dtype` differs), compiled once per shard shape and block size; any other pack one
-program (through a program, so the caller's array keeps no host copy) that depends on its
-arrays' shapes, not on where the stream cut them. A version is then about its bytes over
-the block size in copies, not one per tensor. On CPU devices the device memory is host
-memory: shards are read in place, never cut.
+A block is whole chunks of the part (`chunk_bytes` pieces counted from the shard's first
+byte), so its chunks' digests are the shard's piece digests and the manifest is the one the
+whole shard would give. It is cut by one jitted slice (of the few leading rows that hold
+it, flattened), cast there when `weight_dtype` differs, compiled once per shard shape and
+block size. Shards no larger than a block are packed: a run of consecutive ones on one
+device, of one staged dtype, laid end to end by one program into a pack of at most a
+block, copied once (`cut_array.PackSlice`; through a program, so the caller's array keeps
+no host copy). A small model's version is then about its bytes over the block size in
+copies, not one per tensor. On CPU devices the device memory is host memory: shards are
+read in place, never cut.
 """
 
 from __future__ import annotations
@@ -132,13 +125,10 @@ class Window:
         with self._changed:
             self._used += self._room(nbytes)
 
-    def landed(self, nbytes: int, pad: int = 0) -> None:
-        """A block of `nbytes` landed, with `pad` bytes of its pack's padding (issued with
-        it, never staged: counted out here)."""
-        if not self._until_staged or pad:
+    def landed(self, nbytes: int) -> None:
+        if not self._until_staged:
             with self._changed:
-                self._used -= self._room(pad if self._until_staged else nbytes + pad)
-                self._changed.notify_all()
+                self._used -= self._room(nbytes)
 
     def submitted(self, nbytes: int) -> None:
         with self._changed:
@@ -161,7 +151,6 @@ class _Job:
     offset: int
     nbytes: int
     make: Callable[[], Any]
-    pad: int = 0  # bytes of padding its pack's buffer holds after it (the last piece of a padded pack)
 
 
 def device_blocks(
@@ -180,7 +169,7 @@ def device_blocks(
             data = job.make()
             if not isinstance(data, np.ndarray):
                 data.copy_to_host_async()
-            window.issued(job.nbytes + job.pad)
+            window.issued(job.nbytes)
             inflight.append((job, data))
             del data
             job = next(jobs, None)
@@ -188,7 +177,7 @@ def device_blocks(
             done, data = inflight.popleft()
             host = host_array(done.shard.name, data).reshape(-1)  # waits for this block's copy
             del data
-            window.landed(done.nbytes, done.pad)
+            window.landed(done.nbytes)
             yield Block(done.shard, done.offset, host)
             del host, done
         elif job is None:
@@ -212,16 +201,11 @@ def warm(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) 
 
 
 def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int) -> Iterator[_Job]:
-    stream = PackStream(block_bytes)
-
-    def packed(packs: Iterable[list[Piece]]) -> Iterator[_Job]:
-        for pieces in packs:
-            yield from _pack_jobs(pieces, block_bytes)
-
+    runs = PackRuns(block_bytes)
     for name, value in items:
         check_param(name, value)
         if isinstance(value, CutArray):  # cut by the snapshot's program: only the copies to issue
-            yield from packed([stream.close()])
+            yield from _pack_jobs(runs.close())
             (shard,) = shard_metas(name, value)
             if not value.nbytes:
                 yield _Job(shard, 0, 0, lambda dtype=value.dtype: np.empty(0, dtype))
@@ -229,7 +213,7 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
                 yield _Job(shard, offset, nbytes, lambda block=block: block)
             continue
         if not hasattr(value, "addressable_shards"):
-            yield from packed([stream.close()])
+            yield from _pack_jobs(runs.close())
             for s in host_shards(name, value, weight_dtype):
                 data = np.ascontiguousarray(s.data)
                 yield _Job(s, 0, data.nbytes, lambda data=data: data)
@@ -240,166 +224,70 @@ def _jobs(items: Iterable[tuple[str, Any]], weight_dtype: str, block_bytes: int)
                 meta = ArrayMeta(tuple(s.data.shape), dtype)
                 shard = HostShard(name, meta, tuple(value.shape), shard_start(s.index, value.ndim))
                 platform = getattr(s.device, "platform", "cpu")
-                if platform not in params.HOST_MEMORY_PLATFORMS and block_bytes:
-                    entry = (shard, s.data)
-                    yield from packed(stream.add((s.device, dtype), entry, math.prod(meta.shape), dtype.itemsize))
+                if platform not in params.HOST_MEMORY_PLATFORMS and runs.takes(shard.nbytes):
+                    yield from _pack_jobs(runs.add((s.device, dtype), shard.nbytes, (shard, s.data)))
                     continue
-                yield from packed([stream.close()])
+                yield from _pack_jobs(runs.close())
                 yield from _cut(shard, s.data, platform, block_bytes)
-    yield from packed([stream.close()])
+    yield from _pack_jobs(runs.close())
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Elements [start, start + count) of `entry` (flattened, cast to its staged dtype), in a pack."""
-
-    entry: Any
-    start: int
-    count: int
-
-
-class PackStream:
-    """The rule both the snapshot and a publish of live arrays cut and pack by. The entries
-    of one key (their device and staged dtype) run end to end, in order, and are cut into
-    packs of `block_bytes`: an entry larger than a sixteenth of a block is split where a
-    pack fills (the layout gives it chunks of its own, `layout.pack_limit`, so where its
-    pieces end is nothing to its digests), a smaller one that does not fit ends the pack,
-    and so do another key and anything not packed (`close`). A pack that ends short is
-    padded on its device to its size class (`pack_elements`): every host buffer the copies
-    land in is then one of a few sizes that tile a block's (one size where a model's
-    tensors share a device), and glibc hands each one freed to a later copy whole. Mixed sizes
-    fragment the heap the copies take past what the window counts (a v5e host, 0.6b
-    shapes: 18 MiB blocks beside 12 MiB packs kept 19 heaps of 64 MiB for a 1 GiB window,
-    docs/performance.md)."""
+class PackRuns:
+    """The rule both the snapshot and a publish of live arrays pack by: consecutive entries
+    no larger than a block, of one key (their device and staged dtype), run together into
+    packs of at most `block_bytes`; anything else between them ends the run."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
-        self._pieces: list[Piece] = []
+        self._run: list[Any] = []
         self._key: Any = None
         self._bytes = 0
 
-    def add(self, key: Any, entry: Any, size: int, itemsize: int) -> list[list[Piece]]:
-        """Adds the `size` elements of `entry`; returns the packs it filled or ended, in
-        order. An empty entry joins the open pack (or makes a pack of no bytes alone)."""
-        packs = []
-        if self._pieces and key != self._key:
-            packs.append(self.close())
+    def takes(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` goes into a pack: blocks are cut, and it holds
+        bytes, no more than a block."""
+        return bool(self.block_bytes) and 0 < nbytes <= self.block_bytes
+
+    def add(self, key: Any, nbytes: int, entry: Any) -> list[Any]:
+        """Adds `entry` to the open run; returns the run it closed (empty if none)."""
+        full = self._bytes + nbytes > self.block_bytes
+        closed = self.close() if self._run and (key != self._key or full) else []
+        self._run.append(entry)
         self._key = key
-        if not size:
-            self._pieces.append(Piece(entry, 0, 0))
-            return packs if self._bytes else [*packs, self.close()]
-        split = size * itemsize > self.block_bytes // 16
-        start = 0
-        while start < size:
-            room = (self.block_bytes - self._bytes) // itemsize
-            take = size - start
-            if take > room:
-                if self._bytes and (not split or not room):
-                    packs.append(self.close())
-                    continue
-                take = max(room, 1)
-            self._pieces.append(Piece(entry, start, take))
-            self._bytes += take * itemsize
-            start += take
-            if self._bytes >= self.block_bytes:
-                packs.append(self.close())
-        return packs
+        self._bytes += nbytes
+        return closed
 
-    def close(self) -> list[Piece]:
-        """Ends the open pack; returns its pieces (empty if none)."""
-        pieces, self._pieces, self._bytes = self._pieces, [], 0
-        return pieces
+    def close(self) -> list[Any]:
+        """Ends the open run; returns it (empty if none)."""
+        run, self._run, self._bytes = self._run, [], 0
+        return run
 
 
-def pack_elements(pieces: Sequence[Piece], itemsize: int, block_bytes: int) -> int:
-    """The elements of the pack of `pieces`: theirs where they fill a block (or an element
-    is larger than one), else padded to the block's size class: the block's elements halved
-    as often as they still hold the pieces (a block, a half, a quarter, ...); none for empty
-    entries alone (no copy). So a stream of one device and dtype lands in buffers of one
-    size but its last, and shards of several devices in turn (each ends its pack) in a
-    few sizes that tile a block's, at most twice their bytes."""
-    filled = sum(p.count for p in pieces)
-    elements = block_bytes // itemsize
-    if not filled or filled >= elements:
-        return filled
-    while elements > 1 and -(-elements // 2) >= filled:
-        elements = -(-elements // 2)
-    return elements
-
-
-def _pack_jobs(pieces: list[Piece], block_bytes: int) -> Iterator[_Job]:
-    """The jobs of one pack of pieces of (shard, device array), one per piece, in order: a
-    block of one array is its slice (`cut_blocks`' program), any other pack one program
-    that lays its pieces end to end, run when the first one's copy is issued."""
-    if not pieces:
+def _pack_jobs(members: list[tuple[HostShard, Any]]) -> Iterator[_Job]:
+    """The jobs of one pack of (shard, device array), one per shard, in order; the pack's
+    program runs when the first one's copy is issued."""
+    if not members:
         return
-    dtype = pieces[0].entry[0].data.dtype
-    item = dtype.itemsize
-    elements = pack_elements(pieces, item, block_bytes)
-    if not elements:
-        for p in pieces:
-            yield _Job(p.entry[0], 0, 0, lambda: np.empty(0, dtype))
-        return
-    if len(pieces) == 1 and pieces[0].count == elements and pieces[0].entry[1].ndim:
-        (p,) = pieces
-        shard, x = p.entry
-        yield _Job(shard, p.start * item, p.count * item, functools.partial(_rows_block, x, p.start, p.count, dtype))
-        return
-    pack = _LazyPack(pieces, dtype, elements, block_bytes // item)
-    at = 0
-    for i, p in enumerate(pieces):
-        pad = (elements - at - p.count) * item if i == len(pieces) - 1 else 0
-        yield _Job(p.entry[0], p.start * item, p.count * item, functools.partial(pack.slice, at, p.count), pad)
-        at += p.count
+    pack = _LazyPack(tuple(x for _, x in members), members[0][0].data.dtype)
+    start = 0
+    for shard, _ in members:
+        count = shard.nbytes // shard.data.dtype.itemsize
+        yield _Job(shard, 0, shard.nbytes, functools.partial(pack.slice, start, count))
+        start += count
 
 
 class _LazyPack:
-    """A pack's device program, dispatched when its first piece's copy is issued.
+    """A pack's device program, dispatched when its first shard's copy is issued."""
 
-    Each piece is read as a window of a fixed size (a block's elements, or the whole array
-    where that is smaller) from its array's start (its first piece) or end (its last), and
-    placed at a position passed in: where the piece belongs, the rest of the window outside
-    the pack's other pieces (a stream's pack splits an array only as its last piece, and
-    begins with the rest). The program then depends on the arrays' shapes, not on where the
-    stream cut them, so the packs of a model's layers, alike but for that, share one
-    compiled program instead of one each (a 4b model: 201 packs, one program each with the
-    cuts compiled in). A pack cut otherwise gets its cuts compiled in (`pack_pieces`)."""
-
-    def __init__(self, pieces: Sequence[Piece], dtype: np.dtype, elements: int, block_elements: int) -> None:
+    def __init__(self, arrays: tuple[Any, ...], dtype: np.dtype) -> None:
+        self._arrays: tuple[Any, ...] | None = arrays
         self._dtype = dtype
-        self._elements = elements
-        arrays, reads, at = [], [], []
-        pos, last = 0, max((i for i, p in enumerate(pieces) if p.count), default=0)
-        for i, p in enumerate(pieces):
-            x = p.entry[1]
-            size = math.prod(x.shape)
-            window = min(block_elements, size)
-            if p.count and p.start == 0 and p.count <= window and (i == last or p.count == window):
-                arrays.append(x)
-                reads.append((0, window))
-                at.append(pos)
-            elif p.count and p.start + p.count == size and p.count <= window and not pos:
-                arrays.append(x)
-                reads.append((size - window, window))
-                at.append(pos + p.count - window)
-            elif p.count:
-                arrays, reads, at = [x for x in (q.entry[1] for q in pieces)], None, None
-                break
-            pos += p.count
-        self._arrays: tuple[Any, ...] | None = tuple(arrays)
-        self._reads = tuple(reads) if reads is not None else None
-        self._at = np.asarray(at, np.int32) if at is not None else None
-        self._spans = tuple((p.start, p.count) for p in pieces)
         self._pack: Any = None
 
     def slice(self, start: int, count: int) -> PackSlice:
         if self._pack is None:
             assert self._arrays is not None
-            if self._reads is not None:
-                self._pack = slicers()[2](self._arrays, self._reads, self._dtype, self._elements, self._at)
-            else:
-                self._pack = slicers()[3](self._arrays, self._spans, self._dtype, self._elements)
-            self._arrays = None
+            self._pack, self._arrays = slicers()[2](self._arrays, self._dtype), None
         return PackSlice(self._pack, start, count)
 
 
@@ -416,42 +304,42 @@ def _cut(shard: HostShard, x: Any, platform: str, block_bytes: int) -> Iterator[
 
 
 def cut_blocks(x: Any, dtype: np.dtype, block_bytes: int) -> list[tuple[int, int, Callable[[], Any]]]:
-    """(byte offset, bytes, cut) of each block of device array `x` alone, flattened and
-    cast to `dtype`: `block_bytes` each but the last (one block when `x` is no larger, or
+    """(byte offset, bytes, cut) of each block of device array `x` flattened and cast to
+    `dtype`: `block_bytes` each but the last (one block when `x` is no larger, or
     `block_bytes` is not whole elements); `cut()` dispatches the block's slice on the
-    device (`_rows_block`). A publish cuts a version's arrays as one stream
-    (`PackStream`); this is one array's blocks (whole shards when `block_bytes` is 0, a
-    bench's own slices)."""
+    device. Each block is read from the few leading rows of `x` that hold it, so the
+    device relays out about a block's bytes, never the whole shard."""
     item = dtype.itemsize
     size = math.prod(x.shape)
+    tail = slicers()[1]
     per = block_elements(size, item, block_bytes)
     if per >= size:
-        return [(0, size * item, lambda: slicers()[1](x, 0, dtype))]
+        return [(0, size * item, lambda: tail(x, 0, dtype))]
     count, rest = divmod(size, per)
-    out = [(j * block_bytes, block_bytes, functools.partial(_rows_block, x, j * per, per, dtype)) for j in range(count)]
+    row = size // x.shape[0]
+    rows = min(x.shape[0], -(-per // row) + 1)  # the rows any one block lies in
+    out = []
+    for j in range(count):
+        first = min(j * per // row, x.shape[0] - rows)
+        out.append(
+            (j * block_bytes, block_bytes, functools.partial(_block, x, first, j * per - first * row, rows, per, dtype))
+        )
     if rest:
-        out.append((count * block_bytes, rest * item, functools.partial(slicers()[1], x, count * per, dtype)))
+        out.append((count * block_bytes, rest * item, functools.partial(tail, x, count * per, dtype)))
     return out
 
 
-def _rows_block(x: Any, start: int, per: int, dtype: np.dtype) -> Any:
-    """Elements [start, start + per) of device array `x` flattened, cast to `dtype`: a
-    block program, compiled once per shape and block size, that reads only the few leading
-    rows holding them, so the device relays out about a block's bytes, never the whole
-    shard."""
-    row = math.prod(x.shape) // x.shape[0]
-    rows = min(x.shape[0], -(-per // row) + 1)  # the rows any `per` elements lie in
-    first = min(start // row, x.shape[0] - rows)
-    return slicers()[0](x, first, start - first * row, rows, per, dtype)
+def _block(x: Any, first: int, offset: int, rows: int, per: int, dtype: np.dtype) -> Any:
+    return slicers()[0](x, first, offset, rows, per, dtype)
 
 
 @functools.cache
-def slicers() -> tuple[Callable[..., Any], ...]:
+def slicers() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """Jitted, compiled once per shard shape and block size: (block(x, first, offset, rows,
     per, dtype): elements [offset, offset + per) of x's leading rows [first, first + rows)
     flattened, cast; tail(x, start, dtype): x flattened from element `start`, cast, read
-    from the rows that hold it; place(xs, reads, dtype, elements, at): `place_pieces`;
-    pack(xs, spans, dtype, elements): `pack_pieces`)."""
+    from the rows that hold it; pack(xs, dtype): the arrays `xs` flattened, cast and laid
+    end to end)."""
     import jax
     from jax import lax
 
@@ -469,47 +357,16 @@ def slicers() -> tuple[Callable[..., Any], ...]:
     return (
         jax.jit(block, static_argnums=(3, 4, 5)),
         jax.jit(tail, static_argnums=(1, 2)),
-        jax.jit(place_pieces, static_argnums=(1, 2, 3)),
-        jax.jit(pack_pieces, static_argnums=(1, 2, 3)),
+        jax.jit(pack_flat, static_argnums=1),
     )
 
 
-def place_pieces(xs: Sequence[Any], reads: Sequence[tuple[int, int]], dtype: Any, elements: int, at: Any) -> Any:
-    """A pack of `elements`, each array of `xs` flattened, its window `reads` (first
-    element, elements) read and cast to `dtype` and written from position `at[i]` (traced:
-    the one program serves wherever the pieces begin), in order; what falls outside the
-    pack is cut off (`_LazyPack` places the windows so that only its pieces stay)."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    margin = max(w for _, w in reads)
-    out = jnp.zeros(elements + 2 * margin, dtype)
-    for i, (x, (lo, window)) in enumerate(zip(xs, reads, strict=True)):
-        out = lax.dynamic_update_slice(out, _piece(x, lo, window).astype(dtype), (at[i] + margin,))
-    return out[margin : margin + elements]
-
-
-def pack_pieces(xs: Sequence[Any], spans: Sequence[tuple[int, int]], dtype: Any, elements: int) -> Any:
-    """Elements [start, start + count) of each array of `xs` (its span) flattened, cast to
-    `dtype` and laid end to end, zeros after them up to `elements`: a pack, traced inside a
-    device program (the live arrays' own, `slicers`, or the snapshot's). Each piece is read
-    from the rows that hold it. In a buffer of its own (`jnp.copy`): a pack of one array
-    already flat and of its dtype would otherwise be that array, so its host copy would stay
-    with the caller's array, and a snapshot's pack would be the buffer the caller's next
-    donating step deletes."""
+def pack_flat(xs: Sequence[Any], dtype: Any) -> Any:
+    """The arrays `xs` flattened, cast to `dtype` and laid end to end: a pack, traced inside
+    a device program (the live arrays' own, `slicers`, or the snapshot's). In a buffer of
+    its own (`jnp.copy`): a pack of one array already flat and of its dtype would otherwise
+    be that array, so its host copy would stay with the caller's array, and a snapshot's
+    pack would be the buffer the caller's next donating step deletes."""
     import jax.numpy as jnp
 
-    parts = [_piece(x, start, count).astype(dtype) for x, (start, count) in zip(xs, spans, strict=True)]
-    filled = sum(count for _, count in spans)
-    if elements > filled:
-        parts.append(jnp.zeros(elements - filled, dtype))
-    return jnp.copy(jnp.concatenate(parts))
-
-
-def _piece(x: Any, start: int, count: int) -> Any:
-    """Elements [start, start + count) of `x` flattened (traced), from the rows holding them."""
-    if x.ndim == 0 or not count:
-        return x.reshape(-1)[start : start + count]
-    row = x.size // x.shape[0]
-    first, last = start // row, -(-(start + count) // row)
-    return x[first:last].reshape(-1)[start - first * row : start - first * row + count]
+    return jnp.copy(jnp.concatenate([x.reshape(-1).astype(dtype) for x in xs]))

@@ -132,14 +132,6 @@ def heap_room(nbytes: int) -> int:
     return -(-HEAP_BYTES // per_heap)
 
 
-def block_room(block_bytes: int) -> Callable[[int], int]:
-    """The heap room of `nbytes` of the device path's blocks when every copy lands in a host
-    buffer of `block_bytes` (`device_blocks.PackStream`): their share of `heap_room(block_bytes)`,
-    so that the pieces of a pack, and the runs they are staged in, count what its buffer takes."""
-    room = heap_room(block_bytes)
-    return lambda nbytes: -(-nbytes * room // block_bytes)
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)

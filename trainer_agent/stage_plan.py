@@ -240,9 +240,9 @@ def stage_device(
         )
     if s.d2h_hold_freed_heap:
         host_heap.hold_for_device_path()
-    # the blocks' host buffers, one size each, come from one thread's arena (the D2H
-    # thread's, or the publishing thread's): counted as the heap room they take there
-    window = Window(s.d2h_window_bytes, room=host_heap.block_room(block))
+    # the blocks' host buffers come from one thread's arena (the D2H thread's, or the
+    # publishing thread's): counted as the heap room each takes there
+    window = Window(s.d2h_window_bytes, room=host_heap.heap_room)
     engine = "native" if native.available() else "python"
     pool = staging_pool(s.staging_threads or native.default_threads())
     copies = functools.partial(device_blocks, items, s.weight_dtype, window, block)

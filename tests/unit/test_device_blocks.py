@@ -21,17 +21,7 @@ from trainer_agent import device_blocks as device_blocks_module
 from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
 from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import (
-    PackStream,
-    Piece,
-    Window,
-    block_size,
-    cut_blocks,
-    cuts,
-    device_blocks,
-    pack_elements,
-    warm,
-)
+from trainer_agent.device_blocks import PackRuns, Window, block_size, cut_blocks, cuts, device_blocks, warm
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.snapshot import device_copy
@@ -68,15 +58,12 @@ def recording_packs() -> Iterator[list[tuple[int, int]]]:
     real = _SLICERS()
     made: list[tuple[int, int]] = []
 
-    def recording(program: Any) -> Any:
-        def run(xs: tuple[Any, ...], *args: Any) -> Any:
-            out = program(xs, *args)
-            made.append((len(xs), int(out.nbytes)))
-            return out
+    def pack(xs: tuple[Any, ...], dtype: Any) -> Any:
+        out = real[2](xs, dtype)
+        made.append((len(xs), int(out.nbytes)))
+        return out
 
-        return run
-
-    device_blocks_module.slicers = lambda: (real[0], real[1], recording(real[2]), recording(real[3]))  # type: ignore[assignment]
+    device_blocks_module.slicers = lambda: (real[0], real[1], pack)  # type: ignore[assignment]
     try:
         yield made
     finally:
@@ -148,8 +135,8 @@ def test_blocks_cover_every_shard_in_order_cast_on_the_device(accelerator_branch
     dtype = ml_dtypes.bfloat16 if weight_dtype else np.float32
     for name, value in params.items():
         want = np.asarray(value).astype(dtype).reshape(-1)
-        offsets, sizes = [o for o, _ in got[name]], [d.nbytes for _, d in got[name]]
-        assert offsets == [sum(sizes[:i]) for i in range(len(sizes))], name  # in order, end to end
+        offsets = [o for o, _ in got[name]]
+        assert offsets == [i * BLOCK for i in range(len(offsets))], name  # blocks of whole chunks, in order
         joined = np.concatenate([d for _, d in got[name]]) if got[name] else np.empty(0, dtype)
         assert joined.dtype == dtype and joined.tobytes() == want.tobytes(), name
     assert len(got["big"]) == (120_000 // (2 if weight_dtype else 1) + BLOCK - 1) // BLOCK
@@ -252,55 +239,40 @@ def test_a_cut_snapshot_holds_the_array_flattened_in_blocks_whatever_its_shape(
     assert (np.concatenate(got) if got else np.empty(0, dtype)).tobytes() == flat.tobytes()
 
 
-def pack_pieces_of(held: dict[str, Any]) -> list[tuple[Any, list[tuple[str, int, int]]]]:
-    """(pack, its pieces as (name, byte offset, bytes)) of a snapshot's `CutArray`s, in the
-    order first seen."""
-    packs: list[tuple[Any, list[tuple[str, int, int]]]] = []
-    for name, cut in held.items():
-        assert isinstance(cut, CutArray)
-        for offset, nbytes, piece in cut.blocks:
-            assert isinstance(piece, PackSlice)
-            if not packs or packs[-1][0] is not piece.pack:
-                packs.append((piece.pack, []))
-            packs[-1][1].append((name, offset, nbytes))
-    return packs
-
-
 @settings(max_examples=25, deadline=None)
 @given(tensors=SMALL_TENSORS, weight_dtype=st.sampled_from(["", "bfloat16"]))
-def test_a_snapshot_cuts_its_tensors_end_to_end_into_packs_of_a_block_and_stages_as_the_tensors(
+def test_a_snapshot_packs_runs_of_small_tensors_into_blocks_and_stages_as_the_tensors(
     tensors: list[tuple[int, str]], weight_dtype: str
 ) -> None:
-    """Consecutive tensors of one staged dtype run end to end into packs of exactly a block
-    (one device-to-host copy each, padded where a pack ends short): a tensor larger than a
-    sixteenth of a block is split where a pack fills, a smaller one that does not fit, or
-    another dtype, ends the pack. Staged, the snapshot gives the slot bytes and specs of the
-    tensors."""
+    """Consecutive tensors no larger than a block, of one staged dtype, share a pack of at
+    most a block (one device-to-host copy); larger ones are cut and, as empty ones, end a
+    pack; staged, the snapshot gives the slot bytes and specs of the tensors."""
     params = small_tensors(tensors)
     settings_ = PublisherSettings(
         coordinator="127.0.0.1:1", chunk_bytes=CHUNK, d2h_block_bytes=BLOCK, weight_dtype=weight_dtype
     )
     with on_accelerator_branch():
         held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
-        packs = pack_pieces_of(held)
-        pieces = [p for _, ps in packs for p in ps]
+        packs: list[tuple[Any, list[str]]] = []  # (pack, its tensors) in the order first seen
+        for name, cut in held.items():
+            assert isinstance(cut, CutArray)
+            small = cut.nbytes <= BLOCK and cut.nbytes > 0
+            kinds = {type(b) for _, _, b in cut.blocks}
+            assert kinds <= ({PackSlice} if small else {type(jnp.zeros(1))})
+            if small:
+                ((_, _, piece),) = cut.blocks
+                if not packs or packs[-1][0] is not piece.pack:
+                    packs.append((piece.pack, []))
+                packs[-1][1].append(name)
         order = list(held)
-        assert [n for n, _, _ in pieces] == sorted((n for n, _, _ in pieces), key=order.index)  # in order
-        for name, cut in held.items():  # each tensor's pieces cover it, end to end
-            spans = [(o, n) for m, o, n in pieces if m == name]
-            assert [o for o, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
-            assert sum(n for _, n in spans) == cut.nbytes
-        for i, (pack, ps) in enumerate(packs):
-            dtypes = {held[n].dtype for n, _, _ in ps}
-            filled = sum(n for _, _, n in ps)
-            assert len(dtypes) == 1 and (pack.nbytes == BLOCK >= filled or filled <= pack.nbytes < 2 * filled)
-            assert all(held[n].nbytes > BLOCK // 16 for n, o, b in ps if (o, b) != (0, held[n].nbytes))  # split
-            if filled < BLOCK and i + 1 < len(packs):  # ended short: the next piece would not fit, or another dtype
-                name, offset, nbytes = packs[i + 1][1][0]
-                nxt = held[name]
-                assert nxt.dtype not in dtypes or (
-                    offset == 0 and nxt.nbytes <= BLOCK // 16 and filled + nbytes > BLOCK
-                )
+        for pack, names in packs:  # runs of consecutive tensors
+            assert pack.nbytes <= BLOCK and len({held[n].dtype for n in names}) == 1
+            assert names == order[order.index(names[0]) :][: len(names)]
+        for _, names in packs:  # a pack ends where the next tensor would not fit, or is cut or empty
+            if (i := order.index(names[-1]) + 1) < len(order):
+                nxt = held[order[i]]
+                full = sum(held[n].nbytes for n in names) + nxt.nbytes > BLOCK
+                assert full or held[names[0]].dtype != nxt.dtype or not 0 < nxt.nbytes <= BLOCK
         plan = plan_staging(held, settings_)
         want_slot = np.zeros(plan.layout.total_bytes, np.uint8)
         want = stage_device(want_slot, plan.layout, params, settings_)
@@ -311,22 +283,19 @@ def test_a_snapshot_cuts_its_tensors_end_to_end_into_packs_of_a_block_and_stages
 
 @settings(max_examples=25, deadline=None)
 @given(tensors=SMALL_TENSORS, weight_dtype=st.sampled_from(["", "bfloat16"]))
-def test_blocks_of_live_arrays_are_the_pieces_the_snapshot_cuts_one_copy_a_pack(
+def test_blocks_of_live_arrays_pack_runs_of_small_shards_into_one_copy_each(
     tensors: list[tuple[int, str]], weight_dtype: str
 ) -> None:
-    """Cut as the copies are issued (a blocking publish, `snapshot=False`), the shards come
-    over in the pieces the snapshot cuts, a pack of a block per copy: a block of one tensor
-    by its slice program, any other pack by one program; each piece holds its shard's bytes,
-    cast on the device, in order."""
+    """Cut as the copies are issued (a blocking publish, `snapshot=False`), consecutive
+    shards no larger than a block, of one staged dtype, come over in one program and one
+    copy per pack of at most a block, as the snapshot packs them; each shard's block holds
+    its bytes, cast on the device, in order."""
     params = small_tensors(tensors)
     with on_accelerator_branch(), recording_packs() as packed:
         blocks = list(device_blocks(params.items(), weight_dtype, Window(1 << 30, until_staged=False), BLOCK))
         held = held_params(params, snapshot=True, weight_dtype=weight_dtype, block_bytes=BLOCK)
-    packs = pack_pieces_of(held)
-    live = [(b.shard.name, b.offset, b.data.nbytes) for b in blocks if b.data.nbytes]  # a snapshot's empty: no block
-    assert live == [p for _, ps in packs for p in ps]
-    single = [ps for pack, ps in packs if len(ps) == 1 and ps[0][2] == pack.nbytes]  # one piece, whole: sliced
-    assert sorted(n for _, n in packed) == sorted(int(pack.nbytes) for pack, ps in packs if ps not in single)
+    snapshot_packs = {id(b.pack) for v in held.values() for _, _, b in v.blocks if isinstance(b, PackSlice)}
+    assert len(packed) == len(snapshot_packs) and all(n <= BLOCK for _, n in packed)
     got: dict[str, list[np.ndarray]] = {}
     for b in blocks:
         got.setdefault(b.shard.name, []).append(b.data)
@@ -340,36 +309,22 @@ def test_warm_runs_each_program_a_publish_dispatches_and_leaves_snapshots_alone(
     """`warm` compiles what a publish of the arrays would (its slices and packs) without
     taking a snapshot's blocks: the snapshot stages whole afterwards."""
     params = values() | {"n1": jnp.ones((10,), jnp.float32), "n2": jnp.zeros((3, 5), jnp.float32)}
-    with recording_packs() as published:
-        list(device_blocks(params.items(), "", Window(1 << 30, until_staged=False), BLOCK))
     with recording_packs() as made:
         snapshot = held_params({"big": params["big"]}, snapshot=True, block_bytes=BLOCK)
         warm([*params.items(), ("snap", snapshot["big"])], "", BLOCK)
-    assert made and made == published
+    assert made and sum(n for n, _ in made) == sum(1 for v in params.values() if 0 < v.nbytes <= BLOCK)
     assert len(snapshot["big"].blocks) == 15 and not snapshot["big"].taken
 
 
-def test_a_pack_stream_cuts_entries_end_to_end_into_packs_of_a_block() -> None:
-    stream = PackStream(100)
-    assert stream.add("a", 1, 60, 1) == []
-    assert stream.add("a", 2, 70, 1) == [[Piece(1, 0, 60), Piece(2, 0, 40)]]  # larger than 100 / 16: split
-    assert stream.add("a", 3, 6, 1) == []  # 30 + 6
-    assert stream.add("a", 4, 70, 1) == [[Piece(2, 40, 30), Piece(3, 0, 6), Piece(4, 0, 64)]]
-    assert stream.add("a", 5, 6, 1) == []
-    assert stream.add("a", 6, 6, 2) == []  # 6 + 6 + 12 bytes
-    assert stream.add("a", 7, 0, 1) == []  # an empty entry joins the open pack
-    assert stream.add("b", 8, 0, 1) == [  # another key ends it; an empty entry alone makes a pack of no bytes
-        [Piece(4, 64, 6), Piece(5, 0, 6), Piece(6, 0, 6), Piece(7, 0, 0)],
-        [Piece(8, 0, 0)],
-    ]
-    assert stream.add("b", 9, 97, 1) == [] and stream.add("b", 10, 5, 1) == [[Piece(9, 0, 97)]]  # 5 <= 100 / 16: whole
-    assert stream.add("b", 11, 250, 1) == [[Piece(10, 0, 5), Piece(11, 0, 95)], [Piece(11, 95, 100)]]
-    assert stream.close() == [Piece(11, 195, 55)] and stream.close() == []
-    assert stream.add("c", 12, 49, 2) == [] and stream.add("c", 13, 3, 2) == [[Piece(12, 0, 49)]]  # 6 B: whole
-    assert stream.close() == [Piece(13, 0, 3)]
-    assert pack_elements([Piece(12, 0, 49)], 2, 100) == 50  # padded to a block
-    assert pack_elements([Piece(13, 0, 3)], 2, 100) == 4 and pack_elements([Piece(13, 0, 13)], 2, 100) == 13  # 50/2/2
-    assert pack_elements([Piece(1, 0, 0)], 4, 100) == 0 and pack_elements([Piece(1, 0, 3)], 4, 2) == 3
+def test_pack_runs_end_at_another_device_or_dtype_a_full_block_or_an_entry_not_packed() -> None:
+    runs = PackRuns(100)
+    assert not runs.takes(0) and runs.takes(1) and runs.takes(100) and not runs.takes(101)
+    assert not PackRuns(0).takes(1)  # no blocks: nothing packed
+    assert runs.add("a", 60, 1) == [] and runs.add("a", 40, 2) == []  # exactly a block
+    assert runs.add("a", 1, 3) == [1, 2]  # full
+    assert runs.add("b", 1, 4) == [3]  # another key
+    assert runs.close() == [4] and runs.close() == []  # an entry not packed ends the run
+    assert runs.add("b", 100, 5) == [] and runs.close() == [5]
 
 
 def test_a_window_with_room_counts_each_block_as_the_memory_its_buffer_takes() -> None:
@@ -382,29 +337,3 @@ def test_a_window_with_room_counts_each_block_as_the_memory_its_buffer_takes() -
     window.submitted(4 * BLOCK)
     window.staged(4 * BLOCK)
     assert window._used == 0  # what was counted in comes out the same
-
-
-@pytest.mark.parametrize(
-    "cut",
-    [
-        [(0, 0, 100), (1, 0, 5), (2, 0, 919)],  # an array's start, last: its window spills past the pack
-        [(2, 2900, 100), (1, 0, 5), (0, 0, 30)],  # an array's end, first: its window spills before the pack
-        [(2, 100, 50), (1, 0, 5)],  # neither: its cut compiled in
-        [(1, 0, 0), (2, 2990, 10), (0, 0, 0)],  # empty pieces
-    ],
-)
-def test_a_pack_holds_its_pieces_wherever_the_stream_cut_them(cut: list[tuple[int, int, int]]) -> None:
-    """A pack's program reads each piece as a fixed window of its array and places it: the
-    pack holds exactly its pieces, end to end, whatever falls outside them."""
-    arrays = [
-        jnp.arange(100, dtype=jnp.float32).reshape(10, 10),
-        jnp.full((5,), -1, jnp.float32),
-        jnp.arange(3000, dtype=jnp.float32).reshape(30, 100) + 1000,
-    ]
-    block = 1024  # elements
-    pieces = [Piece((None, arrays[i]), start, count) for i, start, count in cut]
-    pack = device_blocks_module._LazyPack(pieces, np.dtype(np.float32), block, block)
-    assert (pack._reads is None) == (cut[0] == (2, 100, 50))
-    got = np.asarray(pack.slice(0, block))
-    want = np.concatenate([np.asarray(arrays[i]).reshape(-1)[s : s + n] for i, s, n in cut])
-    assert got.shape == (block,) and got[: want.size].tobytes() == want.tobytes()
