@@ -998,14 +998,24 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
 
 def _heap_line(heap: dict[str, Any]) -> str:
     """glibc's account in a line: '4.43 GB free of 5.01 GB in 9 arenas; 64 MiB or more:
-    main 2.10/1.90 GB, 1.22/1.20 GB' (each arena's bytes from the kernel / free)."""
+    main 2.10/1.90 GB, 1.22/1.20 GB; the largest in 19 heaps, free in 25 chunks, the
+    largest 64.0 MiB' (each arena's bytes from the kernel / free; the largest arena's heaps
+    and free chunks: with nothing live in it, one chunk a heap)."""
     gb = lambda pair: f"{pair[0] / 1e9:.2f}/{pair[1] / 1e9:.2f} GB"  # noqa: E731
     large = [gb(p) for p in heap.get("large", [])]
     if heap.get("main") in heap.get("large", []):
         large[heap["large"].index(heap["main"])] = "main " + gb(heap["main"])
+    top = heap.get("largest") or {}
+    where = f"in {top.get('heaps')} heaps" if top.get("heaps") else "(the main one)"
+    chunks = (
+        f"; the largest {where}, free in {top.get('free_chunks', 0)} chunks, the largest "
+        f"{top.get('largest_free', 0) / (1 << 20):.1f} MiB"
+        if top
+        else ""
+    )
     return (
         f"{heap.get('free', 0) / 1e9:.2f} GB free of {heap.get('arena', 0) / 1e9:.2f} GB in {heap.get('arenas', 0)} "
-        f"arenas; 64 MiB or more: {', '.join(large) or 'none'}"
+        f"arenas; 64 MiB or more: {', '.join(large) or 'none'}{chunks}"
     )
 
 

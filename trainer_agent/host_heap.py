@@ -163,12 +163,16 @@ def heap_stats() -> dict[str, int]:
 
 
 def arena_stats() -> list[dict[str, int]]:
-    """glibc's account arena by arena (`malloc_info`): for each, the bytes it holds from the
-    kernel (`system`), of them free in its bins and fastbins (`free`), and its heaps beyond
-    the first (`subheaps`; a thread's arena only), the main arena first; empty off glibc.
-    A thread mallocs from the arena it was given at its first malloc, so this tells which
-    threads' frees a process keeps (one arena per thread that copied blocks keeps up to a
-    window). Walks every free chunk under each arena's lock, as `heap_stats` does."""
+    """glibc's account arena by arena (`malloc_info`): for each, the bytes it holds from
+    the kernel (`system`), of them free in its bins and fastbins (`free`), its heaps
+    (`heaps`; glibc's `subheaps`, a thread's arena only: the main one grows by brk), its
+    free chunks (`free_chunks`) and the largest of them in its bins (`largest_free`),
+    the main arena first; empty off glibc. With nothing live in a thread's arena each
+    heap is one free chunk (the last, its top): more chunks, and a largest one short of
+    a heap, are live allocations holding its heaps apart. A thread mallocs from the
+    arena it was given at its first malloc, so this tells which threads' frees a process
+    keeps (one arena per thread that copied blocks keeps up to a window). Walks every
+    free chunk under each arena's lock, as `heap_stats` does."""
     memstream = libc_function(
         "open_memstream", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     )
@@ -206,11 +210,15 @@ def _parse_malloc_info(text: str) -> list[dict[str, int]]:
     out = []
     for heap in root.findall("heap"):
         totals, system, aspace = (sizes(heap, tag) for tag in ("total", "system", "aspace"))
+        chunks = sum(int(t.get("count", 0)) for t in heap.findall("total"))
+        binned = [b for b in heap.iterfind("sizes/*")]  # <size>s of each bin, the <unsorted> bin's
         out.append(
             {
                 "system": system.get("current", 0),
                 "free": totals.get("fast", 0) + totals.get("rest", 0),
-                "subheaps": aspace.get("subheaps", 0),
+                "heaps": aspace.get("subheaps", 0),
+                "free_chunks": chunks,
+                "largest_free": max((int(b.get("to", 0)) for b in binned), default=0),
             }
         )
     return out
@@ -219,7 +227,7 @@ def _parse_malloc_info(text: str) -> list[dict[str, int]]:
 def arenas_summary(arenas: list[dict[str, int]], min_bytes: int = 64 << 20) -> dict[str, Any]:
     """`arena_stats` in short: how many arenas, and those holding `min_bytes` or more from
     the kernel, as [system, free] bytes each, largest first (the main arena marked by its
-    index 0 in `main`)."""
+    index 0 in `main`), and the largest one's account whole (`largest`)."""
     large = sorted(
         ([a["system"], a["free"], i] for i, a in enumerate(arenas) if a["system"] >= min_bytes),
         reverse=True,
@@ -228,4 +236,5 @@ def arenas_summary(arenas: list[dict[str, int]], min_bytes: int = 64 << 20) -> d
         "arenas": len(arenas),
         "large": [[s, f] for s, f, _ in large],
         "main": next(([s, f] for s, f, i in large if i == 0), None),
+        "largest": arenas[large[0][2]] if large else None,
     }

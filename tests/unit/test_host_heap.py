@@ -255,3 +255,43 @@ def test_a_threads_arena_holds_a_sliding_window_of_blocks_in_their_heap_room(blo
 
     r, _ = _script_json(_SLIDING, str(blocks))
     assert blocks * (18 << 20) < r["heaps"] <= blocks * heap_room(18 << 20) + HEAP_BYTES
+
+
+_PINNED = """
+import ctypes, json, sys, threading
+from trainer_agent import host_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+host_heap.hold_freed_memory()
+out = {}
+def blocks():  # 9 blocks of 18 MiB, with a small live allocation after each when pinned
+    xs, pins = [], []
+    for _ in range(9):
+        xs.append(libc.malloc(18 << 20))
+        if sys.argv[1] == "pinned":
+            pins.append(libc.malloc(5000))
+    for x in xs:
+        libc.free(x)
+    arenas = host_heap.arena_stats()
+    out.update(arena=max(arenas[1:], key=lambda a: a["system"]), summary=host_heap.arenas_summary(arenas))
+t = threading.Thread(target=blocks)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_info is glibc's")
+@pytest.mark.parametrize("pins", ["none", "pinned"])
+def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> None:
+    """With nothing live in a thread's arena each of its heaps is one free chunk; small
+    live allocations between its blocks hold the freed blocks apart: more chunks."""
+    from trainer_agent.host_heap import HEAP_BYTES
+
+    r, _ = _script_json(_PINNED, pins)
+    arena = r["arena"]
+    assert arena["heaps"] == 3 and arena["system"] == 3 * HEAP_BYTES  # three 18 MiB blocks to a heap
+    assert r["summary"]["largest"] == arena
+    assert arena["largest_free"] > 54 << 20  # a heap no live allocation is in: one chunk
+    # the pins lie between the first heap's blocks (and in its tail): its free memory in pieces
+    assert arena["free_chunks"] == (3 if pins == "none" else 6)
