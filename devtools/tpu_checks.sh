@@ -125,12 +125,17 @@ case "${1:-}" in
     # chunks (what XLA's compile leaves is ~300,000), built a message per descriptor and in place
     step descriptor-trim 90 "$py" bench/descriptor_trim.py --free-chunks 100000
     # for a second call (TPU_CHECKS_ONLY): the run's settings twice, a thread arena's heaps
-    # unmapped as glibc does; no process reading the trainer's /proc/PID/status; another
-    # allocator where the host has one
+    # unmapped as glibc does; no process reading the trainer's /proc/PID/status; glibc's
+    # arenas unlimited; another allocator where the host has one
     step overlap 200 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     step overlap-cached 110 "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     step overlap-unmapped 170 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
+    # glibc's arenas past its limit (8 a core: the v5e host's process has all 104 before its
+    # first publish, so the D2H thread shares one with another thread): whether an arena of
+    # its own keeps the blocks' heap within the window
+    step overlap-arenas 170 env GLIBC_TUNABLES=glibc.malloc.arena_max=1024 \
+      "$py" bench/train_overlap.py --preset "$b" --variant offer=every
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
       step overlap-preload 130 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every

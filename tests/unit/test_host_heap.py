@@ -4,6 +4,7 @@ heap once per process, and a block freed there serves the next one."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -49,11 +50,14 @@ print(json.dumps(out))
 """
 
 
-def _script_json(script: str, arg: str, env_pad: int = 0) -> tuple[dict, str]:
+def _script_json(script: str, arg: str, env_pad: int = 0, tunables: str = "") -> tuple[dict, str]:
     """What `script` prints last (JSON) and its log, run with `arg` in a process of its
     own (mallopt's settings stay for the life of a process; JAX on the CPU); `env_pad`
-    bytes of environment shift where the interpreter's early mallocs land."""
+    bytes of environment shift where the interpreter's early mallocs land; `tunables`:
+    glibc's, read at the interpreter's start (GLIBC_TUNABLES)."""
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PAD": "x" * env_pad}
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     out = subprocess.run(
         [sys.executable, "-c", script, arg], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -295,3 +299,40 @@ def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> N
     assert arena["largest_free"] > 54 << 20  # a heap no live allocation is in: one chunk
     # the pins lie between the first heap's blocks (and in its tail): its free memory in pieces
     assert arena["free_chunks"] == (3 if pins == "none" else 6)
+
+
+_ARENA_LIMIT = """
+import ctypes, json, os, sys, threading, time
+from trainer_agent import host_heap
+hold = threading.Event()
+def start(count):  # threads that each malloc once (taking an arena) and stay
+    def worker():
+        host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)(1000)
+        hold.wait()
+    for _ in range(count):
+        threading.Thread(target=worker, daemon=True).start()
+    time.sleep(0.3)
+    return len(host_heap.arena_stats())
+limit = 8 * len(os.sched_getaffinity(0))  # glibc's: 8 arenas a core on 64-bit hosts
+out = {"limit": limit, "first": start(limit + 4)}
+out["raised"] = host_heap.libc_function("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)(-8, 1024)  # M_ARENA_MAX
+out["then"] = start(8)
+hold.set()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the arenas are glibc's")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) > 16, reason="a thread for each of 8 arenas a core")
+@pytest.mark.parametrize("tunables", ["", "glibc.malloc.arena_max=1024"])
+def test_glibc_reads_its_arena_limit_once_so_only_its_tunable_at_start_raises_it(tunables: str) -> None:
+    """Past 8 arenas a core, a new thread shares an arena (its frees' heaps hold others'
+    allocations): `mallopt(M_ARENA_MAX)` then takes the value and changes nothing, the
+    tunable in the interpreter's environment does (`tpu_checks.sh diagnose`'s
+    `overlap-arenas`)."""
+    r, _ = _script_json(_ARENA_LIMIT, "", tunables=tunables)
+    assert r["raised"] == 1
+    if tunables:
+        assert r["first"] > r["limit"] and r["then"] >= r["first"] + 8
+    else:
+        assert r["first"] == r["then"] == r["limit"]
