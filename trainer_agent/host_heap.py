@@ -211,7 +211,7 @@ def _parse_malloc_info(text: str) -> list[dict[str, int]]:
     for heap in root.findall("heap"):
         totals, system, aspace = (sizes(heap, tag) for tag in ("total", "system", "aspace"))
         chunks = sum(int(t.get("count", 0)) for t in heap.findall("total"))
-        binned = [b for b in heap.iterfind("sizes/*")]  # <size>s of each bin, the <unsorted> bin's
+        binned = list(heap.iterfind("sizes/*"))  # <size>s of each bin, the <unsorted> bin's
         out.append(
             {
                 "system": system.get("current", 0),
