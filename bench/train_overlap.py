@@ -28,8 +28,9 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
 `--base` sets the same keys for the run's own phases (`--base d2h=caller`: the control of
 the D2H thread). Before the phases a warm-up publishes once blocking and once async; glibc's
 account arena by arena after it and after each async phase (`host_heap.arena_stats`: which
-threads' freed blocks the process keeps) and the collector's pauses in the phases without
-publishing are printed beside the phases' own.
+threads' freed blocks the process keeps, and the largest arena's heaps and free chunks:
+whether live allocations hold its freed blocks apart) and the collector's pauses in the
+phases without publishing are printed beside the phases' own.
 
 and prints one JSON object (also written to `--out`) and a line per async phase on
 stderr: the step times and how long each step's call took to return (its dispatch: where
