@@ -302,16 +302,18 @@ def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> N
 
 
 _ARENA_LIMIT = """
-import ctypes, json, os, sys, threading, time
+import ctypes, json, os, sys, threading
 from trainer_agent import host_heap
-hold = threading.Event()
+hold, took = threading.Event(), threading.Semaphore(0)
 def start(count):  # threads that each malloc once (taking an arena) and stay
     def worker():
         host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)(1000)
+        took.release()
         hold.wait()
     for _ in range(count):
         threading.Thread(target=worker, daemon=True).start()
-    time.sleep(0.3)
+    for _ in range(count):
+        took.acquire()
     return len(host_heap.arena_stats())
 limit = 8 * len(os.sched_getaffinity(0))  # glibc's: 8 arenas a core on 64-bit hosts
 out = {"limit": limit, "first": start(limit + 4)}
