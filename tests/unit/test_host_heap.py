@@ -302,7 +302,7 @@ def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> N
 
 
 _ARENA_LIMIT = """
-import ctypes, json, os, sys, threading
+import ctypes, json, os, threading
 from trainer_agent import host_heap
 hold, took = threading.Event(), threading.Semaphore(0)
 def start(count):  # threads that each malloc once (taking an arena) and stay
