@@ -4,7 +4,7 @@
 # (docs/install-tpu.md); carry .tpu-kit/ to the host with the project and run there
 #
 #   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
-#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~8 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~9 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # the D2H's runtime settings, the overlap's controls, ~9 min
@@ -101,7 +101,7 @@ case "${1:-}" in
     # the run's settings (every step offers its version), then steps that offer one only
     # while no publish runs or waits, then the run's settings with the trainer's objects
     # frozen out of Python's collector (gc.freeze(), as vLLM does once it has started)
-    step overlap 220 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
+    step overlap 260 "$py" bench/train_overlap.py --preset "$b" --out "$out/overlap.json" \
       --variant offer=idle --variant gc=freeze
     ;;
   diagnose)
