@@ -264,18 +264,18 @@ def test_a_threads_arena_holds_a_sliding_window_of_blocks_in_their_heap_room(blo
 _PINNED = """
 import ctypes, json, sys, threading
 from trainer_agent import host_heap
-libc = ctypes.CDLL(None)
-libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+malloc = host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)
+free = host_heap.libc_function("free", None, ctypes.c_void_p)
 host_heap.hold_freed_memory()
 out = {}
 def blocks():  # 9 blocks of 18 MiB, with a small live allocation after each when pinned
     xs, pins = [], []
     for _ in range(9):
-        xs.append(libc.malloc(18 << 20))
+        xs.append(malloc(18 << 20))
         if sys.argv[1] == "pinned":
-            pins.append(libc.malloc(5000))
+            pins.append(malloc(5000))
     for x in xs:
-        libc.free(x)
+        free(x)
     arenas = host_heap.arena_stats()
     out.update(arena=max(arenas[1:], key=lambda a: a["system"]), summary=host_heap.arenas_summary(arenas))
 t = threading.Thread(target=blocks)
