@@ -132,7 +132,7 @@ case "${1:-}" in
     step overlap-unmapped 170 "$py" bench/train_overlap.py --preset "$b" --heaps unmapped --variant offer=every
     step overlap-unsampled 130 "$py" bench/train_overlap.py --preset "$b" --rss-interval-ms 0 --variant offer=every
     # glibc's arenas past its limit (8 a core: the v5e host's process has all 104 before its
-    # first publish, so the D2H thread shares one with another thread): whether an arena of
+    # first publish, so the D2H thread gets one other threads use or used): whether an arena of
     # its own keeps the blocks' heap within the window
     step overlap-arenas 170 env GLIBC_TUNABLES=glibc.malloc.arena_max=1024 \
       "$py" bench/train_overlap.py --preset "$b" --variant offer=every
