@@ -29,8 +29,12 @@ publish call, until the step's loss is ready; `--read-loss` reads it to the host
 the D2H thread). Before the phases a warm-up publishes once blocking and once async; glibc's
 account arena by arena after it and after each async phase (`host_heap.arena_stats`: which
 threads' freed blocks the process keeps, and the largest arena's heaps and free chunks:
-whether live allocations hold its freed blocks apart) and the collector's pauses in the
-phases without publishing are printed beside the phases' own.
+whether live allocations hold its freed blocks apart; the heaps the device path's blocks
+landed in, `host_heap.block_heaps`) and the collector's pauses in the phases without
+publishing are printed beside the phases' own. `--block-heaps count` leaves the window at
+its limit however many heaps the blocks landed in (the control of the device path's
+steering), and `--trace-blocks PATH` writes each block's host buffer as it landed (address,
+bytes, the window's room then) and when it was freed, with glibc's `malloc_info` at the end.
 
 and prints one JSON object (also written to `--out`) and a line per async phase on
 stderr: the step times and how long each step's call took to return (its dispatch: where
@@ -67,15 +71,19 @@ opened): the trainer's side.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import faulthandler
 import gc
+import json
 import math
 import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -87,6 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from common import HEAP_PADS, emit_json, hold_heaps, peak_rss_bytes, rss_bytes, tpu_transfer_env  # noqa: E402
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
@@ -94,20 +103,21 @@ from stall_dumper import StallDumper  # noqa: E402
 from trainer_agent import params as params_module  # noqa: E402
 from trainer_agent.arena import Arena  # noqa: E402
 from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
-from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks  # noqa: E402
+from trainer_agent.device_blocks import Window, block_size, buffer_address, cuts, device_blocks  # noqa: E402
 from trainer_agent.host_heap import (  # noqa: E402
     MXFAST_DEFAULT,
     arena_stats,
     arenas_summary,
-    heap_room,
+    block_heaps,
     heap_stats,
     hold_freed_memory,
+    malloc_info_text,
     set_max_fast,
 )
 from trainer_agent.params import device_stream  # noqa: E402
 from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
-from trainer_agent.stage_plan import Stager, plan_staging  # noqa: E402
+from trainer_agent.stage_plan import Stager, device_window, plan_staging  # noqa: E402
 from weightsync.addresses import inet_refused  # noqa: E402
 from weightsync.model_shapes import PRESETS, ModelShape, param_shapes  # noqa: E402
 
@@ -212,7 +222,7 @@ class StageOnly:
             s = self.settings
             block = block_size(s.d2h_block_bytes, s.chunk_bytes)
             if block and cuts(params.values()):
-                window = Window(s.d2h_window_bytes, until_staged=False, room=heap_room)
+                window = device_window(s, until_staged=False)
                 stream = device_blocks(params.items(), "", window, block)
             else:
                 stream = device_stream(params.items(), "", s.d2h_window_bytes)
@@ -303,9 +313,71 @@ def loopback_addresses(tmp: Path) -> tuple[str, str]:
     return "127.0.0.1", "127.0.0.1"
 
 
+TRACE_COLUMNS = ["t_landed", "address", "owner_bytes", "block_bytes", "window_used", "window_room", "t_freed"]
+
+
+class BlockTrace:
+    """Each block's host buffer as the device path's window saw it land: the time, the
+    address and bytes of the array that owns the buffer (a pack's, for a packed entry), the
+    block's bytes, the room the window had in flight and allowed then, and when the owning
+    array was freed (a finalizer); glibc's `malloc_info` at the end. Where glibc placed
+    the blocks, version after version, and whether any outlived their staging."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.rows: list[list[Any]] = []
+        self.owner_bases: collections.Counter[str] = collections.Counter()
+        self._owners: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
+        landed = Window.landed
+
+        def traced(window: Window, nbytes: int, buffer: np.ndarray | None = None) -> None:
+            landed(window, nbytes, buffer)
+            if buffer is not None:
+                self.note(window, nbytes, buffer)
+
+        Window.landed = traced  # type: ignore[method-assign]
+
+    def _now(self) -> float:
+        return round(time.perf_counter() - self.t0, 6)
+
+    def note(self, window: Window, nbytes: int, buffer: np.ndarray) -> None:
+        owner = buffer
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        with self._lock:
+            self.owner_bases[type(owner.base).__name__] += 1
+            row = [self._now(), buffer_address(owner), owner.nbytes, nbytes, window._used, window.room_bytes, None]
+            self.rows.append(row)
+            if id(owner) in self._owners:  # a pack's later entry: freed with the pack
+                return
+            self._owners[id(owner)] = row
+        weakref.finalize(owner, self._freed, id(owner))
+
+    def _freed(self, key: int) -> None:
+        with self._lock:
+            row = self._owners.pop(key, None)
+            if row is not None:
+                row[6] = self._now()
+
+    def write(self, path: str) -> None:
+        with self._lock:
+            doc = {
+                "columns": TRACE_COLUMNS,
+                "rows": self.rows,
+                "owner_bases": dict(self.owner_bases),
+                "block_heaps": block_heaps.count,
+                "malloc_info": malloc_info_text(),
+            }
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        print(f"block trace: {len(doc['rows'])} blocks, {path}", file=sys.stderr)
+
+
 def heap_account() -> dict[str, Any]:
-    """glibc's account (`heap_stats`) with its arenas in short (`arenas_summary`)."""
-    return heap_stats() | arenas_summary(arena_stats())
+    """glibc's account (`heap_stats`) with its arenas in short (`arenas_summary`) and the
+    heaps the device path's blocks landed in (`block_heaps`, counted with the heaps kept)."""
+    return heap_stats() | arenas_summary(arena_stats()) | {"block_heaps": block_heaps.count}
 
 
 @contextlib.contextmanager
@@ -1000,8 +1072,9 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
 def _heap_line(heap: dict[str, Any]) -> str:
     """glibc's account in a line: '4.43 GB free of 5.01 GB in 9 arenas; 64 MiB or more:
     main 2.10/1.90 GB, 1.22/1.20 GB; the largest in 19 heaps, free in 25 chunks, the
-    largest 64.0 MiB' (each arena's bytes from the kernel / free; the largest arena's heaps
-    and free chunks: with nothing live in it, one chunk a heap)."""
+    largest 64.0 MiB; blocks in 17 heaps' (each arena's bytes from the kernel / free; the
+    largest arena's heaps and free chunks: with nothing live in it, one chunk a heap; the
+    heaps the device path's blocks landed in)."""
     gb = lambda pair: f"{pair[0] / 1e9:.2f}/{pair[1] / 1e9:.2f} GB"  # noqa: E731
     large = [gb(p) for p in heap.get("large", [])]
     if heap.get("main") in heap.get("large", []):
@@ -1017,6 +1090,7 @@ def _heap_line(heap: dict[str, Any]) -> str:
     return (
         f"{heap.get('free', 0) / 1e9:.2f} GB free of {heap.get('arena', 0) / 1e9:.2f} GB in {heap.get('arenas', 0)} "
         f"arenas; 64 MiB or more: {', '.join(large) or 'none'}{chunks}"
+        + (f"; blocks in {heap['block_heaps']} heaps" if heap.get("block_heaps") else "")
     )
 
 
@@ -1100,6 +1174,19 @@ def main() -> None:
         "free empties one (glibc's own top pad; the device path's hold takes it)",
     )
     p.add_argument(
+        "--block-heaps",
+        choices=("steer", "count"),
+        default="steer",
+        help="the heaps the device path's blocks landed in, for the whole run: past the window, taken off what may be "
+        "in flight (steer, the device path's own) or only counted (count, the control)",
+    )
+    p.add_argument(
+        "--trace-blocks",
+        default="",
+        help="write here (JSON) each block's host buffer as it landed (its address and bytes, the window's room "
+        "in flight then) and when it was freed, and glibc's malloc_info at the end",
+    )
+    p.add_argument(
         "--force-blocks",
         action="store_true",
         help="cut shards into blocks on CPU devices too (the accelerator's branch, its held heap included)",
@@ -1109,7 +1196,11 @@ def main() -> None:
     if args.force_blocks:
         params_module.HOST_MEMORY_PLATFORMS = frozenset()
     hold_heaps(args.heaps)
+    block_heaps.steer = args.block_heaps == "steer"
+    trace = BlockTrace() if args.trace_blocks else None
     out = run(args)
+    if trace is not None:
+        trace.write(args.trace_blocks)
     emit_json(out, args.out)
     if args.out:
         print(f"results: {args.out}", file=sys.stderr)

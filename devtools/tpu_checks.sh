@@ -136,6 +136,13 @@ case "${1:-}" in
     # its own keeps the blocks' heap within the window
     step overlap-arenas 170 env GLIBC_TUNABLES=glibc.malloc.arena_max=1024 \
       "$py" bench/train_overlap.py --preset "$b" --variant offer=every
+    # where glibc placed each block's host buffer and when it was freed (bench/train_overlap.py
+    # --trace-blocks), the heaps the blocks landed in only counted (the control), then steering
+    # the window as the device path does
+    step overlap-blocks-count 200 "$py" bench/train_overlap.py --preset "$b" --block-heaps count \
+      --trace-blocks "$out/blocks-count.json" --variant offer=every
+    step overlap-blocks-steer 130 "$py" bench/train_overlap.py --preset "$b" --trace-blocks "$out/blocks-steer.json" \
+      --variant offer=every
     lib=$(preloadable_allocator)
     if [ -n "$lib" ]; then
       step overlap-preload 130 env LD_PRELOAD="$lib" "$py" bench/train_overlap.py --preset "$b" --variant offer=every

@@ -25,6 +25,7 @@ read in place, never cut.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from collections import deque
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer_agent import params
+from trainer_agent import host_heap, params
 from trainer_agent.cut_array import CutArray, PackSlice
 from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_metas, shard_start
 from trainer_agent.staging import Block, HostShard
@@ -46,6 +47,13 @@ from weightsync.dtypes import dtype_info
 # 8.0-11.1, 9 MiB at 7.1-7.9, 6 MiB at 6.1, whole shards at 1.45-1.78. Below glibc's largest
 # mmap threshold (32 MiB), so the host buffers the copies land in are reused heap memory.
 DEFAULT_BLOCK_BYTES = 18 << 20
+
+log = logging.getLogger(__name__)
+
+
+def buffer_address(array: np.ndarray) -> int:
+    """The address of `array`'s first byte."""
+    return int(array.__array_interface__["data"][0])
 
 
 def block_size(block_bytes: int, chunk_bytes: int) -> int:
@@ -84,14 +92,24 @@ class Window:
     through `submitted` and `staged` (`staging.StagingWindow`). With `room`, each block
     counts as `room(its bytes)`: the host memory its buffer takes (`host_heap.heap_room`,
     where the buffers come from a thread's arena), so that the memory the copies hold,
-    and glibc keeps once they are freed, stays within `limit_bytes`."""
+    and glibc keeps once they are freed, stays within `limit_bytes`. With `heaps`, where
+    each block's buffer landed is counted there (`host_heap.BlockHeaps`), and once the
+    heaps they lie in hold more than `limit_bytes` (freed places glibc did not give the
+    next blocks), the excess is taken off what may be in flight: fewer blocks live in the
+    same heaps leave room for the next in them, so the heaps stop growing."""
 
     def __init__(
-        self, limit_bytes: int, *, until_staged: bool = True, room: Callable[[int], int] | None = None
+        self,
+        limit_bytes: int,
+        *,
+        until_staged: bool = True,
+        room: Callable[[int], int] | None = None,
+        heaps: host_heap.BlockHeaps | None = None,
     ) -> None:
         self.limit_bytes = limit_bytes
         self._until_staged = until_staged
         self._room = room or (lambda nbytes: nbytes)
+        self._heaps = heaps
         self._used = 0
         self._pending = 0  # handed to staging threads, not yet staged
         self._closed = False
@@ -108,24 +126,42 @@ class Window:
             self._closed = True
             self._changed.notify_all()
 
+    @property
+    def room_bytes(self) -> int:
+        """What may be in flight: `limit_bytes`, less what the blocks' heaps hold past it."""
+        if self._heaps is None or not self._heaps.steer:
+            return self.limit_bytes
+        return self.limit_bytes - max(0, self._heaps.nbytes - self.limit_bytes)
+
     def admits(self, nbytes: int, *, inflight: bool) -> bool:
         """Whether a copy of `nbytes` may be issued now: it fits, or nothing is in flight
         and nothing being staged will free room (the blocks held are the consumer's)."""
         nbytes = self._room(nbytes)
         with self._changed:
-            return self._used + nbytes <= self.limit_bytes or (not inflight and not self._pending)
+            return self._used + nbytes <= self.room_bytes or (not inflight and not self._pending)
 
     def wait_for_room(self, nbytes: int) -> None:
         """Waits until `nbytes` fit, no staging is pending, or the window is closed."""
         nbytes = self._room(nbytes)
         with self._changed:
-            self._changed.wait_for(lambda: self._used + nbytes <= self.limit_bytes or not self._pending or self._closed)
+            self._changed.wait_for(lambda: self._used + nbytes <= self.room_bytes or not self._pending or self._closed)
 
     def issued(self, nbytes: int) -> None:
         with self._changed:
             self._used += self._room(nbytes)
 
-    def landed(self, nbytes: int) -> None:
+    def landed(self, nbytes: int, buffer: np.ndarray | None = None) -> None:
+        """A copy of `nbytes` landed, in `buffer` (its heap counted where the window counts heaps)."""
+        if self._heaps is not None and buffer is not None and self._heaps.note(buffer_address(buffer), buffer.nbytes):
+            if self._heaps.steer and self._heaps.nbytes > self.limit_bytes:
+                log.info(
+                    "the device path's host buffers lie in %d heaps (%d MiB), past its %d MiB window: %d MiB may be "
+                    "in flight",
+                    self._heaps.count,
+                    self._heaps.nbytes >> 20,
+                    self.limit_bytes >> 20,
+                    max(0, self.room_bytes) >> 20,
+                )
         if not self._until_staged:
             with self._changed:
                 self._used -= self._room(nbytes)
@@ -177,7 +213,7 @@ def device_blocks(
             done, data = inflight.popleft()
             host = host_array(done.shard.name, data).reshape(-1)  # waits for this block's copy
             del data
-            window.landed(done.nbytes)
+            window.landed(done.nbytes, host)
             yield Block(done.shard, done.offset, host)
             del host, done
         elif job is None:

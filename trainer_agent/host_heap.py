@@ -90,6 +90,7 @@ def set_max_fast(nbytes: int) -> bool:
 
 
 _held = False
+_held_pad = 0
 _held_lock = threading.Lock()
 
 
@@ -100,16 +101,64 @@ def hold_for_device_path(top_pad_bytes: int = HEAP_BYTES) -> bool:
     next blocks' copies instead of fresh pages, in whichever thread publishes. The first
     call's `top_pad_bytes` stays (a bench passes `TOP_PAD_DEFAULT` to measure glibc's own).
     Returns whether they are held (False off glibc)."""
-    global _held
+    global _held, _held_pad
     with _held_lock:
         if not _held:
             _held = hold_freed_memory(top_pad_bytes=top_pad_bytes)
+            _held_pad = top_pad_bytes if _held else 0
             log.info(
                 "glibc's trim and mmap thresholds and top pad (%g MiB) %s for the device path's blocks",
                 top_pad_bytes / (1 << 20),
                 "held" if _held else "not set",
             )
         return _held
+
+
+def heaps_kept() -> bool:
+    """Whether `hold_for_device_path` held the thresholds with a heap-sized top pad: then no
+    heap a thread's arena is made of is unmapped, and the heaps host buffers landed in are
+    still the process's (`BlockHeaps`)."""
+    with _held_lock:
+        return _held and _held_pad >= HEAP_BYTES
+
+
+class BlockHeaps:
+    """The heaps the device path's host buffers landed in, from their addresses: glibc lays
+    a thread's arena in heaps of `HEAP_BYTES` aligned to their size, so a buffer's heap is
+    its address over 64 MiB (the main arena grows by brk: its 64 MiB stretches). With the
+    heaps kept (`heaps_kept`) none is given back, so `nbytes` is host memory the process
+    holds for those buffers, however glibc placed them (a freed buffer's place too small
+    for the next, or taken by another allocation, makes a heap more). Buffers at or past
+    the mmap threshold are mappings of their own, not counted. With `steer` False a window
+    only counts them (a bench's control). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._heaps: set[int] = set()
+        self._lock = threading.Lock()
+        self.steer = True
+
+    def note(self, address: int, nbytes: int) -> bool:
+        """Counts the heaps a buffer of `nbytes` at `address` lies in; whether they were new."""
+        if nbytes <= 0 or nbytes + 8 >= MMAP_THRESHOLD_MAX:
+            return False
+        first, last = address // HEAP_BYTES, (address + nbytes - 1) // HEAP_BYTES
+        with self._lock:
+            before = len(self._heaps)
+            self._heaps.update(range(first, last + 1))
+            return len(self._heaps) > before
+
+    @property
+    def count(self) -> int:
+        return len(self._heaps)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the heaps counted."""
+        return len(self._heaps) * HEAP_BYTES
+
+
+#: the heaps this process's device path has copied blocks into (`stage_plan.device_window`)
+block_heaps = BlockHeaps()
 
 
 #: what a heap holds besides its chunks, rounded up: its header and, in an arena's first
@@ -173,6 +222,12 @@ def arena_stats() -> list[dict[str, int]]:
     arena it was given at its first malloc, so this tells which threads' frees a process
     keeps (one arena per thread that copied blocks keeps up to a window). Walks every
     free chunk under each arena's lock, as `heap_stats` does."""
+    return _parse_malloc_info(malloc_info_text())
+
+
+def malloc_info_text() -> str:
+    """glibc's `malloc_info` XML (each arena's free chunks by size, its heaps and bytes);
+    empty off glibc."""
     memstream = libc_function(
         "open_memstream", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
     )
@@ -180,20 +235,19 @@ def arena_stats() -> list[dict[str, int]]:
     fclose = libc_function("fclose", ctypes.c_int, ctypes.c_void_p)
     free = libc_function("free", None, ctypes.c_void_p)
     if memstream is None or malloc_info is None or fclose is None or free is None:
-        return []
+        return ""
     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
     stream = memstream(ctypes.byref(buf), ctypes.byref(size))
     if not stream:
-        return []
+        return ""
     try:
         malloc_info(0, stream)
     finally:
         fclose(stream)  # sets buf and size
     try:
-        text = ctypes.string_at(buf, size.value).decode() if buf.value else ""
+        return ctypes.string_at(buf, size.value).decode() if buf.value else ""
     finally:
         free(buf)
-    return _parse_malloc_info(text)
 
 
 def _parse_malloc_info(text: str) -> list[dict[str, int]]:

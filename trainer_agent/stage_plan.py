@@ -201,6 +201,18 @@ class Stager:
         return self._ffi
 
 
+def device_window(settings: PublisherSettings, *, until_staged: bool = True) -> Window:
+    """The window of the device path's block copies (`d2h_window_bytes`), glibc's freed
+    heap held first where `d2h_hold_freed_heap` says so. The blocks' host buffers come
+    from one thread's arena (the D2H thread's, or the publishing thread's): each counts
+    as the heap room it takes there, and with the heaps kept, the heaps they landed in
+    (`host_heap.block_heaps`, the process's) hold what may be in flight to the window."""
+    if settings.d2h_hold_freed_heap:
+        host_heap.hold_for_device_path()
+    heaps = host_heap.block_heaps if host_heap.heaps_kept() else None
+    return Window(settings.d2h_window_bytes, until_staged=until_staged, room=host_heap.heap_room, heaps=heaps)
+
+
 def stage_device(
     slot: np.ndarray,
     layout: Layout,
@@ -238,11 +250,7 @@ def stage_device(
         return stage_batched_delta(
             slot, layout, stream, s.chunk_bytes, delta, batch_bytes=half, threads=s.staging_threads
         )
-    if s.d2h_hold_freed_heap:
-        host_heap.hold_for_device_path()
-    # the blocks' host buffers come from one thread's arena (the D2H thread's, or the
-    # publishing thread's): counted as the heap room each takes there
-    window = Window(s.d2h_window_bytes, room=host_heap.heap_room)
+    window = device_window(s)
     engine = "native" if native.available() else "python"
     pool = staging_pool(s.staging_threads or native.default_threads())
     copies = functools.partial(device_blocks, items, s.weight_dtype, window, block)

@@ -22,6 +22,7 @@ from trainer_agent import params as params_module
 from trainer_agent.async_publish import held_bytes, held_params
 from trainer_agent.cut_array import CutArray, PackSlice
 from trainer_agent.device_blocks import PackRuns, Window, block_size, cut_blocks, cuts, device_blocks, warm
+from trainer_agent.host_heap import HEAP_BYTES, BlockHeaps
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.snapshot import device_copy
@@ -88,7 +89,7 @@ def small_tensors(tensors: list[tuple[int, str]]) -> dict[str, jax.Array]:
 class RecordingWindow(Window):
     """A Window that keeps the most bytes it ever counted as issued and not yet staged."""
 
-    def __init__(self, limit_bytes: int, **kw: bool) -> None:
+    def __init__(self, limit_bytes: int, **kw: Any) -> None:
         super().__init__(limit_bytes, **kw)
         self.most = 0
 
@@ -325,6 +326,50 @@ def test_pack_runs_end_at_another_device_or_dtype_a_full_block_or_an_entry_not_p
     assert runs.add("b", 1, 4) == [3]  # another key
     assert runs.close() == [4] and runs.close() == []  # an entry not packed ends the run
     assert runs.add("b", 100, 5) == [] and runs.close() == [5]
+
+
+def test_a_window_takes_the_heaps_its_blocks_lie_in_past_it_off_what_may_be_in_flight(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    heaps = BlockHeaps()
+    limit = 4 * HEAP_BYTES
+    window = Window(limit, heaps=heaps)
+    for i in range(4):
+        heaps.note(i * HEAP_BYTES, BLOCK)
+    assert window.room_bytes == limit  # as many heaps as the window: all of it
+    window.issued(3 * HEAP_BYTES)
+    assert window.admits(HEAP_BYTES, inflight=True)
+    buffer = np.zeros(BLOCK, np.uint8)  # from the heap: it lies in one, which is counted
+    with caplog.at_level("INFO", logger="trainer_agent.device_blocks"):
+        for i in range(4, 6):
+            heaps.note(i * HEAP_BYTES, BLOCK)
+        window.landed(BLOCK, buffer)
+    assert heaps.count in (6, 7)  # the buffer's heap, unless one of those above
+    assert window.room_bytes == limit - (heaps.count - 4) * HEAP_BYTES
+    assert not window.admits(HEAP_BYTES, inflight=True)  # 3 in flight, at most 2 (or 1) allowed
+    assert window.admits(HEAP_BYTES, inflight=False)  # nothing in flight, nothing pending: one goes
+    assert (heaps.count == 7) == ("past its 256 MiB window" in caplog.text)
+    heaps.steer = False  # counted only (a bench's control)
+    assert window.room_bytes == limit and window.admits(HEAP_BYTES, inflight=True)
+
+
+def test_with_its_heaps_past_the_window_the_device_path_holds_fewer_blocks_in_flight(accelerator_branch: None) -> None:
+    params = {f"w{i}": jnp.full((64, 512), i, jnp.float32) for i in range(6)}  # 128 KiB each: 16 blocks
+    layout = plan_layout([m for n, v in params.items() for m in shard_metas(n, v)])
+    slot = np.zeros(layout.total_bytes, np.uint8)
+    heaps = BlockHeaps()
+    for i in range(13):  # three heaps past a window of ten blocks' room (a heap each)
+        heaps.note(i * HEAP_BYTES, BLOCK)
+    window = RecordingWindow(10 * HEAP_BYTES, room=lambda n: HEAP_BYTES, heaps=heaps)
+    with ThreadPoolExecutor(2) as pool:
+        blocks = device_blocks(params.items(), "", window, BLOCK)
+        stage_blocks(slot, layout, blocks, CHUNK, batch_bytes=BLOCK, threads=1, pool=pool, window=window)
+    assert window.room_bytes <= 7 * HEAP_BYTES
+    # at most a block past what it allows; without the heaps (or with none past it) 10 in flight
+    assert 2 * HEAP_BYTES <= window.most <= window.room_bytes + HEAP_BYTES < 10 * HEAP_BYTES
+    assert window._used == 0
+    for i, (off, n) in enumerate(zip(layout.offsets, layout.nbytes)):
+        assert (slot[off : off + n].view(np.float32) == i).all()
 
 
 def test_a_window_with_room_counts_each_block_as_the_memory_its_buffer_takes() -> None:

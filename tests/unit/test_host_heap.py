@@ -32,7 +32,7 @@ values = {"w": jnp.arange(6000, dtype=jnp.float32), "b": jnp.ones(10, jnp.float3
 layout = plan_layout([m for n, v in values.items() for m in shard_metas(n, v)])
 for _ in range(2):
     stage_device(np.zeros(layout.total_bytes, np.uint8), layout, values, s)
-out = {"held": host_heap._held}
+out = {"held": host_heap._held, "block_heaps": host_heap.block_heaps.count}
 if hold:
     block = np.ones(20 << 20, np.uint8)  # under the 32 MiB mmap threshold: from the heap
     out["with_block"] = host_heap.heap_stats()
@@ -73,11 +73,13 @@ def test_the_device_path_holds_freed_heap_once_and_a_freed_block_stays_for_the_n
     assert r["after"]["arena"] == r["with_block"]["arena"]  # not trimmed back to the kernel
     assert r["after"]["free"] - r["with_block"]["free"] > 19 << 20  # free in it, for the next block
     assert r["thread_after"] == r["thread_with_blocks"]  # nor a thread arena's heaps unmapped
+    assert r["block_heaps"] >= 1  # the heaps kept: where the blocks landed is counted
 
 
 def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
     r, log = _script_json(_STAGE_TWICE, "leave")
     assert not r["held"] and "thresholds" not in log
+    assert r["block_heaps"] == 0  # heaps glibc may unmap: their addresses say nothing, not counted
 
 
 # 220 MiB of heap (10 blocks of 22 MiB, under the mmap threshold) freed as one top, past a
@@ -338,3 +340,42 @@ def test_glibc_reads_its_arena_limit_once_so_only_its_tunable_at_start_raises_it
         assert r["first"] > r["limit"] and r["then"] >= r["first"] + 8
     else:
         assert r["first"] == r["then"] == r["limit"]
+
+
+def test_block_heaps_count_the_64_mib_heaps_buffers_lie_in_and_leave_own_mappings_out() -> None:
+    from trainer_agent.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, BlockHeaps
+
+    heaps = BlockHeaps()
+    assert heaps.note(5 * HEAP_BYTES + 4096, 18 << 20)  # in the sixth heap
+    assert not heaps.note(5 * HEAP_BYTES + (20 << 20), 18 << 20)  # the same heap: nothing new
+    assert heaps.note(6 * HEAP_BYTES - (1 << 20), 2 << 20)  # across the next one's start
+    assert (heaps.count, heaps.nbytes) == (2, 2 * HEAP_BYTES)
+    assert not heaps.note(9 * HEAP_BYTES, MMAP_THRESHOLD_MAX)  # a mapping of its own
+    assert not heaps.note(9 * HEAP_BYTES, 0)
+    assert heaps.count == 2
+
+
+_BLOCK_HEAPS = """
+import ctypes, json, threading
+from trainer_agent import host_heap
+malloc = host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)
+host_heap.hold_freed_memory()
+out = {}
+def blocks():  # 9 blocks of 18 MiB in this thread's arena, where the buffers say they lie
+    heaps = host_heap.BlockHeaps()
+    for _ in range(9):
+        heaps.note(malloc(18 << 20), 18 << 20)
+    out.update(counted=heaps.count, arena=max(host_heap.arena_stats()[1:], key=lambda a: a["system"])["heaps"])
+t = threading.Thread(target=blocks)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heaps' geometry is glibc's")
+def test_block_heaps_from_buffer_addresses_are_the_heaps_glibc_made_for_them() -> None:
+    """A thread arena's heaps are aligned to their size, so the addresses of the blocks
+    in them name them: three 18 MiB blocks to a heap, as `arena_stats` counts."""
+    r, _ = _script_json(_BLOCK_HEAPS, "")
+    assert r == {"counted": 3, "arena": 3}

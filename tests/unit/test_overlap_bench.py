@@ -4,6 +4,7 @@ the real interpreter (no model is trained here)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -196,3 +197,27 @@ def test_each_choice_s_first_value_is_the_variant_s_default() -> None:
     assert train_overlap.parse_variant("work=d2h,switch=500,gc=off", BASE).label() == (
         BASE.label() + ",work=d2h,switch=500,gc=off"
     )
+
+
+@pytest.mark.parametrize("block_heaps", ["steer", "count"])
+def test_the_block_trace_has_each_blocks_buffer_and_when_it_was_freed(tmp_path: Path, block_heaps: str) -> None:
+    """The overlap bench on 8 CPU devices with blocks cut (the accelerator's branch): each
+    block's buffer traced as it landed and freed by the run's end, the heaps the blocks
+    landed in on the heap lines, and the window's room as the heaps leave it."""
+    trace = tmp_path / "blocks.json"
+    args = ["--force-blocks", "--stage-only", "--steps", "2", "--blocking-steps", "1", "--block-heaps", block_heaps]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "train_overlap.py"), *args, "--trace-blocks", str(trace)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(trace.read_text())
+    rows = [dict(zip(doc["columns"], r)) for r in doc["rows"]]
+    owners = [r for r in rows if r["t_freed"] is not None]  # a pack's first entry: its finalizer
+    assert owners and all(r["t_freed"] >= r["t_landed"] for r in owners)
+    assert all(0 < r["block_bytes"] <= r["owner_bytes"] for r in rows)  # a block, or a pack's entry, in its buffer
+    assert [r["t_landed"] for r in rows] == sorted(r["t_landed"] for r in rows)
+    assert doc["block_heaps"] >= 1 and "<malloc" in doc["malloc_info"]
+    assert f"blocks in {doc['block_heaps']} heaps" in out.stderr
+    assert all(r["window_room"] == 1 << 30 for r in rows)  # a small model's blocks: far from a heap past it
