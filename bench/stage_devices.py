@@ -47,7 +47,7 @@ from d2h import Checker, MiB, Unsupported, device_sums, methods
 from trainer_agent import params as params_module
 from trainer_agent.arena import Arena
 from trainer_agent.device_blocks import block_size, cuts, warm
-from trainer_agent.host_heap import heap_stats
+from trainer_agent.host_heap import block_heaps, heap_stats
 from trainer_agent.params import shard_metas
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage_plan import stage_device
@@ -175,6 +175,7 @@ def measure_rss(args: argparse.Namespace) -> dict[str, Any]:
         "rss_exact": reset or peak > mark,  # else exact when the mark rose while staging
         "rss_baseline_bytes": baseline,
         "arena_bytes": arena_bytes,
+        "rss_block_heaps": block_heaps.count,  # the heaps its blocks landed in
     }
 
 
@@ -235,9 +236,10 @@ def device_config(
         "window_bytes": window,
         "block_bytes": block_size(blk, args.chunk_bytes),
         "heap_at_end": heap_stats(),  # glibc's: whether the copies' host buffers stay in its heap
+        "block_heaps": block_heaps.count,  # the heaps the process's blocks landed in so far
     }
     progress(f"[{time.perf_counter() - t0:5.0f} s] device path {label:34} {out[label]['gbps']:8.3f} GB/s"
-             f"{'' if exact else '  NOT EXACT'}")  # fmt: skip
+             f"{'' if exact else '  NOT EXACT'}; blocks in {block_heaps.count} heaps so far")  # fmt: skip
 
 
 def copy_method(model: Model, m: Any, out: dict[str, Any], t0: float) -> None:
@@ -435,6 +437,7 @@ def print_devices(r: dict[str, Any]) -> None:
     exact = "" if r["rss_exact"] else " (an upper bound: the mark did not rise while staging)"
     print(
         f"peak RSS over baseline {r['peak_rss_over_baseline_bytes'] / 2**20:.0f} MiB{exact}, bound arena + window + "
-        f"256 MiB = {r['rss_bound_bytes'] / 2**20:.0f} MiB (in a child process of its own)"
+        f"256 MiB = {r['rss_bound_bytes'] / 2**20:.0f} MiB (in a child process of its own; its blocks in "
+        f"{r.get('rss_block_heaps', 0)} heaps)"
     )
     print(f"{r['seconds']:.0f} s in all")
