@@ -87,7 +87,8 @@ class PublisherSettings(ServerConfig):
         DEFAULT_WINDOW_BYTES,
         "Device arrays (and casts): bytes of device-to-host copies issued and not yet staged; host memory "
         "above the arena stays within about this (on an accelerator each block counts as the room its host "
-        "buffer takes in a thread's 64 MiB malloc heaps, three 18 MiB blocks to a heap).",
+        "buffer takes in a thread's 64 MiB malloc heaps, three 18 MiB blocks to a heap, and once the heaps the "
+        "blocks landed in hold more than this, the excess is taken off what may be in flight).",
     )
     d2h_block_bytes: int = option(
         DEFAULT_BLOCK_BYTES,
