@@ -94,9 +94,10 @@ class Window:
     where the buffers come from a thread's arena), so that the memory the copies hold,
     and glibc keeps once they are freed, stays within `limit_bytes`. With `heaps`, where
     each block's buffer landed is counted there (`host_heap.BlockHeaps`), and once the
-    heaps they lie in hold more than `limit_bytes` (freed places glibc did not give the
-    next blocks), the excess is taken off what may be in flight: fewer blocks live in the
-    same heaps leave room for the next in them, so the heaps stop growing."""
+    heaps they lie in hold more than `limit_bytes` (glibc did not place later blocks where
+    earlier ones were freed), the excess is taken off what may be in flight: fewer blocks
+    live in the same heaps leave more room for the next in them (on a v5e host the heaps
+    then grew by a heap or none in a phase of 40 steps, not two: docs/performance.md)."""
 
     def __init__(
         self,

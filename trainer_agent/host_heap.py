@@ -127,8 +127,7 @@ class BlockHeaps:
     a thread's arena in heaps of `HEAP_BYTES` aligned to their size, so a buffer's heap is
     its address over 64 MiB (the main arena grows by brk: its 64 MiB stretches). With the
     heaps kept (`heaps_kept`) none is given back, so `nbytes` is host memory the process
-    holds for those buffers, however glibc placed them (a freed buffer's place too small
-    for the next, or taken by another allocation, makes a heap more). Buffers at or past
+    holds for those buffers, however glibc placed them. Buffers at or past
     the mmap threshold are mappings of their own, not counted. With `steer` False a window
     only counts them (a bench's control). Thread-safe."""
 
