@@ -34,7 +34,8 @@ landed in, `host_heap.block_heaps`) and the collector's pauses in the phases wit
 publishing are printed beside the phases' own. `--block-heaps count` leaves the window at
 its limit however many heaps the blocks landed in (the control of the device path's
 steering), and `--trace-blocks PATH` writes each block's host buffer as it landed (address,
-bytes, the window's room then) and when it was freed, with glibc's `malloc_info` at the end.
+bytes, the window's room then), when its copy was issued and when it was freed, with glibc's
+`malloc_info` at the end.
 
 and prints one JSON object (also written to `--out`) and a line per async phase on
 stderr: the step times and how long each step's call took to return (its dispatch: where
@@ -313,29 +314,40 @@ def loopback_addresses(tmp: Path) -> tuple[str, str]:
     return "127.0.0.1", "127.0.0.1"
 
 
-TRACE_COLUMNS = ["t_landed", "address", "owner_bytes", "block_bytes", "window_used", "window_room", "t_freed"]
+TRACE_COLUMNS = [
+    "t_landed", "address", "owner_bytes", "block_bytes", "window_used", "window_room", "t_freed",
+    "t_issued", "window_used_at_issue",
+]  # fmt: skip
 
 
 class BlockTrace:
     """Each block's host buffer as the device path's window saw it land: the time, the
     address and bytes of the array that owns the buffer (a pack's, for a packed entry), the
-    block's bytes, the room the window had in flight and allowed then, and when the owning
-    array was freed (a finalizer); glibc's `malloc_info` at the end. Where glibc placed
-    the blocks, version after version, and whether any outlived their staging."""
+    block's bytes, the room the window had in flight and allowed then, when the owning
+    array was freed (a finalizer), and when its copy was issued (its buffer allocated) with
+    what the window had in flight just after; glibc's `malloc_info` at the end. Where glibc
+    placed the blocks, version after version, and whether any outlived their staging."""
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.rows: list[list[Any]] = []
         self.owner_bases: collections.Counter[str] = collections.Counter()
         self._owners: dict[int, list[Any]] = {}
+        self._issues: weakref.WeakKeyDictionary[Window, collections.deque] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        landed = Window.landed
+        issued, landed = Window.issued, Window.landed
+
+        def traced_issue(window: Window, nbytes: int) -> None:
+            issued(window, nbytes)
+            with self._lock:  # a window's copies land in the order they were issued
+                self._issues.setdefault(window, collections.deque()).append((self._now(), window._used))
 
         def traced(window: Window, nbytes: int, buffer: np.ndarray | None = None) -> None:
             landed(window, nbytes, buffer)
             if buffer is not None:
                 self.note(window, nbytes, buffer)
 
+        Window.issued = traced_issue  # type: ignore[method-assign]
         Window.landed = traced  # type: ignore[method-assign]
 
     def _now(self) -> float:
@@ -347,7 +359,10 @@ class BlockTrace:
             owner = owner.base
         with self._lock:
             self.owner_bases[type(owner.base).__name__] += 1
+            issues = self._issues.get(window)
+            t_issued, used_at_issue = issues.popleft() if issues else (None, None)
             row = [self._now(), buffer_address(owner), owner.nbytes, nbytes, window._used, window.room_bytes, None]
+            row += [t_issued, used_at_issue]
             self.rows.append(row)
             if id(owner) in self._owners:  # a pack's later entry: freed with the pack
                 return
@@ -1184,7 +1199,8 @@ def main() -> None:
         "--trace-blocks",
         default="",
         help="write here (JSON) each block's host buffer as it landed (its address and bytes, the window's room "
-        "in flight then) and when it was freed, and glibc's malloc_info at the end",
+        "in flight then), when its copy was issued (its buffer allocated) and when it was freed, and glibc's "
+        "malloc_info at the end",
     )
     p.add_argument(
         "--force-blocks",

@@ -218,6 +218,7 @@ def test_the_block_trace_has_each_blocks_buffer_and_when_it_was_freed(tmp_path: 
     assert owners and all(r["t_freed"] >= r["t_landed"] for r in owners)
     assert all(0 < r["block_bytes"] <= r["owner_bytes"] for r in rows)  # a block, or a pack's entry, in its buffer
     assert [r["t_landed"] for r in rows] == sorted(r["t_landed"] for r in rows)
+    assert all(r["t_issued"] <= r["t_landed"] and r["window_used_at_issue"] > 0 for r in rows)  # each copy's issue
     assert doc["block_heaps"] >= 1 and "<malloc" in doc["malloc_info"]
     assert f"blocks in {doc['block_heaps']} heaps" in out.stderr
     assert all(r["window_room"] == 1 << 30 for r in rows)  # a small model's blocks: far from a heap past it
