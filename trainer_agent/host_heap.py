@@ -114,6 +114,12 @@ def hold_for_device_path(top_pad_bytes: int = HEAP_BYTES) -> bool:
         return _held
 
 
+def _own_mapping(nbytes: int) -> bool:
+    """Whether glibc serves `nbytes` from a mapping of its own, not a heap: with its size
+    field, at the mmap threshold the device path holds."""
+    return nbytes + 8 >= MMAP_THRESHOLD_MAX
+
+
 def heaps_kept() -> bool:
     """Whether `hold_for_device_path` held the thresholds with a heap-sized top pad: then no
     heap a thread's arena is made of is unmapped, and the heaps host buffers landed in are
@@ -138,7 +144,7 @@ class BlockHeaps:
 
     def note(self, address: int, nbytes: int) -> bool:
         """Counts the heaps a buffer of `nbytes` at `address` lies in; whether they were new."""
-        if nbytes <= 0 or nbytes + 8 >= MMAP_THRESHOLD_MAX:
+        if nbytes <= 0 or _own_mapping(nbytes):
             return False
         first, last = address // HEAP_BYTES, (address + nbytes - 1) // HEAP_BYTES
         with self._lock:
@@ -174,7 +180,7 @@ def heap_room(nbytes: int) -> int:
     21.3 MiB each). Past the mmap threshold, a mapping of its own (whole pages)."""
     if nbytes <= 0:
         return 0
-    if nbytes + 8 >= MMAP_THRESHOLD_MAX:  # with its size field, at the threshold held
+    if _own_mapping(nbytes):
         return -(-nbytes // 4096) * 4096
     per_heap = (HEAP_BYTES - _HEAP_HEADER) // (nbytes + _CHUNK_SLACK)
     return -(-HEAP_BYTES // per_heap)

@@ -271,15 +271,17 @@ free = host_heap.libc_function("free", None, ctypes.c_void_p)
 host_heap.hold_freed_memory()
 out = {}
 def blocks():  # 9 blocks of 18 MiB, with a small live allocation after each when pinned
-    xs, pins = [], []
+    xs, pins, heaps = [], [], host_heap.BlockHeaps()  # and the heaps their addresses name
     for _ in range(9):
         xs.append(malloc(18 << 20))
+        heaps.note(xs[-1], 18 << 20)
         if sys.argv[1] == "pinned":
             pins.append(malloc(5000))
     for x in xs:
         free(x)
     arenas = host_heap.arena_stats()
     out.update(arena=max(arenas[1:], key=lambda a: a["system"]), summary=host_heap.arenas_summary(arenas))
+    out["block_heaps"] = heaps.count
 t = threading.Thread(target=blocks)
 t.start()
 t.join()
@@ -355,27 +357,9 @@ def test_block_heaps_count_the_64_mib_heaps_buffers_lie_in_and_leave_own_mapping
     assert heaps.count == 2
 
 
-_BLOCK_HEAPS = """
-import ctypes, json, threading
-from trainer_agent import host_heap
-malloc = host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)
-host_heap.hold_freed_memory()
-out = {}
-def blocks():  # 9 blocks of 18 MiB in this thread's arena, where the buffers say they lie
-    heaps = host_heap.BlockHeaps()
-    for _ in range(9):
-        heaps.note(malloc(18 << 20), 18 << 20)
-    out.update(counted=heaps.count, arena=max(host_heap.arena_stats()[1:], key=lambda a: a["system"])["heaps"])
-t = threading.Thread(target=blocks)
-t.start()
-t.join()
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heaps' geometry is glibc's")
 def test_block_heaps_from_buffer_addresses_are_the_heaps_glibc_made_for_them() -> None:
     """A thread arena's heaps are aligned to their size, so the addresses of the blocks
     in them name them: three 18 MiB blocks to a heap, as `arena_stats` counts."""
-    r, _ = _script_json(_BLOCK_HEAPS, "")
-    assert r == {"counted": 3, "arena": 3}
+    r, _ = _script_json(_PINNED, "none")
+    assert r["block_heaps"] == r["arena"]["heaps"] == 3
