@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from weightsync.carried_calls import AGENT_METHODS, COORDINATOR, calls_in
-from weightsync.errors import PermissionDenied
+from weightsync.errors import AgentIdHeld
 
 REGISTER = COORDINATOR + "RegisterAgent"
 
@@ -68,14 +68,14 @@ class AgentKeys:
         return held is None or hmac.compare_digest(held[1].encode(), key.encode())
 
     def check(self, session: str, agent_id: str, key: str) -> None:
-        """PermissionDenied naming agent_id unless `key` is the key of the id's registration.
+        """AgentIdHeld (PERMISSION_DENIED) naming agent_id unless `key` is the key of the id's registration.
         An id nobody registered passes: the call answers as it would (NOT_FOUND for a beat)."""
         if self.matches(session, agent_id, key):
             return
         with self._lock:
             role = self._keys.get((session, agent_id), ("another",))[0]
         what = "carries no agent key" if not key else "carries another agent key"
-        raise PermissionDenied(
+        raise AgentIdHeld(
             f"{agent_id!r} is registered by another {role.lower()} process; this call {what} for it "
             "(RegisterAgentResponse.agent_key)",
             field="agent_id",

@@ -32,6 +32,7 @@ from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import (
     TRANSIENT_ERRORS,
+    AgentIdHeld,
     AgentNotFound,
     FailedPrecondition,
     VersionNotFound,
@@ -355,6 +356,10 @@ class RolloutAgent:
                     self.wiring.register()
                 except WeightsyncError as e:
                     self.last_error = e.message
+            except AgentIdHeld as e:  # another process holds the id, or a registration was in flight
+                transient = True  # the heartbeat takes the id back once that process's lease lapses
+                self.last_error = e.message
+                log.warning("sync of version %d waits for this rollout's agent id: %s", target, e.message)
             except WeightsyncError as e:  # released, gone, or refused: nothing to retry
                 self.last_error = e.message
                 log.warning("sync of version %d skipped: %s", target, e.message)

@@ -15,7 +15,7 @@ from weightsync import rpc, version_states
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
-from weightsync.errors import DeadlineExceeded, InvalidArgument, TransportUnavailable
+from weightsync.errors import AgentIdHeld, DeadlineExceeded, InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.publish_sender import PUBLISH_METHOD, LoopSender
 from weightsync.security import Security
@@ -33,6 +33,7 @@ R = TypeVar(
     pb.GetManifestRequest,
     pb.ReportAppliedRequest,
 )
+T = TypeVar("T")
 
 
 class CallCarrier(Protocol):
@@ -96,6 +97,20 @@ class CoordinatorClient:
         if key:
             request.agent_key = key
         return request
+
+    def _send_keyed(self, request: R, send: Callable[[R], T]) -> T:
+        """`send(request)` keyed, and once more with the new key when it was refused for
+        want of one a registration through this client answered while it was in flight
+        (keyed before the answer came, checked after the coordinator bound the id)."""
+        request = self.keyed(request)
+        try:
+            return send(request)
+        except AgentIdHeld:
+            sent = request.agent_key
+            if self.keyed(request).agent_key == sent:
+                raise
+            log.info("agent %s registered while a call for it was in flight: sent again with its key", request.agent_id)
+            return send(request)
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -166,7 +181,8 @@ class CoordinatorClient:
         self, session: str, agent_id: str, current_version: int = 0, *, timeout_s: float | None = None
     ) -> pb.HeartbeatResponse:
         req = pb.HeartbeatRequest(session=session, agent_id=agent_id, current_version=current_version)
-        return rpc.unary(self._stub.Heartbeat, self.keyed(req), timeout_s=timeout_s or self.timeout_s)
+        timeout_s = timeout_s or self.timeout_s
+        return self._send_keyed(req, lambda r: rpc.unary(self._stub.Heartbeat, r, timeout_s=timeout_s))
 
     def heartbeats(
         self, requests: Iterator[pb.HeartbeatRequest]
@@ -180,7 +196,7 @@ class CoordinatorClient:
     def deregister_agent(self, session: str, agent_id: str, *, timeout_s: float = 2.0) -> bool:
         """Ends the agent's lease now (graceful exit); short deadline, no retries."""
         req = pb.DeregisterAgentRequest(session=session, agent_id=agent_id)
-        return rpc.unary(self._stub.DeregisterAgent, self.keyed(req), timeout_s=timeout_s).removed
+        return self._send_keyed(req, lambda r: rpc.unary(self._stub.DeregisterAgent, r, timeout_s=timeout_s)).removed
 
     def publish_part(
         self, session: str, *, generation: int, version: int, idempotency_key: str, part: Part
@@ -233,8 +249,11 @@ class CoordinatorClient:
                 time.sleep(min(2.0, 0.1 * 2**attempt))
 
     def get_manifest(self, session: str, version: int = 0, *, agent_id: str = "") -> tuple[pb.ManifestHeader, Manifest]:
-        req = self.keyed(pb.GetManifestRequest(session=session, version=version, agent_id=agent_id))
-        answers = self._carried("get_manifest", req) if agent_id else None
+        req = pb.GetManifestRequest(session=session, version=version, agent_id=agent_id)
+        return self._send_keyed(req, self._get_manifest)
+
+    def _get_manifest(self, req: pb.GetManifestRequest) -> tuple[pb.ManifestHeader, Manifest]:
+        answers = self._carried("get_manifest", req) if req.agent_id else None
         if answers is not None:
             return manifest_from_pieces(a.manifest_piece for a in answers)
         return manifest_from_pieces(rpc.stream(self._stub.GetManifest, req, timeout_s=self.timeout_s))
@@ -265,12 +284,15 @@ class CoordinatorClient:
     def report_applied(
         self, request: pb.ReportAppliedRequest, *, retries: int | None = None
     ) -> pb.ReportAppliedResponse:
-        request = self.keyed(request)
-        answers = self._carried("report_applied", request)
-        if answers is not None:
-            return answers[-1].report_applied
         retries = self.retries if retries is None else retries
-        return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=retries)
+
+        def send(request: pb.ReportAppliedRequest) -> pb.ReportAppliedResponse:
+            answers = self._carried("report_applied", request)
+            if answers is not None:
+                return answers[-1].report_applied
+            return rpc.unary(self._stub.ReportApplied, request, timeout_s=self.timeout_s, retries=retries)
+
+        return self._send_keyed(request, send)
 
     def status(self, session: str, version_limit: int = 0) -> pb.GetStatusResponse:
         req = pb.GetStatusRequest(session=session, version_limit=version_limit)

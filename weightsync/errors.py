@@ -19,6 +19,7 @@
     ├── ResourceExhausted        RESOURCE_EXHAUSTED
     ├── Unauthenticated          UNAUTHENTICATED
     ├── PermissionDenied         PERMISSION_DENIED
+    │   └── AgentIdHeld
     ├── TransportUnavailable     UNAVAILABLE        (retryable)
     │   └── TransportStalled
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
@@ -129,6 +130,12 @@ class Unauthenticated(WeightsyncError):
 
 class PermissionDenied(WeightsyncError):
     """Credentials are valid but not for this role."""
+
+
+class AgentIdHeld(PermissionDenied):
+    """The call names an agent id without the key of its registration: another process
+    holds the id, or this call was keyed before this process's own registration answered
+    (the id's new key was in flight). Register again, or send again with the new key."""
 
 
 class TransportUnavailable(WeightsyncError):

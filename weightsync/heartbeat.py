@@ -14,9 +14,9 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import (
     TRANSIENT_ERRORS,
+    AgentIdHeld,
     AgentNotFound,
     DeadlineExceeded,
-    PermissionDenied,
     SessionNotFound,
     TransportUnavailable,
     WeightsyncError,
@@ -148,9 +148,7 @@ class Heartbeat:
                     )
                     self._set_ttl(self._register())
                     self._renewed()
-                except PermissionDenied as e:
-                    if e.field != "agent_id":
-                        raise
+                except AgentIdHeld as e:
                     # Another process registered the id after this one's lease lapsed (paused,
                     # partitioned): registering is refused while it lives, and takes the id
                     # back once its lease lapses too.

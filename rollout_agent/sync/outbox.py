@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import TRANSIENT_ERRORS, DataLoss, WeightsyncError
+from weightsync.errors import TRANSIENT_ERRORS, AgentIdHeld, DataLoss, WeightsyncError
 
 log = logging.getLogger(__name__)
 Verdict = Callable[[int, bool, str], None]  # (version, ok, mismatch)
@@ -28,10 +28,15 @@ class HandshakeVerdict:
     failure: str = ""
 
 
+#: what leaves a handshake undelivered, to be sent again: the coordinator out of reach, or
+#: this rollout's agent id held by another process until the heartbeat takes it back
+UNDELIVERED = (*TRANSIENT_ERRORS, AgentIdHeld)
+
+
 def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> HandshakeVerdict:
     """Sends one handshake. A refusal other than DATA_LOSS is a failed round. Raises
-    TransportUnavailable / DeadlineExceeded when the coordinator could not be reached (the
-    report may be sent again: the coordinator keeps one report per agent and version)."""
+    `UNDELIVERED` errors when the coordinator could not be reached or refused the agent id
+    (the report may be sent again: the coordinator keeps one report per agent and version)."""
     try:
         client.report_applied(report, retries=REPORT_RETRIES)
         if report.local_error:
@@ -39,7 +44,7 @@ def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> H
         return HandshakeVerdict(True)
     except DataLoss as e:
         return HandshakeVerdict(False, e.message, "mismatch")
-    except TRANSIENT_ERRORS:
+    except UNDELIVERED:
         raise
     except WeightsyncError as e:
         return HandshakeVerdict(False, f"handshake refused: {e.message}", "refused")
@@ -113,7 +118,7 @@ class ReportOutbox:
                 continue
             try:
                 verdict = send_report(self._client, report)
-            except TRANSIENT_ERRORS as e:
+            except UNDELIVERED as e:
                 log.info("handshake for version %d still not delivered: %s", report.version, e.message)
                 backoff = min(self._max_backoff_s, backoff * 2)
                 continue

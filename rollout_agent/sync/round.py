@@ -22,7 +22,7 @@ from rollout_agent.pull.assembly import (
 from rollout_agent.pull.lanes import PullPlan
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.host_budget import check_host_memory
-from rollout_agent.sync.outbox import ReportOutbox, send_report
+from rollout_agent.sync.outbox import UNDELIVERED, ReportOutbox, send_report
 from rollout_agent.sync.streaming import stream_verified_groups
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
@@ -437,7 +437,7 @@ def _report(
         verdict = send_report(puller.client, report)
         result.ok, result.mismatch = verdict.ok, verdict.mismatch
         failure = failure or verdict.failure
-    except TRANSIENT_ERRORS as e:
+    except UNDELIVERED as e:
         result.mismatch = f"handshake not delivered yet ({e.message}); the outbox sends it again"
         if outbox is not None:
             outbox.put(report)

@@ -19,9 +19,10 @@ import pytest
 from tests.integration.support import eventually
 from tests.unit.helpers import make_part, sample_arrays
 from weightsync import wire
+from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
-from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from weightsync.errors import AgentIdHeld, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from weightsync.manifest import Endpoint, Part
 from weightsync.server import RunningServer
 
@@ -530,3 +531,72 @@ def test_the_loop_sender_starts_no_thread_per_call_and_answers_typed_errors(
         assert bad.value.field == "publish_requests"
     names = {t.name for t in threading.enumerate()}
     assert "weightsync-publish-send" not in names  # closed with its client
+
+
+class _RegistersFirst:
+    """A call carrier that, asked to carry a call, registers its agent through the same client
+    first (the heartbeat thread's registration answering while the call, keyed before it,
+    is on its way) and then has the client make the RPC."""
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self.client = client
+        self.asked: list[str] = []
+
+    def carry(self, call: str, request: Any, timeout_s: float) -> None:
+        if not self.asked:
+            self.client.register_agent("job", request.agent_id, trainer=False, endpoint=Endpoint(), instance="i0")
+        self.asked.append(request.agent_key)
+
+
+def test_a_call_keyed_before_its_agent_s_registration_answered_is_sent_again_with_the_key(
+    inprocess_coordinator: RunningServer,
+) -> None:
+    """A rollout's sync keyed its GetManifest while the heartbeat re-registered the id (the
+    coordinator came up after the rollout): the coordinator bound the id before the call
+    came, and refused it for want of the key. The client sends it once more with the key
+    the registration answered; a call refused for another process's key is not sent again."""
+    with CoordinatorClient(inprocess_coordinator.address, retries=0) as client:
+        client.open_session("job", trainer=False)
+        carrier = client.carrier = _RegistersFirst(client)
+        with pytest.raises(NotFound) as exc:  # the key passed: no version 1 yet
+            client.get_manifest("job", 1, agent_id="r0")
+        assert type(exc.value).__name__ == "VersionNotFound"
+        assert len(carrier.asked) == 2 and carrier.asked[0] == "" and len(carrier.asked[1]) == 64
+        with CoordinatorClient(inprocess_coordinator.address, retries=0) as other:
+            with pytest.raises(AgentIdHeld) as held:
+                other.report_applied(cpb.ReportAppliedRequest(session="job", version=1, agent_id="r0"))
+            assert held.value.field == "agent_id" and "registered by another rollout process" in held.value.message
+            with pytest.raises(AgentIdHeld):
+                other.heartbeat("job", "r0")
+        assert client.heartbeat("job", "r0").lease_ttl_seconds > 0
+
+
+def test_a_handshake_refused_while_another_process_holds_the_id_waits_in_the_outbox(tmp_path) -> None:  # noqa: ANN001
+    """r0's lease lapsed and another process registered r0: r0's handshake is refused for
+    its key. That is no verdict on the version: the outbox keeps it and sends it again once
+    r0 registered again, and only the coordinator's answer then reaches the rollout."""
+    from rollout_agent.sync.outbox import ReportOutbox
+    from tests.conftest import coordinator_in_process
+
+    with coordinator_in_process(tmp_path / "c.db", lease_ttl_s=0.5) as running:
+        addr = running.address
+        with CoordinatorClient(addr) as r0, CoordinatorClient(addr) as twin:
+            gen = r0.open_session("job", trainer=True, incarnation="a").generation
+            part, _ = make_part(sample_arrays())
+            r0.publish_part("job", generation=gen, version=1, idempotency_key="k1", part=part)
+            r0.register_agent("job", "r0", trainer=False, endpoint=Endpoint(), instance="first")
+            r0.get_manifest("job", 1, agent_id="r0")
+            time.sleep(1.0)  # r0 beats no more: its lease lapses
+            twin.register_agent("job", "r0", trainer=False, endpoint=Endpoint(), instance="second")
+            verdicts: list[tuple[int, bool, str]] = []
+            outbox = ReportOutbox(r0, lambda v, ok, why: verdicts.append((v, ok, why)), max_backoff_s=0.2)
+            try:
+                outbox.put(cpb.ReportAppliedRequest(session="job", version=1, agent_id="r0"))
+                time.sleep(1.5)  # several refused sends
+                assert outbox.pending_version == 1 and verdicts == []
+                time.sleep(1.0)  # the twin's lease lapses too
+                r0.register_agent("job", "r0", trainer=False, endpoint=Endpoint(), instance="first")
+                eventually(lambda: verdicts, what="the handshake delivered")
+                assert outbox.pending_version == 0 and [v for v, _, _ in verdicts] == [1]
+            finally:
+                outbox.close()

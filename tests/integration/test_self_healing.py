@@ -847,6 +847,30 @@ def test_a_rollout_paused_while_another_process_took_its_id_takes_it_back_once_t
         assert agents(client)["r0"].alive and r0.alive()
 
 
+def test_a_rollout_whose_id_another_process_holds_syncs_the_version_it_was_refused_once_it_is_back(
+    cluster: Cluster,
+) -> None:
+    """Thawed while another process holds its id, r0 is announced version 1 and its lease of
+    the manifest is refused (its key is not the holder's). That refusal is no verdict on the
+    version: r0 tries again, and applies it once its beats took the id back. (It gave the
+    version up for good: a rollout serving nothing while its coordinator saw it live.)"""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    r0 = cluster.start_rollout("r0", coord.address, "job")
+    with CoordinatorClient(coord.address) as client:
+        eventually(lambda: agents(client)["r0"].alive, what="r0 registered")
+        r0.popen.send_signal(signal.SIGSTOP)
+        eventually(lambda: not agents(client)["r0"].alive, what="r0's lease to expire", timeout_s=3 * TTL)
+        twin = cluster.start_rollout("twin", coord.address, "job", ["--agent-id", "r0"])
+        r0.popen.send_signal(signal.SIGCONT)
+        cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+        assert state_name(client.wait_for_version("job", 1, timeout_s=60)) == "COMMITTED"
+        eventually(lambda: "sync of version 1 waits for this rollout's agent id" in r0.log(), what="r0 refused")
+        assert rollout_status(twin.address).current_version == 1 and rollout_status(r0.address).current_version == 0
+        cluster.kill("twin")
+        eventually(lambda: rollout_status(r0.address).current_version == 1, what="r0 at version 1", timeout_s=60)
+        assert agents(client)["r0"].endpoint.address == r0.address and "skipped" not in r0.log()
+
+
 def private_dev_shm(setup: str = "mount -t tmpfs tmpfs /dev/shm") -> list[str]:
     """A command prefix running a process in its own mount namespace, where `setup` has
     mounted a /dev/shm of its own (skips the test where no namespace can be made)."""
