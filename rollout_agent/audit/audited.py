@@ -62,6 +62,9 @@ class Audited(Applier):
     def check(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self.inner.check(version, tensors)
 
+    def taken(self, version: int, tensors: Mapping[str, TensorSpec]) -> Mapping[str, int] | None:
+        return self.inner.taken(version, tensors)
+
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         self.inner.prepare(version, tensors)
 

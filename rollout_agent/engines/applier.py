@@ -40,6 +40,13 @@ class Applier(ABC):
         The default takes any; `begin_update` must refuse the same versions."""
         return None
 
+    def taken(self, version: int, tensors: Mapping[str, TensorSpec]) -> Mapping[str, int] | None:
+        """How many elements of each tensor this engine shard takes (a worker of a
+        tensor-parallel engine takes its slice), where the applier counts them: its
+        engine's workers add their counts, and a tensor they do not take whole is refused
+        (`vllm_worker.workers`). None by default: not counted."""
+        return None
+
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         """Called once every tensor of the version verified, before `begin_update`, while
         the engine still serves (atomic applies only): an applier that checks the engine's

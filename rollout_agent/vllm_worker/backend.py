@@ -8,8 +8,19 @@
     llm.reset_prefix_cache()                                  # finish does not do it
 
 `update_weights` does the whole atomic round (pull, verify every byte, check names,
-layerwise reload, handshake); it raises when the version was not applied, leaving the
-previous weights serving. start/finish only bracket the round.
+a dry run through the model's own loaders, layerwise reload, handshake); it raises when
+the version was not applied, leaving the previous weights serving. start/finish only
+bracket the round.
+
+The workers of a TP/PP engine agree before any applies (`workers`): all apply, or none.
+A refused version, or a refused `init_info`, is raised by the engine's last worker alone;
+the others end their round as vLLM's worker ends it on an error, and return. vLLM 0.32's
+`collective_rpc` raises at the first failed reply it reads, in rank order, and leaves
+the replies after it queued for the next call (vllm-project/vllm#49972): raised by every
+worker, an error made the engine answer each later call with the one before's reply, and
+left a worker that had not failed inside its round ("start_weight_update called while a
+weight update is already active"). Raised by the last worker, every reply is read, and
+the next start/update/finish round works with no other call.
 
 What vLLM's own flow sends is taken as vLLM's engines take it, with two differences: an
 `init_info` key the backend does not know is refused naming it (`InvalidArgument`,
@@ -24,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +44,11 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from rollout_agent.settings import InitInfo
 from rollout_agent.vllm_worker.rollout import VllmRollout, worker_index
+from rollout_agent.vllm_worker.workers import EngineWorkers, Verdict
 from weightsync.config import option
 from weightsync.errors import InvalidArgument
+
+log = logging.getLogger("vllm.plugins.weightsync")
 
 
 @dataclass
@@ -80,6 +96,13 @@ def parse_update_info(update_dict: Any) -> WeightsyncUpdateInfo:
     return WeightsyncUpdateInfo(version=update_dict.get("version", "latest"))
 
 
+class _Refused:
+    """An `init_info` this worker refused, kept for the workers' agreement (see module doc)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
     init_info_cls = WeightsyncInitInfo
     update_info_cls = WeightsyncUpdateInfo
@@ -88,9 +111,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.rollout: VllmRollout | None = None
+        self.workers = EngineWorkers.of_engine()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightsyncInitInfo:
-        return parse_init_info(init_dict)
+        try:
+            return parse_init_info(init_dict)
+        except InvalidArgument as e:
+            return _Refused(e)  # type: ignore[return-value]  # refused in init_transfer_engine, once all agree
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> WeightsyncUpdateInfo:
         return parse_update_info(update_dict)
@@ -98,19 +125,51 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if self.rollout is not None:
             self.rollout.close()
-        index = worker_index(self.parallel_config)
-        self.rollout = VllmRollout(init_info, self.model, self.model_config, rank=index)
+            self.rollout = None
+        error: Exception | None = init_info.error if isinstance(init_info, _Refused) else None
+        if error is None:
+            try:
+                index = worker_index(self.parallel_config)
+                self.rollout = VllmRollout(init_info, self.model, self.model_config, rank=index, workers=self.workers)
+            except Exception as e:  # noqa: BLE001 - raised once every worker knows
+                error = e
+        refusal = self.workers.agree(Verdict(0, _why(error)), ()).refusal
+        if refusal and self.rollout is not None:  # another worker refused: none follows the session
+            self.rollout.close()
+            self.rollout = None
+        if refusal:
+            self._raise_once(refusal, error)
 
     def start_weight_update(self) -> None:
         if self.rollout is None:
             raise RuntimeError("weightsync: not initialized; call init_weight_transfer_engine first")
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        error: Exception | None = None
+        version = update_info.version
         if self.rollout is None:
-            raise RuntimeError("weightsync: not initialized; call init_weight_transfer_engine first")
-        result = self.rollout.sync(update_info.version)
-        if not result.ok:
-            raise RuntimeError(f"weightsync: version {result.version} not applied: {result.mismatch}")
+            error = RuntimeError("weightsync: not initialized; call init_weight_transfer_engine first")
+        else:
+            try:
+                result = self.rollout.sync(version)
+                version = result.version
+                if not result.ok:
+                    error = RuntimeError(f"weightsync: version {result.version} not applied: {result.mismatch}")
+            except Exception as e:  # noqa: BLE001 - raised once every worker knows
+                error = e
+        refusal = self.workers.agree(Verdict(0, _why(error)), ()).refusal
+        if refusal:
+            self._raise_once(refusal, error, version)
+
+    def _raise_once(self, refusal: str, error: Exception | None, version: Any = None) -> None:
+        """Raises the engine's refusal on its last worker; any other worker ends the round
+        it is in, as vLLM ends it on the worker that raises (see the module's doc)."""
+        if self.workers.last:
+            if error is not None and self.workers.size == 1:
+                raise error
+            raise RuntimeError(f"weightsync: {refusal}") from error
+        _end_worker_round(self)
+        log.info("weightsync: version %s refused (%s); the engine's last worker raises it", version, refusal)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base synchronizes the accelerator after receiving; loads here are synchronous.
@@ -123,3 +182,27 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+
+
+def _why(error: Exception | None) -> str:
+    if error is None:
+        return ""
+    if isinstance(error, InvalidArgument) or str(error).startswith("weightsync: "):
+        return str(error).removeprefix("weightsync: ")
+    return f"{type(error).__name__}: {error}"
+
+
+def _end_worker_round(engine: WeightsyncEngine) -> None:
+    """Marks the vLLM worker that called `engine` out of its weight-update round, as its
+    `update_weights` does when the engine raises: the worker is the caller a few frames up
+    that holds `engine` as its weight_transfer_engine. A worker of another make (no such
+    flag) is left as it is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        worker = frame.f_locals.get("self")
+        if worker is not engine and getattr(worker, "weight_transfer_engine", None) is engine:
+            if getattr(worker, "_weight_update_active", False):
+                worker._weight_update_active = False
+                engine.reset_weight_update_target()
+            return
+        frame = frame.f_back  # type: ignore[assignment]

@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import time
-from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -19,14 +18,16 @@ from rollout_agent.audit.audited import Audited
 from rollout_agent.audit.auditor import Auditor
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.vllm.applier import VllmApplier
+from rollout_agent.engines.vllm.loader_check import check_taken_whole
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync.engine_version import EngineVersion
 from rollout_agent.sync.follow import StaleWatch, latest_version
 from rollout_agent.sync.host_budget import memory_status
 from rollout_agent.sync.prefetch import Prefetcher
-from rollout_agent.sync.round import Prefetched, SyncResult, apply_prefetched, sync_version
+from rollout_agent.sync.round import Prefetched, SyncResult, apply_prefetched, prefetch, sync_version
+from rollout_agent.vllm_worker.workers import EngineWorkers, Verdict
 from rollout_agent.wiring import wire_rollout
-from weightsync.errors import InvalidArgument, WeightsyncError
+from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
 from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -72,19 +73,27 @@ class VllmRollout:
     come from `rollout_agent.wiring`, as the sidecar's do."""
 
     def __init__(
-        self, info: InitInfo, model: Any, model_config: Any, rank: int = 0, applier: Applier | None = None
+        self,
+        info: InitInfo,
+        model: Any,
+        model_config: Any,
+        rank: int = 0,
+        applier: Applier | None = None,
+        workers: EngineWorkers | None = None,
     ) -> None:
         """`applier` writes the engine's weights: by default a `VllmApplier` over `model`'s
         torch parameters; a JAX engine's worker passes a `JaxApply` over its state. `rank`:
         this worker's index in the deployment (`worker_index`), which tells its agent id
-        apart (`worker_agent_id`)."""
+        apart (`worker_agent_id`). `workers`: the engine's workers, which agree on each
+        version before any applies it (a worker alone by default)."""
         self.info = info
         default = f"vllm-{socket.gethostname().lower()}-{os.getpid()}-r{rank}"
         agent_id = worker_agent_id(info.agent_id, rank) if info.agent_id else default
         check_agent_id(agent_id, "init_info.agent_id")
         self.wiring = wire_rollout(info, agent_id, on_verdict=self._on_verdict)
         self.agent_id = agent_id
-        self.applier = applier if applier is not None else VllmApplier(model, model_config)
+        self.workers = workers if workers is not None else EngineWorkers()
+        self.applier = applier if applier is not None else VllmApplier(model, model_config, self.workers.size)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
         # Every apply goes through `audited`: audits never overlap one (`audit.auditor`).
@@ -142,33 +151,80 @@ class VllmRollout:
 
     def sync(self, version: Any = "latest") -> SyncResult:
         """Pulls, verifies, applies and reports; the live weights change only when every
-        chunk and tensor verified and every name matched the model."""
+        chunk and tensor verified, every name matched the model, the model's own loaders
+        took every tensor (a dry run), and every other worker of the engine got as far
+        (`workers`: all of them apply, or none).
+
+        Raises:
+            WeightsyncError: `version` is no version, or its manifest could not be had
+            (nothing was applied, on any worker).
+        """
         w = self.wiring
         assert w.puller is not None
         blocked_since = time.perf_counter()  # update_weights / collective_rpc hold the engine from here
-        v = parse_version(version)
-        hold: AbstractContextManager[Prefetched | None] = contextlib.nullcontext(None)
-        if self.prefetcher is not None:
-            v = v or latest_version(w.client, self.info.session)
-            hold = self.prefetcher.hold(v)
-        with hold as ready:
-            if ready is not None:  # pulled and checked while the engine served: apply only
-                result = apply_prefetched(
-                    ready, w.puller, self.audited, outbox=w.outbox, failpoints=w.failpoints,
-                    blocked_since=blocked_since,
-                )  # fmt: skip
-            else:
-                result = sync_version(
-                    w.puller, self.audited, v, apply_mode=self.info.apply_mode, failpoints=w.failpoints,
-                    outbox=w.outbox, engine_blocked=True,
-                )  # fmt: skip
+        if self.info.apply_mode != "atomic":  # streamed layer by layer: neither atomic nor agreed
+            result = sync_version(
+                w.puller, self.audited, parse_version(version), apply_mode=self.info.apply_mode,
+                failpoints=w.failpoints, outbox=w.outbox, engine_blocked=True,
+            )  # fmt: skip
+            return self._after(result)
+        with contextlib.ExitStack() as held:
+            p, before = None, None
+            try:  # whatever fails here, this worker still meets the others (`_agree`)
+                v = parse_version(version)
+                if self.prefetcher is not None:
+                    v = v or latest_version(w.client, self.info.session)
+                    p = held.enter_context(self.prefetcher.hold(v))  # pulled and checked while the engine served
+                if p is None:
+                    p = prefetch(w.puller, v, w.failpoints, self.audited)
+            except Exception as e:  # noqa: BLE001 - raised once every worker knows
+                before = e
+            self._agree(p, before)
+            if before is not None:
+                raise before
+            assert p is not None
+            result = apply_prefetched(
+                p, w.puller, self.audited, outbox=w.outbox, failpoints=w.failpoints, blocked_since=blocked_since
+            )
+        return self._after(result)
+
+    def _agree(self, p: Prefetched | None, before: BaseException | None) -> None:
+        """Meets the engine's other workers with this one's verdict on `p`; where any of
+        them cannot apply it (or the workers' shards do not take a tensor whole), `p`
+        fails here too, before a weight changes."""
+        refusal, taken = "", None
+        if before is not None:
+            refusal = f"{type(before).__name__}: {before}"
+        elif p is not None and p.error is not None:
+            refusal = p.error.message
+        elif p is not None:
+            try:
+                taken = self.audited.taken(p.version, p.manifest.tensors)
+            except WeightsyncError as e:
+                p.error, refusal = e, e.message
+        version = p.version if p is not None else 0
+        names = list(p.manifest.tensors) if p is not None else []
+        agreed = self.workers.agree(Verdict(version, refusal, taken), names)
+        if p is None or p.error is not None:
+            return
+        if agreed.refusal:
+            p.error = FailedPrecondition(
+                f"version {version} not applied by any of the engine's {agreed.workers} workers: {agreed.refusal}"
+            )
+        elif taken is not None:
+            try:
+                check_taken_whole(version, p.manifest.tensors, agreed.taken, agreed.workers)
+            except InvalidArgument as e:
+                p.error = e
+
+    def _after(self, result: SyncResult) -> SyncResult:
         self.last = result
         self.engine.after_round(result)
         if result.ok:
             self.engine.confirm(result.version)
             log.info("weightsync applied version %d (%d bytes)", result.version, result.bytes_pulled)
         else:
-            log.error("weightsync version %d not applied: %s", result.version, result.mismatch)
+            log.warning("weightsync version %d not applied: %s", result.version, result.mismatch)
         return result
 
     def prefetch(self, version: Any = "latest") -> dict[str, Any]:

@@ -209,15 +209,16 @@ def _without_v_proj(w: dict[str, np.ndarray]) -> str:
 def _wider_norm(w: dict[str, np.ndarray]) -> str:
     """Another model's norm: same names, a wider hidden size (Qwen3-0.6B against 1.7B)."""
     w["model.norm.weight"] = np.ones(2 * w["model.norm.weight"].shape[0], np.float32)
-    return "'model.norm.weight' has shape [128]"
+    return "'model.norm.weight' [128] does not load into 'model.norm.weight' [64]"
 
 
 @pytest.mark.parametrize("spoil", [_without_v_proj, _wider_norm])
 def test_another_models_manifest_is_refused_before_a_byte_is_pulled(
     engine: Any, publisher: WeightPublisher, model_dir: Path, coordinator: str, versions: Iterator[int], spoil: Any
 ) -> None:
-    """Names and the shapes vLLM loads only when equal are checked against the model from
-    the manifest, before a byte is pulled (not by the load, after the whole version)."""
+    """Names, and every tensor through the model's own loaders (a dry run on meta tensors),
+    are checked from the manifest, before a byte is pulled (not by the load, after the
+    whole version)."""
     before = vllm_run(engine)
     v = next(versions)
     w = weights_for(model_dir, 31)

@@ -6,14 +6,16 @@ vLLM's `HTTPVLLMWeightSyncClient` to vLLM's OpenAI server (dev mode, tensor para
 started once for the module, dummy weights), and through a client calling an in-process
 `LLM`'s methods. After each version the served log-probs equal transformers' with the
 trainer's weights within 1e-5. Ray is not installed beside the lock: vLLM's Ray client
-has no test here. The tests run in file order: the one that makes the TP 2 server's
-workers fail a call comes last (see its docstring).
+has no test here. A version or an init_info the server's workers refuse is raised once,
+so the server's calls after it work (the last tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -407,19 +409,95 @@ def test_an_init_info_key_the_worker_does_not_know_is_refused_naming_it(
         )
 
 
-def test_a_refused_version_raises_the_workers_reason_through_http(
+class Spoiled(WeightSource):
+    """A module's parameters with one replaced by `spoil(tensor)`: a trainer's bug."""
+
+    def __init__(self, module: Any, name: str, spoil: Any) -> None:
+        self.inner, self.name, self.spoil = ModuleSource(module), name, spoil
+
+    def metadata(self) -> list[ParamMeta]:
+        out = []
+        for m in self.inner.metadata():
+            if m.name == self.name:
+                t = self.spoil(dict(self.inner)[m.name])
+                m = dataclasses.replace(m, shape=tuple(t.shape), dtype=t.dtype)
+            out.append(m)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((n, self.spoil(t) if n == self.name else t) for n, t in self.inner)
+
+
+def audited_exact(coordinator: str, session: str) -> dict[str, Any]:
+    """Every worker of the session audits the weights its engine serves now (beside the
+    engine: the parameters vLLM keeps); each one's verdict."""
+    with CoordinatorClient(coordinator) as c:
+        found = c.audit_session(session, fresh=True, wait_s=30)
+    return {r.agent_id: r.audit for r in found.rollouts}
+
+
+DEFECTS = [  # three a loader refuses, and one that tensor parallelism alone narrows away
+    ("model.layers.1.self_attn.q_proj.weight", lambda t: t[:-1], "rank 1's heads: r1 refuses, r0 could load"),
+    ("model.layers.1.mlp.down_proj.weight", lambda t: t.t().contiguous(), "transposed"),
+    ("lm_head.weight", lambda t: t[:-1], "a vocabulary row short"),
+    ("model.layers.0.self_attn.q_proj.weight", lambda t: torch.cat([t, t[:1]]), "a row long: each rank narrows"),
+]
+
+
+def test_a_version_one_worker_refuses_is_applied_by_none_and_the_next_round_works(
     server: str, coordinator: str, model_dir: Path
 ) -> None:
-    """Last on the server: with TP 2, vLLM 0.32's collective_rpc raises at the first worker's
-    error and leaves the other worker's reply queued (vllm-project/vllm#49972), so the
-    server answers every later call with the one before's reply (docs/vllm-cpu.md)."""
+    """TP 2, vLLM's HTTP flow: each defect (a shape vLLM's loader refuses on one worker or
+    both, or takes in part) is refused before any worker's weights change. The engine still
+    says and serves the last version, bit for bit, every worker's audit exact, and the next
+    start/update/finish round applies with no other call: the refusal is raised once (by the
+    engine's last worker), so vLLM's replies stay in step and no worker is left in its round."""
     model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "torn", rank=0, worker={"agent_id": "tp", "weight_sync_mode": "tcp"})
     client = Recorded(HTTPVLLMWeightSyncClient(server))
-    info = WeightsyncTrainerInitInfo(coordinator, "refused", rank=0, worker={"weight_sync_mode": "tcp"})
-    engine = WeightTransferTrainerFactory.trainer_init(init_info=info, client=client, source=Without(model, MISSING))
+    engine = WeightTransferTrainerFactory.trainer_init(init_info=info, client=client, source=ModuleSource(model))
     try:
-        with pytest.raises(VersionNotApplied, match=f"version 1 was not applied: .*{MISSING}"):
-            send_http(engine, server)
-        assert client.names() == ["init", "start", "update"]  # no finish: the version was not applied
+        train_step(model)
+        send_http(engine, server)  # version 1
+        for i, (name, spoil, what) in enumerate(DEFECTS):
+            before = served_http(server)
+            last = engine.version
+            train_step(model)  # the refused version's other tensors are new weights
+            engine.source = Spoiled(model, name, spoil)
+            with pytest.raises(VersionNotApplied, match=re.escape(repr(name))) as refused:
+                send_http(engine, server)
+            assert "finish" not in client.names()[-2:], what
+            assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == str(last)
+            assert served_http(server) == before, f"{what}: the engine serves other weights after the refusal"
+            reports = handshakes(coordinator, "torn", last + 1)
+            assert sorted(reports) == ["tp", "tp-r1"] and not any(h.ok for h in reports.values()), refused.value
+            audits = audited_exact(coordinator, "torn")
+            assert sorted(audits) == ["tp", "tp-r1"], audits
+            assert all(a.exact and a.version == last for a in audits.values()), audits
+            engine.source = ModuleSource(model)
+            send_http(engine, server)  # the next round, with no other call
+            assert engine.version == last + 2
+            assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == str(last + 2)
+            if i == len(DEFECTS) - 1:
+                assert_serves(served_http(server), transformers_logprobs(model))
+    finally:
+        engine.shutdown()
+
+
+def test_an_init_info_every_worker_refuses_is_raised_once(server: str, coordinator: str, model_dir: Path) -> None:
+    """A refused init_info (every worker parses it alike) is raised by one worker: the
+    server's next call gets its own reply, not the refused one's (vllm-project/vllm#49972)."""
+    post = lambda path, body=None: requests.post(f"{server}/{path}", json=body, timeout=120)  # noqa: E731
+    bad = post("init_weight_transfer_engine", {"init_info": {"coordinator": coordinator, "sesion": "x"}})
+    assert bad.status_code >= 400 and "init_info.sesion" in bad.text and "session" in bad.text
+    model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "after", rank=0, worker={"weight_sync_mode": "tcp"})
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=info, client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model)
+    )
+    try:
+        train_step(model)
+        send_http(engine, server)
+        assert_serves(served_http(server), transformers_logprobs(model))
     finally:
         engine.shutdown()

@@ -2,9 +2,12 @@
 
 Facts this relies on (docs/vllm-cpu.md): `model.load_weights` works after startup
 only inside a layerwise reload (initialize ... finalize), which re-lays layers in
-checkpoint layout and repacks them afterwards; fused parts (q/k/v, gate/up) must arrive
-together; a failed round leaves the engine unusable. So every name is checked against
-what the model expects before the first weight changes.
+checkpoint layout and repacks each layer as soon as its weights arrived; fused parts
+(q/k/v, gate/up) must arrive together. A tensor a loader refuses mid-round would leave the
+layers before it on the new version. So before the first weight changes, every name is
+checked against what the model expects and the whole version runs through the model's
+own loaders on meta tensors (`loader_check.dry_load`): its shapes, dtypes and targets,
+as this worker's shard takes them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.audit_reading import AuditReading
 from rollout_agent.engines.vllm.audit import VllmAudit
+from rollout_agent.engines.vllm.loader_check import check_taken_whole, dry_load
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
 
@@ -81,35 +85,36 @@ def retie_parameters(model: Any, pairs: Sequence[tuple[str, str]]) -> None:
             quant_method.process_weights_after_loading(layer)
 
 
-def replicated_shapes(model: Any) -> dict[str, tuple[int, ...]]:
-    """Checkpoint shapes the model takes exactly: parameters neither fused nor split
-    across tensor-parallel ranks (norms, q/k norms), which vLLM's `default_weight_loader`
-    copies only when the shapes are equal. Read from the shapes vLLM recorded before its
-    kernels repacked the weights (on CPU a linear weight's live shape is (0,)); empty on a
-    vLLM that records none."""
-    from vllm.model_executor.model_loader.reload import layerwise
+def restore_unloaded_layers(model: Any) -> None:
+    """Ends an open layerwise reload without loading: each layer still waiting for weights
+    gets the tensors it served with back (what vLLM's finalize does for a layer that
+    received nothing), its buffered weights dropped; a layer already repacked is left."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
 
-    packed = set(getattr(model, "packed_modules_mapping", {}) or {})
-    shapes = {}
-    for prefix, module in model.named_modules():
-        info = layerwise.LAYERWISE_INFO.get(module)
-        if info is None or packed.intersection(prefix.split(".")):
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
             continue
-        for name, meta in info.restore_metadata[0].items():
-            if not hasattr(meta, "output_dim") and not hasattr(meta, "input_dim"):
-                shapes[f"{prefix}.{name}" if prefix else name] = tuple(meta.shape)
-    return shapes
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
 
 
 class VllmApplier(Applier):
     """Applies one version to a vLLM model (worker side). Not thread-safe: one round at a time."""
 
-    def __init__(self, model: Any, model_config: Any) -> None:
+    def __init__(self, model: Any, model_config: Any, workers: int = 1) -> None:
+        """`workers`: how many workers the engine has; with one, a tensor it does not take
+        whole is refused here, else once the workers added their counts (`taken`)."""
         self.model = model
+        self.workers = workers
         self.model_config = model_config
         self._expected = expected_checkpoint_names(model)
-        self._shapes = replicated_shapes(model)
         self._tied = tied_parameters(model)
+        # the last dry run: (version, the manifest's specs it ran, elements taken per tensor)
+        self._dry: tuple[int, Mapping[str, TensorSpec] | None, dict[str, int]] = (0, None, {})
         self._consumed: list[str] = []
         self._open = False
         self._audit = VllmAudit(model, self._tied)
@@ -127,13 +132,19 @@ class VllmApplier(Applier):
                 f"version {version} has {len(unknown)} tensor(s) the model does not know, first {unknown[0]!r}",
                 field="manifest.tensors",
             )
-        for name, shape in self._shapes.items():
-            if name in tensors and tensors[name].shape != shape:
-                raise InvalidArgument(
-                    f"version {version}'s {name!r} has shape {list(tensors[name].shape)}, the model's is "
-                    f"{list(shape)} (a trainer of another model?)",
-                    field="manifest.tensors",
-                )
+        taken = self.taken(version, tensors)
+        if self.workers == 1:
+            check_taken_whole(version, tensors, taken, 1)
+
+    def taken(self, version: int, tensors: Mapping[str, TensorSpec]) -> dict[str, int]:
+        """Elements of each tensor this worker's shard takes, by a dry run of the model's own
+        loaders (`loader_check.dry_load`, which raises InvalidArgument for a tensor a
+        loader refuses); the last run is kept for the same specs."""
+        dry_version, dry_specs, taken = self._dry
+        if dry_version != version or dry_specs is not tensors:
+            taken = dry_load(self.model, version, tensors)
+            self._dry = (version, tensors, taken)
+        return taken
 
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         """The audit's reference of the verified bytes, taken while the engine serves."""
@@ -161,12 +172,15 @@ class VllmApplier(Applier):
         return list(self._consumed)
 
     def abort_update(self) -> None:
-        # After a partial load the only repair is a complete weight set (vLLM has no
-        # rollback); the caller re-syncs. Finalize so the model is at least consistent.
-        # The audit keeps the last whole version's reference: a partly loaded engine is
-        # not that version, and its audit says so.
+        """Every layer that has not been repacked yet gets its serving tensors back, as
+        they were (vLLM's reload kept them aside); none is repacked from a partial load.
+        Only a failure past the dry run gets here (the engine out of memory, a kernel's
+        repack failing): layers it had repacked keep the new weights, and the audit, which
+        keeps the last whole version's reference, says so."""
         if self._open:
-            self._finalize()
+            restore_unloaded_layers(self.model)
+            retie_parameters(self.model, self._tied)
+            self._open = False
 
     def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
