@@ -8,9 +8,13 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Registers lazily by module path; safe to call in every process, any number of times."""
+    """Registers lazily by module path, and keeps a refused version's tracebacks out of
+    vLLM's log (`quiet_refusals`); safe to call in every process, any number of times."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from rollout_agent.vllm_worker import quiet_refusals
+
+    quiet_refusals.install()
     try:
         WeightTransferEngineFactory.register_engine(
             "weightsync", "rollout_agent.vllm_worker.backend", "WeightsyncEngine"

@@ -138,7 +138,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.rollout.close()
             self.rollout = None
         if refusal:
-            self._raise_once(refusal, error)
+            self._raise_once("init_info", refusal, error)
 
     def start_weight_update(self) -> None:
         if self.rollout is None:
@@ -146,30 +146,32 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         error: Exception | None = None
-        version = update_info.version
+        reason, version = "", update_info.version
         if self.rollout is None:
             error = RuntimeError("weightsync: not initialized; call init_weight_transfer_engine first")
         else:
             try:
                 result = self.rollout.sync(version)
-                version = result.version
-                if not result.ok:
-                    error = RuntimeError(f"weightsync: version {result.version} not applied: {result.mismatch}")
+                version, reason = result.version, "" if result.ok else result.mismatch
             except Exception as e:  # noqa: BLE001 - raised once every worker knows
                 error = e
-        refusal = self.workers.agree(Verdict(0, _why(error)), ()).refusal
+        echo = self.rollout is not None and error is None and self.rollout.echoed == version
+        refusal = self.workers.agree(Verdict(0, reason or _why(error), echo=echo), ()).refusal
         if refusal:
-            self._raise_once(refusal, error, version)
+            self._raise_once(f"version {version}, not applied", refusal, error)
 
-    def _raise_once(self, refusal: str, error: Exception | None, version: Any = None) -> None:
-        """Raises the engine's refusal on its last worker; any other worker ends the round
-        it is in, as vLLM ends it on the worker that raises (see the module's doc)."""
-        if self.workers.last:
-            if error is not None and self.workers.size == 1:
-                raise error
-            raise RuntimeError(f"weightsync: {refusal}") from error
-        _end_worker_round(self)
-        log.info("weightsync: version %s refused (%s); the engine's last worker raises it", version, refusal)
+    def _raise_once(self, what: str, refusal: str, error: Exception | None) -> None:
+        """Logs and raises the engine's refusal of `what` on its last worker (one ERROR line,
+        `quiet_refusals`); any other worker ends the round it is in, as vLLM ends it on the
+        worker that raises (see the module's doc)."""
+        if not self.workers.last:
+            _end_worker_round(self)
+            log.info("weightsync refused %s; the engine's last worker raises it", what)
+            return
+        log.error("weightsync refused %s: %s", what, refusal)
+        if error is not None and self.workers.size == 1:
+            raise error  # a worker alone: the caller gets the exception itself
+        raise WeightsRefused(f"weightsync refused {what}: {refusal}") from None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base synchronizes the accelerator after receiving; loads here are synchronous.
@@ -182,6 +184,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None
+
+
+class WeightsRefused(RuntimeError):
+    """The engine's workers refused a version or an init_info (the message says why)."""
 
 
 def _why(error: Exception | None) -> str:

@@ -96,6 +96,7 @@ class VllmRollout:
         self.applier = applier if applier is not None else VllmApplier(model, model_config, self.workers.size)
         self.engine = EngineVersion()
         self.last: SyncResult | None = None
+        self.echoed = 0  # the version the last sync refused only because another worker did
         # Every apply goes through `audited`: audits never overlap one (`audit.auditor`).
         self.audited = Audited(self.applier, self.wiring.failpoints)
         self.auditor = Auditor(self.audited, session=info.session, interval_s=info.audit_interval_s)
@@ -162,6 +163,7 @@ class VllmRollout:
         w = self.wiring
         assert w.puller is not None
         blocked_since = time.perf_counter()  # update_weights / collective_rpc hold the engine from here
+        self.echoed = 0
         if self.info.apply_mode != "atomic":  # streamed layer by layer: neither atomic nor agreed
             result = sync_version(
                 w.puller, self.audited, parse_version(version), apply_mode=self.info.apply_mode,
@@ -208,6 +210,7 @@ class VllmRollout:
         if p is None or p.error is not None:
             return
         if agreed.refusal:
+            self.echoed = version
             p.error = FailedPrecondition(
                 f"version {version} not applied by any of the engine's {agreed.workers} workers: {agreed.refusal}"
             )

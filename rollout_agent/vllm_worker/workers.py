@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 REASON_BYTES = 1024
-_HEADER = 3  # ready, version, tensor count (int64 each)
+_HEADER = 3  # state, version, tensor count (int64 each), then the reason's length
+_REFUSED, _READY, _ECHO = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Verdict:
     version: int
     refusal: str = ""
     taken: Mapping[str, int] | None = None  # elements of each tensor its shard takes
+    echo: bool = False  # the refusal repeats another worker's (the first own one is reported)
 
 
 @dataclass(frozen=True)
@@ -98,20 +100,25 @@ def _record(verdict: Verdict, tensors: int) -> Any:
 
     reason = verdict.refusal.encode("utf-8", "replace")[:REASON_BYTES]
     out = np.zeros(_HEADER * 8 + 8 + REASON_BYTES, np.uint8)
-    header = np.array([0 if verdict.refusal else 1, verdict.version, tensors, len(reason)], np.int64)
+    state = _READY if not verdict.refusal else _ECHO if verdict.echo else _REFUSED
+    header = np.array([state, verdict.version, tensors, len(reason)], np.int64)
     out[: header.nbytes] = header.view(np.uint8)
     out[header.nbytes : header.nbytes + len(reason)] = np.frombuffer(reason, np.uint8)
     return torch.from_numpy(out)
 
 
 def _first_refusal(records: Sequence[np.ndarray], version: int, tensors: int) -> str:
-    """The first worker's refusal, in rank order, as "worker r: why"; a worker on another
-    version (each resolved "latest" itself) or another manifest refuses too."""
-    for rank, record in enumerate(records):
-        ready, their_version, their_tensors, length = record[: (_HEADER + 1) * 8].view(np.int64)
-        if not ready:
-            why = bytes(record[(_HEADER + 1) * 8 :][:length]).decode("utf-8", "replace")
-            return f"worker {rank}: {why}"
+    """The first worker's own refusal (else the first echo of one), in rank order, as
+    "worker r: why"; a worker on another version (each resolved "latest" itself) or
+    another manifest refuses too."""
+    headers = [record[: (_HEADER + 1) * 8].view(np.int64) for record in records]
+    refused = [r for r, h in enumerate(headers) if h[0] == _REFUSED]
+    refused = refused or [r for r, h in enumerate(headers) if h[0] == _ECHO]
+    if refused:
+        rank = refused[0]
+        why = bytes(records[rank][(_HEADER + 1) * 8 :][: headers[rank][3]]).decode("utf-8", "replace")
+        return f"worker {rank}: {why}"
+    for rank, (_, their_version, their_tensors, _) in enumerate(headers):
         if their_version != version or their_tensors != tensors:
             return (
                 f"worker {rank}: has version {their_version} ({their_tensors} tensors), not {version} "
