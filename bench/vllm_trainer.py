@@ -258,8 +258,8 @@ def end_to_end(args: argparse.Namespace) -> int:
     module = module_of({k: torch.from_numpy(a.view("uint16")).view(torch.bfloat16) for k, a in arrays.items()})
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-e2e-"))
     model_dir = write_tiny_model(root / "model", shape=args.size, weights=False, dtype="bfloat16")
-    rows: dict[str, list[float]] = {k: [] for k in ("tcp", "send", "send_pause", "send_apply", "publish",
-                                                     "prefetched", "pause", "apply", "worker_cpu")}  # fmt: skip
+    kinds = ("tcp", "send", "send_pause", "send_apply", "publish", "prefetched", "pause", "apply", "pull", "verify")
+    rows: dict[str, list[float]] = {k: [] for k in (*kinds, "worker_cpu")}
     with Cluster(root / "cluster") as cluster, VllmServer(model_dir, root / "server.log") as server:
         base = server.base
         coord = cluster.start_coordinator()
@@ -316,6 +316,7 @@ def end_to_end(args: argparse.Namespace) -> int:
                     split = worker_timings(engine.version)
                     got = dict(send=t2 - t1, send_pause=t3 - t0, send_apply=send_apply, publish=t5 - t4)
                     got.update(prefetched=t6 - t4, pause=t7 - t6, apply=split.apply_seconds)
+                    got.update(pull=split.pull_seconds, verify=split.verify_seconds)
                     got.update(worker_cpu=cpu_seconds(workers) - cpu0)
                     for key, value in got.items():
                         rows[key].append(value)
@@ -348,6 +349,8 @@ def end_to_end(args: argparse.Namespace) -> int:
     )
     print(f"  split flow: publish {shown['publish']} s, publish to prefetched {shown['prefetched']} s, "
           f"pause {shown['pause']} s, apply {shown['apply']} s")  # fmt: skip
+    print(f"  the worker's prefetch: pull {shown['pull']} s, verify {shown['verify']} s "
+          f"({nbytes / med['verify'] / 1e9:.2f} GB/s on its one core)")  # fmt: skip
     for label, ratio, target in (
         ("send_weights / tcp N=1", result["send_weights_to_tcp"], TARGET_SEND_TO_TCP),
         ("publish to prefetched / tcp N=1", result["prefetched_to_tcp"], TARGET_SEND_TO_TCP),
