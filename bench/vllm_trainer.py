@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--end-to-end", action="store_true", help="against a real vLLM server (see above)")
     ap.add_argument("--out", default="", help="--end-to-end: also write the JSON result here")
+    ap.add_argument("--dtype", default="bfloat16", help="--end-to-end: what the server serves (the trainer sends bf16)")
     args = ap.parse_args()
     if args.end_to_end:
         return end_to_end(args)
@@ -163,8 +164,8 @@ class VllmServer:
     in the error when it does not come up; the group is killed at the end and the
     shared-memory files it left removed."""
 
-    def __init__(self, model_dir: Path, log_path: Path, start_timeout_s: float = 600.0) -> None:
-        self.model_dir, self.log_path, self.start_timeout_s = model_dir, log_path, start_timeout_s
+    def __init__(self, model_dir: Path, log_path: Path, dtype: str, start_timeout_s: float = 600.0) -> None:
+        self.model_dir, self.log_path, self.dtype, self.start_timeout_s = model_dir, log_path, dtype, start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.base = ""
 
@@ -176,7 +177,7 @@ class VllmServer:
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
         command = [sys.executable, "-m", "rollout_agent.vllm_cli", "serve", str(self.model_dir)]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", "bfloat16"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", self.dtype]
         command += ["--max-model-len", "128", "--kv-cache-memory-bytes", str(256 << 20), "--block-size", "32"]
         command += ["--enforce-eager", "--weight-transfer-config", '{"backend": "weightsync"}']
         command += ["--worker-extension-cls", EXTENSION]
@@ -257,10 +258,10 @@ def end_to_end(args: argparse.Namespace) -> int:
     nbytes = sum(a.nbytes for a in arrays.values())
     module = module_of({k: torch.from_numpy(a.view("uint16")).view(torch.bfloat16) for k, a in arrays.items()})
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-e2e-"))
-    model_dir = write_tiny_model(root / "model", shape=args.size, weights=False, dtype="bfloat16")
+    model_dir = write_tiny_model(root / "model", shape=args.size, weights=False, dtype=args.dtype)
     kinds = ("tcp", "send", "send_pause", "send_apply", "publish", "prefetched", "pause", "apply", "pull", "verify")
     rows: dict[str, list[float]] = {k: [] for k in (*kinds, "worker_cpu")}
-    with Cluster(root / "cluster") as cluster, VllmServer(model_dir, root / "server.log") as server:
+    with Cluster(root / "cluster") as cluster, VllmServer(model_dir, root / "server.log", args.dtype) as server:
         base = server.base
         coord = cluster.start_coordinator()
 
@@ -328,6 +329,7 @@ def end_to_end(args: argparse.Namespace) -> int:
         "preset": args.size,
         "bytes": nbytes,
         "rounds": args.rounds,
+        "dtype": args.dtype,
         "medians_s": med,
         "send_weights_to_tcp": med["send"] / med["tcp"],
         "prefetched_to_tcp": med["prefetched"] / med["tcp"],
