@@ -244,8 +244,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """Waits until every worker behind the client holds the version last published
         pulled and verified (its update then only applies), asking them through vLLM's
         `collective_rpc` (dev-mode `/collective_rpc` for the HTTP client) a call that
-        returns at once, every `poll_s`. False after `timeout_s` (apply anyway: the
-        update waits for the rest of the prefetch, inside the pause). The server needs
+        returns at once, every `poll_s`. False after `timeout_s`, or at once where a worker
+        does not prefetch (`init_info.prefetch` off): apply anyway, the update pulls or
+        waits for the rest of the prefetch inside the pause. The server needs
         `--worker-extension-cls rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension`.
 
         Raises:
@@ -261,8 +262,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             answers = _collective_rpc(self.client, "weightsync_ready", str(self._unapplied))
             if answers and all(isinstance(a, dict) and a.get("ready") for a in answers):
                 return True
-            if time.monotonic() >= deadline:
-                return False
+            if time.monotonic() >= deadline or any(isinstance(a, dict) and a.get("prefetch") is False for a in answers):
+                return False  # (a worker without prefetch never holds a version ahead: no use waiting)
             time.sleep(poll_s)
 
     def apply_weights(self) -> None:

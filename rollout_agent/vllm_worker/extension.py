@@ -58,7 +58,8 @@ class WeightsyncWorkerExtension:
         if rollout is None:
             raise RuntimeError("weightsync: neither attached nor initialized; call init_weight_transfer_engine first")
         ready = rollout.wait_ready(version, float(timeout_s))
-        return {"agent_id": rollout.agent_id, "version": version, "ready": ready}
+        prefetch = rollout.prefetcher is not None  # without one nothing is ever held ahead of an update
+        return {"agent_id": rollout.agent_id, "version": version, "ready": ready, "prefetch": prefetch}
 
     def weightsync_audit(self) -> dict[str, Any]:
         """Audits the weights this worker's engine serves against the version it was last

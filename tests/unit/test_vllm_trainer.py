@@ -188,6 +188,11 @@ def test_wait_prefetched_asks_every_worker_until_all_hold_the_version() -> None:
     never = WeightsyncTrainerEngine(client=AskedClient([[ready, {"ready": False}]]), source=engine.source)
     never._unapplied = 8
     assert not never.wait_prefetched(timeout_s=0)
+    off = AskedClient([[ready, {"ready": False, "prefetch": False}]])  # a worker that does not prefetch
+    unprefetched = WeightsyncTrainerEngine(client=off, source=engine.source)
+    unprefetched._unapplied = 9
+    assert not unprefetched.wait_prefetched(timeout_s=600)  # at once: nothing to wait for
+    assert len(off.calls) == 1
     with pytest.raises(InvalidArgument, match="shut down"):
         never.apply_weights()  # no publisher
 
@@ -197,3 +202,31 @@ def test_wait_prefetched_says_why_when_the_workers_cannot_be_asked() -> None:
     engine._unapplied = 1
     with pytest.raises(Exception, match="neither collective_rpc nor base_url"):
         engine.wait_prefetched(timeout_s=0)
+
+
+class _Rollout:
+    agent_id = "eng"
+
+    def __init__(self, prefetcher: object | None) -> None:
+        self.prefetcher = prefetcher
+        self.asked: list[tuple[Any, float]] = []
+
+    def wait_ready(self, version: Any, timeout_s: float) -> bool:
+        self.asked.append((version, timeout_s))
+        return self.prefetcher is not None
+
+
+def test_the_worker_extension_answers_ready_for_the_backends_rollout_with_vllms_string_args() -> None:
+    from types import SimpleNamespace
+
+    from rollout_agent.vllm_worker.extension import WeightsyncWorkerExtension
+
+    worker = WeightsyncWorkerExtension()
+    with pytest.raises(RuntimeError, match="neither attached nor initialized"):
+        worker.weightsync_ready("3")
+    rollout = _Rollout(prefetcher=object())
+    worker.weight_transfer_engine = SimpleNamespace(rollout=rollout)  # type: ignore[attr-defined]  # vLLM's worker's
+    assert worker.weightsync_ready("3", "0.5") == {"agent_id": "eng", "version": "3", "ready": True, "prefetch": True}
+    assert rollout.asked == [("3", 0.5)]
+    worker.weight_transfer_engine = SimpleNamespace(rollout=_Rollout(prefetcher=None))  # type: ignore[attr-defined]
+    assert worker.weightsync_ready(4)["prefetch"] is False
