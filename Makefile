@@ -155,7 +155,8 @@ bench-delta: setup
 	$(PY) bench/delta.py $(BENCH_ARGS)
 
 # vLLM's trainer-side engine: send_weights from CPU torch against publish of the same bytes
-# as NumPy (bench/vllm_trainer.py).
+# as NumPy (bench/vllm_trainer.py); BENCH_ARGS=--end-to-end: vLLM's HTTP flow against a real
+# vLLM server beside the tcp N=1 transfer.
 bench-vllm-trainer: setup
 	$(PY) bench/vllm_trainer.py $(BENCH_ARGS)
 

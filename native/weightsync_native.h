@@ -114,6 +114,12 @@ int ws_rebuild_digest(uint8_t* buf, uint64_t total, const uint64_t* chunk_length
 // bytes, each modulo 2^32: row_sums[r] over row r, col_sums[c] over column c, in one pass.
 int ws_matrix_sums(const void* data, uint64_t rows, uint64_t cols, int itemsize, uint32_t* row_sums,
                    uint32_t* col_sums);
+// The same sums over floats' bits, exp_mask their exponent bits (bf16 0x7F80, fp16 0x7C00,
+// fp32 0x7F800000): an element whose exponent bits are all 0 (a zero of either sign, a
+// subnormal) counts as 0; *nonfinite = the elements whose exponent bits are all 1 (NaN,
+// infinity). exp_mask 0 is ws_matrix_sums (nonfinite may then be null).
+int ws_float_matrix_sums(const void* data, uint64_t rows, uint64_t cols, int itemsize, uint32_t exp_mask,
+                         uint32_t* row_sums, uint32_t* col_sums, uint64_t* nonfinite);
 
 int ws_abi_version(void);
 // Threads a pass given n_threads <= 0 runs on, decided once per process: the environment's

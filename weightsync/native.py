@@ -21,7 +21,7 @@ from weightsync.errors import DataLoss, InternalError, InvalidArgument
 
 _NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 _LIB_PATH = next(iter(sorted(_NATIVE_DIR.glob("libweightsync_native.*"))), _NATIVE_DIR / "libweightsync_native.so")
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 BUILD_HINT = "build it with `make native` (or `pip install --no-build-isolation -e .` in a venv with jax)"
 
 
@@ -110,6 +110,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.ws_delta16_decode.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64]
     lib.ws_matrix_sums.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
                                    ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    lib.ws_float_matrix_sums.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+                                         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, _ADDR]  # fmt: skip
     return lib, ""
 
 
@@ -553,15 +555,27 @@ def matrix_sums(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row sums, column sums) of a C-contiguous 2-D array of uint8, uint16 or uint32,
     each uint32 and modulo 2^32 (NumPy's `add.reduce(..., dtype=np.uint32)` along each
     axis), in one pass over the bytes (native/fingerprint.cc; the GIL is released)."""
+    row_sums, col_sums, _ = float_matrix_sums(matrix, 0)
+    return row_sums, col_sums
+
+
+def float_matrix_sums(matrix: np.ndarray, exponent_mask: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """`matrix_sums` of floats' bits (uint16 for bf16/fp16, uint32 for fp32), with the
+    elements whose `exponent_mask` bits are all 0 (zeros, subnormals) counted as 0, and
+    how many have them all 1 (NaN, infinity), in the same one pass. exponent_mask 0:
+    `matrix_sums` (0 non-finite)."""
     lib = _require()
     if matrix.ndim != 2 or matrix.dtype not in (np.uint8, np.uint16, np.uint32) or not matrix.flags.c_contiguous:
         raise InvalidArgument(
             f"needs a C-contiguous 2-D array of uint8, uint16 or uint32, got {matrix.dtype} {matrix.shape}",
             field="matrix",
         )
+    if not 0 <= exponent_mask < 1 << (8 * matrix.dtype.itemsize):
+        raise InvalidArgument(f"{exponent_mask:#x} does not fit {matrix.dtype}", field="exponent_mask")
     rows, cols = matrix.shape
-    row_sums, col_sums = np.empty(rows, np.uint32), np.empty(cols, np.uint32)
-    rc = lib.ws_matrix_sums(_ptr(matrix) if matrix.size else None, rows, cols, matrix.dtype.itemsize,
-                            _ptr(row_sums) if rows else None, _ptr(col_sums) if cols else None)  # fmt: skip
-    _check(rc, "ws_matrix_sums")
-    return row_sums, col_sums
+    row_sums, col_sums, bad = np.empty(rows, np.uint32), np.empty(cols, np.uint32), np.zeros(1, np.uint64)
+    rc = lib.ws_float_matrix_sums(_ptr(matrix) if matrix.size else None, rows, cols, matrix.dtype.itemsize,
+                                  exponent_mask, _ptr(row_sums) if rows else None, _ptr(col_sums) if cols else None,
+                                  _ptr(bad))  # fmt: skip
+    _check(rc, "ws_float_matrix_sums")
+    return row_sums, col_sums, int(bad[0])

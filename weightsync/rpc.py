@@ -475,3 +475,19 @@ def channel(address: str, security: Security | None = None) -> grpc.Channel:
     """A channel with weightsync's message-size and keepalive options; TLS and a bearer
     token as `security` says (plaintext without)."""
     return (security or PLAINTEXT).channel(address, CHANNEL_OPTIONS)
+
+
+def wait_reachable(address: str, timeout_s: float, security: Security | None = None, *, what: str = "peer") -> None:
+    """Returns once a channel to `address` connects (TLS handshake included); raises
+    TransportUnavailable naming the address after `timeout_s` (a bounded wait where the
+    clients' own retries would take their full backoff)."""
+    ch = channel(address, security)
+    try:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise errors.TransportUnavailable(
+            f"the {what} at {address} is not reachable (no connection within {timeout_s:g} s): "
+            "is it running, and is the address right?"
+        ) from None
+    finally:
+        ch.close()

@@ -41,6 +41,29 @@ def array_fingerprint(b: np.ndarray) -> Fingerprint:
     over the bytes: `b` seen as a matrix of leading by trailing axes (rows of at least
     ~4096 elements where the shape allows), its row sums give the leading axes' per-index
     sums and its column sums the trailing axes'; then small weighted sums."""
+    return _fingerprint(b, matrix_sums)
+
+
+def canonical_fingerprint(b: np.ndarray, exponent_mask: int) -> tuple[Fingerprint, int]:
+    """`array_fingerprint` of floats' bits `b` (uint16 or uint32: bf16, fp16, fp32) with every
+    element whose `exponent_mask` bits are all 0 (-0, +0, subnormals) taken as +0, and the
+    count of elements whose exponent bits are all 1 (NaN, infinity): one pass over the bytes
+    in the native shim, NumPy's canonical copy otherwise."""
+    b = np.ascontiguousarray(b)  # as `bits` makes it (a scalar becomes 1-d)
+    if native is not None and native.available() and b.ndim >= 2 and b.flags.c_contiguous:
+        found = [0]
+
+        def sums(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            rows, cols, found[0] = native.float_matrix_sums(matrix, exponent_mask)
+            return rows, cols
+
+        return _fingerprint(b, sums), found[0]
+    mask = b.dtype.type(exponent_mask)
+    exponent = b & mask
+    return array_fingerprint(np.where(exponent == 0, b.dtype.type(0), b)), int(np.count_nonzero(exponent == mask))
+
+
+def _fingerprint(b: np.ndarray, sums: Any) -> Fingerprint:
     if b.ndim == 0:
         return (int(b) & MASK,)
     if b.size == 0:
@@ -51,7 +74,7 @@ def array_fingerprint(b: np.ndarray) -> Fingerprint:
     while split > 1 and width < 4096:
         split -= 1
         width *= b.shape[split]
-    rows, cols = matrix_sums(b.reshape(-1, width))
+    rows, cols = sums(b.reshape(-1, width))
     rows, cols = rows.reshape(b.shape[:split]), cols.reshape(b.shape[split:])
     out = [_total(cols)]
     for k in range(b.ndim):

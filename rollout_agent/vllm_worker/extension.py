@@ -4,6 +4,11 @@ llm = LLM(model, worker_extension_cls="rollout_agent.vllm_worker_extension.Weigh
 llm.collective_rpc("weightsync_attach", args=({"coordinator": ..., "session": ...},))
 llm.collective_rpc("weightsync_sync", args=(7,))   # plain dicts come back
 llm.reset_prefix_cache()
+
+Beside the weight-transfer backend (`--weight-transfer-config '{"backend": "weightsync"}'`),
+`weightsync_ready` answers for the backend's own rollout: a trainer asks it, through vLLM's
+dev-mode `/collective_rpc`, whether the workers hold a version verified before it pauses
+the engine to apply it (`trainer_agent.vllm_trainer.WeightsyncTrainerEngine.wait_prefetched`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,21 @@ class WeightsyncWorkerExtension:
         if self._weightsync is None:
             raise RuntimeError("weightsync: not attached; call weightsync_attach first")
         return self._weightsync.prefetch(version)
+
+    def weightsync_ready(self, version: Any, timeout_s: Any = 0) -> dict[str, Any]:
+        """Whether this worker holds `version` (or a newer one) pulled and verified, so that
+        its update only applies; asks for it first. Waits up to `timeout_s` (0: answers at
+        once; the engine runs no step while a call waits). Strings are taken too (vLLM's
+        `/collective_rpc` passes only strings). The rollout attached here, else the
+        weight-transfer backend's."""
+        rollout = self._weightsync
+        if rollout is None:
+            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
+        if rollout is None:
+            raise RuntimeError("weightsync: neither attached nor initialized; call init_weight_transfer_engine first")
+        ready = rollout.wait_ready(version, float(timeout_s))
+        prefetch = rollout.prefetcher is not None  # without one nothing is ever held ahead of an update
+        return {"agent_id": rollout.agent_id, "version": version, "ready": ready, "prefetch": prefetch}
 
     def weightsync_audit(self) -> dict[str, Any]:
         """Audits the weights this worker's engine serves against the version it was last

@@ -101,6 +101,24 @@ def test_vllm_trainer_bench_times_send_weights_against_publish_of_the_same_bytes
     assert row["ratio"] == row["send_weights_torch_s"] / row["publish_numpy_s"] > 0 and row["best_ratio"] > 0
 
 
+def test_vllm_trainer_bench_end_to_end_runs_vllms_flow_against_a_real_server(
+    tmp_path: Path, no_arena_leak: None
+) -> None:
+    """--end-to-end: vLLM's server, vLLM's HTTP flow back to back and split, make bench's
+    tcp N=1 rounds, in one run; every kind measured and the ratios the targets name."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "e2e.json"
+    args = ["--end-to-end", "--size", "tiny", "--rounds", "1", "--dtype", "float32", "--out", str(out)]
+    _bench("vllm_trainer.py", *args)
+    row = json.loads(out.read_text())
+    assert row["preset"] == "tiny" and row["rounds"] == 1 and row["bytes"] > 0
+    kinds = ("tcp", "send", "send_pause", "send_apply", "publish", "prefetched", "pause", "apply", "pull", "verify")
+    assert all(row["medians_s"][k] > 0 for k in kinds)
+    assert len(row["rounds_s"]["tcp"]) == 2 and len(row["rounds_s"]["pause"]) == 1
+    assert row["pause_to_apply"] == row["medians_s"]["pause"] / row["medians_s"]["apply"]
+    assert row["send_weights_to_tcp"] == row["medians_s"]["send"] / row["medians_s"]["tcp"]
+
+
 def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Path, no_arena_leak: None) -> None:
     """At N > 2 a +delta row's processes and gloo's take turns, block by block, and every
     one of our rounds is paired with one of gloo's."""

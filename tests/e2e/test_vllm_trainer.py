@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 from tests.conftest import unmapped  # noqa: E402
 from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
 from tests.unit.test_vllm_trainer import RecordingClient  # noqa: E402
-from trainer_agent.vllm_trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
+from trainer_agent.vllm_trainer import EXTENSION, WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.errors import FailedPrecondition, StaleGeneration, VersionNotApplied  # noqa: E402
 
@@ -83,13 +83,13 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy"]
+    args = [str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy"]
     args += ["--tensor-parallel-size", str(TP), "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20)]
     args += ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--seed", "0"]
-    args += ["--weight-transfer-config", '{"backend": "weightsync"}']
+    args += ["--weight-transfer-config", '{"backend": "weightsync"}', "--worker-extension-cls", EXTENSION]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            [sys.executable, "-m", "rollout_agent.vllm_cli", "serve", *args],  # `vllm serve` of the CPU wheel
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -266,6 +266,35 @@ def test_vllms_http_client_syncs_each_trained_step_to_vllms_server(
             assert_serves(served_http(server), transformers_logprobs(model))
             reports = handshakes(coordinator, "http", step)
             assert sorted(reports) == ["srv", "srv-r1"] and all(h.ok for h in reports.values())  # one per TP worker
+    finally:
+        engine.shutdown()
+
+
+def test_publishing_first_the_pause_covers_only_the_apply(server: str, coordinator: str, model_dir: Path) -> None:
+    """publish_weights returns before the server applied anything (it still serves the last
+    version); wait_prefetched sees both TP workers hold the new one verified; apply_weights
+    inside /pause../resume applies what they hold (the pause's length against the apply's is
+    bench/vllm_trainer.py --end-to-end's). vLLM's `packed=` rides along on the trainer side."""
+    model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "split", rank=0, packed=False, worker={"agent_id": "sp"})
+    client = HTTPVLLMWeightSyncClient(server)
+    engine = WeightsyncTrainerEngine.trainer_init(info, client=client, source=ModuleSource(model))
+    try:
+        for step in (1, 2):
+            train_step(model)
+            before = requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"]
+            assert engine.publish_weights() == step
+            assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == before
+            assert engine.wait_prefetched(timeout_s=120)
+            requests.post(f"{server}/pause", timeout=60).raise_for_status()
+            engine.apply_weights()
+            requests.post(f"{server}/resume", timeout=60).raise_for_status()
+            assert requests.get(f"{server}/weight_info", timeout=10).json()["weight_version"] == str(step)
+            assert_serves(served_http(server), transformers_logprobs(model))
+            reports = handshakes(coordinator, "split", step)
+            assert sorted(reports) == ["sp", "sp-r1"] and all(h.ok for h in reports.values())
+        with pytest.raises(FailedPrecondition, match="nothing published"):
+            engine.apply_weights()
     finally:
         engine.shutdown()
 

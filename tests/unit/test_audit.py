@@ -336,3 +336,30 @@ def test_torchs_fingerprint_where_a_tensor_lives_equals_numpys(
     rng = np.random.default_rng(seed)
     t = torch.from_numpy(np.asarray(rng.standard_normal(shape) * 100, np.float64)).to(getattr(torch, dtype))
     assert torch_fingerprint(t, rows_per_step) == fingerprint(_bits(t.contiguous()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    shape=st.lists(st.integers(0, 6), min_size=0, max_size=3),
+    special=st.sampled_from([0.0, -0.0, 1e-45, -1e-40, 6e-8, float("nan"), float("inf")]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_kernels_reference_from_the_bits_equals_torchs_canonical_copy(
+    dtype: str, shape: list[int], special: float, seed: int
+) -> None:
+    """The one-pass reference of a kernel region (exponent bits: zeros and subnormals as +0,
+    NaN and infinity counted) is the fingerprint of torch's canonical copy, and names the
+    tensors torch finds non-finite."""
+    torch = pytest.importorskip("torch")
+    from rollout_agent.engines.fingerprint import canonical_fingerprint
+    from rollout_agent.engines.vllm.audit import _bits, _canonical, _exponent_mask, _fingerprint
+
+    rng = np.random.default_rng(seed)
+    values = np.asarray(rng.standard_normal(shape) * 100, np.float64)
+    values.reshape(-1)[: values.size // 2] = special
+    t = torch.from_numpy(values).to(getattr(torch, dtype))
+    want = fingerprint(_bits(_canonical(t).contiguous()))
+    got, nonfinite = canonical_fingerprint(_bits(t.contiguous()), _exponent_mask(t.dtype))
+    assert got == want == _fingerprint(t, True)
+    assert nonfinite == int((~torch.isfinite(t)).sum())

@@ -306,6 +306,32 @@ def test_matrix_sums_equal_numpys_wrapping_reductions(rows: int, cols: int, item
     assert np.array_equal(got_cols, np.add.reduce(m, axis=0, dtype=np.uint32))
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(0, 12),
+    cols=st.sampled_from([0, 1, 5, 4097]),
+    mask=st.sampled_from([(np.uint16, 0x7F80), (np.uint16, 0x7C00), (np.uint32, 0x7F800000)]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_float_matrix_sums_count_zero_exponents_as_zero_and_count_non_finite(
+    rows: int, cols: int, mask: tuple[type, int], seed: int
+) -> None:
+    """Floats' bits with every element whose exponent bits are all 0 taken as 0 (the sums of
+    NumPy's canonical copy) and the elements whose exponent bits are all 1 counted; random
+    bits hit zeros, subnormals, NaN and infinity often once the exponent is forced."""
+    dtype, exponent = mask
+    rng = np.random.default_rng(seed)
+    m = rng.integers(0, np.iinfo(dtype).max, (rows, cols), dtype=dtype, endpoint=True)
+    force = rng.integers(0, 3, m.shape)
+    m[force == 0] &= dtype(~exponent & np.iinfo(dtype).max)  # zero or subnormal (either sign)
+    m[force == 1] |= dtype(exponent)  # NaN or infinity
+    canonical = np.where(m & dtype(exponent) == 0, dtype(0), m)
+    got_rows, got_cols, nonfinite = native.float_matrix_sums(m, exponent)
+    assert np.array_equal(got_rows, np.add.reduce(canonical, axis=1, dtype=np.uint32))
+    assert np.array_equal(got_cols, np.add.reduce(canonical, axis=0, dtype=np.uint32))
+    assert nonfinite == int(np.count_nonzero(m & dtype(exponent) == dtype(exponent)))
+
+
 def test_matrix_sums_refuse_what_they_cannot_read() -> None:
     with pytest.raises(InvalidArgument, match="matrix"):
         native.matrix_sums(np.zeros((4, 4), np.uint16).T[:, :3])  # not C-contiguous
@@ -313,6 +339,8 @@ def test_matrix_sums_refuse_what_they_cannot_read() -> None:
         native.matrix_sums(np.zeros((4, 4), np.float32))
     with pytest.raises(InvalidArgument, match="matrix"):
         native.matrix_sums(np.zeros(4, np.uint16))
+    with pytest.raises(InvalidArgument, match="exponent_mask"):
+        native.float_matrix_sums(np.zeros((4, 4), np.uint16), 0x7F800000)  # wider than the elements
 
 
 def test_native_calls_leave_no_reference_cycles() -> None:

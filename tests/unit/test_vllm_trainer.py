@@ -148,3 +148,85 @@ def test_each_worker_of_an_engine_registers_its_own_agent_id() -> None:
     assert worker_index(object()) == 0
     ids = [worker_agent_id("eng-a", i) for i in indices]
     assert ids == ["eng-a", "eng-a-r1", "eng-a-r2", "eng-a-r3"]
+
+
+def test_vllms_packed_is_accepted_and_ignored_and_the_connect_wait_is_bounded() -> None:
+    """vLLM's IPC and NCCL init infos take `packed=`; a trainer switching keeps it. The
+    connect wait bounds the publisher's attach too, unless the publisher says otherwise."""
+    info = WeightsyncTrainerInitInfo("coord:1", "job", rank=0, packed=True)
+    assert info.packed and "packed" not in info.worker_init_info()
+    assert info.publisher_settings().attach_wait_s == info.connect_timeout_s == 10.0
+    own = WeightsyncTrainerInitInfo("coord:1", "job", rank=0, connect_timeout_s=2, publisher={"attach_wait_s": 30})
+    assert own.publisher_settings().attach_wait_s == 30
+    with pytest.raises(InvalidArgument, match="^packed: must be true or false"):
+        WeightsyncTrainerInitInfo("coord:1", "job", rank=0, packed="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="^connect_timeout_s: "):
+        WeightsyncTrainerInitInfo("coord:1", "job", rank=0, connect_timeout_s=float("nan"))
+
+
+class AskedClient(RecordingClient):
+    """Answers the workers' `weightsync_ready` as `answers` say, one list per call."""
+
+    def __init__(self, answers: list[list[Any]]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        self.calls.append((method, args))
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_wait_prefetched_asks_every_worker_until_all_hold_the_version() -> None:
+    ready = {"agent_id": "a", "ready": True}
+    client = AskedClient([[ready, {"ready": False}], [ready, ready]])
+    engine = WeightsyncTrainerEngine(client=client, source=CountingSource(torch.nn.Linear(3, 2)))
+    with pytest.raises(Exception, match="call publish_weights first"):
+        engine.wait_prefetched()
+    engine._unapplied = 7  # as publish_weights leaves it
+    assert engine.wait_prefetched(timeout_s=5, poll_s=0)
+    assert client.calls == [("weightsync_ready", ("7",))] * 2
+    never = WeightsyncTrainerEngine(client=AskedClient([[ready, {"ready": False}]]), source=engine.source)
+    never._unapplied = 8
+    assert not never.wait_prefetched(timeout_s=0)
+    off = AskedClient([[ready, {"ready": False, "prefetch": False}]])  # a worker that does not prefetch
+    unprefetched = WeightsyncTrainerEngine(client=off, source=engine.source)
+    unprefetched._unapplied = 9
+    assert not unprefetched.wait_prefetched(timeout_s=600)  # at once: nothing to wait for
+    assert len(off.calls) == 1
+    with pytest.raises(InvalidArgument, match="shut down"):
+        never.apply_weights()  # no publisher
+
+
+def test_wait_prefetched_says_why_when_the_workers_cannot_be_asked() -> None:
+    engine = WeightsyncTrainerEngine(client=RecordingClient(), source=CountingSource(torch.nn.Linear(3, 2)))
+    engine._unapplied = 1
+    with pytest.raises(Exception, match="neither collective_rpc nor base_url"):
+        engine.wait_prefetched(timeout_s=0)
+
+
+class _Rollout:
+    agent_id = "eng"
+
+    def __init__(self, prefetcher: object | None) -> None:
+        self.prefetcher = prefetcher
+        self.asked: list[tuple[Any, float]] = []
+
+    def wait_ready(self, version: Any, timeout_s: float) -> bool:
+        self.asked.append((version, timeout_s))
+        return self.prefetcher is not None
+
+
+def test_the_worker_extension_answers_ready_for_the_backends_rollout_with_vllms_string_args() -> None:
+    from types import SimpleNamespace
+
+    from rollout_agent.vllm_worker.extension import WeightsyncWorkerExtension
+
+    worker = WeightsyncWorkerExtension()
+    with pytest.raises(RuntimeError, match="neither attached nor initialized"):
+        worker.weightsync_ready("3")
+    rollout = _Rollout(prefetcher=object())
+    worker.weight_transfer_engine = SimpleNamespace(rollout=rollout)  # type: ignore[attr-defined]  # vLLM's worker's
+    assert worker.weightsync_ready("3", "0.5") == {"agent_id": "eng", "version": "3", "ready": True, "prefetch": True}
+    assert rollout.asked == [("3", 0.5)]
+    worker.weight_transfer_engine = SimpleNamespace(rollout=_Rollout(prefetcher=None))  # type: ignore[attr-defined]
+    assert worker.weightsync_ready(4)["prefetch"] is False

@@ -36,10 +36,18 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
-from rollout_agent.engines.fingerprint import MASK, Fingerprint, add, shifted
+from rollout_agent.engines.fingerprint import MASK, Fingerprint, add, canonical_fingerprint, shifted
 
 PROBE_ROWS = 1024  # identity rows per kernel probe: bounds the probe's memory at PROBE_ROWS x N
 _ALL = slice(None)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _exponent_mask(dtype: Any) -> int:
+    """The exponent bits of a torch float dtype the native shim reads canonically (0: another dtype)."""
+    import torch
+
+    return {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}.get(dtype, 0)
 
 
 @dataclass(frozen=True)
@@ -169,12 +177,23 @@ class VllmLayout:
         from rollout_agent.engines.vllm.applier import to_torch
 
         out, why = {}, ""
+        own = to_torch(np.empty(0, arr.dtype)).dtype
         for r in self.regions.get(name, ()):
-            box = to_torch(np.ascontiguousarray(arr[r.source_box])).to(r.dtype)
-            if r.kernel and box.is_floating_point() and not bool(torch.isfinite(box).all()):
+            source = np.ascontiguousarray(arr[r.source_box])
+            # the bits as they are where vLLM keeps the dtype; else cast as its loader casts
+            box = source if own == r.dtype else to_torch(source).to(r.dtype)
+            bits = box.view(_UINT[box.dtype.itemsize]) if own == r.dtype else None
+            if r.kernel and (mask := _exponent_mask(r.dtype)):
+                fp, nonfinite = canonical_fingerprint(bits if bits is not None else _bits(box.contiguous()), mask)
+            elif r.kernel and box.is_floating_point():  # another float width: torch's elementwise passes
+                t = to_torch(box) if bits is not None else box
+                fp, nonfinite = _fingerprint(t, True), int(not bool(torch.isfinite(t).all()))
+            else:
+                fp, nonfinite = fingerprint(bits if bits is not None else _bits(box.contiguous())), 0
+            if nonfinite:
                 why = "holds NaN or infinity, which its GEMM cannot carry back exactly"
                 continue
-            out[r.key] = Expected(_fingerprint(box, r.kernel), (name,))
+            out[r.key] = Expected(fp, (name,))
         return out, why
 
     def read(self, keys: set[str]) -> dict[str, Fingerprint]:
@@ -234,8 +253,11 @@ def _canonical(t: Any) -> Any:
 
 
 def _fingerprint(t: Any, kernel: bool) -> Fingerprint:
-    """A region's fingerprint where it lives: NumPy over host memory, torch's integer sums
-    on an accelerator (only the sums come back)."""
+    """A region's fingerprint where it lives: NumPy (the native shim's one pass, canonical
+    for a kernel's floats) over host memory, torch's integer sums on an accelerator (only
+    the sums come back)."""
+    if t.device.type == "cpu" and kernel and (mask := _exponent_mask(t.dtype)):
+        return canonical_fingerprint(_bits(t.contiguous()), mask)[0]
     t = _canonical(t) if kernel else t
     if t.device.type != "cpu":
         return torch_fingerprint(t)

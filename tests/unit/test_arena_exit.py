@@ -1,0 +1,69 @@
+"""A trainer process's arena file is removed on any exit the process itself runs: an
+uncaught exception, sys.exit, SIGTERM (unhandled), and a normal end; a kill -9 is left to
+the next trainer's reclaim (`reclaim_orphans`, tests/unit/test_arena_files.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENDINGS = {
+    "exception": "raise RuntimeError('the training step failed')",
+    "exit": "sys.exit(3)",
+    "end": "pass",
+    "sigterm": "time.sleep(60)",
+    "sigterm-handled": "time.sleep(60)",  # the trainer's own handler, set after the arena's
+}
+CHILD = """
+import signal, sys, time
+from trainer_agent.arena import Arena
+arena = Arena("exit-test", slots=1, directory=sys.argv[1])
+arena.ensure_slot_bytes(1 << 20)
+if "handled" in sys.argv[2]:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+print(arena.path, flush=True)
+sys.stdin.readline()  # the test looked at the file
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_an_arena_file_is_removed_on_every_exit_the_process_runs(ending: str, tmp_path: Path) -> None:
+    code = CHILD.format(ending=ENDINGS[ending])
+    with subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), ending],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            path = Path(child.stdout.readline().strip())
+            assert path.exists() and path.parent == tmp_path
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            if ending.startswith("sigterm"):
+                child.send_signal(signal.SIGTERM)
+            rc = child.wait(30)
+        finally:
+            child.kill()
+    assert not path.exists(), f"{ending}: {path} left behind"
+    assert list(tmp_path.iterdir()) == []
+    want = {"exception": 1, "exit": 3, "end": 0, "sigterm": -signal.SIGTERM, "sigterm-handled": 143}[ending]
+    assert rc == want
+
+
+def test_a_forked_child_leaves_its_parents_arena_alone(tmp_path: Path) -> None:
+    code = CHILD.format(ending="import os\nif os.fork() == 0: sys.exit(0)\nos.wait(); print(arena.path.exists())")
+    command = [sys.executable, "-c", code, str(tmp_path), "fork"]
+    done = subprocess.run(command, cwd=ROOT, input="go\n", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "True"  # the child's exit removed nothing of its parent's
+    assert list(tmp_path.iterdir()) == []
