@@ -7,10 +7,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from rss_sampler import RssSampler  # noqa: E402
+
+from weightsync.host_memory import LACKS_VARIABLE  # noqa: E402
 
 MB = 1 << 20
 
@@ -28,6 +31,16 @@ def test_each_phase_keeps_its_own_peak_from_outside_the_process() -> None:
     assert set(rss.peaks) >= {"idle", "big", "after"}
     assert rss.peaks["big"] >= rss.peaks["idle"] + 200 * MB
     assert rss.peaks["after"] < rss.peaks["big"] - 200 * MB  # freed: glibc unmaps a block that large
+
+
+def test_a_phase_whose_rss_cannot_be_read_is_unknown_not_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler reads before the block starts (its child's start is slow on a TPU host),
+    and a phase without a reading is None."""
+    monkeypatch.setenv(LACKS_VARIABLE, "VmRSS")  # the child's reader: no VmRSS in any status
+    with RssSampler(interval_ms=1.0) as rss:
+        rss.phase("idle")
+        time.sleep(0.02)
+    assert rss.peaks == {"start": None, "idle": None}
 
 
 def test_an_interval_of_zero_samples_nothing_and_starts_no_process() -> None:
