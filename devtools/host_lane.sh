@@ -78,11 +78,10 @@ in_lane() {  # in_lane COMMAND...: runs it in the copy, under the host's conditi
     setpriv --reuid="$user" --regid="$user" --clear-groups --inh-caps=-all \
     "${env_args[@]}" sh -c 'cd "$0" && exec "$@"' "$lane/tree" "$@"
 }
-run_tests() {  # run_tests NAME PYTEST_ARGS...: pytest as the host runs it; its last line to $lane/NAME.tail
+run_tests() {  # run_tests NAME PYTEST_ARGS...: pytest as the host runs it, its output in $lane/NAME.log
   local name=$1; shift
   echo "host lane: $name"
   in_lane python3 -m pytest -q -p no:cacheprovider "$@" | tee "$lane/$name.log" || true
-  tail -n 1 "$lane/$name.log" > "$lane/$name.tail"
 }
 
 # the conditions themselves, checked where the tests run: a lane that lost one would pass
@@ -105,18 +104,6 @@ in_lane python3 -c "$probe" || die "the lane lacks a condition of the host's"
 # shellcheck disable=SC2046  # one word a file
 run_tests unit --timeout 120 $(unit_tests)
 run_tests unix-only --timeout 150 -m "tpu or unix_only" tests
-failed=0 passed=0 skipped=0
-for name in unit unix-only; do
-  line=$(cat "$lane/$name.tail")
-  for kind in failed passed skipped error errors; do
-    n=$(grep -oE "[0-9]+ $kind\b" <<< "$line" | grep -oE '^[0-9]+' || true)
-    case $kind in
-      failed | error | errors) failed=$((failed + ${n:-0})) ;;
-      passed) passed=$((passed + ${n:-0})) ;;
-      skipped) skipped=$((skipped + ${n:-0})) ;;
-    esac
-  done
-  grep -qE '[0-9]+ (passed|failed|skipped|error)' <<< "$line" || { echo "host lane: $name ended without a summary"; failed=$((failed + 1)); }
-done
-echo "host lane: $failed failed, $passed passed, $skipped skipped in $((SECONDS - t0)) s"
-[ "$failed" = 0 ]
+line=$("$venv/bin/python" devtools/suite_verdict.py --name "host lane" "$lane/unit.log" "$lane/unix-only.log") && ok=1 || ok=0
+echo "$line in $((SECONDS - t0)) s"
+[ "$ok" = 1 ]
