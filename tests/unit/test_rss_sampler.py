@@ -33,6 +33,14 @@ def test_each_phase_keeps_its_own_peak_from_outside_the_process() -> None:
     assert rss.peaks["after"] < rss.peaks["big"] - 200 * MB  # freed: glibc unmaps a block that large
 
 
+def test_the_sampler_has_read_the_rss_once_before_the_block_starts() -> None:
+    """Its child takes ~1 s to start on a TPU host (~0.3 s here): phases that passed before
+    its first sample would read nothing. It has sampled once when the block starts."""
+    with RssSampler(interval_ms=1.0) as rss:
+        rss.phase("at-once")
+    assert (rss.peaks.get("start") or 0) > 0, rss.peaks
+
+
 def test_a_phase_whose_rss_cannot_be_read_is_unknown_not_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler reads before the block starts (its child's start is slow on a TPU host),
     and a phase without a reading is None."""
