@@ -55,21 +55,29 @@ ln -s "$py" "$lane/bin/python3"
 chown -R "$user:$user" "$lane"
 chmod 755 "$lane"
 
-# Where the user may not enter a folder above the interpreter, this namespace shows it
-# there alone: the interpreter's prefix bound aside, an empty tmpfs over the closed folder,
-# the prefix bound back at its own path.
-blocked=""
-dir=$prefix
-while [ "$dir" != / ]; do
-  setpriv --reuid="$user" --regid="$user" --clear-groups test -x "$dir" || blocked=$dir
-  dir=$(dirname "$dir")
+# Where the user may not enter a folder above the interpreter or the venv's site-packages
+# (/root/.pyenv, a checkout under /root), this namespace shows them there alone: each bound
+# aside, an empty tmpfs over the closed folder, each bound back at its own path.
+blocked_above() {  # the topmost folder above $1 the user may not enter, or nothing
+  local dir=$1 found=""
+  while [ "$dir" != / ]; do
+    setpriv --reuid="$user" --regid="$user" --clear-groups test -x "$dir" || found=$dir
+    dir=$(dirname "$dir")
+  done
+  echo "$found"
+}
+aside="" over="" back=""
+i=0
+for path in "$prefix" "$site"; do
+  closed=$(blocked_above "$path")
+  [ -n "$closed" ] || continue
+  i=$((i + 1))
+  mkdir "$lane/aside-$i"
+  aside+="mount --bind '$path' '$lane/aside-$i' && "
+  [[ " $over " == *" '$closed' "* ]] || over+="mount -t tmpfs -o mode=755 tmpfs '$closed' && "
+  back+="mkdir -p '$path' && mount --bind '$lane/aside-$i' '$path' && "
 done
-expose=":"
-if [ -n "$blocked" ]; then
-  mkdir "$lane/prefix"
-  expose="mount --bind '$prefix' '$lane/prefix' && mount -t tmpfs -o mode=755 tmpfs '$blocked'"
-  expose+=" && mkdir -p '$prefix' && mount --bind '$lane/prefix' '$prefix'"
-fi
+expose="$aside$over$back:"
 
 env_args=(env -i PATH="$lane/bin:/usr/local/bin:/usr/bin:/bin" HOME="$lane/home" LANG=C.UTF-8
   PYTHONPATH="$site:$lane/tree" PYTHONUNBUFFERED=1 WEIGHTSYNC_KIT="$lane/tree/.tpu-kit" WEIGHTSYNC_PROC_LACKS=gvisor)
