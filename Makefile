@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
+.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
 
 setup: $(STAMP)
 
@@ -58,6 +58,13 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest -q tests/integration
+
+# The TPU host's conditions here (devtools/host_lane.sh, as root): the kit's layout (the
+# dependencies on PYTHONPATH, no venv), no inet socket, an ordinary user, a copy without
+# .git and gVisor's /proc; the unit tests that start processes or read what the host lacks,
+# and the unix-only tests. HOST_LANE_UNIT_ALL=1: all of tests/unit.
+test-host: setup
+	VENV=$(VENV) devtools/host_lane.sh
 
 # The chaos soak: the suite `make test` runs for 40 s with a fixed seed, here for
 # CHAOS_SECONDS (default 300) with a fresh seed; CHAOS_SEED=<seed> replays a schedule

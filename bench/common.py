@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer_agent.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
+from weightsync.host_memory import lacks, status_lines  # noqa: E402
 from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
 
 T = TypeVar("T")
@@ -45,26 +46,26 @@ def model_bytes(size: str) -> int:
     return sum(int(np.prod(s)) * 2 for s in param_shapes(PRESETS[size]).values())
 
 
-def _status_kib(pid: int | str, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
+def _status_kib(pid: int | str, key: str) -> int | None:
+    """A `/proc/PID/status` field in KiB; None where the host does not give it."""
+    for line in status_lines(pid):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return None
 
 
 def rss_bytes(pid: int | str = "self") -> int:
-    return _status_kib(pid, "VmRSS") * 1024
+    return (_status_kib(pid, "VmRSS") or 0) * 1024
 
 
-def peak_rss_bytes(pid: int | str = "self") -> int:
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
     """VmHWM: the largest RSS since start or since reset_peak_rss(). Where the kernel does
     not report it (gVisor, which TPU hosts run under, has no VmHWM), this process's
-    getrusage ru_maxrss, which cannot be reset."""
-    peak = _status_kib(pid, "VmHWM") * 1024
-    if not peak and pid == "self":
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak
+    getrusage ru_maxrss, which cannot be reset; for another process there, None (unknown)."""
+    peak = _status_kib(pid, "VmHWM")
+    if peak is None and pid == "self":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None if peak is None else peak * 1024
 
 
 def cpu_seconds(pids: Iterable[int | str] = ("self",)) -> float:
@@ -84,7 +85,9 @@ def cpu_seconds(pids: Iterable[int | str] = ("self",)) -> float:
 @functools.cache
 def peak_rss_resettable() -> bool:
     """Whether this process may set its VmHWM back (write to /proc/self/clear_refs): TPU VMs
-    and many pods do not let an ordinary user write that file."""
+    and many pods do not let an ordinary user write that file, and gVisor has none."""
+    if "clear_refs" in lacks():
+        return False
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -16,8 +16,9 @@ as if staged, the rest at the version's end. Modes, interleaved (ABAB):
 Each mode runs `--versions` versions a round in a process of its own (mallopt's settings,
 and the heaps they leave, stay with a process), the first not counted (its heaps, or the
 bound's buffers, are made then). Prints, per mode, the median GB/s and its ratio to the
-bound's, and the worker's page faults and system CPU seconds per version (RUSAGE_THREAD),
-as one JSON object (also to `--out`).
+bound's, and the worker's page faults (None, "unknown", where the kernel counts none:
+gVisor) and system CPU seconds per version (RUSAGE_THREAD), as one JSON object (also to
+`--out`).
 
     python bench/heap_reuse.py                        # a 0.6b-sized version, 1 GiB window
     python bench/heap_reuse.py --version-mib 8192     # a 4b-sized one
@@ -44,6 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import HEAP_PADS, emit_json, on_thread  # noqa: E402
 
 from trainer_agent.host_heap import hold_freed_memory  # noqa: E402
+from weightsync.host_memory import minor_faults  # noqa: E402
+
+THREAD = resource.RUSAGE_THREAD
 
 MODES = ("kept", "unmapped", "bound")
 
@@ -67,7 +71,7 @@ def blocks(args: argparse.Namespace) -> tuple[int, int, int]:
     return block_bytes, max(1, (args.version_mib << 20) // block_bytes), max(1, (args.window_mib << 20) // block_bytes)
 
 
-def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float]]:
+def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float | None]]:
     """`args.versions` versions in `mode` on one worker thread of this process, the first
     not counted (its heaps, or the bound's buffers, are made then): seconds, page faults and
     system CPU seconds of each."""
@@ -84,14 +88,15 @@ def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float]]:
             ring.append(np.empty(block_bytes, np.uint8))
         return ring[i % len(ring)]
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, float | None]] = []
 
     def worker() -> None:
         for _ in range(args.versions):
-            r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+            f0, r0, t0 = minor_faults(THREAD), resource.getrusage(THREAD), time.perf_counter()
             one_version(n_blocks, in_flight, block, buffer)
-            seconds, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_THREAD)
-            rows.append({"s": seconds, "faults": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime})
+            seconds, f1, r1 = time.perf_counter() - t0, minor_faults(THREAD), resource.getrusage(THREAD)
+            faults = None if f0 is None or f1 is None else f1 - f0
+            rows.append({"s": seconds, "faults": faults, "sys_s": r1.ru_stime - r0.ru_stime})
 
     on_thread(True, worker)
     return rows[1:]
@@ -100,7 +105,7 @@ def measure_mode(args: argparse.Namespace, mode: str) -> list[dict[str, float]]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Each mode in a process of its own (mallopt's settings, and the heaps they leave, stay
     with a process), the modes interleaved `args.rounds` times."""
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
             child = [sys.executable, __file__, "--child", mode, *_sizes(args)]
@@ -116,12 +121,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for mode in MODES:
         out[mode] = {
             "gbps": round(nbytes / statistics.median(r["s"] for r in rows[mode]) / 1e9, 3),
-            "faults_per_version": round(statistics.median(r["faults"] for r in rows[mode])),
+            "faults_per_version": _median_or_none([r["faults"] for r in rows[mode]]),
             "sys_s_per_version": round(statistics.median(r["sys_s"] for r in rows[mode]), 4),
         }
     for mode in ("kept", "unmapped"):
         out[mode]["ratio_to_bound"] = round(out[mode]["gbps"] / out["bound"]["gbps"], 3)
     return out
+
+
+def _median_or_none(values: list[float | None]) -> int | None:
+    """The rounded median; None (unknown) where any value is."""
+    return None if None in values else round(statistics.median(values))  # type: ignore[type-var]
 
 
 def _sizes(args: argparse.Namespace) -> list[str]:
@@ -152,8 +162,9 @@ def main() -> None:
     for mode in MODES:
         r = out[mode]
         ratio = f", {r['ratio_to_bound']}x the bound" if "ratio_to_bound" in r else ""
+        faults = "unknown" if r["faults_per_version"] is None else f"{r['faults_per_version']:,}"
         print(
-            f"{mode}: {r['gbps']} GB/s{ratio}; {r['faults_per_version']:,} page faults and "
+            f"{mode}: {r['gbps']} GB/s{ratio}; {faults} page faults and "
             f"{r['sys_s_per_version']} s system CPU a version",
             file=sys.stderr,
         )

@@ -12,6 +12,10 @@ the parent's /proc/PID/status every `--interval-ms`.
         rss.phase("idle")
     rss.peaks                      # {"async": bytes, "idle": bytes}
 
+The sampler has read the RSS once before the block starts (its child imports for about a
+second on a TPU host), so every phase that lasts an interval is sampled; a phase with no
+sample has the peak None, unknown, not 0.
+
 A copy of a few hundred MiB takes tens of milliseconds at the host's copy rates, so a
 1 ms interval sees a peak that lasts a copy; a spike shorter than that can be missed
 (the peak is a lower bound, within one interval's worth of allocation).
@@ -32,13 +36,14 @@ from common import rss_bytes
 
 class RssSampler:
     """Samples this process's RSS from a child process; `phase(name)` starts a phase,
-    `peaks` (after the block) holds each phase's highest sample in bytes. An interval of
+    `peaks` (after the block) holds each phase's highest sample in bytes (None: the phase
+    ended before a sample, or the RSS could not be read). An interval of
     0 samples nothing (no child; `peaks` stays empty): a run can tell whether the sampling
     itself costs what it measures beside."""
 
     def __init__(self, interval_ms: float = 1.0) -> None:
         self.interval_ms = interval_ms
-        self.peaks: dict[str, int] = {}
+        self.peaks: dict[str, int | None] = {}
         self._child: subprocess.Popen[str] | None = None
 
     @property
@@ -54,6 +59,11 @@ class RssSampler:
             stdout=subprocess.PIPE,
             text=True,
         )
+        assert self._child.stdout is not None
+        if self._child.stdout.readline().strip() != "ready":  # its first sample taken
+            self._child.kill()
+            self._child.wait()
+            raise RuntimeError("the RSS sampler failed to start (its stderr says why)")
         return self
 
     def phase(self, name: str) -> None:
@@ -72,10 +82,13 @@ class RssSampler:
         self.peaks = json.loads(out) if out.strip() else {}
 
 
-def sample(pid: int, interval_s: float) -> dict[str, int]:
-    """Samples `pid`'s VmRSS until stdin ends; phase names arrive on stdin, a line each."""
-    peaks: dict[str, int] = {}
+def sample(pid: int, interval_s: float) -> dict[str, int | None]:
+    """Samples `pid`'s VmRSS until stdin ends; phase names arrive on stdin, a line each;
+    "ready" on stdout once the first sample is taken. A phase no sample fell in, or whose
+    samples read no VmRSS, has None."""
     phase = "start"
+    peaks: dict[str, int | None] = {phase: _rss_or_none(pid)}
+    print("ready", flush=True)
     fd = sys.stdin.fileno()
     pending = b""
     while True:
@@ -88,13 +101,23 @@ def sample(pid: int, interval_s: float) -> dict[str, int]:
             *names, pending = pending.split(b"\n")
             for name in names:
                 phase = name.decode()
-                peaks.setdefault(phase, 0)
+                peaks.setdefault(phase, None)
         try:
-            rss = rss_bytes(pid)
+            rss = _rss_or_none(pid)
         except OSError:  # the process ended
             break
-        peaks[phase] = max(peaks.get(phase, 0), rss)
+        if rss is not None:
+            peaks[phase] = max(peaks.get(phase) or 0, rss)
     return peaks
+
+
+def _rss_or_none(pid: int) -> int | None:
+    """`pid`'s VmRSS in bytes; None where its status has none.
+
+    Raises:
+        OSError: the process ended.
+    """
+    return rss_bytes(pid) or None
 
 
 def main() -> None:

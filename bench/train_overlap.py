@@ -78,7 +78,6 @@ import faulthandler
 import gc
 import json
 import math
-import resource
 import statistics
 import sys
 import tempfile
@@ -120,6 +119,7 @@ from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPubl
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from trainer_agent.stage_plan import Stager, device_window, plan_staging  # noqa: E402
 from weightsync.addresses import inet_refused  # noqa: E402
+from weightsync.host_memory import minor_faults  # noqa: E402
 from weightsync.model_shapes import PRESETS, ModelShape, param_shapes  # noqa: E402
 
 # -- the model: a Qwen3-shaped decoder (tied embeddings), trained by hand-written Adam ------
@@ -659,10 +659,10 @@ class GcPauses:
         }
 
 
-def page_faults() -> int:
-    """The process's page faults so far (minor: a fresh page mapped in; 0 where the kernel
-    does not count them)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def page_faults() -> int | None:
+    """The process's page faults so far (minor: a fresh page mapped in); None where the
+    kernel does not count them (gVisor)."""
+    return minor_faults()
 
 
 class PublishTimeline:
@@ -678,7 +678,7 @@ class PublishTimeline:
     def __init__(self, pub: Any, started: float, *, memory: bool = False) -> None:
         self.started = started
         # (step, version, start ms, end ms, memory at its start, memory at its end: `memory()`)
-        self.events: list[tuple[str, int, float, float, tuple[int, ...], tuple[int, ...]]] = []
+        self.events: list[tuple[str, int, float, float, tuple[int | None, ...], tuple[int | None, ...]]] = []
         self._version = 0
         self._memory = memory
         for name in ("_stage", "_send"):
@@ -690,14 +690,14 @@ class PublishTimeline:
         if hasattr(client, "_publish_bytes"):
             client._publish_bytes = self._timed("rpc", client._publish_bytes)
 
-    def memory(self) -> tuple[int, ...]:
+    def memory(self) -> tuple[int | None, ...]:
         """(bytes of glibc's arenas, bytes of its own mappings, its free chunks in bins, in
-        fastbins: zeros where unknown or not asked for; the process's page faults so far,
-        always: getrusage costs microseconds)."""
+        fastbins: None where unknown or not asked for; the process's page faults so far,
+        always where the kernel counts them: getrusage costs microseconds)."""
         if not self._memory:
-            return 0, 0, 0, 0, page_faults()
+            return None, None, None, None, page_faults()
         heap = heap_stats()
-        return (*(heap.get(k, 0) for k in ("arena", "mapped", "free_chunks", "fast_chunks")), page_faults())
+        return (*(heap.get(k) for k in ("arena", "mapped", "free_chunks", "fast_chunks")), page_faults())
 
     def _timed(self, step: str, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -724,14 +724,13 @@ class PublishTimeline:
         for s, v, a, b, before, after in self.events:
             if a < end_ms and b > start_ms:
                 (h0, m0, _, _, f0), (h1, m1, chunks, fast, f1) = before, after
-                faults = f1 - f0
                 notes = [
                     f"{k} {(y - x) / 1e9:+.2f} GB"
                     for k, x, y in (("heap", h0, h1), ("mapped", m0, m1))
-                    if abs(y - x) >= 64 << 20
+                    if x is not None and y is not None and abs(y - x) >= 64 << 20
                 ]
-                notes += [f"{chunks:,} free chunks, {fast:,} in fastbins"] if chunks or fast else []
-                notes += [f"{faults:,} faults"] if faults >= 1000 else []
+                notes += [f"{chunks or 0:,} free chunks, {fast or 0:,} in fastbins"] if chunks or fast else []
+                notes += [f"{f1 - f0:,} faults"] if f0 is not None and f1 is not None and f1 - f0 >= 1000 else []
                 out.append(f"{s} v{v} {a}-{b}" + "".join(f" {n}" for n in notes))
         return out
 
@@ -809,7 +808,8 @@ def async_phase(
         if stalls:
             stalls.disarm()
         overlapped.append(busy_before or pub._async.busy)
-    cpu_s, faults = time.process_time() - cpu0, page_faults() - faults0
+    cpu_s, faults1 = time.process_time() - cpu0, page_faults()
+    faults = None if faults0 is None or faults1 is None else faults1 - faults0
     gc.callbacks.remove(pauses)
     t = time.perf_counter()
     pub.flush()
@@ -849,7 +849,8 @@ def summary(phase: dict[str, Any], baseline: float, param_bytes: int) -> dict[st
         "step_dispatch_s": _stats(phase["dispatches"]),
         "publish_async_call_s": _stats(phase["calls"]),
         "cpu_s_per_step": round(phase["cpu_s"] / len(its), 4),
-        "faults_per_step": round(phase["faults"] / len(its)),  # the process's page faults (0: not counted)
+        # the process's page faults (None: the kernel counts none)
+        "faults_per_step": None if phase["faults"] is None else round(phase["faults"] / len(its)),
         "gc_pauses": phase["gc"],
         "heap_at_end": phase["heap"],  # glibc's arenas and own mappings when the phase ended
         # each iteration's times, to line up slow ones with pauses
@@ -1030,13 +1031,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # window + 256 MiB (+ the versions held, where they are in host memory)
     bounds = {}
     for v, label in zip((base, *variants), labels, strict=True):
-        phase_peak = rss.peaks.get("async" if v is base else label, 0)
+        phase_peak = rss.peaks.get("async" if v is base else label)  # None: unknown (no sample)
         bound = baselines[label] + 2 * param_bytes + v.window_bytes + (256 << 20) + held_max[label] * held_counted
         bounds[label] = {
             "baseline_bytes": baselines[label],
             "peak_bytes": phase_peak,
             "bound_bytes": bound,
-            "within": phase_peak <= bound if rss.sampling else None,  # None: not sampled
+            "within": phase_peak <= bound if phase_peak is not None else None,  # None: not sampled
         }
     out |= {
         "rss_baseline_bytes": rss_baseline,
@@ -1054,14 +1055,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not rss.sampling:
         print(f"RSS: not sampled (--rss-interval-ms 0); process high-water mark {peak / 1e9:.2f} GB", file=sys.stderr)
         return out
+    async_peak = bounds[base.label()]["peak_bytes"]
     print(
-        f"RSS: async phase peak {bounds[base.label()]['peak_bytes'] / 1e9:.2f} GB, bound "
+        f"RSS: async phase peak {'unknown' if async_peak is None else f'{async_peak / 1e9:.2f}'} GB, bound "
         f"{bounds[base.label()]['bound_bytes'] / 1e9:.2f} GB, within: {out['rss_within_bound']}; variants within: "
         f"{[b['within'] for label, b in bounds.items() if label != base.label()]}; "
         f"process high-water mark {peak / 1e9:.2f} GB",
         file=sys.stderr,
     )
     return out
+
+
+def _count(n: int | None) -> str:
+    """`n` with thousands separators; "unknown" for None."""
+    return "unknown" if n is None else f"{n:,}"
 
 
 def _report(label: str, s: dict[str, Any], baseline: float) -> None:
@@ -1074,7 +1081,7 @@ def _report(label: str, s: dict[str, Any], baseline: float) -> None:
         f"{s['publish_async_call_s']['max'] * 1e3:.0f} max ms; "
         f"published {s['published']}; to READY {s['publish_to_ready_steps'] or {}}; "
         f"{s['d2h_stage_gbps']} GB/s; CPU {s['cpu_s_per_step'] * 1e3:.0f} ms/step; "
-        f"{s['faults_per_step']:,} page faults/step; GC {s['gc_pauses']}"
+        f"{_count(s['faults_per_step'])} page faults/step; GC {s['gc_pauses']}"
         + (f"; not offered {s['not_offered']}" if s["not_offered"] else ""),
         file=sys.stderr,
     )

@@ -3,7 +3,8 @@
 # minutes. Prepare the offline kit on a machine with a package index: `make tpu-kit`
 # (docs/install-tpu.md); carry .tpu-kit/ to the host with the project and run there
 #
-#   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most
+#   source .tpu-kit/activate && devtools/tpu_checks.sh suite       # the tests, ~9 min at most; ends
+#                                                                  # `suite: N failed, M passed, K skipped`
 #   source .tpu-kit/activate && devtools/tpu_checks.sh bench       # trainer staging and overlap, ~9 min at most
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
@@ -84,15 +85,25 @@ preloadable_allocator() {  # the first tcmalloc or jemalloc the host has (Debian
   done
 }
 
+suite_verdict() {  # suite_verdict STEP...: one line for those of the steps asked, `suite: N failed,
+  # M passed, K skipped` from their pytest summaries (a step without one, cut short or
+  # skipped for time, named), into the summary
+  local name logs=()
+  for name in "$@"; do asked "$name" && logs+=("$out/$name.log"); done
+  [ "${#logs[@]}" = 0 ] || "$py" devtools/suite_verdict.py --name suite "${logs[@]}" | tee -a "$summary"
+}
+
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0  # sourced (tests/integration/test_tpu_checks.py): the functions only
 
 case "${1:-}" in
   suite)
     facts
+    rm -f "$out/unit.log" "$out/tpu-marked.log"  # a step skipped for time leaves no log of an earlier call
     # the unit suite at JAX's default platform: CPU-meant tests pin a CPU device, inet tests skip
     step unit 330 "$py" -m pytest -q -p no:cacheprovider --timeout 120 tests/unit
     # the chip's own tests (skipped off a TPU), the unix-socket process tests beside them
     step tpu-marked 200 "$py" -m pytest -q -p no:cacheprovider --timeout 150 -m "tpu or unix_only" tests
+    suite_verdict unit tpu-marked
     ;;
   bench)
     facts

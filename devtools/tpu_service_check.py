@@ -331,7 +331,8 @@ def run(args: argparse.Namespace, out: dict[str, Any], workdir: Path, report: Pa
             out["service_status"] = json.loads((report / "status.json").read_text())
             guard.sample()
             for name, proc in cluster.procs.items():  # VmHWM: each process's own high-water mark
-                out["memory"].setdefault("vmhwm", {})[name] = host_memory(proc.pid).peak
+                # None: unknown (gVisor has no VmHWM, and another process's getrusage is not ours)
+                out["memory"].setdefault("vmhwm", {})[name] = host_memory(proc.pid).peak or None
             out["memory"]["vmhwm"]["trainer"] = host_memory().peak
 
 

@@ -68,11 +68,22 @@ def no_shm_leak() -> Iterator[None]:
     if not shm.is_dir():
         return
     deadline = time.monotonic() + 10.0  # processes the last tests stopped may still be exiting
-    while (left := unmapped(set(shm.iterdir()) - before)) and time.monotonic() < deadline:
+    while (left := unmapped(_own(set(shm.iterdir()) - before))) and time.monotonic() < deadline:
         time.sleep(0.5)
     for path in left:  # removed, so that the next run starts clean; the run still fails
         path.unlink(missing_ok=True)
     assert not left, f"the run left shared memory behind: {sorted(p.name for p in left)}"
+
+
+def _own(paths: set[Path]) -> set[Path]:
+    """Those of `paths` this user owns: another user's (a shared host's other runs) are not
+    this run's, and not this user's to remove."""
+    own = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.stat().st_uid == os.geteuid():
+                own.add(path)
+    return own
 
 
 def _arenas() -> set[str]:

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy"))
 from check_wheel import problems  # noqa: E402
 
+from tests.unit.helpers import python_path  # noqa: E402
+
 
 def _clean_copy(dest: Path) -> None:
     """The files a clean clone has (the build context .dockerignore leaves)."""
@@ -82,7 +84,7 @@ def test_a_trainer_build_without_jax_headers_fails_instead_of_degrading(tmp_path
             str(tmp_path / "l"),
         ],
         cwd=ROOT,
-        env={**os.environ, "WEIGHTSYNC_REQUIRE_FFI": "1", "PYTHONPATH": str(tmp_path / "shadow")},
+        env={**os.environ, "WEIGHTSYNC_REQUIRE_FFI": "1", "PYTHONPATH": python_path(tmp_path / "shadow")},
         capture_output=True,
         text=True,
     )

@@ -46,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 
 from tests.conftest import unmapped  # noqa: E402
 from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
+from tests.unit.helpers import python_path  # noqa: E402
 from tests.unit.test_vllm_trainer import RecordingClient  # noqa: E402
 from trainer_agent.vllm_trainer import EXTENSION, WeightsyncTrainerEngine, WeightsyncTrainerInitInfo  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
@@ -324,7 +325,7 @@ def test_the_example_runs_against_vllms_server(server: str, coordinator: str, mo
     whatever the server held, which then serves transformers' log-probs."""
     import transformers
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT)}
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "rlhf_http_weightsync.py"), "--model", str(model_dir)]
         + ["--base-url", server, "--coordinator", coordinator, "--session", "example"],

@@ -19,6 +19,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from devtools.cluster import Cluster
+from tests.unit.helpers import python_path
 from tests.unit.maxtext_reference import to_maxtext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,7 @@ def test_the_maxtext_example_commits_every_step_and_the_rollout_applies_the_trai
         capture_output=True,
         text=True,
         timeout=120,
-        env={**cluster.env, "PYTHONPATH": str(ROOT)},
+        env={**cluster.env, "PYTHONPATH": python_path(ROOT)},
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
     )

@@ -20,6 +20,7 @@ from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.round import sync_version
 from tests.integration.sharded_publisher import MESH_TREE, global_value
 from tests.integration.support import free_port
+from tests.unit.helpers import python_path
 from weightsync.client import CoordinatorClient
 from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint
@@ -36,7 +37,7 @@ def _start(spec: dict) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": python_path(ROOT), "PATH": "/usr/bin:/bin"},
     )
 
 

@@ -96,3 +96,20 @@ def test_the_host_facts_are_json_whatever_the_interpreter_warns(tmp_path: Path) 
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "host.json").read_text())["platform"] == "cpu"
     assert "Transparent hugepages" in (tmp_path / "host.err").read_text()
+
+
+def test_the_suite_ends_with_one_line_of_its_counts(tmp_path: Path) -> None:
+    """`suite`'s verdict over its two pytest steps' logs: errors count as failed, a step
+    without pytest's summary is named, a step not asked for is left out."""
+    (tmp_path / "unit.log").write_text(
+        "..F\nFAILED tests/unit/x.py::t\n7 failed, 655 passed, 34 skipped in 230.87s (0:03:50)\n"
+    )
+    (tmp_path / "tpu-marked.log").write_text("15 passed, 14 skipped, 1 error, 937 deselected in 141.31s (0:02:21)\n")
+    done = _sourced(tmp_path, "suite_verdict unit tpu-marked")
+    assert done.stdout == "suite: 8 failed, 670 passed, 48 skipped\n", done.stderr
+    (tmp_path / "tpu-marked.log").write_text("..s..\n")  # cut short: no summary
+    done = _sourced(tmp_path, "suite_verdict unit tpu-marked")
+    assert done.stdout == "suite: 7 failed, 655 passed, 34 skipped; tpu-marked: no summary (cut short or crashed)\n"
+    done = _sourced(tmp_path, "suite_verdict unit tpu-marked", TPU_CHECKS_ONLY="unit")
+    assert done.stdout == "suite: 7 failed, 655 passed, 34 skipped\n"
+    assert (tmp_path / "summary.txt").read_text().count("suite: ") == 3

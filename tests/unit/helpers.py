@@ -76,6 +76,14 @@ def damage(db_path: Path) -> None:
             f.write(os.urandom(4096))
 
 
+def python_path(*first: Path | str) -> str:
+    """A child interpreter's PYTHONPATH: `first`, then this process's own. A TPU host's kit
+    (devtools/tpu_kit.sh) puts the dependencies, the host's JAX stack among them, on
+    PYTHONPATH rather than in a venv: a child given a PYTHONPATH of its own imports none."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([*map(str, first), *inherited])
+
+
 def unshare_missing() -> str:
     """Why a network namespace cannot be made here ("" where `unshare -n` runs)."""
     if shutil.which("unshare") is None:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.unit.helpers import python_path
 from trainer_agent import device_blocks as device_blocks_module
 from trainer_agent import params as params_module
 from trainer_agent.d2h_thread import THREAD_NAME, blocks_on_d2h_thread
@@ -129,6 +130,6 @@ def test_a_forked_child_starts_a_d2h_thread_of_its_own() -> None:
     """In a process of its own without JAX (which warns at every fork)."""
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
-        [sys.executable, "-c", _FORK], cwd=root, env={"PYTHONPATH": str(root)}, capture_output=True, timeout=60
+        [sys.executable, "-c", _FORK], cwd=root, env={"PYTHONPATH": python_path(root)}, capture_output=True, timeout=60
     )
     assert run.returncode == 0, run.stderr[-2000:]

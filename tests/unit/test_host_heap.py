@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers import python_path
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # in a process of its own: the thresholds stay set for the life of a process
@@ -55,7 +57,7 @@ def _script_json(script: str, arg: str, env_pad: int = 0, tunables: str = "") ->
     own (mallopt's settings stay for the life of a process; JAX on the CPU); `env_pad`
     bytes of environment shift where the interpreter's early mallocs land; `tunables`:
     glibc's, read at the interpreter's start (GLIBC_TUNABLES)."""
-    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PAD": "x" * env_pad}
+    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path(ROOT), "PATH": "/usr/bin:/bin", "PAD": "x" * env_pad}
     if tunables:
         env["GLIBC_TUNABLES"] = tunables
     out = subprocess.run(

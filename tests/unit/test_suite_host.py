@@ -3,9 +3,11 @@ processes tests start stay off the chip."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,34 @@ def test_processes_the_tests_start_run_jax_on_the_cpu() -> None:
     code = "import os; print(os.environ.get('JAX_PLATFORMS'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "cpu"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = ("weightsync", "trainer_agent", "rollout_agent", "coordinator", "devtools", "bench", "examples", "tests")
+
+
+def test_fault_counts_are_read_only_where_the_host_lane_reaches_them() -> None:
+    """gVisor counts no page faults: `weightsync.host_memory.minor_faults` says None there,
+    and `make test-host` emulates that through it (WEIGHTSYNC_PROC_LACKS), so a count read
+    elsewhere would read 0 on the host and pass in the lane."""
+    readers = {
+        str(path.relative_to(ROOT))
+        for top in CODE
+        for path in (ROOT / top).rglob("*.py")
+        if re.search(r"\.ru_m(in|aj)flt\b", path.read_text())
+    }
+    assert readers <= {"weightsync/host_memory.py"}, f"read weightsync.host_memory.minor_faults instead: {readers}"
+
+
+def test_children_the_tests_start_keep_the_inherited_python_path() -> None:
+    """A TPU host's kit puts the dependencies on PYTHONPATH, not in a venv: a child given a
+    PYTHONPATH of the project alone imports none of them there. Every
+    PYTHONPATH a test or tool sets goes through `tests.unit.helpers.python_path`."""
+    setters = {
+        f"{path.relative_to(ROOT)}:{n}"
+        for top in CODE
+        for path in (ROOT / top).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"""["']PYTHONPATH["']\s*:""", line) and "python_path(" not in line
+    }
+    assert not setters, f"set PYTHONPATH with tests.unit.helpers.python_path(...): {sorted(setters)}"

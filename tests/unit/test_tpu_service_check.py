@@ -4,11 +4,23 @@ logits pass; the host memory figures it reads are this process's."""
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import pytest
 
 from devtools.tpu_service_check import _compare, make_base, reference_logits, version_of
-from weightsync.host_memory import host_memory, mem_available, parse_status
+from weightsync import host_memory as host_memory_module
+from weightsync.host_memory import (
+    LACKS_VARIABLE,
+    faults_counted,
+    host_memory,
+    lacks,
+    mem_available,
+    minor_faults,
+    parse_status,
+)
 
 PRESET = "small"
 TOKENS = np.random.default_rng(0).integers(0, 8192, (2, 16))
@@ -52,3 +64,42 @@ def test_this_process_memory_is_read_by_kind() -> None:
         assert m.own == m.rss
     assert host_memory(2**22 + 7).rss == 0  # no such process: zeros, not an error
     assert mem_available() > 0
+
+
+@pytest.fixture
+def proc_lacks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Sets $WEIGHTSYNC_PROC_LACKS for this test (the readers read it once a process)."""
+
+    def set_lacks(value: str) -> None:
+        monkeypatch.setenv(LACKS_VARIABLE, value)
+        lacks.cache_clear()
+        faults_counted.cache_clear()
+
+    yield set_lacks
+    lacks.cache_clear()
+    faults_counted.cache_clear()
+
+
+def test_the_proc_readers_read_as_gvisor_where_asked(proc_lacks: Callable[[str], None]) -> None:
+    """`gvisor` names what gVisor lacks: this process's memory then reads by VmRSS alone, its
+    peak from getrusage, and its page faults as unknown (None), not 0."""
+    proc_lacks("gvisor")
+    assert lacks() == host_memory_module.GVISOR_LACKS and "minflt" in lacks()
+    m = host_memory()
+    assert m.rss > 0 and not m.by_kind and m.own == m.rss and m.anon == 0 and m.peak >= m.rss
+    assert not faults_counted() and minor_faults() is None
+    proc_lacks(" VmHWM , minflt")
+    assert lacks() == {"VmHWM", "minflt"}
+    assert not [line for line in host_memory_module.status_lines() if line.startswith("VmHWM:")]
+    assert host_memory().peak > 0  # this process's own: getrusage's
+
+
+def test_page_faults_are_counted_where_the_kernel_counts_them(proc_lacks: Callable[[str], None]) -> None:
+    proc_lacks("")
+    if not faults_counted():
+        pytest.skip("this kernel counts no page faults (gVisor)")
+    before = minor_faults()
+    with mmap.mmap(-1, 64 * mmap.PAGESIZE) as fresh:  # not a heap's pages, touched before
+        for offset in range(0, len(fresh), mmap.PAGESIZE):
+            fresh[offset] = 1
+    assert before is not None and (minor_faults() or 0) > before

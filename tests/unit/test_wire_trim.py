@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.helpers import make_part, sample_arrays
+from tests.unit.helpers import make_part, python_path, sample_arrays
 from weightsync._proto import types_pb2 as tpb
 from weightsync.manifest import ChunkSpec, DeltaChunkSpec, Part, PartDelta, ShardSpec, TensorSpec
 from weightsync.wire import PartBuilder, part_to_batches
@@ -70,7 +70,7 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trims(shim: Path, way: str, versions: int) -> dict[str, int]:
-    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": f"{ROOT}:{BENCH}"}
+    env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": python_path(ROOT, BENCH)}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, way, str(versions)], env=env, capture_output=True, text=True, timeout=120
     )
