@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.engines.applier import Applier
-from rollout_agent.engines.audit_reading import AuditReading
+from rollout_agent.engines.audit_reading import AuditReading, VerifiedDigests
 from rollout_agent.engines.vllm.audit import VllmAudit
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
@@ -135,8 +135,9 @@ class VllmApplier(Applier):
                     field="manifest.tensors",
                 )
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """The audit's reference of the verified bytes, taken while the engine serves."""
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
+        """The audit's reference of the verified bytes, taken while the engine serves (vLLM
+        holds them in its own layouts: fingerprints, not `check`'s digests)."""
         self._audit.prepare(version, tensors)
 
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
