@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,9 +248,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_mode = report(blocks, modes)
     bad = verdicts(by_mode, judge, args.threshold)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"ref": args.ref, "blocks": [b.__dict__ for b in blocks], "ratios": by_mode}, indent=1)
-        )
+        result = {
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["bench/compare.py", *(argv if argv is not None else sys.argv[1:])]),
+            "ref": args.ref,
+            "ref_commit": git("rev-parse", "--short", "HEAD", cwd=ref_tree),
+            "this_commit": git("rev-parse", "--short", "HEAD", cwd=this_tree),
+            "this_tree_changed": bool(git("status", "--porcelain", "--untracked-files=no", cwd=this_tree)),
+            "load_average": os.getloadavg(),
+            "blocks": [b.__dict__ for b in blocks],
+            "ratios": by_mode,
+            "slower": bad,
+        }
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     for line in bad:
         print(f"SLOWER {line}")
     print("FAIL" if bad else f"OK: no judged ratio ({', '.join(judge)}) above {1 + args.threshold:.2f}")
