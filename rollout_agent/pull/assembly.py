@@ -105,9 +105,10 @@ def digest_all(
     tensors: Mapping[str, np.ndarray],
     known: Mapping[str, tuple[int, float]] | None = None,
     names: Iterable[str] | None = None,
+    threads: int = 0,
 ) -> dict[str, tuple[int, float]]:
     """Per-tensor (xxh3, sum) over assembled tensors, in manifest order (`names`: only
-    those of the manifest's tensors).
+    those of the manifest's tensors; `threads`: the native pass's, 0 for every core).
 
     Tensors held whole by one shard go through the native shim in one parallel pass
     (xxh3 and float64 sum per block while it is in cache); the rest through Python.
@@ -123,7 +124,7 @@ def digest_all(
     out: dict[str, tuple[int, float]] = {n: known[n] for n in wanted if n in known}
     if whole:
         arrays = [(tensors[n], native_code(tensors[n].dtype)) for n in whole]
-        digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes)
+        digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes, threads=threads)
         out.update((n, (int(d), float(s))) for n, d, s in zip(whole, digests, sums))
     for name in wanted:
         if name not in out:
@@ -144,8 +145,9 @@ class TensorCheck:
         return self.manifest.tensor_digests()
 
     def digests(self, arrays: Mapping[str, np.ndarray]) -> dict[str, int]:
-        """xxh3 of each of `arrays` (named as the manifest's tensors) by the manifest's rule."""
-        return {n: d for n, (d, _) in digest_all(self.manifest, arrays, names=arrays).items()}
+        """xxh3 of each of `arrays` (named as the manifest's tensors) by the manifest's rule,
+        on one thread (an audit leaves the engine's other cores alone)."""
+        return {n: d for n, (d, _) in digest_all(self.manifest, arrays, names=arrays, threads=1).items()}
 
 
 def mismatched(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> list[tuple[str, int, int]]:
