@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
+.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-compare bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
 
 setup: $(STAMP)
 
@@ -150,6 +150,13 @@ native: setup
 bench: setup
 	$(PIP) install --quiet $(LOCKED) --no-build-isolation -e '.[bench]'
 	$(PY) bench/transfer.py $(BENCH_ARGS)
+
+# The transfer bench's A/B against a reference commit (bench/compare.py): a clone of REF with
+# its native shim, both trees run in alternating blocks, paired ratios of wall and CPU seconds
+# per mode; fails when a mode is more than 10% slower. COMPARE_ARGS="--blocks 2 --judge cpu".
+REF ?= main
+bench-compare: setup
+	$(PY) bench/compare.py $(REF) $(COMPARE_ARGS)
 
 bench-control: setup
 	$(PY) bench/control.py $(BENCH_ARGS)

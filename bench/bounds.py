@@ -66,14 +66,19 @@ class Bounds:
         }
 
 
-def measure(nbytes: int, reps: int = 5) -> Bounds:
-    """Medians of `reps` repetitions of each piece of work over warm buffers."""
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
+def measure(
+    nbytes: int, reps: int = 5, buffers: tuple[np.ndarray, np.ndarray] | None = None, socket: bool = True
+) -> Bounds:
+    """Medians of `reps` repetitions of each piece of work over warm buffers (`buffers`:
+    a source and a destination of `nbytes` uint8 each, kept by a caller that measures
+    again and again; their first use faults their pages in). Without `socket`, the
+    socket's figures stay 0 (for shm, whose least work has none)."""
+    src, dst = buffers if buffers is not None else (np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8))
     b = Bounds(nbytes)
     b.copy_s = _median_cpu(lambda: np.copyto(dst, src), reps)
     b.hash_s = _median_cpu(lambda: xxhash.xxh3_64_intdigest(src), reps)
-    b.send_cpu_s, b.recv_cpu_s, b.socket_s = _socket(src, dst, reps)
+    if socket:
+        b.send_cpu_s, b.recv_cpu_s, b.socket_s = _socket(src, dst, reps)
     return b
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.apply_report import ApplyReport
-from rollout_agent.engines.audit_reading import AuditReading
+from rollout_agent.engines.audit_reading import AuditReading, VerifiedDigests
 from weightsync.errors import FailedPrecondition
 from weightsync.failpoints import Failpoints
 from weightsync.manifest import TensorSpec
@@ -65,8 +65,8 @@ class Audited(Applier):
     def taken(self, version: int, tensors: Mapping[str, TensorSpec]) -> Mapping[str, int] | None:
         return self.inner.taken(version, tensors)
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        self.inner.prepare(version, tensors)
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
+        self.inner.prepare(version, tensors, check)
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
         return self.inner.host_bytes(tensors)

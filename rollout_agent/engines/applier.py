@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.audit_reading import VerifiedDigests
 from weightsync.manifest import TensorSpec
 
 _LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -47,10 +48,12 @@ class Applier(ABC):
         (`vllm_worker.workers`). None by default: not counted."""
         return None
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
         """Called once every tensor of the version verified, before `begin_update`, while
         the engine still serves (atomic applies only): an applier that checks the engine's
-        copy against the host bytes takes its reference here. The default does nothing."""
+        copy against the host bytes takes its reference here. `check`: the tensor check
+        that verified them (its digests, and the rule to digest arrays by), for an engine
+        that holds the bytes as they are. The default does nothing."""
         return None
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:

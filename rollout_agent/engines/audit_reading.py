@@ -13,10 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from rollout_agent.engines.fingerprint import Fingerprint, array_fingerprint, bits
+
+
+class VerifiedDigests(Protocol):
+    """The tensor check of a verified version (`pull.assembly.TensorCheck`): the digests
+    its bytes matched, and the same digest of any arrays that hold its tensors. An engine
+    that keeps the verified bytes as they are (the NumPy engine: same dtype, shape and
+    layout) audits against these instead of fingerprinting the bytes once more: the check
+    already read them."""
+
+    def expected(self) -> Mapping[str, int]: ...
+
+    def digests(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, int]: ...
 
 
 @dataclass(frozen=True)

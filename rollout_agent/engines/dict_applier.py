@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_agent.engines.applier import Applier
-from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
+from rollout_agent.engines.audit_reading import AuditReading, Expected, VerifiedDigests, compare, damage, fingerprint
 from weightsync import native
 from weightsync.manifest import TensorSpec
 
@@ -34,8 +34,13 @@ class DictApplier(Applier):
         self._expected: Mapping[str, TensorSpec] = {}
         self._verified: dict[str, Expected] = {}  # the audit's reference: the last version applied whole
         self._verified_version = 0
+        # the rule its references were taken by: that version's tensor check (xxh3 digests),
+        # or None (fingerprints)
+        self._verified_check: VerifiedDigests | None = None
         self._taking: dict[str, Expected] = {}  # the open round's
-        self._prepared: tuple[int, dict[str, Expected]] = (0, {})  # taken in `prepare`, off the apply
+        self._taking_check: VerifiedDigests | None = None
+        # taken in `prepare`, off the apply
+        self._prepared: tuple[int, dict[str, Expected], VerifiedDigests | None] = (0, {}, None)
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
         """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in place)."""
@@ -45,18 +50,29 @@ class DictApplier(Applier):
             if (held := self.weights.get(name)) is None or held.shape != tuple(spec.shape)
         )
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """Takes the audit's reference from the verified bytes while the engine serves
-        (a streamed apply, which has no `prepare`, takes it as it applies)."""
-        self._prepared = (version, {name: Expected(fingerprint(arr), (name,)) for name, arr in tensors.items()})
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
+        """Takes the audit's reference of the verified bytes while the engine serves. With
+        the tensor `check` that verified them, its digests: the arrays keep the verified
+        bytes as they are (dtype, shape, layout), so an audit digests them by the same rule
+        and nothing reads the version once more on its way in. Without, each array's
+        fingerprint (a pass over its bytes; a streamed apply, which has no `prepare`, takes
+        them as it applies)."""
+        if check is not None:
+            expected = check.expected()
+            self._prepared = (version, {name: Expected((expected[name],), (name,)) for name in tensors}, check)
+        else:
+            refs = {name: Expected(fingerprint(arr), (name,)) for name, arr in tensors.items()}
+            self._prepared = (version, refs, None)
 
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
         self._round.acquire()
         self._consumed = []
         self._expected = tensors
-        prepared_version, prepared = self._prepared
-        self._taking = dict(prepared) if prepared_version == version else {}
-        self._prepared = (0, {})
+        prepared_version, prepared, check = self._prepared
+        fresh = prepared_version == version
+        self._taking = dict(prepared) if fresh else {}
+        self._taking_check = check if fresh else None
+        self._prepared = (0, {}, None)
 
     def apply(self, group: Sequence[tuple[str, np.ndarray]]) -> None:
         in_place: list[tuple[np.ndarray, np.ndarray]] = []
@@ -70,11 +86,17 @@ class DictApplier(Applier):
                 in_place.append((dst, arr))
             else:
                 np.copyto(dst, arr)
-            if name not in self._taking:
-                self._taking[name] = Expected(fingerprint(arr), (name,))  # of the verified bytes
+            if name not in self._taking:  # of the verified bytes, by the round's rule
+                self._taking[name] = Expected(self._reference(name, arr), (name,))
             self._consumed.append(name)
         if in_place:
             native.copy_many(in_place)  # the group's bytes split over every core, streaming stores
+
+    def _reference(self, name: str, arr: np.ndarray) -> tuple[int, ...]:
+        """`arr`'s audit reference by the open round's rule (its digest or its fingerprint)."""
+        if self._taking_check is not None:
+            return (self._taking_check.digests({name: arr})[name],)
+        return fingerprint(arr)
 
     def commit_update(self, version: int) -> list[str]:
         try:
@@ -83,6 +105,7 @@ class DictApplier(Applier):
             self.version = version
             self._verified = {n: e for n, e in self._taking.items() if n in self.weights}
             self._verified_version = version
+            self._verified_check = self._taking_check
             if self._dump_dir is not None:
                 from safetensors.numpy import save_file
 
@@ -103,7 +126,12 @@ class DictApplier(Applier):
         round's overwritten arrays differ from it: they are not that version). Reading
         them beside the engine is safe: `engine_held` changes nothing."""
         with self._round:
-            live = {name: fingerprint(arr) for name, arr in self.weights.items()}
+            check = self._verified_check
+            if check is None:
+                live = {name: fingerprint(arr) for name, arr in self.weights.items()}
+            else:
+                present = {name: self.weights[name] for name in self._verified if name in self.weights}
+                live = {name: (d,) for name, d in check.digests(present).items()}
             return compare(self._verified_version, self._verified, live, method="host")
 
     def inject(self, kind: str) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -100,9 +101,14 @@ def held_whole(manifest: Manifest) -> set[str]:
 
 
 def digest_all(
-    manifest: Manifest, tensors: Mapping[str, np.ndarray], known: Mapping[str, tuple[int, float]] | None = None
+    manifest: Manifest,
+    tensors: Mapping[str, np.ndarray],
+    known: Mapping[str, tuple[int, float]] | None = None,
+    names: Iterable[str] | None = None,
+    threads: int = 0,
 ) -> dict[str, tuple[int, float]]:
-    """Per-tensor (xxh3, sum) over assembled tensors, in manifest order.
+    """Per-tensor (xxh3, sum) over assembled tensors, in manifest order (`names`: only
+    those of the manifest's tensors; `threads`: the native pass's, 0 for every core).
 
     Tensors held whole by one shard go through the native shim in one parallel pass
     (xxh3 and float64 sum per block while it is in cache); the rest through Python.
@@ -111,21 +117,37 @@ def digest_all(
     """
     shards = manifest.shards_of()
     known = known or {}
+    asked = None if names is None else set(names)
+    wanted = [n for n in manifest.tensors if asked is None or n in asked]
     one_shard = held_whole(manifest) if native.available() else set()
-    whole = [
-        name
-        for name in manifest.tensors
-        if name not in known and name in one_shard and tensors[name].flags.c_contiguous
-    ]
-    out: dict[str, tuple[int, float]] = {n: known[n] for n in manifest.tensors if n in known}
+    whole = [name for name in wanted if name not in known and name in one_shard and tensors[name].flags.c_contiguous]
+    out: dict[str, tuple[int, float]] = {n: known[n] for n in wanted if n in known}
     if whole:
         arrays = [(tensors[n], native_code(tensors[n].dtype)) for n in whole]
-        digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes)
+        digests, sums = native.digest_arrays(arrays, manifest.chunk_bytes, threads=threads)
         out.update((n, (int(d), float(s))) for n, d, s in zip(whole, digests, sums))
-    for name in manifest.tensors:
+    for name in wanted:
         if name not in out:
             out[name] = tensor_digest(tensors[name], [s for _, s in shards[name]], manifest.chunk_bytes)
-    return {name: out[name] for name in manifest.tensors}
+    return {name: out[name] for name in wanted}
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """A verified version's tensor check: the xxh3 digests its bytes matched (the
+    manifest's) and the rule that made them, so that an engine holding those bytes in the
+    same layout can take them as its audit's reference instead of reading the bytes again
+    (`engines.audit_reading.VerifiedDigests`)."""
+
+    manifest: Manifest
+
+    def expected(self) -> Mapping[str, int]:
+        return self.manifest.tensor_digests()
+
+    def digests(self, arrays: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """xxh3 of each of `arrays` (named as the manifest's tensors) by the manifest's rule,
+        on one thread (an audit leaves the engine's other cores alone)."""
+        return {n: d for n, (d, _) in digest_all(self.manifest, arrays, names=arrays, threads=1).items()}
 
 
 def mismatched(manifest: Manifest, digests: Mapping[str, tuple[int, float]]) -> list[tuple[str, int, int]]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from rollout_agent.engines.applier import Applier, layer_groups
 from rollout_agent.pull.assembly import (
+    TensorCheck,
     assemble,
     describe_difference,
     digest_all,
@@ -173,7 +174,8 @@ def prefetch(
             p.timings["verify_seconds"] = time.perf_counter() - t0
             raise DataLoss(f"refusing to apply version {p.version}: {describe_difference(*bad[0])}")
         if applier is not None:
-            applier.prepare(p.version, tensors)  # its own reference of the bytes just verified
+            # its own reference of the bytes just verified (or this check's digests)
+            applier.prepare(p.version, tensors, TensorCheck(manifest))
         p.timings["verify_seconds"] = time.perf_counter() - t0
         p.tensors = tensors
         puller.holds(manifest, header.version.manifest_digest)

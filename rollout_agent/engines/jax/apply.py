@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from rollout_agent.engines.apply_report import ApplyReport
+from rollout_agent.engines.audit_reading import VerifiedDigests
 from rollout_agent.engines.fingerprint import Fingerprint
 from rollout_agent.engines.jax import groups as jax_groups
 from rollout_agent.engines.jax.build import (
@@ -163,10 +164,11 @@ class JaxApply:
         """Refuses a version whose tensors do not map onto the engine's leaves."""
         self._plan(shapes_of(tensors.values()))
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
         """Takes the host fingerprint of every leaf from the verified bytes (call it right
         after the digest check, while the engine serves): bytes that change after this,
-        on the host or on their way to the device, fail the device check."""
+        on the host or on their way to the device, fail the device check (which compares
+        fingerprints: `check`'s digests are not used)."""
         t0 = time.perf_counter()
         plans = self._plan({n: (a.shape, a.dtype) for n, a in tensors.items()})
         jobs = {path: self._pool_().submit(host_fingerprint, plan, tensors) for path, plan in plans.items()}

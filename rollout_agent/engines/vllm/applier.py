@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from rollout_agent.engines.applier import Applier
-from rollout_agent.engines.audit_reading import AuditReading
+from rollout_agent.engines.audit_reading import AuditReading, VerifiedDigests
 from rollout_agent.engines.vllm.audit import VllmAudit
 from rollout_agent.engines.vllm.loader_check import check_taken_whole, dry_load
 from weightsync.errors import InvalidArgument
@@ -146,8 +146,9 @@ class VllmApplier(Applier):
             self._dry = (version, tensors, taken)
         return taken
 
-    def prepare(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """The audit's reference of the verified bytes, taken while the engine serves."""
+    def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
+        """The audit's reference of the verified bytes, taken while the engine serves (vLLM
+        holds them in its own layouts: fingerprints, not `check`'s digests)."""
         self._audit.prepare(version, tensors)
 
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
