@@ -194,6 +194,12 @@ def _xxhash_dirs() -> list[str]:
 
 
 # -- running ------------------------------------------------------------------------------------
+def python_path(tree: Path) -> str:
+    """`tree` first, then this process's own PYTHONPATH (a TPU host's kit holds the
+    dependencies there, not in a venv)."""
+    return os.pathsep.join([str(tree), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)])
+
+
 def run_block(tree: Path, label: str, args: argparse.Namespace, out: Path) -> Block:
     """bench/transfer.py in `tree` (its packages first), the block's figures from its JSON."""
     cmd = [
@@ -201,7 +207,7 @@ def run_block(tree: Path, label: str, args: argparse.Namespace, out: Path) -> Bl
         "--runs", str(args.runs), "--peers", args.peers, "--delta-rollouts", "", "--streaming", "", "--vllm", "",
         "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": python_path(tree)}
     try:
         done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.block_timeout_s)
     except subprocess.TimeoutExpired as e:  # a rollout killed (the kernel's OOM killer) leaves the bench waiting

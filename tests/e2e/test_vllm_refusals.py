@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers import python_path
+
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.slow
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_refused_version_leaves_the_last_one_serving_bit_for_bit(
     model: str, coordinator: str, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": python_path(ROOT)}
     run = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("vllm_refusal_check.py")), model, coordinator, str(tmp_path)],
         capture_output=True,

@@ -419,7 +419,9 @@ def test_every_figure_source_names_a_commit_of_this_repository() -> None:
 def no_history_here() -> str:
     """Why this tree holds no history of its own to look commits up in ("" where it does): a
     copy without `.git` (a TPU host's carried copy, an sdist, a tarball), whose `git -C`
-    would answer for whatever repository lies above it; no git; a shallow clone."""
+    would answer for whatever repository lies above it; no git; a shallow clone; a `.git`
+    that does not track the tree's figure files (a copy laid where an older checkout's
+    history lies, as on a TPU host's device copy)."""
     if not (ROOT / ".git").exists():
         return f"no .git in {ROOT}: a copy of the tree, without its history"
     if shutil.which("git") is None:
@@ -431,7 +433,13 @@ def no_history_here() -> str:
     top, shallow = probe.stdout.split()
     if Path(top).resolve() != ROOT.resolve():
         return f"{ROOT} is inside another repository ({top})"
-    return "a shallow clone" if shallow != "false" else ""
+    if shallow != "false":
+        return "a shallow clone"
+    untracked = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all", "--",
+                                "docs/figures"], capture_output=True, text=True).stdout  # fmt: skip
+    if any(line.startswith("??") for line in untracked.splitlines()):
+        return f"figure files this .git does not track (a copy laid beside another history): {untracked.split()[1]}"
+    return ""
 
 
 def test_every_source_line_agrees_with_its_json_and_every_json_is_cited() -> None:
