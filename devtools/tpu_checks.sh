@@ -100,9 +100,9 @@ case "${1:-}" in
     facts
     rm -f "$out/unit.log" "$out/tpu-marked.log"  # a step skipped for time leaves no log of an earlier call
     # the unit suite at JAX's default platform: CPU-meant tests pin a CPU device, inet tests skip
-    step unit 330 "$py" -m pytest -q -p no:cacheprovider --timeout 120 tests/unit
+    step unit 400 "$py" -m pytest -q -p no:cacheprovider --timeout 120 tests/unit
     # the chip's own tests (skipped off a TPU), the unix-socket process tests beside them
-    step tpu-marked 200 "$py" -m pytest -q -p no:cacheprovider --timeout 150 -m "tpu or unix_only" tests
+    step tpu-marked 165 "$py" -m pytest -q -p no:cacheprovider --timeout 150 -m "tpu or unix_only" tests
     suite_verdict unit tpu-marked
     ;;
   bench)
