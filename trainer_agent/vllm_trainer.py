@@ -271,8 +271,10 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         (the part of a round the engine's pause must cover), then waits for its commit.
 
         Raises:
-            VersionNotApplied, DeadlineExceeded, FailedPrecondition: as `send_weights`;
-            FailedPrecondition also when nothing was published since the last apply.
+            VersionNotApplied: as `send_weights`.
+            DeadlineExceeded: as `send_weights`.
+            FailedPrecondition: as `send_weights`, and when nothing was published since
+                the last apply.
         """
         if not self.is_sender:
             return
