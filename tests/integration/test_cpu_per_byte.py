@@ -41,13 +41,15 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the native shim 
 TENSORS = 6
 ROUNDS = 8  # measured rounds per mode, after one warm-up
 RISE = 0.20
-# CPU per version / least CPU per role on dev (2 vCPUs), the code as it is: medians of three
-# runs at a load average of 4-7 (docs/performance.md)
+# CPU per version / least CPU per role on dev (2 vCPUs), the code as it is: the higher of
+# the medians of three runs at a load average of 4-7 (docs/performance.md) and a run on the
+# machine alone, as CI runs it (its least work is cheaper there: the rollouts' ratios read
+# 1.66 in shm and 1.61 in tcp, the tcp trainer's 0.66)
 BASELINE = {
-    ("shm", "trainer"): 1.07,
-    ("shm", "rollouts"): 1.51,
+    ("shm", "trainer"): 1.14,
+    ("shm", "rollouts"): 1.66,
     ("tcp", "trainer"): 1.28,
-    ("tcp", "rollouts"): 1.25,
+    ("tcp", "rollouts"): 1.61,
 }
 
 
