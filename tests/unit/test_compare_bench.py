@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import compare  # noqa: E402
 
+from tests.unit.test_doc_references import no_history_here  # noqa: E402
+
 
 def row(mode: str, seconds: float, cpu: float, n: int = 1, method: str = "weightsync", gloo: float = 0.0) -> dict:
     return {
@@ -63,6 +65,8 @@ def test_the_verdict_names_each_judged_ratio_over_the_threshold() -> None:
 def test_the_reference_is_a_clone_at_ref_with_a_native_shim(tmp_path: Path) -> None:
     if compare.native_lib(compare.ROOT) is None:
         pytest.skip("this tree's native shim is not built")
+    if why := no_history_here():
+        pytest.skip(f"no history to clone a reference from: {why}")
     head = compare.git("rev-parse", "HEAD")
     native_same = not compare.git("diff", "--name-only", head, "--", "native/")
     if not native_same:
