@@ -62,7 +62,6 @@ class _Shadow:
         self._info = LAYERWISE_INFO
         self._modules: dict[int, Any] = {}
         self._tensors: dict[int, Any] = {}  # a live tensor's id -> its shadow (ties stay one tensor)
-        self.where: dict[int, str] = {}  # a shadow tensor's id -> its live name
         self.current = ""  # the tensor the model's load_weights is consuming
         self.taken: dict[str, int] = {}
         self.root = self._module(model, "")
@@ -100,7 +99,6 @@ class _Shadow:
         loader = getattr(shadow, "weight_loader", default_weight_loader)
         shadow.weight_loader = self._checking(_unwrapped(loader, module, shadow_module), name)
         self._tensors[id(live)] = shadow
-        self.where[id(shadow)] = name
         return shadow
 
     def _checking(self, loader: Any, target: str) -> Any:
@@ -116,8 +114,7 @@ class _Shadow:
                 with CopyCounter() as counter:
                     out = loader(param, loaded, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - the loader's own refusal, whatever it raises
-                why = str(e).splitlines()[0] if str(e) else "(no message)"
-                raise _Refusal(f"does not load into {target!r} {list(param.shape)}: {type(e).__name__}: {why}") from e
+                raise _Refusal(f"does not load into {target!r} {list(param.shape)}: {_described(e)}") from e
             self.taken[self.current] = self.taken.get(self.current, 0) + counter.copied_numel
             return out
 
@@ -146,6 +143,11 @@ def _unwrapped(loader: Any, module: Any, shadow_module: Any) -> Any:
     return loader
 
 
+def _described(e: Exception) -> str:
+    """`Type: first line` of an exception (vLLM's loaders raise bare AssertionErrors)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else '(no message)'}"
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -167,9 +169,8 @@ def dry_load(model: Any, version: int, tensors: Mapping[str, TensorSpec]) -> dic
             f"version {version}'s {shadow.current!r} {list(spec.shape)} {e}", field="manifest.tensors"
         ) from e
     except Exception as e:  # noqa: BLE001 - the model's own load_weights refused (a name it has no place for)
-        why = str(e).splitlines()[0] if str(e) else "(no message)"
         raise InvalidArgument(
-            f"version {version}'s {shadow.current!r}: the model's load_weights refused it: {type(e).__name__}: {why}",
+            f"version {version}'s {shadow.current!r}: the model's load_weights refused it: {_described(e)}",
             field="manifest.tensors",
         ) from e
     return shadow.taken
