@@ -18,9 +18,13 @@ ENDINGS = {
     "end": "pass",
     "sigterm": "time.sleep(60)",
     "sigterm-handled": "time.sleep(60)",  # the trainer's own handler, set after the arena's
+    "sigterm-ignored": "time.sleep(1)",  # SIGTERM ignored before the arena: it stays ignored
 }
+# The child states SIGTERM's disposition itself: a runner may start the tests with SIGTERM
+# ignored (CI's does, and a child inherits that), where an unhandled SIGTERM ends nothing.
 CHILD = """
 import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN if "ignored" in sys.argv[2] else signal.SIG_DFL)
 from trainer_agent.arena import Arena
 arena = Arena("exit-test", slots=1, directory=sys.argv[1])
 arena.ensure_slot_bytes(1 << 20)
@@ -58,7 +62,14 @@ def test_an_arena_file_is_removed_on_every_exit_the_process_runs(ending: str, tm
     assert list(tmp_path.iterdir()) == []
     # SIGTERM ends the process as the signal does (-15), or with 143 where the host does not
     # deliver the signal the handler raises again (gVisor)
-    want = {"exception": {1}, "exit": {3}, "end": {0}, "sigterm": {-signal.SIGTERM, 143}, "sigterm-handled": {143}}
+    want = {
+        "exception": {1},
+        "exit": {3},
+        "end": {0},
+        "sigterm": {-signal.SIGTERM, 143},
+        "sigterm-handled": {143},
+        "sigterm-ignored": {0},  # ran on past the signal, to its end
+    }
     assert rc in want[ending]
 
 
