@@ -51,7 +51,7 @@ demo: setup
 	$(PY) -m devtools.demo $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
