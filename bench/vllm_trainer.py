@@ -23,7 +23,10 @@ runs three kinds of rounds on the same bytes:
   sidecar), half of them before the vLLM rounds and half after;
 - alternating: vLLM's flow as its examples write it: `/pause`, `send_weights()`, `/resume`;
 - the split flow: `publish_weights()` and `wait_prefetched()` while the engine could
-  generate, then `/pause`, `apply_weights()`, `/resume`.
+  generate, then `/pause`, `apply_weights()`, `/resume`;
+- then one round per defect class (`bench/vllm_defects.py`): refused, the served weights
+  unchanged (the engine's version, every worker's fresh audit exact), the next good
+  version applied.
 It prints the medians of send_weights, publish-to-prefetched, the pause (`/pause` to
 `/resume`) and the worker's apply (its handshake's apply_seconds), with the ratios the
 targets name: send_weights / tcp N=1 (target <= 2x) and pause / apply (target <= 1.5x).
@@ -49,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import cpu_seconds, emit_json, model  # noqa: E402
+from vllm_defects import run_defects  # noqa: E402
 
 TARGET_RATIO = 1.3
 TARGET_SEND_TO_TCP = 2.0  # send_weights within 2x of make bench's tcp N=1 in the same run
@@ -321,6 +325,7 @@ def end_to_end(args: argparse.Namespace) -> int:
                     got.update(worker_cpu=cpu_seconds(workers) - cpu0)
                     for key, value in got.items():
                         rows[key].append(value)
+            refused = run_defects(engine, engine.source, base, post, client, session)
         finally:
             engine.shutdown()
         tcp_rounds(args.rounds // 2 or 1)
@@ -337,6 +342,7 @@ def end_to_end(args: argparse.Namespace) -> int:
         "pause_to_apply": med["pause"] / med["apply"],
         "targets": {"send_weights_to_tcp": TARGET_SEND_TO_TCP, "pause_to_apply": TARGET_PAUSE_TO_APPLY},
         "rounds_s": rows,
+        "defects": refused,
     }
     if args.json:
         emit_json(result, args.out)
@@ -353,6 +359,11 @@ def end_to_end(args: argparse.Namespace) -> int:
           f"pause {shown['pause']} s, apply {shown['apply']} s")  # fmt: skip
     print(f"  the worker's prefetch: pull {shown['pull']} s, verify {shown['verify']} s "
           f"({nbytes / med['verify'] / 1e9:.2f} GB/s on its one core)")  # fmt: skip
+    for r in refused["rounds"]:
+        shown_r = ", ".join(k for k in ("refused", "served_unchanged", "audit_exact", "next_applied") if r[k])
+        print(f"  defect {r['defect']}: {shown_r or 'nothing held'} ({r['refused_s']:.3f} s to the refusal)")
+    held = "MET " if refused["held"] == refused["of"] else "MISS"
+    print(f"{held} refused versions leave the served weights as they were: {refused['held']} of {refused['of']}")
     for label, ratio, target in (
         ("send_weights / tcp N=1", result["send_weights_to_tcp"], TARGET_SEND_TO_TCP),
         ("publish to prefetched / tcp N=1", result["prefetched_to_tcp"], TARGET_SEND_TO_TCP),

@@ -105,7 +105,8 @@ def test_vllm_trainer_bench_end_to_end_runs_vllms_flow_against_a_real_server(
     tmp_path: Path, no_arena_leak: None
 ) -> None:
     """--end-to-end: vLLM's server, vLLM's HTTP flow back to back and split, make bench's
-    tcp N=1 rounds, in one run; every kind measured and the ratios the targets name."""
+    tcp N=1 rounds, in one run; every kind measured and the ratios the targets name; each
+    defect refused with the served weights unchanged and the next version applied."""
     pytest.importorskip("vllm")
     out = tmp_path / "e2e.json"
     args = ["--end-to-end", "--size", "tiny", "--rounds", "1", "--dtype", "float32", "--out", str(out)]
@@ -117,6 +118,8 @@ def test_vllm_trainer_bench_end_to_end_runs_vllms_flow_against_a_real_server(
     assert len(row["rounds_s"]["tcp"]) == 2 and len(row["rounds_s"]["pause"]) == 1
     assert row["pause_to_apply"] == row["medians_s"]["pause"] / row["medians_s"]["apply"]
     assert row["send_weights_to_tcp"] == row["medians_s"]["send"] / row["medians_s"]["tcp"]
+    defects = row["defects"]
+    assert defects["held"] == defects["of"] == 5, defects["rounds"]
 
 
 def test_a_delta_row_that_cannot_run_beside_gloo_alternates_with_it(tmp_path: Path, no_arena_leak: None) -> None:

@@ -340,7 +340,10 @@ def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(
     loads the embedding into a new tensor and puts back the head's old one (it received
     nothing): unless the applier ties them again, every handshake says OK while the engine
     scores tokens with the first version's head. The engine's log-probs must be the
-    published weights' (our JAX forward)."""
+    published weights' (our JAX forward). Each sync repacks the head's GEMM kernel once and
+    the input embedding's (which no forward calls) not at all."""
+    import vllm.model_executor.layers.utils as layer_utils
+
     from weightsync.models import qwen3_jax
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # its worker's audit is read in this process
@@ -360,7 +363,17 @@ def test_a_tied_lm_head_serves_the_new_embedding_after_a_sync(
                     + scale * v * rng.standard_normal(base["model.embed_tokens.weight"].shape)
                 ).astype(np.float32)
                 pub.publish(w, v)
+                repacked: list[str] = []
+                dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+                def counted(layer: Any, remove_weight: bool, dispatch: Any = dispatch, seen: list = repacked) -> None:
+                    seen.append(type(layer).__name__)
+                    dispatch(layer, remove_weight)
+
+                monkeypatch.setattr(layer_utils, "dispatch_cpu_unquantized_gemm", counted)
                 sync_native(llm, v)
+                monkeypatch.setattr(layer_utils, "dispatch_cpu_unquantized_gemm", dispatch)
+                assert repacked.count("ParallelLMHead") == 1 and "VocabParallelEmbedding" not in repacked, repacked
                 assert pub.wait_committed(v, 30) == "COMMITTED"
                 # the head's GEMM kernel (read through it) holds the new embedding, as every other weight
                 found = in_process("eng-tied").audit()  # type: ignore[union-attr]
