@@ -28,7 +28,7 @@ KNOWN = {
     ),
     "sync.pause_before_report": "a rollout pauses 3 s between applying a version and its handshake, N times",
     "flip.pause_before_prepared": (
-        "a rollout holding an ATOMIC version verified pauses 3 s before it reports PREPARED, N times"
+        "a rollout holding an ATOMIC version verified pauses 5 s before it reports PREPARED, N times"
     ),
     "flip.wrong_prepared_digest": (
         "a rollout reports PREPARED with the first tensor's digest changed, N times (the coordinator must abort)"
