@@ -190,7 +190,8 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             "Sync rounds that did not apply a version, by reason: data_loss (bytes did not verify), "
             "transient (a source or the coordinator unreachable), local (this process failed to apply), "
             "mismatch (the coordinator's digests differ), refused (the handshake was refused), "
-            "abandoned (a newer version made the pull stale).",
+            "abandoned (a newer version made the pull stale), aborted (an atomic flip this rollout prepared was "
+            "aborted: the version's own failure names why).",
             ["role", "session", "reason"],
             registry=registry,
         ),
