@@ -21,6 +21,7 @@ import pytest
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, rollout_status, serving, state_name
+from trainer_agent import synthetic
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import types_pb2 as tpb
@@ -174,3 +175,19 @@ def test_a_rollout_lost_after_it_prepared_follows_the_sessions_rule(cluster: Clu
         back = cluster.start("r2-again", "rollout_agent", ["--coordinator", coord.address, "--session", "job",
                                                            "--agent-id", "r2"])  # fmt: skip
         serving(back.address, 1)
+
+
+def test_a_jax_rollout_and_a_numpy_one_flip_together_the_jax_one_from_what_it_built_aside(cluster: Cluster) -> None:
+    """A JAX engine that swaps builds the version on its devices while it prepares, so its
+    flip is the swap alone: its pause is a fraction of its apply."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    jx = cluster.start_rollout("jx", coord.address, "job", ["--engine", "jax", "--jax-preset", "tiny"], wait=False)
+    fleet = [cluster.start_rollout("np", coord.address, "job", wait=False), jx]
+    fleet = [cluster.wait_ready(p) for p in fleet]
+    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
+        registered(client, [p.name for p in fleet])
+        pub.publish({k: np.asarray(v) for k, v in synthetic.params_after("tiny", 0, 1).items()}, 1)
+        check_flipped_together(client, 1, fleet)
+        (h,) = [h for h in client.status("job").handshakes if h.agent_id == "jx"]
+        assert 0 < h.timings.pause_seconds < h.timings.apply_seconds
+    assert metric_value(scrape(jx.ready["metrics_port"]), "weightsync_applies_total", session="job", mode="swap") == 1
