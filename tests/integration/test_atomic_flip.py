@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 
+import grpc
 import numpy as np
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
@@ -24,8 +26,13 @@ from tests.integration.support import eventually, rollout_status, serving, state
 from trainer_agent import synthetic
 from trainer_agent.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from weightsync._proto import coordinator_pb2 as cpb
+from weightsync._proto import coordinator_pb2_grpc as cpb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
+from weightsync.errors import InvalidArgument
+from weightsync.manifest import Endpoint
+from weightsync.server import RunningServer
 from weightsync.wire import unix_seconds
 
 pytestmark = pytest.mark.slow
@@ -191,3 +198,36 @@ def test_a_jax_rollout_and_a_numpy_one_flip_together_the_jax_one_from_what_it_bu
         (h,) = [h for h in client.status("job").handshakes if h.agent_id == "jx"]
         assert 0 < h.timings.pause_seconds < h.timings.apply_seconds
     assert metric_value(scrape(jx.ready["metrics_port"]), "weightsync_applies_total", session="job", mode="swap") == 1
+
+
+def test_the_flip_fields_of_a_request_are_checked_naming_each_and_a_refusal_changes_nothing(
+    inprocess_coordinator: RunningServer,
+) -> None:
+    address = inprocess_coordinator.address
+    with CoordinatorClient(address) as client, grpc.insecure_channel(address) as channel:
+        client.open_session("job", trainer=True, incarnation="a", flip_policy="atomic", prepare_timeout_s=30)
+        stub = cpb_grpc.CoordinatorStub(channel)
+        for bad, field in (
+            ({"flip_policy": 7}, "flip_policy"),
+            ({"prepared_loss": 9}, "prepared_loss"),
+            ({"prepare_timeout_seconds": -1.0}, "prepare_timeout_seconds"),
+            ({"prepare_timeout_seconds": float("nan")}, "prepare_timeout_seconds"),
+        ):
+            request = cpb.OpenSessionRequest(session="job", role=tpb.TRAINER, incarnation="b", **bad)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.OpenSession(request, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(f"{field}: ")
+        st = client.status("job")
+        assert (st.generation, st.flip_policy, st.prepare_timeout_seconds) == (1, tpb.ATOMIC, 30)
+        client.register_agent("job", "r0", trainer=False, endpoint=Endpoint())
+        flipped = Timestamp(seconds=1_700_000_000)
+        for bad, field in (
+            ({"prepared": True, "consumed_names": ["w"]}, "consumed_names"),
+            ({"prepared": True, "flipped_at": flipped}, "flipped_at"),
+            ({"flipped_at": Timestamp(seconds=-5)}, "flipped_at"),
+            ({"flipped_at": Timestamp(seconds=1_700_000_000, nanos=2_000_000_000)}, "flipped_at"),
+        ):
+            request = cpb.ReportAppliedRequest(session="job", version=1, agent_id="r0", **bad)
+            with pytest.raises(InvalidArgument) as refused:
+                client.report_applied(request, retries=0)
+            assert refused.value.field == field
