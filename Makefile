@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-compare bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
+.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-compare bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-flip bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
 
 setup: $(STAMP)
 
@@ -185,6 +185,10 @@ bench-apply: setup
 
 bench-audit: setup
 	$(PY) bench/audit.py $(or $(BENCH_ARGS),--devices 8 --mesh 2x4 --preset 0.6b --json)
+
+# Atomic flips: skew across 16 rollouts and atomic's cost against independent, same run.
+bench-flip: setup
+	$(PY) bench/flip.py $(or $(BENCH_ARGS),--rollouts 16 --preset 0.6b --engine numpy --json)
 
 # N rollout processes on one host: N pulls per version from the trainer against one pull
 # shared through unix relays (bench/host_pull.py; unix sockets only, so it runs on a TPU host).

@@ -10,11 +10,13 @@ from pathlib import Path
 
 from coordinator.config import CoordinatorConfig
 from coordinator.database import quarantine
+from coordinator.records import VersionRecord
 from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.store import SessionStore
 from coordinator.watch import WatchHub
 from weightsync.config import load_config
 from weightsync.errors import WeightsyncError
+from weightsync.failpoints import Failpoints
 from weightsync.gc_freeze import FreezingCollector
 from weightsync.logs import setup_logging
 from weightsync.metrics import build_metrics
@@ -29,6 +31,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # The database was found damaged while serving: the file is moved aside; a supervisor's
 # restart (Kubernetes, systemd) begins a new one, and agents and trainers attach again.
 EXIT_DATABASE_DAMAGED = 4
+EXIT_FAILPOINT = 17
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", e.message)
         return 2
     metrics = build_metrics("coordinator")
+    failpoints = Failpoints(cfg.failpoints)
+    if failpoints.armed("coordinator.exit_after_flip_decision"):
+        store.on_flip_decided = lambda rec: _exit_after_decision(failpoints, rec)
     stop = wait_for_signal()
     store.db.on_corrupt = lambda _error: stop.set()
     servicer = CoordinatorServicer(store, hub, metrics)
@@ -113,6 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_DATABASE_DAMAGED
     log.info("coordinator stopped")
     return 0
+
+
+def _exit_after_decision(failpoints: Failpoints, rec: VersionRecord) -> None:
+    """The failpoint: a coordinator lost between writing a flip decision and telling anyone."""
+    if failpoints.fire("coordinator.exit_after_flip_decision"):
+        log.error("failpoint coordinator.exit_after_flip_decision: exiting after version %d's decision", rec.version)
+        os._exit(EXIT_FAILPOINT)
 
 
 if __name__ == "__main__":

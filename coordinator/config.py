@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, option
 from weightsync.errors import InvalidArgument
+from weightsync.failpoints import Failpoints
 
 MAX_COUNT = 1 << 31
 
@@ -31,6 +32,7 @@ class CoordinatorConfig(ServerConfig):
     max_sessions: int = option(
         1000, "Sessions that may exist at once; a new one past it is refused (wsctl delete-session frees room)."
     )
+    failpoints: str = option("", "Testing only: name=count pairs, e.g. coordinator.exit_after_flip_decision=1.")
     gc_refresh_s: float = option(
         900.0,
         "Survivors of a full garbage collection are frozen (weightsync.gc_freeze); this often, "
@@ -47,5 +49,6 @@ class CoordinatorConfig(ServerConfig):
             check_bounds(self, ("forget_agents_after_s", "gc_refresh_s"), 0, MAX_SECONDS)
             check_bounds(self, ("retain_versions", "max_sessions"), 1, MAX_COUNT)
             check_bounds(self, ("max_workers",), 4, 1024)
+            Failpoints(self.failpoints)  # refused at start
         except InvalidArgument as e:
             raise ValueError(e.message) from None

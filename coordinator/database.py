@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS reports (
   session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL, ok INTEGER NOT NULL,
   mismatch TEXT NOT NULL, body TEXT NOT NULL, reported_at REAL NOT NULL,
   PRIMARY KEY (session, version, agent_id));
+-- ATOMIC versions: a rollout's PREPARED report (the version verified and held ready).
+CREATE TABLE IF NOT EXISTS prepares (
+  session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL, ok INTEGER NOT NULL,
+  mismatch TEXT NOT NULL, reported_at REAL NOT NULL,
+  PRIMARY KEY (session, version, agent_id));
 CREATE TABLE IF NOT EXISTS leases (
   session TEXT NOT NULL, version INTEGER NOT NULL, agent_id TEXT NOT NULL,
   PRIMARY KEY (session, version, agent_id));
@@ -83,6 +88,17 @@ MIGRATIONS = (
     # A session's identity, drawn at its creation (RegisterAgentResponse.session_uid): a
     # session deleted and made again under its name, or after a lost database, has another.
     ("sessions", "uid", "TEXT NOT NULL DEFAULT ''"),
+    # How rollouts take a session's versions (docs/design.md "Atomic flips"); a version
+    # keeps the session's settings as they were at its READY.
+    ("sessions", "flip_policy", "TEXT NOT NULL DEFAULT 'INDEPENDENT'"),
+    ("sessions", "prepare_timeout_s", "REAL NOT NULL DEFAULT 300"),
+    ("sessions", "prepared_loss", "TEXT NOT NULL DEFAULT 'FLIP_WITHOUT'"),
+    ("versions", "flip_policy", "TEXT NOT NULL DEFAULT 'INDEPENDENT'"),
+    ("versions", "prepared_loss", "TEXT NOT NULL DEFAULT 'FLIP_WITHOUT'"),
+    ("versions", "prepare_by", "REAL NOT NULL DEFAULT 0"),  # READY + prepare_timeout_s
+    ("versions", "flip_decided_at", "REAL NOT NULL DEFAULT 0"),  # 0: undecided
+    ("versions", "flip_skew_s", "REAL"),  # NULL: fewer than two flip times
+    ("reports", "flipped_at", "REAL NOT NULL DEFAULT 0"),  # the rollout's clock at the swap (0: not said)
 )
 # Columns added above whose values older rows hold elsewhere: filled in once, on open.
 BACKFILLS = (

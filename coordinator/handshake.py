@@ -21,6 +21,8 @@ class AppliedReport:
     timings: dict[str, float] = field(default_factory=dict)
     bytes_pulled: int = 0
     local_error: str = ""
+    prepared: bool = False  # ATOMIC: held ready, not applied (no engine consumed names)
+    flipped_at: float = 0.0  # the rollout's clock when the weights took effect (0: not said)
 
     def stored(self) -> dict[str, Any]:
         """What the store keeps of a report once compared: the verdict has columns of its
@@ -32,21 +34,23 @@ class AppliedReport:
 def compare_report(manifest: Manifest, manifest_digest: str, report: AppliedReport) -> str | None:
     """The first difference between a report and the source, or None when they agree.
 
-    Order: local error, manifest digest, consumed names (missing, then unknown), per-tensor
-    digests and sums in manifest order, then aggregates.
+    Order: local error, manifest digest, consumed names (missing, then unknown; not for a
+    PREPARED report, which no engine consumed yet), per-tensor digests and sums in manifest
+    order, then aggregates.
     """
     if report.local_error:
         return f"rollout reported a local failure: {report.local_error}"
     if report.manifest_digest != manifest_digest:
         return f"manifest digest {report.manifest_digest[:16]}… differs from the source {manifest_digest[:16]}…"
     tensors = manifest.tensors
-    consumed = set(report.consumed_names)
-    for name in tensors:
-        if name not in consumed:
-            return f"tensor {name!r} was not consumed by the engine"
-    for name in report.consumed_names:
-        if name not in tensors:
-            return f"the engine consumed {name!r}, which is not in the manifest"
+    if not report.prepared:
+        consumed = set(report.consumed_names)
+        for name in tensors:
+            if name not in consumed:
+                return f"tensor {name!r} was not consumed by the engine"
+        for name in report.consumed_names:
+            if name not in tensors:
+                return f"the engine consumed {name!r}, which is not in the manifest"
     for name, (digest, total, elements) in manifest.tensor_checks().items():
         got = report.tensor_digests.get(name)
         if got is None:

@@ -4,6 +4,7 @@ AppliedReport (checked field by field): the servicer's conversions, in one place
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from coordinator.handshake import AppliedReport
 from coordinator.records import AgentRecord, ReportRecord, VersionRecord
@@ -12,9 +13,11 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Aggregates, Endpoint
 from weightsync.validation import Limits, check_agent_id, check_tensor_name, good_tensor_name
-from weightsync.wire import endpoint_to_proto, timestamp
+from weightsync.wire import endpoint_to_proto, timestamp, unix_seconds
 
 ROLE_NAMES = {tpb.TRAINER: "TRAINER", tpb.ROLLOUT: "ROLLOUT"}
+# A flip time later than this (the year 2200) is no clock's reading.
+MAX_FLIPPED_AT_S = 7_258_118_400.0
 TIMINGS = (
     "pull_seconds",
     "verify_seconds",
@@ -41,7 +44,23 @@ def version_info(rec: VersionRecord) -> tpb.VersionInfo:
         reason=rec.reason,
         leases=rec.leases,
         stage_seconds=rec.stage_seconds,
+        flip_policy=tpb.FlipPolicy.Value(rec.flip_policy),
+        flip_decided_at=timestamp(rec.flip_decided_at),
+        prepared=rec.prepared,
+        flip_skew_seconds=rec.flip_skew_s,
     )
+
+
+def enum_name(enum: Any, value: int, field: str) -> str:
+    """A request's enum field as the store names it: "" for its UNSPECIFIED (0, keep);
+    InvalidArgument naming `field` for a number the enum does not have."""
+    if value == 0:
+        return ""
+    try:
+        return str(enum.Name(value))
+    except ValueError:
+        names = ", ".join(n for n in enum.keys() if enum.Value(n))
+        raise InvalidArgument(f"enum {value} is not one of {names}", field=field) from None
 
 
 def timings_to_proto(t: dict[str, float]) -> pb.Timings:
@@ -83,6 +102,7 @@ def handshake_info(r: ReportRecord) -> pb.HandshakeInfo:
         timings=timings_to_proto(r.timings),
         bytes_pulled=r.bytes_pulled,
         reported_at=timestamp(r.reported_at),
+        flipped_at=timestamp(r.flipped_at),
     )
 
 
@@ -104,6 +124,19 @@ def applied_report(request: pb.ReportAppliedRequest, limits: Limits) -> AppliedR
             if t.name in seen:
                 raise InvalidArgument(f"duplicate digest for {t.name!r}", field=f"tensors[{i}].name")
             seen.add(t.name)
+    flipped_at = 0.0
+    if request.HasField("flipped_at"):
+        if request.prepared:
+            raise InvalidArgument("a PREPARED report flipped nothing yet; leave it unset", field="flipped_at")
+        if not 0 <= request.flipped_at.nanos < 1_000_000_000:
+            raise InvalidArgument(f"nanos {request.flipped_at.nanos} is not in [0, 1e9)", field="flipped_at")
+        flipped_at = unix_seconds(request.flipped_at)
+        if not 0 < flipped_at < MAX_FLIPPED_AT_S:
+            raise InvalidArgument(f"{flipped_at} is not a time since the epoch", field="flipped_at")
+    if request.prepared and request.consumed_names:
+        raise InvalidArgument(
+            "a PREPARED report names none: no engine consumed the version yet", field="consumed_names"
+        )
     return AppliedReport(
         manifest_digest=request.manifest_digest,
         tensor_digests=digests,
@@ -114,4 +147,6 @@ def applied_report(request: pb.ReportAppliedRequest, limits: Limits) -> AppliedR
         timings={k: getattr(request.timings, k) for k in TIMINGS},
         bytes_pulled=request.bytes_pulled,
         local_error=request.local_error[:2000],
+        prepared=request.prepared,
+        flipped_at=flipped_at,
     )

@@ -30,6 +30,9 @@ class SessionRecord:
     created_at: float
     weight_sync_mode: str = "grpc"
     uid: str = ""
+    flip_policy: str = "INDEPENDENT"  # INDEPENDENT | ATOMIC (weightsync.v1.FlipPolicy)
+    prepare_timeout_s: float = 300.0
+    prepared_loss: str = "FLIP_WITHOUT"  # FLIP_WITHOUT | ABORT_FLIP (weightsync.v1.PreparedLoss)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class VersionRecord:
     trainer_ranks: int
     leases: int
     stage_seconds: float
+    flip_policy: str = "INDEPENDENT"
+    flip_decided_at: float = 0.0  # ATOMIC: when the flip was decided (0: undecided)
+    prepared: int = 0  # ATOMIC: rollouts that PREPARED it with matching digests
+    flip_skew_s: float | None = None  # once COMMITTED: first to last reported flip time
 
 
 class AgentRecord(NamedTuple):
@@ -82,6 +89,7 @@ class ReportRecord(NamedTuple):
     timings: dict[str, float]
     bytes_pulled: int
     reported_at: float
+    flipped_at: float = 0.0  # the rollout's clock at the swap (0: not said)
 
 
 class WrittenStamp(NamedTuple):

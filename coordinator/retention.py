@@ -45,7 +45,7 @@ def prune(db: sqlite3.Connection, retain: int) -> int:
                 "WHERE session=? AND version=?",
                 (summary["b"], summary["n"], summary["st"], session, version),
             )
-            for table in ("parts", "reports", "leases", "events"):
+            for table in ("parts", "reports", "prepares", "leases", "events"):
                 db.execute(f"DELETE FROM {table} WHERE session=? AND version=?", (session, version))
             pruned += 1
     return pruned

@@ -12,7 +12,7 @@ from coordinator.records import AgentRecord, FleetGauges, ReportRecord, VersionR
 from coordinator.states import VersionState
 from weightsync.manifest import Endpoint
 
-SESSION_TABLES = ("leases", "reports", "parts", "events", "versions", "agents")  # rows keyed by session
+SESSION_TABLES = ("leases", "reports", "prepares", "parts", "events", "versions", "agents")  # rows keyed by session
 
 
 def delete_session_rows(db: sqlite3.Connection, name: str) -> dict[str, int]:
@@ -36,7 +36,8 @@ PART_SUMMARY_COLUMNS = (
 # even when the holder's own lease expired, until a sweep drops them.
 _VERSION_ROWS_SQL = (
     f"SELECT v.*, s.trainer_ranks AS trainer_ranks, {PART_SUMMARY_COLUMNS}, "
-    "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases "
+    "(SELECT COUNT(*) FROM leases l WHERE l.session=v.session AND l.version=v.version) AS leases, "
+    "(SELECT COUNT(*) FROM prepares p WHERE p.session=v.session AND p.version=v.version AND p.ok=1) AS prepared "
     "FROM versions v JOIN sessions s ON s.name=v.session WHERE v.session=? "
 )
 VERSION_SQL = _VERSION_ROWS_SQL + "AND v.version=?"
@@ -65,6 +66,10 @@ def version_record(row: sqlite3.Row) -> VersionRecord:
         trainer_ranks=row["trainer_ranks"],
         leases=row["leases"],
         stage_seconds=parts["st"],
+        flip_policy=row["flip_policy"],
+        flip_decided_at=row["flip_decided_at"],
+        prepared=row["prepared"],
+        flip_skew_s=row["flip_skew_s"],
     )
 
 
@@ -76,7 +81,7 @@ def _endpoint(text: str) -> Endpoint:
 
 AGENT_COLUMNS = "agent_id, role, endpoint, rank, lease_expires_at, current_version, generation"
 LEASE_EXPIRES_AT = 4  # its index in a row of AGENT_COLUMNS
-REPORT_COLUMNS = "version, agent_id, ok, mismatch, body, reported_at"
+REPORT_COLUMNS = "version, agent_id, ok, mismatch, body, reported_at, flipped_at"
 
 
 def agent_record(r: Sequence[Any], now: float) -> AgentRecord:
@@ -88,7 +93,7 @@ def agent_record(r: Sequence[Any], now: float) -> AgentRecord:
 def report_record(r: Sequence[Any]) -> ReportRecord:
     """A row of REPORT_COLUMNS."""
     body = json.loads(r[4])
-    return ReportRecord(r[0], r[1], bool(r[2]), r[3], body["timings"], body["bytes_pulled"], r[5])
+    return ReportRecord(r[0], r[1], bool(r[2]), r[3], body["timings"], body["bytes_pulled"], r[5], r[6])
 
 
 def fleet_gauges(db: sqlite3.Connection, now: float) -> list[FleetGauges]:

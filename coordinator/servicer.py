@@ -18,7 +18,7 @@ from coordinator.agent_keys import AgentKeyCheck, AgentKeys
 from coordinator.audit import AuditBoard, check_audit
 from coordinator.database import NotOnLoop, StoreBusy
 from coordinator.fleet_metrics import FleetCollector
-from coordinator.messages import applied_report, endpoint_proto, role_name, version_info
+from coordinator.messages import applied_report, endpoint_proto, enum_name, role_name, version_info
 from coordinator.recent import Recent
 from coordinator.records import AgentRecord, PublishOutcome, VersionRecord
 from coordinator.states import VersionState
@@ -120,6 +120,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._metrics.ready_to_commit_seconds.labels(session=rec.session).observe(
                 max(0.0, (rec.committed_at or self._store.now()) - rec.ready_at)  # one clock: the store's
             )
+        if rec.state is VersionState.COMMITTED and rec.flip_skew_s is not None:
+            self._metrics.flip_skew_seconds.labels(session=rec.session, flip_policy=rec.flip_policy.lower()).observe(
+                rec.flip_skew_s
+            )
 
     def close(self) -> None:
         """Stops the servicer's own executors (after the server stopped)."""
@@ -183,6 +187,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             min_rollouts=request.min_rollouts,
             weight_sync_mode=request.weight_sync_mode,
             next_version=request.next_version,
+            flip_policy=enum_name(tpb.FlipPolicy, request.flip_policy, "flip_policy"),
+            prepare_timeout_s=request.prepare_timeout_seconds,
+            prepared_loss=enum_name(tpb.PreparedLoss, request.prepared_loss, "prepared_loss"),
         )
         latest = self._store.versions(s.name, 1)
         return pb.OpenSessionResponse(
@@ -195,6 +202,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_sync_mode=s.weight_sync_mode,
             token_key=self._store.tokens.session_key(s.name) if role == "TRAINER" else "",
             lease_ttl_seconds=self._store.lease_ttl_s,
+            flip_policy=tpb.FlipPolicy.Value(s.flip_policy),
+            prepare_timeout_seconds=s.prepare_timeout_s,
+            prepared_loss=tpb.PreparedLoss.Value(s.prepared_loss),
         )
 
     def RegisterAgent(
@@ -454,7 +464,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if len(request.tensors) > LOOP_REPORT_TENSORS and self._store.db.is_nonblocking():
             raise NotOnLoop  # checking every tensor's name and digest is long for a large model
         report = applied_report(request, self._store.limits)
-        outcome = self._store.report_applied(request.session, request.version, request.agent_id, report)
+        record = self._store.report_prepared if report.prepared else self._store.report_applied
+        outcome = record(request.session, request.version, request.agent_id, report)
         if report.local_error:
             # Recorded as a failed handshake, but no digest differed: the rollout failed on its
             # side and knows it. Answered, not DATA_LOSS, so nobody diagnoses a corruption.
@@ -465,10 +476,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if outcome.mismatch is not None:
             self._metrics.handshakes.labels(session=request.session, outcome="mismatch").inc()
             self._metrics.digest_failures.labels(role="coordinator", session=request.session).inc()
-            raise DigestMismatch(
-                f"handshake for version {request.version} from {request.agent_id!r}: {outcome.mismatch}"
-            )
+            what = "PREPARED report" if report.prepared else "handshake"
+            raise DigestMismatch(f"{what} for version {request.version} from {request.agent_id!r}: {outcome.mismatch}")
         self._metrics.handshakes.labels(session=request.session, outcome="ok").inc()
+        if report.prepared:
+            return pb.ReportAppliedResponse(ok=True, version=version_info(outcome.version))
         if report.timings["pause_seconds"]:
             self._metrics.pause_seconds.labels(session=request.session).observe(report.timings["pause_seconds"])
         if report.timings["ready_to_serving_seconds"]:

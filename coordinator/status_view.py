@@ -127,6 +127,9 @@ class StatusReplies:
             versions=[version_info(v) for v in versions],
             parts=self._parts(s.name, versions[0].version, snap.part_digests) if versions else [],
             event_seq=snap.event_seq,
+            flip_policy=tpb.FlipPolicy.Value(s.flip_policy),
+            prepare_timeout_seconds=s.prepare_timeout_s,
+            prepared_loss=tpb.PreparedLoss.Value(s.prepared_loss),
         )
         agents = self._agent_fields(s.name, kept, snap.agent_rows, snap.agent_stamp, snap.now)
         reply.MergeFromString(agents + handshakes)

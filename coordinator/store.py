@@ -21,6 +21,7 @@ from typing import Any
 from coordinator import events, retention
 from coordinator.agent_keys import AgentKeys
 from coordinator.database import Database
+from coordinator.flips import DEFAULT_PREPARE_TIMEOUT_S, check_flip_settings
 from coordinator.recent import Recent
 from coordinator.records import (
     AgentRecord,
@@ -131,6 +132,9 @@ class SessionStore(VersionLifecycle):
         self._appended: set[str] = set()  # sessions with committed events their watchers were not told of
         self._tx_events = threading.local()  # .sessions: those the open transaction appended to
         self.on_transition: Callable[[VersionRecord], None] | None = None  # each version entering a state
+        # Each ATOMIC version whose flip was decided, once the decision is committed (before
+        # any watcher is told of it).
+        self.on_flip_decided: Callable[[VersionRecord], None] | None = None
         self.db = Database(db_path)
         self._manifests: Recent[tuple[str, int], Manifest] = Recent(DECODED_MANIFESTS)
         self.tokens = TokenKeys(bytes.fromhex(self.db.meta("token_key", secrets.token_hex(32))))
@@ -151,12 +155,20 @@ class SessionStore(VersionLifecycle):
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         self._tx_events.sessions = appended = set()
+        self._tx_events.decided = decided = []
         try:
             with self.db.tx() as db:
                 yield db
         finally:
-            self._tx_events.sessions = None
+            self._tx_events.sessions = self._tx_events.decided = None
         self._appended.update(appended)  # committed: now the watchers may be told
+        if self.on_flip_decided is not None:
+            for rec in decided:
+                self.on_flip_decided(rec)
+
+    def _decided(self, rec: VersionRecord) -> None:
+        """`_flip_event` calls this for each decision it writes (always inside `_tx`)."""
+        self._tx_events.decided.append(rec)
 
     @contextmanager
     def _agents_tx(self) -> Iterator[sqlite3.Connection]:
@@ -226,15 +238,23 @@ class SessionStore(VersionLifecycle):
         min_rollouts: int = 0,
         weight_sync_mode: str = "",
         next_version: int = 0,
+        flip_policy: str = "",
+        prepare_timeout_s: float = 0.0,
+        prepared_loss: str = "",
     ) -> tuple[SessionRecord, bool]:
         """Opens or creates a session; a trainer with a new incarnation bumps the generation.
 
         Returns (session, created). Versions still STAGING under an older generation
         become FAILED (they can never be completed). A trainer that says which version it
         will publish first (`next_version`) is refused, generation untouched, when that
-        version is not newer than the session's latest.
+        version is not newer than the session's latest. The flip settings (docs/design.md
+        "Atomic flips"; "" and 0 keep the stored ones) are a trainer's to set, and hold for
+        versions that become READY after.
         """
         check_session_name(name)
+        check_flip_settings(flip_policy, prepare_timeout_s, prepared_loss)
+        if not trainer:
+            flip_policy, prepare_timeout_s, prepared_loss = "", 0.0, ""
         mode = normalize_mode(weight_sync_mode, allow_empty=True) if trainer else ""
         if trainer_ranks > self.limits.max_trainer_ranks:
             raise InvalidArgument(f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}", field="trainer_ranks")
@@ -254,7 +274,8 @@ class SessionStore(VersionLifecycle):
                 gen = 1 if trainer else 0
                 db.execute(
                     "INSERT INTO sessions (name, generation, incarnation, trainer_ranks, min_rollouts, created_at, "
-                    "weight_sync_mode, uid) VALUES (?,?,?,?,?,?,?,?)",
+                    "weight_sync_mode, uid, flip_policy, prepare_timeout_s, prepared_loss) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         name,
                         gen,
@@ -264,6 +285,9 @@ class SessionStore(VersionLifecycle):
                         now,
                         mode or DEFAULT_MODE,
                         secrets.token_hex(8),
+                        flip_policy or "INDEPENDENT",
+                        prepare_timeout_s or DEFAULT_PREPARE_TIMEOUT_S,
+                        prepared_loss or "FLIP_WITHOUT",
                     ),
                 )
             elif trainer:
@@ -281,6 +305,12 @@ class SessionStore(VersionLifecycle):
                     )
                 if mode:
                     db.execute("UPDATE sessions SET weight_sync_mode=? WHERE name=?", (mode, name))
+                db.execute(
+                    "UPDATE sessions SET flip_policy=COALESCE(NULLIF(?, ''), flip_policy), "
+                    "prepare_timeout_s=COALESCE(NULLIF(?, 0), prepare_timeout_s), "
+                    "prepared_loss=COALESCE(NULLIF(?, ''), prepared_loss) WHERE name=?",
+                    (flip_policy, prepare_timeout_s, prepared_loss, name),
+                )
                 if not same:
                     gen = row["generation"] + 1
                     db.execute(

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager
 
 from coordinator import events
 from coordinator.database import Database, NotOnLoop
+from coordinator.flips import FlipDecisions
 from coordinator.handshake import AppliedReport, compare_report
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
@@ -52,8 +53,9 @@ _LIVE_ROLLOUT = (
 )
 
 
-class VersionLifecycle:
-    """Publish, lease, handshake, abort, release, sweep (see the module docstring)."""
+class VersionLifecycle(FlipDecisions):
+    """Publish, lease, handshake, abort, release, sweep (see the module docstring); the
+    decisions of ATOMIC versions in `coordinator.flips`."""
 
     # Supplied by SessionStore:
     db: Database
@@ -66,6 +68,7 @@ class VersionLifecycle:
     _writer: Callable[[], AbstractContextManager[sqlite3.Connection]]
     _notify: Callable[[str], None]
     _appended_event: Callable[[str], None]
+    _decided: Callable[[VersionRecord], None]  # a flip decided in the open transaction
     on_transition: Callable[[VersionRecord], None] | None
     session: Callable[[str], SessionRecord]
     parts: Callable[[str, int], list[Part]]
@@ -158,10 +161,16 @@ class VersionLifecycle:
                 # Shuffled: `_owed` scans it for the first rollout still owed, which takes a
                 # few steps per handshake whatever order the fleet reports in (sorted: n).
                 random.shuffle(required)
+                # The session's flip settings as they are now hold for this version.
                 db.execute(
-                    "UPDATE versions SET manifest_digest=?, ready_at=?, required=? WHERE session=? AND version=?",
-                    (checked.manifest_digest, now, json.dumps(required), session, version),
-                )
+                    "UPDATE versions SET manifest_digest=?, ready_at=?, required=?, flip_policy=?, prepared_loss=?, "
+                    "prepare_by=? WHERE session=? AND version=?",
+                    (
+                        checked.manifest_digest, now, json.dumps(required), s.flip_policy, s.prepared_loss,
+                        now + s.prepare_timeout_s, session, version,
+                    ),
+                )  # fmt: skip
+                self._supersede_undecided(db, session, version)
                 self._set_state(db, session, version, S.READY, "")
             outcome = PublishOutcome(self._version(db, session, version), duplicate=False)
         if checked.manifest is not None:
@@ -302,11 +311,17 @@ class VersionLifecycle:
             rec = self._version(db, session, version)
             if rec.state not in SERVABLE:
                 raise WrongState(f"version {version} is {rec.state.value}; handshakes are accepted for READY versions")
+            if rec.flip_policy == "ATOMIC" and not rec.flip_decided_at:
+                raise FailedPrecondition(
+                    f"version {version} is flipped ATOMIC and its flip is not decided: report it PREPARED and apply "
+                    "it once the flip is decided",
+                    field="prepared",
+                )
             mismatch = compare_report(self._manifest(db, rec), rec.manifest_digest, report)
             self._report_mark += 1  # under the writer's lock; a rolled-back mark is skipped, never reused
             db.execute(
-                "INSERT OR REPLACE INTO reports (session, version, agent_id, ok, mismatch, body, reported_at, written) "
-                "VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO reports (session, version, agent_id, ok, mismatch, body, reported_at, written, "
+                "flipped_at) VALUES (?,?,?,?,?,?,?,?,?)",
                 (
                     session,
                     version,
@@ -316,6 +331,7 @@ class VersionLifecycle:
                     json.dumps(report.stored()),
                     self._clock(),
                     self._report_mark,
+                    report.flipped_at,
                 ),
             )
             db.execute("DELETE FROM leases WHERE session=? AND version=? AND agent_id=?", (session, version, agent_id))
@@ -333,12 +349,16 @@ class VersionLifecycle:
         rec = self._version(db, session, version)
         if rec.state not in (S.READY, S.PARTIAL):
             return
+        if rec.flip_policy == "ATOMIC" and not rec.flip_decided_at:
+            self._evaluate_flip(db, session, version)  # nothing commits before its flip is decided
+            return
         s = self._session(db, session)
         counts = db.execute(
             "SELECT COUNT(*) AS n, COALESCE(SUM(ok), 0) AS ok FROM reports WHERE session=? AND version=?",
             (session, version),
         ).fetchone()
         if counts["ok"] >= s.min_rollouts and not self._owed(db, session, version, ok_only=True):
+            self._record_flip_skew(db, session, version)
             self._set_state(db, session, version, S.COMMITTED, "")
             self._release_superseded(db, session)
         elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
@@ -377,6 +397,10 @@ class VersionLifecycle:
             check_generation(generation, self._session(db, session))
             rec = self._version(db, session, version)
             check_transition(version, rec.state, S.FAILED)
+            if rec.flip_decided_at and rec.state is S.READY:
+                raise WrongState(
+                    f"version {version}'s flip was decided: its rollouts are applying it (every one, or none, flips)"
+                )
             self._set_state(db, session, version, S.FAILED, reason[:500] or "aborted")
             rec = self._version(db, session, version)
         self._notify(session)
@@ -452,10 +476,8 @@ class VersionLifecycle:
                 "SELECT session, version, state FROM versions WHERE state IN (?,?)", (S.READY.value, S.PARTIAL.value)
             )
             for r in rows.fetchall():
-                before = r["state"]
                 self._evaluate(db, r["session"], r["version"])
-                if self._version(db, r["session"], r["version"]).state.value != before:
-                    touched.add(r["session"])
+                touched.add(r["session"])  # told only where an event was appended (`_notify`)
             released = self._release_superseded(db)
         for session in touched | released:
             self._notify(session)
@@ -520,6 +542,14 @@ class VersionLifecycle:
         self._appended_event(session)  # _notify, after the commit, wakes the watchers
         if self.on_transition is not None:  # metrics: counted where every transition passes
             self.on_transition(rec)
+
+    def _flip_event(self, db: sqlite3.Connection, session: str, version: int) -> None:
+        """An ATOMIC version's flip was decided: an event of its READY record with
+        `flip_decided_at` set (no transition: it stays READY until its rollouts report)."""
+        rec = self._version(db, session, version)
+        events.append(db, rec, rec.state, self._clock())
+        self._appended_event(session)
+        self._decided(rec)
 
 
 @dataclasses.dataclass(frozen=True)

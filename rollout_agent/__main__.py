@@ -15,6 +15,7 @@ from rollout_agent.audit.auditor import Auditor
 from rollout_agent.config import RolloutConfig
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.dict_applier import DictApplier
+from rollout_agent.sync.flip import FlipBoard
 from rollout_agent.sync.round import sync_version
 from rollout_agent.wiring import RolloutWiring, wire_rollout
 from weightsync._proto import rollout_agent_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ from weightsync.metrics import build_metrics
 from weightsync.server import SMALL_REQUEST_BYTES, Service, start_server, wait_for_signal, write_ready_file
 
 log = logging.getLogger("rollout_agent")
+FOLLOWED_POLL_S = 10.0  # a waited flip's record read from the status, where the watch missed it
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,6 +85,8 @@ def _run(cfg: RolloutConfig) -> int:
             DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring),
             wiring.failpoints,
         )
+        # A following rollout's watch feeds it; one that does not follow asks more often.
+        flips = FlipBoard(wiring.client, cfg.session, poll_s=FOLLOWED_POLL_S if cfg.follow else 1.0)
         agent = RolloutAgent(
             wiring,
             functools.partial(
@@ -93,9 +97,11 @@ def _run(cfg: RolloutConfig) -> int:
                 failpoints=wiring.failpoints,
                 metrics=metrics,
                 outbox=wiring.outbox,
+                flips=flips,
             ),
             metrics=metrics,
             outbox=wiring.outbox,
+            flips=flips,
             no_version_warn_s=cfg.no_version_warn_s,
             auditor=Auditor(applier, session=cfg.session, interval_s=cfg.audit_interval_s, metrics=metrics),
         )

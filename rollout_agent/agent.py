@@ -14,6 +14,7 @@ from rollout_agent.audit.auditor import Auditor
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sampling import SampledCompletion, SampleSpec, sample_spec
 from rollout_agent.sync.engine_version import EngineVersion
+from rollout_agent.sync.flip import FlipBoard
 from rollout_agent.sync.follow import (
     FollowStop,
     NewestAnnounced,
@@ -75,6 +76,7 @@ class RolloutAgent:
         no_version_warn_s: float = 60.0,
         auditor: Auditor | None = None,
         owns_auditor: bool = True,
+        flips: FlipBoard | None = None,
     ) -> None:
         """`wiring` (`rollout_agent.wiring`) gives the client, registers the agent and
         keeps its lease; `syncer(version)` runs one round (the NumPy applier's
@@ -85,7 +87,8 @@ class RolloutAgent:
         `no_version_warn_s` logs why once (a mistyped session would otherwise wait in silence);
         `auditor` audits the engine's weights (`Audit`), and a mismatch it finds makes this
         rollout serve no version until it re-applied one (`heal`); `owns_auditor` False:
-        another part runs it and reports its audits (a vLLM engine's worker)."""
+        another part runs it and reports its audits (a vLLM engine's worker); `flips`: the
+        board `syncer` waits on for ATOMIC versions' flips, fed by this agent's watch."""
         self.wiring = wiring
         self.client = wiring.client
         self.session = wiring.settings.session
@@ -119,6 +122,7 @@ class RolloutAgent:
         self._no_version_since: float | None = time.monotonic()  # None once warned, or a version came
         self.auditor = auditor
         self._owns_auditor = owns_auditor
+        self.flips = flips
         if auditor is not None:
             auditor.on_mismatch.append(self.heal)
             auditor.audited.on_commit.append(self.engine.applied_whole)
@@ -158,6 +162,8 @@ class RolloutAgent:
         rollout stops counting as required at once, not when its lease runs out)."""
         self._stop.set()
         self._wake.set()
+        if self.flips is not None:
+            self.flips.close()  # a round waiting for a flip gives its version up
         if self.auditor is not None and self._owns_auditor:
             self.auditor.stop()
         if self._heartbeat is not None:
@@ -288,6 +294,8 @@ class RolloutAgent:
         and the coordinator sees this rollout behind), and the follow loop asks for the
         newest servable one (the watch may have announced it before this registration)."""
         self.engine.forget()
+        if self.flips is not None:
+            self.flips.forget()
         with self._state_lock:
             self._wanted = 0
         self._announced.forget()
@@ -307,7 +315,9 @@ class RolloutAgent:
 
     def _watch_loop(self) -> None:
         """Learns of servable versions: the newest on (re)connect, then each new one."""
-        follow_servable(self.client, self.session, self._want, self._stop)
+        follow_servable(
+            self.client, self.session, self._want, self._stop, self.flips.note if self.flips is not None else None
+        )
 
     def _follow_loop(self) -> None:
         """Syncs the newest wanted version until it is applied or given up on."""

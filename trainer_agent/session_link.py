@@ -67,6 +67,9 @@ class SessionLink:
             min_rollouts=s.min_rollouts,
             weight_sync_mode=s.weight_sync_mode,
             next_version=next_version,
+            flip_policy=s.flip_policy,
+            prepare_timeout_s=s.prepare_timeout_s,
+            prepared_loss=s.prepared_loss,
         )
         self.generation = opened.generation
         self.attached_latest_version = opened.latest_version

@@ -22,6 +22,7 @@ from weightsync.modes import normalize_mode
 from weightsync.transports.fs import check_fs_root
 from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import DEFAULT_LIMITS, UINT32_MAX, check_address, check_agent_id, check_session_name
+from weightsync.version_states import FLIP_POLICIES, PREPARED_LOSSES
 
 # Data planes served on inet sockets: the native tcp server (relay chains read it too).
 INET_MODES = ("tcp", "relay")
@@ -55,6 +56,24 @@ class PublisherSettings(ServerConfig):
     )
     weight_dtype: str = option("", "Cast every tensor to this dtype while staging (e.g. bfloat16); empty keeps each.")
     min_rollouts: int = option(0, "OK handshakes needed to commit; 0 keeps the session's value.")
+    flip_policy: str = option(
+        "",
+        "How the session's rollouts take each version: independent (each applies it when its own pull verifies) | "
+        "atomic (every rollout prepares it, then all flip together or none does: docs/design.md, Atomic flips); "
+        "empty keeps the session's (a new session's: independent).",
+        choices=["", *(p.lower() for p in FLIP_POLICIES)],
+    )
+    prepare_timeout_s: float = option(
+        0.0,
+        "atomic: seconds from a version's READY within which every rollout must prepare it, else it fails; 0 keeps "
+        "the session's (a new session's: 300).",
+    )
+    prepared_loss: str = option(
+        "",
+        "atomic: a rollout lost after it prepared a version, before the flip was decided: flip_without (the others "
+        "flip; it comes back at that version) | abort_flip (the version fails); empty keeps the session's.",
+        choices=["", *(p.lower() for p in PREPARED_LOSSES)],
+    )
     tcp_port: int = option(
         0,
         "Port of the native tcp data-plane server; 0 picks a free one. Not served where --host is a unix "
@@ -160,6 +179,10 @@ class PublisherSettings(ServerConfig):
         check_bounds(self, ("d2h_block_bytes",), 0, 1 << 40)
         check_bounds(self, ("chunk_bytes",), DEFAULT_LIMITS.min_chunk_bytes, DEFAULT_LIMITS.max_chunk_bytes)
         check_bounds(self, ("min_rollouts",), 0, UINT32_MAX)  # OpenSessionRequest.min_rollouts
+        for name, allowed in (("flip_policy", FLIP_POLICIES), ("prepared_loss", PREPARED_LOSSES)):
+            if getattr(self, name).upper() not in ("", *allowed):
+                raise InvalidArgument(f"{getattr(self, name)!r} is not one of {', '.join(allowed)}", field=name)
+        check_bounds(self, ("prepare_timeout_s",), 0, 7 * 86400)  # the coordinator's bound
         check_bounds(self, ("staging_threads",), 0, 1024)
         check_bounds(self, ("slot_wait_s", "attach_wait_s", "publish_wait_s"), 0, MAX_SECONDS)
         Failpoints(self.failpoints)  # refused at start, not once the session is attached

@@ -63,6 +63,8 @@ def versions_table(versions: Sequence[tpb.VersionInfo], handshakes: Sequence[Any
         "leases",
         "ready",
         "committed",
+        "flip",
+        "skew ms",
         "reason",
     ):
         table.add_column(col)
@@ -79,9 +81,20 @@ def versions_table(versions: Sequence[tpb.VersionInfo], handshakes: Sequence[Any
             str(v.leases),
             _ts(v.ready_at),
             _ts(v.committed_at),
+            _flip(v),
+            f"{v.flip_skew_seconds * 1e3:.1f}" if v.HasField("flip_skew_seconds") else "-",
             v.reason,
         )
     return table
+
+
+def _flip(v: tpb.VersionInfo) -> str:
+    """How the version's rollouts took it: independent, or atomic and where its flip stands."""
+    if v.flip_policy != tpb.ATOMIC:
+        return "independent" if v.flip_policy == tpb.INDEPENDENT else "-"
+    if v.HasField("flip_decided_at"):
+        return f"atomic: decided {_ts(v.flip_decided_at)}"
+    return f"atomic: {v.prepared} prepared"
 
 
 def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:
@@ -91,7 +104,7 @@ def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Con
         return 0
     console.print(
         f"session [bold]{st.session}[/]  generation {st.generation}  trainer ranks {st.trainer_ranks}  "
-        f"min rollouts {st.min_rollouts}"
+        f"min rollouts {st.min_rollouts}  {_flip_settings(st)}"
     )
     agents = Table(title="agents")
     for col in ("agent", "role", "rank", "generation", "endpoint", "host", "alive", "version"):
@@ -126,6 +139,14 @@ def cmd_status(client: CoordinatorClient, args: argparse.Namespace, console: Con
             )
         console.print(hs)
     return 0
+
+
+def _flip_settings(st: pb.GetStatusResponse) -> str:
+    """The session's flip policy, and for atomic its deadline and prepared-loss rule."""
+    if st.flip_policy != tpb.ATOMIC:
+        return "flip independent"
+    loss = tpb.PreparedLoss.Name(st.prepared_loss).lower()
+    return f"flip atomic (prepare within {st.prepare_timeout_seconds:g} s; a rollout lost once prepared: {loss})"
 
 
 def cmd_versions(client: CoordinatorClient, args: argparse.Namespace, console: Console) -> int:

@@ -135,7 +135,12 @@ class CoordinatorClient:
         min_rollouts: int = 0,
         weight_sync_mode: str = "",
         next_version: int = 0,
+        flip_policy: str = "",
+        prepare_timeout_s: float = 0.0,
+        prepared_loss: str = "",
     ) -> pb.OpenSessionResponse:
+        """`flip_policy` (INDEPENDENT, ATOMIC), `prepare_timeout_s` and `prepared_loss`
+        (FLIP_WITHOUT, ABORT_FLIP): a trainer's flip settings ("" and 0 keep the session's)."""
         req = pb.OpenSessionRequest(
             session=session,
             role=tpb.TRAINER if trainer else tpb.ROLLOUT,
@@ -144,6 +149,9 @@ class CoordinatorClient:
             min_rollouts=min_rollouts,
             weight_sync_mode=weight_sync_mode,
             next_version=next_version,
+            flip_policy=tpb.FlipPolicy.Value(flip_policy.upper()) if flip_policy else 0,
+            prepare_timeout_seconds=prepare_timeout_s,
+            prepared_loss=tpb.PreparedLoss.Value(prepared_loss.upper()) if prepared_loss else 0,
         )
         # Retrying a trainer attach without an incarnation would bump twice: only retry
         # when the call is idempotent.

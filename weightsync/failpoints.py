@@ -27,6 +27,15 @@ KNOWN = {
         "the tcp chunk server promises a reply, then drops the connection, N times (trainer side)"
     ),
     "sync.pause_before_report": "a rollout pauses 3 s between applying a version and its handshake, N times",
+    "flip.pause_before_prepared": (
+        "a rollout holding an ATOMIC version verified pauses 5 s before it reports PREPARED, N times"
+    ),
+    "flip.wrong_prepared_digest": (
+        "a rollout reports PREPARED with the first tensor's digest changed, N times (the coordinator must abort)"
+    ),
+    "coordinator.exit_after_flip_decision": (
+        "the coordinator exits (status 17) right after it wrote a flip decision, before anyone is told, N times"
+    ),
     "audit.flip_live_bit": (
         "right after each of the next N applies, a rollout flips one bit in its engine's live copy of the tensor "
         "first in name order (a memory fault after the version verified; the next audit must name it)"

@@ -19,6 +19,9 @@ from weightsync import __version__
 PHASE_BUCKETS_S = tuple(round(0.001 * 2.5**i, 6) for i in range(15))
 # RPCs are control-plane calls: 0.5 ms .. ~30 s.
 RPC_BUCKETS_S = tuple(round(0.0005 * 3**i, 6) for i in range(11))
+# Flip skew, first to last rollout serving a version by their own clocks: 0.1 ms (one host,
+# staged swaps) .. ~1 h (rollouts that each apply when their own pull verifies), x3.
+SKEW_BUCKETS_S = tuple(round(0.0001 * 3**i, 7) for i in range(16))
 # Garbage-collector pauses: 0.1 ms .. ~2 s.
 GC_BUCKETS_S = tuple(round(0.0001 * 3**i, 7) for i in range(10))
 
@@ -43,6 +46,7 @@ class Metrics:
     handshakes: Counter
     leases_dropped: Counter
     ready_to_commit_seconds: Histogram
+    flip_skew_seconds: Histogram
     sync_failures: Counter
     chunk_retries: Counter
     pulls: Counter
@@ -173,12 +177,21 @@ def build_metrics(role: str, registry: CollectorRegistry | None = None) -> Metri
             buckets=PHASE_BUCKETS_S,
             registry=registry,
         ),
+        flip_skew_seconds=Histogram(
+            "weightsync_flip_skew_seconds",
+            "Per COMMITTED version: from the first to the last rollout serving it, by the flip times the rollouts "
+            "reported (their own clocks), by the session's flip policy (independent, atomic).",
+            ["session", "flip_policy"],
+            buckets=SKEW_BUCKETS_S,
+            registry=registry,
+        ),
         sync_failures=Counter(
             "weightsync_sync_failures_total",
             "Sync rounds that did not apply a version, by reason: data_loss (bytes did not verify), "
             "transient (a source or the coordinator unreachable), local (this process failed to apply), "
             "mismatch (the coordinator's digests differ), refused (the handshake was refused), "
-            "abandoned (a newer version made the pull stale).",
+            "abandoned (a newer version made the pull stale), aborted (an atomic flip this rollout prepared was "
+            "aborted: the version's own failure names why).",
             ["role", "session", "reason"],
             registry=registry,
         ),

@@ -20,3 +20,8 @@ RETIRED = frozenset({"RELEASED", "FAILED"})
 DECIDED = SETTLED | {"RELEASED"}
 # Nothing a handshake does changes it any more: what a trainer waits for (`wait_committed`).
 FINAL = frozenset({"COMMITTED", "FAILED", "RELEASED"})
+# How a session's rollouts take a version (weightsync.v1.FlipPolicy), and what an ATOMIC
+# version does when a rollout that prepared it is lost before the flip was decided
+# (weightsync.v1.PreparedLoss); docs/design.md "Atomic flips".
+FLIP_POLICIES = ("INDEPENDENT", "ATOMIC")
+PREPARED_LOSSES = ("FLIP_WITHOUT", "ABORT_FLIP")

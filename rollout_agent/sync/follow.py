@@ -111,12 +111,17 @@ class FollowStop:
 
 
 def follow_servable(
-    client: CoordinatorClient, session: str, on_version: Callable[[int, int], None], stop: FollowStop
+    client: CoordinatorClient,
+    session: str,
+    on_version: Callable[[int, int], None],
+    stop: FollowStop,
+    on_record: Callable[[tpb.VersionInfo], None] | None = None,
 ) -> None:
     """Calls `on_version(version, generation)` with the newest servable version on
     (re)connect, then with each new one, until `stop` is set; rides out coordinator
     outages by reconnecting. A PARTIAL version comes with generation 0
-    (`_announced_generation`)."""
+    (`_announced_generation`). `on_record`: every record heard, whatever its state (the
+    newest on (re)connect, then each event's), before `on_version` is called with it."""
     seq = -1
     failing = False
     while not stop.is_set():
@@ -127,6 +132,8 @@ def follow_servable(
                 if failing:
                     log.info("watch reconnected")
                     failing = False
+                if st.versions and on_record is not None:
+                    on_record(st.versions[0])
                 if st.versions and st.versions[0].state in SERVABLE_STATES:
                     on_version(st.versions[0].version, _announced_generation(st.versions[0]))
             events, cancel = client.open_watch(session, seq)
@@ -136,6 +143,8 @@ def follow_servable(
                     seq = ev.seq
                     if stop.is_set():
                         return
+                    if on_record is not None:
+                        on_record(ev.version)
                     if ev.version.state in SERVABLE_STATES:
                         on_version(ev.version.version, _announced_generation(ev.version))
             finally:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import TRANSIENT_ERRORS, AgentIdHeld, DataLoss, WeightsyncError
 
@@ -26,6 +27,7 @@ class HandshakeVerdict:
     ok: bool
     mismatch: str = ""
     failure: str = ""
+    version: tpb.VersionInfo | None = None  # the version's record in the answer (None: refused)
 
 
 #: what leaves a handshake undelivered, to be sent again: the coordinator out of reach, or
@@ -38,10 +40,10 @@ def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> H
     `UNDELIVERED` errors when the coordinator could not be reached or refused the agent id
     (the report may be sent again: the coordinator keeps one report per agent and version)."""
     try:
-        client.report_applied(report, retries=REPORT_RETRIES)
+        answer = client.report_applied(report, retries=REPORT_RETRIES)
         if report.local_error:
-            return HandshakeVerdict(False, report.local_error, "local")
-        return HandshakeVerdict(True)
+            return HandshakeVerdict(False, report.local_error, "local", answer.version)
+        return HandshakeVerdict(True, version=answer.version)
     except DataLoss as e:
         return HandshakeVerdict(False, e.message, "mismatch")
     except UNDELIVERED:
@@ -53,7 +55,9 @@ def send_report(client: CoordinatorClient, report: pb.ReportAppliedRequest) -> H
 class ReportOutbox:
     """Holds the newest undelivered handshake and re-sends it with jittered backoff
     (0.5 s doubling to `max_backoff_s`) until the coordinator answers or a newer
-    version's report replaces it; then calls `on_verdict`.
+    version's report replaces it; then calls `on_verdict`. A PREPARED report (an ATOMIC
+    version held ready) is sent the same way; its answer is only logged: the round that
+    sent it learns of the flip from the coordinator's events.
 
     Lock order: `_lock` only; `on_verdict` is called outside it.
     """
@@ -71,9 +75,9 @@ class ReportOutbox:
 
     @property
     def pending_version(self) -> int:
-        """The version whose handshake waits for delivery (0: none)."""
+        """The version whose handshake of an apply waits for delivery (0: none)."""
         with self._lock:
-            return self._pending.version if self._pending is not None else 0
+            return self._pending.version if self._pending is not None and not self._pending.prepared else 0
 
     def put(self, report: pb.ReportAppliedRequest) -> None:
         """Keeps `report` for delivery unless a newer version's report is already waiting."""
@@ -89,6 +93,12 @@ class ReportOutbox:
         with self._lock:
             if self._pending is not None and self._pending.version < version:
                 log.info("handshake for version %d superseded by version %d", self._pending.version, version)
+                self._pending = None
+
+    def discard_prepared(self, version: int) -> None:
+        """`version` was applied: its undelivered PREPARED report says nothing new."""
+        with self._lock:
+            if self._pending is not None and self._pending.version == version and self._pending.prepared:
                 self._pending = None
 
     def discard(self) -> None:
@@ -131,6 +141,8 @@ class ReportOutbox:
                     self._pending = None
                 else:
                     continue  # superseded while in flight: the newer one decides
-            log.info("handshake for version %d delivered: %s", report.version, "ok" if verdict.ok else verdict.mismatch)
-            self._on_verdict(report.version, verdict.ok, verdict.mismatch)
+            what = "PREPARED report" if report.prepared else "handshake"
+            log.info("%s for version %d delivered: %s", what, report.version, "ok" if verdict.ok else verdict.mismatch)
+            if not report.prepared:
+                self._on_verdict(report.version, verdict.ok, verdict.mismatch)
             backoff = 0.5

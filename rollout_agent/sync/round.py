@@ -22,6 +22,7 @@ from rollout_agent.pull.assembly import (
 )
 from rollout_agent.pull.lanes import PullPlan
 from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.flip import FlipBoard, undecided_atomic
 from rollout_agent.sync.host_budget import check_host_memory
 from rollout_agent.sync.outbox import UNDELIVERED, ReportOutbox, send_report
 from rollout_agent.sync.streaming import stream_verified_groups
@@ -100,6 +101,7 @@ class Prefetched:
     # The applier built it aside (`Applier.stage`): its update round is open, the apply only
     # commits it. Whoever drops a staged version aborts that round (`discard`).
     staged: bool = False
+    flipped_at: float = 0.0  # this host's wall clock when the apply took effect (0: not applied)
 
     def discard(self, applier: Applier | None) -> None:
         """Lets go of it unapplied: a staged version's open round is aborted."""
@@ -145,6 +147,13 @@ def prefetch(
     p = _fetch_manifest(puller, version, failpoints)
     if p.error is not None:
         return p
+    return _pull_verified(p, puller, failpoints, applier, stage=stage)
+
+
+def _pull_verified(
+    p: Prefetched, puller: WeightPuller, failpoints: Failpoints | None, applier: Applier | None, *, stage: bool
+) -> Prefetched:
+    """`prefetch` once its manifest came: the pull and the tensor check."""
     header, manifest = p.header, p.manifest
     try:
         if applier is not None:
@@ -217,6 +226,7 @@ def sync_version(
     metrics: Metrics | None = None,
     outbox: ReportOutbox | None = None,
     engine_blocked: bool = False,
+    flips: FlipBoard | None = None,
 ) -> SyncResult:
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
@@ -235,19 +245,32 @@ def sync_version(
     engine for the whole call, as vLLM's `update_weights` does), the whole round;
     `ready_to_serving_seconds` runs from the version's READY to the new weights serving.
 
+    A version of an ATOMIC session whose flip is not decided yet, with `flips` (the
+    rollout's `FlipBoard`), is pulled whole and verified whatever the mode, held ready
+    (built aside where the applier can) and reported PREPARED; it is applied once the
+    coordinator decides its flip, and dropped if it aborts it (`_prepare_and_flip`).
+
     Raises:
         WeightsyncError: the manifest could not be fetched (nothing was applied).
     """
     if apply_mode not in APPLY_MODES:
         raise InvalidArgument(f"{apply_mode!r} is not one of {', '.join(APPLY_MODES)}", field="apply_mode")
     started = time.perf_counter()
-    if apply_mode == "atomic":
-        p = prefetch(puller, version, failpoints, applier)
-        return apply_prefetched(
-            p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints,
-            blocked_since=started if engine_blocked else None,
-        )  # fmt: skip
+    blocked_since = started if engine_blocked else None
     p = _fetch_manifest(puller, version, failpoints)
+    if flips is not None and undecided_atomic(p.header.version):
+        if p.error is None:
+            _pull_verified(p, puller, failpoints, applier, stage=True)
+        return _prepare_and_flip(
+            p, puller, applier, flips, metrics=metrics, outbox=outbox, failpoints=failpoints,
+            blocked_since=blocked_since,
+        )  # fmt: skip
+    if apply_mode == "atomic":
+        if p.error is None:
+            _pull_verified(p, puller, failpoints, applier, stage=False)
+        return apply_prefetched(
+            p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints, blocked_since=blocked_since
+        )
     header, manifest = p.header, p.manifest
     result = SyncResult(p.version, ok=False)
     failure = ""
@@ -257,6 +280,7 @@ def sync_version(
         _engine_failpoint(failpoints)
         with puller.pulling(header):
             in_flux = _apply_streaming(puller, applier, puller.plan(header), manifest, p.progress, result, p.timings)
+        p.flipped_at = time.time()
         pause = _applier_pause(applier, result, metrics, puller, in_flux)
         p.timings["pause_seconds"] = time.perf_counter() - started if engine_blocked else pause
     except WeightsyncError as e:
@@ -265,6 +289,74 @@ def sync_version(
         failure = _failed(_local_failure(e, p.version), p, result, puller, metrics)
     p.bytes_pulled, p.chunk_retries = result.bytes_pulled, result.chunk_retries
     return _report(p, puller, result, failure, metrics=metrics, outbox=outbox, failpoints=failpoints)
+
+
+def _prepare_and_flip(
+    p: Prefetched,
+    puller: WeightPuller,
+    applier: Applier,
+    flips: FlipBoard,
+    *,
+    metrics: Metrics | None,
+    outbox: ReportOutbox | None,
+    failpoints: Failpoints | None,
+    blocked_since: float | None,
+) -> SyncResult:
+    """An ATOMIC version pulled and checked (or not): reports it PREPARED (or that it
+    could not be: the coordinator then aborts it), waits for the flip's decision, and
+    applies it (`apply_prefetched`) or drops it.
+
+    A pull that failed for a reason that may pass, or was left for a newer version, is
+    not reported: the rollout tries the version again while it is the newest, and the
+    coordinator's prepare deadline bounds the wait. A report the coordinator could not be
+    reached with goes to the outbox, and the wait goes on: the fleet's other reports may
+    decide the flip, and this one is delivered after an outage."""
+    result = SyncResult(
+        p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries, delta_base=p.delta_base
+    )
+    failure = ""
+    if p.error is not None:
+        failure = _failed(p.error, p, result, puller, metrics)
+        if failure in ("transient", "abandoned"):
+            result.failure, result.mismatch, result.timings = failure, p.error.message, p.timings
+            return result
+    request = _handshake(p, puller, result)
+    request.prepared = True
+    if failpoints is not None and failpoints.fire("flip.wrong_prepared_digest") and request.tensors:
+        request.tensors[0].xxh3 ^= 1
+        log.warning("failpoint flip.wrong_prepared_digest: version %d's PREPARED report changed", p.version)
+    if failpoints is not None and failpoints.fire("flip.pause_before_prepared"):
+        log.warning("failpoint flip.pause_before_prepared: pausing 5 s before reporting version %d PREPARED", p.version)
+        time.sleep(5.0)
+    if outbox is not None:
+        outbox.discard_older_than(p.version)
+    try:
+        verdict = send_report(puller.client, request)
+    except UNDELIVERED as e:
+        log.warning("version %d's PREPARED report not delivered (%s); the outbox sends it again", p.version, e.message)
+        if outbox is not None:
+            outbox.put(request)
+        verdict = None
+    if verdict is not None and verdict.version is not None:
+        flips.note(verdict.version)  # the report that decided the flip says so in its answer
+    if p.error is not None or (verdict is not None and not verdict.ok):
+        why = verdict.mismatch if verdict is not None else p.error.message  # type: ignore[union-attr]
+        return _not_flipped(p, applier, result, failure or (verdict.failure if verdict is not None else "local"), why)
+    log.info("version %d prepared; waiting for its flip", p.version)
+    decided = flips.wait(p.version)
+    if not decided.flip:
+        return _not_flipped(p, applier, result, "aborted", decided.why)
+    return apply_prefetched(
+        p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints, blocked_since=blocked_since
+    )
+
+
+def _not_flipped(p: Prefetched, applier: Applier, result: SyncResult, failure: str, why: str) -> SyncResult:
+    """An ATOMIC version this rollout will not apply: what it held is dropped."""
+    p.discard(applier)
+    log.warning("version %d not flipped: %s", p.version, why)
+    result.failure, result.mismatch, result.timings = failure, why, p.timings
+    return result
 
 
 def apply_prefetched(
@@ -306,6 +398,7 @@ def apply_prefetched(
                 applier.abort_update()
                 raise
         p.progress.consumed = applier.commit_update(p.version)
+        p.flipped_at = time.time()  # the rollout's own clock: the fleet's skew compares these
         now = time.perf_counter()
         p.timings["apply_seconds"] = now - t1
         pause = _applier_pause(applier, result, metrics, puller, now - t1)
@@ -402,14 +495,49 @@ def _report(
         # failed one would make it PARTIAL and page someone for a version nobody wants).
         result.failure, result.mismatch, result.timings = "abandoned", p.error.message, timings
         return result
+    report = _handshake(p, puller, result)
+    if metrics is not None:
+        for phase in ("verify", "apply"):
+            if f"{phase}_seconds" in timings:
+                metrics.observe_phase(phase, timings[f"{phase}_seconds"])
+    if failpoints is not None and failpoints.fire("sync.pause_before_report"):
+        log.warning("failpoint sync.pause_before_report: pausing 3 s before the handshake of version %d", v)
+        time.sleep(3.0)
+    if outbox is not None:
+        outbox.discard_older_than(v)
+        outbox.discard_prepared(v)  # applied: its PREPARED report, if still undelivered, says nothing new
+    try:
+        verdict = send_report(puller.client, report)
+        result.ok, result.mismatch = verdict.ok, verdict.mismatch
+        failure = failure or verdict.failure
+    except UNDELIVERED as e:
+        result.mismatch = f"handshake not delivered yet ({e.message}); the outbox sends it again"
+        if outbox is not None:
+            outbox.put(report)
+            result.handshake_pending = True
+    result.failure = "" if result.ok or result.handshake_pending else failure or "local"
+    if result.ok and metrics is not None:
+        metrics.current_version.labels(role=metrics.role, session=puller.session).set(v)
+    return result
+
+
+def _handshake(p: Prefetched, puller: WeightPuller, result: SyncResult) -> pb.ReportAppliedRequest:
+    """A round's report: digests of the verified bytes (handed to the engine, or held
+    ready), the names the engine consumed, timings; or the round's local error."""
+    timings = p.timings
     report = pb.ReportAppliedRequest(
-        session=puller.session, version=v, agent_id=puller.agent_id, manifest_digest=p.header.version.manifest_digest
+        session=puller.session,
+        version=p.version,
+        agent_id=puller.agent_id,
+        manifest_digest=p.header.version.manifest_digest,
     )
     if p.error is not None:
         report.local_error = p.error.message
     else:
         report.consumed_names.extend(p.progress.consumed)
-        if p.header.version.HasField("ready_at"):
+        if p.flipped_at:
+            report.flipped_at.FromNanoseconds(round(p.flipped_at * 1e9))
+        if p.flipped_at and p.header.version.HasField("ready_at"):
             # the header's age of READY on the coordinator's clock, then this process's own
             # clock: two hosts' wall clocks differ by any skew (and the coordinator's by
             # any step since it started: weightsync's steady wall clock)
@@ -426,28 +554,7 @@ def _report(
     report.timings.CopyFrom(pb.Timings(**timings))
     report.bytes_pulled = result.bytes_pulled
     result.timings = timings
-    if metrics is not None:
-        for phase in ("verify", "apply"):
-            if f"{phase}_seconds" in timings:
-                metrics.observe_phase(phase, timings[f"{phase}_seconds"])
-    if failpoints is not None and failpoints.fire("sync.pause_before_report"):
-        log.warning("failpoint sync.pause_before_report: pausing 3 s before the handshake of version %d", v)
-        time.sleep(3.0)
-    if outbox is not None:
-        outbox.discard_older_than(v)
-    try:
-        verdict = send_report(puller.client, report)
-        result.ok, result.mismatch = verdict.ok, verdict.mismatch
-        failure = failure or verdict.failure
-    except UNDELIVERED as e:
-        result.mismatch = f"handshake not delivered yet ({e.message}); the outbox sends it again"
-        if outbox is not None:
-            outbox.put(report)
-            result.handshake_pending = True
-    result.failure = "" if result.ok or result.handshake_pending else failure or "local"
-    if result.ok and metrics is not None:
-        metrics.current_version.labels(role=metrics.role, session=puller.session).set(v)
-    return result
+    return report
 
 
 def _apply_streaming(

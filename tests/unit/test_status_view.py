@@ -19,6 +19,7 @@ from coordinator.store import SessionStore
 from tests.unit.helpers import make_part, sample_arrays
 from tests.unit.test_store import Clock, good_report
 from weightsync._proto import coordinator_pb2 as pb
+from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import WeightsyncError
 from weightsync.manifest import Endpoint
 from weightsync.wire import part_to_proto
@@ -42,6 +43,9 @@ def built_whole(store: SessionStore, request: pb.GetStatusRequest) -> pb.GetStat
         handshakes=[handshake_info(r) for r in store.reports(s.name, [v.version for v in versions])],
         parts=[part_to_proto(p) for p in parts],
         event_seq=store.latest_seq(s.name),
+        flip_policy=tpb.FlipPolicy.Value(s.flip_policy),
+        prepare_timeout_seconds=s.prepare_timeout_s,
+        prepared_loss=tpb.PreparedLoss.Value(s.prepared_loss),
     )
 
 

@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version")
+    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version", "flip_policy", "prepare_timeout_seconds", "prepared_loss")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class OpenSessionRequest(_message.Message):
     MIN_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     NEXT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_LOSS_FIELD_NUMBER: _ClassVar[int]
     session: str
     role: _types_pb2.Role
     incarnation: str
@@ -27,10 +30,13 @@ class OpenSessionRequest(_message.Message):
     min_rollouts: int
     weight_sync_mode: str
     next_version: int
-    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ...) -> None: ...
+    flip_policy: _types_pb2.FlipPolicy
+    prepare_timeout_seconds: float
+    prepared_loss: _types_pb2.PreparedLoss
+    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds", "flip_policy", "prepare_timeout_seconds", "prepared_loss")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +46,9 @@ class OpenSessionResponse(_message.Message):
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_LOSS_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -49,7 +58,10 @@ class OpenSessionResponse(_message.Message):
     weight_sync_mode: str
     token_key: str
     lease_ttl_seconds: float
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    flip_policy: _types_pb2.FlipPolicy
+    prepare_timeout_seconds: float
+    prepared_loss: _types_pb2.PreparedLoss
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance", "agent_key")
@@ -304,7 +316,7 @@ class Timings(_message.Message):
     def __init__(self, pull_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., pause_seconds: _Optional[float] = ..., ready_to_serving_seconds: _Optional[float] = ...) -> None: ...
 
 class ReportAppliedRequest(_message.Message):
-    __slots__ = ("session", "version", "agent_id", "manifest_digest", "tensors", "aggregates", "consumed_names", "timings", "bytes_pulled", "local_error", "agent_key")
+    __slots__ = ("session", "version", "agent_id", "manifest_digest", "tensors", "aggregates", "consumed_names", "timings", "bytes_pulled", "local_error", "agent_key", "prepared", "flipped_at")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +328,8 @@ class ReportAppliedRequest(_message.Message):
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ERROR_FIELD_NUMBER: _ClassVar[int]
     AGENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    FLIPPED_AT_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     agent_id: str
@@ -327,7 +341,9 @@ class ReportAppliedRequest(_message.Message):
     bytes_pulled: int
     local_error: str
     agent_key: str
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., consumed_names: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., local_error: _Optional[str] = ..., agent_key: _Optional[str] = ...) -> None: ...
+    prepared: bool
+    flipped_at: _timestamp_pb2.Timestamp
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., agent_id: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorDigest, _Mapping]]] = ..., aggregates: _Optional[_Union[_types_pb2.Aggregates, _Mapping]] = ..., consumed_names: _Optional[_Iterable[str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., local_error: _Optional[str] = ..., agent_key: _Optional[str] = ..., prepared: _Optional[bool] = ..., flipped_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ReportAppliedResponse(_message.Message):
     __slots__ = ("ok", "version", "mismatch")
@@ -368,7 +384,7 @@ class AgentInfo(_message.Message):
     def __init__(self, agent_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., endpoint: _Optional[_Union[_types_pb2.Endpoint, _Mapping]] = ..., rank: _Optional[int] = ..., alive: _Optional[bool] = ..., current_version: _Optional[int] = ..., generation: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class HandshakeInfo(_message.Message):
-    __slots__ = ("version", "agent_id", "ok", "mismatch", "timings", "bytes_pulled", "reported_at")
+    __slots__ = ("version", "agent_id", "ok", "mismatch", "timings", "bytes_pulled", "reported_at", "flipped_at")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +392,7 @@ class HandshakeInfo(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FLIPPED_AT_FIELD_NUMBER: _ClassVar[int]
     version: int
     agent_id: str
     ok: bool
@@ -383,10 +400,11 @@ class HandshakeInfo(_message.Message):
     timings: Timings
     bytes_pulled: int
     reported_at: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[int] = ..., agent_id: _Optional[str] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    flipped_at: _timestamp_pb2.Timestamp
+    def __init__(self, version: _Optional[int] = ..., agent_id: _Optional[str] = ..., ok: _Optional[bool] = ..., mismatch: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_pulled: _Optional[int] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., flipped_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "versions", "agents", "handshakes", "parts", "event_seq")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "versions", "agents", "handshakes", "parts", "event_seq", "flip_policy", "prepare_timeout_seconds", "prepared_loss")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +414,9 @@ class GetStatusResponse(_message.Message):
     HANDSHAKES_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_LOSS_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -405,7 +426,10 @@ class GetStatusResponse(_message.Message):
     handshakes: _containers.RepeatedCompositeFieldContainer[HandshakeInfo]
     parts: _containers.RepeatedCompositeFieldContainer[_types_pb2.RankPart]
     event_seq: int
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_types_pb2.VersionInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., handshakes: _Optional[_Iterable[_Union[HandshakeInfo, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., event_seq: _Optional[int] = ...) -> None: ...
+    flip_policy: _types_pb2.FlipPolicy
+    prepare_timeout_seconds: float
+    prepared_loss: _types_pb2.PreparedLoss
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[_types_pb2.VersionInfo, _Mapping]]] = ..., agents: _Optional[_Iterable[_Union[AgentInfo, _Mapping]]] = ..., handshakes: _Optional[_Iterable[_Union[HandshakeInfo, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[_types_pb2.RankPart, _Mapping]]] = ..., event_seq: _Optional[int] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ...) -> None: ...
 
 class AbortVersionRequest(_message.Message):
     __slots__ = ("session", "generation", "version", "reason")

@@ -178,7 +178,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportApplied(self, request, context):
-        """Handshake: a rollout reports what it applied; DATA_LOSS on any difference.
+        """Handshake: a rollout reports what it applied; DATA_LOSS on any difference. With
+        `prepared` (ATOMIC versions), what it holds ready to apply; a difference FAILS the version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,6 +34,18 @@ class VersionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[VersionState]
     RELEASED: _ClassVar[VersionState]
 
+class FlipPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLIP_POLICY_UNSPECIFIED: _ClassVar[FlipPolicy]
+    INDEPENDENT: _ClassVar[FlipPolicy]
+    ATOMIC: _ClassVar[FlipPolicy]
+
+class PreparedLoss(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREPARED_LOSS_UNSPECIFIED: _ClassVar[PreparedLoss]
+    FLIP_WITHOUT: _ClassVar[PreparedLoss]
+    ABORT_FLIP: _ClassVar[PreparedLoss]
+
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLE_UNSPECIFIED: _ClassVar[Role]
@@ -57,6 +69,12 @@ COMMITTED: VersionState
 PARTIAL: VersionState
 FAILED: VersionState
 RELEASED: VersionState
+FLIP_POLICY_UNSPECIFIED: FlipPolicy
+INDEPENDENT: FlipPolicy
+ATOMIC: FlipPolicy
+PREPARED_LOSS_UNSPECIFIED: PreparedLoss
+FLIP_WITHOUT: PreparedLoss
+ABORT_FLIP: PreparedLoss
 ROLE_UNSPECIFIED: Role
 TRAINER: Role
 ROLLOUT: Role
@@ -192,7 +210,7 @@ class RankPart(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ..., stage_seconds: _Optional[float] = ..., delta: _Optional[_Union[PartDelta, _Mapping]] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "reason", "leases", "stage_seconds", "created_at", "ready_at", "committed_at")
+    __slots__ = ("session", "version", "state", "generation", "manifest_digest", "total_bytes", "sealed_ranks", "trainer_ranks", "reason", "leases", "stage_seconds", "created_at", "ready_at", "committed_at", "flip_policy", "flip_decided_at", "prepared", "flip_skew_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +225,10 @@ class VersionInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     READY_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    FLIP_DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    FLIP_SKEW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     version: int
     state: VersionState
@@ -221,7 +243,11 @@ class VersionInfo(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     ready_at: _timestamp_pb2.Timestamp
     committed_at: _timestamp_pb2.Timestamp
-    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ready_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    flip_policy: FlipPolicy
+    flip_decided_at: _timestamp_pb2.Timestamp
+    prepared: int
+    flip_skew_seconds: float
+    def __init__(self, session: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[VersionState, str]] = ..., generation: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sealed_ranks: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., reason: _Optional[str] = ..., leases: _Optional[int] = ..., stage_seconds: _Optional[float] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ready_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., flip_policy: _Optional[_Union[FlipPolicy, str]] = ..., flip_decided_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., prepared: _Optional[int] = ..., flip_skew_seconds: _Optional[float] = ...) -> None: ...
 
 class AuditMismatch(_message.Message):
     __slots__ = ("tensor", "detail")
