@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-size",
         default=None,
         choices=list(PRESETS),
-        help="tiny | small | medium | 0.6b (Qwen3-0.6B shape); default tiny when learning, else small",
+        help="tiny | small | medium | 0.6b | 1.7b | 4b (the last three Qwen3 shapes; 4b's trainer holds bf16 "
+        "masters, which steps far below their bf16 spacing leave unchanged); default tiny when learning, else small",
     )
     p.add_argument(
         "--steps",

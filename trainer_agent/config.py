@@ -17,7 +17,9 @@ class TrainerConfig(PublisherSettings):
     """A JAX trainer process (synthetic Qwen3-shaped model) publishing every step."""
 
     metrics_port: int = option(0, "Prometheus /metrics port; 0 picks a free one, -1 disables.")
-    weight_dtype: str = option("bfloat16", "Dtype served to rollouts (fp32 masters are cast).", choices=list(ALLOWED))
+    weight_dtype: str = option(
+        "bfloat16", "Dtype served to rollouts (the masters are cast: fp32, bf16 at 4b).", choices=list(ALLOWED)
+    )
     weight_sync_mode: str = option(
         "tcp",
         "The session's default mode for rollouts: grpc | tcp | shm | fs "
