@@ -83,6 +83,10 @@ MIGRATIONS = (
     # A session's identity, drawn at its creation (RegisterAgentResponse.session_uid): a
     # session deleted and made again under its name, or after a lost database, has another.
     ("sessions", "uid", "TEXT NOT NULL DEFAULT ''"),
+    # Which rollout ids may join (register): a JSON list ('': any id) and a count of live
+    # rollouts a new id may join (0: any number). The trainer sets them (OpenSession).
+    ("sessions", "rollout_ids", "TEXT NOT NULL DEFAULT ''"),
+    ("sessions", "max_rollouts", "INTEGER NOT NULL DEFAULT 0"),
 )
 # Columns added above whose values older rows hold elsewhere: filled in once, on open.
 BACKFILLS = (

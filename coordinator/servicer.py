@@ -183,6 +183,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             min_rollouts=request.min_rollouts,
             weight_sync_mode=request.weight_sync_mode,
             next_version=request.next_version,
+            rollout_ids=tuple(request.rollout_ids),
+            max_rollouts=request.max_rollouts,
         )
         latest = self._store.versions(s.name, 1)
         return pb.OpenSessionResponse(
@@ -195,6 +197,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             weight_sync_mode=s.weight_sync_mode,
             token_key=self._store.tokens.session_key(s.name) if role == "TRAINER" else "",
             lease_ttl_seconds=self._store.lease_ttl_s,
+            rollout_ids=s.expected_ids(),
+            max_rollouts=s.max_rollouts,
         )
 
     def RegisterAgent(

@@ -67,6 +67,8 @@ class SessionLink:
             min_rollouts=s.min_rollouts,
             weight_sync_mode=s.weight_sync_mode,
             next_version=next_version,
+            rollout_ids=s.rollout_ids,
+            max_rollouts=s.max_rollouts,
         )
         self.generation = opened.generation
         self.attached_latest_version = opened.latest_version

@@ -20,9 +20,10 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.config import bounded_number
+from weightsync.credentials import CREDENTIAL_ENV
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, NotFound, WeightsyncError, status_name_for
-from weightsync.security import Security, agent_token, load_tokens
+from weightsync.security import Security, agent_token, load_tokens, read_token, with_credential
 from weightsync.transports.fs import FsStore, store_error
 from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import UINT32_MAX, check_address
@@ -464,7 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "agent-token":
             return cmd_agent_token(args)
         check_address(args.coordinator, "coordinator")
-        security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
+        credential = "" if args.auth_token else os.environ.get(CREDENTIAL_ENV, "")
+        token = read_token(credential, "admin") if credential else args.auth_token
+        security = Security(
+            args.tls_cert_file,
+            args.tls_key_file,
+            args.tls_ca_file,
+            token=token,
+            token_file=credential,
+            token_role="admin",
+        )
+        security = with_credential(security, args.coordinator, "admin")
         security.check_files()
     except WeightsyncError as e:
         print(f"wsctl: {e.message}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -18,7 +18,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import AgentIdHeld, DeadlineExceeded, InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.publish_sender import PUBLISH_METHOD, LoopSender
-from weightsync.security import Security
+from weightsync.security import Security, with_credential
 from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches, publish_requests
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class CoordinatorClient:
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
+        # Given no security, the default credential of the coordinator at `address`, if it
+        # made one for this user, as admin (an operator's or a test's client).
+        security = with_credential(security, address, "admin") if security is None else security
         self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # PublishVersion's requests serialized by the caller (see publish_part)
@@ -135,7 +138,11 @@ class CoordinatorClient:
         min_rollouts: int = 0,
         weight_sync_mode: str = "",
         next_version: int = 0,
+        rollout_ids: Sequence[str] = (),
+        max_rollouts: int = 0,
     ) -> pb.OpenSessionResponse:
+        """`rollout_ids`, `max_rollouts` (a trainer's): which rollout ids may join the
+        session (empty and 0 keep the session's; a new session lets any id join)."""
         req = pb.OpenSessionRequest(
             session=session,
             role=tpb.TRAINER if trainer else tpb.ROLLOUT,
@@ -144,6 +151,8 @@ class CoordinatorClient:
             min_rollouts=min_rollouts,
             weight_sync_mode=weight_sync_mode,
             next_version=next_version,
+            rollout_ids=rollout_ids,
+            max_rollouts=max_rollouts,
         )
         # Retrying a trainer attach without an incarnation would bump twice: only retry
         # when the call is idempotent.

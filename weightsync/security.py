@@ -22,6 +22,7 @@ every byte is checked against the manifest's digests (docs/design.md "Security")
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -39,6 +40,7 @@ import grpc
 
 from weightsync._proto import types_pb2 as tpb
 from weightsync.carried_calls import AGENT_METHODS, COORDINATOR, calls_in
+from weightsync.credentials import found_credential, read_credential
 from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsync.validation import check_agent_id
 
@@ -71,12 +73,10 @@ def _read(path: str, what: str) -> bytes:
         raise InvalidArgument(f"cannot read {path!r}: {e.strerror}", field=what) from None
 
 
-def read_token(path: str) -> str:
-    """A bearer token kept in a file (a mounted Secret rather than an environment variable)."""
-    token = _read(path, "auth_token_file").decode().strip()
-    if not token:
-        raise InvalidArgument(f"{path!r} holds no token", field="auth_token_file")
-    return token
+def read_token(path: str, role: str = "") -> str:
+    """A bearer token kept in a file (a mounted Secret rather than an environment variable):
+    the file's text, or `role`'s entry where it is a tokens file (`weightsync.credentials`)."""
+    return read_credential(path, role)
 
 
 def load_tokens(path: str) -> dict[str, str]:
@@ -110,6 +110,7 @@ class Security:
     token: str = ""
     tokens_file: str = ""
     token_file: str = ""  # where `token` came from: channels read it again when it changes
+    token_role: str = ""  # the role whose token a tokens file at `token_file` gives
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -167,9 +168,9 @@ class Security:
         for servers that demand one), carrying the bearer token when one is set."""
         if not self.ca_file:
             channel = grpc.insecure_channel(address, options=list(options))
-            if not self.token:
+            if not self.token and not self.token_file:
                 return channel
-            return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
+            return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file, role=self.token_role))
 
         def secure() -> grpc.Channel:
             return grpc.secure_channel(address, self.channel_credentials(), options=list(options))
@@ -177,10 +178,26 @@ class Security:
         # The interceptor asks the renewing channel for a callable at every call, so each
         # call goes out on the channel made from the files as they are now.
         renewing = _RenewingChannel(secure, (self.cert_file, self.key_file, self.ca_file))
-        return grpc.intercept_channel(renewing, _BearerToken(self.token, path=self.token_file))
+        return grpc.intercept_channel(renewing, _BearerToken(self.token, path=self.token_file, role=self.token_role))
 
 
 PLAINTEXT = Security()
+
+
+def with_credential(security: Security | None, address: str, role: str) -> Security:
+    """`security` carrying the default credential of the coordinator at `address` for `role`
+    (`weightsync.credentials`): as it is where it carries a token already, or `address` is a
+    unix socket. A credential not there yet is read once it appears (a client started
+    before its coordinator)."""
+    security = security or PLAINTEXT
+    path = "" if security.token or security.token_file else found_credential(address)
+    if not path:
+        return security
+    try:
+        token = read_credential(path, role)
+    except InvalidArgument:
+        token = ""
+    return dataclasses.replace(security, token=token, token_file=path, token_role=role)
 
 
 class AioCalls:
@@ -193,7 +210,7 @@ class AioCalls:
         self._security, self._address, self._options = security, address, list(options)
         paths = (security.cert_file, security.key_file, security.ca_file) if security.ca_file else ()
         self._channel = _FileValue(self._make(), paths, self._make, "TLS client files", 1.0)
-        self._token = _token_value(security.token, security.token_file)
+        self._token = _token_value(security.token, security.token_file, security.token_role)
         self._retired: list[grpc.aio.Channel] = []
 
     def _make(self) -> grpc.aio.Channel:
@@ -231,8 +248,9 @@ class _FileValue(Generic[T]):
         self._failing = False
 
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
-        # what changes when a file is replaced or rewritten
-        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, self._paths))
+        # what changes when a file is replaced or rewritten; a file not there yet (a
+        # coordinator's credential before it starts) stamps zeros and is read once it appears
+        return tuple(_stamp(path) for path in self._paths)
 
     def refresh(self) -> bool:
         """Reads the files again if they changed since the last read; True when it did."""
@@ -258,10 +276,24 @@ class _FileValue(Generic[T]):
         return self.value
 
 
-def _token_value(token: str, path: str) -> _FileValue[str]:
+def _stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _token_value(token: str, path: str, role: str = "") -> _FileValue[str]:
     """A client's bearer token, read again from `path` (where it came from one) when the
     file changes, looked at most once a second."""
-    return _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
+    return _FileValue(token, (path,), lambda: read_token(path, role), "bearer token file", 1.0)
+
+
+def bearer_metadata(security: Security) -> tuple[tuple[str, str], ...]:
+    """The metadata a call made without `security.channel` carries (its bearer token, as
+    it is now; none without one): for raw asyncio stubs."""
+    return _bearer(security.token)
 
 
 def _bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -371,8 +403,8 @@ class _BearerToken(
     `path`, the token is read again (at most once a second) when the file changes, so a
     long-lived channel follows a rotated Secret."""
 
-    def __init__(self, token: str, *, path: str = "") -> None:
-        self._token = _token_value(token, path)
+    def __init__(self, token: str, *, path: str = "", role: str = "") -> None:
+        self._token = _token_value(token, path, role)
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         bearer = _bearer(self._token.get())

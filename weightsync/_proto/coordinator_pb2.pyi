@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version")
+    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version", "rollout_ids", "max_rollouts")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class OpenSessionRequest(_message.Message):
     MIN_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     NEXT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     session: str
     role: _types_pb2.Role
     incarnation: str
@@ -27,10 +29,12 @@ class OpenSessionRequest(_message.Message):
     min_rollouts: int
     weight_sync_mode: str
     next_version: int
-    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ...) -> None: ...
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_rollouts: int
+    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_rollouts: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds", "rollout_ids", "max_rollouts")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +44,8 @@ class OpenSessionResponse(_message.Message):
     WEIGHT_SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -49,7 +55,9 @@ class OpenSessionResponse(_message.Message):
     weight_sync_mode: str
     token_key: str
     lease_ttl_seconds: float
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_rollouts: int
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_rollouts: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance", "agent_key")
