@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import ssl
 import threading
 import time
@@ -60,6 +61,7 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 # attach as the trainer and bump the generation).
 ROLE_IN_REQUEST = (COORDINATOR + "OpenSession", COORDINATOR + "RegisterAgent")
 AGENT_TOKEN_PREFIX = "wsagent:"
+REVOKED = "revoked"  # the tokens file's list of revoked agent credentials
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 log = logging.getLogger(__name__)
@@ -79,14 +81,25 @@ def read_token(path: str, role: str = "") -> str:
     return read_credential(path, role)
 
 
+def load_revoked(path: str) -> frozenset[str]:
+    """The serials (or whole tokens) of the agent credentials a tokens file revokes: its
+    `"revoked"` list (`wsctl revoke`)."""
+    tokens = json.loads(_read(path, "auth_tokens_file"))
+    return frozenset(tokens.get(REVOKED, ())) if isinstance(tokens, dict) else frozenset()
+
+
 def load_tokens(path: str) -> dict[str, str]:
-    """role -> token from a JSON file; roles outside ROLES and empty tokens are refused."""
+    """role -> token from a JSON file; roles outside ROLES and empty tokens are refused. A
+    `"revoked"` list beside them names agent credentials refused (`load_revoked`)."""
     try:
         tokens = json.loads(_read(path, "auth_tokens_file"))
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{path!r} is not JSON: {e}", field="auth_tokens_file") from None
     if not isinstance(tokens, dict) or not tokens:
         raise InvalidArgument(f"{path!r} must hold an object of role -> token", field="auth_tokens_file")
+    revoked = tokens.pop(REVOKED, []) if isinstance(tokens, dict) else []
+    if not isinstance(revoked, list) or not all(isinstance(r, str) for r in revoked):
+        raise InvalidArgument(f"{path!r}: {REVOKED!r} must be a list of strings", field="auth_tokens_file")
     for role, token in tokens.items():
         if role not in ROLES:
             raise InvalidArgument(f"unknown role {role!r} (roles: {', '.join(ROLES)})", field="auth_tokens_file")
@@ -449,23 +462,35 @@ class BearerAuth:
     def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
         """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
         is swapped in place; servers kept the tokens they read at start)."""
-        self._tokens = _FileValue(dict(tokens), (path,), lambda: load_tokens(path), "bearer tokens file", 1.0)
+        self._tokens = _FileValue(
+            (dict(tokens), load_revoked(path) if path else frozenset()),
+            (path,),
+            lambda: (load_tokens(path), load_revoked(path)),
+            "bearer tokens file",
+            1.0,
+        )
 
-    def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
-        """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""
-        tokens = self._tokens.get()
+    def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, frozenset[str]]:
+        """(role, the agent ids it is bound to, none for a role token) of the call's token;
+        Unauthenticated when none matches, or its credential was revoked."""
+        tokens, revoked = self._tokens.get()
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
             if token.startswith(AGENT_TOKEN_PREFIX):
-                _, role, agent_id, mac = (token.split(":", 3) + ["", "", ""])[:4]
+                fields = token[len(AGENT_TOKEN_PREFIX) :].split(":")
+                role, ids, serial, mac = (
+                    (fields[0], fields[1], "", fields[2]) if len(fields) == 3 else [*fields, "", "", "", ""][:4]
+                )
                 known = tokens.get(role)
-                if known is not None and hmac.compare_digest(_agent_mac(known, role, agent_id), mac):
-                    return role, agent_id
+                if known is not None and hmac.compare_digest(_agent_mac(known, role, ids, serial), mac):
+                    if (serial and serial in revoked) or token in revoked:
+                        raise Unauthenticated("authorization: this agent credential was revoked")
+                    return role, frozenset(ids.split(","))
             else:
                 for role, known in tokens.items():
                     if hmac.compare_digest(known.encode(), token.encode()):
-                        return role, ""
+                        return role, frozenset()
         raise Unauthenticated("authorization: missing or unknown bearer token")
 
     def before_read(self, method: str, metadata: Any) -> None:
@@ -473,7 +498,7 @@ class BearerAuth:
         if not method.startswith(UNCHECKED_PREFIXES):
             self._role_allowed(method, metadata)
 
-    def _role_allowed(self, method: str, metadata: Any) -> tuple[str, str]:
+    def _role_allowed(self, method: str, metadata: Any) -> tuple[str, frozenset[str]]:
         """(role, bound agent id) of the call's token, refused when its role may not call `method`."""
         role, bound = self.identity_of(metadata)
         _check_rule(role, method)
@@ -493,8 +518,10 @@ class BearerAuth:
                 asked = _ROLE_OF_ENUM.get(message.role)
                 if asked is not None and asked != role:
                     raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
-            if bound and name in AGENT_METHODS and message.agent_id not in ("", bound):
-                raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
+            if bound and name in AGENT_METHODS and message.agent_id and message.agent_id not in bound:
+                raise PermissionDenied(
+                    f"agent_id: this token acts for agent {', '.join(map(repr, sorted(bound)))} only", field="agent_id"
+                )
 
 
 def _check_rule(role: str, method: str) -> None:
@@ -506,12 +533,38 @@ def _check_rule(role: str, method: str) -> None:
 
 def agent_token(role_token: str, role: str, agent_id: str) -> str:
     """A bearer token that acts as `role` for `agent_id` only, derived from the role's
-    token (which stays with the operator): `wsctl agent-token` prints one per pod."""
+    token (which stays with the operator): `wsctl agent-token` prints one per pod. It has
+    no serial: only a new role token revokes it (`agent_credential` makes revocable ones)."""
     if role not in ("trainer", "rollout"):
         raise InvalidArgument(f"agent tokens are for trainer or rollout agents, not {role!r}", field="role")
     check_agent_id(agent_id)
-    return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id)}"
+    return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id, '')}"
 
 
-def _agent_mac(role_token: str, role: str, agent_id: str) -> str:
-    return hmac.new(role_token.encode(), f"{role}:{agent_id}".encode(), hashlib.sha256).hexdigest()
+def agent_credential(role_token: str, role: str, agent_ids: Sequence[str], serial: str = "") -> str:
+    """A workload's own credential: a bearer token that acts as `role` for `agent_ids` only
+    (a trainer's ranks, one rollout), derived from the role's token, which stays with the
+    operator; `serial` (drawn when not given) names it in the tokens file's `"revoked"`
+    list: `wsagent:<role>:<id>[,<id>...]:<serial>:<mac>`. `wsctl credential` prints one."""
+    if role not in ("trainer", "rollout"):
+        raise InvalidArgument(f"agent credentials are for trainer or rollout agents, not {role!r}", field="role")
+    if not agent_ids:
+        raise InvalidArgument("name at least one agent id", field="agent_id")
+    for agent_id in agent_ids:
+        check_agent_id(agent_id)
+    serial = serial or secrets.token_hex(8)
+    if not serial.isalnum():
+        raise InvalidArgument(f"{serial!r} must be letters and digits", field="serial")
+    ids = ",".join(sorted(set(agent_ids)))
+    return f"{AGENT_TOKEN_PREFIX}{role}:{ids}:{serial}:{_agent_mac(role_token, role, ids, serial)}"
+
+
+def credential_serial(credential: str) -> str:
+    """The serial of an agent credential ("" for a role token or an agent token without one)."""
+    fields = credential.removeprefix(AGENT_TOKEN_PREFIX).split(":")
+    return fields[2] if credential.startswith(AGENT_TOKEN_PREFIX) and len(fields) == 4 else ""
+
+
+def _agent_mac(role_token: str, role: str, ids: str, serial: str) -> str:
+    message = f"{role}:{ids}:{serial}" if serial else f"{role}:{ids}"
+    return hmac.new(role_token.encode(), message.encode(), hashlib.sha256).hexdigest()

@@ -179,3 +179,56 @@ def test_an_agent_token_cannot_take_a_lapsed_rollouts_id(cluster: Cluster, tmp_p
         outcomes = attack(tmp_path, coord.address, "job", "--token", r1_token, "--only", "register_r0")
         assert outcomes["register_r0"].startswith("PermissionDenied: agent_id:"), outcomes
         assert snapshot(admin, "job") == before
+
+
+def test_each_workload_runs_on_its_own_credential_and_a_revoked_one_is_refused_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Per-workload credentials (`wsctl credential`), each given to its process through the
+    one variable: the trainer and a rollout sync under theirs; the rollout's acts for its own
+    id only, and once revoked (`wsctl revoke`) its next call is refused, without a restart."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    tokens.chmod(0o600)
+    coord = cluster.start_coordinator(args=["--auth-tokens-file", str(tokens)])
+
+    def wsctl(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True, timeout=60, check=True
+        )
+        return out.stdout.strip()
+
+    credentials = {}
+    for name, role, agent_id in (("trainer", "trainer", "trainer-0"), ("r0", "rollout", "r0")):
+        credentials[name] = wsctl(
+            "credential", "--auth-tokens-file", str(tokens), "--role", role, "--agent-id", agent_id
+        )
+        path = tmp_path / f"{name}.credential"
+        path.write_text(credentials[name])
+        path.chmod(0o600)
+        credentials[f"{name}_file"] = str(path)
+    cluster.start_rollout("r0", coord.address, "job", env={CREDENTIAL_ENV: credentials["r0_file"]})
+    cluster.start_trainer(
+        "trainer",
+        coord.address,
+        "job",
+        [*TINY, "--steps", "1", "--hold", "--agent-id", "trainer-0", "--rollout-ids", "r0"],
+        env={CREDENTIAL_ENV: credentials["trainer_file"]},
+    )
+    with CoordinatorClient(coord.address, security=Security(token=TOKENS["admin"])) as admin:
+        assert state_name(admin.wait_for_version("job", 1, timeout_s=120)) == "COMMITTED"
+        before = snapshot(admin, "job")
+        outcomes = attack(tmp_path, coord.address, "job", "--token", credentials["r0"], "--agent-id", "r1")
+        assert outcomes["register_and_refuse_v1"].startswith("PermissionDenied: agent_id:"), outcomes
+        assert outcomes["open_session_as_trainer"].startswith("PermissionDenied"), outcomes
+        assert snapshot(admin, "job") == before
+        assert wsctl("revoke", "--auth-tokens-file", str(tokens), credentials["r0"]).startswith("revoked ")
+        assert stat.S_IMODE(tokens.stat().st_mode) == 0o600
+        eventually(
+            lambda: attack(tmp_path, coord.address, "job", "--token", credentials["r0"], "--only", "status")[
+                "status"
+            ].startswith("Unauthenticated: authorization: this agent credential was revoked"),
+            timeout_s=30,
+            what="the revoked credential refused",
+        )
+        assert snapshot(admin, "job")["versions"] == before["versions"]
