@@ -65,6 +65,7 @@ from weightsync.config import bounded_number  # noqa: E402
 from weightsync.lease import heartbeat_interval_s  # noqa: E402
 from weightsync.manifest import Manifest  # noqa: E402
 from weightsync.rpc import CHANNEL_OPTIONS, code_name  # noqa: E402
+from weightsync.security import bearer_metadata, with_credential  # noqa: E402
 
 TARGET_P99_MS = 50.0
 TARGET_COMMIT_S = 1.0
@@ -216,12 +217,14 @@ class Fleet:
     reports: list[float] = field(default_factory=list)  # ReportApplied latencies
     errors: dict[str, int] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)  # agent id -> the agent key its registration answered
+    auth: tuple[tuple[str, str], ...] = ()  # what every call carries: the coordinator's bearer token
 
     def _error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
     async def run(self) -> None:
         """Registers every agent, prints "ready", runs until stdin closes."""
+        self.auth = bearer_metadata(with_credential(None, self.address, "rollout"))  # the default credential
         ids = [f"r{i:05d}" for i in range(self.first, self.first + self.count)]
         channels = [
             grpc.aio.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
@@ -233,7 +236,9 @@ class Fleet:
         async def register(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
             async with sem:
                 registered = await stub.RegisterAgent(
-                    pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT), timeout=60
+                    pb.RegisterAgentRequest(session=self.session, agent_id=agent_id, role=tpb.ROLLOUT),
+                    timeout=60,
+                    metadata=self.auth,
                 )
                 self.keys[agent_id] = registered.agent_key  # every later call for the agent carries it
 
@@ -254,7 +259,7 @@ class Fleet:
         line: list[_Line] = []  # the agent's open Heartbeats stream, once there is one
         beat = asyncio.create_task(self._heartbeat(stub, agent_id, line))
         try:
-            async for ev in stub.WatchVersions(pb.WatchVersionsRequest(session=self.session)):
+            async for ev in stub.WatchVersions(pb.WatchVersionsRequest(session=self.session), metadata=self.auth):
                 if ev.version.state == tpb.READY:
                     self.seen_ready.append(time.time())
                     await self._handshake(stub, line, agent_id, ev.version.version, ev.version.manifest_digest)
@@ -275,10 +280,10 @@ class Fleet:
             t0 = time.perf_counter()
             try:
                 if self.unary_heartbeats:
-                    await stub.Heartbeat(request, timeout=self.ttl_s)
+                    await stub.Heartbeat(request, timeout=self.ttl_s, metadata=self.auth)
                 else:
                     if not line:
-                        line.append(_Line(stub.Heartbeats()))
+                        line.append(_Line(stub.Heartbeats(metadata=self.auth)))
                     await asyncio.wait_for(line[0].ask(request), self.ttl_s)
                 self.heartbeats.append(time.perf_counter() - t0)
             except (grpc.aio.AioRpcError, TimeoutError) as e:
@@ -299,7 +304,7 @@ class Fleet:
             if carried and line:
                 _answered(await line[0].ask(pb.HeartbeatRequest(call_id=1, get_manifest=lease)))
             else:
-                async for _piece in stub.GetManifest(lease, timeout=60):
+                async for _piece in stub.GetManifest(lease, timeout=60, metadata=self.auth):
                     pass
             self.leases.append(time.perf_counter() - t0)
             await asyncio.sleep(random.random() * self.pull_s)  # the pull and apply a rollout does here
@@ -311,7 +316,7 @@ class Fleet:
             if carried and line:
                 _answered(await line[0].ask(pb.HeartbeatRequest(call_id=2, report_applied=report)))
             else:
-                await stub.ReportApplied(report, timeout=60)
+                await stub.ReportApplied(report, timeout=60, metadata=self.auth)
             self.reports.append(time.perf_counter() - t0)
             self.handshakes.append(time.time())
         except grpc.aio.AioRpcError as e:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from coordinator.servicer import CoordinatorServicer, coordinator_service
 from coordinator.store import SessionStore
 from coordinator.watch import WatchHub
 from weightsync.config import load_config
+from weightsync.credentials import CREDENTIAL_ENV, CREDENTIAL_NAME, keep_credential, link_credential, unlink_credential
 from weightsync.errors import WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.gc_freeze import FreezingCollector
@@ -51,6 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeightsyncError as e:
         log.error("cannot start: %s", e.message)
         return 2
+    security = cfg.security()
+    credential: Path | None = None
+    if cfg.requires_credential():
+        credential = Path(cfg.credential_path() or Path(tempfile.mkdtemp(prefix="weightsync-")) / CREDENTIAL_NAME)
+        try:
+            keep_credential(credential)
+        except (OSError, WeightsyncError) as e:
+            log.error("cannot start: %s", getattr(e, "message", e))
+            store.close()
+            return 2
+        security = dataclasses.replace(security, tokens_file=str(credential))
     metrics = build_metrics("coordinator")
     failpoints = Failpoints(cfg.failpoints)
     if failpoints.armed("coordinator.exit_after_flip_decision"):
@@ -67,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=cfg.metrics_port,
             metrics_host=cfg.metrics_host,
             max_workers=cfg.max_workers,
-            security=cfg.security(),
+            security=security,
         )
     except WeightsyncError as e:  # a port taken
         log.error("cannot start: %s", e.message)
@@ -79,7 +94,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.gc_refresh_s
         else None
     )
-    write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, db_path=cfg.db_path)
+    linked = None
+    if credential is not None:
+        linked = link_credential(running.address, credential)
+        log.info(
+            "auth: every call needs a bearer token of %s (mode 0600: this user's alone; its clients find it%s, or "
+            "through %s); --auth none takes calls without one",
+            credential,
+            f" through {linked}" if linked else "",
+            CREDENTIAL_ENV,
+        )
+    write_ready_file(
+        cfg.ready_file,
+        address=running.address,
+        metrics_port=running.metrics_port,
+        db_path=cfg.db_path,
+        credential=str(credential.resolve() if credential else ""),
+    )
     log.info("coordinator ready address=%s db=%s", running.address, cfg.db_path)
     failing = False
     while not stop.wait(cfg.lease_ttl_s / 2):
@@ -109,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("closing: watch and heartbeat streams end, then the server stops (calls in flight get 5s)")
     hub.close()
     running.stop()
+    if credential is not None:
+        unlink_credential(linked, credential)
+        if not cfg.credential_path():  # the private directory drawn for an in-memory database
+            shutil.rmtree(credential.parent, ignore_errors=True)
     servicer.close()
     store.close()
     if store.db.corrupt is not None and cfg.db_path != ":memory:":

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from weightsync.addresses import is_unix
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, option
+from weightsync.credentials import CREDENTIAL_NAME
 from weightsync.errors import InvalidArgument
 from weightsync.failpoints import Failpoints
 
@@ -16,6 +19,16 @@ class CoordinatorConfig(ServerConfig):
     """Coordinator settings."""
 
     db_path: str = option(".weightsync/coordinator.db", "SQLite database file (created if missing).")
+    auth: str = option(
+        "credential",
+        "credential: without --auth-tokens-file or --tls-require-client-cert, a TCP server requires the bearer "
+        "tokens of --credential-file (made for this user, mode 0600; its clients find it); a unix socket relies on "
+        "its file mode. none: take calls without a credential (every local user may attach as the trainer).",
+        choices=["credential", "none"],
+    )
+    credential_file: str = option(
+        "", "Where --auth credential keeps its tokens (JSON, mode 0600); default credential.json beside --db-path."
+    )
     lease_ttl_s: float = option(10.0, "Agent lease lifetime; agents heartbeat four times per lease (weightsync.lease).")
     max_workers: int = option(
         8, "Threads for the blocking handlers (watch streams need none). More threads only contend for the GIL."
@@ -52,3 +65,20 @@ class CoordinatorConfig(ServerConfig):
             Failpoints(self.failpoints)  # refused at start
         except InvalidArgument as e:
             raise ValueError(e.message) from None
+        if self.auth not in ("credential", "none"):
+            raise ValueError(f"auth must be credential or none, got {self.auth!r}")
+
+    def requires_credential(self) -> bool:
+        """Whether this coordinator requires its default credential (see --auth)."""
+        return (
+            self.auth == "credential"
+            and not (self.auth_tokens_file or self.tls_require_client_cert)
+            and not is_unix(self.host)
+        )
+
+    def credential_path(self) -> str:
+        """Where the default credential is kept ("" for an in-memory database without
+        --credential-file: the caller draws a private directory)."""
+        if self.credential_file:
+            return self.credential_file
+        return "" if self.db_path == ":memory:" else str(Path(self.db_path).parent / CREDENTIAL_NAME)

@@ -99,6 +99,10 @@ MIGRATIONS = (
     ("versions", "flip_decided_at", "REAL NOT NULL DEFAULT 0"),  # 0: undecided
     ("versions", "flip_skew_s", "REAL"),  # NULL: fewer than two flip times
     ("reports", "flipped_at", "REAL NOT NULL DEFAULT 0"),  # the rollout's clock at the swap (0: not said)
+    # Which rollout ids may join (register): a JSON list ('': any id) and a count of live
+    # rollouts a new id may join (0: any number). The trainer sets them (OpenSession).
+    ("sessions", "rollout_ids", "TEXT NOT NULL DEFAULT ''"),
+    ("sessions", "max_rollouts", "INTEGER NOT NULL DEFAULT 0"),
 )
 # Columns added above whose values older rows hold elsewhere: filled in once, on open.
 BACKFILLS = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -33,6 +34,12 @@ class SessionRecord:
     flip_policy: str = "INDEPENDENT"  # INDEPENDENT | ATOMIC (weightsync.v1.FlipPolicy)
     prepare_timeout_s: float = 300.0
     prepared_loss: str = "FLIP_WITHOUT"  # FLIP_WITHOUT | ABORT_FLIP (weightsync.v1.PreparedLoss)
+    rollout_ids: str = ""  # JSON list of the ids that may join ("": any)
+    max_rollouts: int = 0  # live rollouts a new id may join (0: any number)
+
+    def expected_ids(self) -> tuple[str, ...]:
+        """The rollout ids that may join (empty: any)."""
+        return tuple(json.loads(self.rollout_ids)) if self.rollout_ids else ()
 
 
 @dataclass(frozen=True)

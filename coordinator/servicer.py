@@ -190,6 +190,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             flip_policy=enum_name(tpb.FlipPolicy, request.flip_policy, "flip_policy"),
             prepare_timeout_s=request.prepare_timeout_seconds,
             prepared_loss=enum_name(tpb.PreparedLoss, request.prepared_loss, "prepared_loss"),
+            rollout_ids=tuple(request.rollout_ids),
+            max_rollouts=request.max_rollouts,
         )
         latest = self._store.versions(s.name, 1)
         return pb.OpenSessionResponse(
@@ -205,6 +207,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             flip_policy=tpb.FlipPolicy.Value(s.flip_policy),
             prepare_timeout_seconds=s.prepare_timeout_s,
             prepared_loss=tpb.PreparedLoss.Value(s.prepared_loss),
+            rollout_ids=s.expected_ids(),
+            max_rollouts=s.max_rollouts,
         )
 
     def RegisterAgent(

@@ -13,7 +13,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -241,6 +241,8 @@ class SessionStore(VersionLifecycle):
         flip_policy: str = "",
         prepare_timeout_s: float = 0.0,
         prepared_loss: str = "",
+        rollout_ids: Sequence[str] = (),
+        max_rollouts: int = 0,
     ) -> tuple[SessionRecord, bool]:
         """Opens or creates a session; a trainer with a new incarnation bumps the generation.
 
@@ -249,12 +251,19 @@ class SessionStore(VersionLifecycle):
         will publish first (`next_version`) is refused, generation untouched, when that
         version is not newer than the session's latest. The flip settings (docs/design.md
         "Atomic flips"; "" and 0 keep the stored ones) are a trainer's to set, and hold for
-        versions that become READY after.
+        versions that become READY after. A trainer's `rollout_ids` and `max_rollouts`,
+        where given, replace the session's (which rollout ids may join).
         """
         check_session_name(name)
         check_flip_settings(flip_policy, prepare_timeout_s, prepared_loss)
         if not trainer:
             flip_policy, prepare_timeout_s, prepared_loss = "", 0.0, ""
+        if len(rollout_ids) > 100_000:
+            raise InvalidArgument(f"{len(rollout_ids)} ids are implausibly many", field="rollout_ids")
+        for agent_id in rollout_ids:
+            check_agent_id(agent_id, "rollout_ids")
+        if max_rollouts > 100_000:
+            raise InvalidArgument(f"{max_rollouts} is implausibly large", field="max_rollouts")
         mode = normalize_mode(weight_sync_mode, allow_empty=True) if trainer else ""
         if trainer_ranks > self.limits.max_trainer_ranks:
             raise InvalidArgument(f"{trainer_ranks} exceeds {self.limits.max_trainer_ranks}", field="trainer_ranks")
@@ -327,6 +336,11 @@ class SessionStore(VersionLifecycle):
                         "SELECT version FROM versions WHERE session=? AND state=?", (name, S.STAGING.value)
                     ).fetchall():
                         self._set_state(db, name, v["version"], S.FAILED, f"superseded by generation {gen}")
+            if trainer and rollout_ids:
+                ids = json.dumps(sorted(set(rollout_ids)))
+                db.execute("UPDATE sessions SET rollout_ids=? WHERE name=?", (ids, name))
+            if trainer and max_rollouts:
+                db.execute("UPDATE sessions SET max_rollouts=? WHERE name=?", (max_rollouts, name))
             session = self._session(db, name)
         self._notify(name)
         return session, created
@@ -401,6 +415,8 @@ class SessionStore(VersionLifecycle):
             if role == "TRAINER":
                 check_generation(generation or s.generation, s)
             held = self._holder(db, session, agent_id, role, instance, agent_key)
+            if role == "ROLLOUT":
+                self._check_joins(db, s, agent_id)
             if role == "TRAINER":
                 instance = ""
             elif held is not None:
@@ -428,6 +444,29 @@ class SessionStore(VersionLifecycle):
             key = self.tokens.agent_key(session, agent_id, role, instance)
             self.agent_keys.bind(session, agent_id, role, key)
         return Registration(s, key)
+
+    def _check_joins(self, db: sqlite3.Connection, s: SessionRecord, agent_id: str) -> None:
+        """Whether rollout `agent_id` may join `s` (the session's rollout_ids, max_rollouts):
+        PermissionDenied for an id outside its ids, ResourceExhausted for a new id while
+        max_rollouts others are live; an id with a row of its own passes the count."""
+        expected = s.expected_ids()
+        if expected and agent_id not in expected:
+            raise PermissionDenied(
+                f"{agent_id!r} is not one of session {s.name!r}'s {len(expected)} rollout ids "
+                "(OpenSession.rollout_ids)",
+                field="agent_id",
+            )
+        if not s.max_rollouts:
+            return
+        has_row = db.execute(
+            "SELECT 1 FROM agents WHERE session=? AND agent_id=? AND role='ROLLOUT'", (s.name, agent_id)
+        ).fetchone()
+        if has_row is None and len(self._live_agents(db, s.name, "ROLLOUT")) >= s.max_rollouts:
+            raise ResourceExhausted(
+                f"{agent_id!r} cannot join session {s.name!r}: {s.max_rollouts} rollouts are live "
+                "(OpenSession.max_rollouts)",
+                field="agent_id",
+            )
 
     def _holder(
         self, db: sqlite3.Connection, session: str, agent_id: str, role: str, instance: str, agent_key: str

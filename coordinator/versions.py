@@ -342,7 +342,10 @@ class VersionLifecycle(FlipDecisions):
         return outcome
 
     def _evaluate(self, db: sqlite3.Connection, session: str, version: int) -> None:
-        """COMMITTED when every live required rollout reported OK and at least min_rollouts did.
+        """COMMITTED when every live required rollout reported OK and at least min_rollouts did;
+        PARTIAL when every live required one reported and one of them failed. Only the
+        rollouts the version requires (live when it became READY) can fail it: one that
+        registered later counts toward min_rollouts with an OK, never against it.
 
         Runs on every handshake, so it is counted in SQL, stopping at the first required
         rollout still owed (a fleet of 1,000 would otherwise cost O(n) Python per report)."""
@@ -361,20 +364,26 @@ class VersionLifecycle(FlipDecisions):
             self._record_flip_skew(db, session, version)
             self._set_state(db, session, version, S.COMMITTED, "")
             self._release_superseded(db, session)
-        elif (  # PARTIAL needs a failed report (with none, "all reported" is "all OK" above)
+        elif (  # PARTIAL needs a required rollout's failed report
             rec.state is S.READY
-            and counts["ok"] < counts["n"] >= s.min_rollouts
+            and counts["n"] >= s.min_rollouts
             and not self._owed(db, session, version, ok_only=False)
+            and (failed := self._required_failures(db, session, version))
         ):
-            failed = [
-                r[0]
-                for r in db.execute(
-                    "SELECT agent_id FROM reports WHERE session=? AND version=? AND ok=0 ORDER BY agent_id LIMIT 11",
-                    (session, version),
-                )
-            ]
             named = ", ".join(failed[:10]) + (" and more" if len(failed) > 10 else "")
             self._set_state(db, session, version, S.PARTIAL, f"handshake failed for {named}")
+
+    def _required_failures(self, db: sqlite3.Connection, session: str, version: int) -> list[str]:
+        """Up to 11 of the required rollouts whose handshake failed, by id."""
+        return [
+            r[0]
+            for r in db.execute(
+                "SELECT p.agent_id FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.ok=0 AND p.agent_id IN "
+                "(SELECT value FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2))) "
+                "ORDER BY p.agent_id LIMIT 11",
+                (session, version),
+            )
+        ]
 
     def _owed(self, db: sqlite3.Connection, session: str, version: int, *, ok_only: bool) -> bool:
         """Whether a live required rollout has not reported (with ok_only: not reported OK)."""

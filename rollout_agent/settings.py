@@ -54,6 +54,7 @@ class SyncSettings(PeerConfig):
     """A rollout's session, data-plane mode and limits, relay and credentials."""
 
     FIELD_PREFIX: ClassVar[str] = ""  # how errors name a field ("init_info." for vLLM's)
+    AUTH_ROLE: ClassVar[str] = "rollout"
 
     coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")

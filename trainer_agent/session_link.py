@@ -70,6 +70,8 @@ class SessionLink:
             flip_policy=s.flip_policy,
             prepare_timeout_s=s.prepare_timeout_s,
             prepared_loss=s.prepared_loss,
+            rollout_ids=s.rollout_ids,
+            max_rollouts=s.max_rollouts,
         )
         self.generation = opened.generation
         self.attached_latest_version = opened.latest_version

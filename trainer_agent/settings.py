@@ -8,6 +8,7 @@ Building settings does no I/O beyond reading the TLS and token files it names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from trainer_agent.delta import DELTA_MODES
 from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES
@@ -37,6 +38,8 @@ class PublisherSettings(ServerConfig):
     rank's gRPC chunk server; `metrics_port` defaults to -1 here (no /metrics server: a
     trainer library exports into its own registry), the entry point serves one.
     """
+
+    AUTH_ROLE: ClassVar[str] = "trainer"
 
     coordinator: str = option("127.0.0.1:50051", "Coordinator address host:port or unix:/path.")
     session: str = option("demo", "Session name.")
@@ -73,6 +76,14 @@ class PublisherSettings(ServerConfig):
         "atomic: a rollout lost after it prepared a version, before the flip was decided: flip_without (the others "
         "flip; it comes back at that version) | abort_flip (the version fails); empty keeps the session's.",
         choices=["", *(p.lower() for p in PREPARED_LOSSES)],
+    )
+    rollout_ids: tuple[str, ...] = option(
+        (),
+        "A rollout id that may join the session (register); given, only these may (and only their failed "
+        "handshakes can turn a version PARTIAL). None given keeps the session's (a new one: any id).",
+    )
+    max_rollouts: int = option(
+        0, "A new rollout id joins only while fewer rollouts are live; 0 keeps the session's (a new one: any number)."
     )
     tcp_port: int = option(
         0,
@@ -157,6 +168,9 @@ class PublisherSettings(ServerConfig):
         check_session_name(self.session, "session")
         if self.agent_id:
             check_agent_id(self.agent_id, "agent_id")
+        for rollout_id in self.rollout_ids:
+            check_agent_id(rollout_id, "rollout_ids")
+        check_bounds(self, ("max_rollouts",), 0, 100_000)
         if self.weight_dtype:
             dtype_info(self.weight_dtype, "weight_dtype")
         self.weight_sync_mode = normalize_mode(self.weight_sync_mode, "weight_sync_mode", allow_empty=True)

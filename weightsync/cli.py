@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -20,9 +22,19 @@ from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.config import bounded_number
+from weightsync.credentials import CREDENTIAL_ENV
 from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, NotFound, WeightsyncError, status_name_for
-from weightsync.security import Security, agent_token, load_tokens
+from weightsync.security import (
+    REVOKED,
+    Security,
+    agent_credential,
+    agent_token,
+    credential_serial,
+    load_tokens,
+    read_token,
+    with_credential,
+)
 from weightsync.transports.fs import FsStore, store_error
 from weightsync.transports.fs_options import parse_fs_options
 from weightsync.validation import UINT32_MAX, check_address
@@ -463,7 +475,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
     s.add_argument("--role", required=True, choices=("trainer", "rollout"))
     s.add_argument("--agent-id", required=True)
+    s = sub.add_parser(
+        "credential",
+        help="print a workload's own credential: a token acting for its agent ids only, revocable (offline)",
+    )
+    s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON")
+    s.add_argument("--role", required=True, choices=("trainer", "rollout"))
+    s.add_argument("--agent-id", required=True, action="append", help="an id it may act as (repeatable)")
+    s.add_argument("--serial", default="", help="its name in the revoked list (default: drawn)")
+    s = sub.add_parser(
+        "revoke", help="revoke a workload's credential: servers reading the tokens file refuse it within a second"
+    )
+    s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON (rewritten in place)")
+    s.add_argument("credential", help="the credential, or its serial")
     return p
+
+
+def cmd_credential(args: argparse.Namespace) -> int:
+    """A workload's own credential: mount it alone into its pod (never the tokens file)."""
+    role_token = load_tokens(args.auth_tokens_file).get(args.role)
+    if role_token is None:
+        raise InvalidArgument(f"{args.auth_tokens_file!r} holds no {args.role} token", field="role")
+    print(agent_credential(role_token, args.role, args.agent_id, args.serial))
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    """Adds the credential's serial (the whole token where it has none) to the tokens file's
+    revoked list, written whole under the file's mode (servers read it again on change)."""
+    load_tokens(args.auth_tokens_file)  # refused as a server would refuse it
+    path = Path(args.auth_tokens_file)
+    body = json.loads(path.read_text())
+    entry = credential_serial(args.credential) or args.credential
+    body[REVOKED] = sorted({*body.get(REVOKED, []), entry})
+    made = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(path.stat().st_mode))
+    with os.fdopen(fd, "w") as f:
+        json.dump(body, f, indent=1)
+    os.replace(made, path)
+    print(f"revoked {entry}")
+    return 0
 
 
 def cmd_agent_token(args: argparse.Namespace) -> int:
@@ -484,8 +535,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "agent-token":
             return cmd_agent_token(args)
+        if args.command == "credential":
+            return cmd_credential(args)
+        if args.command == "revoke":
+            return cmd_revoke(args)
         check_address(args.coordinator, "coordinator")
-        security = Security(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, token=args.auth_token)
+        credential = "" if args.auth_token else os.environ.get(CREDENTIAL_ENV, "")
+        token = read_token(credential, "admin") if credential else args.auth_token
+        security = Security(
+            args.tls_cert_file,
+            args.tls_key_file,
+            args.tls_ca_file,
+            token=token,
+            token_file=credential,
+            token_role="admin",
+        )
+        security = with_credential(security, args.coordinator, "admin")
         security.check_files()
     except WeightsyncError as e:
         print(f"wsctl: {e.message}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -18,7 +18,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.errors import AgentIdHeld, DeadlineExceeded, InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint, Manifest, Part
 from weightsync.publish_sender import PUBLISH_METHOD, LoopSender
-from weightsync.security import Security
+from weightsync.security import Security, with_credential
 from weightsync.wire import delta_to_proto, endpoint_to_proto, manifest_from_pieces, part_to_batches, publish_requests
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class CoordinatorClient:
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
+        # Given no security, the default credential of the coordinator at `address`, if it
+        # made one for this user, as admin (an operator's or a test's client).
+        security = with_credential(security, address, "admin") if security is None else security
         self._channel = rpc.channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         # PublishVersion's requests serialized by the caller (see publish_part)
@@ -138,9 +141,13 @@ class CoordinatorClient:
         flip_policy: str = "",
         prepare_timeout_s: float = 0.0,
         prepared_loss: str = "",
+        rollout_ids: Sequence[str] = (),
+        max_rollouts: int = 0,
     ) -> pb.OpenSessionResponse:
         """`flip_policy` (INDEPENDENT, ATOMIC), `prepare_timeout_s` and `prepared_loss`
-        (FLIP_WITHOUT, ABORT_FLIP): a trainer's flip settings ("" and 0 keep the session's)."""
+        (FLIP_WITHOUT, ABORT_FLIP): a trainer's flip settings ("" and 0 keep the session's).
+        `rollout_ids`, `max_rollouts` (a trainer's): which rollout ids may join the session
+        (empty and 0 keep the session's; a new session lets any id join)."""
         req = pb.OpenSessionRequest(
             session=session,
             role=tpb.TRAINER if trainer else tpb.ROLLOUT,
@@ -152,6 +159,8 @@ class CoordinatorClient:
             flip_policy=tpb.FlipPolicy.Value(flip_policy.upper()) if flip_policy else 0,
             prepare_timeout_seconds=prepare_timeout_s,
             prepared_loss=tpb.PreparedLoss.Value(prepared_loss.upper()) if prepared_loss else 0,
+            rollout_ids=rollout_ids,
+            max_rollouts=max_rollouts,
         )
         # Retrying a trainer attach without an incarnation would bump twice: only retry
         # when the call is idempotent.

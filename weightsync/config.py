@@ -16,11 +16,12 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from weightsync.addresses import bare_host, is_unix, join_host_port, split_host_port
+from weightsync.credentials import CREDENTIAL_ENV
 from weightsync.errors import InvalidArgument
-from weightsync.security import Security, read_token
+from weightsync.security import Security, read_token, with_credential
 from weightsync.validation import INT64_MAX, check_host, check_unix_address
 
 C = TypeVar("C")
@@ -72,6 +73,10 @@ class PeerConfig:
     """How a process is reached and reaches its peers: a server's, or a rollout's inside a
     vLLM worker (which serves no gRPC of its own)."""
 
+    # The role whose token this process sends: its entry of a tokens file given as its
+    # credential, and of the default credential of the coordinator it dials ("": none).
+    AUTH_ROLE: ClassVar[str] = ""
+
     advertise_host: str = option("", "Host other agents use to reach this one (e.g. the pod IP); default --host.")
     tls_cert_file: str = option("", "PEM certificate this process serves with TLS (and presents to mTLS servers).")
     tls_key_file: str = option("", "PEM private key of --tls-cert-file.")
@@ -82,7 +87,10 @@ class PeerConfig:
     )
     auth_token: str = option("", "Bearer token this process sends on its calls (its role's token).")
     auth_token_file: str = option(
-        "", "File holding that token (e.g. a mounted Secret; read again when it changes); instead of --auth-token."
+        "",
+        "File holding that token (e.g. a mounted Secret; read again when it changes), or a tokens file (JSON: this "
+        f"process's role's entry is sent); instead of --auth-token. Default ${CREDENTIAL_ENV}, else the credential "
+        "the coordinator dialed made for this user (docs/operations.md#credentials).",
     )
 
     def check_peer(self) -> None:
@@ -94,13 +102,24 @@ class PeerConfig:
         """The bearer token: --auth-token, else the contents of --auth-token-file."""
         if self.auth_token and self.auth_token_file:
             raise InvalidArgument("give --auth-token or --auth-token-file, not both", field="auth_token_file")
-        return read_token(self.auth_token_file) if self.auth_token_file else self.auth_token
+        return read_token(self.auth_token_file, self.AUTH_ROLE) if self.auth_token_file else self.auth_token
+
+    def dialed_coordinator(self) -> str:
+        """The coordinator this process dials ("": none), whose default credential it sends
+        when it is given none."""
+        return str(getattr(self, "coordinator", ""))
 
     def security(self) -> Security:
         """TLS / mTLS and the bearer token for this process's channels."""
-        return Security(
-            self.tls_cert_file, self.tls_key_file, self.tls_ca_file, token=self.token(), token_file=self.auth_token_file
+        security = Security(
+            self.tls_cert_file,
+            self.tls_key_file,
+            self.tls_ca_file,
+            token=self.token(),
+            token_file=self.auth_token_file,
+            token_role=self.AUTH_ROLE,
         )
+        return with_credential(security, self.dialed_coordinator(), self.AUTH_ROLE) if self.AUTH_ROLE else security
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -170,14 +189,8 @@ class ServerConfig(PeerConfig):
 
     def security(self) -> Security:
         """TLS / mTLS and bearer tokens for this process's server and its channels."""
-        return Security(
-            cert_file=self.tls_cert_file,
-            key_file=self.tls_key_file,
-            ca_file=self.tls_ca_file,
-            require_client_cert=self.tls_require_client_cert,
-            token=self.token(),
-            tokens_file=self.auth_tokens_file,
-            token_file=self.auth_token_file,
+        return dataclasses.replace(
+            super().security(), require_client_cert=self.tls_require_client_cert, tokens_file=self.auth_tokens_file
         )
 
 
@@ -298,6 +311,12 @@ def load_config(
         given = getattr(args, name)
         if given is not None:
             values[name] = tuple(given) if isinstance(given, list) else given
+    if (
+        getattr(cls, "AUTH_ROLE", "")
+        and environ.get(CREDENTIAL_ENV)
+        and not {"auth_token", "auth_token_file"} & {k for k, v in values.items() if v}
+    ):
+        values["auth_token_file"] = environ[CREDENTIAL_ENV]  # the one variable every client reads
     try:
         return cls(**values)
     except ValueError as e:

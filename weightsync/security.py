@@ -22,11 +22,13 @@ every byte is checked against the manifest's digests (docs/design.md "Security")
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import logging
 import os
+import secrets
 import ssl
 import threading
 import time
@@ -39,6 +41,7 @@ import grpc
 
 from weightsync._proto import types_pb2 as tpb
 from weightsync.carried_calls import AGENT_METHODS, COORDINATOR, calls_in
+from weightsync.credentials import found_credential, read_credential
 from weightsync.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsync.validation import check_agent_id
 
@@ -58,6 +61,7 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 # attach as the trainer and bump the generation).
 ROLE_IN_REQUEST = (COORDINATOR + "OpenSession", COORDINATOR + "RegisterAgent")
 AGENT_TOKEN_PREFIX = "wsagent:"
+REVOKED = "revoked"  # the tokens file's list of revoked agent credentials
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 log = logging.getLogger(__name__)
@@ -71,22 +75,31 @@ def _read(path: str, what: str) -> bytes:
         raise InvalidArgument(f"cannot read {path!r}: {e.strerror}", field=what) from None
 
 
-def read_token(path: str) -> str:
-    """A bearer token kept in a file (a mounted Secret rather than an environment variable)."""
-    token = _read(path, "auth_token_file").decode().strip()
-    if not token:
-        raise InvalidArgument(f"{path!r} holds no token", field="auth_token_file")
-    return token
+def read_token(path: str, role: str = "") -> str:
+    """A bearer token kept in a file (a mounted Secret rather than an environment variable):
+    the file's text, or `role`'s entry where it is a tokens file (`weightsync.credentials`)."""
+    return read_credential(path, role)
+
+
+def load_revoked(path: str) -> frozenset[str]:
+    """The serials (or whole tokens) of the agent credentials a tokens file revokes: its
+    `"revoked"` list (`wsctl revoke`)."""
+    tokens = json.loads(_read(path, "auth_tokens_file"))
+    return frozenset(tokens.get(REVOKED, ())) if isinstance(tokens, dict) else frozenset()
 
 
 def load_tokens(path: str) -> dict[str, str]:
-    """role -> token from a JSON file; roles outside ROLES and empty tokens are refused."""
+    """role -> token from a JSON file; roles outside ROLES and empty tokens are refused. A
+    `"revoked"` list beside them names agent credentials refused (`load_revoked`)."""
     try:
         tokens = json.loads(_read(path, "auth_tokens_file"))
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{path!r} is not JSON: {e}", field="auth_tokens_file") from None
     if not isinstance(tokens, dict) or not tokens:
         raise InvalidArgument(f"{path!r} must hold an object of role -> token", field="auth_tokens_file")
+    revoked = tokens.pop(REVOKED, []) if isinstance(tokens, dict) else []
+    if not isinstance(revoked, list) or not all(isinstance(r, str) for r in revoked):
+        raise InvalidArgument(f"{path!r}: {REVOKED!r} must be a list of strings", field="auth_tokens_file")
     for role, token in tokens.items():
         if role not in ROLES:
             raise InvalidArgument(f"unknown role {role!r} (roles: {', '.join(ROLES)})", field="auth_tokens_file")
@@ -110,6 +123,7 @@ class Security:
     token: str = ""
     tokens_file: str = ""
     token_file: str = ""  # where `token` came from: channels read it again when it changes
+    token_role: str = ""  # the role whose token a tokens file at `token_file` gives
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
@@ -167,9 +181,9 @@ class Security:
         for servers that demand one), carrying the bearer token when one is set."""
         if not self.ca_file:
             channel = grpc.insecure_channel(address, options=list(options))
-            if not self.token:
+            if not self.token and not self.token_file:
                 return channel
-            return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file))
+            return grpc.intercept_channel(channel, _BearerToken(self.token, path=self.token_file, role=self.token_role))
 
         def secure() -> grpc.Channel:
             return grpc.secure_channel(address, self.channel_credentials(), options=list(options))
@@ -177,10 +191,26 @@ class Security:
         # The interceptor asks the renewing channel for a callable at every call, so each
         # call goes out on the channel made from the files as they are now.
         renewing = _RenewingChannel(secure, (self.cert_file, self.key_file, self.ca_file))
-        return grpc.intercept_channel(renewing, _BearerToken(self.token, path=self.token_file))
+        return grpc.intercept_channel(renewing, _BearerToken(self.token, path=self.token_file, role=self.token_role))
 
 
 PLAINTEXT = Security()
+
+
+def with_credential(security: Security | None, address: str, role: str) -> Security:
+    """`security` carrying the default credential of the coordinator at `address` for `role`
+    (`weightsync.credentials`): as it is where it carries a token already, or `address` is a
+    unix socket. A credential not there yet is read once it appears (a client started
+    before its coordinator)."""
+    security = security or PLAINTEXT
+    path = "" if security.token or security.token_file else found_credential(address)
+    if not path:
+        return security
+    try:
+        token = read_credential(path, role)
+    except InvalidArgument:
+        token = ""
+    return dataclasses.replace(security, token=token, token_file=path, token_role=role)
 
 
 class AioCalls:
@@ -193,7 +223,7 @@ class AioCalls:
         self._security, self._address, self._options = security, address, list(options)
         paths = (security.cert_file, security.key_file, security.ca_file) if security.ca_file else ()
         self._channel = _FileValue(self._make(), paths, self._make, "TLS client files", 1.0)
-        self._token = _token_value(security.token, security.token_file)
+        self._token = _token_value(security.token, security.token_file, security.token_role)
         self._retired: list[grpc.aio.Channel] = []
 
     def _make(self) -> grpc.aio.Channel:
@@ -231,8 +261,9 @@ class _FileValue(Generic[T]):
         self._failing = False
 
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
-        # what changes when a file is replaced or rewritten
-        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, self._paths))
+        # what changes when a file is replaced or rewritten; a file not there yet (a
+        # coordinator's credential before it starts) stamps zeros and is read once it appears
+        return tuple(_stamp(path) for path in self._paths)
 
     def refresh(self) -> bool:
         """Reads the files again if they changed since the last read; True when it did."""
@@ -258,10 +289,24 @@ class _FileValue(Generic[T]):
         return self.value
 
 
-def _token_value(token: str, path: str) -> _FileValue[str]:
+def _stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _token_value(token: str, path: str, role: str = "") -> _FileValue[str]:
     """A client's bearer token, read again from `path` (where it came from one) when the
     file changes, looked at most once a second."""
-    return _FileValue(token, (path,), lambda: read_token(path), "bearer token file", 1.0)
+    return _FileValue(token, (path,), lambda: read_token(path, role), "bearer token file", 1.0)
+
+
+def bearer_metadata(security: Security) -> tuple[tuple[str, str], ...]:
+    """The metadata a call made without `security.channel` carries (its bearer token, as
+    it is now; none without one): for raw asyncio stubs."""
+    return _bearer(security.token)
 
 
 def _bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -371,8 +416,8 @@ class _BearerToken(
     `path`, the token is read again (at most once a second) when the file changes, so a
     long-lived channel follows a rotated Secret."""
 
-    def __init__(self, token: str, *, path: str = "") -> None:
-        self._token = _token_value(token, path)
+    def __init__(self, token: str, *, path: str = "", role: str = "") -> None:
+        self._token = _token_value(token, path, role)
 
     def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         bearer = _bearer(self._token.get())
@@ -417,23 +462,35 @@ class BearerAuth:
     def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
         """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
         is swapped in place; servers kept the tokens they read at start)."""
-        self._tokens = _FileValue(dict(tokens), (path,), lambda: load_tokens(path), "bearer tokens file", 1.0)
+        self._tokens = _FileValue(
+            (dict(tokens), load_revoked(path) if path else frozenset()),
+            (path,),
+            lambda: (load_tokens(path), load_revoked(path)),
+            "bearer tokens file",
+            1.0,
+        )
 
-    def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
-        """(role, bound agent id or "") of the call's token; Unauthenticated when none matches."""
-        tokens = self._tokens.get()
+    def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, frozenset[str]]:
+        """(role, the agent ids it is bound to, none for a role token) of the call's token;
+        Unauthenticated when none matches, or its credential was revoked."""
+        tokens, revoked = self._tokens.get()
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
             if token.startswith(AGENT_TOKEN_PREFIX):
-                _, role, agent_id, mac = (token.split(":", 3) + ["", "", ""])[:4]
+                fields = token[len(AGENT_TOKEN_PREFIX) :].split(":")
+                role, ids, serial, mac = (
+                    (fields[0], fields[1], "", fields[2]) if len(fields) == 3 else [*fields, "", "", "", ""][:4]
+                )
                 known = tokens.get(role)
-                if known is not None and hmac.compare_digest(_agent_mac(known, role, agent_id), mac):
-                    return role, agent_id
+                if known is not None and hmac.compare_digest(_agent_mac(known, role, ids, serial), mac):
+                    if (serial and serial in revoked) or token in revoked:
+                        raise Unauthenticated("authorization: this agent credential was revoked")
+                    return role, frozenset(ids.split(","))
             else:
                 for role, known in tokens.items():
                     if hmac.compare_digest(known.encode(), token.encode()):
-                        return role, ""
+                        return role, frozenset()
         raise Unauthenticated("authorization: missing or unknown bearer token")
 
     def before_read(self, method: str, metadata: Any) -> None:
@@ -441,7 +498,7 @@ class BearerAuth:
         if not method.startswith(UNCHECKED_PREFIXES):
             self._role_allowed(method, metadata)
 
-    def _role_allowed(self, method: str, metadata: Any) -> tuple[str, str]:
+    def _role_allowed(self, method: str, metadata: Any) -> tuple[str, frozenset[str]]:
         """(role, bound agent id) of the call's token, refused when its role may not call `method`."""
         role, bound = self.identity_of(metadata)
         _check_rule(role, method)
@@ -461,8 +518,10 @@ class BearerAuth:
                 asked = _ROLE_OF_ENUM.get(message.role)
                 if asked is not None and asked != role:
                     raise PermissionDenied(f"role: a {role} token cannot act as {asked}", field="role")
-            if bound and name in AGENT_METHODS and message.agent_id not in ("", bound):
-                raise PermissionDenied(f"agent_id: this token acts for agent {bound!r} only", field="agent_id")
+            if bound and name in AGENT_METHODS and message.agent_id and message.agent_id not in bound:
+                raise PermissionDenied(
+                    f"agent_id: this token acts for agent {', '.join(map(repr, sorted(bound)))} only", field="agent_id"
+                )
 
 
 def _check_rule(role: str, method: str) -> None:
@@ -474,12 +533,38 @@ def _check_rule(role: str, method: str) -> None:
 
 def agent_token(role_token: str, role: str, agent_id: str) -> str:
     """A bearer token that acts as `role` for `agent_id` only, derived from the role's
-    token (which stays with the operator): `wsctl agent-token` prints one per pod."""
+    token (which stays with the operator): `wsctl agent-token` prints one per pod. It has
+    no serial: only a new role token revokes it (`agent_credential` makes revocable ones)."""
     if role not in ("trainer", "rollout"):
         raise InvalidArgument(f"agent tokens are for trainer or rollout agents, not {role!r}", field="role")
     check_agent_id(agent_id)
-    return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id)}"
+    return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id, '')}"
 
 
-def _agent_mac(role_token: str, role: str, agent_id: str) -> str:
-    return hmac.new(role_token.encode(), f"{role}:{agent_id}".encode(), hashlib.sha256).hexdigest()
+def agent_credential(role_token: str, role: str, agent_ids: Sequence[str], serial: str = "") -> str:
+    """A workload's own credential: a bearer token that acts as `role` for `agent_ids` only
+    (a trainer's ranks, one rollout), derived from the role's token, which stays with the
+    operator; `serial` (drawn when not given) names it in the tokens file's `"revoked"`
+    list: `wsagent:<role>:<id>[,<id>...]:<serial>:<mac>`. `wsctl credential` prints one."""
+    if role not in ("trainer", "rollout"):
+        raise InvalidArgument(f"agent credentials are for trainer or rollout agents, not {role!r}", field="role")
+    if not agent_ids:
+        raise InvalidArgument("name at least one agent id", field="agent_id")
+    for agent_id in agent_ids:
+        check_agent_id(agent_id)
+    serial = serial or secrets.token_hex(8)
+    if not serial.isalnum():
+        raise InvalidArgument(f"{serial!r} must be letters and digits", field="serial")
+    ids = ",".join(sorted(set(agent_ids)))
+    return f"{AGENT_TOKEN_PREFIX}{role}:{ids}:{serial}:{_agent_mac(role_token, role, ids, serial)}"
+
+
+def credential_serial(credential: str) -> str:
+    """The serial of an agent credential ("" for a role token or an agent token without one)."""
+    fields = credential.removeprefix(AGENT_TOKEN_PREFIX).split(":")
+    return fields[2] if credential.startswith(AGENT_TOKEN_PREFIX) and len(fields) == 4 else ""
+
+
+def _agent_mac(role_token: str, role: str, ids: str, serial: str) -> str:
+    message = f"{role}:{ids}:{serial}" if serial else f"{role}:{ids}"
+    return hmac.new(role_token.encode(), message.encode(), hashlib.sha256).hexdigest()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from rollout_agent.settings import InitInfo
 from rollout_agent.vllm_worker.rollout import VllmRollout, worker_index
 from rollout_agent.vllm_worker.workers import EngineWorkers, Verdict
 from weightsync.config import option
+from weightsync.credentials import CREDENTIAL_ENV
 from weightsync.errors import InvalidArgument
 
 log = logging.getLogger("vllm.plugins.weightsync")
@@ -86,6 +88,9 @@ def parse_init_info(init_dict: Any) -> WeightsyncInitInfo:
             raise InvalidArgument(
                 f"is not a key of the weightsync backend's init_info{hint}", field=f"init_info.{key!s:.60}"
             )
+    if not init_dict.get("auth_token") and not init_dict.get("auth_token_file") and os.environ.get(CREDENTIAL_ENV):
+        # the worker is vLLM's process: its environment is this rollout's entry point's
+        init_dict = {**init_dict, "auth_token_file": os.environ[CREDENTIAL_ENV]}
     return WeightsyncInitInfo(**init_dict)
 
 

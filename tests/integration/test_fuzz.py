@@ -27,6 +27,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from devtools.cluster import Cluster, Proc
 from tests.integration.support import reflected_methods, state_name
 from weightsync.client import CoordinatorClient
+from weightsync.security import with_credential
 
 pytestmark = pytest.mark.slow
 CALLS = int(os.environ.get("WS_FUZZ_CALLS", "1000"))  # per server (watches wait out a 0.2 s deadline each)
@@ -188,7 +189,10 @@ def _fuzz_server(proc: Proc, rng: random.Random) -> None:
     """`CALLS` requests to every method `proc` lists through reflection, in turn; raises
     at the first forbidden status or a call past its deadline."""
     codes: dict[str, dict[str, int]] = {}
-    with grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+    # the coordinator's calls carry its default credential (found as a client finds it), so
+    # the fuzzer reaches its handlers, not only the bearer-token check
+    security = with_credential(None, proc.address, "admin")
+    with security.channel(proc.address, [("grpc.max_send_message_length", 64 << 20)]) as channel:
         methods = list(reflected_methods(channel))
         assert methods, f"{proc.name}: reflection lists no methods"
         for i in range(CALLS):

@@ -12,6 +12,7 @@ from grpc_status import rpc_status
 from devtools.cluster import Cluster
 from tests.integration.support import eventually
 from tests.unit.helpers import make_part, sample_arrays
+from weightsync import rpc
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import coordinator_pb2_grpc as cpb_grpc
 from weightsync._proto import trainer_agent_pb2 as tpb_agent
@@ -20,6 +21,7 @@ from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import Endpoint, Part
+from weightsync.security import with_credential
 from weightsync.wire import PartBuilder, part_to_batches, tensor_to_proto
 
 pytestmark = pytest.mark.slow
@@ -599,7 +601,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             "job",
             ["--model-size", "tiny", "--steps", "1", "--wait-commit", "false", "--hold"],
         )
-        with grpc.insecure_channel(coord.address) as channel, grpc.insecure_channel(trainer.address) as trainer_channel:
+        admin = with_credential(None, coord.address, "admin")  # the coordinator's default credential
+        with rpc.channel(coord.address, admin) as channel, grpc.insecure_channel(trainer.address) as trainer_channel:
             stub = cpb_grpc.CoordinatorStub(channel)
             eventually(
                 lambda: stub.GetStatus(cpb.GetStatusRequest(session="job"), timeout=5).versions, what="version 1"

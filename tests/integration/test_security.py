@@ -721,20 +721,21 @@ def test_a_rollout_token_neither_keeps_a_dead_trainer_alive_nor_takes_a_rollout_
 
 
 def test_a_server_every_local_user_may_call_says_so(tmp_path: Path, sockets: Path) -> None:
-    """Without bearer tokens or client certificates, a server on loopback TCP takes every
-    local user's calls (any of them may attach as the trainer): it logs OPEN at start and
-    exports weightsync_auth_open 1. With tokens, or on a unix socket (mode 0660, its owner
-    and group decide), it does neither."""
+    """Without bearer tokens or client certificates (`--auth none`), a server on loopback TCP
+    takes every local user's calls (any of them may attach as the trainer): it logs OPEN at
+    start and exports weightsync_auth_open 1. By default (its credential), with tokens, or
+    on a unix socket (mode 0660, its owner and group decide), it does neither."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     socket_path = sockets / "c.sock"
     with Cluster(tmp_path / "procs") as cluster:
-        plain = cluster.start_coordinator(name="plain")
+        plain = cluster.start_coordinator(name="plain", args=["--auth", "none"])
+        default = cluster.start_coordinator(name="default", db_path=str(tmp_path / "d.db"))
         guarded = cluster.start_coordinator(
             name="guarded", db_path=str(tmp_path / "g.db"), args=["--auth-tokens-file", str(tokens)]
         )
         on_socket = cluster.start_coordinator(name="socket", db_path=str(tmp_path / "s.db"), host=f"unix:{socket_path}")
-        for proc, open_ in ((plain, 1.0), (guarded, 0.0), (on_socket, 0.0)):
+        for proc, open_ in ((plain, 1.0), (default, 0.0), (guarded, 0.0), (on_socket, 0.0)):
             assert metric_value(scrape(proc.ready["metrics_port"]), "weightsync_auth_open") == open_, proc.name
             assert ("OPEN: weightsync.v1.Coordinator" in proc.log()) == bool(open_), proc.log()[-2000:]
         assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o660

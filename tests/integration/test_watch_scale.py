@@ -23,6 +23,7 @@ from weightsync._proto import coordinator_pb2_grpc as pb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.manifest import Manifest
+from weightsync.security import bearer_metadata, with_credential
 
 from .support import eventually
 
@@ -38,18 +39,19 @@ async def _fleet(address: str, part_manifest: Manifest, published: Any) -> dict[
         grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(AGENTS)
     ]
     stubs = [pb_grpc.CoordinatorStub(c) for c in channels]
+    auth = bearer_metadata(with_credential(None, address, "rollout"))  # the coordinator's default credential
     ids = [f"r{i:04d}" for i in range(AGENTS)]
     keys = {}  # agent id -> the agent key its calls carry
     for stub, agent in zip(stubs, ids):
         request = pb.RegisterAgentRequest(session="job", agent_id=agent, role=tpb.ROLLOUT)
-        keys[agent] = (await stub.RegisterAgent(request, timeout=30)).agent_key
+        keys[agent] = (await stub.RegisterAgent(request, timeout=30, metadata=auth)).agent_key
     counts = {"ready": 0, "reported": 0, "committed": 0}
     opened = asyncio.Event()
     streams_open = 0
 
     async def agent(stub: pb_grpc.CoordinatorStub, agent_id: str) -> None:
         nonlocal streams_open
-        call = stub.WatchVersions(pb.WatchVersionsRequest(session="job"), timeout=120)
+        call = stub.WatchVersions(pb.WatchVersionsRequest(session="job"), timeout=120, metadata=auth)
         streams_open += 1
         if streams_open == AGENTS:
             opened.set()
@@ -57,10 +59,10 @@ async def _fleet(address: str, part_manifest: Manifest, published: Any) -> dict[
             if ev.version.state == tpb.READY:
                 counts["ready"] += 1
                 beat = pb.HeartbeatRequest(session="job", agent_id=agent_id, agent_key=keys[agent_id])
-                await stub.Heartbeat(beat, timeout=30)
+                await stub.Heartbeat(beat, timeout=30, metadata=auth)
                 report = good_report("job", ev.version.version, ev.version.manifest_digest, part_manifest)
                 report.agent_id, report.agent_key = agent_id, keys[agent_id]
-                await stub.ReportApplied(report, timeout=60)
+                await stub.ReportApplied(report, timeout=60, metadata=auth)
                 counts["reported"] += 1
             elif ev.version.state == tpb.COMMITTED:
                 counts["committed"] += 1

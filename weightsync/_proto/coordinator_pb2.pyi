@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version", "flip_policy", "prepare_timeout_seconds", "prepared_loss")
+    __slots__ = ("session", "role", "incarnation", "trainer_ranks", "min_rollouts", "weight_sync_mode", "next_version", "flip_policy", "prepare_timeout_seconds", "prepared_loss", "rollout_ids", "max_rollouts")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class OpenSessionRequest(_message.Message):
     FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
     PREPARE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPARED_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     session: str
     role: _types_pb2.Role
     incarnation: str
@@ -33,10 +35,12 @@ class OpenSessionRequest(_message.Message):
     flip_policy: _types_pb2.FlipPolicy
     prepare_timeout_seconds: float
     prepared_loss: _types_pb2.PreparedLoss
-    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ...) -> None: ...
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_rollouts: int
+    def __init__(self, session: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.Role, str]] = ..., incarnation: _Optional[str] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., next_version: _Optional[int] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_rollouts: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds", "flip_policy", "prepare_timeout_seconds", "prepared_loss")
+    __slots__ = ("session", "generation", "trainer_ranks", "min_rollouts", "created", "latest_version", "weight_sync_mode", "token_key", "lease_ttl_seconds", "flip_policy", "prepare_timeout_seconds", "prepared_loss", "rollout_ids", "max_rollouts")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRAINER_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +53,8 @@ class OpenSessionResponse(_message.Message):
     FLIP_POLICY_FIELD_NUMBER: _ClassVar[int]
     PREPARE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREPARED_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     session: str
     generation: int
     trainer_ranks: int
@@ -61,7 +67,9 @@ class OpenSessionResponse(_message.Message):
     flip_policy: _types_pb2.FlipPolicy
     prepare_timeout_seconds: float
     prepared_loss: _types_pb2.PreparedLoss
-    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ...) -> None: ...
+    rollout_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_rollouts: int
+    def __init__(self, session: _Optional[str] = ..., generation: _Optional[int] = ..., trainer_ranks: _Optional[int] = ..., min_rollouts: _Optional[int] = ..., created: _Optional[bool] = ..., latest_version: _Optional[int] = ..., weight_sync_mode: _Optional[str] = ..., token_key: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ..., flip_policy: _Optional[_Union[_types_pb2.FlipPolicy, str]] = ..., prepare_timeout_seconds: _Optional[float] = ..., prepared_loss: _Optional[_Union[_types_pb2.PreparedLoss, str]] = ..., rollout_ids: _Optional[_Iterable[str]] = ..., max_rollouts: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("session", "agent_id", "role", "endpoint", "rank", "generation", "instance", "agent_key")
