@@ -110,7 +110,7 @@ def main(model: str, coordinator: str, workdir: str) -> None:
 
         matrix = next(n for n in names if base[n].ndim == 2 and base[n].shape[0] != base[n].shape[1])
 
-        @settings(max_examples=18, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(name=st.sampled_from(names), kind=st.sampled_from(KINDS), partner=st.integers(0, 64))
         @example(name=matrix, kind="row_short", partner=0)  # each defect once for sure
         @example(name=matrix, kind="row_long", partner=0)

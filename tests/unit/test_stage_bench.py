@@ -5,6 +5,7 @@ own, and with --deadline-s the rows that would end past it are skipped and named
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@functools.cache  # (two tests read the same run)
 def stage_bench(*extra: str) -> dict[str, Any]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     args = ["--devices", "8", "--model-size", "small", "--repeats", "1", "--force-blocks", "--json", *extra]

@@ -232,6 +232,6 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 Lifecycle.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_version_lifecycle_keeps_its_invariants = Lifecycle.TestCase
