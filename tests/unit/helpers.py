@@ -24,6 +24,16 @@ from weightsync.manifest import Endpoint, Part
 CHUNK = 4096
 
 
+class Clock:
+    """A clock the test moves: `clock.t += seconds` (a store's or a sweep's `clock`)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def make_part(
     arrays: dict[str, np.ndarray] | Sequence[HostShard],
     *,

@@ -14,20 +14,12 @@ from coordinator.handshake import AppliedReport
 from coordinator.records import VersionRecord
 from coordinator.states import VersionState
 from coordinator.store import SessionStore
-from tests.unit.helpers import make_part, sample_arrays
+from tests.unit.helpers import Clock, make_part, sample_arrays
 from weightsync.errors import FailedPrecondition, InvalidArgument, WrongState
 from weightsync.manifest import Endpoint
 
 S = VersionState
 TTL = 10.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

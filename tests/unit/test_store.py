@@ -15,7 +15,7 @@ from coordinator.database import READERS, NotOnLoop, StoreBusy
 from coordinator.handshake import AppliedReport
 from coordinator.states import TRANSITIONS, VersionState, check_transition
 from coordinator.store import SessionStore
-from tests.unit.helpers import damage, make_part, row_shards, sample_arrays
+from tests.unit.helpers import Clock, damage, make_part, row_shards, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
     AlreadyExists,
@@ -33,14 +33,6 @@ from weightsync.errors import (
 from weightsync.manifest import Endpoint, Manifest
 
 S = VersionState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from coordinator.handshake import AppliedReport
 from coordinator.states import VersionState
 from coordinator.store import SessionStore
-from tests.unit.helpers import make_part, sample_arrays
+from tests.unit.helpers import Clock, make_part, sample_arrays
 from weightsync.errors import (
     AgentNotFound,
     FailedPrecondition,
@@ -41,14 +41,6 @@ ROLLOUTS = ("r0", "r1")
 TTL = 10.0
 SLOTS = 2
 PART, _ = make_part(sample_arrays())
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def report(m: Manifest, digest: str, *, ok: bool) -> AppliedReport:
