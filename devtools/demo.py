@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="learning: tokens per completion (the engines hold 256 positions, the prompt's included)",
     )
     p.add_argument("--seed", type=bounded_number(0, high=2**31 - 1), default=0, help="learning: the sampling seed")
+    p.add_argument(
+        "--flip",
+        choices=["independent", "atomic"],
+        default="independent",
+        help="the session's flip policy: independent (each rollout applies a version once its pull verifies) or "
+        "atomic (every rollout prepares it, then all flip together: docs/design.md, Atomic flips); the summary's "
+        "`flip` shows each version's skew",
+    )
     return p
 
 
@@ -221,6 +229,24 @@ def step_row(version: tpb.VersionInfo, handshakes: Sequence[Any]) -> dict[str, A
         "handshakes_ok": sum(h.ok for h in hs),
         "handshakes": len(hs),
         "mismatches": [h.mismatch for h in hs if not h.ok],
+    }
+
+
+def flip_summary(args: argparse.Namespace, coordinator: str) -> dict[str, Any]:
+    """The session's flip policy and the flip skew each version recorded when it committed
+    (first to last rollout's flip time, seconds; its rollouts' clocks, one host here),
+    released ones included."""
+    with CoordinatorClient(coordinator) as client:
+        st = client.status(args.session, 1000)
+    skews = {
+        str(v.version): round(v.flip_skew_seconds, 6)
+        for v in sorted(st.versions, key=lambda v: v.version)
+        if v.HasField("flip_skew_seconds")
+    }
+    return {
+        "policy": tpb.FlipPolicy.Name(st.flip_policy),
+        "skew_s": skews,
+        "skew_max_s": max(skews.values(), default=0.0),
     }
 
 
@@ -370,6 +396,7 @@ def _run(args: argparse.Namespace, console: Console, addresses: Addresses) -> di
                 raise KeyboardInterrupt
         else:
             fields = _run_noise_trainer(args, console, cluster, coord.address, rollouts, fs_args, addresses)
+        fields["flip"] = flip_summary(args, coord.address)
     return {
         **fields,
         "engine": args.engine,
@@ -412,6 +439,8 @@ def _run_noise_trainer(
                 args.weight_sync_mode,
                 "--lr",
                 str(args.lr),
+                "--flip-policy",
+                args.flip,
                 *(["--delta", "auto"] if args.delta else []),
                 *fs_args,
                 *addresses.listen("trainer"),

@@ -71,6 +71,7 @@ def run_learning(
         weight_dtype="float32",  # what the engines serve: their log-probs then match the trainer's
         weight_sync_mode=args.weight_sync_mode,
         min_rollouts=len(rollouts),
+        flip_policy=args.flip,
         fs_root=args.fs_root,
         fs_option=tuple(args.fs_option),
     )

@@ -115,7 +115,11 @@ def _run(cfg: RolloutConfig) -> int:
         metrics_host=cfg.metrics_host,
         security=cfg.security(),
         max_request_bytes=SMALL_REQUEST_BYTES,
+        not_serving=[SERVICE_NAME],  # until it serves the session's committed version (readiness)
     )
+    agent.readiness.watch(lambda ready: running.set_serving(SERVICE_NAME, ready))
+    if running.metrics_http is not None:
+        running.metrics_http.ready = lambda: agent.readiness.ready  # GET /ready
     wiring.server_address = running.address
     agent.start(follow=cfg.follow)
     write_ready_file(cfg.ready_file, address=running.address, metrics_port=running.metrics_port, agent_id=agent_id)

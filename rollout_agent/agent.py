@@ -25,6 +25,7 @@ from rollout_agent.sync.follow import (
 )
 from rollout_agent.sync.host_budget import memory_status
 from rollout_agent.sync.outbox import ReportOutbox
+from rollout_agent.sync.readiness import Readiness
 from rollout_agent.sync.round import SyncResult
 from rollout_agent.wiring import RolloutWiring
 from weightsync._proto import coordinator_pb2 as cpb
@@ -123,6 +124,8 @@ class RolloutAgent:
         self.auditor = auditor
         self._owns_auditor = owns_auditor
         self.flips = flips
+        # Ready once it serves the session's newest committed version (health: `SERVICE_NAME`).
+        self.readiness = Readiness(lambda: self.current_version)
         if auditor is not None:
             auditor.on_mismatch.append(self.heal)
             auditor.audited.on_commit.append(self.engine.applied_whole)
@@ -139,7 +142,7 @@ class RolloutAgent:
             if follow:
                 self.wiring.puller.stale_rules.append(self._announced.stale)
             else:
-                self._stale_watch = StaleWatch(self.wiring.puller)
+                self._stale_watch = StaleWatch(self.wiring.puller, self._note_record, self.readiness.learn)
         owned = self.auditor if self._owns_auditor else None
         self._heartbeat = self.wiring.heartbeat(lambda: self.current_version, owned)
         if owned is not None:
@@ -237,6 +240,7 @@ class RolloutAgent:
         the newest version it wants (this one, or newer), another this one, on a thread."""
         if self.engine.unserve(version):
             self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
+            self.readiness.update()
         if self.follows:
             with self._state_lock:
                 self._wanted = max(self._wanted, version)
@@ -283,6 +287,7 @@ class RolloutAgent:
                         del self.recent_completions[old]
             if self.engine.confirm(version):
                 self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(version)
+                self.readiness.update()
         else:
             with self._state_lock:
                 self.syncs_failed += 1
@@ -302,6 +307,7 @@ class RolloutAgent:
         if self._stale_watch is not None:
             self._stale_watch.announced.forget()
         self.metrics.current_version.labels(role=self.metrics.role, session=self.session).set(0)
+        self.readiness.forget()
         self._rebase.set()
         self._wake.set()
 
@@ -315,9 +321,13 @@ class RolloutAgent:
 
     def _watch_loop(self) -> None:
         """Learns of servable versions: the newest on (re)connect, then each new one."""
-        follow_servable(
-            self.client, self.session, self._want, self._stop, self.flips.note if self.flips is not None else None
-        )
+        follow_servable(self.client, self.session, self._want, self._stop, self._note_record, self.readiness.learn)
+
+    def _note_record(self, info: tpb.VersionInfo) -> None:
+        """A version's record from the watch: its flip (`flips`), the committed version (`readiness`)."""
+        if self.flips is not None:
+            self.flips.note(info)
+        self.readiness.note(info)
 
     def _follow_loop(self) -> None:
         """Syncs the newest wanted version until it is applied or given up on."""
@@ -459,6 +469,8 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
             host_memory=_host_memory(a.wiring.puller),
             audit=a.auditor.summary() if a.auditor is not None else None,
             unserved_version=a.auditor.unserved if a.auditor is not None else 0,
+            ready=a.readiness.ready,
+            committed_version=a.readiness.committed,
         )
 
     def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> tpb.AuditResult:

@@ -115,6 +115,11 @@ class SyncSettings(PeerConfig):
         "vLLM engines: pull and verify each new servable version in the background while the engine serves; "
         "an update of a prefetched version only applies (one receive buffer; atomic apply only).",
     )
+    flip_wait_s: float = option(
+        60.0,
+        "vLLM engines, ATOMIC sessions: how long an update_weights of a version whose flip is not decided yet waits "
+        "for the decision (the engine held), then refuses it (FAILED_PRECONDITION naming the flip state).",
+    )
     prefetch_nice: int = option(
         10,
         "vLLM engines: the nice value (0-19) of the prefetch threads: the engine's threads win the cores and "
@@ -159,7 +164,7 @@ class SyncSettings(PeerConfig):
             check_bounds(self, ("relay_port",), 0, 65535)
             check_bounds(self, ("prefetch_nice",), 0, 19)
             check_bounds(self, ("host_memory_limit_bytes",), 0)
-            check_bounds(self, ("relay_wait_s", "audit_interval_s"), 0)
+            check_bounds(self, ("relay_wait_s", "audit_interval_s", "flip_wait_s"), 0)
             check_positive(self, ("timeout_s",))
             self.check_peer()
             self.security()  # both halves of a key pair or neither

@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -80,7 +81,22 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         self.server_address = listener.getsockname()
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self.setup_environ()
-        self.set_app(make_wsgi_app(registry))
+        metrics_app = make_wsgi_app(registry)
+        # GET /ready: 200 while `ready()` is True, else 503 (a rollout's readiness, for an HTTP
+        # probe where the gRPC port serves TLS); 404 where no readiness was given.
+        self.ready: Callable[[], bool] | None = None
+
+        def app(environ: dict[str, Any], start_response: Any) -> Any:
+            if environ.get("PATH_INFO") != "/ready":
+                return metrics_app(environ, start_response)
+            if self.ready is None:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"no readiness here\n"]
+            ok = self.ready()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"ready\n" if ok else b"not ready\n"]
+
+        self.set_app(app)
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
         self._linger = Lingerer("metrics-http")  # the 503's connections: their request is never read

@@ -58,6 +58,7 @@ class Service:
 # A LaneLoop: status calls and probes answer promptly under a fleet's burst (event_loop).
 _loop_lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Concurrent calls a server admits; watches and streams cost no thread, so this bounds
 # only memory (a fleet of 1,000 rollouts holds ~2,000: a watch and a heartbeat each).
 MAX_CONCURRENT_RPCS = 16_384
@@ -115,6 +116,15 @@ class RunningServer:
     endless: frozenset[str] = ENDLESS_METHODS
     socket_file: SocketFile | None = None  # where it serves on a unix socket
     _stopped: bool = field(default=False)
+
+    @property
+    def metrics_http(self) -> MetricsServer | None:
+        """The /metrics server (None where /metrics is off)."""
+        return self._httpd
+
+    def set_serving(self, name: str, serving: bool) -> None:
+        """Health's answer for service `name` (after a graceful shutdown began, NOT_SERVING stays)."""
+        run_on_server_loop(self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING))
 
     def enter_graceful_shutdown(self) -> None:
         """Health answers NOT_SERVING from now on (load balancers stop sending calls)."""
@@ -175,6 +185,7 @@ def start_server(
     max_workers: int = 32,
     security: Security | None = None,
     max_request_bytes: int = MAX_MESSAGE_BYTES,
+    not_serving: Sequence[str] = (),
 ) -> RunningServer:
     """Starts a grpc.aio server with health + reflection and a /metrics endpoint.
 
@@ -195,6 +206,8 @@ def start_server(
             with RESOURCE_EXHAUSTED before buffering them). grpc holds each whole, so the
             server's memory under concurrent large requests is this times their number:
             servers whose requests are all small (`SMALL_REQUEST_BYTES`) say so.
+        not_serving: service names whose health starts NOT_SERVING (a rollout's, until it
+            is ready: `RunningServer.set_serving`); the others, and "", start SERVING.
     """
     security = security or PLAINTEXT
     credentials = security.server_credentials()
@@ -241,7 +254,8 @@ def start_server(
         URGENT.set(True)
         await server.start()
         for name in ["", *names]:
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            serving = name not in not_serving
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING)
         return server, health_servicer, bound
 
     try:

@@ -75,11 +75,25 @@ class FlipBoard:
             self._closed = True
             self._cond.notify_all()
 
-    def wait(self, version: int) -> FlipVerdict:
+    def decided(self, version: int) -> bool:
+        """Whether `version`'s flip is known decided (or the version past it: committed)."""
+        with self._cond:
+            info = self._records.get(version)
+            return info is not None and (info.HasField("flip_decided_at") or info.state in _FLIPPED)
+
+    def undecided(self, version: int) -> bool:
+        """Whether this board knows `version` as an ATOMIC one still READY and undecided."""
+        with self._cond:
+            info = self._records.get(version)
+            return info is not None and undecided_atomic(info)
+
+    def wait(self, version: int, timeout_s: float | None = None) -> FlipVerdict:
         """Blocks until `version`'s flip is decided (True), or it FAILED or was RELEASED
-        undecided, or this board closes (False, why). The coordinator decides or aborts
-        every ATOMIC version by its prepare deadline, so this ends while it runs."""
+        undecided, or this board closes, or `timeout_s` passed (False, why). The
+        coordinator decides or aborts every ATOMIC version by its prepare deadline, so
+        this ends while it runs."""
         asked = time.monotonic()
+        until = None if timeout_s is None else asked + timeout_s
         asked_newest = 0
         while True:
             with self._cond:
@@ -91,10 +105,14 @@ class FlipBoard:
                     return FlipVerdict(False, info.reason or f"version {version} is {state}")
                 if self._closed:
                     return FlipVerdict(False, "the rollout is stopping")
+                if until is not None and time.monotonic() >= until:
+                    state = tpb.VersionState.Name(info.state) if info is not None else "not heard of"
+                    prepared = f", {info.prepared} rollout(s) prepared it" if info is not None else ""
+                    return FlipVerdict(False, f"its flip is not decided after {timeout_s:g} s ({state}{prepared})")
                 newer = self._newest > version and self._newest != asked_newest
                 due = time.monotonic() - asked >= self._poll_s
                 if not (newer or due):
-                    self._cond.wait(min(1.0, self._poll_s))
+                    self._cond.wait(min(1.0, self._poll_s, max(0.01, until - time.monotonic()) if until else 1.0))
                     continue
                 asked_newest = self._newest
             asked = time.monotonic()

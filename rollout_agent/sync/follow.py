@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from weightsync import version_states
+from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import VersionNotFound, WeightsyncError
@@ -116,19 +117,23 @@ def follow_servable(
     on_version: Callable[[int, int], None],
     stop: FollowStop,
     on_record: Callable[[tpb.VersionInfo], None] | None = None,
+    on_connect: Callable[[cpb.GetStatusResponse], None] | None = None,
 ) -> None:
     """Calls `on_version(version, generation)` with the newest servable version on
     (re)connect, then with each new one, until `stop` is set; rides out coordinator
     outages by reconnecting. A PARTIAL version comes with generation 0
     (`_announced_generation`). `on_record`: every record heard, whatever its state (the
-    newest on (re)connect, then each event's), before `on_version` is called with it."""
+    newest on (re)connect, then each event's), before `on_version` is called with it.
+    `on_connect`: the status read on each (re)connect (then of the newest 20 versions)."""
     seq = -1
     failing = False
     while not stop.is_set():
         try:
             if seq < 0:  # (re)connect: no replay of history, just the newest version
-                st = client.status(session, 1)
+                st = client.status(session, 20 if on_connect is not None else 1)
                 seq = st.event_seq
+                if on_connect is not None:
+                    on_connect(st)
                 if failing:
                     log.info("watch reconnected")
                     failing = False
@@ -178,14 +183,20 @@ class StaleWatch:
     the session for their own reasons and do this themselves.) Its owner calls
     `announced.forget()` when the session is made again."""
 
-    def __init__(self, puller: WeightPuller) -> None:
+    def __init__(
+        self,
+        puller: WeightPuller,
+        on_record: Callable[[tpb.VersionInfo], None] | None = None,
+        on_connect: Callable[[cpb.GetStatusResponse], None] | None = None,
+    ) -> None:
+        """`on_record`, `on_connect`: as `follow_servable`'s (a rollout's `Readiness`)."""
         self.announced = NewestAnnounced()
         self._puller = puller
         puller.stale_rules.append(self._stale)
         self._stop = FollowStop()
         self._thread = threading.Thread(
             target=follow_servable,
-            args=(puller.client, puller.session, self._announce, self._stop),
+            args=(puller.client, puller.session, self._announce, self._stop, on_record, on_connect),
             name="stale-watch",
             daemon=True,
         )

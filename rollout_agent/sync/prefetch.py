@@ -18,8 +18,10 @@ from collections.abc import Iterator
 
 from rollout_agent.engines.applier import Applier
 from rollout_agent.pull.puller import WeightPuller
+from rollout_agent.sync.flip import FlipBoard, undecided_atomic
 from rollout_agent.sync.follow import FollowStop, NewestAnnounced, follow_servable
-from rollout_agent.sync.round import Prefetched, prefetch
+from rollout_agent.sync.outbox import ReportOutbox
+from rollout_agent.sync.round import Prefetched, SyncResult, prefetch, report_prepared
 from weightsync.errors import WeightsyncError
 from weightsync.failpoints import Failpoints
 from weightsync.logs import version_context
@@ -47,8 +49,15 @@ class Prefetcher:
         follow: bool = True,
         nice: int = 0,
         stage: bool = False,
+        flips: FlipBoard | None = None,
+        outbox: ReportOutbox | None = None,
     ) -> None:
+        """`flips`: an ATOMIC version still undecided that verified is reported PREPARED
+        (`round.report_prepared`), its watch's records noted there; one the coordinator
+        refuses is dropped. `outbox` keeps a PREPARED report not delivered yet."""
         self._puller = puller
+        self._flips = flips
+        self._outbox = outbox
         self._applier = applier  # refuses another model's versions before they are pulled
         self._stage = stage  # the applier builds each verified version aside (`Applier.stage`)
         self._nice = nice
@@ -70,7 +79,7 @@ class Prefetcher:
             self._threads.append(
                 threading.Thread(
                     target=follow_servable,
-                    args=(puller.client, puller.session, self.request, self._stop),
+                    args=(puller.client, puller.session, self.request, self._stop, flips.note if flips else None),
                     name="prefetch-watch",
                     daemon=True,
                 )
@@ -222,6 +231,8 @@ class Prefetcher:
                 except Exception:  # noqa: BLE001 - a dead prefetch thread would make every update wait it out
                     log.exception("prefetch of version %d failed unexpectedly; the update pulls it", version)
                     got = None
+                if got is not None and not self._prepare(got):
+                    got = None
                 with self._cond:
                     if got is not None:
                         self._ready = got
@@ -229,3 +240,19 @@ class Prefetcher:
                     elif self._wanted == version:
                         self._wanted = 0  # a later announcement asks again
                     self._cond.notify_all()
+
+    def _prepare(self, p: Prefetched) -> bool:
+        """An undecided ATOMIC version that verified is reported PREPARED (False, and
+        dropped, when the coordinator refuses it: the version is then aborted)."""
+        if self._flips is None or p.error is not None or not undecided_atomic(p.header.version):
+            return True
+        result = SyncResult(p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries)
+        refused = report_prepared(
+            p, self._puller, result, self._flips, outbox=self._outbox, failpoints=self._failpoints
+        )
+        if refused is None:
+            log.info("version %d prepared; an update applies it once its flip is decided", p.version)
+            return True
+        log.warning("version %d not prepared: %s", p.version, refused[1])
+        p.discard(self._applier)
+        return False

@@ -102,6 +102,7 @@ class Prefetched:
     # commits it. Whoever drops a staged version aborts that round (`discard`).
     staged: bool = False
     flipped_at: float = 0.0  # this host's wall clock when the apply took effect (0: not applied)
+    prepared: bool = False  # an ATOMIC version reported PREPARED (`report_prepared`)
 
     def discard(self, applier: Applier | None) -> None:
         """Lets go of it unapplied: a staged version's open round is aborted."""
@@ -320,6 +321,32 @@ def _prepare_and_flip(
         if failure in ("transient", "abandoned"):
             result.failure, result.mismatch, result.timings = failure, p.error.message, p.timings
             return result
+    refused = report_prepared(p, puller, result, flips, outbox=outbox, failpoints=failpoints, failure=failure)
+    if refused is not None:
+        return _not_flipped(p, applier, result, *refused)
+    log.info("version %d prepared; waiting for its flip", p.version)
+    decided = flips.wait(p.version)
+    if not decided.flip:
+        return _not_flipped(p, applier, result, "aborted", decided.why)
+    return apply_prefetched(
+        p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints, blocked_since=blocked_since
+    )
+
+
+def report_prepared(
+    p: Prefetched,
+    puller: WeightPuller,
+    result: SyncResult,
+    flips: FlipBoard,
+    *,
+    outbox: ReportOutbox | None,
+    failpoints: Failpoints | None,
+    failure: str = "",
+) -> tuple[str, str] | None:
+    """Reports an ATOMIC version PREPARED (its digests), or that this rollout could not
+    prepare it (`p.error`); None when it holds it prepared and the coordinator took the
+    report (or it waits in the outbox), else (failure, why). The answer's record of the
+    version goes to `flips` (the report that completed the fleet says the flip is decided)."""
     request = _handshake(p, puller, result)
     request.prepared = True
     if failpoints is not None and failpoints.fire("flip.wrong_prepared_digest") and request.tensors:
@@ -341,14 +368,9 @@ def _prepare_and_flip(
         flips.note(verdict.version)  # the report that decided the flip says so in its answer
     if p.error is not None or (verdict is not None and not verdict.ok):
         why = verdict.mismatch if verdict is not None else p.error.message  # type: ignore[union-attr]
-        return _not_flipped(p, applier, result, failure or (verdict.failure if verdict is not None else "local"), why)
-    log.info("version %d prepared; waiting for its flip", p.version)
-    decided = flips.wait(p.version)
-    if not decided.flip:
-        return _not_flipped(p, applier, result, "aborted", decided.why)
-    return apply_prefetched(
-        p, puller, applier, metrics=metrics, outbox=outbox, failpoints=failpoints, blocked_since=blocked_since
-    )
+        return failure or (verdict.failure if verdict is not None else "local"), why
+    p.prepared = True
+    return None
 
 
 def _not_flipped(p: Prefetched, applier: Applier, result: SyncResult, failure: str, why: str) -> SyncResult:

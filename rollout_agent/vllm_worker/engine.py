@@ -71,6 +71,8 @@ class VllmEngineSyncer:
         if version and backend is not None and backend.prefetcher is not None:
             # The engine serves meanwhile; a version that does not arrive is pulled by the update.
             backend.prefetcher.wait_ready(version, self.prefetch_wait_s)
+            if backend.flips.undecided(version):  # ATOMIC: the flip's decision, waited for outside the engine
+                backend.flips.wait(version, self.prefetch_wait_s)
         with self._engine_lock:
             try:
                 self.llm.start_weight_update()

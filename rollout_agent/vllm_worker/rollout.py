@@ -21,10 +21,18 @@ from rollout_agent.engines.vllm.applier import VllmApplier
 from rollout_agent.engines.vllm.loader_check import check_taken_whole
 from rollout_agent.settings import InitInfo
 from rollout_agent.sync.engine_version import EngineVersion
+from rollout_agent.sync.flip import FlipBoard, undecided_atomic
 from rollout_agent.sync.follow import StaleWatch, latest_version
 from rollout_agent.sync.host_budget import memory_status
 from rollout_agent.sync.prefetch import Prefetcher
-from rollout_agent.sync.round import Prefetched, SyncResult, apply_prefetched, prefetch, sync_version
+from rollout_agent.sync.round import (
+    Prefetched,
+    SyncResult,
+    apply_prefetched,
+    prefetch,
+    report_prepared,
+    sync_version,
+)
 from rollout_agent.vllm_worker.workers import EngineWorkers, Verdict
 from rollout_agent.wiring import wire_rollout
 from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncError
@@ -108,13 +116,16 @@ class VllmRollout:
         # an update then only applies. Streaming applies hold no whole version to keep.
         self.prefetcher: Prefetcher | None = None
         self._stale_watch: StaleWatch | None = None  # (a prefetcher abandons stale pulls itself)
+        # ATOMIC versions' flips: the prefetch reports each PREPARED, an update applies it once decided.
+        self.flips = FlipBoard(self.wiring.client, info.session, poll_s=1.0)
         if info.prefetch and info.apply_mode == "atomic" and self.wiring.puller is not None:
             self.prefetcher = Prefetcher(
                 self.wiring.puller, applier=self.audited, failpoints=self.wiring.failpoints, nice=info.prefetch_nice,
                 stage=True,  # where the applier can build aside (a JAX engine that swaps): the sync only commits
+                flips=self.flips, outbox=self.wiring.outbox,
             )  # fmt: skip
         elif self.wiring.puller is not None:
-            self._stale_watch = StaleWatch(self.wiring.puller)
+            self._stale_watch = StaleWatch(self.wiring.puller, self.flips.note)
         self.wiring.on_new_session.append(self._session_made_again)
         _IN_PROCESS[agent_id] = self
 
@@ -126,6 +137,7 @@ class VllmRollout:
     def _session_made_again(self) -> None:
         """Its version numbers start over: the engine holds no version of it."""
         self.engine.forget()
+        self.flips.forget()
         if self.prefetcher is not None:
             self.prefetcher.forget_versions()
         if self._stale_watch is not None:
@@ -176,9 +188,13 @@ class VllmRollout:
                 v = parse_version(version)
                 if self.prefetcher is not None:
                     v = v or latest_version(w.client, self.info.session)
+                    # a version prepared by the prefetch: its flip waited for before the buffer is taken,
+                    # so one refused as undecided stays prepared for the next update
+                    self._await_flip(v, known_only=True)
                     p = held.enter_context(self.prefetcher.hold(v))  # pulled and checked while the engine served
                 if p is None:
                     p = prefetch(w.puller, v, w.failpoints, self.audited)
+                self._flip_ready(p)
             except Exception as e:  # noqa: BLE001 - raised once every worker knows
                 before = e
             self._agree(p, before)
@@ -189,6 +205,37 @@ class VllmRollout:
                 p, w.puller, self.audited, outbox=w.outbox, failpoints=w.failpoints, blocked_since=blocked_since
             )
         return self._after(result)
+
+    def _await_flip(self, version: int, *, known_only: bool = False) -> None:
+        """Under ATOMIC an update applies a version only once its flip is decided: waits up
+        to `flip_wait_s` for the decision. `known_only`: only where this worker knows the
+        version as an undecided ATOMIC one (the prefetch reported it PREPARED).
+
+        Raises:
+            FailedPrecondition: not decided in time, or aborted (naming the flip's state).
+        """
+        if self.flips.decided(version) or (known_only and not self.flips.undecided(version)):
+            return
+        verdict = self.flips.wait(version, self.info.flip_wait_s)
+        if not verdict.flip:
+            raise FailedPrecondition(
+                f"version {version} is in an ATOMIC session and applies only once its flip is decided: {verdict.why}",
+                field="update_info.version",
+            )
+
+    def _flip_ready(self, p: Prefetched) -> None:
+        """A version this update pulled itself (no prefetch of it): an undecided ATOMIC one is
+        reported PREPARED here, and its decision waited for (`_await_flip`)."""
+        if p.error is not None or not undecided_atomic(p.header.version) or self.flips.decided(p.version):
+            return
+        if not p.prepared:
+            result = SyncResult(p.version, ok=False, bytes_pulled=p.bytes_pulled, chunk_retries=p.chunk_retries)
+            refused = report_prepared(
+                p, self.wiring.puller, result, self.flips, outbox=self.wiring.outbox, failpoints=self.wiring.failpoints
+            )
+            if refused is not None:
+                raise FailedPrecondition(f"version {p.version} could not be prepared: {refused[1]}")
+        self._await_flip(p.version)
 
     def _agree(self, p: Prefetched | None, before: BaseException | None) -> None:
         """Meets the engine's other workers with this one's verdict on `p`; where any of
@@ -265,6 +312,7 @@ class VllmRollout:
         if _IN_PROCESS.get(self.agent_id) is self:
             del _IN_PROCESS[self.agent_id]
         self.auditor.stop()
+        self.flips.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._stale_watch is not None:

@@ -152,6 +152,24 @@ def test_demo_with_delta_pulls_only_the_changed_elements_after_the_first_step(
     assert not _our_processes(workdir)
 
 
+def test_demo_with_atomic_flips_shows_each_versions_skew(tmp_path: Path, no_arena_leak: None) -> None:
+    """`--flip atomic`: every version commits flipped together, its skew in the summary."""
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "devtools.demo", "--engine", "numpy", "--model-size", "tiny", "--steps", "3"]
+        + ["--flip", "atomic", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    summary = _summary(proc)
+    assert summary["ok"] and summary["committed"] == 3, summary
+    flip = summary["flip"]
+    assert flip["policy"] == "ATOMIC" and set(flip["skew_s"]) == {"1", "2", "3"}, flip
+    assert 0 <= flip["skew_max_s"] < 1.0 and flip["skew_max_s"] == max(flip["skew_s"].values())
+    assert not _our_processes(workdir)
+
+
 @pytest.mark.parametrize("protocol", ["s3", "gs"])
 def test_demo_in_fs_mode_on_an_object_store_emulator(tmp_path: Path, no_arena_leak: None, protocol: str) -> None:
     from devtools.object_stores import missing_packages

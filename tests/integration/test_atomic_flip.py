@@ -11,17 +11,22 @@ committed every live rollout serves it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
+from rollout_agent.agent import SERVICE_NAME
 from tests.integration.support import eventually, rollout_status, serving, state_name
 from trainer_agent import synthetic
 from trainer_agent.publisher import WeightPublisher
@@ -112,6 +117,55 @@ def test_an_atomic_session_flips_every_rollout_after_the_decision_and_reports_th
     assert "flip atomic" in human and "skew ms" in human
     raw = subprocess.run([*wsctl, "--json", "status"], capture_output=True, text=True, timeout=60, check=True).stdout
     assert json.loads(raw)["flip_policy"] == "ATOMIC"
+
+
+def ready(address: str) -> bool:
+    """The rollout's gRPC health for its service (its readiness probe): SERVING or not."""
+    with grpc.insecure_channel(address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5
+        )
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_ready(proc: Proc) -> int:
+    """The status of the rollout's GET /ready on its metrics port (the TLS manifests' probe)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.ready['metrics_port']}/ready", timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_joining_rollout_is_not_ready_until_it_serves_the_committed_version(cluster: Cluster) -> None:
+    """r2 joins once version 1 committed; its handshake is held 3 s (failpoint): it holds
+    the bytes, unconfirmed, and says NOT_SERVING until the coordinator confirmed them. It
+    then flips version 2 with the fleet, ready throughout. Every "ready" it logged names a
+    version that committed."""
+    coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
+    fleet = start_fleet(cluster, coord, n=2)
+    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
+        registered(client, [p.name for p in fleet])
+        pub.publish(weights(1), 1)
+        check_flipped_together(client, 1, fleet)
+        eventually(lambda: all(ready(p.address) for p in fleet), what="r0 and r1 ready")
+        joiner = cluster.start_rollout("r2", coord.address, "job", ["--failpoints", "sync.pause_before_report=1"])
+        assert not ready(joiner.address)
+        eventually(lambda: "sync.pause_before_report" in joiner.log(), what="r2 holding version 1 unconfirmed")
+        st = rollout_status(joiner.address)
+        assert (st.ready, st.current_version, st.committed_version) == (False, 0, 1) and not ready(joiner.address)
+        assert http_ready(joiner) == 503
+        eventually(lambda: ready(joiner.address), what="r2 ready")
+        assert http_ready(joiner) == 200
+        assert rollout_status(joiner.address).current_version == 1
+        fleet.append(joiner)
+        registered(client, [p.name for p in fleet])
+        pub.publish(weights(2), 2)
+        check_flipped_together(client, 2, fleet)
+        assert all(ready(p.address) and rollout_status(p.address).committed_version == 2 for p in fleet)
+        committed = {v.version for v in client.status("job").versions if state_name(v) == "COMMITTED"}
+    said = [int(m) for m in re.findall(r"\bpid=\d+ ready: serving version (\d+)", joiner.log())]
+    assert said and set(said) <= committed, (said, committed)
 
 
 def test_a_rollout_killed_while_it_prepares_aborts_the_version_and_nobody_flips(cluster: Cluster) -> None:

@@ -26,7 +26,7 @@ from weightsync._proto import coordinator_pb2 as weightsync_dot_v1_dot_coordinat
 from weightsync._proto import types_pb2 as weightsync_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/v1/rollout_agent.proto\x12\rweightsync.v1\x1a\x1fweightsync/v1/coordinator.proto\x1a\x19weightsync/v1/types.proto\"\x1e\n\x0bSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x93\x01\n\x0cSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08mismatch\x18\x03 \x01(\t\x12\x14\n\x0c\x62ytes_pulled\x18\x04 \x01(\x04\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x15\n\rchunk_retries\x18\x06 \x01(\r\"\x16\n\x14RolloutStatusRequest\"\xb2\x03\n\rRolloutStatus\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\x12\x10\n\x08syncs_ok\x18\x04 \x01(\x04\x12\x14\n\x0csyncs_failed\x18\x05 \x01(\x04\x12\x15\n\rchunk_retries\x18\x06 \x01(\x04\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x12\n\ncompletion\x18\x08 \x01(\t\x12O\n\x12recent_completions\x18\t \x03(\x0b\x32\x33.weightsync.v1.RolloutStatus.RecentCompletionsEntry\x12.\n\x0bhost_memory\x18\n \x01(\x0b\x32\x19.weightsync.v1.HostMemory\x12)\n\x05\x61udit\x18\x0b \x01(\x0b\x32\x1a.weightsync.v1.AuditResult\x12\x18\n\x10unserved_version\x18\x0c \x01(\x04\x1a\x38\n\x16RecentCompletionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\nHostMemory\x12\x0b\n\x03rss\x18\x01 \x01(\x04\x12\x0c\n\x04\x61non\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ile\x18\x03 \x01(\x04\x12\r\n\x05shmem\x18\x04 \x01(\x04\x12\x0c\n\x04peak\x18\x05 \x01(\x04\x12\r\n\x05limit\x18\x06 \x01(\x04\x12\x15\n\rreceive_bytes\x18\x07 \x01(\x04\"\x0e\n\x0c\x41uditRequest\"V\n\rSampleRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\t\n\x01n\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"I\n\x11SampledCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07version\x18\x03 \x01(\x04\"G\n\x0eSampleResponse\x12\x35\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32 .weightsync.v1.SampledCompletion2\xa8\x02\n\x0cRolloutAgent\x12?\n\x04Sync\x12\x1a.weightsync.v1.SyncRequest\x1a\x1b.weightsync.v1.SyncResponse\x12N\n\tGetStatus\x12#.weightsync.v1.RolloutStatusRequest\x1a\x1c.weightsync.v1.RolloutStatus\x12\x45\n\x06Sample\x12\x1c.weightsync.v1.SampleRequest\x1a\x1d.weightsync.v1.SampleResponse\x12@\n\x05\x41udit\x12\x1b.weightsync.v1.AuditRequest\x1a\x1a.weightsync.v1.AuditResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!weightsync/v1/rollout_agent.proto\x12\rweightsync.v1\x1a\x1fweightsync/v1/coordinator.proto\x1a\x19weightsync/v1/types.proto\"\x1e\n\x0bSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x93\x01\n\x0cSyncResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x10\n\x08mismatch\x18\x03 \x01(\t\x12\x14\n\x0c\x62ytes_pulled\x18\x04 \x01(\x04\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.weightsync.v1.Timings\x12\x15\n\rchunk_retries\x18\x06 \x01(\r\"\x16\n\x14RolloutStatusRequest\"\xdc\x03\n\rRolloutStatus\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x04\x12\x10\n\x08syncs_ok\x18\x04 \x01(\x04\x12\x14\n\x0csyncs_failed\x18\x05 \x01(\x04\x12\x15\n\rchunk_retries\x18\x06 \x01(\x04\x12\x12\n\nlast_error\x18\x07 \x01(\t\x12\x12\n\ncompletion\x18\x08 \x01(\t\x12O\n\x12recent_completions\x18\t \x03(\x0b\x32\x33.weightsync.v1.RolloutStatus.RecentCompletionsEntry\x12.\n\x0bhost_memory\x18\n \x01(\x0b\x32\x19.weightsync.v1.HostMemory\x12)\n\x05\x61udit\x18\x0b \x01(\x0b\x32\x1a.weightsync.v1.AuditResult\x12\x18\n\x10unserved_version\x18\x0c \x01(\x04\x12\r\n\x05ready\x18\r \x01(\x08\x12\x19\n\x11\x63ommitted_version\x18\x0e \x01(\x04\x1a\x38\n\x16RecentCompletionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\nHostMemory\x12\x0b\n\x03rss\x18\x01 \x01(\x04\x12\x0c\n\x04\x61non\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ile\x18\x03 \x01(\x04\x12\r\n\x05shmem\x18\x04 \x01(\x04\x12\x0c\n\x04peak\x18\x05 \x01(\x04\x12\r\n\x05limit\x18\x06 \x01(\x04\x12\x15\n\rreceive_bytes\x18\x07 \x01(\x04\"\x0e\n\x0c\x41uditRequest\"V\n\rSampleRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\t\n\x01n\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"I\n\x11SampledCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07version\x18\x03 \x01(\x04\"G\n\x0eSampleResponse\x12\x35\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32 .weightsync.v1.SampledCompletion2\xa8\x02\n\x0cRolloutAgent\x12?\n\x04Sync\x12\x1a.weightsync.v1.SyncRequest\x1a\x1b.weightsync.v1.SyncResponse\x12N\n\tGetStatus\x12#.weightsync.v1.RolloutStatusRequest\x1a\x1c.weightsync.v1.RolloutStatus\x12\x45\n\x06Sample\x12\x1c.weightsync.v1.SampleRequest\x1a\x1d.weightsync.v1.SampleResponse\x12@\n\x05\x41udit\x12\x1b.weightsync.v1.AuditRequest\x1a\x1a.weightsync.v1.AuditResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,19 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=294
   _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=316
   _globals['_ROLLOUTSTATUS']._serialized_start=319
-  _globals['_ROLLOUTSTATUS']._serialized_end=753
-  _globals['_ROLLOUTSTATUS_RECENTCOMPLETIONSENTRY']._serialized_start=697
-  _globals['_ROLLOUTSTATUS_RECENTCOMPLETIONSENTRY']._serialized_end=753
-  _globals['_HOSTMEMORY']._serialized_start=755
-  _globals['_HOSTMEMORY']._serialized_end=875
-  _globals['_AUDITREQUEST']._serialized_start=877
-  _globals['_AUDITREQUEST']._serialized_end=891
-  _globals['_SAMPLEREQUEST']._serialized_start=893
-  _globals['_SAMPLEREQUEST']._serialized_end=979
-  _globals['_SAMPLEDCOMPLETION']._serialized_start=981
-  _globals['_SAMPLEDCOMPLETION']._serialized_end=1054
-  _globals['_SAMPLERESPONSE']._serialized_start=1056
-  _globals['_SAMPLERESPONSE']._serialized_end=1127
-  _globals['_ROLLOUTAGENT']._serialized_start=1130
-  _globals['_ROLLOUTAGENT']._serialized_end=1426
+  _globals['_ROLLOUTSTATUS']._serialized_end=795
+  _globals['_ROLLOUTSTATUS_RECENTCOMPLETIONSENTRY']._serialized_start=739
+  _globals['_ROLLOUTSTATUS_RECENTCOMPLETIONSENTRY']._serialized_end=795
+  _globals['_HOSTMEMORY']._serialized_start=797
+  _globals['_HOSTMEMORY']._serialized_end=917
+  _globals['_AUDITREQUEST']._serialized_start=919
+  _globals['_AUDITREQUEST']._serialized_end=933
+  _globals['_SAMPLEREQUEST']._serialized_start=935
+  _globals['_SAMPLEREQUEST']._serialized_end=1021
+  _globals['_SAMPLEDCOMPLETION']._serialized_start=1023
+  _globals['_SAMPLEDCOMPLETION']._serialized_end=1096
+  _globals['_SAMPLERESPONSE']._serialized_start=1098
+  _globals['_SAMPLERESPONSE']._serialized_end=1169
+  _globals['_ROLLOUTAGENT']._serialized_start=1172
+  _globals['_ROLLOUTAGENT']._serialized_end=1468
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory", "audit", "unserved_version")
+    __slots__ = ("session", "agent_id", "current_version", "syncs_ok", "syncs_failed", "chunk_retries", "last_error", "completion", "recent_completions", "host_memory", "audit", "unserved_version", "ready", "committed_version")
     class RecentCompletionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class RolloutStatus(_message.Message):
     HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     UNSERVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     session: str
     agent_id: str
     current_version: int
@@ -67,7 +69,9 @@ class RolloutStatus(_message.Message):
     host_memory: HostMemory
     audit: _types_pb2.AuditResult
     unserved_version: int
-    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., unserved_version: _Optional[int] = ...) -> None: ...
+    ready: bool
+    committed_version: int
+    def __init__(self, session: _Optional[str] = ..., agent_id: _Optional[str] = ..., current_version: _Optional[int] = ..., syncs_ok: _Optional[int] = ..., syncs_failed: _Optional[int] = ..., chunk_retries: _Optional[int] = ..., last_error: _Optional[str] = ..., completion: _Optional[str] = ..., recent_completions: _Optional[_Mapping[int, str]] = ..., host_memory: _Optional[_Union[HostMemory, _Mapping]] = ..., audit: _Optional[_Union[_types_pb2.AuditResult, _Mapping]] = ..., unserved_version: _Optional[int] = ..., ready: _Optional[bool] = ..., committed_version: _Optional[int] = ...) -> None: ...
 
 class HostMemory(_message.Message):
     __slots__ = ("rss", "anon", "file", "shmem", "peak", "limit", "receive_bytes")
