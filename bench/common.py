@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer_agent.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
+from trainer_agent.device.host_heap import HEAP_BYTES, TOP_PAD_DEFAULT, hold_for_device_path  # noqa: E402
 from weightsync.host_memory import lacks, status_lines  # noqa: E402
 from weightsync.model_shapes import PRESETS, param_shapes  # noqa: E402
 

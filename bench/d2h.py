@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_agent.device_blocks import cut_blocks
+from trainer_agent.device.device_blocks import cut_blocks
 
 MiB = 1 << 20
 CHECK_THREADS = 4
@@ -171,7 +171,7 @@ def row_blocks(datas: Sequence[Any], piece_bytes: int) -> Iterator[tuple[int, An
 
 def flat_blocks(datas: Sequence[Any], block_bytes: int) -> Iterator[tuple[int, Any]]:
     """Each buffer flattened and cut on its device into `block_bytes` blocks by the device
-    path's own slices (`trainer_agent.device_blocks.cut_blocks`), lazily."""
+    path's own slices (`trainer_agent.device.device_blocks.cut_blocks`), lazily."""
     for i, d in enumerate(datas):
         for _, _, cut in cut_blocks(d, d.dtype, block_bytes):
             yield i, cut()

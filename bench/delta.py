@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ml_dtypes  # noqa: E402
 from common import shapes  # noqa: E402
 
-from trainer_agent.params import host_shards  # noqa: E402
-from trainer_agent.staging import native_sources, plan_layout  # noqa: E402
+from trainer_agent.stage.params import host_shards  # noqa: E402
+from trainer_agent.stage.staging import native_sources, plan_layout  # noqa: E402
 from trainer_agent.update_model import AdamSteps, initial_weights  # noqa: E402
 from weightsync import native  # noqa: E402
 from weightsync.config import bounded_number  # noqa: E402

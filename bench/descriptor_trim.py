@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import emit_json, on_thread  # noqa: E402
 
-from trainer_agent.host_heap import libc_function  # noqa: E402
+from trainer_agent.device.host_heap import libc_function  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
 from weightsync.dtypes import dtype_info  # noqa: E402
 from weightsync.layout import DEFAULT_CHUNK_BYTES  # noqa: E402

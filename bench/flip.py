@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from common import emit_json, model  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync._proto import types_pb2 as tpb  # noqa: E402
 

@@ -4,7 +4,7 @@ The device path lands each block's D2H in a host buffer from malloc. Allocated i
 other than the main one (`publish_async`'s worker), it comes from that thread's arena, made
 of heaps of 64 MiB, and by glibc's default a free that empties such a heap unmaps it,
 whatever the trim threshold: the next version's blocks fault in fresh pages
-(`trainer_agent/host_heap.py`). This replays that pattern without a device: per version,
+(`trainer_agent/device/host_heap.py`). This replays that pattern without a device: per version,
 `--version-mib` in blocks of `--block-mib`, at most `--window-mib` in flight, each
 allocated and written (as a D2H lands) on one worker thread and freed first in, first out
 as if staged, the rest at the version's end. Modes, interleaved (ABAB):
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import HEAP_PADS, emit_json, on_thread  # noqa: E402
 
-from trainer_agent.host_heap import hold_freed_memory  # noqa: E402
+from trainer_agent.device.host_heap import hold_freed_memory  # noqa: E402
 from weightsync.host_memory import minor_faults  # noqa: E402
 
 THREAD = resource.RUSAGE_THREAD

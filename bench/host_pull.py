@@ -41,7 +41,7 @@ from common import model  # noqa: E402
 
 from devtools.cluster import Cluster  # noqa: E402
 from rollout_agent.settings import SyncSettings  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync._proto import rollout_agent_pb2 as rpb  # noqa: E402
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc  # noqa: E402

@@ -39,9 +39,9 @@ import jax  # noqa: E402
 from common import emit_json  # noqa: E402
 from train_overlap import coordinator_process, init_params, loopback_addresses  # noqa: E402
 
-from trainer_agent import params as params_module  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
+from trainer_agent.stage import params as params_module  # noqa: E402
 from weightsync.model_shapes import PRESETS  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from common import cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 from devtools.cluster import Cluster, Proc
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.update_model import AdamSteps
 from weightsync._proto import types_pb2 as tpb

@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 from common import HEAP_PADS, PeakRss, hold_heaps, on_thread, rss_bytes, tpu_transfer_env  # noqa: E402
 from stage_devices import measure_devices, measure_rss, print_devices  # noqa: E402
 
-from trainer_agent.arena import Arena  # noqa: E402
-from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES  # noqa: E402
-from trainer_agent.ffi_staging import FfiStager  # noqa: E402
-from trainer_agent.params import DEFAULT_WINDOW_BYTES, host_shards  # noqa: E402
-from trainer_agent.staging import plan_layout, stage_shards  # noqa: E402
+from trainer_agent.device.device_blocks import DEFAULT_BLOCK_BYTES  # noqa: E402
+from trainer_agent.serve.arena import Arena  # noqa: E402
+from trainer_agent.stage.ffi_staging import FfiStager  # noqa: E402
+from trainer_agent.stage.params import DEFAULT_WINDOW_BYTES, host_shards  # noqa: E402
+from trainer_agent.stage.staging import plan_layout, stage_shards  # noqa: E402
 from trainer_agent.synthetic import PRESETS, param_shapes  # noqa: E402
 from weightsync import native  # noqa: E402
 from weightsync.config import bounded_number  # noqa: E402
@@ -114,8 +114,8 @@ def measure_maxtext_stream(preset: str, chunk_bytes: int) -> dict:
     converted, so the peak should stay near arena + the largest converted tensor.
     """
     from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
-    from trainer_agent.params import host_shards
-    from trainer_agent.stream_staging import stage_streamed
+    from trainer_agent.stage.params import host_shards
+    from trainer_agent.stage.stream_staging import stage_streamed
 
     shape = PRESETS[preset]
     d, h, L = shape.hidden, shape.head_dim, shape.layers

@@ -44,14 +44,14 @@ import numpy as np
 from common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from d2h import Checker, MiB, Unsupported, device_sums, methods
 
-from trainer_agent import params as params_module
-from trainer_agent.arena import Arena
-from trainer_agent.device_blocks import block_size, cuts, warm
-from trainer_agent.host_heap import block_heaps, heap_stats
-from trainer_agent.params import shard_metas
+from trainer_agent.device.device_blocks import block_size, cuts, warm
+from trainer_agent.device.host_heap import block_heaps, heap_stats
+from trainer_agent.publish.stage_plan import stage_device
+from trainer_agent.serve.arena import Arena
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import stage_device
-from trainer_agent.staging import Layout, plan_layout
+from trainer_agent.stage import params as params_module
+from trainer_agent.stage.params import shard_metas
+from trainer_agent.stage.staging import Layout, plan_layout
 from trainer_agent.synthetic import PRESETS, param_shapes
 from weightsync import native
 from weightsync.dtypes import dtype_info

@@ -100,11 +100,8 @@ from common import HEAP_PADS, emit_json, hold_heaps, peak_rss_bytes, rss_bytes, 
 from rss_sampler import RssSampler  # noqa: E402
 from stall_dumper import StallDumper  # noqa: E402
 
-from trainer_agent import params as params_module  # noqa: E402
-from trainer_agent.arena import Arena  # noqa: E402
-from trainer_agent.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
-from trainer_agent.device_blocks import Window, block_size, buffer_address, cuts, device_blocks  # noqa: E402
-from trainer_agent.host_heap import (  # noqa: E402
+from trainer_agent.device.device_blocks import Window, block_size, buffer_address, cuts, device_blocks  # noqa: E402
+from trainer_agent.device.host_heap import (  # noqa: E402
     MXFAST_DEFAULT,
     arena_stats,
     arenas_summary,
@@ -114,10 +111,13 @@ from trainer_agent.host_heap import (  # noqa: E402
     malloc_info_text,
     set_max_fast,
 )
-from trainer_agent.params import device_stream  # noqa: E402
-from trainer_agent.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
+from trainer_agent.publish.async_publish import PublishQueue, held_bytes, held_params  # noqa: E402
+from trainer_agent.publish.publisher import ASYNC_WORKER_NICE, PublishResult, WeightPublisher  # noqa: E402
+from trainer_agent.publish.stage_plan import Stager, device_window, plan_staging  # noqa: E402
+from trainer_agent.serve.arena import Arena  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
-from trainer_agent.stage_plan import Stager, device_window, plan_staging  # noqa: E402
+from trainer_agent.stage import params as params_module  # noqa: E402
+from trainer_agent.stage.params import device_stream  # noqa: E402
 from weightsync.addresses import inet_refused  # noqa: E402
 from weightsync.host_memory import minor_faults  # noqa: E402
 from weightsync.model_shapes import PRESETS, ModelShape, param_shapes  # noqa: E402

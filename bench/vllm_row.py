@@ -75,7 +75,7 @@ def main() -> int:
     from devtools.cluster import Cluster
     from devtools.tiny_models import write_tiny_model
     from rollout_agent.vllm_worker.rollout import in_process
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
     from weightsync.client import CoordinatorClient
 

@@ -106,7 +106,7 @@ def main() -> int:
         print(f"torch and vLLM are needed ({e}); install the vllm extra")
         return 3
     from devtools.cluster import Cluster
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
     from trainer_agent.vllm_trainer import WeightsyncTrainerInitInfo
 

@@ -256,7 +256,7 @@ def _read_lines(path: Path) -> dict[int, dict[str, Any]]:
 
 def run(args: argparse.Namespace, out: dict[str, Any], workdir: Path, report: Path) -> None:
     from devtools.cluster import Cluster
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
     from weightsync.model_shapes import PRESETS, param_shapes
 

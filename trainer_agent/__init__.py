@@ -48,19 +48,19 @@ from __future__ import annotations
 from weightsync.exports import Extra, available, lazy_exports
 
 _EXPORTS = {
-    "WeightPublisher": "trainer_agent.publisher",
-    "PublishResult": "trainer_agent.publisher",
-    "PublishFuture": "trainer_agent.async_publish",
-    "PublishSuperseded": "trainer_agent.async_publish",
+    "WeightPublisher": "trainer_agent.publish.publisher",
+    "PublishResult": "trainer_agent.publish.publisher",
+    "PublishFuture": "trainer_agent.publish.async_publish",
+    "PublishSuperseded": "trainer_agent.publish.async_publish",
     "PublisherSettings": "trainer_agent.settings",
     "TrainerConfig": "trainer_agent.config",
     "convert_maxtext": "trainer_agent.convert",
     "ConvertOptions": "trainer_agent.convert",
     "ModelDims": "trainer_agent.convert",
-    "WeightsyncTrainerInitInfo": "trainer_agent.vllm_trainer",
-    "WeightsyncTrainerEngine": "trainer_agent.vllm_trainer",
+    "WeightsyncTrainerInitInfo": "trainer_agent.vllm.engine",
+    "WeightsyncTrainerEngine": "trainer_agent.vllm.engine",
 }
-_NEEDS = {"trainer_agent.vllm_trainer": Extra("vllm", "vllm")}
+_NEEDS = {"trainer_agent.vllm.engine": Extra("vllm", "vllm")}
 __all__ = available(_EXPORTS, _NEEDS)
 
 __getattr__ = lazy_exports(__name__, _EXPORTS, _NEEDS)

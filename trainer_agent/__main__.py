@@ -13,8 +13,8 @@ import numpy as np
 
 from trainer_agent import synthetic
 from trainer_agent.config import TrainerConfig
-from trainer_agent.publisher import WeightPublisher
-from trainer_agent.staging import HostShard
+from trainer_agent.publish.publisher import WeightPublisher
+from trainer_agent.stage.staging import HostShard
 from weightsync.config import load_config
 from weightsync.errors import DeadlineExceeded, StaleGeneration, WeightsyncError
 from weightsync.logs import bind, setup_logging

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer_agent.delta import DELTA_MODES
-from trainer_agent.device_blocks import DEFAULT_BLOCK_BYTES
-from trainer_agent.params import DEFAULT_WINDOW_BYTES
+from trainer_agent.device.device_blocks import DEFAULT_BLOCK_BYTES
+from trainer_agent.stage.delta import DELTA_MODES
+from trainer_agent.stage.params import DEFAULT_WINDOW_BYTES
 from weightsync.addresses import inet_refused, unix_among
 from weightsync.config import MAX_SECONDS, ServerConfig, check_bounds, check_positive, option, secret_option
 from weightsync.dtypes import dtype_info

@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 from devtools.tiny_models import write_tiny_model  # noqa: E402
 from tests.doc_snippets import snippet  # noqa: E402
 from tests.e2e.test_vllm import ENGINE_ARGS, assert_matches, transformers_run, vllm_run, weights_for  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync.client import CoordinatorClient  # noqa: E402
 from weightsync.server import RunningServer  # noqa: E402

@@ -32,7 +32,7 @@ from rollout_agent.pull.relay import Relay  # noqa: E402
 from rollout_agent.sync.round import sync_version  # noqa: E402
 from rollout_agent.vllm_worker.rollout import in_process  # noqa: E402
 from tests.integration.support import eventually, rollout_status, state_name  # noqa: E402
-from trainer_agent.publisher import WeightPublisher  # noqa: E402
+from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
 from weightsync._proto import rollout_agent_pb2 as rpb  # noqa: E402
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc  # noqa: E402

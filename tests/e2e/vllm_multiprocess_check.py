@@ -12,7 +12,7 @@ import sys
 import numpy as np
 from safetensors.numpy import load_file
 
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 
 

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from devtools.tiny_models import write_tiny_model
 from rollout_agent.vllm_worker.rollout import in_process
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 
 PROMPT = [1, 5, 6, 7, 8, 9, 10]

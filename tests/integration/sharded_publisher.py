@@ -69,7 +69,7 @@ def main(spec: dict[str, Any]) -> int:
     import jax
     from jax.sharding import Mesh
 
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
 
     if SPEC["processes"] > 1:
@@ -122,7 +122,7 @@ def main(spec: dict[str, Any]) -> int:
             params = {n: sharded(mesh, global_value(n, shape), spec) for n, (shape, spec) in MESH_TREE.items()}
         jax.block_until_ready(params)
         if SPEC.get("both_ways"):
-            from trainer_agent import params as params_module
+            from trainer_agent.stage import params as params_module
 
             pub.publish(params, 1)
             paths = [pub.last_path]

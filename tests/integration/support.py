@@ -21,7 +21,7 @@ from weightsync._proto import types_pb2 as tpb
 
 if TYPE_CHECKING:
     from rollout_agent.pull.puller import WeightPuller
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from devtools.scrape import metric_value, scrape
 from rollout_agent.agent import SERVICE_NAME
 from tests.integration.support import eventually, rollout_status, serving, state_name
 from trainer_agent import synthetic
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import coordinator_pb2_grpc as cpb_grpc

@@ -23,7 +23,7 @@ from rollout_agent.sync.prefetch import Prefetcher
 from rollout_agent.sync.round import SyncResult, apply_prefetched, sync_version
 from tests.integration.support import eventually
 from trainer_agent.__main__ import rank_rows
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.update_model import AdamSteps, initial_weights
 from weightsync.client import CoordinatorClient

@@ -21,7 +21,7 @@ from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.prefetch import Prefetcher
 from rollout_agent.sync.round import apply_prefetched, sync_version
 from tests.integration.support import eventually
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument

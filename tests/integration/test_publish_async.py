@@ -16,10 +16,10 @@ from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.round import sync_version
 from tests.integration.support import eventually
-from trainer_agent import params as params_module
-from trainer_agent.async_publish import PublishSuperseded
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.async_publish import PublishSuperseded
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
+from trainer_agent.stage import params as params_module
 from weightsync.client import CoordinatorClient
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.server import RunningServer

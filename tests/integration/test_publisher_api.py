@@ -16,7 +16,7 @@ from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.round import sync_version
 from tests.integration.support import eventually
-from trainer_agent.publisher import PublishResult, WeightPublisher
+from trainer_agent.publish.publisher import PublishResult, WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient

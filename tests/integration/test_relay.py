@@ -15,7 +15,7 @@ from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.pull.relay import RELAY_PROBE_S, Relay
 from rollout_agent.sync.round import SyncResult, sync_version
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument

@@ -33,7 +33,7 @@ from rollout_agent.sync.round import sync_version
 from tests.conftest import coordinator_in_process
 from tests.integration.support import eventually, state_name
 from tests.unit.helpers import make_part, sample_arrays
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync._proto import coordinator_pb2_grpc as pb_grpc

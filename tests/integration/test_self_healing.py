@@ -25,7 +25,7 @@ from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from tests.integration.support import eventually, free_port, rollout_status, serving, state_name
 from tests.unit.helpers import damage
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc

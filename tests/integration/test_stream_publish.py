@@ -14,7 +14,7 @@ from tests.integration.support import publish_and_sync
 from tests.unit.maxtext_reference import to_maxtext, with_style
 from tests.unit.test_convert import H, K, L, N, hf_weights
 from trainer_agent.convert import ConvertOptions, ModelDims, convert_maxtext
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import ResourceExhausted

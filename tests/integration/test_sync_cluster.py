@@ -254,7 +254,7 @@ def test_a_manifest_that_does_not_check_is_reported_failed_and_the_retry_commits
     the round's failure, reported in a handshake: the version goes PARTIAL naming the
     rollout (it would otherwise wait READY on a rollout that never reports it), and the
     retry commits it."""
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
 
     coord = cluster.start_coordinator()
@@ -274,7 +274,7 @@ def test_a_manifest_that_does_not_check_is_reported_failed_and_the_retry_commits
 
 
 def test_coordinator_killed_and_restarted_keeps_session_and_continues(cluster: Cluster) -> None:
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
 
     coord = cluster.start_coordinator()

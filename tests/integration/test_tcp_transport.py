@@ -21,7 +21,7 @@ from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.pull.puller import WeightPuller
 from rollout_agent.sync.round import sync_version
 from tests.integration.support import eventually
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.client import CoordinatorClient

@@ -17,7 +17,7 @@ import pytest
 
 from devtools.tpu_worker_standin import TPUWorker
 from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.server import RunningServer

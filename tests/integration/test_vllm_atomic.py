@@ -14,7 +14,7 @@ from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.settings import InitInfo
 from rollout_agent.vllm_worker.rollout import VllmRollout
 from tests.integration.support import eventually, state_name
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync.client import CoordinatorClient
 from weightsync.errors import FailedPrecondition

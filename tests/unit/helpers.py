@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from trainer_agent.stage.staging import HostShard, plan_layout, stage_shards
 from weightsync.addresses import inet_refused
 from weightsync.manifest import Endpoint, Part
 

@@ -75,7 +75,7 @@ import json
 from rollout_agent.config import RolloutConfig
 from rollout_agent.wiring import wire_rollout
 from trainer_agent.config import TrainerConfig
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
 from weightsync.addresses import inet_refused
 from weightsync.config import load_config
 from weightsync.errors import FailedPrecondition

@@ -25,7 +25,7 @@ ENDINGS = {
 CHILD = """
 import signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN if "ignored" in sys.argv[2] else signal.SIG_DFL)
-from trainer_agent.arena import Arena
+from trainer_agent.serve.arena import Arena
 arena = Arena("exit-test", slots=1, directory=sys.argv[1])
 arena.ensure_slot_bytes(1 << 20)
 if "handled" in sys.argv[2]:

@@ -258,7 +258,7 @@ def test_trainer_config_is_the_publisher_settings_with_entry_point_defaults() ->
 def test_a_publisher_does_no_io_until_started_and_refuses_to_publish_before() -> None:
     import numpy as np
 
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
     from trainer_agent.settings import PublisherSettings
     from weightsync.errors import FailedPrecondition
 

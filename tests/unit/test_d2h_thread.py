@@ -1,4 +1,4 @@
-"""The process's one device-to-host thread (`trainer_agent.d2h_thread`): what a generator
+"""The process's one device-to-host thread (`trainer_agent.device.d2h_thread`): what a generator
 run there yields, in order; its failures raised in the caller; an early stop that closes it
 there and waits for it; and the device path's copies issued there, whichever thread
 publishes, with the same bytes as on the caller's thread."""
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from tests.unit.helpers import python_path
-from trainer_agent import device_blocks as device_blocks_module
-from trainer_agent import params as params_module
-from trainer_agent.d2h_thread import THREAD_NAME, blocks_on_d2h_thread
-from trainer_agent.params import shard_metas
+from trainer_agent.device import device_blocks as device_blocks_module
+from trainer_agent.device.d2h_thread import THREAD_NAME, blocks_on_d2h_thread
+from trainer_agent.publish.stage_plan import stage_device
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import stage_device
-from trainer_agent.staging import plan_layout
+from trainer_agent.stage import params as params_module
+from trainer_agent.stage.params import shard_metas
+from trainer_agent.stage.staging import plan_layout
 
 
 def test_items_come_in_order_from_the_d2h_thread_whichever_thread_asks() -> None:
@@ -115,7 +115,7 @@ def test_the_device_paths_copies_run_on_the_d2h_thread_with_the_same_bytes(
 
 _FORK = """
 import os, signal, sys
-from trainer_agent.d2h_thread import blocks_on_d2h_thread
+from trainer_agent.device.d2h_thread import blocks_on_d2h_thread
 assert list(blocks_on_d2h_thread(lambda: iter(range(3)))) == [0, 1, 2]  # the parent's thread exists
 pid = os.fork()
 if pid == 0:  # the child has none of its parent's threads: it would wait forever for that one

@@ -18,8 +18,8 @@ from coordinator.records import PublishOutcome
 from coordinator.store import SessionStore
 from rollout_agent.pull.puller import WeightPuller
 from tests.unit.helpers import make_part
-from trainer_agent.delta import CHUNK_CAP, pack_delta
-from trainer_agent.staging import (
+from trainer_agent.stage.delta import CHUNK_CAP, pack_delta
+from trainer_agent.stage.staging import (
     Block,
     DeltaTarget,
     HostShard,

@@ -1,4 +1,4 @@
-"""The device path's blocks (`trainer_agent.device_blocks`), with CPU devices taking the
+"""The device path's blocks (`trainer_agent.device.device_blocks`), with CPU devices taking the
 accelerator's branch: block sizes, the window over what is issued and not yet staged, and
 blocks that cover every shard in order, cast on the device."""
 
@@ -17,17 +17,17 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from trainer_agent import device_blocks as device_blocks_module
-from trainer_agent import params as params_module
-from trainer_agent.async_publish import held_bytes, held_params
-from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import PackRuns, Window, block_size, cut_blocks, cuts, device_blocks, warm
-from trainer_agent.host_heap import HEAP_BYTES, BlockHeaps
-from trainer_agent.params import shard_metas
+from trainer_agent.device import device_blocks as device_blocks_module
+from trainer_agent.device.device_blocks import PackRuns, Window, block_size, cut_blocks, cuts, device_blocks, warm
+from trainer_agent.device.host_heap import HEAP_BYTES, BlockHeaps
+from trainer_agent.device.snapshot import device_copy
+from trainer_agent.publish.async_publish import held_bytes, held_params
+from trainer_agent.publish.stage_plan import plan_staging, stage_device
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.snapshot import device_copy
-from trainer_agent.stage_plan import plan_staging, stage_device
-from trainer_agent.staging import plan_layout, stage_blocks
+from trainer_agent.stage import params as params_module
+from trainer_agent.stage.cut_array import CutArray, PackSlice
+from trainer_agent.stage.params import shard_metas
+from trainer_agent.stage.staging import plan_layout, stage_blocks
 from weightsync.errors import FailedPrecondition
 
 CHUNK = 4096
@@ -355,7 +355,7 @@ def test_a_window_takes_the_heaps_its_blocks_lie_in_past_it_off_what_may_be_in_f
     window.issued(3 * HEAP_BYTES)
     assert window.admits(HEAP_BYTES, inflight=True)
     buffer = np.zeros(BLOCK, np.uint8)  # from the heap: it lies in one, which is counted
-    with caplog.at_level("INFO", logger="trainer_agent.device_blocks"):
+    with caplog.at_level("INFO", logger="trainer_agent.device.device_blocks"):
         for i in range(4, 6):
             heaps.note(i * HEAP_BYTES, BLOCK)
         window.landed(BLOCK, buffer)

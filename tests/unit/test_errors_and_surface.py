@@ -94,7 +94,7 @@ def test_every_exported_name_resolves_and_is_public(package: str) -> None:
 def test_the_documented_entry_points_are_exported() -> None:
     import rollout_agent
     import trainer_agent
-    from trainer_agent.publisher import WeightPublisher
+    from trainer_agent.publish.publisher import WeightPublisher
 
     assert trainer_agent.WeightPublisher is WeightPublisher  # README: from trainer_agent import ...
     assert trainer_agent.PublisherSettings.__module__ == "trainer_agent.settings"
@@ -237,8 +237,8 @@ def test_a_deleted_sessions_series_are_dropped_and_others_kept() -> None:
 
 
 def test_a_publish_tries_again_only_what_may_pass_and_only_for_its_wait() -> None:
-    from trainer_agent.retry import may_pass as _may_pass
-    from trainer_agent.retry import ride_out as _ride_out
+    from trainer_agent.publish.retry import may_pass as _may_pass
+    from trainer_agent.publish.retry import ride_out as _ride_out
 
     calls: list[int] = []
 

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer_agent.arena import Arena
-from trainer_agent.ffi_staging import FfiStager, staged_meta
-from trainer_agent.params import choose_staging_path, host_shards
-from trainer_agent.publisher import WeightPublisher
+from trainer_agent.publish.publisher import WeightPublisher
+from trainer_agent.serve.arena import Arena
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from trainer_agent.stage.ffi_staging import FfiStager, staged_meta
+from trainer_agent.stage.params import choose_staging_path, host_shards
+from trainer_agent.stage.staging import HostShard, plan_layout, stage_shards
 from weightsync import native
 
 
@@ -135,7 +135,7 @@ class _DeviceShardData:
 
 
 def test_the_device_stream_issues_shard_by_shard_within_the_window() -> None:
-    from trainer_agent.params import device_stream, shard_metas
+    from trainer_agent.stage.params import device_stream, shard_metas
 
     rows = np.arange(4 * 1024, dtype=np.float32).reshape(4, 1024)  # 4 shards of 4 KiB
     shards = [

@@ -1,4 +1,4 @@
-"""trainer_agent/host_heap.py with the real C library: the device path holds glibc's freed
+"""trainer_agent/device/host_heap.py with the real C library: the device path holds glibc's freed
 heap once per process, and a block freed there serves the next one."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 _STAGE_TWICE = """
 import json, logging, sys, threading, numpy as np
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from trainer_agent import host_heap, params
+from trainer_agent.device import host_heap
+from trainer_agent.stage import params
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import stage_device
-from trainer_agent.staging import plan_layout
-from trainer_agent.params import shard_metas
+from trainer_agent.publish.stage_plan import stage_device
+from trainer_agent.stage.staging import plan_layout
+from trainer_agent.stage.params import shard_metas
 import jax.numpy as jnp
 params.HOST_MEMORY_PLATFORMS = frozenset()  # CPU devices take the accelerator's branch
 hold = sys.argv[1] == "hold"
@@ -90,7 +91,7 @@ def test_with_the_setting_off_the_device_path_leaves_malloc_alone() -> None:
 # placed above the blocks would keep them from the top in some environments (CI's did).
 _FREE_A_TOP = """
 import json, sys, numpy as np
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 assert host_heap.hold_freed_memory(trim_bytes=None if sys.argv[1] == "never" else 64 << 20)
 host_heap.heap_stats()
 blocks = [np.empty(22 << 20, np.uint8) for _ in range(10)]
@@ -121,7 +122,7 @@ def test_a_heap_top_past_the_trim_threshold_goes_back_unless_trimming_is_off(tri
 # eight 18 MiB blocks (under the mmap threshold) span three, freed every round.
 _FREE_IN_A_THREAD = """
 import json, sys, threading, numpy as np
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 pad = host_heap.HEAP_BYTES if sys.argv[1] == "kept" else host_heap.TOP_PAD_DEFAULT
 assert host_heap.hold_freed_memory(top_pad_bytes=pad)
 host_heap.heap_stats()
@@ -152,7 +153,7 @@ def test_a_thread_arenas_heaps_stay_mapped_only_with_a_heap_sized_top_pad(heaps:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
 def test_heap_stats_counts_the_free_chunks_beside_the_bytes() -> None:
-    from trainer_agent.host_heap import heap_stats
+    from trainer_agent.device.host_heap import heap_stats
 
     stats = heap_stats()
     assert set(stats) == {"arena", "mapped", "free", "free_chunks", "fast_chunks"}
@@ -162,7 +163,7 @@ def test_heap_stats_counts_the_free_chunks_beside_the_bytes() -> None:
 # 1000 chunks of 64 bytes freed (past the 7 of each size glibc's per-thread cache keeps)
 _FREE_SMALL = """
 import ctypes, json, sys
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 if sys.argv[1] == "off":
     assert host_heap.set_max_fast(0)
 libc = ctypes.CDLL(None)
@@ -190,7 +191,7 @@ def test_with_fastbins_off_small_frees_are_not_kept_in_fastbins(fastbins: str) -
 
 _ARENAS = """
 import json, sys, threading, numpy as np
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 host_heap.hold_freed_memory()
 out = {"before": host_heap.arena_stats()}
 def blocks():  # a thread's 18 MiB blocks, freed: they stay in its arena (heaps held)
@@ -222,7 +223,7 @@ def test_arena_stats_show_the_arena_a_threads_freed_blocks_stay_in() -> None:
 
 
 def test_heap_room_counts_the_heap_a_block_shares_with_others_of_its_size() -> None:
-    from trainer_agent.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, heap_room
+    from trainer_agent.device.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, heap_room
 
     assert heap_room(0) == 0
     assert heap_room(18 << 20) == -(-HEAP_BYTES // 3)  # three to a 64 MiB heap, 10 MiB of it empty
@@ -235,7 +236,7 @@ def test_heap_room_counts_the_heap_a_block_shares_with_others_of_its_size() -> N
 
 _SLIDING = """
 import json, sys, threading, numpy as np
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 host_heap.hold_freed_memory()
 n, size = int(sys.argv[1]), 18 << 20
 out = {}
@@ -259,7 +260,7 @@ def test_a_threads_arena_holds_a_sliding_window_of_blocks_in_their_heap_room(blo
     """What `heap_room` predicts is what glibc keeps: 57 blocks of 18 MiB (a 1 GiB window
     counted by their bytes) take 19 heaps, 1,216 MiB; 48 (the same window counted by
     their room) take 16, 1,024 MiB (dev machine: both exactly)."""
-    from trainer_agent.host_heap import HEAP_BYTES, heap_room
+    from trainer_agent.device.host_heap import HEAP_BYTES, heap_room
 
     r, _ = _script_json(_SLIDING, str(blocks))
     assert blocks * (18 << 20) < r["heaps"] <= blocks * heap_room(18 << 20) + HEAP_BYTES
@@ -267,7 +268,7 @@ def test_a_threads_arena_holds_a_sliding_window_of_blocks_in_their_heap_room(blo
 
 _PINNED = """
 import ctypes, json, sys, threading
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 malloc = host_heap.libc_function("malloc", ctypes.c_void_p, ctypes.c_size_t)
 free = host_heap.libc_function("free", None, ctypes.c_void_p)
 host_heap.hold_freed_memory()
@@ -296,7 +297,7 @@ print(json.dumps(out))
 def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> None:
     """With nothing live in a thread's arena each of its heaps is one free chunk; small
     live allocations between its blocks hold the freed blocks apart: more chunks."""
-    from trainer_agent.host_heap import HEAP_BYTES
+    from trainer_agent.device.host_heap import HEAP_BYTES
 
     r, _ = _script_json(_PINNED, pins)
     arena = r["arena"]
@@ -309,7 +310,7 @@ def test_arena_stats_count_a_threads_free_chunks_and_the_largest(pins: str) -> N
 
 _ARENA_LIMIT = """
 import ctypes, json, os, threading
-from trainer_agent import host_heap
+from trainer_agent.device import host_heap
 hold, took = threading.Event(), threading.Semaphore(0)
 def start(count):  # threads that each malloc once (taking an arena) and stay
     def worker():
@@ -347,7 +348,7 @@ def test_glibc_reads_its_arena_limit_once_so_only_its_tunable_at_start_raises_it
 
 
 def test_block_heaps_count_the_64_mib_heaps_buffers_lie_in_and_leave_own_mappings_out() -> None:
-    from trainer_agent.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, BlockHeaps
+    from trainer_agent.device.host_heap import HEAP_BYTES, MMAP_THRESHOLD_MAX, BlockHeaps
 
     heaps = BlockHeaps()
     assert heaps.note(5 * HEAP_BYTES + 4096, 18 << 20)  # in the sixth heap

@@ -17,7 +17,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from trainer_agent.stage.staging import HostShard, plan_layout, stage_shards
 from weightsync import native
 from weightsync.errors import InvalidArgument
 from weightsync.layout import plan_chunks

@@ -14,7 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer_agent.async_publish import PublishQueue, PublishSuperseded, check_not_deleted, held_bytes, held_params
+from trainer_agent.publish.async_publish import (
+    PublishQueue,
+    PublishSuperseded,
+    check_not_deleted,
+    held_bytes,
+    held_params,
+)
 from weightsync.errors import FailedPrecondition, InvalidArgument
 
 CPU = jax.devices("cpu")[0]

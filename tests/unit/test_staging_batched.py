@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_agent.staging import Block, HostShard, plan_layout, stage_batched, stage_blocks, stage_shards
-from trainer_agent.staging_pool import staging_pool
+from trainer_agent.device.staging_pool import staging_pool
+from trainer_agent.stage.staging import Block, HostShard, plan_layout, stage_batched, stage_blocks, stage_shards
 from weightsync import native
 from weightsync.errors import InternalError
 from weightsync.layout import pack_limit
@@ -178,7 +178,7 @@ def test_a_stream_that_fails_midway_returns_only_once_no_run_still_writes_into_t
 
 _FORK_CHECK = """
 import os
-from trainer_agent.staging_pool import staging_pool
+from trainer_agent.device.staging_pool import staging_pool
 pool = staging_pool(3)
 pid = os.fork()
 if pid == 0:  # the child: a pool of its own, whose threads run

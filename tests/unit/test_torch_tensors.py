@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from trainer_agent import torch_tensors  # noqa: E402
-from trainer_agent.async_publish import held_params  # noqa: E402
-from trainer_agent.params import check_param, choose_staging_path, device_stream, host_shards, shard_metas  # noqa: E402
+from trainer_agent.publish.async_publish import held_params  # noqa: E402
+from trainer_agent.publish.stage_plan import follow_plan, plan_stream  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
-from trainer_agent.stage_plan import follow_plan, plan_stream  # noqa: E402
+from trainer_agent.stage import torch_tensors  # noqa: E402
+from trainer_agent.stage.params import check_param, choose_staging_path, device_stream, host_shards, shard_metas  # noqa: E402
 from weightsync.errors import InvalidArgument  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from trainer_agent import params as params_module
-from trainer_agent.device_blocks import cuts
-from trainer_agent.params import choose_staging_path, shard_metas
+from trainer_agent.device.device_blocks import cuts
+from trainer_agent.publish.stage_plan import stage_device
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import stage_device
-from trainer_agent.staging import HostShard, plan_layout, stage_shards
+from trainer_agent.stage import params as params_module
+from trainer_agent.stage.params import choose_staging_path, shard_metas
+from trainer_agent.stage.staging import HostShard, plan_layout, stage_shards
 from weightsync.dtypes import dtype_info
 
 ROOT = Path(__file__).resolve().parents[2]

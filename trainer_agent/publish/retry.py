@@ -19,7 +19,7 @@ from weightsync.errors import (
     WeightsyncError,
 )
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 T = TypeVar("T")
 
 # Fields of a ResourceExhausted that space freed elsewhere may end.

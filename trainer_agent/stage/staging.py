@@ -4,8 +4,8 @@ or arriving in blocks), with per-chunk xxh3-64, per-shard piecewise xxh3-64
 
 Two engines with identical results: `native` (the C++ shim's fused, multithreaded copy +
 digest pass) and `python` (numpy copy, then xxhash over the slot), the fallback when the
-shim is not built. The JAX FFI path lives in `trainer_agent.ffi_staging`, a stream of
-unknown length (no layout planned) in `trainer_agent.stream_staging`.
+shim is not built. The JAX FFI path lives in `trainer_agent.stage.ffi_staging`, a stream of
+unknown length (no layout planned) in `trainer_agent.stage.stream_staging`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trainer_agent.staging import HostShard, tensor_spec
+from trainer_agent.stage.staging import HostShard, tensor_spec
 from weightsync import native
 from weightsync.digests import float64_sum, piecewise_xxh3, xxh3
 from weightsync.dtypes import native_code

@@ -7,9 +7,9 @@ each), "host" (host-addressable arrays staged in place: CPU or NumPy, no cast ne
 "device" (everything else: the runtime's device-to-host copies are issued ahead of use,
 `window_bytes` in flight and landed, each staged as it lands and its host copy dropped;
 casts run on the device. JAX arrays on an accelerator travel in blocks,
-`trainer_agent.device_blocks`; on CPU devices whole shards, read in place). No path makes
+`trainer_agent.device.device_blocks`; on CPU devices whole shards, read in place). No path makes
 a second host copy of the whole model. Torch tensors take the same paths
-(`trainer_agent.torch_tensors`): CPU ones staged from zero-copy views, others copied to
+(`trainer_agent.stage.torch_tensors`): CPU ones staged from zero-copy views, others copied to
 pinned host memory through the window.
 """
 
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from trainer_agent import torch_tensors
-from trainer_agent.cut_array import CutArray
-from trainer_agent.staging import HostShard
+from trainer_agent.stage import torch_tensors
+from trainer_agent.stage.cut_array import CutArray
+from trainer_agent.stage.staging import HostShard
 from weightsync.dtypes import ALLOWED, dtype_info
 from weightsync.errors import InvalidArgument
 

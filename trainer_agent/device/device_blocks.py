@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from trainer_agent import host_heap, params
-from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.params import ArrayMeta, check_param, host_array, host_shards, shard_metas, shard_start
-from trainer_agent.staging import Block, HostShard
+from trainer_agent.device import host_heap
+from trainer_agent.stage import params
+from trainer_agent.stage.cut_array import CutArray, PackSlice
+from trainer_agent.stage.params import ArrayMeta, check_param, host_array, host_shards, shard_metas, shard_start
+from trainer_agent.stage.staging import Block, HostShard
 from weightsync.dtypes import dtype_info
 
 # Measured on a TPU v5e host (bench/stage.py --devices 1 --model-size 4b --repeats 2, 1 GiB

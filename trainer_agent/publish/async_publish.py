@@ -27,9 +27,9 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from trainer_agent import torch_tensors
-from trainer_agent.params import check_param
-from trainer_agent.staging import HostShard, tensor_spec
+from trainer_agent.stage import torch_tensors
+from trainer_agent.stage.params import check_param
+from trainer_agent.stage.staging import HostShard, tensor_spec
 from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, WeightsyncError
 
 log = logging.getLogger(__name__)
@@ -391,6 +391,6 @@ def held_params(
 
 
 def _device_copy(arrays: dict[str, Any], weight_dtype: str, block_bytes: int) -> dict[str, Any]:
-    from trainer_agent.snapshot import device_copy  # imports JAX; host-only publishers skip it
+    from trainer_agent.device.snapshot import device_copy  # imports JAX; host-only publishers skip it
 
     return device_copy(arrays, weight_dtype, block_bytes)

@@ -10,21 +10,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_agent.arena import Arena
-from trainer_agent.chunk_server import SlotTable
-from trainer_agent.delta import StagedDelta, pack_delta
-from trainer_agent.params import device_stream
-from trainer_agent.session_link import SessionLink
+from trainer_agent.publish.session_link import SessionLink
+from trainer_agent.publish.stage_plan import StagePlan, Stager
+from trainer_agent.serve.arena import Arena
+from trainer_agent.serve.chunk_server import SlotTable
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.stage_plan import StagePlan, Stager
-from trainer_agent.staging import Layout
-from trainer_agent.stream_staging import stage_streamed
+from trainer_agent.stage.delta import StagedDelta, pack_delta
+from trainer_agent.stage.params import device_stream
+from trainer_agent.stage.staging import Layout
+from trainer_agent.stage.stream_staging import stage_streamed
 from weightsync import native
 from weightsync.errors import WeightsyncError
 from weightsync.manifest import ChunkSpec, ShardSpec, TensorSpec
 from weightsync.metrics import Metrics
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 
 @dataclass

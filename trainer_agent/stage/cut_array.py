@@ -1,6 +1,6 @@
 """A parameter already cut into the device path's blocks on its device: what an async
 publish's snapshot holds of a single-device array on an accelerator
-(`trainer_agent.snapshot.device_copy` with a block size).
+(`trainer_agent.device.snapshot.device_copy` with a block size).
 
 Cutting blocks when the copies are issued costs a device program per block, dispatched
 from the publish's thread while the training steps run: each waits its turn behind the

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from trainer_agent.arena import Arena
-from trainer_agent.async_publish import (
+from trainer_agent.device.device_blocks import block_size
+from trainer_agent.publish.async_publish import (
     PublishFuture,
     PublishQueue,
     check_names,
@@ -24,17 +24,17 @@ from trainer_agent.async_publish import (
     held_bytes,
     held_params,
 )
-from trainer_agent.chunk_server import SlotTable, start_chunk_servers
-from trainer_agent.commit_wait import wait_final
-from trainer_agent.device_blocks import block_size
-from trainer_agent.retry import may_pass, ride_out
-from trainer_agent.seal import Sealer
-from trainer_agent.send import PublishResult, Sender
-from trainer_agent.session_link import SessionLink
+from trainer_agent.publish.commit_wait import wait_final
+from trainer_agent.publish.retry import may_pass, ride_out
+from trainer_agent.publish.seal import Sealer
+from trainer_agent.publish.send import PublishResult, Sender
+from trainer_agent.publish.session_link import SessionLink
+from trainer_agent.publish.slots import SlotPlanner
+from trainer_agent.publish.stage_plan import StreamSpec, follow_plan, plan_staging, plan_stream
+from trainer_agent.publish.staged_part import ManifestDigests, PartStager, StagedPart
+from trainer_agent.serve.arena import Arena
+from trainer_agent.serve.chunk_server import SlotTable, start_chunk_servers
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.slots import SlotPlanner
-from trainer_agent.stage_plan import StreamSpec, follow_plan, plan_staging, plan_stream
-from trainer_agent.staged_part import ManifestDigests, PartStager, StagedPart
 from weightsync import native
 from weightsync.arena_files import reclaim_orphans
 from weightsync.client import CoordinatorClient

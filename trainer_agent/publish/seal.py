@@ -8,16 +8,16 @@ import dataclasses
 import logging
 import time
 
-from trainer_agent.arena import Arena
-from trainer_agent.chunk_server import SlotEntry, SlotTable
-from trainer_agent.session_link import SessionLink
-from trainer_agent.staged_part import StagedPart
+from trainer_agent.publish.session_link import SessionLink
+from trainer_agent.publish.staged_part import StagedPart
+from trainer_agent.serve.arena import Arena
+from trainer_agent.serve.chunk_server import SlotEntry, SlotTable
 from weightsync.digests import access_token, canonical_json
 from weightsync.manifest import Endpoint, Part
 from weightsync.metrics import Metrics
 from weightsync.transports.fs import FsStore, content_id
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 
 def part_content_id(staged: StagedPart) -> str:

@@ -1,7 +1,7 @@
 """An on-device copy of a parameter tree: new buffers, at the device's memory bandwidth.
 
 With a block size, single-device arrays on an accelerator are copied straight into the
-device path's blocks (`trainer_agent.cut_array`), in the same program as the rest: large
+device path's blocks (`trainer_agent.stage.cut_array`), in the same program as the rest: large
 ones cut, small ones packed."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_agent import params as params_module
-from trainer_agent.cut_array import CutArray, PackSlice
-from trainer_agent.device_blocks import PackRuns, block_elements, pack_flat
+from trainer_agent.device.device_blocks import PackRuns, block_elements, pack_flat
+from trainer_agent.stage import params as params_module
+from trainer_agent.stage.cut_array import CutArray, PackSlice
 from weightsync.dtypes import dtype_info
 
 # per array cut into blocks: (elements per block, blocks of that many, elements left after them)

@@ -8,11 +8,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from trainer_agent.arena import Arena
-from trainer_agent.chunk_server import SlotTable
-from trainer_agent.session_link import SessionLink
+from trainer_agent.publish.session_link import SessionLink
+from trainer_agent.serve.arena import Arena
+from trainer_agent.serve.chunk_server import SlotTable
+from trainer_agent.serve.store_leftovers import remove_released_parts
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.store_leftovers import remove_released_parts
 from weightsync.errors import (
     FailedPrecondition,
     NewestCommitted,
@@ -23,7 +23,7 @@ from weightsync.errors import (
 )
 from weightsync.transports.fs import FsStore
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 
 class SlotPlanner:

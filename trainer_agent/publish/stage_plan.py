@@ -12,13 +12,22 @@ from typing import Any
 
 import numpy as np
 
-from trainer_agent import host_heap, torch_tensors
-from trainer_agent.d2h_thread import blocks_on_d2h_thread
-from trainer_agent.delta import CHUNK_CAP
-from trainer_agent.device_blocks import Window, block_size, cuts, device_blocks
-from trainer_agent.params import ArrayMeta, check_param, choose_staging_path, device_stream, host_shards, shard_metas
+from trainer_agent.device import host_heap
+from trainer_agent.device.d2h_thread import blocks_on_d2h_thread
+from trainer_agent.device.device_blocks import Window, block_size, cuts, device_blocks
+from trainer_agent.device.staging_pool import staging_pool
 from trainer_agent.settings import PublisherSettings
-from trainer_agent.staging import (
+from trainer_agent.stage import torch_tensors
+from trainer_agent.stage.delta import CHUNK_CAP
+from trainer_agent.stage.params import (
+    ArrayMeta,
+    check_param,
+    choose_staging_path,
+    device_stream,
+    host_shards,
+    shard_metas,
+)
+from trainer_agent.stage.staging import (
     DeltaTarget,
     HostShard,
     Layout,
@@ -28,7 +37,6 @@ from trainer_agent.staging import (
     stage_shards,
     stage_shards_delta,
 )
-from trainer_agent.staging_pool import staging_pool
 from weightsync import native
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InvalidArgument
@@ -71,7 +79,7 @@ def plan_staging(params: Mapping[str, Any], settings: PublisherSettings) -> Stag
         weight_dtype=dtype,
     )
     if path == "ffi":
-        from trainer_agent.ffi_staging import staged_meta
+        from trainer_agent.stage.ffi_staging import staged_meta
 
         shards = [HostShard(n, staged_meta(v, dtype), tuple(v.shape), (0,) * v.ndim) for n, v in params.items()]
     elif path == "device":  # planned from shapes; the bytes move through the window later
@@ -195,7 +203,7 @@ class Stager:
 
     def _ffi_stager(self) -> Any:
         if self._ffi is None:
-            from trainer_agent.ffi_staging import FfiStager  # imports jax; host-only users skip it
+            from trainer_agent.stage.ffi_staging import FfiStager  # imports jax; host-only users skip it
 
             self._ffi = FfiStager(self.settings.staging_threads)
         return self._ffi

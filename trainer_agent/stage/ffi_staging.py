@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer_agent.params import ArrayMeta
-from trainer_agent.staging import Layout, specs_from_digests
+from trainer_agent.stage.params import ArrayMeta
+from trainer_agent.stage.staging import Layout, specs_from_digests
 from weightsync import native
 from weightsync.dtypes import dtype_info
 from weightsync.errors import InternalError

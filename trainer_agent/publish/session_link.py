@@ -10,7 +10,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator
 
-from trainer_agent.retry import ride_out
+from trainer_agent.publish.retry import ride_out
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as _cpb
 from weightsync.client import CoordinatorClient
@@ -19,7 +19,7 @@ from weightsync.heartbeat import Heartbeat
 from weightsync.manifest import Endpoint, Part
 from weightsync.metrics import Metrics
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 
 class SessionLink:

@@ -11,16 +11,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer_agent.chunk_server import SlotTable
-from trainer_agent.retry import refuses_content, ride_out
-from trainer_agent.seal import Sealer
-from trainer_agent.session_link import SessionLink
-from trainer_agent.staged_part import ManifestDigests, StagedPart
+from trainer_agent.publish.retry import refuses_content, ride_out
+from trainer_agent.publish.seal import Sealer
+from trainer_agent.publish.session_link import SessionLink
+from trainer_agent.publish.staged_part import ManifestDigests, StagedPart
+from trainer_agent.serve.chunk_server import SlotTable
 from weightsync._proto import types_pb2 as _tpb
 from weightsync.errors import FailedPrecondition, WeightsyncError
 from weightsync.metrics import Metrics
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from trainer_agent.arena import Arena
+from trainer_agent.serve.arena import Arena
 from trainer_agent.settings import PublisherSettings
 from weightsync import native
 from weightsync._proto import trainer_agent_pb2 as pb
@@ -28,7 +28,7 @@ from weightsync.server import SMALL_REQUEST_BYTES, RunningServer, Service, start
 from weightsync.transports.grpc import serialize_response, serve_chunks
 from weightsync.transports.tcp import TcpChunkServer, check_token
 
-log = logging.getLogger("trainer_agent.publisher")  # the publish path logs under one name
+log = logging.getLogger("trainer_agent.publish.publisher")  # the publish path logs under one name
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerAgent"].full_name
 

@@ -1,0 +1,1 @@
+"""vLLM's trainer side: the weightsync backend's TrainerWeightTransferEngine."""
