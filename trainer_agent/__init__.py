@@ -11,36 +11,39 @@ engine `WeightsyncTrainerInitInfo`, `WeightsyncTrainerEngine` (importing them re
 they are listed only where vLLM is installed, and elsewhere raise an ImportError naming
 the extra.
 
-A publish, step by step (`publisher` runs the others in this order, and none imports it; the
-import contracts in pyproject.toml keep the steps layered):
+Its rooms, each importing only those below it (the import contracts in pyproject.toml):
 
-- `publisher`: `WeightPublisher`, the facade: start and close, the publish calls, one publish at a time.
-- `stage_plan`: a publish's staging path and layout, planned before a slot is claimed, and its run.
-- `slots`: plan the slot: an arena slot claimed for a version, the version it held released.
-- `staged_part`: stage: the parameters in their slot as a `StagedPart`, with a delta where one pays.
-- `seal`: seal: a staged part's fs store copy, its slot served, and the `Part` that describes it.
-- `send`: send: the part to the coordinator, again while a failure may pass; `PublishResult`.
-- `session_link`: the rank's standing in its session: attach, heartbeat, leave, fencing.
-- `retry`: what a publish tries again, and for how long.
-- `commit_wait`: waiting for a version to end, and who it waits for where it does not.
-- `async_publish`: `publish_async`'s background worker (latest wins) and what it holds.
-
-What the steps stand on:
-
-- `settings`: `PublisherSettings`; `config`: `TrainerConfig`, the entry point's flags.
-- `params`: from a parameter tree to host shards, and which staging path a publish takes.
-- `device_blocks`: device arrays cut into blocks, copied to the host through a window.
-- `torch_tensors`: torch tensors as host arrays; `snapshot`: an on-device copy of a tree.
-- `cut_array`: what a snapshot holds of an array: already cut into the device path's blocks.
-- `staging`: host shards into their places in a slot as a `Layout` planned them.
-- `stream_staging`: a stream of unknown length staged in arrival order.
-- `ffi_staging`: the JAX FFI path, XLA's own buffers handed to the shim.
-- `delta`: a staged version's changed chunks, packed as a `PartDelta`.
-- `arena`: the shared-memory arena, split into slots.
-- `chunk_server`: the slot table, the TrainerAgent servicer and the chunk servers over them.
-- `store_leftovers`: fs store parts a replaced trainer left behind.
-- `convert/`: MaxText -> HF converters; `vllm_trainer`: vLLM's trainer-side engine.
-- `__main__`, `synthetic`, `update_model`: the entry point's trainer, its model and its update.
+- `__main__` and `config` (`TrainerConfig`, its flags): the entry point; `vllm/`: vLLM's
+  trainer-side engine (`engine`; `trainer_agent.vllm_trainer` is that module).
+- `publish/`: the publish, step by step. `publisher` runs the others in this order, and none
+  imports it:
+  - `publisher`: `WeightPublisher`, the facade: start and close, the publish calls, one publish at a time.
+  - `stage_plan`: a publish's staging path and layout, planned before a slot is claimed, and its run.
+  - `slots`: plan the slot: an arena slot claimed for a version, the version it held released.
+  - `staged_part`: stage: the parameters in their slot as a `StagedPart`, with a delta where one pays.
+  - `seal`: seal: a staged part's fs store copy, its slot served, and the `Part` that describes it.
+  - `send`: send: the part to the coordinator, again while a failure may pass; `PublishResult`.
+  - `session_link`: the rank's standing in its session: attach, heartbeat, leave, fencing.
+  - `retry`: what a publish tries again, and for how long.
+  - `commit_wait`: waiting for a version to end, and who it waits for where it does not.
+  - `async_publish`: `publish_async`'s background worker (latest wins) and what it holds.
+- `serve/`: `arena`, the shared-memory arena split into slots; `chunk_server`, the slot
+  table, the TrainerAgent servicer and the chunk servers over them; `store_leftovers`, fs
+  store parts a replaced trainer left behind.
+- `settings`: `PublisherSettings`.
+- `device/`: device arrays to host blocks. `device_blocks`: arrays cut into blocks, copied
+  to the host through a window; `snapshot`: an on-device copy of a tree; `d2h_thread`: the
+  process's one device-to-host thread; `staging_pool`: the device path's staging threads;
+  `host_heap`: glibc's malloc, seen and steered (the only module that calls into the C
+  library).
+- `stage/`: a parameter tree into a slot. `params`: from a tree to host shards, and which
+  staging path a publish takes; `torch_tensors`: torch tensors as host arrays; `cut_array`:
+  what a snapshot holds of an array, already cut into the device path's blocks; `staging`:
+  host shards into their places in a slot as a `Layout` planned them; `stream_staging`: a
+  stream of unknown length staged in arrival order; `ffi_staging`: the JAX FFI path, XLA's
+  own buffers handed to the shim; `delta`: a staged version's changed chunks, a `PartDelta`.
+- `convert/`: MaxText -> HF converters; `synthetic`, `update_model`: the entry point's
+  example model and its update.
 """
 
 from __future__ import annotations

@@ -180,6 +180,18 @@ class Window:
             self._changed.notify_all()
 
 
+def heap_window(limit_bytes: int, *, hold_freed_heap: bool, until_staged: bool = True) -> Window:
+    """The device path's window of `limit_bytes`, glibc's freed heap held first where
+    `hold_freed_heap` says so. The blocks' host buffers come from one thread's arena (the
+    D2H thread's, or the publishing thread's): each counts as the heap room it takes
+    there, and with the heaps kept, the heaps they landed in (`host_heap.block_heaps`,
+    the process's) hold what may be in flight to the window."""
+    if hold_freed_heap:
+        host_heap.hold_for_device_path()
+    heaps = host_heap.block_heaps if host_heap.heaps_kept() else None
+    return Window(limit_bytes, until_staged=until_staged, room=host_heap.heap_room, heaps=heaps)
+
+
 @dataclass(frozen=True)
 class _Job:
     """A block to bring over: bytes [offset, offset + nbytes) of `shard`; `make` returns a

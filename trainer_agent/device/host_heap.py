@@ -13,6 +13,9 @@ already running (as MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ and MALLOC_TO
 from its start); the device path calls `hold_for_device_path` before its first copies on an
 accelerator (the setting `d2h_hold_freed_heap`). `heap_stats` says how much memory glibc
 holds.
+
+glibc-specific code stays here: only `trainer_agent.device`'s modules import this one, and
+no other module of trainer_agent imports ctypes (import contracts in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class BlockHeaps:
         return len(self._heaps) * HEAP_BYTES
 
 
-#: the heaps this process's device path has copied blocks into (`stage_plan.device_window`)
+#: the heaps this process's device path has copied blocks into (`device_blocks.heap_window`)
 block_heaps = BlockHeaps()
 
 

@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer_agent.device import host_heap
 from trainer_agent.device.d2h_thread import blocks_on_d2h_thread
-from trainer_agent.device.device_blocks import Window, block_size, cuts, device_blocks
+from trainer_agent.device.device_blocks import Window, block_size, cuts, device_blocks, heap_window
 from trainer_agent.device.staging_pool import staging_pool
 from trainer_agent.settings import PublisherSettings
 from trainer_agent.stage import torch_tensors
@@ -211,14 +210,10 @@ class Stager:
 
 def device_window(settings: PublisherSettings, *, until_staged: bool = True) -> Window:
     """The window of the device path's block copies (`d2h_window_bytes`), glibc's freed
-    heap held first where `d2h_hold_freed_heap` says so. The blocks' host buffers come
-    from one thread's arena (the D2H thread's, or the publishing thread's): each counts
-    as the heap room it takes there, and with the heaps kept, the heaps they landed in
-    (`host_heap.block_heaps`, the process's) hold what may be in flight to the window."""
-    if settings.d2h_hold_freed_heap:
-        host_heap.hold_for_device_path()
-    heaps = host_heap.block_heaps if host_heap.heaps_kept() else None
-    return Window(settings.d2h_window_bytes, until_staged=until_staged, room=host_heap.heap_room, heaps=heaps)
+    heap held first where `d2h_hold_freed_heap` says so (`device_blocks.heap_window`)."""
+    return heap_window(
+        settings.d2h_window_bytes, hold_freed_heap=settings.d2h_hold_freed_heap, until_staged=until_staged
+    )
 
 
 def stage_device(

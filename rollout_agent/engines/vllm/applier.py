@@ -21,21 +21,9 @@ from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.audit_reading import AuditReading, VerifiedDigests
 from rollout_agent.engines.vllm.audit import VllmAudit
 from rollout_agent.engines.vllm.loader_check import check_taken_whole, dry_load
+from rollout_agent.engines.vllm.tensors import to_torch
 from weightsync.errors import InvalidArgument
 from weightsync.manifest import TensorSpec
-
-
-def to_torch(arr: np.ndarray) -> Any:
-    """A torch view of a NumPy array (bfloat16 through an int16 view; no copy), or of a
-    copy when the array is read-only: a view of the trainer's arena (shm) must never
-    become engine memory, and torch tensors are writable."""
-    import torch
-
-    if not arr.flags.writeable:
-        arr = np.array(arr)
-    if arr.dtype.name == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
 
 
 def expected_checkpoint_names(model: Any) -> set[str]:

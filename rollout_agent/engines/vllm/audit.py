@@ -37,6 +37,7 @@ import numpy as np
 
 from rollout_agent.engines.audit_reading import AuditReading, Expected, compare, damage, fingerprint
 from rollout_agent.engines.fingerprint import MASK, Fingerprint, add, canonical_fingerprint, shifted
+from rollout_agent.engines.vllm.tensors import to_torch
 
 PROBE_ROWS = 1024  # identity rows per kernel probe: bounds the probe's memory at PROBE_ROWS x N
 _ALL = slice(None)
@@ -173,8 +174,6 @@ class VllmLayout:
         as vLLM casts them into the live dtype; and why its kernel regions are not
         audited, if they are not ("": they are)."""
         import torch
-
-        from rollout_agent.engines.vllm.applier import to_torch
 
         out, why = {}, ""
         own = to_torch(np.empty(0, arr.dtype)).dtype
