@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 from common import emit_json  # noqa: E402
-from train_overlap import coordinator_process, init_params, loopback_addresses  # noqa: E402
+from overlap_publishers import coordinator_process, loopback_addresses  # noqa: E402
+from overlap_step import init_params  # noqa: E402
 
 from trainer_agent.publish.publisher import WeightPublisher  # noqa: E402
 from trainer_agent.settings import PublisherSettings  # noqa: E402
