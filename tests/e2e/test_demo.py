@@ -68,8 +68,10 @@ def test_the_learning_demo_samples_with_vllm_and_trains_on_what_it_sampled(
 
 def test_demo_runs_five_steps_and_cleans_up(tmp_path: Path, no_arena_leak: None) -> None:
     workdir = tmp_path / "demo"
+    # --lr 0.01: noise steps large enough that a tiny random model's greedy completion
+    # changes within five versions (at 1e-3 it may stay one token repeated throughout)
     proc = subprocess.run(
-        [sys.executable, "-m", "devtools.demo", "--noise", "--model-size", "tiny", "--steps", "5"]
+        [sys.executable, "-m", "devtools.demo", "--noise", "--model-size", "tiny", "--steps", "5", "--lr", "0.01"]
         + ["--workdir", str(workdir)],
         capture_output=True,
         text=True,
