@@ -66,7 +66,7 @@ test-integration: setup
 test-host: setup
 	VENV=$(VENV) devtools/host_lane.sh
 
-# The chaos soak: the suite `make test` runs for 40 s with a fixed seed, here for
+# The chaos soak: the suite `make test` runs for 30 s with a fixed seed, here for
 # CHAOS_SECONDS (default 300) with a fresh seed; CHAOS_SEED=<seed> replays a schedule
 # (every run prints its seed).
 CHAOS_SECONDS ?= 300

@@ -257,7 +257,7 @@ def expected_weights(versions: set[int]) -> dict[int, dict[str, np.ndarray]]:
     return out
 
 
-SECONDS = float(os.environ.get("CHAOS_SECONDS", "40"))
+SECONDS = float(os.environ.get("CHAOS_SECONDS", "30"))
 
 
 # The schedule, then up to ~2 minutes of checks (the run's own pytest timeout, 300 s, ended

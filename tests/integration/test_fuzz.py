@@ -30,7 +30,7 @@ from weightsync.client import CoordinatorClient
 from weightsync.security import with_credential
 
 pytestmark = pytest.mark.slow
-CALLS = int(os.environ.get("WS_FUZZ_CALLS", "1000"))  # per server (watches wait out a 0.2 s deadline each)
+CALLS = int(os.environ.get("WS_FUZZ_CALLS", "600"))  # per server (watches wait out a 0.2 s deadline each)
 SEED = int(os.environ.get("WS_FUZZ_SEED", "11"))
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 INTS = {
