@@ -25,8 +25,9 @@ from weightsync.version_states import FLIP_POLICIES, PREPARED_LOSSES
 S = VersionState
 DEFAULT_PREPARE_TIMEOUT_S = 300.0
 MAX_PREPARE_TIMEOUT_S = 7 * 86400.0
-# "{agent} is a live rollout of session ?1 at time ?3" (as coordinator.versions words it).
-_LIVE = (
+# "{agent} is a live rollout of session ?1 at time ?3": a primary-key lookup per row, so
+# per-report checks stay cheap for a fleet of thousands (coordinator.versions' too).
+LIVE_ROLLOUT = (
     "EXISTS (SELECT 1 FROM agents a WHERE a.session=?1 AND a.agent_id={agent} AND a.role='ROLLOUT' "
     "AND a.lease_expires_at>=?3)"
 )
@@ -121,7 +122,7 @@ class FlipDecisions:
             self._abort_flip(db, session, version, f"rollout {failed[0]!r} did not prepare it: {failed[1]}")
             return
         owed = db.execute(
-            f"SELECT r.value FROM {_REQUIRED} r WHERE {_LIVE.format(agent='r.value')} "
+            f"SELECT r.value FROM {_REQUIRED} r WHERE {LIVE_ROLLOUT.format(agent='r.value')} "
             f"AND NOT {_PREPARED_OK.format(agent='r.value')} LIMIT 1",
             (session, version, now),
         ).fetchone()

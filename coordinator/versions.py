@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 
 from coordinator import events
 from coordinator.database import Database, NotOnLoop
-from coordinator.flips import FlipDecisions
+from coordinator.flips import LIVE_ROLLOUT, FlipDecisions
 from coordinator.handshake import AppliedReport, compare_report
 from coordinator.recent import Recent
 from coordinator.records import PublishOutcome, ReportOutcome, SessionRecord, VersionRecord
@@ -45,12 +45,6 @@ from weightsync.validation import (
 )
 
 S = VersionState
-# "{agent} is a live rollout of session ?1 at time ?3": a primary-key lookup per row, so
-# per-handshake checks stay cheap for a fleet of thousands.
-_LIVE_ROLLOUT = (
-    "EXISTS (SELECT 1 FROM agents a WHERE a.session=?1 AND a.agent_id={agent} AND a.role='ROLLOUT' "
-    "AND a.lease_expires_at>=?3)"
-)
 
 
 class VersionLifecycle(FlipDecisions):
@@ -270,7 +264,7 @@ class VersionLifecycle(FlipDecisions):
             db.execute(
                 "INSERT OR IGNORE INTO leases SELECT ?1, ?2, ?4 WHERE "
                 f"EXISTS (SELECT 1 FROM versions WHERE session=?1 AND version=?2 AND state IN ({marks})) "
-                f"AND {_LIVE_ROLLOUT.format(agent='?4')}",
+                f"AND {LIVE_ROLLOUT.format(agent='?4')}",
                 (rec.session, rec.version, self._clock(), agent_id, *[s.value for s in SERVABLE]),
             ).fetchall()
             # A rollout reads one version at a time: leasing a newer one ends its older leases
@@ -390,7 +384,7 @@ class VersionLifecycle(FlipDecisions):
         return (
             db.execute(
                 "SELECT 1 FROM json_each((SELECT required FROM versions WHERE session=?1 AND version=?2)) r "
-                f"WHERE {_LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
+                f"WHERE {LIVE_ROLLOUT.format(agent='r.value')} AND NOT EXISTS ("
                 "  SELECT 1 FROM reports p WHERE p.session=?1 AND p.version=?2 AND p.agent_id=r.value"
                 f"  {'AND p.ok=1' if ok_only else ''}) LIMIT 1",
                 (session, version, self._clock()),
@@ -463,7 +457,7 @@ class VersionLifecycle(FlipDecisions):
         """Live rollouts holding a lease on the version (sorted; at most `limit`)."""
         rows = db.execute(
             "SELECT agent_id FROM leases l WHERE session=?1 AND version=?2 "
-            f"AND {_LIVE_ROLLOUT.format(agent='l.agent_id')} ORDER BY agent_id LIMIT ?4",
+            f"AND {LIVE_ROLLOUT.format(agent='l.agent_id')} ORDER BY agent_id LIMIT ?4",
             (session, version, self._clock(), limit),
         ).fetchall()
         return [r[0] for r in rows]
