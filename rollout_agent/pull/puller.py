@@ -24,7 +24,7 @@ from rollout_agent.pull.assembly import held_whole
 from rollout_agent.pull.lanes import Lane, LaneReader, PullPlan
 from rollout_agent.pull.relay import DEFAULT_RELAY_WAIT_S, RelaySource, relay_stall_s
 from rollout_agent.settings import check_pull_args
-from weightsync import native
+from weightsync import native, populated
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.addresses import inet_refused, is_unix
 from weightsync.client import CoordinatorClient
@@ -297,8 +297,10 @@ class WeightPuller(LaneReader):
     def _grow(self, buffers: dict[int, np.ndarray], rank: int, nbytes: int) -> np.ndarray:
         buf = buffers.get(rank)
         if buf is None or buf.nbytes < nbytes:
-            buf = self.relay.allocate(max(nbytes, 1)) if self.relay else np.empty(max(nbytes, 1), np.uint8)
+            t0 = time.perf_counter()
+            buf = self.relay.allocate(max(nbytes, 1)) if self.relay else populated.empty(max(nbytes, 1))
             buffers[rank] = buf
+            log.info("receive buffer for rank %d: %d bytes made in %.3f s", rank, nbytes, time.perf_counter() - t0)
         return buf[:nbytes]
 
     def _buffer(self, rank: int, nbytes: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from weightsync import native
+from weightsync import native, populated
 from weightsync.addresses import is_unix
 from weightsync.errors import InvalidArgument, NotFound, TransportUnavailable, VersionNotFound
 from weightsync.failpoints import Failpoints
@@ -97,7 +97,7 @@ class RelaySource:
     # -- the puller's side ----------------------------------------------------------
     def allocate(self, nbytes: int) -> np.ndarray:
         """A receive buffer for the puller: shared memory where readers map it."""
-        return shared_array(nbytes) if self.shares_memory else np.empty(nbytes, np.uint8)
+        return shared_array(nbytes) if self.shares_memory else populated.empty(nbytes)
 
     def begin(
         self,

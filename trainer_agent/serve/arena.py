@@ -1,7 +1,8 @@
 """The persistent shared-memory arena: one file in /dev/shm, split into equal slots.
 
-Pages are populated once (first touch costs ~1.6-3 GB/s here, a warm rewrite ~20 GB/s),
-then reused every step. Growing a slot reallocates the whole arena and says so.
+Pages are populated once, when the arena is mapped (`weightsync.populated`: a first
+touch costs ~1.6-3 GB/s here, far more under gVisor; a warm rewrite ~20 GB/s), then
+reused every step. Growing a slot reallocates the whole arena and says so.
 
 An arena's file is removed on any exit of the process that made it: `close()`, a normal
 exit, `sys.exit` or an uncaught exception (atexit), and SIGTERM where nothing else
@@ -13,12 +14,12 @@ reclaims such a file by its free lock (`weightsync.arena_files.reclaim_orphans`)
 from __future__ import annotations
 
 import atexit
-import errno
 import logging
 import mmap
 import os
 import signal
 import threading
+import time
 import weakref
 from pathlib import Path
 from types import FrameType
@@ -27,9 +28,9 @@ import numpy as np
 
 from weightsync.arena_files import SHM_DIR, create_locked, new_arena_name
 from weightsync.layout import align_up
+from weightsync.populated import map_shared
 
 log = logging.getLogger(__name__)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _SLOT_ALIGN = 2 << 20  # whole huge pages per slot
 
 
@@ -118,35 +119,27 @@ class Arena:
         self._release()
         self.slot_bytes = new_slot
         path = Path(self.directory) / new_arena_name(self.tag)
+        t0 = time.perf_counter()
         try:
             self._fd = create_locked(path, self.nbytes)
             self.path = path  # made: _release removes it, as does this process's exit
             self.owner_pid = os.getpid()
             _install_exit_hooks()
             _LIVE.add(self)
-            self._mm = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._populate()
+            self._mm = map_shared(self._fd, self.nbytes, writable=True)  # its pages reserved by create_locked
         except BaseException:
             self.close()  # unallocated, as before the first call: the old slots are gone too
             raise
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.allocations += 1
-        log.info("arena %s: %d slots x %d bytes allocated and populated", self.path, self.slots, self.slot_bytes)
+        log.info(
+            "arena %s: %d slots x %d bytes allocated and populated in %.3f s",
+            self.path,
+            self.slots,
+            self.slot_bytes,
+            time.perf_counter() - t0,
+        )
         return True
-
-    def _populate(self) -> None:
-        assert self._mm is not None
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE)
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # out of memory: touching pages would die of SIGBUS
-                raise
-            # a kernel before 5.14: touch one byte per page instead
-            page = mmap.PAGESIZE
-            view = memoryview(self._mm)
-            for off in range(0, self.nbytes, page):
-                view[off] = 0
-            view.release()
 
     def slot(self, index: int) -> np.ndarray:
         """A uint8 view of one slot (valid until the arena is reallocated or closed)."""

@@ -27,6 +27,7 @@ import numpy as np
 from weightsync import native
 from weightsync.digests import xxh3
 from weightsync.errors import FailedPrecondition, TransportUnavailable
+from weightsync.populated import map_shared
 from weightsync.transports.base import FetchRequest
 from weightsync.transports.tcp import MAP_MAGIC, REPLY, TcpTransport, recv_exact
 
@@ -47,8 +48,10 @@ def shared_array(nbytes: int) -> np.ndarray:
     fd = os.memfd_create("weightsync-relay", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)  # its pages, so that MAP_POPULATE maps each one
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        mapping = _SharedMap(fd, nbytes)
+        # populated now, as `map_shared` maps: not a fault a page at the first version's receive
+        mapping = _SharedMap(fd, nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE)
     except BaseException:
         os.close(fd)
         raise
@@ -138,7 +141,7 @@ class HostShmTransport(TcpTransport):
                 self.close()
                 raise TransportUnavailable(f"hostshm {self._address}: its buffer is empty or not sealed to its size")
             self._source = None  # the old mapping goes before the new one is made
-            self._source = np.frombuffer(mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ), np.uint8)
+            self._source = np.frombuffer(map_shared(fd, st.st_size), np.uint8)
             self._file = (st.st_dev, st.st_ino)
         assert self._source is not None
         return self._source

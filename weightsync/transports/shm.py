@@ -1,24 +1,29 @@
 """ShmTransport: a rollout on the trainer's host maps the arena read-only; no network.
 
-Chunks come back as views into the mapping (zero copy); the puller verifies them where
-they lie (`part_view`) and assembles tensors from the mapping, or, when it relays or
-streams, copies them like any other payload. Only arena files under /dev/shm with weightsync's prefix
+Chunks come back as views into the mapping; the puller copies each into its receive
+buffer and hashes it in the same pass (`native.copy_digest`), so what it verifies and
+applies is its own copy, which the trainer's next write into the slot cannot change. The
+mapping is populated when it is made (`weightsync.populated`): the first pull of each
+slot finds its pages mapped. Only arena files under /dev/shm with weightsync's prefix
 are ever opened: a manifest cannot point this at arbitrary files.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
 
 from weightsync.arena_files import ARENA_NAME, SHM_DIR
 from weightsync.errors import InvalidArgument, TransportUnavailable
 from weightsync.manifest import Endpoint
+from weightsync.populated import map_shared
 from weightsync.transports.base import ChunkPayload, FetchRequest, Transport
+
+log = logging.getLogger(__name__)
 
 
 def check_arena_path(path: str) -> Path:
@@ -49,10 +54,12 @@ class ShmTransport(Transport):
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as e:
             raise TransportUnavailable(f"cannot open arena {path}: {e}") from None
+        t0 = time.perf_counter()
         try:
-            self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            self._mm = map_shared(fd, 0)  # every slot mapped now, not a fault a page at the first pull
         finally:
             os.close(fd)
+        log.info("arena %s: %d bytes mapped in %.3f s", path, len(self._mm), time.perf_counter() - t0)
         self._view = memoryview(self._mm)
         self._path = str(path)
         self._base = endpoint.shm_offset
@@ -63,10 +70,6 @@ class ShmTransport(Transport):
             raise InvalidArgument("the shm transport needs (offset, length) for every index", field="spans")
         for index, (offset, length) in zip(request.indices, request.spans):
             yield ChunkPayload(index, offset, self._slice(offset, length))
-
-    def part_view(self, nbytes: int) -> np.ndarray:
-        """The open slot's first `nbytes` as a read-only uint8 array (no copy)."""
-        return np.frombuffer(self._slice(0, nbytes), np.uint8)
 
     def _mapped(self) -> memoryview:
         if self._view is None:
