@@ -96,6 +96,9 @@ class AgentKeyCheck:
     def before_read(self, method: str, metadata: Any) -> None:
         """Nothing to check before the request is read."""
 
+    def while_streaming(self, method: str, metadata: Any) -> None:
+        """Nothing to check again: a key stays its agent's for the call."""
+
     def __call__(self, method: str, metadata: Any, request: Any) -> None:
         for name, message in calls_in(method, request):
             if name in AGENT_METHODS and name != REGISTER and message.agent_id:

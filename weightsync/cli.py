@@ -27,10 +27,12 @@ from weightsync.digests import hex64
 from weightsync.errors import DeadlineExceeded, InvalidArgument, NotFound, WeightsyncError, status_name_for
 from weightsync.security import (
     REVOKED,
+    VERIFIERS,
     Security,
     agent_credential,
     agent_token,
     credential_serial,
+    credential_verifier,
     load_tokens,
     read_token,
     with_credential,
@@ -488,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--auth-tokens-file", required=True, help="the servers' role -> token JSON (rewritten in place)")
     s.add_argument("credential", help="the credential, or its serial")
+    s = sub.add_parser(
+        "verifiers",
+        help="print a tokens file for agents' own servers that accepts these credentials and makes none (offline)",
+    )
+    s.add_argument("credential_file", nargs="+", help="a file holding one credential (`wsctl credential`'s output)")
     return p
 
 
@@ -517,6 +524,15 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verifiers(args: argparse.Namespace) -> int:
+    """`{"verifiers": [...]}`: an agent's server given it as --auth-tokens-file accepts
+    exactly these credentials (under their role and ids, refused once revoked), and no
+    credential can be made from it, so every pod may mount it (a ConfigMap)."""
+    verifiers = sorted({credential_verifier(read_token(path)) for path in args.credential_file})
+    print(json.dumps({VERIFIERS: verifiers}, indent=1))
+    return 0
+
+
 def cmd_agent_token(args: argparse.Namespace) -> int:
     """An agent token acts only for its agent id: hand each pod its own, never the role token."""
     role_token = load_tokens(args.auth_tokens_file).get(args.role)
@@ -539,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_credential(args)
         if args.command == "revoke":
             return cmd_revoke(args)
+        if args.command == "verifiers":
+            return cmd_verifiers(args)
         check_address(args.coordinator, "coordinator")
         credential = "" if args.auth_token else os.environ.get(CREDENTIAL_ENV, "")
         token = read_token(credential, "admin") if credential else args.auth_token

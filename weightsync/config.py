@@ -144,7 +144,10 @@ class ServerConfig(PeerConfig):
     )
     tls_require_client_cert: bool = option(False, "mTLS: refuse clients without a certificate signed by --tls-ca-file.")
     auth_tokens_file: str = option(
-        "", 'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules).'
+        "",
+        'JSON {"trainer": ..., "rollout": ..., "admin": ...}: require these bearer tokens (per-role rules), or the '
+        'agent credentials they made; "revoked": serials refused, "verifiers": credentials taken without the role '
+        "tokens (wsctl verifiers). Read again when it changes.",
     )
     insecure: bool = option(
         False,

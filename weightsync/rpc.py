@@ -141,6 +141,10 @@ class RequestCheck(Protocol):
     def __call__(self, method: str, metadata: Any, request: Any) -> None:
         """`request` is the request message, or the request iterator of a client stream."""
 
+    def while_streaming(self, method: str, metadata: Any) -> None:
+        """Before each message of a response stream: what ends a call already let in (a
+        credential revoked while a watch is open)."""
+
 
 @dataclass(frozen=True)
 class Undecodable:
@@ -262,6 +266,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         for check in self._checks:
             check(method, metadata, request)
 
+    def _still_allowed(self, method: str, metadata: Any) -> None:
+        for check in self._checks:
+            check.while_streaming(method, metadata)
+
     async def _each_checked(self, method: str, metadata: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in requests:
             self._before(method, metadata, request)
@@ -306,6 +314,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                     if kind == "stream_stream":  # every message, as a unary request is
                         request = self._each_checked(method, metadata, request)
                     async for item in fn(request, context):
+                        self._still_allowed(method, metadata)
                         yield item
                 except asyncio.CancelledError:
                     self._observe(method, "CANCELLED", None)
@@ -364,7 +373,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._before(method, metadata, request)
                 if kind == "stream_stream":
                     request = self._each_checked_sync(method, metadata, request)
-                yield from fn(request, context)
+                for item in fn(request, context):
+                    self._still_allowed(method, metadata)
+                    yield item
             except Exception as e:  # noqa: BLE001 - the single mapping point
                 _abort_sync(context, self._status(e, method, None, context))
             finally:

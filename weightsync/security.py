@@ -10,9 +10,12 @@ turns on, independently:
   "admin": ...}`) require `authorization: Bearer <token>` on every call except health and
   reflection; the token's role decides what it may call (`ROLE_RULES`). Clients send
   `token`. A missing or unknown token is UNAUTHENTICATED, a role calling outside its
-  rules PERMISSION_DENIED. Pods should get agent tokens (`agent_token`, derived from
-  the role token): one acts only for its own agent id. Whatever the token, the
-  coordinator binds each agent id to the process that registered it (its agent key:
+  rules PERMISSION_DENIED. Pods should get agent credentials (`agent_credential`,
+  derived from the role token): one acts only for its own agent ids, and the file's
+  `"revoked"` list refuses it from its next call. A server that must not hold the role
+  tokens (an agent's own server in a pod) is given `"verifiers"` instead: the SHA-256 of
+  each credential it accepts, from which no credential can be made. Whatever the token,
+  the coordinator binds each agent id to the process that registered it (its agent key:
   `coordinator.agent_keys`), so a rollout cannot heartbeat, re-register or report as
   another agent, nor as the trainer.
 
@@ -61,7 +64,10 @@ ROLE_RULES: dict[str, frozenset[str]] = {
 # attach as the trainer and bump the generation).
 ROLE_IN_REQUEST = (COORDINATOR + "OpenSession", COORDINATOR + "RegisterAgent")
 AGENT_TOKEN_PREFIX = "wsagent:"
+AGENT_ROLES = ("trainer", "rollout")  # the roles agent credentials are made for
 REVOKED = "revoked"  # the tokens file's list of revoked agent credentials
+VERIFIERS = "verifiers"  # the tokens file's list of accepted credentials' digests
+VERIFIER_PREFIX = "sha256:"
 UNCHECKED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _ROLE_OF_ENUM = {tpb.TRAINER: "trainer", tpb.ROLLOUT: "rollout"}
 log = logging.getLogger(__name__)
@@ -81,35 +87,54 @@ def read_token(path: str, role: str = "") -> str:
     return read_credential(path, role)
 
 
-def load_revoked(path: str) -> frozenset[str]:
-    """The serials (or whole tokens) of the agent credentials a tokens file revokes: its
-    `"revoked"` list (`wsctl revoke`)."""
-    tokens = json.loads(_read(path, "auth_tokens_file"))
-    return frozenset(tokens.get(REVOKED, ())) if isinstance(tokens, dict) else frozenset()
-
-
 def load_tokens(path: str) -> dict[str, str]:
     """role -> token from a JSON file; roles outside ROLES and empty tokens are refused. A
-    `"revoked"` list beside them names agent credentials refused (`load_revoked`)."""
+    `"revoked"` list beside them names agent credentials refused, a `"verifiers"` list the
+    credentials accepted without the role's token (`load_auth`)."""
+    return load_auth(path)[0]
+
+
+def load_auth(path: str) -> tuple[dict[str, str], frozenset[str], frozenset[str]]:
+    """(role -> token, revoked serials, verifiers) of a tokens file: JSON `{"trainer": ...,
+    "rollout": ..., "admin": ..., "revoked": [serial, ...], "verifiers": ["sha256:<hex>",
+    ...]}`, every key optional but one role token or one verifier.
+
+    Raises:
+        InvalidArgument: naming `auth_tokens_file`, for a file that is no such object.
+    """
     try:
         tokens = json.loads(_read(path, "auth_tokens_file"))
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{path!r} is not JSON: {e}", field="auth_tokens_file") from None
     if not isinstance(tokens, dict) or not tokens:
         raise InvalidArgument(f"{path!r} must hold an object of role -> token", field="auth_tokens_file")
-    revoked = tokens.pop(REVOKED, []) if isinstance(tokens, dict) else []
-    if not isinstance(revoked, list) or not all(isinstance(r, str) for r in revoked):
-        raise InvalidArgument(f"{path!r}: {REVOKED!r} must be a list of strings", field="auth_tokens_file")
+    lists = {}
+    for key in (REVOKED, VERIFIERS):
+        lists[key] = tokens.pop(key, [])
+        if not isinstance(lists[key], list) or not all(isinstance(r, str) for r in lists[key]):
+            raise InvalidArgument(f"{path!r}: {key!r} must be a list of strings", field="auth_tokens_file")
+    for verifier in lists[VERIFIERS]:
+        digest = verifier.removeprefix(VERIFIER_PREFIX)
+        if not verifier.startswith(VERIFIER_PREFIX) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+            raise InvalidArgument(
+                f"{path!r}: {verifier!r} is no verifier (`wsctl verifiers` prints them: sha256:<64 hex digits>)",
+                field="auth_tokens_file",
+            )
+    if not tokens and not lists[VERIFIERS]:
+        raise InvalidArgument(f"{path!r} holds neither a role token nor a verifier", field="auth_tokens_file")
     for role, token in tokens.items():
         if role not in ROLES:
-            raise InvalidArgument(f"unknown role {role!r} (roles: {', '.join(ROLES)})", field="auth_tokens_file")
+            raise InvalidArgument(
+                f"unknown role {role!r} (roles: {', '.join(ROLES)}; lists: {REVOKED}, {VERIFIERS})",
+                field="auth_tokens_file",
+            )
         if not isinstance(token, str) or len(token) < 16:
             raise InvalidArgument(
                 f"the {role} token must be a string of at least 16 characters", field="auth_tokens_file"
             )
     if len(set(tokens.values())) != len(tokens):
         raise InvalidArgument("two roles share one token", field="auth_tokens_file")
-    return tokens
+    return tokens, frozenset(lists[REVOKED]), frozenset(lists[VERIFIERS])
 
 
 @dataclass(frozen=True)
@@ -163,7 +188,7 @@ class Security:
 
     def request_checks(self) -> list[BearerAuth]:
         """The bearer-token check, when this server has a tokens file."""
-        return [BearerAuth(load_tokens(self.tokens_file), path=self.tokens_file)] if self.tokens_file else []
+        return [BearerAuth.from_file(self.tokens_file)] if self.tokens_file else []
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """TLS credentials from the files as they are now (this process's certificate where
@@ -455,25 +480,36 @@ class BearerAuth:
     """Checks the caller's bearer token and its role's rules before the servicer runs
     (a `rpc.RequestCheck`: `rpc.StatusInterceptor` calls it and maps what it raises).
 
-    A role token acts for any agent of its role; an agent token (`agent_token`) acts only
-    for the agent id it names: calls that name another agent are PERMISSION_DENIED.
+    A role token acts for any agent of its role; an agent credential (`agent_credential`)
+    only for the agent ids it names: calls that name another agent are PERMISSION_DENIED.
+    An agent credential is accepted when the role's token made it, or when its verifier
+    (`credential_verifier`) is listed, and refused once its serial is revoked.
     """
 
-    def __init__(self, tokens: Mapping[str, str], *, path: str = "") -> None:
+    def __init__(
+        self,
+        tokens: Mapping[str, str],
+        *,
+        revoked: frozenset[str] = frozenset(),
+        verifiers: frozenset[str] = frozenset(),
+        path: str = "",
+    ) -> None:
         """`path`: the file `tokens` came from, read again when it changes (a rotated Secret
-        is swapped in place; servers kept the tokens they read at start)."""
+        is swapped in place, a revocation added: neither needs a restart)."""
         self._tokens = _FileValue(
-            (dict(tokens), load_revoked(path) if path else frozenset()),
-            (path,),
-            lambda: (load_tokens(path), load_revoked(path)),
-            "bearer tokens file",
-            1.0,
+            (dict(tokens), revoked, verifiers), (path,), lambda: load_auth(path), "bearer tokens file", 1.0
         )
+
+    @classmethod
+    def from_file(cls, path: str) -> BearerAuth:
+        """The check of a server given the tokens file at `path` (`load_auth`)."""
+        tokens, revoked, verifiers = load_auth(path)
+        return cls(tokens, revoked=revoked, verifiers=verifiers, path=path)
 
     def identity_of(self, metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, frozenset[str]]:
         """(role, the agent ids it is bound to, none for a role token) of the call's token;
         Unauthenticated when none matches, or its credential was revoked."""
-        tokens, revoked = self._tokens.get()
+        tokens, revoked, verifiers = self._tokens.get()
         header = next((v for k, v in metadata or () if k == "authorization"), "")
         scheme, _, token = str(header).partition(" ")
         if scheme.lower() == "bearer" and token:
@@ -483,7 +519,9 @@ class BearerAuth:
                     (fields[0], fields[1], "", fields[2]) if len(fields) == 3 else [*fields, "", "", "", ""][:4]
                 )
                 known = tokens.get(role)
-                if known is not None and hmac.compare_digest(_agent_mac(known, role, ids, serial), mac):
+                made = known is not None and hmac.compare_digest(_agent_mac(known, role, ids, serial), mac)
+                # a verifier is a digest of the whole credential, role and ids included
+                if made or (role in AGENT_ROLES and ids and credential_verifier(token) in verifiers):
                     if (serial and serial in revoked) or token in revoked:
                         raise Unauthenticated("authorization: this agent credential was revoked")
                     return role, frozenset(ids.split(","))
@@ -497,6 +535,18 @@ class BearerAuth:
         """The token, and its role's rule for `method`: all that needs no request."""
         if not method.startswith(UNCHECKED_PREFIXES):
             self._role_allowed(method, metadata)
+
+    def while_streaming(self, method: str, metadata: Any) -> None:
+        """Before each message of a response stream: a credential revoked since the call
+        began ends it (a watch held open is refused as its next call would be). A token
+        that is merely unknown now (role tokens rotated) keeps the stream it opened."""
+        if method.startswith(UNCHECKED_PREFIXES):
+            return
+        try:
+            self.identity_of(metadata)
+        except Unauthenticated as e:
+            if "revoked" in e.message:
+                raise
 
     def _role_allowed(self, method: str, metadata: Any) -> tuple[str, frozenset[str]]:
         """(role, bound agent id) of the call's token, refused when its role may not call `method`."""
@@ -535,7 +585,7 @@ def agent_token(role_token: str, role: str, agent_id: str) -> str:
     """A bearer token that acts as `role` for `agent_id` only, derived from the role's
     token (which stays with the operator): `wsctl agent-token` prints one per pod. It has
     no serial: only a new role token revokes it (`agent_credential` makes revocable ones)."""
-    if role not in ("trainer", "rollout"):
+    if role not in AGENT_ROLES:
         raise InvalidArgument(f"agent tokens are for trainer or rollout agents, not {role!r}", field="role")
     check_agent_id(agent_id)
     return f"{AGENT_TOKEN_PREFIX}{role}:{agent_id}:{_agent_mac(role_token, role, agent_id, '')}"
@@ -546,7 +596,7 @@ def agent_credential(role_token: str, role: str, agent_ids: Sequence[str], seria
     (a trainer's ranks, one rollout), derived from the role's token, which stays with the
     operator; `serial` (drawn when not given) names it in the tokens file's `"revoked"`
     list: `wsagent:<role>:<id>[,<id>...]:<serial>:<mac>`. `wsctl credential` prints one."""
-    if role not in ("trainer", "rollout"):
+    if role not in AGENT_ROLES:
         raise InvalidArgument(f"agent credentials are for trainer or rollout agents, not {role!r}", field="role")
     if not agent_ids:
         raise InvalidArgument("name at least one agent id", field="agent_id")
@@ -563,6 +613,24 @@ def credential_serial(credential: str) -> str:
     """The serial of an agent credential ("" for a role token or an agent token without one)."""
     fields = credential.removeprefix(AGENT_TOKEN_PREFIX).split(":")
     return fields[2] if credential.startswith(AGENT_TOKEN_PREFIX) and len(fields) == 4 else ""
+
+
+def credential_verifier(credential: str) -> str:
+    """What a server lists under `"verifiers"` to accept `credential` without holding its
+    role's token: `sha256:<hex>` of the whole credential. A credential's MAC is 256 bits
+    drawn under the role's secret, so its digest tells nothing that would make another.
+
+    Raises:
+        InvalidArgument: naming `credential`, for a role token or anything else that is no
+            agent credential (a role token's digest would name no role).
+    """
+    fields = credential.removeprefix(AGENT_TOKEN_PREFIX).split(":")
+    if not credential.startswith(AGENT_TOKEN_PREFIX) or len(fields) not in (3, 4) or fields[0] not in AGENT_ROLES:
+        raise InvalidArgument(
+            "not an agent credential (wsagent:<role>:<ids>:<serial>:<mac>, from `wsctl credential`)",
+            field="credential",
+        )
+    return VERIFIER_PREFIX + hashlib.sha256(credential.encode()).hexdigest()
 
 
 def _agent_mac(role_token: str, role: str, ids: str, serial: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devtools import prometheus_rule
+from devtools import check_deploy, prometheus_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -55,7 +55,12 @@ def _env_and_refs(container: dict) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.parametrize(
-    "path", sorted((DEPLOY / "examples" / "base").glob("*.yaml")) + [DEPLOY / "base" / "coordinator.yaml"]
+    "path",
+    [
+        DEPLOY / "examples" / "trainer" / "trainer.yaml",
+        DEPLOY / "examples" / "rollout" / "rollout.yaml",
+        DEPLOY / "base" / "coordinator.yaml",
+    ],
 )
 def test_workloads_define_what_they_use_and_run_restricted(path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") in ("Deployment", "StatefulSet")]
@@ -89,13 +94,32 @@ def test_the_image_builds_its_wheel_with_the_script_the_test_runs() -> None:
     assert "weightsync/_native/*.so" in ignored  # a local build never stands in for the image's own
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl renders kustomize trees (make check-deploy)")
-@pytest.mark.parametrize("root", ["overlays/tls", "examples/tls"])
-def test_tls_trees_drop_insecure_and_mount_what_they_name(root: str) -> None:
+def _render(root: str) -> list[dict]:
     rendered = subprocess.run(
         ["kubectl", "kustomize", str(DEPLOY / root)], capture_output=True, text=True, check=True
     ).stdout
-    workloads = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in ("Deployment", "StatefulSet")]
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def _workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _volumes(pod: dict, kind: str) -> dict[str, str]:
+    """volume name -> the Secret (kind "secret") or ConfigMap ("configMap") it mounts."""
+    key = "secretName" if kind == "secret" else "name"
+    return {v["name"]: v[kind][key] for v in pod.get("volumes", []) if kind in v}
+
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl renders kustomize trees (make check-deploy)"
+)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("root", ["overlays/tls", "examples/tls"])
+def test_tls_trees_drop_insecure_and_mount_what_they_name(root: str) -> None:
+    workloads = _workloads(_render(root))
     assert workloads
     for doc in workloads:
         pod = doc["spec"]["template"]["spec"]
@@ -105,7 +129,52 @@ def test_tls_trees_drop_insecure_and_mount_what_they_name(root: str) -> None:
         mounted = {m["mountPath"] for m in main["volumeMounts"]}
         for key in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE", "AUTH_TOKENS_FILE"):
             assert env[key].rsplit("/", 1)[0] in mounted, (doc["metadata"]["name"], key)
-        if doc["metadata"]["name"] != "weightsync-coordinator":  # agents dial with their own token
+        if doc["metadata"]["name"] != "weightsync-coordinator":  # agents dial with their own credential
             assert env["AUTH_TOKEN_FILE"].rsplit("/", 1)[0] in mounted
-            assert any(c["name"] == "agent-token" for c in pod["initContainers"])
         assert "grpc" not in main["readinessProbe"]  # kubelet's gRPC probe cannot speak TLS
+
+
+@needs_kubectl
+def test_each_agent_pod_holds_its_own_credential_and_no_role_token() -> None:
+    """examples/tls: the trainer's pods mount the trainer's credential, each rollout's pod its
+    own (a Deployment of one pod per rollout id, acting as the id its credential names); no
+    agent pod mounts the role tokens, and their own servers check callers against the
+    verifiers (a ConfigMap). Only the coordinator (overlays/tls) holds the role tokens."""
+    rollouts: dict[str, str] = {}
+    for doc in _workloads(_render("examples/tls")):
+        name, pod = doc["metadata"]["name"], doc["spec"]["template"]["spec"]
+        secrets = set(_volumes(pod, "secret").values())
+        assert "weightsync-tokens" not in secrets, name
+        main = pod["containers"][0]
+        env = {e["name"].split("_", 2)[2]: e for e in main["env"] if e["name"].startswith("WEIGHTSYNC_")}
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        assert _volumes(pod, "configMap")[mounts[env["AUTH_TOKENS_FILE"]["value"].rsplit("/", 1)[0]]] == (
+            "weightsync-verifiers"
+        )
+        credential = _volumes(pod, "secret")[mounts[env["AUTH_TOKEN_FILE"]["value"].rsplit("/", 1)[0]]]
+        if doc["kind"] == "StatefulSet":
+            assert name == "trainer" and secrets == {"weightsync-tls", "weightsync-trainer"}
+            assert credential == "weightsync-trainer"
+            continue
+        assert doc["spec"]["replicas"] == 1 and doc["spec"]["strategy"]["type"] == "Recreate", name
+        agent_id = doc["spec"]["template"]["metadata"]["labels"]["weightsync.io/agent-id"]
+        field = env["AGENT_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert field == "metadata.labels['weightsync.io/agent-id']", name
+        assert name == agent_id and credential == f"weightsync-{agent_id}", name
+        assert secrets == {"weightsync-tls", credential}, name
+        rollouts[agent_id] = credential
+    assert sorted(rollouts) == ["rollout-0", "rollout-1"] and len(set(rollouts.values())) == 2
+    holders = [
+        d["metadata"]["name"]
+        for d in _workloads(_render("overlays/tls"))
+        if "weightsync-tokens" in _volumes(d["spec"]["template"]["spec"], "secret").values()
+    ]
+    assert holders == ["weightsync-coordinator"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("root", check_deploy.ROOTS)
+def test_every_pod_carries_the_label_the_network_policies_admit(root: str) -> None:
+    for doc in _workloads(_render(root)):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert labels.get("app.kubernetes.io/part-of") == "weightsync", (root, doc["metadata"]["name"])

@@ -1,5 +1,6 @@
 """What README.md and docs/ name exists: every command's `make` target and flags, every
-Prometheus metric and recording rule, and the bench script behind each README figure."""
+Prometheus metric and recording rule, the bench script behind each README figure, and every
+test a page cites."""
 
 from __future__ import annotations
 
@@ -194,6 +195,31 @@ def test_the_readmes_demo_variants_and_other_targets_exist() -> None:
     first_cells = [line.split(" | ", 1)[0] for line in table.splitlines() if line.startswith("| `")]
     targets = {span.removeprefix("make ") for cell in first_cells for span in INLINE.findall(cell)}
     assert len(targets) > 10 and targets <= make_targets().keys(), targets - make_targets().keys()
+
+
+# A test a page cites: `tests/<dir>/<file>.py`, or `tests/<dir>/<file>.py::test_name`.
+CITED_TEST = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
+
+
+def cited_test_problems(text: str) -> list[str]:
+    """What a page's cited tests name that does not exist: the file, or the test in it."""
+    bad = []
+    for path, name in CITED_TEST.findall(text):
+        if not (ROOT / path).is_file():
+            bad.append(f"no file {path}")
+        elif name and not re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M):
+            bad.append(f"no test {name} in {path}")
+    return bad
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    bad = [f"{page.name}: {problem}" for page in PAGES for problem in cited_test_problems(page.read_text())]
+    assert not bad, "\n".join(bad)
+    cited = CITED_TEST.findall((ROOT / "docs" / "operations.md").read_text())
+    assert len(cited) >= 10, "the threat model cites its tests"
+    assert cited_test_problems("`tests/unit/test_docs.py::test_nothing`") == [
+        "no test test_nothing in tests/unit/test_docs.py"
+    ]
 
 
 def test_the_command_check_catches_a_missing_target_or_flag() -> None:
