@@ -36,9 +36,9 @@ if ! cmp -s "$_ws_vkit/vllm/closure.txt" "$_ws_vsite/.kit-closure.txt"; then
     --disable-pip-version-check --target "$_ws_vsite" "${_ws_files[@]}" || return 1
   cp "$_ws_vkit/vllm/closure.txt" "$_ws_vsite/.kit-closure.txt"
 fi
-case ":$PYTHONPATH:" in
+case ":${PYTHONPATH:-}:" in
   *":$_ws_vsite:"*) ;;
-  *) export PYTHONPATH="$PYTHONPATH:$_ws_vsite" PATH="$PATH:$_ws_vsite/bin" ;;
+  *) export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$_ws_vsite" PATH="$PATH:$_ws_vsite/bin" ;;
 esac
 export WEIGHTSYNC_VLLM_SITE="$_ws_vsite"
 unset _ws_vkit _ws_vsite _ws_files _ws_missing _ws_dirs _ws_where _ws_wheel _ws_found _ws_dir
