@@ -1,8 +1,8 @@
 """vLLM general plugins: `weightsync` registers the weight-transfer backend (and nothing
-else); `weightsync_no_inet` lets vLLM start where inet sockets are refused, and only there.
+else); `weightsync-no-inet` lets vLLM start where inet sockets are refused, and only there.
 
 Entry points `vllm.general_plugins: weightsync = rollout_agent.vllm_plugin:register` and
-`weightsync_no_inet = rollout_agent.vllm_plugin:no_inet`; only an entry point reaches
+`weightsync-no-inet = rollout_agent.vllm_plugin:no_inet`; only an entry point reaches
 vLLM's EngineCore and worker processes.
 """
 

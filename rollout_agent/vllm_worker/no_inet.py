@@ -16,7 +16,7 @@ worker then uses:
 
 `install()` does both only where inet sockets are refused (`inet_refused`), so everywhere
 else it changes nothing; loaded by the `vllm.general_plugins` entry point
-`weightsync_no_inet` (rollout_agent.vllm_plugin.no_inet) in every vLLM process.
+`weightsync-no-inet` (rollout_agent.vllm_plugin.no_inet) in every vLLM process.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def test_the_plugins_wheel_carries_the_projects_vllm_entry_points(tmp_path: Path
     assert all(n.startswith(f"{kit.PLUGINS_DIST}-") for n in names)  # metadata only: no code
     for name, target in plugins["vllm.general_plugins"].items():
         assert f"{name} = {target}" in points
-    assert "weightsync_no_inet = rollout_agent.vllm_plugin:no_inet" in points
+    assert "weightsync-no-inet = rollout_agent.vllm_plugin:no_inet" in points
     assert _record_true(got)
 
 

@@ -1,4 +1,4 @@
-"""The `weightsync_no_inet` vLLM plugin (rollout_agent/vllm_worker/no_inet.py): it decides by
+"""The `weightsync-no-inet` vLLM plugin (rollout_agent/vllm_worker/no_inet.py): it decides by
 whether an AF_INET socket can be made (EAFNOSUPPORT, errno 97, on a TPU VM under gVisor),
 changes nothing where it can, and where it cannot hands out ports without binding and
 makes torch.distributed's gloo groups of one rank with the `fake` backend."""
