@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-compare bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-flip bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit
+.PHONY: lock setup demo test test-unit test-integration test-host chaos protos check-protos lint native bench bench-compare bench-control bench-stage bench-delta bench-vllm-trainer bench-overlap bench-apply bench-audit bench-flip bench-host-pull bench-object-store clean check-deploy check-deploy-files deploy-tools deploy-rules config-docs docs docs-tools tpu-kit tpu-vllm-kit
 
 setup: $(STAMP)
 
@@ -116,9 +116,16 @@ deploy-rules: setup
 # wheels of what weightsync needs beside the host's JAX stack, the built shim, an activate
 # script. TPU_KIT_EXTRAS: more distributions of this venv (by default what the host's test
 # run, devtools/tpu_checks.sh, needs).
+# It also brings vLLM's TPU engine (.tpu-kit/vllm/, `source .tpu-kit/activate-vllm` on the
+# host): the kit rows of devtools/tpu_vllm_lock.txt, vllm-tpu retagged cp311 and torchax
+# patched for torch 2.13; `make tpu-vllm-kit` remakes that part alone.
 TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml py-spy
 tpu-kit: setup
 	devtools/tpu_kit.sh $(TPU_KIT_EXTRAS)
+	$(PY) -m devtools.tpu_vllm_kit
+
+tpu-vllm-kit: setup
+	$(PY) -m devtools.tpu_vllm_kit
 
 # The docs site (mkdocs.yml) in site/, from its own venv: mkdocstrings reads the sources
 # statically, so the main venv is not needed (.ci/run installs it beside `setup`). --strict:

@@ -9,6 +9,8 @@
 #   source .tpu-kit/activate && devtools/tpu_checks.sh apply       # the JAX apply and a rollout service, ~9 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh demo        # ~2 min
 #   source .tpu-kit/activate && devtools/tpu_checks.sh diagnose    # the D2H's runtime settings, the overlap's controls, ~9 min
+#   source .tpu-kit/activate && devtools/tpu_checks.sh vllm        # weightsync inside vLLM's TPU engine, ~5 min; ends
+#                                                                  # `vllm: N of 3 committed, corrupted refused: yes|no, ...`
 #
 # Each step's log lands in $OUT (the device tool's folder; /tmp/tpu-checks elsewhere), one
 # file per step, with a line in summary.txt; host.json holds the host's facts (their
@@ -175,8 +177,32 @@ case "${1:-}" in
     facts
     step demo 240 "$py" -m devtools.demo --unix-sockets --steps 3
     ;;
+  vllm)
+    # vLLM's TPU engine with weightsync inside (devtools/tpu_vllm_check.py): the kit's vLLM
+    # closure installed and put on PYTHONPATH here (.tpu-kit/activate-vllm, its log
+    # vllm-kit.log), then the check; off the host (TPU_CHECKS_CPU=1) the engine is the
+    # stand-in worker, in the environment as it is (TPU_CHECKS_VLLM_KIT=1: the kit's too).
+    # No `facts`: only the engine opens the chip, once.
+    if [ -n "$small" ] && [ "${TPU_CHECKS_VLLM_KIT:-}" != 1 ]; then
+      :
+    elif [ -f .tpu-kit/activate-vllm ] && asked vllm-kit; then
+      t0=$SECONDS
+      # shellcheck disable=SC1091
+      source .tpu-kit/activate-vllm > "$out/vllm-kit.log" 2>&1
+      rc=$?
+      printf '%-22s rc=%-3s %4ss\n' vllm-kit "$rc" "$((SECONDS - t0))" | tee -a "$summary"
+    elif asked vllm-kit; then
+      printf '%-22s skipped: no .tpu-kit/activate-vllm (make tpu-kit): the environment as it is\n' vllm-kit \
+        | tee -a "$summary"
+    fi
+    engine=vllm
+    [ -n "$small" ] && engine=standin
+    step vllm 560 "$py" devtools/tpu_vllm_check.py --engine "$engine" --out "$out" \
+      --deadline-s "$((deadline - SECONDS - GRACE_S - 15))"
+    asked vllm && [ -f "$out/vllm.log" ] && tail -n 1 "$out/vllm.log" | tee -a "$summary"
+    ;;
   *)
-    echo "usage: $0 suite|bench|apply|demo|diagnose   (results in \$OUT, or /tmp/tpu-checks)" >&2
+    echo "usage: $0 suite|bench|apply|demo|diagnose|vllm   (results in \$OUT, or /tmp/tpu-checks)" >&2
     exit 2
     ;;
 esac

@@ -1,16 +1,25 @@
-"""A stand-in for tpu-inference's `TPUWorker`, holding a real JAX Qwen3.
+"""Stand-ins for tpu-inference's `TPUWorker`, each holding a real JAX Qwen3: for CI, which
+has no vLLM TPU engine (vllm-tpu and tpu-inference run on the TPU host from the kit,
+docs/install-tpu.md#vllms-tpu-engine; `tests/unit/test_tpu_inference_layout.py` checks the
+layout against the real tpu-inference where it is installed).
 
-vLLM's TPU backend (vllm-tpu, tpu-inference) cannot install here: its builds are for
-CPython 3.12 and a newer JAX than this project's Python 3.11 venv has. So the worker
-extension (`rollout_agent.vllm_worker.tpu_extension`) is driven through this class, which
-copies the names and signatures of the methods the extension calls on the real worker
-(`get_weights_state`, `start_weight_update(free_kv_cache=True)`, `update_weights`,
-`finish_weight_update`, `refresh_model_state_leaves`, `vllm_config.model_config.hf_config`)
-and behaves as they are documented to: the state is a live tree of sharded `jax.Array`s in
-tpu-inference's layouts (q/k/v kernels (D, N, H), o (N, H, D), MLP and lm_head kernels
-[in, out], head_dim zero-padded to a multiple of 128, vocabulary rows padded); the KV cache
-is freed and reallocated around an update; the jitted model takes the leaves as an
-argument, so it serves the leaves of the last refresh, whatever the state holds now.
+- `TPUWorker` copies tpu-inference 0.32's weight-update contract: `get_weights_state`,
+  `start_weight_update(free_kv_cache=True)`, `update_weights` (a no-op),
+  `finish_weight_update`, `refresh_model_state_leaves`;
+- `TPUWorker025` copies 0.25's, the release the v5e host runs: no such methods, but
+  `sync_weights(updated_weights, mappings, transpose_keys, reshard_fn=None)`,
+  `delete_kv_cache()`, `reinitialize_kv_cache()` and a `model_runner` whose `state` is an
+  NNX-style tree (each leaf a `Param` whose array is its `.value`) and whose
+  `state_leaves`, the flat tuple the jitted model takes, is derived from it. As 0.25's
+  loader, it refuses a head_dim it would have to pad (its norms are not padded:
+  `k_norm.weight: torch (32,) vs jax (128,)`).
+
+Both share `vllm_config.model_config.hf_config` and behave as documented: the state is a
+live tree of sharded `jax.Array`s in tpu-inference's layouts (q/k/v kernels (D, N, H), o
+(N, H, D), MLP and lm_head kernels [in, out], vocabulary rows padded; `TPUWorker` pads
+head_dim to a multiple of 128); the KV cache is freed and reallocated around an update;
+the jitted model takes the leaves as an argument, so it serves the leaves of the last
+refresh, whatever the state holds now.
 
 Its forward (`compute_logits`) is Qwen3's, written against those layouts with einsums as
 tpu-inference's model is: logits from the applied leaves equal transformers' Qwen3 with
@@ -27,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map
+from rollout_agent.engines.jax.model import PROFILES, empty_leaves, family_map, padded_head_dim
 from rollout_agent.engines.jax.targets import named_leaves
 from weightsync.model_shapes import ModelShape
 from weightsync.models.qwen3_jax import Qwen3Config
@@ -135,6 +144,96 @@ class TPUWorker:
         s = self.shape
         logits = _forward(self._leaves, jnp.asarray(token_ids, jnp.int32), s.layers, s.heads, s.kv_heads,
                           s.head_dim, s.vocab, s.tied, s.rms_norm_eps, s.rope_theta)  # fmt: skip
+        return np.asarray(logits)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Param:
+    """An NNX variable as a pytree: one child, its array, under the key `.value`."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], None]:
+        return ((jax.tree_util.GetAttrKey("value"), self.value),), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: Any) -> Param:
+        return cls(children[0])
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class State(dict):  # type: ignore[type-arg]
+    """An `nnx.State` as the runner holds it: keyed children, and not the plain dict
+    `_sync_weights` takes for a torchax-path model's params."""
+
+    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
+        keys = tuple(self)
+        return tuple((jax.tree_util.DictKey(k), self[k]) for k in keys), keys
+
+    @classmethod
+    def tree_unflatten(cls, keys: tuple[Any, ...], children: Any) -> State:
+        return cls(zip(keys, children))
+
+
+def _params(tree: Any) -> Any:
+    """Every array of a nested dict/list tree wrapped in a `Param`."""
+    if isinstance(tree, dict):
+        return {k: _params(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_params(v) for v in tree]
+    return Param(tree)
+
+
+class TPUWorker025:
+    """tpu-inference 0.25's TPUWorker as an RL weight sync sees it (see the module)."""
+
+    def __init__(
+        self, hf_config: Any, mesh: jax.sharding.Mesh, *, kv_tokens: int = 256, dtype: Any = np.float32
+    ) -> None:
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf_config))
+        self.rank = 0
+        self.shape = Qwen3Config.from_hf(hf_config.to_dict())
+        if padded_head_dim(self.shape.head_dim) != self.shape.head_dim:
+            h = self.shape.head_dim
+            raise ValueError(f"Shape mismatch in non-vocab layer 'k_norm.weight': torch ({h},) vs jax "
+                             f"({padded_head_dim(h)},)")  # fmt: skip
+        name_map = family_map("qwen3", "tpu_inference", self.shape)
+        flat = empty_leaves(name_map, self.shape, self.shape.layers, self.shape.tied, mesh, PROFILES["tpu_inference"],
+                            dtype=dtype)  # fmt: skip
+        state = State(_params(nest(flat)))
+        self._treedef = jax.tree_util.tree_structure(state)
+        self._names = list(named_leaves(state)[0])
+        self.model_runner = SimpleNamespace(state=state, state_leaves=tuple(jax.tree_util.tree_leaves(state)))
+        self._kv_shape = (self.shape.layers, 2, kv_tokens, self.shape.kv_heads, self.shape.head_dim)
+        self.kv_cache: jax.Array | None = jnp.zeros(self._kv_shape, jnp.float32)
+        self.events: list[str] = []
+
+    def sync_weights(self, updated_weights: Any, mappings: Any, transpose_keys: Any, reshard_fn: Any = None) -> None:
+        """0.25's RL hook (`model_runner._sync_weights`: a source state transferred through
+        `mappings`); weightsync writes the state itself and does not call it."""
+        raise NotImplementedError("the stand-in does not transfer states through mappings")
+
+    def delete_kv_cache(self) -> None:
+        self.events.append("delete_kv_cache")
+        if self.kv_cache is not None:
+            self.kv_cache.delete()
+            self.kv_cache = None
+
+    def reinitialize_kv_cache(self) -> None:
+        self.events.append("reinitialize_kv_cache")
+        if self.kv_cache is None:
+            self.kv_cache = jnp.zeros(self._kv_shape, jnp.float32)
+
+    def compute_logits(self, token_ids: np.ndarray) -> np.ndarray:
+        """As `TPUWorker.compute_logits`, from the runner's `state_leaves` (what the jitted
+        model is given), whatever `state` holds."""
+        if self.kv_cache is None:
+            raise RuntimeError("the engine cannot serve: its KV cache is freed (a weight update is open)")
+        leaves = dict(zip(self._names, self.model_runner.state_leaves))
+        s = self.shape
+        logits = _forward(leaves, jnp.asarray(token_ids, jnp.int32), s.layers, s.heads, s.kv_heads, s.head_dim,
+                          s.vocab, s.tied, s.rms_norm_eps, s.rope_theta)  # fmt: skip
         return np.asarray(logits)
 
 

@@ -1,7 +1,9 @@
-"""vLLM general plugin: registers the `weightsync` weight-transfer backend (and nothing else).
+"""vLLM general plugins: `weightsync` registers the weight-transfer backend (and nothing
+else); `weightsync-no-inet` lets vLLM start where inet sockets are refused, and only there.
 
-Entry point `vllm.general_plugins: weightsync = rollout_agent.vllm_plugin:register`; only
-an entry point reaches vLLM's EngineCore and worker processes.
+Entry points `vllm.general_plugins: weightsync = rollout_agent.vllm_plugin:register` and
+`weightsync-no-inet = rollout_agent.vllm_plugin:no_inet`; only an entry point reaches
+vLLM's EngineCore and worker processes.
 """
 
 from __future__ import annotations
@@ -21,3 +23,11 @@ def register() -> None:
         )
     except ValueError:
         pass  # already registered in this process
+
+
+def no_inet() -> None:
+    """vLLM's start-up on a host that refuses inet sockets (a TPU VM under gVisor):
+    `vllm_worker.no_inet`, applied only there; elsewhere it changes nothing."""
+    from rollout_agent.vllm_worker import no_inet
+
+    no_inet.install()

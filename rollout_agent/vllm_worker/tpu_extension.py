@@ -1,25 +1,32 @@
 """Worker extension for vLLM's TPU backend (tpu-inference's `TPUWorker`).
 
-vLLM mixes `worker_extension_cls` into its worker class, so `self` here is the worker and
-the methods below call the worker's own weight-update contract:
+vLLM mixes `worker_extension_cls` into its worker class, so `self` here is the worker. The
+extension finds the worker's weight-update contract by what the worker has
+(`tpu_contract.updates_of`): tpu-inference 0.32's `start_weight_update(free_kv_cache)`,
+`get_weights_state()`, `refresh_model_state_leaves()`, `finish_weight_update()`; or 0.25's
+`model_runner.state` (an `nnx.State`), `model_runner.state_leaves` re-derived from it, and
+`delete_kv_cache()` / `reinitialize_kv_cache()`. Per version it frees the KV cache (a second
+copy of the weights roughly doubles peak HBM; the caller resets the prefix cache), writes
+the state, refreshes what the jitted model takes, and gets the KV cache back.
 
-- `start_weight_update(free_kv_cache=True)` frees the KV cache (a second copy of the
-  weights roughly doubles peak HBM; the caller resets the prefix cache first);
-- `get_weights_state()` returns the live state of sharded `jax.Array`s;
-- `refresh_model_state_leaves()` re-points the jitted model function at the state's
-  current leaves (it takes them as an argument and goes stale when they are replaced);
-- `finish_weight_update()` reallocates the KV cache.
-
-The weights are written out of band (tpu-inference's `update_weights` is a no-op on TPU):
-the worker pulls and verifies the version itself, and a `JaxApplier` builds every leaf in
-the sharding of the leaf it replaces, checks each one's bits on the device against the
-verified host bytes, swaps them in (or replaces them leaf by leaf where HBM cannot hold
-two copies) and calls the refresh. Only plain dicts cross vLLM's RPCs.
+The weights are written out of band: the worker pulls and verifies the version itself,
+and a `JaxApplier` builds every leaf in the sharding of the leaf it replaces, checks each
+one's bits on the device against the verified host bytes, swaps them in (or replaces them
+leaf by leaf where HBM cannot hold two copies) and refreshes. Only plain dicts cross
+vLLM's RPCs.
 
     llm = LLM(model, worker_extension_cls="rollout_agent.tpu_worker_extension.WeightsyncTPUWorkerExtension")
     llm.collective_rpc("weightsync_attach", args=({"coordinator": "unix:/run/ws/c.sock", "session": "job"},))
     llm.reset_prefix_cache()
     llm.collective_rpc("weightsync_sync", args=(7,))
+
+A worker without vLLM's own weight-transfer methods (tpu-inference 0.25's) started with
+`weight_transfer_config={"backend": "weightsync"}` also takes vLLM's weight-transfer API
+through the extension, as the `weightsync` backend does on GPU and CPU:
+`llm.init_weight_transfer_engine({"init_info": {...}})` attaches,
+`llm.update_weights({"update_info": {"version": 7}})` syncs and raises when the version
+was not applied (the previous weights keep serving), `start_weight_update` and
+`finish_weight_update` bracket it. A worker that has those methods (0.32's) keeps its own.
 
 An in-place apply that fails its device check part way leaves the engine holding a mix of
 two versions: the extension then does not reallocate the KV cache, so the engine cannot
@@ -33,9 +40,9 @@ from typing import Any
 
 from rollout_agent.engines.jax.applier import JaxApplier
 from rollout_agent.engines.jax.names import NameMap
-from rollout_agent.engines.jax.targets import InPlaceTree
 from rollout_agent.settings import InitInfo
 from rollout_agent.vllm_worker.rollout import VllmRollout, parse_version
+from rollout_agent.vllm_worker.tpu_contract import LiveState, WeightUpdates, updates_of
 from weightsync.errors import FailedPrecondition, InvalidArgument
 
 # HF config model_type -> weightsync's family name (weightsync.model_families)
@@ -55,11 +62,21 @@ def name_map_for(hf_config: Any, layout: str, prefix: str = "") -> NameMap:
     return NameMap.of(family, layout, head_dim, prefix=prefix)
 
 
+# vLLM's weight-transfer API, served by the extension on a worker that has none of its own
+VLLM_API = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
+
+class WeightsRefused(RuntimeError):
+    """`update_weights` (vLLM's API on a 0.25 worker): the version was not applied."""
+
+
 class WeightsyncTPUWorkerExtension:
     """Mixed into tpu-inference's TPUWorker; `self` is the worker."""
 
+    _weightsync_extension = True  # tpu_contract tells the worker's own methods from these
     _weightsync: VllmRollout | None = None
     _weightsync_jax: dict[str, Any] = {}
+    _weightsync_updates: WeightUpdates | None = None
 
     def weightsync_attach(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Registers this worker in a session. `init_info` takes InitInfo's fields and an
@@ -74,12 +91,9 @@ class WeightsyncTPUWorkerExtension:
             self._weightsync.close()
         config = self.vllm_config.model_config  # type: ignore[attr-defined]
         name_map = name_map_for(config.hf_config, jax_options["layout"], jax_options["prefix"])
-        applier = JaxApplier(
-            InPlaceTree(self.get_weights_state()),  # type: ignore[attr-defined]
-            name_map,
-            mode=jax_options["mode"],
-            refresh=self.refresh_model_state_leaves,  # type: ignore[attr-defined]
-        )
+        updates = updates_of(self)
+        applier = JaxApplier(LiveState(updates), name_map, mode=jax_options["mode"], refresh=updates.refresh)
+        self._weightsync_updates = updates
         self._weightsync_jax = jax_options
         self._weightsync = VllmRollout(InitInfo(**info), None, config, rank=getattr(self, "rank", 0), applier=applier)
         return self._weightsync.status()
@@ -93,13 +107,15 @@ class WeightsyncTPUWorkerExtension:
         v = parse_version(version)
         staged = v > 0 and rollout.prefetcher is not None and rollout.prefetcher.status()["staged"] == v
         free = self._weightsync_jax["free_kv_cache"] and not staged
-        self.start_weight_update(free_kv_cache=free)  # type: ignore[attr-defined]
+        updates = self._weightsync_updates
+        assert updates is not None
+        updates.start(free)
         try:
             result = rollout.sync(version)
         finally:
             # a torn engine (an in-place apply failed part way) keeps no KV cache: it cannot serve
             if not self._applier().torn:
-                self.finish_weight_update()  # type: ignore[attr-defined]
+                updates.finish()
         return asdict(result)
 
     def weightsync_prefetch(self, version: Any = "latest") -> dict[str, Any]:
@@ -121,7 +137,8 @@ class WeightsyncTPUWorkerExtension:
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:
             return {"attached": False}
-        return {**self._weightsync.status(), "torn": self._applier().torn}
+        updates = self._weightsync_updates
+        return {**self._weightsync.status(), "torn": self._applier().torn, "contract": updates and updates.name}
 
     def weightsync_detach(self) -> None:
         """Stops heartbeats and closes connections (the weights stay as they are)."""
@@ -139,3 +156,36 @@ class WeightsyncTPUWorkerExtension:
         applier = self._rollout().applier
         assert isinstance(applier, JaxApplier)
         return applier
+
+    # -- vLLM's weight-transfer API, where the worker has none (tpu-inference 0.25) ----------
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's `init_weight_transfer_engine`, `start_weight_update`, `update_weights` and
+        `finish_weight_update` for a worker whose class has none of them, started with the
+        `weightsync` weight-transfer backend (its `collective_rpc` finds them here); any
+        other missing attribute stays missing."""
+        if name in VLLM_API and _backend(self) == "weightsync":
+            return getattr(self, f"_weightsync_api_{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _weightsync_api_init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.weightsync_attach(init_info)
+
+    def _weightsync_api_start_weight_update(self) -> None:
+        self._rollout()  # attached, or FailedPrecondition naming init_weight_transfer_engine's part
+
+    def _weightsync_api_update_weights(self, update_info: dict[str, Any]) -> None:
+        if not isinstance(update_info, dict):
+            raise InvalidArgument(f"must be a dict, got {type(update_info).__name__}", field="update_info")
+        result = self.weightsync_sync(update_info.get("version", "latest"))
+        if not result["ok"]:
+            raise WeightsRefused(f"weightsync refused version {result['version']}, not applied: {result['mismatch']}")
+
+    def _weightsync_api_finish_weight_update(self) -> None:
+        """Nothing left: the round completed (or was refused) inside update_weights."""
+
+
+def _backend(worker: Any) -> str:
+    """The weight-transfer backend vLLM was started with ("" without one)."""
+    config = worker.__dict__.get("vllm_config")
+    transfer = getattr(config, "weight_transfer_config", None)
+    return str(getattr(transfer, "backend", "") or "")

@@ -10,12 +10,14 @@ kernels transposed) put every value in its place."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from devtools.tpu_worker_standin import TPUWorker
+from devtools.tpu_worker_standin import TPUWorker, TPUWorker025
+from rollout_agent.vllm_worker.tpu_contract import Updates025, Updates032, updates_of
 from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
 from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
@@ -178,3 +180,117 @@ def test_a_version_built_aside_swaps_in_with_the_kv_cache_kept(
         engine.events.clear()
         assert engine.weightsync_sync("latest")["ok"]  # not known to be built aside: the cache is freed for room
         assert engine.events[0] == "start_weight_update(free_kv_cache=True)"
+
+
+# -- tpu-inference 0.25's contract (the release on the v5e host) ---------------------------
+class Worker025(TPUWorker025, WeightsyncTPUWorkerExtension):
+    """0.25's worker with the extension mixed in, as vLLM's worker_extension_cls does."""
+
+
+def _config128(tied: bool = False) -> Any:
+    """head_dim 128: 0.25 pads no norm, so only an unpadded head_dim loads there."""
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=tied, torch_dtype="float32",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def worker025() -> Iterator[Any]:
+    import jax
+
+    from rollout_agent.engines.jax.model import mesh_of
+
+    made: list[Worker025] = []
+
+    def make(backend: str = "") -> Worker025:
+        made.append(Worker025(_config128(), mesh_of((1, len(jax.devices())))))
+        if backend:
+            made[-1].vllm_config.weight_transfer_config = SimpleNamespace(backend=backend)
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.weightsync_detach()
+
+
+def test_the_contract_is_found_by_what_the_worker_has(worker: Any, worker025: Any) -> None:
+    assert isinstance(updates_of(worker(False)), Updates032)
+    assert isinstance(updates_of(worker025()), Updates025)
+
+    class Bare(WeightsyncTPUWorkerExtension):
+        vllm_config = None
+
+    with pytest.raises(FailedPrecondition, match="neither tpu-inference 0.32's"):
+        updates_of(Bare())
+
+
+def test_a_head_dim_0_25_would_pad_is_refused_by_its_stand_in() -> None:
+    import jax
+
+    from rollout_agent.engines.jax.model import mesh_of
+
+    with pytest.raises(ValueError, match=r"k_norm.weight': torch \(32,\) vs jax \(128,\)"):
+        TPUWorker025(_config(False), mesh_of((1, len(jax.devices()))))
+
+
+@pytest.mark.parametrize("mode", ["swap", "inplace"])
+def test_versions_apply_into_the_0_25_runner_state_and_its_leaves(
+    inprocess_coordinator: RunningServer, worker025: Any, no_arena_leak: None, mode: str
+) -> None:
+    """The state written where it is, `state_leaves` (what the jitted model takes) derived
+    again, the KV cache deleted and reinitialized: the engine then serves transformers'
+    logits of each version."""
+    engine: Worker025 = worker025()
+    address = inprocess_coordinator.address
+    with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
+        engine.weightsync_attach(
+            {"coordinator": address, "session": "job", "agent_id": "tpu-r0", "jax": {"mode": mode}}
+        )
+        assert "0.25" in engine.weightsync_status()["contract"]
+        for v, seed in ((1, 31), (2, 32)):
+            model, tensors = _hf_model(_config128(), seed)
+            pub.publish(tensors, v)
+            engine.events.clear()
+            leaves_before = engine.model_runner.state_leaves
+            result = engine.weightsync_sync(v)
+            assert result["ok"], result["mismatch"]
+            assert engine.events == ["delete_kv_cache", "reinitialize_kv_cache"]
+            assert engine.model_runner.state_leaves is not leaves_before
+            want = _hf_logits(model)
+            got = engine.compute_logits(TOKENS)
+            assert np.abs(got - want).max() <= 1e-5 * max(float(np.abs(want).max()), 1.0)
+            assert engine.weightsync_audit()["exact"]
+
+
+def test_vllm_s_weight_transfer_api_on_a_0_25_worker(
+    inprocess_coordinator: RunningServer, worker025: Any, no_arena_leak: None
+) -> None:
+    """Started with the `weightsync` backend, a worker without vLLM's weight-transfer methods
+    takes them from the extension: a version applies; one a loader would refuse (q_proj a
+    row short) raises, and the engine serves the version before it."""
+    from rollout_agent.vllm_worker.tpu_extension import WeightsRefused
+
+    assert not hasattr(worker025(), "update_weights")  # no backend: vLLM's API stays missing
+    engine: Worker025 = worker025("weightsync")
+    address = inprocess_coordinator.address
+    with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
+        engine.init_weight_transfer_engine({"coordinator": address, "session": "job", "agent_id": "tpu-r0"})
+        model, tensors = _hf_model(_config128(), 41)
+        pub.publish(tensors, 1)
+        engine.start_weight_update()
+        engine.update_weights({"version": 1})
+        engine.finish_weight_update()
+        served = engine.compute_logits(TOKENS)
+        assert np.abs(served - _hf_logits(model)).max() <= 1e-5 * max(float(np.abs(served).max()), 1.0)
+        bad = dict(_hf_model(_config128(), 42)[1])
+        bad["model.layers.1.self_attn.q_proj.weight"] = bad["model.layers.1.self_attn.q_proj.weight"][:-1]
+        pub.publish(bad, 2)
+        engine.start_weight_update()
+        with pytest.raises(WeightsRefused, match="q_proj"):
+            engine.update_weights({"version": 2})
+        assert np.array_equal(engine.compute_logits(TOKENS), served)
+        assert engine.weightsync_audit()["exact"] and engine.weightsync_status()["current_version"] == 1
