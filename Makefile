@@ -115,11 +115,12 @@ deploy-rules: setup
 # The offline kit for a TPU host without a package index, in .tpu-kit/ (docs/install-tpu.md):
 # wheels of what weightsync needs beside the host's JAX stack, the built shim, an activate
 # script. TPU_KIT_EXTRAS: more distributions of this venv (by default what the host's test
-# run, devtools/tpu_checks.sh, needs).
+# run, devtools/tpu_checks.sh, needs; py-spy for the diagnose step's native stacks does not
+# fit beside vLLM's engine in the 64 MiB one device call carries).
 # It also brings vLLM's TPU engine (.tpu-kit/vllm/, `source .tpu-kit/activate-vllm` on the
 # host): the kit rows of devtools/tpu_vllm_lock.txt, vllm-tpu retagged cp311 and torchax
 # patched for torch 2.13; `make tpu-vllm-kit` remakes that part alone.
-TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml py-spy
+TPU_KIT_EXTRAS ?= pytest pytest-timeout hypothesis cryptography safetensors pyyaml
 tpu-kit: setup
 	devtools/tpu_kit.sh $(TPU_KIT_EXTRAS)
 	$(PY) -m devtools.tpu_vllm_kit

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import ml_dtypes
 
-    from devtools.tpu_worker_standin import TPUWorker, hf_config_of
+    from devtools.tpu_worker_standin import TPUWorker, hf_config_of, vllm_extended
     from rollout_agent.engines.jax.model import mesh_of
     from rollout_agent.sync.follow import FollowStop, follow_servable
     from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
@@ -92,8 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from weightsync.model_shapes import PRESETS
     from weightsync.server import start_server, wait_for_signal, write_ready_file
 
-    class Worker(TPUWorker, WeightsyncTPUWorkerExtension):
-        """What vLLM builds from worker_extension_cls: the extension mixed into the worker."""
+    Worker = vllm_extended(TPUWorker, WeightsyncTPUWorkerExtension)  # as vLLM mixes worker_extension_cls in
 
     stop = wait_for_signal()
     report = Path(args.report_dir)

@@ -99,12 +99,11 @@ class StandinEngine:
         import ml_dtypes
         import numpy as np
 
-        from devtools.tpu_worker_standin import HfConfig, TPUWorker025
+        from devtools.tpu_worker_standin import HfConfig, TPUWorker025, vllm_extended
         from rollout_agent.engines.jax.model import mesh_of
         from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
 
-        class Worker(TPUWorker025, WeightsyncTPUWorkerExtension):
-            pass
+        Worker = vllm_extended(TPUWorker025, WeightsyncTPUWorkerExtension)  # as vLLM mixes worker_extension_cls in
 
         config = HfConfig(json.loads((Path(model) / "config.json").read_text()))
         t0 = time.perf_counter()

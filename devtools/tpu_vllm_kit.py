@@ -224,6 +224,21 @@ def build(kit: Path, lock: Path = LOCK) -> dict[str, object]:
     return {"wheels": len(rows), "kit": sum(w == "kit" for w, _ in rows), "kit_bytes": size, "torchax_dropped": dropped}
 
 
+CARRY_LIMIT = 64 << 20  # what one device call carries: the project's files and the kit
+
+
+def carry_bytes(root: Path, kit: Path) -> int:
+    """The bytes one device call carries: the project's tracked files (git's list; every
+    file under `root` outside the kit where there is no .git) and the whole kit."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=False)
+    if listed.returncode == 0:
+        files = [root / n for n in listed.stdout.decode().split("\0") if n]
+    else:
+        files = [p for p in root.rglob("*") if kit not in p.parents]
+    tree = sum(p.stat().st_size for p in files if p.is_file() and not p.is_symlink())
+    return tree + sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m devtools.tpu_vllm_kit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -237,6 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         f"({int(made['kit_bytes']) / 2**20:.1f} MiB in {args.kit}/vllm/wheels), "
         f"{len(made['torchax_dropped'])} torchax lines dropped"  # type: ignore[arg-type]
     )
+    carried = carry_bytes(ROOT, Path(args.kit))
+    print(f"tpu-vllm-kit: one device call carries {carried / 2**20:.1f} MiB (the project's files and the kit)")
+    if carried > CARRY_LIMIT:
+        print(
+            f"tpu-vllm-kit: that is over the {CARRY_LIMIT >> 20} MiB a call carries: build the kit with fewer"
+            " TPU_KIT_EXTRAS (make tpu-kit TPU_KIT_EXTRAS=...)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

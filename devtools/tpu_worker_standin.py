@@ -82,7 +82,23 @@ def hf_config_of(shape: ModelShape, *, rope_theta: float = 1_000_000.0, rms_norm
     )  # fmt: skip
 
 
-class TPUWorker:
+def vllm_extended(worker_cls: type, extension: type) -> Any:
+    """The worker class as vLLM's `WorkerWrapperBase.init_worker` leaves it: the
+    `worker_extension_cls` appended to the worker class's own bases (the class itself is
+    changed there, not subclassed; here a copy of it, so the stand-in stays as it is)."""
+    own = {k: v for k, v in vars(worker_cls).items() if k not in ("__dict__", "__weakref__")}
+    cls = type(worker_cls.__name__, worker_cls.__bases__, own)
+    cls.__bases__ = (*cls.__bases__, extension)
+    return cls
+
+
+class WorkerBase:
+    """vLLM's WorkerBase, the base of tpu-inference's TPUWorker: vLLM appends a
+    `worker_extension_cls` to the worker class's own bases, which needs a base other than
+    `object` to take it."""
+
+
+class TPUWorker(WorkerBase):
     """tpu-inference's TPUWorker as the weight-update contract sees it (see the module)."""
 
     def __init__(
@@ -185,7 +201,7 @@ def _params(tree: Any) -> Any:
     return Param(tree)
 
 
-class TPUWorker025:
+class TPUWorker025(WorkerBase):
     """tpu-inference 0.25's TPUWorker as an RL weight sync sees it (see the module)."""
 
     def __init__(

@@ -109,8 +109,10 @@ def leaves_of(state: Any) -> Any:
 
 
 def _has(worker: Any, names: tuple[str, ...]) -> bool:
-    """Whether the worker's own class (not the extension mixed into it) has every method."""
-    own = [c for c in type(worker).__mro__ if not getattr(c, "_weightsync_extension", False)]
+    """Whether the worker's own classes (not the extension mixed into them) have every
+    method. The flag is read from each class's own namespace: vLLM appends the extension to
+    the worker class's bases, so the worker's class inherits the flag it must not be judged by."""
+    own = [c for c in type(worker).__mro__ if not c.__dict__.get("_weightsync_extension", False)]
     return all(any(callable(c.__dict__.get(n)) for c in own) for n in names)
 
 

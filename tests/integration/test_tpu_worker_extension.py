@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from devtools.tpu_worker_standin import TPUWorker, TPUWorker025
+from devtools.tpu_worker_standin import TPUWorker, TPUWorker025, vllm_extended
 from rollout_agent.vllm_worker.tpu_contract import Updates025, Updates032, updates_of
 from rollout_agent.vllm_worker.tpu_extension import WeightsyncTPUWorkerExtension
 from trainer_agent.publish.publisher import WeightPublisher
@@ -27,8 +27,7 @@ from weightsync.server import RunningServer
 TOKENS = np.array([[1, 5, 9, 200, 17, 3, 44, 101], [7, 7, 250, 2, 90, 12, 64, 33]], np.int64)
 
 
-class Worker(TPUWorker, WeightsyncTPUWorkerExtension):
-    """What vLLM builds from worker_extension_cls: the extension mixed into the worker."""
+Worker = vllm_extended(TPUWorker, WeightsyncTPUWorkerExtension)
 
 
 def _config(tied: bool) -> Any:
@@ -65,14 +64,14 @@ def _hf_logits(model: Any) -> np.ndarray:
 
 
 @pytest.fixture
-def worker() -> Iterator[Worker]:
+def worker() -> Iterator[Any]:
     import jax
 
     from rollout_agent.engines.jax.model import mesh_of
 
-    made: list[Worker] = []
+    made: list[Any] = []
 
-    def make(tied: bool) -> Worker:
+    def make(tied: bool) -> Any:
         made.append(Worker(_config(tied), mesh_of((1, len(jax.devices())))))
         return made[-1]
 
@@ -86,7 +85,7 @@ def worker() -> Iterator[Worker]:
 def test_versions_applied_through_the_extension_serve_transformers_logits(
     inprocess_coordinator: RunningServer, worker: Any, no_arena_leak: None, mode: str, tied: bool
 ) -> None:
-    engine: Worker = worker(tied)
+    engine: Any = worker(tied)
     address = inprocess_coordinator.address
     with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
         status = engine.weightsync_attach(
@@ -119,7 +118,7 @@ def test_versions_applied_through_the_extension_serve_transformers_logits(
 
 def test_the_engine_serves_the_leaves_of_its_last_refresh(worker: Any) -> None:
     """Why the extension refreshes: the jitted model takes the leaves it was last given."""
-    engine: Worker = worker(False)
+    engine: Any = worker(False)
     before = engine.compute_logits(TOKENS)
     state = engine.get_weights_state()
     state["model"]["norm"]["weight"] = state["model"]["norm"]["weight"] * 0 + 2.0
@@ -133,7 +132,7 @@ def test_the_engine_serves_the_leaves_of_its_last_refresh(worker: Any) -> None:
 
 
 def test_a_misdeclared_attach_is_refused_by_field(worker: Any) -> None:
-    engine: Worker = worker(False)
+    engine: Any = worker(False)
     with pytest.raises(FailedPrecondition, match="not attached"):
         engine.weightsync_sync(1)
     with pytest.raises(InvalidArgument) as e:
@@ -153,7 +152,7 @@ def test_a_version_built_aside_swaps_in_with_the_kv_cache_kept(
     built the version on the devices while the engine served the old one; the sync then
     keeps the KV cache (no room to make) and only swaps and refreshes. In place nothing
     can be built aside: the sync frees the cache and writes the live leaves."""
-    engine: Worker = worker(False)
+    engine: Any = worker(False)
     address = inprocess_coordinator.address
     with WeightPublisher(PublisherSettings(coordinator=address, session="job", chunk_bytes=65536)) as pub:
         engine.weightsync_attach(
@@ -183,8 +182,7 @@ def test_a_version_built_aside_swaps_in_with_the_kv_cache_kept(
 
 
 # -- tpu-inference 0.25's contract (the release on the v5e host) ---------------------------
-class Worker025(TPUWorker025, WeightsyncTPUWorkerExtension):
-    """0.25's worker with the extension mixed in, as vLLM's worker_extension_cls does."""
+Worker025 = vllm_extended(TPUWorker025, WeightsyncTPUWorkerExtension)
 
 
 def _config128(tied: bool = False) -> Any:
@@ -204,9 +202,9 @@ def worker025() -> Iterator[Any]:
 
     from rollout_agent.engines.jax.model import mesh_of
 
-    made: list[Worker025] = []
+    made: list[Any] = []
 
-    def make(backend: str = "") -> Worker025:
+    def make(backend: str = "") -> Any:
         made.append(Worker025(_config128(), mesh_of((1, len(jax.devices())))))
         if backend:
             made[-1].vllm_config.weight_transfer_config = SimpleNamespace(backend=backend)
