@@ -49,9 +49,10 @@ def run_learning(
         os.environ["JAX_PLATFORMS"] = "cpu"  # read once, when JAX first starts a backend
     import jax
 
-    from devtools.learning import LearnConfig, Learner, RolloutSampler, StepRecord, summary_fields
+    from devtools.learning import LearnConfig, Learner, RolloutSampler, StepRecord, provenance_fields, summary_fields
     from devtools.policy_gradient import TARGET_WORDS
     from trainer_agent import PublisherSettings, WeightPublisher
+    from weightsync.client import CoordinatorClient
     from weightsync.errors import WeightsyncError
     from weightsync.models import qwen3_jax
 
@@ -115,6 +116,9 @@ def run_learning(
             s.close()
     records = learner.records
     fields = summary_fields(records)
+    with CoordinatorClient(coordinator) as client:
+        digests = {v.version: v.manifest_digest for v in client.status(args.session, 1000).versions}
+    fields["provenance"] = provenance_fields(records, digests)
     complete = len(records) == cfg.steps and not error
     fields.update(
         {
@@ -124,6 +128,7 @@ def run_learning(
             "committed": learner.committed,
             "ok": complete
             and fields["logprob_mismatch_max"] <= MISMATCH_BOUND
+            and fields["provenance"]["verified"] == fields["samples"]
             and (cfg.async_mode or fields["stale_samples"] == 0),
             "bytes_per_step": sum(int(v.nbytes) for v in learner.params.values()),
             "error": error,

@@ -27,6 +27,7 @@ from weightsync import rpc
 from weightsync._proto import rollout_agent_pb2 as rpb
 from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync.models import qwen3_jax
+from weightsync.provenance import DIGEST_CHARS, parse_fingerprint
 from weightsync.security import Security
 
 
@@ -56,6 +57,7 @@ class StepRecord:
     reward_mean: float
     reward_best: float
     sampled: dict[str, list[int]]  # rollout -> versions its used samples came from
+    responses: dict[str, dict[str, int]]  # rollout -> each response's fingerprint -> responses (used ones)
     mismatch: float  # max |trainer log-prob - engine log-prob| over the used samples' tokens
     samples: int  # used
     stale: int  # used samples older than `version`
@@ -71,6 +73,7 @@ class StepRecord:
             "reward_mean": round(self.reward_mean, 4),
             "reward_best": round(self.reward_best, 4),
             "sampled": self.sampled,
+            "responses": self.responses,
             "logprob_mismatch": float(f"{self.mismatch:.3g}"),
             "samples": self.samples,
             "stale": self.stale,
@@ -92,7 +95,7 @@ class RolloutSampler:
         req = rpb.SampleRequest(prompt_token_ids=list(prompt), n=n, max_tokens=max_tokens, seed=seed)
         resp = self._stub.Sample(req, timeout=timeout_s)
         return [
-            pg.Sample(self.name, c.version, tuple(prompt), tuple(c.token_ids), tuple(c.logprobs))
+            pg.Sample(self.name, c.version, tuple(prompt), tuple(c.token_ids), tuple(c.logprobs), c.fingerprint)
             for c in resp.completions
         ]
 
@@ -173,8 +176,11 @@ class Learner:
         _, grads = self._loss_and_grad(self.params, pg.make_batch(samples, advantages))
         self.params = self.optimizer.update(self.params, grads)
         sampled: dict[str, set[int]] = {}
+        responses: dict[str, dict[str, int]] = {}
         for s in samples:
             sampled.setdefault(s.rollout, set()).add(s.version)
+            named = responses.setdefault(s.rollout, {})
+            named[s.fingerprint] = named.get(s.fingerprint, 0) + 1
         best = samples[int(np.argmax(rewards))]
         return StepRecord(
             step=step,
@@ -182,6 +188,7 @@ class Learner:
             reward_mean=pg.mean(rewards),
             reward_best=max(rewards),
             sampled={k: sorted(v) for k, v in sorted(sampled.items())},
+            responses=dict(sorted(responses.items())),
             mismatch=mismatch,
             samples=len(samples),
             stale=sum(s.version < self.version for s in samples),
@@ -335,3 +342,32 @@ def summary_fields(records: Sequence[StepRecord]) -> dict[str, Any]:
         "dropped_samples": dropped,
         "dropped_share": round(dropped / (used + dropped), 4) if used + dropped else 0.0,
     }
+
+
+def provenance_fields(records: Sequence[StepRecord], digests: Mapping[int, str]) -> dict[str, Any]:
+    """The JSON summary's check of every used response's provenance against the session's
+    manifest digests (`digests`, the coordinator's): a response is verified when its
+    fingerprint names one version and that version's manifest digest; the first few that
+    are not are named."""
+    responses = verified = 0
+    unverified: list[str] = []
+    for r in records:
+        for rollout, named in r.responses.items():
+            for text, count in named.items():
+                responses += count
+                if _names_its_digest(text, digests):
+                    verified += count
+                elif len(unverified) < 5:
+                    unverified.append(f"step {r.step} {rollout}: {text or '(no fingerprint)'}")
+    return {"responses": responses, "verified": verified, "unverified": unverified}
+
+
+def _names_its_digest(text: str, digests: Mapping[int, str]) -> bool:
+    try:
+        entries = parse_fingerprint(text)
+    except ValueError:
+        return False
+    if len(entries) != 1:
+        return False
+    version, prefix = entries[0]
+    return bool(prefix) and digests.get(version, "")[:DIGEST_CHARS] == prefix

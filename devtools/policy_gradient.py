@@ -49,13 +49,16 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> np.ndarray:
 @dataclass(frozen=True)
 class Sample:
     """One completion as a rollout sampled it: the weights version its engine served, the
-    prompt and completion token ids, and the engine's log-prob of each completion token."""
+    prompt and completion token ids, the engine's log-prob of each completion token, and
+    the response's provenance (`weightsync.provenance.fingerprint`: its versions and their
+    manifest digests)."""
 
     rollout: str
     version: int
     prompt: tuple[int, ...]
     completion: tuple[int, ...]
     logprobs: tuple[float, ...]
+    fingerprint: str = ""
 
 
 def split_by_staleness(

@@ -447,12 +447,7 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
 
     def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> pb.SampleResponse:
         spec = sample_spec(request.prompt_token_ids, request.n, request.max_tokens, request.seed)
-        return pb.SampleResponse(
-            completions=[
-                pb.SampledCompletion(token_ids=c.token_ids, logprobs=c.logprobs, version=c.version)
-                for c in self._agent.sample(spec)
-            ]
-        )
+        return pb.SampleResponse(completions=[_sampled(c) for c in self._agent.sample(spec)])
 
     def GetStatus(self, request: pb.RolloutStatusRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
         a = self._agent
@@ -475,6 +470,20 @@ class RolloutAgentServicer(pb_grpc.RolloutAgentServicer):
 
     def Audit(self, request: pb.AuditRequest, context: grpc.ServicerContext) -> tpb.AuditResult:
         return self._agent.audit()
+
+
+def _sampled(c: SampledCompletion) -> pb.SampledCompletion:
+    return pb.SampledCompletion(
+        token_ids=c.token_ids,
+        logprobs=c.logprobs,
+        version=c.version,
+        manifest_digest=c.spans[0].manifest_digest if c.spans else "",
+        spans=[
+            pb.VersionSpan(version=s.version, manifest_digest=s.manifest_digest, start=s.start, end=s.end)
+            for s in c.spans
+        ],
+        fingerprint=c.fingerprint,
+    )
 
 
 def _host_memory(puller: WeightPuller | None) -> pb.HostMemory:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from weightsync.errors import InvalidArgument
+from weightsync.provenance import VersionSpan, fingerprint, versions_used
 from weightsync.validation import INT64_MAX, check_int_arg
 
 MAX_SAMPLES = 256  # completions per call
@@ -26,11 +27,23 @@ class SampleSpec:
 @dataclass(frozen=True)
 class SampledCompletion:
     """One completion: its tokens, each token's log-prob under the weights that sampled
-    it, and that weights version (0: the weights the engine started with)."""
+    it, and those weights: one span per version, with the version's manifest digest and
+    its tokens (more than one where the generation spanned a flip)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    version: int
+    spans: tuple[VersionSpan, ...]
+
+    @property
+    def version(self) -> int:
+        """The version that sampled its first token (every token, with one span; 0: the
+        weights the engine started with)."""
+        return self.spans[0].version if self.spans else 0
+
+    @property
+    def fingerprint(self) -> str:
+        """Its versions as one string, as vLLM's OpenAI server writes `system_fingerprint`."""
+        return fingerprint(versions_used([self.spans])) if self.spans else ""
 
 
 def sample_spec(prompt: Sequence[int], n: int, max_tokens: int, seed: int) -> SampleSpec:
@@ -58,11 +71,3 @@ def check_fits(spec: SampleSpec, vocab: int, max_model_len: int) -> None:
             f"{len(spec.prompt)} prompt ids + {spec.max_tokens} exceed the engine's max_model_len {max_model_len}",
             field="max_tokens",
         )
-
-
-def version_of_label(label: str | None) -> int:
-    """The weights version an engine's label names: what `finish_weight_update` set, or 0
-    for the label an engine starts with ("default")."""
-    if label is None or not label.isdigit():
-        return 0
-    return int(label)

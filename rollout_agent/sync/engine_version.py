@@ -6,6 +6,9 @@ from __future__ import annotations
 import threading
 
 from rollout_agent.sync.round import SyncResult
+from weightsync.provenance import Provenance
+
+KEPT_DIGESTS = 64  # versions whose manifest digest a rollout keeps: a response finished late still finds its own
 
 
 class EngineVersion:
@@ -20,12 +23,25 @@ class EngineVersion:
         self.current = 0
         self.applied = 0
         self._damaged = False  # an audit found the engine not holding `applied` exactly
+        self._digests: dict[int, str] = {}  # version -> manifest digest, of the last KEPT_DIGESTS applied
 
     def after_round(self, result: SyncResult) -> None:
         """The engine holds a round's version once it applied (OK, or its verdict pending)."""
         if result.ok or result.handshake_pending:
             with self._lock:
                 self.applied = result.version
+                self._digests.pop(result.version, None)  # (newest last)
+                self._digests[result.version] = result.manifest_digest
+                for old in list(self._digests)[:-KEPT_DIGESTS]:
+                    del self._digests[old]
+
+    def provenance(self, version: int | None = None) -> Provenance:
+        """`version`'s weights as this engine applied them, its manifest digest among
+        them ("" for a version it has not applied, or forgot; version 0, the weights it
+        started with, has none); None: the version it holds now."""
+        with self._lock:
+            v = self.applied if version is None else version
+            return Provenance(v, self._digests.get(v, ""))
 
     def applied_whole(self, version: int) -> None:
         """An apply committed (called under the applier's lock, `audited.Audited.on_commit`,
@@ -70,3 +86,4 @@ class EngineVersion:
         """The session was made again: the engine holds no version of it."""
         with self._lock:
             self.current = self.applied = 0
+            self._digests.clear()

@@ -65,6 +65,7 @@ class SyncResult:
     # transient, local, mismatch, refused or abandoned; empty when ok or the verdict is pending.
     failure: str = ""
     delta_base: int = 0  # the version rebuilt from by a delta (0: pulled whole)
+    manifest_digest: str = ""  # the version's, as its manifest header gave it ("" before one came)
     # What the applier said of an apply it committed (`ApplyReport` as a dict: its mode,
     # pause, memory high-water mark); empty where it says nothing.
     apply: dict[str, Any] = field(default_factory=dict)
@@ -517,6 +518,7 @@ def _report(
         # failed one would make it PARTIAL and page someone for a version nobody wants).
         result.failure, result.mismatch, result.timings = "abandoned", p.error.message, timings
         return result
+    result.manifest_digest = p.header.version.manifest_digest
     report = _handshake(p, puller, result)
     if metrics is not None:
         for phase in ("verify", "apply"):

@@ -1,1 +1,1 @@
-"""The rollout inside a vLLM worker: the weight-transfer backend, the worker extensions, the sidecar's own engine."""
+"""The rollout inside a vLLM worker: the backend, the worker extensions, the sidecar's engine, responses' provenance."""

@@ -16,9 +16,10 @@ import threading
 import time
 from typing import Any
 
-from rollout_agent.sampling import SampledCompletion, SampleSpec, check_fits, version_of_label
+from rollout_agent.sampling import SampledCompletion, SampleSpec, check_fits
 from rollout_agent.sync.round import SyncResult
 from rollout_agent.vllm_worker.rollout import in_process
+from weightsync.provenance import Provenance, spans_of_labels, version_of_label
 
 
 class VllmEngineSyncer:
@@ -77,7 +78,9 @@ class VllmEngineSyncer:
             try:
                 self.llm.start_weight_update()
                 self.llm.update_weights({"update_info": {"version": version or "latest"}})
-                self.llm.finish_weight_update(weight_version=str(version) if version else None)
+                # the label every token it samples from now carries: the version applied ("latest": which one)
+                applied = version or (backend.engine.applied if backend is not None else 0)
+                self.llm.finish_weight_update(weight_version=str(applied) if applied else None)
             except Exception as e:  # noqa: BLE001 - the engine reports why; the old weights keep serving
                 why = str(e).splitlines()[0][:500]
                 # The coordinator was unreachable (for the manifest or the handshake): try again.
@@ -89,8 +92,17 @@ class VllmEngineSyncer:
                 return SyncResult(version, ok=False, mismatch=why, transient=transient, failure=failure)
             finally:
                 self.llm.reset_prefix_cache()  # finish does not; stale attention state otherwise
-        applied = int(self.llm.get_weight_version()) if version == 0 else version
-        return SyncResult(applied, ok=True, timings={"total_seconds": time.perf_counter() - started})
+        return SyncResult(
+            applied,
+            ok=True,
+            timings={"total_seconds": time.perf_counter() - started},
+            manifest_digest=self._provenance(applied).manifest_digest,
+        )
+
+    def _provenance(self, version: int) -> Provenance:
+        """`version`'s weights: its manifest digest as the backend applied it."""
+        backend = in_process(self.agent_id)
+        return backend.engine.provenance(version) if backend is not None else Provenance(version)
 
     def held(self) -> threading.Lock:
         """The engine's lock: held, nothing runs in the engine (no generate, no update)."""
@@ -105,7 +117,8 @@ class VllmEngineSyncer:
     def sample(self, spec: SampleSpec) -> list[SampledCompletion]:
         """`spec.n` completions from the model's own distribution (temperature 1, no top-k or
         top-p, no stop at EOS) with each token's raw log-prob, tagged with the version
-        whose weights sampled them."""
+        whose weights sampled them and its manifest digest (the engine's own label spans,
+        resolved)."""
         check_fits(spec, self.vocab, self.max_model_len)
         sp = self._sampling(
             n=spec.n,
@@ -122,13 +135,13 @@ class VllmEngineSyncer:
             out = self.llm.generate([{"prompt_token_ids": list(spec.prompt)}], sp, use_tqdm=False)[0]
         completions = []
         for c in out.outputs:
-            spans = c.weight_versions or []
-            # Under the lock one label covers every token; the engine's own spans say so.
-            version = version_of_label(spans[0].version if spans else label)
-            if len({s.version for s in spans}) > 1:
-                raise RuntimeError(f"a completion spans weight versions {[s.version for s in spans]}")
+            # Under the lock one label covers every token; the engine's own spans say which.
+            found = c.weight_versions
+            labels = [(s.version, s.start, s.end) for s in found] if found else [(label, 0, len(c.token_ids))]
+            # (this sidecar sets each version's number as the engine's label)
+            spans = spans_of_labels(labels, lambda v: self._provenance(version_of_label(v)), len(c.token_ids))
             logprobs = tuple(float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs or []))
-            completions.append(SampledCompletion(tuple(c.token_ids), logprobs, version))
+            completions.append(SampledCompletion(tuple(c.token_ids), logprobs, spans))
         return completions
 
     def close(self) -> None:

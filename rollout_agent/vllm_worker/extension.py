@@ -61,6 +61,17 @@ class WeightsyncWorkerExtension:
         prefetch = rollout.prefetcher is not None  # without one nothing is ever held ahead of an update
         return {"agent_id": rollout.agent_id, "version": version, "ready": ready, "prefetch": prefetch}
 
+    def weightsync_provenance(self) -> dict[str, Any]:
+        """The weights this worker's engine holds: the version and its manifest digest
+        (`VllmRollout.provenance`; version 0 and no digest before one was applied). vLLM's
+        OpenAI server asks every worker when a weight-version label is set, to name the
+        version and digest on each response (`openai_provenance`). The rollout attached
+        here, else the weight-transfer backend's; `{"attached": False}` without either."""
+        rollout = self._weightsync
+        if rollout is None:
+            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
+        return rollout.provenance() if rollout is not None else {"attached": False}
+
     def weightsync_audit(self) -> dict[str, Any]:
         """Audits the weights this worker's engine serves against the version it was last
         given whole (its own tensor-parallel shard); an `AuditResult` as a dict."""

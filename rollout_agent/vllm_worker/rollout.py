@@ -294,6 +294,17 @@ class VllmRollout:
         v = parse_version(version) or latest_version(self.wiring.client, self.info.session)
         return self.prefetcher.wait_ready(v, timeout_s)
 
+    def provenance(self, version: int | None = None) -> dict[str, Any]:
+        """The weights this worker's engine holds (None), or held as `version`: its session,
+        agent id, the version and its manifest digest, as a plain dict for vLLM's RPCs."""
+        p = self.engine.provenance(version)
+        return {
+            "session": self.info.session,
+            "agent_id": self.agent_id,
+            "version": p.version,
+            "manifest_digest": p.manifest_digest,
+        }
+
     def status(self) -> dict[str, Any]:
         audit = self.auditor.summary()
         return {

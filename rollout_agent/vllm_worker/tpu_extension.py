@@ -134,6 +134,13 @@ class WeightsyncTPUWorkerExtension:
         (design.md "Auditing the served weights"); an `AuditResult` as a dict."""
         return self._rollout().audit()
 
+    def weightsync_provenance(self) -> dict[str, Any]:
+        """The weights the worker's state holds: the version and its manifest digest, for
+        vLLM's OpenAI server to name on each response (`openai_provenance`)."""
+        if self._weightsync is None:
+            return {"attached": False}
+        return self._weightsync.provenance()
+
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:
             return {"attached": False}

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from weightsync.provenance import parse_fingerprint
+
 pytestmark = pytest.mark.slow
 
 
@@ -29,10 +31,11 @@ def _summary(proc: subprocess.CompletedProcess[str]) -> dict:
 def test_the_learning_demo_samples_with_vllm_and_trains_on_what_it_sampled(
     tmp_path: Path, no_arena_leak: None, mode: str
 ) -> None:
-    """A few steps of the default demo: every sample carries the version its engine served,
-    vLLM's log-probs of the sampled tokens equal the trainer's JAX policy's to 1e-3 (fp32
-    both sides), and every version commits. Synchronously every sample is of the trainer's
-    version; asynchronously none is more than one version behind."""
+    """A few steps of the default demo: every sample carries the version its engine served
+    and that version's manifest digest, vLLM's log-probs of the sampled tokens equal the
+    trainer's JAX policy's to 1e-3 (fp32 both sides), and every version commits.
+    Synchronously every sample is of the trainer's version; asynchronously none is more
+    than one version behind."""
     workdir = tmp_path / "demo"
     steps = 3
     rollouts = 2 if mode == "sync" else 1  # (one engine fewer to start)
@@ -50,9 +53,13 @@ def test_the_learning_demo_samples_with_vllm_and_trains_on_what_it_sampled(
     assert summary["steps"] == steps and summary["committed"] == steps + 1  # version 1: the initial weights
     assert summary["logprob_mismatch_max"] <= 1e-3
     assert summary["samples"] == steps * rollouts * summary["group"]
+    # every response named its version and that version's manifest digest, the coordinator's
+    assert summary["provenance"] == {"responses": summary["samples"], "verified": summary["samples"], "unverified": []}
     for step in summary["per_step"]:
         versions = [v for vs in step["sampled"].values() for v in vs]
         assert set(step["sampled"]) == {f"rollout-{i}" for i in range(rollouts)}
+        for rollout, named in step["responses"].items():
+            assert sorted(parse_fingerprint(f)[0][0] for f in named) == step["sampled"][rollout]
         assert 0 <= step["reward_mean"] <= step["reward_best"] <= 1
         if mode == "sync":
             assert versions == [step["version"]] * rollouts

@@ -368,6 +368,9 @@ def test_worker_extension_engine_and_backend_engine_sync_the_same_version(
             assert handshake(coordinator, v, agent)[0].ok
         assert publisher._servicer.bytes_served - served == 2 * total
         assert other.collective_rpc("weightsync_status")[0]["current_version"] == v
+        digest = next(x.manifest_digest for x in client.status("job").versions if x.version == v)
+        held = {"session": "job", "agent_id": "eng-b", "version": v, "manifest_digest": digest}
+        assert result["manifest_digest"] == digest and other.collective_rpc("weightsync_provenance") == [held]
     finally:
         upstream.close()
         other.collective_rpc("weightsync_detach")

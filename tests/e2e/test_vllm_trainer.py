@@ -58,6 +58,7 @@ TARGET = [20, 21, 22, 23]  # what the training step makes more likely after PROM
 LOGPROB_ATOL = 1e-5
 TP = 2  # the server's workers: each pulls and registers as a rollout of its own
 MISSING = "model.layers.0.self_attn.v_proj.weight"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the tiny tokenizer has none
 
 
 def _free_port() -> int:
@@ -88,6 +89,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     args += ["--tensor-parallel-size", str(TP), "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20)]
     args += ["--dtype", "float32", "--enforce-eager", "--block-size", "32", "--seed", "0"]
     args += ["--weight-transfer-config", '{"backend": "weightsync"}', "--worker-extension-cls", EXTENSION]
+    args += ["--chat-template", CHAT_TEMPLATE]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_agent.vllm_cli", "serve", *args],  # `vllm serve` of the CPU wheel
@@ -529,5 +531,99 @@ def test_an_init_info_every_worker_refuses_is_raised_once(server: str, coordinat
         train_step(model)
         send_http(engine, server)
         assert_serves(served_http(server), transformers_logprobs(model))
+    finally:
+        engine.shutdown()
+
+
+def manifest_digests(coordinator: str, session: str) -> dict[int, str]:
+    with CoordinatorClient(coordinator) as c:
+        return {v.version: v.manifest_digest for v in c.status(session).versions}
+
+
+def requests_in_flight(base: str) -> float:
+    """Requests the server's engine runs or holds waiting (vLLM's gauges, as of its last step)."""
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    gauges = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(g) for g in gauges)
+
+
+def span(label: str, start: int, end: int, version: int, digest: str) -> dict[str, Any]:
+    """A choice's `weight_versions` entry as the server writes it."""
+    return {"version": label, "start": start, "end": end, "weightsync": {"version": version, "manifest_digest": digest}}
+
+
+def test_an_openai_client_reads_the_version_and_digest_of_every_response(
+    server: str, coordinator: str, model_dir: Path
+) -> None:
+    """The server's responses name the version its workers applied and that version's
+    manifest digest (the coordinator's): `system_fingerprint` and each choice's
+    `weight_versions`, read by the `openai` client, for completions and chat, streamed or
+    not. A streamed request the orchestrator keeps across the pause (`/pause?mode=keep`)
+    names both versions, with the token range of each."""
+    openai = pytest.importorskip("openai")
+    model = trainer_model(model_dir)
+    info = WeightsyncTrainerInitInfo(coordinator, "prov", rank=0, worker={"agent_id": "pv", "weight_sync_mode": "tcp"})
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=info, client=HTTPVLLMWeightSyncClient(server), source=ModuleSource(model)
+    )
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    try:
+        train_step(model)
+        send_http(engine, server)  # version 1
+        d1 = manifest_digests(coordinator, "prov")[1]
+        name = client.models.list().data[0].id
+        done = client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=NEW_TOKENS, n=2, seed=0, extra_body={"ignore_eos": True}
+        )
+        assert done.system_fingerprint == f"weightsync:v1:{d1[:16]}"
+        assert [c.weight_versions for c in done.choices] == [[span("1", 0, NEW_TOKENS, 1, d1)]] * 2
+        chat = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "w1 w2 w3"}], max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.system_fingerprint == f"weightsync:v1:{d1[:16]}"
+        assert chat.choices[0].weight_versions == [span("1", 0, 3, 1, d1)]
+
+        total = 100  # tokens the stream asks for
+        for _ in range(5):  # until the pause lands while it generates (its 100 tokens take a fraction of a second)
+            stream = iter(
+                client.completions.create(
+                    model=name, prompt=PROMPT, max_tokens=total, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
+            )  # fmt: skip
+            first = next(stream)
+            requests.post(f"{server}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+            if requests_in_flight(server):
+                break
+            requests.post(f"{server}/resume", timeout=60).raise_for_status()
+            list(stream)
+        else:
+            pytest.fail("every request finished before the pause")
+        try:
+            train_step(model)
+            engine.send_weights()  # version 2, applied while the request waits in the engine
+        finally:
+            requests.post(f"{server}/resume", timeout=60).raise_for_status()
+        chunks = [first, *stream]
+        d2 = manifest_digests(coordinator, "prov")[2]
+        last = chunks[-1]
+        assert last.choices[0].finish_reason == "length"
+        assert last.system_fingerprint == f"weightsync:v1:{d1[:16]}+v2:{d2[:16]}"
+        flip = last.choices[0].weight_versions[0]["end"]
+        assert len(first.choices[0].token_ids) <= flip < total
+        assert last.choices[0].weight_versions == [span("1", 0, flip, 1, d1), span("2", flip, total, 2, d2)]
+        assert not any(getattr(c.choices[0], "weight_versions", None) for c in chunks[:-1])
+        assert sum(len(c.choices[0].token_ids) for c in chunks) == total
+        chat_chunks = list(
+            client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "w1"}], max_tokens=3, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+        )  # fmt: skip
+        usage, ended = chat_chunks[-1], chat_chunks[-2]  # with usage, the fingerprint rides the usage chunk
+        assert not usage.choices and usage.system_fingerprint == f"weightsync:v2:{d2[:16]}"
+        assert ended.choices[0].finish_reason == "length"
+        assert ended.choices[0].weight_versions == [span("2", 0, 3, 2, d2)]
     finally:
         engine.shutdown()

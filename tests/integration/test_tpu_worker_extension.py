@@ -114,6 +114,8 @@ def test_versions_applied_through_the_extension_serve_transformers_logits(
             found = engine.weightsync_audit()  # the live leaves, on their devices, are the version
             assert found["exact"] and found["version"] == str(v) and found["tensors"] == len(tensors), found
         assert engine.weightsync_status()["current_version"] == 2 and not engine.weightsync_status()["torn"]
+        held = {"session": "job", "agent_id": "tpu-r0", "version": 2, "manifest_digest": result["manifest_digest"]}
+        assert len(result["manifest_digest"]) == 64 and engine.weightsync_provenance() == held
 
 
 def test_the_engine_serves_the_leaves_of_its_last_refresh(worker: Any) -> None:

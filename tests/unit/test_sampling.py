@@ -9,7 +9,6 @@ from rollout_agent.sampling import (
     MAX_SAMPLES,
     check_fits,
     sample_spec,
-    version_of_label,
 )
 from weightsync.errors import InvalidArgument
 
@@ -42,12 +41,6 @@ def test_what_the_engine_cannot_take_is_named() -> None:
         check_fits(sample_spec([5, 1024], 1, 1, 0), vocab=1024, max_model_len=256)
     with pytest.raises(InvalidArgument, match=r"max_tokens: 3 prompt ids \+ 9 exceed the engine's max_model_len 11"):
         check_fits(sample_spec([5, 6, 7], 1, 9, 0), vocab=1024, max_model_len=11)
-
-
-def test_an_engine_label_names_a_version() -> None:
-    assert version_of_label("12") == 12
-    assert version_of_label("default") == 0  # what vLLM's engine starts with
-    assert version_of_label(None) == 0
 
 
 def test_only_a_trainer_or_an_admin_token_may_make_a_rollout_sample() -> None:

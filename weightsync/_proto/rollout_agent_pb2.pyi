@@ -108,14 +108,32 @@ class SampleRequest(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SampledCompletion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "version")
+    __slots__ = ("token_ids", "logprobs", "version", "manifest_digest", "spans", "fingerprint")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., version: _Optional[int] = ...) -> None: ...
+    manifest_digest: str
+    spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    fingerprint: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., version: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "manifest_digest", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest_digest: str
+    start: int
+    end: int
+    def __init__(self, version: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("completions",)

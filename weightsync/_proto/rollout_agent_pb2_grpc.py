@@ -77,7 +77,8 @@ class RolloutAgentServicer:
     def Sample(self, request, context):
         """Samples completions of a prompt from the weights the engine serves (vLLM engines:
         temperature 1, no top-k or top-p, no stop at EOS), each with its tokens' log-probs
-        under those weights and the version that sampled it. FAILED_PRECONDITION where the
+        under those weights and the versions that sampled it, with their manifest digests and
+        token ranges (docs/design.md "Provenance on every response"). FAILED_PRECONDITION where the
         engine does not generate (NumPy and JAX appliers); INVALID_ARGUMENT naming the field
         for a prompt or length the engine cannot take.
         """
