@@ -15,6 +15,7 @@ it is made; every copy after that finds its pages mapped.
 
 from __future__ import annotations
 
+import errno
 import mmap
 
 import numpy as np
@@ -33,6 +34,11 @@ def map_shared(fd: int, nbytes: int, *, writable: bool = False) -> mmap.mmap:
 def empty(nbytes: int) -> np.ndarray:
     """`nbytes` of private memory as a writable uint8 array, its pages mapped (zeroed): what
     `np.empty` gives, without a fault a page at the first write. Freed with the array and
-    every view of it."""
-    pages = mmap.mmap(-1, max(nbytes, 1), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    every view of it. MemoryError where the memory cannot be had, as `np.empty` raises."""
+    try:
+        pages = mmap.mmap(-1, max(nbytes, 1), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise MemoryError(f"cannot map {nbytes} bytes: {e.strerror}") from None
     return np.frombuffer(pages, np.uint8, count=nbytes)

@@ -23,7 +23,7 @@ PAGES = SLOT // 4096
 # would be 512 here, one a page 8192
 FEW = 64
 
-pytestmark = pytest.mark.skipif(
+counted = pytest.mark.skipif(
     not faults_counted(), reason="this kernel counts no page faults (gVisor): the chip's demo measures the rate"
 )
 
@@ -45,12 +45,14 @@ def arena():
     a.close()
 
 
+@counted
 def test_the_arenas_first_stage_into_each_slot_faults_in_nothing(arena: Arena) -> None:
     src = np.full(SLOT, 7, np.uint8)
     for index in range(arena.slots):
         assert _faults_during(arena.slot(index), src) < FEW, f"slot {index}"
 
 
+@counted
 def test_a_rollouts_first_read_of_each_slot_faults_in_nothing(arena: Arena) -> None:
     for index in range(arena.slots):
         arena.slot(index)[:] = index + 1
@@ -68,15 +70,30 @@ def test_a_rollouts_first_read_of_each_slot_faults_in_nothing(arena: Arena) -> N
         shm.close()
 
 
+@counted
 def test_a_relays_shared_buffer_takes_its_first_version_without_faults() -> None:
     buf = shared_array(SLOT)
     src = np.full(SLOT, 3, np.uint8)
     assert _faults_during(buf, src) < FEW
 
 
+@counted
 def test_a_rollouts_receive_buffer_takes_its_first_version_without_faults() -> None:
     buf = populated.empty(SLOT)
     assert buf.nbytes == SLOT and buf.flags.writeable and not buf.any()
     src = np.full(SLOT, 5, np.uint8)
     assert _faults_during(buf, src) < FEW
     assert populated.empty(0).nbytes == 0
+
+
+def test_memory_that_cannot_be_had_is_a_memory_error_as_np_empty_raises() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import resource; from weightsync import populated\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 31, resource.RLIM_INFINITY))\n"
+        "try:\n    populated.empty(1 << 32)\nexcept MemoryError as e:\n    print('MemoryError', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("MemoryError cannot map 4294967296 bytes"), out
