@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ def wait_serving(address: str, timeout_s: float = 30.0, security: Security | Non
             time.sleep(0.1)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
 class Cluster:
     """A set of weightsync subprocesses sharing one work directory."""
 
@@ -100,12 +105,24 @@ class Cluster:
         }
         self.procs: dict[str, Proc] = {}
         self._pids: set[int] = set()
+        self._sigterm_set = False
 
     def __enter__(self) -> Cluster:
+        """Also makes a SIGTERM to this process unwind the `with` (SystemExit 143), where
+        SIGTERM has its default action and this is the main thread: the processes run in
+        sessions of their own, so a holder ended on the spot would leave them running."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._sigterm_set = True
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._sigterm_set and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm_set = False
 
     def start(
         self,

@@ -401,3 +401,35 @@ def test_every_server_listens_and_syncs_on_ipv6(cluster: Cluster, mode: str) -> 
     assert any(e.tcp_address for e in endpoints)  # the native data plane served
     serving(r0.address, 1)
     serving(r1.address, 1)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie no one reaped yet has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sigterm_to_the_process_holding_a_cluster_stops_its_processes(tmp_path) -> None:
+    """Its processes run in sessions of their own: the holder's SIGTERM unwinds its `with`,
+    which stops them, rather than ending it and leaving them running (a bench cut short)."""
+    holder_code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a shell starts it, whatever started this test\n"
+        "from devtools.cluster import Cluster\n"
+        f"with Cluster({str(tmp_path)!r}) as c:\n"
+        f"    print(c.start_coordinator(host='unix:{tmp_path}/c.sock').pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", holder_code], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            coordinator = int(holder.stdout.readline())
+            assert _running(coordinator)
+            holder.send_signal(signal.SIGTERM)
+            assert holder.wait(30) == 128 + signal.SIGTERM
+            eventually(lambda: not _running(coordinator), timeout_s=15, what="the coordinator stopped")
+        finally:
+            holder.kill()
