@@ -41,6 +41,11 @@ class DictApplier(Applier):
         self._taking_check: VerifiedDigests | None = None
         # taken in `prepare`, off the apply
         self._prepared: tuple[int, dict[str, Expected], VerifiedDigests | None] = (0, {}, None)
+        # `stage`: the version built aside (0: none) and its arrays; the spares, arrays of
+        # the version before, which the next build aside writes into
+        self._staged_version = 0
+        self._staged: dict[str, np.ndarray] = {}
+        self._spare: dict[str, np.ndarray] = {}
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
         """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in place)."""
@@ -64,7 +69,52 @@ class DictApplier(Applier):
             refs = {name: Expected(fingerprint(arr), (name,)) for name, arr in tensors.items()}
             self._prepared = (version, refs, None)
 
+    def stage(
+        self, version: int, tensors: Mapping[str, TensorSpec], groups: Sequence[Sequence[tuple[str, np.ndarray]]]
+    ) -> bool:
+        """Builds the version into arrays of its own while the live ones serve (the spares:
+        the arrays the version before the live one held), so that `commit_update` swaps
+        them in under the round's lock: the pause of an atomic flip is the swap. Readers
+        and the audit are not held meanwhile."""
+        self._drop_staged()
+        prepared_version, prepared, check = self._prepared
+        fresh = prepared_version == version
+        self._prepared = (0, {}, None)
+        taking = dict(prepared) if fresh else {}
+        self._taking_check = check if fresh else None
+        built: dict[str, np.ndarray] = {}
+        in_place: list[tuple[np.ndarray, np.ndarray]] = []
+        for group in groups:
+            for name, arr in group:
+                if name not in tensors:
+                    raise KeyError(f"{name!r} is not part of this update")
+                dst = self._spare.pop(name, None)
+                if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
+                    built[name] = np.array(arr, copy=True)
+                else:
+                    built[name] = dst
+                    in_place.append((dst, arr))
+                if name not in taking:
+                    taking[name] = Expected(self._reference(name, arr), (name,))
+        if in_place:
+            if native.available() and all(a.flags.c_contiguous for _, a in in_place):
+                native.copy_many(in_place)
+            else:
+                for dst, arr in in_place:
+                    np.copyto(dst, arr)
+        self._spare.clear()
+        self._staged_version, self._staged = version, built
+        self._staged_expected, self._staged_taking = tensors, taking
+        return True
+
+    def _drop_staged(self) -> None:
+        """Keeps a version built aside and not committed as the spares of the next one."""
+        if self._staged_version:
+            self._spare = self._staged
+        self._staged_version, self._staged = 0, {}
+
     def begin_update(self, version: int, tensors: Mapping[str, TensorSpec]) -> None:
+        self._drop_staged()
         self._round.acquire()
         self._consumed = []
         self._expected = tensors
@@ -99,6 +149,15 @@ class DictApplier(Applier):
         return fingerprint(arr)
 
     def commit_update(self, version: int) -> list[str]:
+        if self._staged_version:
+            if self._staged_version != version:
+                self._drop_staged()
+                raise RuntimeError(f"version {version} is not the one built aside")
+            self._round.acquire()
+            self._expected, self._taking = self._staged_expected, self._staged_taking
+            self._consumed = list(self._staged)
+            self._spare, self.weights = self.weights, self._staged
+            self._staged_version, self._staged = 0, {}
         try:
             for name in [n for n in self.weights if n not in self._expected]:
                 del self.weights[name]
@@ -118,7 +177,9 @@ class DictApplier(Applier):
             self._round.release()
 
     def abort_update(self) -> None:
-        if self._round.locked():
+        if self._staged_version:  # built aside: no round was opened, the live arrays untouched
+            self._drop_staged()
+        elif self._round.locked():
             self._round.release()
 
     def audit(self, *, engine_held: bool = False) -> AuditReading:
