@@ -46,14 +46,22 @@ class DictApplier(Applier):
         self._staged_version = 0
         self._staged: dict[str, np.ndarray] = {}
         self._spare: dict[str, np.ndarray] = {}
+        self._builds_aside = False
 
     def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
-        """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in place)."""
-        return sum(
-            spec.nbytes
-            for name, spec in tensors.items()
-            if (held := self.weights.get(name)) is None or held.shape != tuple(spec.shape)
-        )
+        """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in
+        place); once it has built a version aside (an atomic session's), the larger of that
+        and the spares it lacks, which the next build aside allocates."""
+
+        def lacking(held: Mapping[str, np.ndarray]) -> int:
+            return sum(
+                spec.nbytes
+                for name, spec in tensors.items()
+                if (arr := held.get(name)) is None or arr.shape != tuple(spec.shape)
+            )
+
+        live = lacking(self.weights)
+        return max(live, lacking(self._spare)) if self._builds_aside else live
 
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
         """Takes the audit's reference of the verified bytes while the engine serves. With
@@ -77,6 +85,7 @@ class DictApplier(Applier):
         them in under the round's lock: the pause of an atomic flip is the swap. Readers
         and the audit are not held meanwhile."""
         self._drop_staged()
+        self._builds_aside = True
         prepared_version, prepared, check = self._prepared
         fresh = prepared_version == version
         self._prepared = (0, {}, None)
