@@ -5,12 +5,14 @@ A fresh mapping's first touch of each page is a fault. On Linux that costs littl
 into a fresh tmpfs mapping ran at 1.6-3 GB/s here, and reads fault 16 pages at a time). Under
 gVisor, where a TPU VM's workloads run, each fault traps into its kernel in user space: the
 v5e host's first pull of each arena slot ran at 0.05 GB/s (21 s for 1.2 GB, a warm pull
-0.1 s), and the arena's first stage took 15.8 s. `MAP_POPULATE` maps every page at `mmap`,
-on Linux and in gVisor alike (gVisor commits the whole mapping to its platform there; a
-256 MiB shm file's first write measured 0.70 s plain, 0.04 s after a populating `mmap` of
-0.20 s, on the v5e host), while `madvise(MADV_POPULATE_READ/WRITE)` is refused by gVisor
-(EINVAL) and is missing before Linux 5.14. Memory made here costs its populate once, when
-it is made; every copy after that finds its pages mapped.
+0.1 s), and the arena's first stage took 15.8 s. `MAP_POPULATE` maps every page at `mmap`
+on Linux, and in gVisor where it commits the mapping (a 256 MiB shm file's first write
+measured 0.70 s plain, 0.04 s after a populating `mmap` of 0.20 s, on the v5e host), while
+`madvise(MADV_POPULATE_READ/WRITE)` is refused by gVisor (EINVAL) and is missing before
+Linux 5.14. Memory made here costs its populate once, when it is made; every copy after
+that finds its pages mapped. Not everywhere under gVisor: in a rollout's process on the
+v5e host a receive buffer's populate took no time and its first pull still ran at an
+eighth of the warm rate (docs/performance.md "First touches, first pulls").
 """
 
 from __future__ import annotations
