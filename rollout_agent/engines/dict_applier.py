@@ -14,6 +14,17 @@ from weightsync import native
 from weightsync.manifest import TensorSpec
 
 
+def _overwrite(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Copies each source into its destination of the same shape and dtype: the contiguous
+    ones in one native call (the bytes split over every core, streaming stores)."""
+    native_pairs = [(dst, arr) for dst, arr in pairs if native.available() and arr.flags.c_contiguous]
+    if native_pairs:
+        native.copy_many(native_pairs)
+    for dst, arr in pairs:
+        if not (native.available() and arr.flags.c_contiguous):
+            np.copyto(dst, arr)
+
+
 class DictApplier(Applier):
     """Keeps the weights as persistent NumPy arrays (overwritten in place every version).
 
@@ -105,12 +116,7 @@ class DictApplier(Applier):
                     in_place.append((dst, arr))
                 if name not in taking:
                     taking[name] = Expected(self._reference(name, arr), (name,))
-        if in_place:
-            if native.available() and all(a.flags.c_contiguous for _, a in in_place):
-                native.copy_many(in_place)
-            else:
-                for dst, arr in in_place:
-                    np.copyto(dst, arr)
+        _overwrite(in_place)
         self._spare.clear()
         self._staged_version, self._staged = version, built
         self._staged_expected, self._staged_taking = tensors, taking
@@ -141,15 +147,12 @@ class DictApplier(Applier):
             dst = self.weights.get(name)
             if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
                 self.weights[name] = np.array(arr, copy=True)
-            elif native.available() and arr.flags.c_contiguous:
-                in_place.append((dst, arr))
             else:
-                np.copyto(dst, arr)
+                in_place.append((dst, arr))
             if name not in self._taking:  # of the verified bytes, by the round's rule
                 self._taking[name] = Expected(self._reference(name, arr), (name,))
             self._consumed.append(name)
-        if in_place:
-            native.copy_many(in_place)  # the group's bytes split over every core, streaming stores
+        _overwrite(in_place)
 
     def _reference(self, name: str, arr: np.ndarray) -> tuple[int, ...]:
         """`arr`'s audit reference by the open round's rule (its digest or its fingerprint)."""
