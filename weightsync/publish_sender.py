@@ -19,6 +19,7 @@ import grpc
 from weightsync import rpc
 from weightsync._proto import coordinator_pb2 as pb
 from weightsync.security import PLAINTEXT, AioCalls, Security
+from weightsync.signal_wait import future_done
 
 T = TypeVar("T")
 PUBLISH_METHOD = "/weightsync.v1.Coordinator/PublishVersion"
@@ -38,7 +39,13 @@ class LoopSender:
         return AioCalls(security, address, rpc.CHANNEL_OPTIONS)  # made in the loop that uses it
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        done = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            future_done(done, None)  # in slices: a trainer's SIGTERM is not held for the call
+        except BaseException:
+            done.cancel()  # the handler's KeyboardInterrupt: the call is not left running
+            raise
+        return done.result()
 
     def publish(self, serialized: Sequence[bytes], *, timeout_s: float) -> pb.PublishResponse:
         """One PublishVersion call of these serialized requests; weightsync's typed errors

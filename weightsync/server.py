@@ -27,6 +27,7 @@ from weightsync.metrics import Metrics
 from weightsync.metrics_http import MetricsServer
 from weightsync.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, OpenCalls, RequestCheck, StatusInterceptor
 from weightsync.security import PLAINTEXT, Security
+from weightsync.signal_wait import StopEvent
 from weightsync.unix_sockets import SocketFile, bind_unix
 
 log = logging.getLogger(__name__)
@@ -363,13 +364,14 @@ def write_ready_file(path: str, **info: Any) -> None:
     os.replace(tmp, path)
 
 
-def wait_for_signal(*, interrupt: bool = False) -> threading.Event:
-    """Installs SIGTERM/SIGINT handlers that set and return an Event.
+def wait_for_signal(*, interrupt: bool = False) -> StopEvent:
+    """Installs SIGTERM/SIGINT handlers that set and return an Event, whose `wait` on the
+    main thread lets the handlers run whichever thread took the signal (`signal_wait`).
 
     With `interrupt`, the handler also raises KeyboardInterrupt in the main thread, so a
     blocking call (a trainer waiting for a commit) unwinds through its `with` blocks.
     """
-    stop = threading.Event()
+    stop = StopEvent()
 
     def handler(signum: int, _frame: Any) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)

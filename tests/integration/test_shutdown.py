@@ -4,7 +4,11 @@ coordinator's watch and heartbeat streams) do not hold it."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -222,3 +226,35 @@ def test_a_follower_stops_at_once_though_its_watch_waits(tmp_path: Path) -> None
         assert not thread.is_alive(), "the follow loop still waits in its watch stream"
         eventually(lambda: "/weightsync.v1.Coordinator/WatchVersions" not in running.calls.by_method())
         assert seen == []
+
+
+def _sigterm_to_a_thread_not_main(pid: int) -> int:
+    """SIGTERM to one of `pid`'s threads other than its main one that does not block it, as
+    the kernel may give a process's SIGTERM to any such thread; that thread's id."""
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        if not blocked & (1 << (signal.SIGTERM - 1)):
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.tgkill(pid, tid, signal.SIGTERM) != 0:
+                raise OSError(ctypes.get_errno(), f"tgkill {pid} {tid}")
+            return tid
+    raise AssertionError(f"no thread of {pid} but its main one takes SIGTERM")
+
+
+def test_each_server_stops_on_a_sigterm_a_thread_other_than_main_took(cluster: Cluster) -> None:
+    """A server's main thread waits for its stop in slices (weightsync.signal_wait): a
+    SIGTERM another thread took (one in ten here) still runs its handler, and the server
+    stops as on any SIGTERM. A rollout's unbounded `stop.wait()` slept through it."""
+    coord = cluster.start_coordinator()
+    trainer = cluster.start_trainer("t1", coord.address, "job", [*TINY, "--steps", "1", "--hold"])
+    rollout = cluster.start_rollout("r0", coord.address, "job")
+    eventually(lambda: rollout_status(rollout.address).current_version == 1, what="r0 at version 1")
+    for proc in (rollout, trainer, coord):
+        _sigterm_to_a_thread_not_main(proc.pid)
+        try:
+            code = proc.popen.wait(STOPPED_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{proc.name} still runs {STOPPED_WITHIN_S}s after its SIGTERM") from None
+        assert code == 0, f"{proc.name} exited {code}"
+        assert "received SIGTERM, shutting down" in proc.log(), proc.log()[-3000:]

@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# A trainer at work runs bytecode often. Not one long sleep: a SIGTERM taken by another
+# thread (numpy's) leaves the main thread's sleep running and Python's handler waiting on it
+# (weightsync.signal_wait), which hung this test about one run in ten.
+WORKING = "for _ in range(600): time.sleep(0.1)"
 ENDINGS = {
     "exception": "raise RuntimeError('the training step failed')",
     "exit": "sys.exit(3)",
     "end": "pass",
-    "sigterm": "time.sleep(60)",
-    "sigterm-handled": "time.sleep(60)",  # the trainer's own handler, set after the arena's
+    "sigterm": WORKING,
+    "sigterm-handled": WORKING,  # the trainer's own handler, set after the arena's
     "sigterm-ignored": "time.sleep(1)",  # SIGTERM ignored before the arena: it stays ignored
 }
 # The child states SIGTERM's disposition itself: a runner may start the tests with SIGTERM

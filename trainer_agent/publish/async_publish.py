@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +30,7 @@ from trainer_agent.stage import torch_tensors
 from trainer_agent.stage.params import check_param
 from trainer_agent.stage.staging import HostShard, tensor_spec
 from weightsync.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, WeightsyncError
+from weightsync.signal_wait import future_done
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -180,10 +180,9 @@ class PublishQueue(Generic[T]):
         if (pending := self.future_of(version)) is None:
             return timeout_s
         started = time.monotonic()
-        try:
-            pending.result(timeout_s)
-        except FutureTimeout:
-            raise DeadlineExceeded(f"version {version}'s async publish did not end within {timeout_s}s") from None
+        if not future_done(pending, timeout_s):  # in slices: a trainer's SIGTERM is not held
+            raise DeadlineExceeded(f"version {version}'s async publish did not end within {timeout_s}s")
+        pending.result()
         return max(0.001, timeout_s - (time.monotonic() - started))
 
     def drain(self, timeout_s: float | None = None) -> bool:

@@ -7,7 +7,9 @@ reused every step. Growing a slot reallocates the whole arena and says so.
 An arena's file is removed on any exit of the process that made it: `close()`, a normal
 exit, `sys.exit` or an uncaught exception (atexit), and SIGTERM where nothing else
 handles it (the handler removes the files, then lets SIGTERM end the process as it
-would have). A `kill -9` or `os._exit` runs no code: the next trainer on the host
+would have). The handler is Python's, so it runs when the main thread next runs bytecode:
+a main thread blocked in one long call holds it, where another thread took the signal
+(`weightsync.signal_wait`). A `kill -9` or `os._exit` runs no code: the next trainer on the host
 reclaims such a file by its free lock (`weightsync.arena_files.reclaim_orphans`).
 """
 
