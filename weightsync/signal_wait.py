@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 from concurrent import futures
+from typing import Any
 
 SLICE_S = 0.1
 

@@ -12,8 +12,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from weightsync.signal_wait import SLICE_S, StopEvent, future_done
 from weightsync.server import wait_for_signal
+from weightsync.signal_wait import SLICE_S, StopEvent, future_done
 
 
 class Stopped(Exception):
