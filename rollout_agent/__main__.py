@@ -81,10 +81,10 @@ def _run(cfg: RolloutConfig) -> int:
             metrics=metrics,
         )
         assert wiring.puller is not None
-        applier = Audited(
-            DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring),
-            wiring.failpoints,
-        )
+        held = DictApplier(cfg.dump_dir or None) if cfg.engine == "numpy" else _jax_applier(cfg, wiring)
+        applier = Audited(held, wiring.failpoints)
+        # the NumPy engine answers Sample with a readout of the arrays it serves (engines/readout.py)
+        sampler = (lambda spec: held.sample(spec, agent.engine.provenance)) if isinstance(held, DictApplier) else None
         # A following rollout's watch feeds it; one that does not follow asks more often.
         flips = FlipBoard(wiring.client, cfg.session, poll_s=FOLLOWED_POLL_S if cfg.follow else 1.0)
         agent = RolloutAgent(
@@ -98,10 +98,12 @@ def _run(cfg: RolloutConfig) -> int:
                 metrics=metrics,
                 outbox=wiring.outbox,
                 flips=flips,
+                on_manifest=lambda version, digest: agent.engine.knows(version, digest),
             ),
             metrics=metrics,
             outbox=wiring.outbox,
             flips=flips,
+            sampler=sampler,
             no_version_warn_s=cfg.no_version_warn_s,
             auditor=Auditor(applier, session=cfg.session, interval_s=cfg.audit_interval_s, metrics=metrics),
         )

@@ -261,8 +261,8 @@ class RolloutAgent:
         """Completions from the engine, each tagged with the version that sampled it."""
         if self.sampler is None:
             raise FailedPrecondition(
-                "this rollout's engine holds weights but does not generate (NumPy and JAX appliers): "
-                "start it with --engine vllm to sample"
+                "this rollout's engine holds weights but does not generate (the JAX applier): "
+                "start it with --engine vllm to sample, or --engine numpy for a readout of its arrays"
             )
         return self.sampler(spec)
 

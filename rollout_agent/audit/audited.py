@@ -68,8 +68,8 @@ class Audited(Applier):
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
         self.inner.prepare(version, tensors, check)
 
-    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
-        return self.inner.host_bytes(tensors)
+    def host_bytes(self, tensors: Mapping[str, TensorSpec], *, aside: bool = False) -> int:
+        return self.inner.host_bytes(tensors, aside=aside)
 
     def stage(
         self, version: int, tensors: Mapping[str, TensorSpec], groups: Sequence[Sequence[tuple[str, np.ndarray]]]

@@ -56,10 +56,11 @@ class Applier(ABC):
         that holds the bytes as they are. The default does nothing."""
         return None
 
-    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
+    def host_bytes(self, tensors: Mapping[str, TensorSpec], *, aside: bool = False) -> int:
         """Host memory an apply of these tensors takes beyond the pulled bytes, at most:
         the engine's copies (staged or cast tensors; weights an engine keeps in host
-        memory). The default says none."""
+        memory). `aside`: the version is to be built aside the live weights (`stage`, an
+        atomic session's prepare). The default says none."""
         return 0
 
     def stage(

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from rollout_agent.engines.applier import Applier
 from rollout_agent.engines.audit_reading import AuditReading, Expected, VerifiedDigests, compare, damage, fingerprint
+from rollout_agent.engines.readout import LOGPROB, readout_tokens, weights_readout
+from rollout_agent.sampling import SampledCompletion, SampleSpec
 from weightsync import native
 from weightsync.manifest import TensorSpec
+from weightsync.provenance import Provenance, VersionSpan
 
 
 def _overwrite(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -57,12 +60,11 @@ class DictApplier(Applier):
         self._staged_version = 0
         self._staged: dict[str, np.ndarray] = {}
         self._spare: dict[str, np.ndarray] = {}
-        self._builds_aside = False
 
-    def host_bytes(self, tensors: Mapping[str, TensorSpec]) -> int:
-        """The arrays it does not hold yet at the tensor's shape (the rest are overwritten in
-        place); once it has built a version aside (an atomic session's), the larger of that
-        and the spares it lacks, which the next build aside allocates."""
+    def host_bytes(self, tensors: Mapping[str, TensorSpec], *, aside: bool = False) -> int:
+        """The arrays it does not hold yet at the tensor's shape, those it allocates: among
+        the live ones for an apply in place; among the spares for a build `aside` (an
+        atomic session's; none before its first, so the whole version then)."""
 
         def lacking(held: Mapping[str, np.ndarray]) -> int:
             return sum(
@@ -71,8 +73,7 @@ class DictApplier(Applier):
                 if (arr := held.get(name)) is None or arr.shape != tuple(spec.shape)
             )
 
-        live = lacking(self.weights)
-        return max(live, lacking(self._spare)) if self._builds_aside else live
+        return lacking(self._spare if aside else self.weights)
 
     def prepare(self, version: int, tensors: Mapping[str, np.ndarray], check: VerifiedDigests | None = None) -> None:
         """Takes the audit's reference of the verified bytes while the engine serves. With
@@ -96,7 +97,6 @@ class DictApplier(Applier):
         them in under the round's lock: the pause of an atomic flip is the swap. Readers
         and the audit are not held meanwhile."""
         self._drop_staged()
-        self._builds_aside = True
         prepared_version, prepared, check = self._prepared
         fresh = prepared_version == version
         self._prepared = (0, {}, None)
@@ -215,6 +215,18 @@ class DictApplier(Applier):
             name = names[0] if kind == "flip" else names[-1]
             damage(self.weights[name], kind)
             return name
+
+    def sample(self, spec: SampleSpec, provenance: Callable[[int], Provenance]) -> list[SampledCompletion]:
+        """Completions read out of the arrays it serves (`readout`), under the round's lock:
+        one version's bytes, tagged with that version and `provenance(version)`'s digest."""
+        with self._round:
+            version, readout = self.version, weights_readout(self.weights)
+        weights = provenance(version) if version else Provenance(0)
+        out = []
+        for tokens in readout_tokens(readout, spec):
+            span = VersionSpan(0, len(tokens), version, weights.manifest_digest)
+            out.append(SampledCompletion(tokens, (LOGPROB,) * len(tokens), (span,)))
+        return out
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """(version, copies of the weights), consistent with one version."""

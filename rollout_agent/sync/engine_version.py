@@ -35,6 +35,17 @@ class EngineVersion:
                 for old in list(self._digests)[:-KEPT_DIGESTS]:
                     del self._digests[old]
 
+    def knows(self, version: int, manifest_digest: str) -> None:
+        """`version`'s manifest digest, known before the engine holds it (its manifest
+        came): a response sampled once it is applied, before its round ended, names it."""
+        with self._lock:
+            if version == self.applied:  # held: its round recorded the digest it applied
+                return
+            self._digests.pop(version, None)  # (newest last)
+            self._digests[version] = manifest_digest
+            for old in list(self._digests)[:-KEPT_DIGESTS]:
+                del self._digests[old]
+
     def provenance(self, version: int | None = None) -> Provenance:
         """`version`'s weights as this engine applied them, its manifest digest among
         them ("" for a version it has not applied, or forgot; version 0, the weights it

@@ -23,16 +23,19 @@ from weightsync.host_memory import host_memory
 from weightsync.manifest import Manifest
 
 
-def check_host_memory(puller: WeightPuller, manifest: Manifest, applier: Applier | None) -> None:
+def check_host_memory(
+    puller: WeightPuller, manifest: Manifest, applier: Applier | None, *, aside: bool = False
+) -> None:
     """ResourceExhausted (field host_memory_limit_bytes) where pulling and applying
-    `manifest` would take this process past its limit; nothing where it has none."""
+    `manifest` (built `aside` the live weights: an atomic session's) would take this
+    process past its limit; nothing where it has none."""
     limit = puller.host_memory_limit_bytes
     if not limit:
         return
     now = host_memory()
     held = now.own
     grow = puller.growth(manifest)
-    staging = applier.host_bytes(manifest.tensors) if applier is not None else 0
+    staging = applier.host_bytes(manifest.tensors, aside=aside) if applier is not None else 0
     if held + grow + staging > limit:
         raise ResourceExhausted(
             f"version {manifest.version} needs {_gib(grow)} GiB more of receive buffers and {_gib(staging)} GiB "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,7 +161,7 @@ def _pull_verified(
     try:
         if applier is not None:
             applier.check(p.version, manifest.tensors)
-        check_host_memory(puller, manifest, applier)
+        check_host_memory(puller, manifest, applier, aside=stage)
         pulled = puller.pull(header, manifest, check_chunks=False)
         p.bytes_pulled, p.chunk_retries, p.delta_base = pulled.bytes_pulled, pulled.chunk_retries, pulled.delta_base
         p.timings["pull_seconds"] = pulled.pull_seconds
@@ -229,6 +230,7 @@ def sync_version(
     outbox: ReportOutbox | None = None,
     engine_blocked: bool = False,
     flips: FlipBoard | None = None,
+    on_manifest: Callable[[int, str], None] | None = None,
 ) -> SyncResult:
     """Syncs `version` (0 = newest servable) into `applier` and reports the handshake.
 
@@ -252,6 +254,10 @@ def sync_version(
     (built aside where the applier can) and reported PREPARED; it is applied once the
     coordinator decides its flip, and dropped if it aborts it (`_prepare_and_flip`).
 
+    `on_manifest(version, manifest_digest)` is told the version's manifest digest as soon
+    as its manifest came, before anything is applied: a response sampled the moment the
+    engine holds the version already finds its digest.
+
     Raises:
         WeightsyncError: the manifest could not be fetched (nothing was applied).
     """
@@ -260,6 +266,8 @@ def sync_version(
     started = time.perf_counter()
     blocked_since = started if engine_blocked else None
     p = _fetch_manifest(puller, version, failpoints)
+    if on_manifest is not None and p.header.version.manifest_digest:
+        on_manifest(p.version, p.header.version.manifest_digest)
     if flips is not None and undecided_atomic(p.header.version):
         if p.error is None:
             _pull_verified(p, puller, failpoints, applier, stage=True)

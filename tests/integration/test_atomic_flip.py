@@ -5,7 +5,11 @@ and failpoints.
 Every test checks the flip's two promises from the rollouts' own accounts: no rollout
 applied a version before its flip was decided (each applied report's flip time, the
 rollout's clock, against the decision's, the coordinator's; one host), and once a version
-committed every live rollout serves it.
+committed every live rollout serves it. The fault tests run a fleet of 8 and sample every
+rollout throughout (`Responses`: the NumPy engine answers with a readout of the arrays it
+serves), checking each response as a client would: from a version that committed, with
+its manifest digest, and the bytes of that version whole; and, once a flip completed,
+every rollout answering from the same version.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,12 +32,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from devtools.cluster import Cluster, Proc
 from devtools.scrape import metric_value, scrape
 from rollout_agent.agent import SERVICE_NAME
+from rollout_agent.engines.readout import readout_tokens, weights_readout
+from rollout_agent.sampling import sample_spec
 from tests.integration.support import eventually, rollout_status, serving, state_name
 from trainer_agent import synthetic
 from trainer_agent.publish.publisher import WeightPublisher
 from trainer_agent.settings import PublisherSettings
 from weightsync._proto import coordinator_pb2 as cpb
 from weightsync._proto import coordinator_pb2_grpc as cpb_grpc
+from weightsync._proto import rollout_agent_pb2 as rpb
+from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync._proto import types_pb2 as tpb
 from weightsync.client import CoordinatorClient
 from weightsync.errors import InvalidArgument
@@ -44,13 +53,76 @@ pytestmark = pytest.mark.slow
 TTL = 2.0  # every lease here; agents beat every 0.5 s
 CLOCKS_S = 0.01  # the coordinator's steady wall clock and a rollout's time.time(), one host
 WEIGHTS = {f"layer.{i}.weight": np.full((64, 64), float(i), dtype=np.float32) for i in range(4)}
+FLEET = 8  # the fault tests' rollouts
+ASK = rpb.SampleRequest(prompt_token_ids=[1, 2], n=1, max_tokens=3, seed=5)
 
 
 def weights(version: int) -> dict[str, np.ndarray]:
-    return {name: w + version for name, w in WEIGHTS.items()}
+    return {name: w + version for name, w in WEIGHTS.items()} if version else {}
 
 
-def start_fleet(cluster: Cluster, coord: Proc, failpoints: dict[str, str] | None = None, n: int = 3) -> list[Proc]:
+def answer_of(version: int) -> tuple[int, ...]:
+    """What a NumPy rollout serving `version` answers `ASK` (0: the empty engine)."""
+    spec = sample_spec(list(ASK.prompt_token_ids), ASK.n, ASK.max_tokens, ASK.seed)
+    return readout_tokens(weights_readout(weights(version)), spec)[0]
+
+
+def sample(address: str) -> rpb.SampledCompletion:
+    with grpc.insecure_channel(address) as channel:
+        return rpb_grpc.RolloutAgentStub(channel).Sample(ASK, timeout=10).completions[0]
+
+
+class Responses:
+    """Samples each rollout of `fleet` in turn on a thread while a test runs, as a client
+    of the fleet would: what each answered (a killed one answers nothing)."""
+
+    def __init__(self, fleet: list[Proc]) -> None:
+        self.got: list[tuple[str, rpb.SampledCompletion]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(fleet),), daemon=True)
+        self._thread.start()
+
+    def _run(self, fleet: list[Proc]) -> None:
+        channels = [(p.name, grpc.insecure_channel(p.address)) for p in fleet]
+        try:
+            while not self._stop.is_set():
+                for name, channel in channels:
+                    try:
+                        answer = rpb_grpc.RolloutAgentStub(channel).Sample(ASK, timeout=2)
+                    except grpc.RpcError:
+                        continue
+                    self.got.append((name, answer.completions[0]))
+        finally:
+            for _, channel in channels:
+                channel.close()
+
+    def __enter__(self) -> Responses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def check(self, coordinator: str) -> None:
+        """Every response came from a version that committed (or the empty engine), named
+        that version's manifest digest and was that version's bytes, whole."""
+        with CoordinatorClient(coordinator) as client:
+            versions = {v.version: v for v in client.status("job").versions}
+        assert len(self.got) >= 10, f"{len(self.got)} responses sampled"
+        for name, c in self.got:
+            if c.version:
+                v = versions[c.version]
+                assert state_name(v) == "COMMITTED", (name, c.version, state_name(v), v.reason)
+                assert c.manifest_digest == v.manifest_digest, (name, c.version)
+            assert tuple(c.token_ids) == answer_of(c.version), (name, c.version)
+
+
+def answering(fleet: list[Proc], version: int) -> None:
+    """Every rollout of `fleet` answers from `version` (after a flip completed: no two differ)."""
+    assert {p.name: sample(p.address).version for p in fleet} == {p.name: version for p in fleet}
+
+
+def start_fleet(cluster: Cluster, coord: Proc, failpoints: dict[str, str] | None = None, n: int = FLEET) -> list[Proc]:
     """`n` rollouts r0.. started together, each with its failpoints."""
     procs = [
         cluster.start_rollout(
@@ -101,7 +173,7 @@ def check_nobody_flipped(client: CoordinatorClient, version: int, rollouts: list
 
 def test_an_atomic_session_flips_every_rollout_after_the_decision_and_reports_the_skew(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
-    fleet = start_fleet(cluster, coord)
+    fleet = start_fleet(cluster, coord, n=3)
     with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
         registered(client, [p.name for p in fleet])
         for version in (1, 2):
@@ -143,25 +215,29 @@ def test_a_joining_rollout_is_not_ready_until_it_serves_the_committed_version(cl
     then flips version 2 with the fleet, ready throughout. Every "ready" it logged names a
     version that committed."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
-    fleet = start_fleet(cluster, coord, n=2)
+    fleet = start_fleet(cluster, coord, n=FLEET - 1)
     with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
         registered(client, [p.name for p in fleet])
         pub.publish(weights(1), 1)
         check_flipped_together(client, 1, fleet)
-        eventually(lambda: all(ready(p.address) for p in fleet), what="r0 and r1 ready")
-        joiner = cluster.start_rollout("r2", coord.address, "job", ["--failpoints", "sync.pause_before_report=1"])
+        eventually(lambda: all(ready(p.address) for p in fleet), what="the fleet ready")
+        name = f"r{FLEET - 1}"
+        joiner = cluster.start_rollout(name, coord.address, "job", ["--failpoints", "sync.pause_before_report=1"])
         assert not ready(joiner.address)
-        eventually(lambda: "sync.pause_before_report" in joiner.log(), what="r2 holding version 1 unconfirmed")
-        st = rollout_status(joiner.address)
-        assert (st.ready, st.current_version, st.committed_version) == (False, 0, 1) and not ready(joiner.address)
-        assert http_ready(joiner) == 503
-        eventually(lambda: ready(joiner.address), what="r2 ready")
-        assert http_ready(joiner) == 200
-        assert rollout_status(joiner.address).current_version == 1
-        fleet.append(joiner)
-        registered(client, [p.name for p in fleet])
-        pub.publish(weights(2), 2)
-        check_flipped_together(client, 2, fleet)
+        with Responses([*fleet, joiner]) as responses:
+            eventually(lambda: "sync.pause_before_report" in joiner.log(), what=f"{name} holding version 1 unconfirmed")
+            st = rollout_status(joiner.address)
+            assert (st.ready, st.current_version, st.committed_version) == (False, 0, 1) and not ready(joiner.address)
+            assert http_ready(joiner) == 503
+            eventually(lambda: ready(joiner.address), what=f"{name} ready")
+            assert http_ready(joiner) == 200
+            assert rollout_status(joiner.address).current_version == 1
+            fleet.append(joiner)
+            registered(client, [p.name for p in fleet])
+            pub.publish(weights(2), 2)
+            check_flipped_together(client, 2, fleet)
+            answering(fleet, 2)
+        responses.check(coord.address)
         assert all(ready(p.address) and rollout_status(p.address).committed_version == 2 for p in fleet)
         committed = {v.version for v in client.status("job").versions if state_name(v) == "COMMITTED"}
     said = [int(m) for m in re.findall(r"\bpid=\d+ ready: serving version (\d+)", joiner.log())]
@@ -171,30 +247,34 @@ def test_a_joining_rollout_is_not_ready_until_it_serves_the_committed_version(cl
 def test_a_rollout_killed_while_it_prepares_aborts_the_version_and_nobody_flips(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     fleet = start_fleet(cluster, coord, {"r2": "flip.pause_before_prepared=1"})
-    with CoordinatorClient(coord.address) as client, publisher(coord, 2) as pub:
+    rest = [p for p in fleet if p.name != "r2"]
+    with CoordinatorClient(coord.address) as client, publisher(coord, 2) as pub, Responses(fleet) as responses:
         registered(client, [p.name for p in fleet])
         pub.publish(weights(1), 1)
         eventually(lambda: "before reporting version 1 PREPARED" in fleet[2].log(), what="r2 holding version 1")
         cluster.kill("r2")
         v1 = client.wait_for_version("job", 1, timeout_s=30)
-        assert state_name(v1) == "FAILED" and "'r2' was lost" in v1.reason and v1.prepared == 2, v1.reason
-        check_nobody_flipped(client, 1, fleet[:2], served=0)
+        assert state_name(v1) == "FAILED" and "'r2' was lost" in v1.reason and v1.prepared == len(rest), v1.reason
+        check_nobody_flipped(client, 1, rest, served=0)
         pub.publish(weights(2), 2)  # the fleet that is left flips the next one
-        check_flipped_together(client, 2, fleet[:2])
+        check_flipped_together(client, 2, rest)
+        answering(rest, 2)
+    responses.check(coord.address)
 
 
 def test_a_rollout_whose_prepared_digest_differs_aborts_the_version_naming_it(cluster: Cluster) -> None:
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     fleet = start_fleet(cluster, coord, {"r1": "flip.wrong_prepared_digest=1"})
-    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
+    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub, Responses(fleet) as responses:
         registered(client, [p.name for p in fleet])
         pub.publish(weights(1), 1)
         v1 = client.wait_for_version("job", 1, timeout_s=30)
         assert state_name(v1) == "FAILED" and "rollout 'r1'" in v1.reason and "xxh3" in v1.reason, v1.reason
-        eventually(lambda: all("not flipped" in p.log() for p in fleet if p.name != "r1"), what="the fleet dropping v1")
         check_nobody_flipped(client, 1, fleet, served=0)
         pub.publish(weights(2), 2)
         check_flipped_together(client, 2, fleet)
+        answering(fleet, 2)
+    responses.check(coord.address)
 
 
 def test_a_coordinator_lost_right_after_the_decision_has_every_rollout_flip_once_it_is_back(cluster: Cluster) -> None:
@@ -204,13 +284,15 @@ def test_a_coordinator_lost_right_after_the_decision_has_every_rollout_flip_once
     coord = cluster.start_coordinator(db_path=db, args=[*args, *exits])
     port = int(coord.address.rsplit(":", 1)[1])
     fleet = start_fleet(cluster, coord)
-    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub:
+    with CoordinatorClient(coord.address) as client, publisher(coord, len(fleet)) as pub, Responses(fleet) as responses:
         registered(client, [p.name for p in fleet])
         pub.publish(weights(1), 1)
         assert cluster.wait_exit("coordinator", 30) == 17  # the decision written, nobody told
         time.sleep(1.0)
         cluster.start_coordinator(name="coordinator-2", db_path=db, port=port, args=args)
         check_flipped_together(client, 1, fleet)
+        answering(fleet, 1)
+    responses.check(coord.address)
     assert "failpoint coordinator.exit_after_flip_decision" in coord.log()
 
 
@@ -221,7 +303,12 @@ def test_a_rollout_lost_after_it_prepared_follows_the_sessions_rule(cluster: Clu
     version; under abort_flip the version fails naming r2, and nobody flips."""
     coord = cluster.start_coordinator(args=["--lease-ttl-s", str(TTL)])
     fleet = start_fleet(cluster, coord, {"r1": "flip.pause_before_prepared=1"})
-    with CoordinatorClient(coord.address) as client, publisher(coord, 2, prepared_loss=loss) as pub:
+    rest = [p for p in fleet if p.name != "r2"]
+    with (
+        CoordinatorClient(coord.address) as client,
+        publisher(coord, 2, prepared_loss=loss) as pub,
+        Responses(fleet) as responses,
+    ):
         registered(client, [p.name for p in fleet])
         pub.publish(weights(1), 1)
         eventually(lambda: "version 1 prepared" in fleet[2].log(), what="r2 to prepare version 1")
@@ -229,13 +316,17 @@ def test_a_rollout_lost_after_it_prepared_follows_the_sessions_rule(cluster: Clu
         v1 = client.wait_for_version("job", 1, timeout_s=30)
         if loss == "abort_flip":
             assert state_name(v1) == "FAILED" and "'r2' was lost after it prepared" in v1.reason, v1.reason
-            eventually(lambda: "not flipped" in fleet[0].log() and "not flipped" in fleet[1].log(), what="v1 dropped")
-            check_nobody_flipped(client, 1, fleet[:2], served=0)
-            return
-        check_flipped_together(client, 1, fleet[:2])
-        back = cluster.start("r2-again", "rollout_agent", ["--coordinator", coord.address, "--session", "job",
-                                                           "--agent-id", "r2"])  # fmt: skip
-        serving(back.address, 1)
+            dropped = ("not flipped", "version 1 is FAILED")  # prepared, or not yet when it failed
+            eventually(lambda: all(any(d in p.log() for d in dropped) for p in rest), what="v1 dropped")
+            check_nobody_flipped(client, 1, rest, served=0)
+            answering(rest, 0)
+        else:
+            check_flipped_together(client, 1, rest)
+            back = cluster.start("r2-again", "rollout_agent", ["--coordinator", coord.address, "--session", "job",
+                                                               "--agent-id", "r2"])  # fmt: skip
+            serving(back.address, 1)
+            answering([*rest, back], 1)
+    responses.check(coord.address)
 
 
 def test_a_jax_rollout_and_a_numpy_one_flip_together_the_jax_one_from_what_it_built_aside(cluster: Cluster) -> None:

@@ -272,9 +272,10 @@ def test_a_coordinator_back_without_its_database_is_reattached_by_the_trainer(cl
 
 def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> None:
     """A training loop as the README writes it (`pub.publish(params, version=step)`)
-    rides out a coordinator restart longer than the client's own retries (11 s):
-    `publish` tries again for `publish_wait_s`, staging the version once and sending its
-    part again, and so does `publish_stream`, which reads its items once."""
+    rides out a coordinator restart longer than the client's own retries (8, ~11 s; cut
+    to 2 here, under a second, so that a 4 s outage outlasts them): `publish` tries again
+    for `publish_wait_s`, staging the version once and sending its part again, and so
+    does `publish_stream`, which reads its items once."""
     args = ["--lease-ttl-s", str(TTL)]
     coord = cluster.start_coordinator(args=args)
     port = int(coord.address.rsplit(":", 1)[1])
@@ -287,11 +288,12 @@ def test_a_library_publish_rides_out_a_coordinator_restart(cluster: Cluster) -> 
         3: lambda pub: pub.publish_stream(iter([("w", weights["w"] + 2)]), 3, capacity_bytes=weights["w"].nbytes + 256),
     }
     with WeightPublisher(settings) as pub:
+        pub._client.retries = 2
         pub.publish(weights, version=1)
         assert pub.wait_committed(1, 60) == "COMMITTED"
         for version, publish in publishes.items():
             cluster.kill("coordinator")
-            outage_s = 15.0  # past the client's retries
+            outage_s = 4.0  # past the client's retries
             back = threading.Timer(outage_s, lambda: cluster.start_coordinator(port=port, args=args))
             back.start()
             started = time.monotonic()

@@ -45,12 +45,25 @@ def test_publish_to_two_rollouts_commits_and_every_server_is_observable(cluster:
         ]
     serving(r0.address, 2)
     serving(r1.address, 2)
-    with grpc.insecure_channel(r0.address) as channel:  # a NumPy applier holds weights, samples nothing
+    # a NumPy engine answers with a readout of the arrays it serves: the same bytes, the same
+    # tokens; tagged with the version and its manifest digest
+    ask = rpb.SampleRequest(prompt_token_ids=[5, 7], n=2, max_tokens=4, seed=3)
+    answers = []
+    for r in (r0, r1):
+        with grpc.insecure_channel(r.address) as channel:
+            answers.append(rpb_grpc.RolloutAgentStub(channel).Sample(ask, timeout=10).completions)
+    digest = next(v.manifest_digest for v in st.versions if v.version == 2)
+    assert [list(c.token_ids) for c in answers[0]] == [list(c.token_ids) for c in answers[1]]
+    assert len(answers[0]) == 2 and answers[0][0].token_ids != answers[0][1].token_ids
+    for c in (*answers[0], *answers[1]):
+        assert (c.version, c.manifest_digest, len(c.token_ids)) == (2, digest, 4)
+        assert c.fingerprint == f"weightsync:v2:{digest[:16]}"
+    with grpc.insecure_channel(r0.address) as channel:
         with pytest.raises(grpc.RpcError) as e:
             rpb_grpc.RolloutAgentStub(channel).Sample(
-                rpb.SampleRequest(prompt_token_ids=[5], n=1, max_tokens=1), timeout=10
+                rpb.SampleRequest(prompt_token_ids=[1 << 20], n=1, max_tokens=1), timeout=10
             )
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--engine vllm" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:  # checked before the engine is asked
             rpb_grpc.RolloutAgentStub(channel).Sample(
                 rpb.SampleRequest(prompt_token_ids=[5], n=0, max_tokens=1), timeout=10

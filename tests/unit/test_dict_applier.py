@@ -40,10 +40,12 @@ def test_a_version_built_aside_serves_only_after_its_commit_swaps_it_in() -> Non
     _applied(applier, 1, _tensors(1.0))
     live_a = applier.weights["a"]
     v2 = _tensors(2.0)
-    assert applier.host_bytes(_specs(v2)) == 0  # nothing built aside yet: the apply overwrites
+    whole = sum(t.nbytes for t in v2.values())
+    assert applier.host_bytes(_specs(v2)) == 0  # in place: the apply overwrites
+    # the first build aside allocates the whole version: no spares yet (the limit must see it)
+    assert applier.host_bytes(_specs(v2), aside=True) == whole
     assert applier.stage(2, _specs(v2), _groups(v2))
-    # building aside, the next version needs the spares it lacks (none until the swap)
-    assert applier.host_bytes(_specs(v2)) == sum(t.nbytes for t in v2.values())
+    assert applier.host_bytes(_specs(v2), aside=True) == whole  # (none until the swap)
     v2["a"][:] = 9.0  # the pulled bytes change after the build: the build holds its own copy
     version, served = applier.snapshot()  # readers are not held by a build aside
     assert version == 1 and (served["a"] == 1.0).all() and applier.weights["a"] is live_a
@@ -51,7 +53,8 @@ def test_a_version_built_aside_serves_only_after_its_commit_swaps_it_in() -> Non
     assert applier.version == 2 and (applier.weights["a"] == 2.0).all() and (applier.weights["b"] == 2.0).all()
     assert _exact(applier, 2)
     v3 = _tensors(3.0)
-    assert applier.host_bytes(_specs(v3)) == 0  # the spares are there to be written again
+    assert applier.host_bytes(_specs(v3), aside=True) == 0  # the spares are there to be written again
+    assert applier.host_bytes(_specs(v3)) == 0
     assert applier.stage(3, _specs(v3), _groups(v3))
     assert applier._staged["a"] is live_a  # the spares: the arrays version 1 held, written again
     applier.commit_update(3)

@@ -30,3 +30,17 @@ def test_a_version_an_audit_found_damaged_is_served_again_only_after_an_apply() 
     engine.after_round(SyncResult(4, ok=True))
     assert engine.confirm(4) and engine.current == 4
     assert engine.unserve(4) is True and engine.current == 0
+
+
+def test_a_version_s_digest_is_known_from_its_manifest_before_its_round_ends() -> None:
+    """A response sampled once the engine holds a version, before its round recorded it,
+    still names the version's manifest digest; a held version's digest is not replaced."""
+    engine = EngineVersion()
+    engine.after_round(SyncResult(1, ok=True, manifest_digest="a" * 64))
+    engine.knows(2, "b" * 64)  # its manifest came; not applied yet
+    assert engine.provenance(2).manifest_digest == "b" * 64
+    assert engine.provenance().version == 1 and engine.provenance().manifest_digest == "a" * 64
+    engine.knows(1, "c" * 64)  # held: what its round applied stands
+    assert engine.provenance(1).manifest_digest == "a" * 64
+    engine.forget()
+    assert engine.provenance(2).manifest_digest == ""

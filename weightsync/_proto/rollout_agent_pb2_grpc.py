@@ -78,9 +78,10 @@ class RolloutAgentServicer:
         """Samples completions of a prompt from the weights the engine serves (vLLM engines:
         temperature 1, no top-k or top-p, no stop at EOS), each with its tokens' log-probs
         under those weights and the versions that sampled it, with their manifest digests and
-        token ranges (docs/design.md "Provenance on every response"). FAILED_PRECONDITION where the
-        engine does not generate (NumPy and JAX appliers); INVALID_ARGUMENT naming the field
-        for a prompt or length the engine cannot take.
+        token ranges (docs/design.md "Provenance on every response"). The NumPy engine answers
+        with tokens read out of the arrays it serves (no model). FAILED_PRECONDITION where the
+        engine does not generate (the JAX applier); INVALID_ARGUMENT naming the field for a
+        prompt or length the engine cannot take.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

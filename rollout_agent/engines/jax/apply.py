@@ -175,8 +175,9 @@ class JaxApply:
         fps = {path: job.result() for path, job in jobs.items()}
         self._prepared = (version, fps, time.perf_counter() - t0)
 
-    def host_bytes(self, tensors: Mapping[str, Any]) -> int:
-        """Host memory an apply takes beyond the pulled bytes, at most: on CPU devices the
+    def host_bytes(self, tensors: Mapping[str, Any], *, aside: bool = False) -> int:
+        """Host memory an apply takes beyond the pulled bytes, at most (its mode says
+        whether it builds aside, whatever `aside` says): on CPU devices the
         new leaves themselves (host memory; a swap builds all of them aside the old); on
         accelerators the tensors cast to their leaf's dtype (kept to the check in place,
         a window's worth in flight in a swap) and the largest leaf the host assembles
