@@ -1,5 +1,6 @@
 """vLLM general plugins: `weightsync` registers the weight-transfer backend, and in vLLM's
-API server process the provenance its OpenAI responses carry (`openai_provenance`);
+API server process the provenance its OpenAI responses carry (`openai_provenance`) and
+its readiness route, `GET /weightsync/ready` (`ready_route`);
 `weightsync-no-inet` lets vLLM start where inet sockets are refused, and only there.
 
 Entry points `vllm.general_plugins: weightsync = rollout_agent.vllm_plugin:register` and
@@ -18,7 +19,7 @@ SERVER_MODULES = ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoin
 def register() -> None:
     """Registers lazily by module path, and keeps a refused version's tracebacks out of
     vLLM's log (`quiet_refusals`); in vLLM's API server, installs the responses'
-    provenance. Safe to call in every process, any number of times."""
+    provenance and the readiness route. Safe to call in every process, any number of times."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from rollout_agent.vllm_worker import quiet_refusals
@@ -31,9 +32,10 @@ def register() -> None:
     except ValueError:
         pass  # already registered in this process
     if any(m in sys.modules for m in SERVER_MODULES):
-        from rollout_agent.vllm_worker import openai_provenance
+        from rollout_agent.vllm_worker import openai_provenance, ready_route
 
         openai_provenance.install()
+        ready_route.install()
 
 
 def no_inet() -> None:

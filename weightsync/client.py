@@ -311,9 +311,17 @@ class CoordinatorClient:
 
         return self._send_keyed(request, send)
 
-    def status(self, session: str, version_limit: int = 0) -> pb.GetStatusResponse:
+    def status(
+        self, session: str, version_limit: int = 0, *, timeout_s: float | None = None, retries: int | None = None
+    ) -> pb.GetStatusResponse:
+        """The session's status; `timeout_s` and `retries` in place of the client's (a probe's: short, none)."""
         req = pb.GetStatusRequest(session=session, version_limit=version_limit)
-        return rpc.unary(self._stub.GetStatus, req, timeout_s=self.timeout_s, retries=self.retries)
+        return rpc.unary(
+            self._stub.GetStatus,
+            req,
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            retries=self.retries if retries is None else retries,
+        )
 
     def audit_session(self, session: str, *, fresh: bool = False, wait_s: float = 0.0) -> pb.AuditSessionResponse:
         """The session's live rollouts with their last audits; `fresh`: each audits now,

@@ -72,6 +72,21 @@ class WeightsyncWorkerExtension:
             rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
         return rollout.provenance() if rollout is not None else {"attached": False}
 
+    def weightsync_readiness(self) -> dict[str, Any]:
+        """Whether this worker serves the session's newest committed version verified
+        (`VllmRollout.readiness`), for vLLM's server's `GET /weightsync/ready`
+        (`ready_route`); `{"ready": False, ...}` saying why where no rollout is attached.
+        Never raises: vLLM 0.32 queues the replies after a failed one for the next call."""
+        rollout = self._weightsync
+        if rollout is None:
+            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
+        if rollout is None:
+            return {"ready": False, "reason": "no weightsync rollout yet: init_weight_transfer_engine was not called"}
+        try:
+            return rollout.readiness()
+        except Exception as e:  # noqa: BLE001 - an answer, whatever happened (see above)
+            return {"agent_id": rollout.agent_id, "ready": False, "reason": f"{type(e).__name__}: {e}"}
+
     def weightsync_audit(self) -> dict[str, Any]:
         """Audits the weights this worker's engine serves against the version it was last
         given whole (its own tensor-parallel shard); an `AuditResult` as a dict."""

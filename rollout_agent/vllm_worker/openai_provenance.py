@@ -278,7 +278,7 @@ def _label_setter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def wrapper(self: Any, new_version: str, *args: Any, **kwargs: Any) -> Any:
         config = getattr(self, "vllm_config", None)
-        if _workers_answer(config):
+        if workers_answer(config):
             try:
                 answers = await self.collective_rpc("weightsync_provenance", timeout=RESOLVE_TIMEOUT_S)
                 found = BOOK.record(new_version, answers)
@@ -295,29 +295,29 @@ def _label_setter(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @functools.cache
-def _extension_answers(qualname: str) -> bool:
+def _extension_answers(qualname: str, method: str) -> bool:
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     try:
-        return hasattr(resolve_obj_by_qualname(qualname), "weightsync_provenance")
+        return hasattr(resolve_obj_by_qualname(qualname), method)
     except Exception:  # noqa: BLE001 - the engine itself reports an extension it cannot load
         return False
 
 
-def _workers_answer(config: Any) -> bool:
-    """Whether the engine's workers answer `weightsync_provenance` (a worker extension of
-    weightsync's). Only then is it called: vLLM 0.32's `collective_rpc` leaves the
-    replies after a failed one queued for the next call (vllm-project/vllm#49972), so a
-    method the workers lack is never tried."""
+def workers_answer(config: Any, method: str = "weightsync_provenance") -> bool:
+    """Whether the engine's workers answer `method` (a worker extension of weightsync's).
+    Only then is it called: vLLM 0.32's `collective_rpc` leaves the replies after a failed
+    one queued for the next call (vllm-project/vllm#49972), so a method the workers lack
+    is never tried."""
     qualname = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or ""
-    return bool(qualname) and _extension_answers(qualname)
+    return bool(qualname) and _extension_answers(qualname, method)
 
 
 def _weightsync_engine(config: Any) -> bool:
     """Whether the engine moves its weights with weightsync: its weight-transfer backend,
     or a worker extension of weightsync's (the TPU one runs without the backend)."""
     backend = getattr(getattr(config, "weight_transfer_config", None), "backend", None)
-    return backend == BACKEND or _workers_answer(config)
+    return backend == BACKEND or workers_answer(config)
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from rollout_agent.sync.flip import FlipBoard, undecided_atomic
 from rollout_agent.sync.follow import StaleWatch, latest_version
 from rollout_agent.sync.host_budget import memory_status
 from rollout_agent.sync.prefetch import Prefetcher
+from rollout_agent.sync.readiness import newest_committed
 from rollout_agent.sync.round import (
     Prefetched,
     SyncResult,
@@ -39,6 +40,7 @@ from weightsync.errors import FailedPrecondition, InvalidArgument, WeightsyncErr
 from weightsync.validation import INT64_MAX, check_agent_id, check_int_arg
 
 log = logging.getLogger("vllm.plugins.weightsync")
+READY_TIMEOUT_S = 2.0  # a readiness probe's read of the session's committed version
 
 
 def parse_version(version: Any) -> int:
@@ -293,6 +295,23 @@ class VllmRollout:
             return False
         v = parse_version(version) or latest_version(self.wiring.client, self.info.session)
         return self.prefetcher.wait_ready(v, timeout_s)
+
+    def readiness(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Whether this worker serves the session's newest committed version, or a newer
+        one, verified (the version the coordinator confirmed; an audit's mismatch serves
+        none): the rule of the sidecar's readiness (`sync.readiness`), the committed
+        version read from the coordinator now (one call, `timeout_s`, no retries). A
+        coordinator that does not answer makes it not ready, saying so."""
+        serving = self.current_version
+        out: dict[str, Any] = {"agent_id": self.agent_id, "session": self.info.session, "serving": serving}
+        try:
+            st = self.wiring.client.status(self.info.session, timeout_s=timeout_s, retries=0)
+        except WeightsyncError as e:
+            return {**out, "committed": None, "ready": False, "reason": f"the coordinator did not answer: {e.message}"}
+        committed = newest_committed(st)
+        ready = serving >= committed
+        reason = "" if ready else f"serves version {serving}; the session's newest committed version is {committed}"
+        return {**out, "committed": committed, "ready": ready, "reason": reason}
 
     def provenance(self, version: int | None = None) -> dict[str, Any]:
         """The weights this worker's engine holds (None), or held as `version`: its session,

@@ -141,6 +141,16 @@ class WeightsyncTPUWorkerExtension:
             return {"attached": False}
         return self._weightsync.provenance()
 
+    def weightsync_readiness(self) -> dict[str, Any]:
+        """Whether the worker serves the session's newest committed version verified, for
+        vLLM's server's `GET /weightsync/ready` (`VllmRollout.readiness`); never raises."""
+        if self._weightsync is None:
+            return {"ready": False, "reason": "no weightsync rollout yet: weightsync_attach was not called"}
+        try:
+            return self._weightsync.readiness()
+        except Exception as e:  # noqa: BLE001 - an answer, whatever happened
+            return {"agent_id": self._weightsync.agent_id, "ready": False, "reason": f"{type(e).__name__}: {e}"}
+
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:
             return {"attached": False}

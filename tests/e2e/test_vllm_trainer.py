@@ -254,6 +254,9 @@ def handshakes(coordinator: str, session: str, version: int) -> dict[str, Any]:
 def test_vllms_http_client_syncs_each_trained_step_to_vllms_server(
     server: str, coordinator: str, model_dir: Path
 ) -> None:
+    # the module's first test on the server: no weight-transfer engine yet, nothing to serve
+    probe = requests.get(f"{server}/weightsync/ready", timeout=30)
+    assert probe.status_code == 503 and "init_weight_transfer_engine" in probe.text, probe.text
     model = trainer_model(model_dir)
     info = WeightsyncTrainerInitInfo(coordinator, "http", rank=0, worker={"agent_id": "srv", "weight_sync_mode": "tcp"})
     engine = WeightTransferTrainerFactory.trainer_init(
@@ -269,6 +272,12 @@ def test_vllms_http_client_syncs_each_trained_step_to_vllms_server(
             assert_serves(served_http(server), transformers_logprobs(model))
             reports = handshakes(coordinator, "http", step)
             assert sorted(reports) == ["srv", "srv-r1"] and all(h.ok for h in reports.values())  # one per TP worker
+            # the readiness probe: every worker serves the session's newest committed version
+            probe = requests.get(f"{server}/weightsync/ready", timeout=30)
+            assert probe.status_code == 200, probe.text
+            workers = probe.json()["workers"]
+            assert sorted(w["agent_id"] for w in workers) == ["srv", "srv-r1"]
+            assert all((w["ready"], w["serving"], w["committed"]) == (True, step, step) for w in workers), workers
     finally:
         engine.shutdown()
 
