@@ -29,6 +29,7 @@ from weightsync._proto import rollout_agent_pb2_grpc as rpb_grpc
 from weightsync.models import qwen3_jax
 from weightsync.provenance import DIGEST_CHARS, parse_fingerprint
 from weightsync.security import Security
+from weightsync.signal_wait import wait_in_slices
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,8 @@ def _in_parallel(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    for t in threads:  # in slices: a Ctrl-C another thread took still interrupts (weightsync.signal_wait)
+        wait_in_slices(lambda s, t=t: not (t.join(s) or t.is_alive()), None)
     if errors:
         raise errors[0]
     return results
