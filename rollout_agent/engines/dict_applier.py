@@ -13,6 +13,7 @@ from rollout_agent.engines.audit_reading import AuditReading, Expected, Verified
 from rollout_agent.engines.readout import LOGPROB, readout_tokens, weights_readout
 from rollout_agent.sampling import SampledCompletion, SampleSpec
 from weightsync import native
+from weightsync.errors import FailedPrecondition
 from weightsync.manifest import TensorSpec
 from weightsync.provenance import Provenance, VersionSpan
 
@@ -42,6 +43,7 @@ class DictApplier(Applier):
     def __init__(self, dump_dir: str | None = None) -> None:
         self.weights: dict[str, np.ndarray] = {}
         self.version = 0
+        self.torn = False  # an in-place round was abandoned after it wrote: a mix until the next commit
         self._dump_dir = Path(dump_dir) if dump_dir else None
         self._round = threading.Lock()
         self._consumed: list[str] = []
@@ -174,6 +176,7 @@ class DictApplier(Applier):
             for name in [n for n in self.weights if n not in self._expected]:
                 del self.weights[name]
             self.version = version
+            self.torn = False
             self._verified = {n: e for n, e in self._taking.items() if n in self.weights}
             self._verified_version = version
             self._verified_check = self._taking_check
@@ -192,6 +195,7 @@ class DictApplier(Applier):
         if self._staged_version:  # built aside: no round was opened, the live arrays untouched
             self._drop_staged()
         elif self._round.locked():
+            self.torn = bool(self._consumed)  # arrays of the round were written: no version whole
             self._round.release()
 
     def audit(self, *, engine_held: bool = False) -> AuditReading:
@@ -218,8 +222,14 @@ class DictApplier(Applier):
 
     def sample(self, spec: SampleSpec, provenance: Callable[[int], Provenance]) -> list[SampledCompletion]:
         """Completions read out of the arrays it serves (`readout`), under the round's lock:
-        one version's bytes, tagged with that version and `provenance(version)`'s digest."""
+        one version's bytes, tagged with that version and `provenance(version)`'s digest.
+        FailedPrecondition while it holds a mix (an in-place apply abandoned part way)."""
         with self._round:
+            if self.torn:
+                raise FailedPrecondition(
+                    f"the engine holds a mix of versions (an apply after version {self.version} stopped part way); "
+                    "nothing is sampled until a version applies whole"
+                )
             version, readout = self.version, weights_readout(self.weights)
         weights = provenance(version) if version else Provenance(0)
         out = []

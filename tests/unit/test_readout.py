@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rollout_agent.engines.dict_applier import DictApplier
 from rollout_agent.engines.readout import LOGPROB, VOCAB, readout_tokens, weights_readout
 from rollout_agent.sampling import sample_spec
-from weightsync.errors import InvalidArgument
+from weightsync.errors import FailedPrecondition, InvalidArgument
 from weightsync.manifest import TensorSpec
 from weightsync.provenance import Provenance
 
@@ -96,3 +96,21 @@ def test_a_sample_waits_for_an_open_round_and_reads_one_version() -> None:
     engine.commit_update(2)
     reader.join(10)
     assert got == [2, 2, 2]
+
+
+def test_an_apply_abandoned_part_way_samples_nothing_until_a_version_applies_whole() -> None:
+    engine = applied([1])
+    ws = weights(2)
+    engine.begin_update(2, {n: TensorSpec(n, "float32", a.shape) for n, a in ws.items()})
+    engine.apply([("a", ws["a"])])
+    engine.abort_update()  # "a" is version 2's, "b" version 1's
+    with pytest.raises(FailedPrecondition) as e:
+        engine.sample(SPEC, digest_of)
+    assert "mix of versions" in e.value.message
+    engine.begin_update(2, {n: TensorSpec(n, "float32", a.shape) for n, a in ws.items()})
+    engine.apply(list(ws.items()))
+    engine.commit_update(2)
+    assert [c.version for c in engine.sample(SPEC, digest_of)] == [2, 2, 2]
+    engine.begin_update(3, {n: TensorSpec(n, "float32", a.shape) for n, a in ws.items()})
+    engine.abort_update()  # nothing written: still version 2, whole
+    assert [c.version for c in engine.sample(SPEC, digest_of)] == [2, 2, 2]
