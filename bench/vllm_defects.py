@@ -14,11 +14,12 @@ module's good version.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+from devtools.spoiled_source import Spoiled
 
 
 def defects(names: set[str]) -> list[tuple[str, Callable[[Any], Any], str]]:
@@ -37,27 +38,6 @@ def defects(names: set[str]) -> list[tuple[str, Callable[[Any], Any], str]]:
         )
         if d[0] in names
     ]
-
-
-class Spoiled:
-    """A `ModuleSource` whose tensor `name` is `spoil(tensor)`: a trainer's bug (vLLM's
-    `WeightSource` protocol: metadata() and iteration)."""
-
-    def __init__(self, inner: Any, name: str, spoil: Callable[[Any], Any]) -> None:
-        self.inner, self.name, self.spoil = inner, name, spoil
-
-    def metadata(self) -> list[Any]:
-        tensors = dict(self.inner)
-        out = []
-        for m in self.inner.metadata():
-            if m.name == self.name:
-                t = self.spoil(tensors[m.name])
-                m = dataclasses.replace(m, shape=tuple(t.shape), dtype=t.dtype)
-            out.append(m)
-        return out
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return ((n, self.spoil(t) if n == self.name else t) for n, t in self.inner)
 
 
 def run_defects(engine: Any, source: Any, base: str, post: Callable[[str], None], client: Any, session: str) -> dict:

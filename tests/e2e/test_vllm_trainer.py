@@ -13,7 +13,6 @@ so the server's calls after it work (the last tests).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import signal
@@ -44,6 +43,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateRequest,
 )
 
+from devtools.spoiled_source import Spoiled  # noqa: E402
 from tests.conftest import unmapped  # noqa: E402
 from tests.e2e.test_vllm import ENGINE_ARGS, NEW_TOKENS, PROMPT, transformers_logprobs, vllm_run  # noqa: E402
 from tests.unit.helpers import python_path  # noqa: E402
@@ -450,25 +450,6 @@ def test_an_init_info_key_the_worker_does_not_know_is_refused_naming_it(
         )
 
 
-class Spoiled(WeightSource):
-    """A module's parameters with one replaced by `spoil(tensor)`: a trainer's bug."""
-
-    def __init__(self, module: Any, name: str, spoil: Any) -> None:
-        self.inner, self.name, self.spoil = ModuleSource(module), name, spoil
-
-    def metadata(self) -> list[ParamMeta]:
-        out = []
-        for m in self.inner.metadata():
-            if m.name == self.name:
-                t = self.spoil(dict(self.inner)[m.name])
-                m = dataclasses.replace(m, shape=tuple(t.shape), dtype=t.dtype)
-            out.append(m)
-        return out
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return ((n, self.spoil(t) if n == self.name else t) for n, t in self.inner)
-
-
 def audited_exact(coordinator: str, session: str) -> dict[str, Any]:
     """Every worker of the session audits the weights its engine serves now (beside the
     engine: the parameters vLLM keeps); each one's verdict."""
@@ -504,7 +485,7 @@ def test_a_version_one_worker_refuses_is_applied_by_none_and_the_next_round_work
             before = served_http(server)
             last = engine.version
             train_step(model)  # the refused version's other tensors are new weights
-            engine.source = Spoiled(model, name, spoil)
+            engine.source = Spoiled(ModuleSource(model), name, spoil)
             with pytest.raises(VersionNotApplied, match=re.escape(repr(name))) as refused:
                 send_http(engine, server)
             assert "finish" not in client.names()[-2:], what
