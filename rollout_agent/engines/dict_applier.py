@@ -29,6 +29,15 @@ def _overwrite(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             np.copyto(dst, arr)
 
 
+def _destination(dst: np.ndarray | None, arr: np.ndarray, in_place: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Where `arr` goes: `dst` where it has `arr`'s shape and dtype (the copy queued in
+    `in_place`, for `_overwrite`), else a fresh copy of `arr`."""
+    if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
+        return np.array(arr, copy=True)
+    in_place.append((dst, arr))
+    return dst
+
+
 class DictApplier(Applier):
     """Keeps the weights as persistent NumPy arrays (overwritten in place every version).
 
@@ -110,12 +119,7 @@ class DictApplier(Applier):
             for name, arr in group:
                 if name not in tensors:
                     raise KeyError(f"{name!r} is not part of this update")
-                dst = self._spare.pop(name, None)
-                if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
-                    built[name] = np.array(arr, copy=True)
-                else:
-                    built[name] = dst
-                    in_place.append((dst, arr))
+                built[name] = _destination(self._spare.pop(name, None), arr, in_place)
                 if name not in taking:
                     taking[name] = Expected(self._reference(name, arr), (name,))
         _overwrite(in_place)
@@ -146,11 +150,7 @@ class DictApplier(Applier):
         for name, arr in group:
             if name not in self._expected:
                 raise KeyError(f"{name!r} is not part of this update")
-            dst = self.weights.get(name)
-            if dst is None or dst.shape != arr.shape or dst.dtype != arr.dtype:
-                self.weights[name] = np.array(arr, copy=True)
-            else:
-                in_place.append((dst, arr))
+            self.weights[name] = _destination(self.weights.get(name), arr, in_place)
             if name not in self._taking:  # of the verified bytes, by the round's rule
                 self._taking[name] = Expected(self._reference(name, arr), (name,))
             self._consumed.append(name)

@@ -30,21 +30,20 @@ class EngineVersion:
         if result.ok or result.handshake_pending:
             with self._lock:
                 self.applied = result.version
-                self._digests.pop(result.version, None)  # (newest last)
-                self._digests[result.version] = result.manifest_digest
-                for old in list(self._digests)[:-KEPT_DIGESTS]:
-                    del self._digests[old]
+                self._keep_digest(result.version, result.manifest_digest)
 
     def knows(self, version: int, manifest_digest: str) -> None:
         """`version`'s manifest digest, known before the engine holds it (its manifest
         came): a response sampled once it is applied, before its round ended, names it."""
         with self._lock:
-            if version == self.applied:  # held: its round recorded the digest it applied
-                return
-            self._digests.pop(version, None)  # (newest last)
-            self._digests[version] = manifest_digest
-            for old in list(self._digests)[:-KEPT_DIGESTS]:
-                del self._digests[old]
+            if version != self.applied:  # held: its round recorded the digest it applied
+                self._keep_digest(version, manifest_digest)
+
+    def _keep_digest(self, version: int, manifest_digest: str) -> None:  # (the lock held)
+        self._digests.pop(version, None)  # (newest last)
+        self._digests[version] = manifest_digest
+        for old in list(self._digests)[:-KEPT_DIGESTS]:
+            del self._digests[old]
 
     def provenance(self, version: int | None = None) -> Provenance:
         """`version`'s weights as this engine applied them, its manifest digest among

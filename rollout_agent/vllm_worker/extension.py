@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_worker.rollout import VllmRollout, worker_index
+from rollout_agent.vllm_worker.rollout import VllmRollout, readiness_of, worker_index
 
 
 class WeightsyncWorkerExtension:
@@ -52,9 +52,7 @@ class WeightsyncWorkerExtension:
         once; the engine runs no step while a call waits). Strings are taken too (vLLM's
         `/collective_rpc` passes only strings). The rollout attached here, else the
         weight-transfer backend's."""
-        rollout = self._weightsync
-        if rollout is None:
-            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
+        rollout = self._rollout()
         if rollout is None:
             raise RuntimeError("weightsync: neither attached nor initialized; call init_weight_transfer_engine first")
         ready = rollout.wait_ready(version, float(timeout_s))
@@ -67,25 +65,21 @@ class WeightsyncWorkerExtension:
         OpenAI server asks every worker when a weight-version label is set, to name the
         version and digest on each response (`openai_provenance`). The rollout attached
         here, else the weight-transfer backend's; `{"attached": False}` without either."""
-        rollout = self._weightsync
-        if rollout is None:
-            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
+        rollout = self._rollout()
         return rollout.provenance() if rollout is not None else {"attached": False}
+
+    def _rollout(self) -> VllmRollout | None:
+        """The rollout attached here, else the weight-transfer backend's (None: neither)."""
+        if self._weightsync is not None:
+            return self._weightsync
+        return getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
 
     def weightsync_readiness(self) -> dict[str, Any]:
         """Whether this worker serves the session's newest committed version verified
         (`VllmRollout.readiness`), for vLLM's server's `GET /weightsync/ready`
         (`ready_route`); `{"ready": False, ...}` saying why where no rollout is attached.
         Never raises: vLLM 0.32 queues the replies after a failed one for the next call."""
-        rollout = self._weightsync
-        if rollout is None:
-            rollout = getattr(getattr(self, "weight_transfer_engine", None), "rollout", None)
-        if rollout is None:
-            return {"ready": False, "reason": "no weightsync rollout yet: init_weight_transfer_engine was not called"}
-        try:
-            return rollout.readiness()
-        except Exception as e:  # noqa: BLE001 - an answer, whatever happened (see above)
-            return {"agent_id": rollout.agent_id, "ready": False, "reason": f"{type(e).__name__}: {e}"}
+        return readiness_of(self._rollout(), "init_weight_transfer_engine was not called")
 
     def weightsync_audit(self) -> dict[str, Any]:
         """Audits the weights this worker's engine serves against the version it was last

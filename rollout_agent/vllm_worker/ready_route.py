@@ -17,11 +17,8 @@ beside the responses' provenance (`openai_provenance`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
-
-log = logging.getLogger("vllm.plugins.weightsync")
 
 PATH = "/weightsync/ready"
 METHOD = "weightsync_readiness"
@@ -68,14 +65,11 @@ def install() -> None:
     if getattr(original, _WRAPPED, False):
         return
 
-    async def route(raw_request: Request) -> Any:
-        return await ready(raw_request)
-
-    route.__annotations__ = {"raw_request": Request}  # FastAPI injects by the class (this module's are strings)
+    ready.__annotations__ = {"raw_request": Request}  # FastAPI injects by the class (this module's are strings)
 
     def register_api_routers(args: Any, app: Any, *rest: Any, **kwargs: Any) -> None:
         original(args, app, *rest, **kwargs)
-        app.add_api_route(PATH, route, methods=["GET"], include_in_schema=False)
+        app.add_api_route(PATH, ready, methods=["GET"], include_in_schema=False)
 
     setattr(register_api_routers, _WRAPPED, True)
     launcher.register_api_routers = register_api_routers

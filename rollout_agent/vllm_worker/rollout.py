@@ -43,6 +43,18 @@ log = logging.getLogger("vllm.plugins.weightsync")
 READY_TIMEOUT_S = 2.0  # a readiness probe's read of the session's committed version
 
 
+def readiness_of(rollout: VllmRollout | None, missing: str) -> dict[str, Any]:
+    """A worker's answer to vLLM's server's readiness route (`ready_route`): its rollout's
+    `readiness`, or not ready saying why (`missing`: what was not called, where it has
+    none). Never raises: vLLM 0.32 queues the replies after a failed one for the next call."""
+    if rollout is None:
+        return {"ready": False, "reason": f"no weightsync rollout yet: {missing}"}
+    try:
+        return rollout.readiness()
+    except Exception as e:  # noqa: BLE001 - an answer, whatever happened (see above)
+        return {"agent_id": rollout.agent_id, "ready": False, "reason": f"{type(e).__name__}: {e}"}
+
+
 def parse_version(version: Any) -> int:
     """`latest` (or 0) -> 0, else a positive integer (a string of digits too); 1.5, True or
     2^64 are refused, not taken as 1, 1 and a failure once the pull began."""

@@ -41,7 +41,7 @@ from typing import Any
 from rollout_agent.engines.jax.applier import JaxApplier
 from rollout_agent.engines.jax.names import NameMap
 from rollout_agent.settings import InitInfo
-from rollout_agent.vllm_worker.rollout import VllmRollout, parse_version
+from rollout_agent.vllm_worker.rollout import VllmRollout, parse_version, readiness_of
 from rollout_agent.vllm_worker.tpu_contract import LiveState, WeightUpdates, updates_of
 from weightsync.errors import FailedPrecondition, InvalidArgument
 
@@ -144,12 +144,7 @@ class WeightsyncTPUWorkerExtension:
     def weightsync_readiness(self) -> dict[str, Any]:
         """Whether the worker serves the session's newest committed version verified, for
         vLLM's server's `GET /weightsync/ready` (`VllmRollout.readiness`); never raises."""
-        if self._weightsync is None:
-            return {"ready": False, "reason": "no weightsync rollout yet: weightsync_attach was not called"}
-        try:
-            return self._weightsync.readiness()
-        except Exception as e:  # noqa: BLE001 - an answer, whatever happened
-            return {"agent_id": self._weightsync.agent_id, "ready": False, "reason": f"{type(e).__name__}: {e}"}
+        return readiness_of(self._weightsync, "weightsync_attach was not called")
 
     def weightsync_status(self) -> dict[str, Any]:
         if self._weightsync is None:
